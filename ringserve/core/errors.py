@@ -1,0 +1,65 @@
+"""Errors that carry their HTTP hint, in the manner of h11's ``ProtocolError``.
+
+Surfaces turn a :class:`RingserveError` into their own error JSON; the
+``kind`` names below are surface-neutral and each surface has one table that
+maps a kind to its type string (see ``surfaces/anthropic.py`` and
+``surfaces/openai.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(enum.Enum):
+    """Surface-neutral error kinds with their default HTTP status."""
+
+    INVALID_REQUEST = 400
+    AUTHENTICATION = 401
+    PERMISSION = 403
+    NOT_FOUND = 404
+    CONFLICT = 409
+    GONE = 410
+    REQUEST_TOO_LARGE = 413
+    UNPROCESSABLE = 422
+    RATE_LIMIT = 429
+    API_ERROR = 500
+    OVERLOADED = 529
+    UNAVAILABLE = 503
+
+
+class RingserveError(Exception):
+    """An error with the status and kind a surface needs to answer it.
+
+    Args:
+        kind: what went wrong, surface-neutral.
+        message: a sentence for the client; never contains secrets.
+        param: the offending request field, if any (OpenAI reports it).
+        retry_after: seconds for a ``Retry-After`` header, if any.
+        retryable: whether the same request may succeed later.
+    """
+
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after: float | None = None,
+        retryable: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+        self.retryable = retryable
+
+    @property
+    def status(self) -> int:
+        return self.kind.value
+
+
+def invalid(message: str, param: str | None = None) -> RingserveError:
+    """Shorthand for a 400 ``INVALID_REQUEST`` error."""
+    return RingserveError(ErrorKind.INVALID_REQUEST, message, param=param)

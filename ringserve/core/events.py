@@ -1,0 +1,127 @@
+"""Frozen values that flow between the surfaces, the runner and the stream log.
+
+Core types know no JSON keys: ``surfaces/*`` map wire requests to a
+:class:`GenerationRequest` and map :class:`TextDelta` / :class:`Finish` /
+:class:`Failure` back to wire events. Every class here is a frozen, slotted
+attrs value, so tests can assert ``events == [...]``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+def _non_negative(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+class StopReason(enum.Enum):
+    """Why a generation ended; surfaces spell it in their own words.
+
+    ``END`` is an end-of-generation token (Anthropic ``end_turn``, OpenAI
+    ``stop``); ``MAX_TOKENS`` is the token budget (``max_tokens`` /
+    ``length``); ``STOP_SEQUENCE`` is a caller's stop string (``stop_sequence``
+    / ``stop``); ``CANCELLED`` is a cancel or abort; ``REFUSAL`` is the safety
+    stage (``refusal`` / ``content_filter``).
+    """
+
+    END = "end"
+    MAX_TOKENS = "max_tokens"
+    STOP_SEQUENCE = "stop_sequence"
+    CANCELLED = "cancelled"
+    REFUSAL = "refusal"
+
+
+@attrs.frozen
+class ChatMessage:
+    """One chat turn. ``role`` is ``system``, ``user`` or ``assistant``."""
+
+    role: str = attrs.field(validator=attrs.validators.in_(("system", "user", "assistant")))
+    content: str
+
+
+@attrs.frozen
+class SamplingParams:
+    """Sampler settings for one sequence.
+
+    ``temperature`` 0 means greedy (argmax). ``top_k`` 0 disables top-k,
+    ``top_p`` 1.0 disables nucleus sampling, ``min_p`` 0.0 disables min-p.
+    ``seed`` None draws a random seed.
+    """
+
+    temperature: float = attrs.field(default=1.0, validator=_non_negative)
+    top_k: int = attrs.field(default=0, validator=_non_negative)
+    top_p: float = attrs.field(default=1.0, validator=[_non_negative, attrs.validators.le(1.0)])
+    min_p: float = attrs.field(default=0.0, validator=[_non_negative, attrs.validators.le(1.0)])
+    seed: int | None = None
+
+
+@attrs.frozen
+class GenerationRequest:
+    """A surface-neutral request to generate a reply.
+
+    Args:
+        messages: the conversation, oldest first; rendered with the model's
+            chat template (from the GGUF metadata) by the engine.
+        max_tokens: upper bound on sampled tokens (>= 1).
+        sampling: the sampler settings.
+        stop: stop strings; the first one matched ends the generation and is
+            not emitted.
+        priority: admission priority, smaller is served first (0 default).
+    """
+
+    messages: tuple[ChatMessage, ...]
+    max_tokens: int = attrs.field(validator=attrs.validators.ge(1))
+    sampling: SamplingParams = attrs.Factory(SamplingParams)
+    stop: tuple[str, ...] = ()
+    priority: int = 0
+
+
+@attrs.frozen
+class Usage:
+    """Token counts: prompt tokens and sampled tokens (EOG included)."""
+
+    input_tokens: int
+    output_tokens: int
+
+
+@attrs.frozen
+class TextDelta:
+    """Text released to readers: whole UTF-8 characters, never a stop string.
+
+    ``tokens`` is the number of sampled tokens decoded since the previous
+    delta (it can be 0 when held-back text is released late).
+    """
+
+    text: str
+    tokens: int = 0
+
+
+@attrs.frozen
+class Finish:
+    """Terminal event of a generation that ended normally (or was cancelled)."""
+
+    stop_reason: StopReason
+    usage: Usage
+    stop_sequence: str | None = None
+
+
+@attrs.frozen
+class Failure:
+    """Terminal event of a generation that failed mid-stream.
+
+    ``kind`` is an :class:`ringserve.core.errors.ErrorKind` value name such as
+    ``"api_error"`` or ``"overloaded"``; ``retryable`` tells a client whether
+    the same request may succeed later.
+    """
+
+    kind: str
+    message: str
+    usage: Usage
+    retryable: bool = False
+
+
+GenerationEvent = TextDelta | Finish | Failure

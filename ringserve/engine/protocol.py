@@ -1,0 +1,99 @@
+"""The synchronous engine interface that the runner drives from its worker thread.
+
+Two implementations: ``engine/llama.py`` (llama.cpp through llama-cpp-python's
+low-level API; the only module that imports ``llama_cpp``) and
+``engine/fake.py`` (scripted, deterministic, for protocol and load tests).
+
+Threading contract: the runner calls every method except the attributes from
+one worker thread at a time (``trio.to_thread.run_sync`` under a
+``CapacityLimiter(1)``), never from the Trio thread. Methods may block.
+
+Slots are integers ``0 .. n_slots-1`` and double as llama.cpp sequence ids.
+A slot's life on the engine side: ``begin`` (fresh sampler, empty KV) → one or
+more ``decode`` calls that feed its prompt chunks and then one token per step
+→ ``release`` (KV cells removed with ``llama_memory_seq_rm``, sampler freed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import attrs
+
+from ringserve.core.events import ChatMessage, SamplingParams
+
+
+@attrs.frozen
+class SlotFeed:
+    """Tokens to append to one slot's sequence in a decode step.
+
+    Args:
+        slot: the slot (sequence id).
+        tokens: token ids to feed, at positions ``pos .. pos+len-1``.
+        pos: position of the first token in the slot's sequence.
+        sample: sample a next token from the logits of the last fed token.
+    """
+
+    slot: int
+    tokens: tuple[int, ...]
+    pos: int
+    sample: bool
+
+
+@attrs.frozen
+class Sampled:
+    """A token sampled for a slot: its id, its raw bytes and whether it ends generation."""
+
+    slot: int
+    token: int
+    piece: bytes
+    eog: bool
+
+
+class EngineError(Exception):
+    """A decode step failed. ``slots`` names the slots it affects (all fed slots if unknown)."""
+
+    def __init__(self, message: str, slots: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.slots = tuple(slots)
+
+
+class KVCacheFull(EngineError):
+    """llama_decode found no KV cells for the batch (return code 1)."""
+
+
+class Engine(Protocol):
+    """What the runner needs from an inference backend."""
+
+    model_id: str
+    """Name reported to clients (the GGUF file's stem)."""
+    n_slots: int
+    """Number of sequences decoded together (llama.cpp ``n_seq_max``)."""
+    n_ctx_slot: int
+    """KV cells (tokens) available to one slot: prompt + generated must fit."""
+    n_batch: int
+    """Most tokens one ``decode`` call may carry, summed over slots."""
+
+    def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Render ``messages`` with the model's chat template (generation prompt added) and tokenize."""
+
+    def begin(self, slot: int, sampling: SamplingParams) -> None:
+        """Prepare ``slot`` for a new sequence: empty its KV cells, build its sampler chain."""
+
+    def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
+        """Decode one batch holding every feed; return one :class:`Sampled` per feed with ``sample``.
+
+        Raises:
+            KVCacheFull: no room in the KV cache for this batch.
+            EngineError: any other decode failure.
+        """
+
+    def release(self, slot: int) -> None:
+        """Remove the slot's KV cells (``llama_memory_seq_rm(mem, slot, -1, -1)``) and free its sampler."""
+
+    def kv_cells_used(self, slot: int | None = None) -> int:
+        """KV cells holding tokens of ``slot`` (of every slot when None)."""
+
+    def close(self) -> None:
+        """Free the context and the model."""
