@@ -66,7 +66,9 @@ class GenerationRequest:
     Args:
         messages: the conversation, oldest first; rendered with the model's
             chat template (from the GGUF metadata) by the engine.
-        max_tokens: upper bound on sampled tokens (>= 1).
+        max_tokens: upper bound on sampled tokens (>= 1); None means "as many
+            as the slot's context leaves after the prompt" (the runner resolves it
+            in ``prepare``).
         sampling: the sampler settings.
         stop: stop strings; the first one matched ends the generation and is
             not emitted.
@@ -74,7 +76,7 @@ class GenerationRequest:
     """
 
     messages: tuple[ChatMessage, ...]
-    max_tokens: int = attrs.field(validator=attrs.validators.ge(1))
+    max_tokens: int | None = attrs.field(validator=attrs.validators.optional(attrs.validators.ge(1)))
     sampling: SamplingParams = attrs.Factory(SamplingParams)
     stop: tuple[str, ...] = ()
     priority: int = 0
