@@ -64,7 +64,7 @@ class EngineConfig:
     """Slots, context and admission queue of the decode loop (sizes in tokens)."""
 
     slots: int = attrs.field(default=4, validator=[v.ge(1), v.le(256)])
-    ctx_per_slot: int = attrs.field(default=2048, validator=v.ge(16))
+    ctx_per_slot: int = attrs.field(default=4096, validator=v.ge(16))
     n_batch: int = attrs.field(default=512, validator=v.ge(1))
     prefill_chunk: int = attrs.field(default=256, validator=v.ge(1))
     queue_size: int = attrs.field(default=64, validator=_non_negative)
