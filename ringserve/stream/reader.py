@@ -1,0 +1,137 @@
+"""Tail one message log as SSE bytes: replay, then live, with heartbeats.
+
+Every HTTP connection, the first one included, is a reader: the route finds
+the log (``LogStore.get``), registers as a reader, and writes what
+:func:`tail` yields. Typical use in a route::
+
+    after = parse_event_id(last_event_id, message_id) if last_event_id else None
+    probe = log.read_from(after, limit=0)   # ValueError: future id -> 400;
+                                            # Gap: lagged already -> 410/fallback
+    with log.reader():                      # counts the reader; on_idle on exit
+        async with contextlib.aclosing(
+            tail(log, after, heartbeat_interval=cfg.heartbeat_interval,
+                 retry_ms=cfg.retry_ms, on_heartbeat=metrics.ping)
+        ) as chunks:
+            async for chunk in chunks:
+                await send(chunk)
+
+Registration is the caller's job, not :func:`tail`'s: a ``with`` block exits
+at a known moment, so ``on_idle`` (the disconnect policy) fires as soon as the
+connection ends, instead of whenever an un-closed generator is finalized.
+
+Cancellation. :func:`tail` only reads the log, so there is nothing to undo:
+
+* Cancelled while parked (waiting for entries or a heartbeat), ``Cancelled``
+  propagates out of the generator and the log is unchanged.
+* When the consumer stops early (the client went away and a write failed),
+  ``aclosing`` calls ``aclose()``, which raises ``GeneratorExit`` at the
+  paused ``yield``; the generator holds no resources, so it ends at once.
+* It never yields inside a cancel scope or a nursery (the heartbeat timeout
+  wraps only the wait), so it is safe to iterate from any task.
+
+Always iterate under ``aclosing`` (``contextlib.aclosing``): an async
+generator that is dropped unfinished is otherwise only finalized by the GC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import trio
+
+from ringserve.core.ringlog import Gap
+from ringserve.core.sse import encode_comment, encode_retry
+from ringserve.stream.logs import MessageLog
+
+__all__ = ["DEFAULT_BATCH", "ReaderLagged", "tail"]
+
+#: The most entries taken from the log per read (bounds one replay step).
+DEFAULT_BATCH = 256
+
+
+class ReaderLagged(Exception):
+    """The reader needs an entry that has already left the ring.
+
+    Raised by :func:`tail`; the caller ends the stream (a client that resumes
+    with an even older id would lag again) or sends an in-band error and
+    points the client at the durable message.
+
+    Attributes:
+        gap: the :class:`~ringserve.core.ringlog.Gap` that ``read_from`` gave.
+    """
+
+    def __init__(self, gap: Gap) -> None:
+        super().__init__(
+            f"reader lagged: entry {gap.after + 1} has left the ring "
+            f"(oldest held is {gap.first_available}; {gap.missing} missing)"
+        )
+        self.gap = gap
+
+
+async def tail(
+    log: MessageLog,
+    after: int | None,
+    *,
+    heartbeat_interval: float,
+    retry_ms: int | None = None,
+    on_heartbeat: Callable[[], None] | None = None,
+    batch: int = DEFAULT_BATCH,
+) -> AsyncIterator[bytes]:
+    """Yield a log's SSE bytes after ``after``: replay, then live, then end.
+
+    Yields, in order:
+
+    1. ``encode_retry(retry_ms)`` if ``retry_ms`` is given (the client's
+       reconnection delay, WHATWG HTML "Server-sent events" ``retry:``);
+    2. the bytes of every held entry after ``after`` (the replay), one chunk
+       per entry, exactly as appended;
+    3. each new entry's bytes as the producer appends it, and
+       ``encode_comment("ping")`` whenever ``heartbeat_interval`` seconds pass
+       with nothing to send (``on_heartbeat()`` is called before each ping,
+       for metrics).
+
+    Returns once the log is closed and every entry has been yielded. The
+    terminal ``done``/``error`` event is the producer's last entry; ``tail``
+    adds none.
+
+    Args:
+        log: the message log (a :class:`~ringserve.stream.logs.MessageLog`).
+        after: the last sequence number the client has (from
+            ``Last-Event-ID``); ``None`` starts from entry 0.
+        heartbeat_interval: seconds of silence before a ping (> 0).
+        retry_ms: milliseconds for a leading ``retry:`` field, or ``None``.
+        on_heartbeat: called synchronously once per ping.
+        batch: the most entries read from the log per step.
+
+    Raises:
+        ReaderLagged: an entry the reader still needs was evicted, at the
+            start (``after`` too old) or later (the reader fell behind by
+            more than the ring holds).
+        ValueError: ``after`` is from the future (``>= log.next_seq``).
+
+    Cancellation: see the module docstring; safe, and the log is untouched.
+    """
+    if heartbeat_interval <= 0:
+        raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
+    if retry_ms is not None:
+        yield encode_retry(retry_ms)
+    cursor = after
+    while True:
+        got = log.read_from(cursor, batch)
+        if isinstance(got, Gap):
+            raise ReaderLagged(got)
+        if got:
+            for entry in got:
+                # Advance before yielding: if the consumer stops here, the
+                # entry counts as handed over, like the bytes it got.
+                cursor = entry.seq
+                yield entry.data
+            continue
+        if log.closed:  # caught up, and nothing more will come
+            return
+        with trio.move_on_after(heartbeat_interval) as scope:
+            await log.wait_for_entries(cursor)
+        if scope.cancelled_caught:
+            if on_heartbeat is not None:
+                on_heartbeat()
+            yield encode_comment("ping")
