@@ -1,0 +1,237 @@
+"""Batched greedy decode throughput: raw llama-cpp-python versus LlamaEngine.
+
+The raw loop uses only llama-cpp-python's low-level API (plus
+``modelfile.default_model_path`` to find the bundled model): one context with
+``n_seq_max = n_seqs`` and a per-sequence KV cache, one ``llama_batch``, one
+greedy sampler per sequence. It is the ceiling the engine is measured
+against. The engine loop drives :class:`ringserve.engine.llama.LlamaEngine`
+the same way through its ``begin`` / ``decode`` interface.
+
+Both loops prefill the same prompt into every sequence in one batch and take
+one untimed decode step (warm-up); then they time ``n_tokens`` decode steps,
+each feeding one token per sequence and sampling one per sequence. The
+figure is aggregate sampled tokens per second over all sequences
+(``n_seqs * n_tokens / seconds``); EOG tokens do not stop a sequence.
+
+Run from the repository root::
+
+    .venv/bin/python bench/raw_decode.py [--seqs 1 4 8] [--tokens 128] [--repeats 3]
+
+A later benchmark can ``from bench.raw_decode import raw_tokens_per_second``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import time
+from pathlib import Path
+
+import llama_cpp as lc
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ringserve.engine.modelfile import default_model_path  # noqa: E402
+
+PROMPT = (
+    "<|im_start|>user\nWrite a long story about a lighthouse keeper and a storm."
+    "<|im_end|>\n<|im_start|>assistant\n"
+)
+"""ChatML prompt shared by both loops (tokenized with special tokens parsed)."""
+
+
+@lc.llama_log_callback
+def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    pass
+
+
+N_BATCH = 512
+"""Batch size (tokens) of both loops; the prefill of every sequence must fit."""
+
+
+def _ctx_per_seq(n_tokens: int) -> int:
+    """KV cells per sequence: prompt (bounded by its bytes) + warm-up + timed tokens, to 256."""
+    need = len(PROMPT.encode()) + n_tokens + 2
+    return -(-need // 256) * 256
+
+
+def raw_tokens_per_second(
+    path: str | Path, n_seqs: int, n_tokens: int, *, n_threads: int = 0, repeats: int = 1
+) -> float:
+    """Aggregate greedy decode speed of a raw low-level llama-cpp-python loop.
+
+    Loads the model (``use_extra_bufts=False``), creates a context for
+    ``n_seqs`` sequences, prefills :data:`PROMPT` into each, takes one
+    untimed step, then times ``n_tokens`` steps of one token per sequence.
+    Model load and prefill are not timed.
+
+    Args:
+        path: GGUF model file.
+        n_seqs: sequences decoded together (>= 1).
+        n_tokens: timed decode steps, so tokens sampled per sequence (>= 1).
+        n_threads: CPU threads; 0 means ``os.cpu_count()``.
+        repeats: timed runs on the same context; the fastest is returned.
+
+    Returns:
+        Sampled tokens per second, summed over sequences.
+
+    Raises:
+        RuntimeError: llama.cpp failed to load, create or decode.
+    """
+    if os.environ.get("RINGSERVE_LLAMA_LOG") != "1":
+        lc.llama_log_set(_quiet, ctypes.c_void_p(0))
+    lc.llama_backend_init()
+    threads = n_threads or os.cpu_count() or 1
+    mparams = lc.llama_model_default_params()
+    mparams.use_extra_bufts = False
+    model = lc.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model:
+        raise RuntimeError(f"cannot load {path}")
+    vocab = lc.llama_model_get_vocab(model)
+    text = PROMPT.encode()
+    buf = (lc.llama_token * (len(text) + 8))()
+    n_prompt = lc.llama_tokenize(vocab, text, len(text), buf, len(buf), True, True)
+    prompt = list(buf[:n_prompt])
+
+    if n_prompt * n_seqs > N_BATCH:
+        raise ValueError(f"{n_seqs} prompts of {n_prompt} tokens exceed n_batch={N_BATCH}")
+    cparams = lc.llama_context_default_params()
+    cparams.n_ctx = n_seqs * _ctx_per_seq(n_tokens)
+    cparams.n_seq_max = n_seqs
+    cparams.n_batch = N_BATCH
+    cparams.n_ubatch = N_BATCH
+    cparams.n_threads = threads
+    cparams.n_threads_batch = threads
+    cparams.kv_unified = False
+    ctx = lc.llama_init_from_model(model, cparams)
+    if not ctx:
+        lc.llama_model_free(model)
+        raise RuntimeError("cannot create context")
+    mem = lc.llama_get_memory(ctx)
+    batch = lc.llama_batch_init(N_BATCH, 0, 1)
+    samplers = []
+    for _ in range(n_seqs):
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+        samplers.append(chain)
+
+    def decode() -> None:
+        rc = lc.llama_decode(ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def step(last: list[int], pos: int) -> None:
+        for s in range(n_seqs):
+            batch.token[s] = last[s]
+            batch.pos[s] = pos
+            batch.n_seq_id[s] = 1
+            batch.seq_id[s][0] = s
+            batch.logits[s] = 1
+        batch.n_tokens = n_seqs
+        decode()
+        for s in range(n_seqs):
+            last[s] = lc.llama_sampler_sample(samplers[s], ctx, s)
+
+    best = 0.0
+    try:
+        for _ in range(repeats):
+            lc.llama_memory_seq_rm(mem, -1, -1, -1)
+            i = 0
+            last_index = []
+            for s in range(n_seqs):
+                for p, t in enumerate(prompt):
+                    batch.token[i] = t
+                    batch.pos[i] = p
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = s
+                    batch.logits[i] = p == n_prompt - 1
+                    i += 1
+                last_index.append(i - 1)
+            batch.n_tokens = i
+            decode()
+            last = [lc.llama_sampler_sample(samplers[s], ctx, i) for s, i in enumerate(last_index)]
+            step(last, n_prompt)  # warm-up
+            t0 = time.perf_counter()
+            for k in range(n_tokens):
+                step(last, n_prompt + 1 + k)
+            elapsed = time.perf_counter() - t0
+            best = max(best, n_seqs * n_tokens / elapsed)
+    finally:
+        for chain in samplers:
+            lc.llama_sampler_free(chain)
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+        lc.llama_model_free(model)
+    return best
+
+
+def engine_tokens_per_second(
+    path: str | Path, n_seqs: int, n_tokens: int, *, n_threads: int = 0, repeats: int = 1
+) -> float:
+    """The same measurement as :func:`raw_tokens_per_second`, through ``LlamaEngine``.
+
+    Args and Returns as :func:`raw_tokens_per_second`; each repeat begins
+    (and at the end releases) every slot.
+    """
+    from ringserve.core.events import SamplingParams
+    from ringserve.engine.llama import LlamaEngine
+    from ringserve.engine.protocol import SlotFeed
+
+    greedy = SamplingParams(temperature=0)
+    engine = LlamaEngine(
+        path,
+        n_slots=n_seqs,
+        n_ctx_slot=_ctx_per_seq(n_tokens),
+        n_batch=N_BATCH,
+        n_threads=n_threads,
+    )
+    with engine as eng:
+        prompt = tuple(eng.tokenize(PROMPT, add_special=True, parse_special=True))
+        n_prompt = len(prompt)
+        slots = range(n_seqs)
+        best = 0.0
+        for _ in range(repeats):
+            for s in slots:
+                eng.begin(s, greedy)
+            out = eng.decode([SlotFeed(s, prompt, 0, True) for s in slots])
+            last = {o.slot: o.token for o in out}
+            out = eng.decode([SlotFeed(s, (last[s],), n_prompt, True) for s in slots])  # warm-up
+            last = {o.slot: o.token for o in out}
+            t0 = time.perf_counter()
+            for k in range(n_tokens):
+                pos = n_prompt + 1 + k
+                out = eng.decode([SlotFeed(s, (last[s],), pos, True) for s in slots])
+                for o in out:
+                    last[o.slot] = o.token
+            elapsed = time.perf_counter() - t0
+            best = max(best, n_seqs * n_tokens / elapsed)
+            for s in slots:
+                eng.release(s)
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print raw and engine tokens/s and their ratio for each sequence count."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="GGUF file (default: bundled)")
+    ap.add_argument("--seqs", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args(argv)
+    path = args.model or default_model_path()
+    threads = args.threads or os.cpu_count()
+    print(f"model {path.name}, {args.tokens} tokens/seq, best of {args.repeats}, {threads} threads")
+    print(f"{'seqs':>4} {'raw tok/s':>10} {'engine tok/s':>13} {'engine/raw':>10}")
+    for n in args.seqs:
+        kw = {"n_threads": args.threads, "repeats": args.repeats}
+        raw = raw_tokens_per_second(path, n, args.tokens, **kw)
+        eng = engine_tokens_per_second(path, n, args.tokens, **kw)
+        print(f"{n:>4} {raw:>10.1f} {eng:>13.1f} {eng / raw:>10.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

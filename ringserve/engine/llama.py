@@ -1,0 +1,546 @@
+"""The llama.cpp engine: one model, one context, many sequences in one batch.
+
+This is the only module in ringserve that imports ``llama_cpp``. It drives
+llama-cpp-python's low-level ctypes API the way llama.cpp's ``tools/server``
+does: one ``llama_context`` with ``n_seq_max = n_slots`` and a per-sequence
+(non-unified) KV cache, one shared ``llama_batch`` that every decode step
+fills with the tokens of all active slots, and one sampler chain per slot
+sampled with ``llama_sampler_sample(chain, ctx, i)`` at the batch index of
+that slot's last token.
+
+Threading: see :mod:`ringserve.engine.protocol`. Every method blocks and must
+run on the runner's worker thread, one call at a time. ctypes releases the
+GIL inside each llama.cpp call, so ``llama_decode`` does not stall the Trio
+thread. Nothing here is cancellable; the runner cancels between steps.
+
+Logging: llama.cpp writes its log to stderr unless a callback is installed.
+The first :class:`LlamaEngine` installs a no-op callback (process-wide,
+llama.cpp keeps one logger) unless the environment variable
+``RINGSERVE_LLAMA_LOG=1`` is set, in which case llama-cpp-python's own
+callback (which prints to ``sys.stderr``) stays in place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import llama_cpp as lc
+
+from ringserve.core.events import ChatMessage, SamplingParams
+from ringserve.engine.modelfile import ModelFileError, check_model_file
+from ringserve.engine.protocol import EngineError, KVCacheFull, Sampled, SlotFeed
+
+__all__ = ["ChatTemplateError", "LlamaEngine"]
+
+FALLBACK_CHAT_TEMPLATE = b"chatml"
+"""llama.cpp built-in template used when the GGUF has no ``tokenizer.chat_template``."""
+
+_DECODE_ERRORS = {
+    2: "llama_decode aborted",
+    -1: "llama_decode rejected the batch as invalid (token ids, positions or sequence ids)",
+}
+
+_init_lock = threading.Lock()
+_backend_ready = False
+
+
+@lc.llama_log_callback
+def _silent_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    """llama.cpp log sink that drops every line (kept alive at module level)."""
+
+
+def _init_backend() -> None:
+    """Install the log sink and call ``llama_backend_init`` once per process."""
+    global _backend_ready
+    with _init_lock:
+        if _backend_ready:
+            return
+        if os.environ.get("RINGSERVE_LLAMA_LOG") != "1":
+            lc.llama_log_set(_silent_log, ctypes.c_void_p(0))
+        lc.llama_backend_init()
+        _backend_ready = True
+
+
+class ChatTemplateError(ModelFileError):
+    """The GGUF's chat template is one llama.cpp cannot apply (one line, names the path)."""
+
+
+class LlamaEngine:
+    """An :class:`~ringserve.engine.protocol.Engine` backed by llama.cpp.
+
+    Loads the model and creates one context holding ``n_slots`` sequences of
+    ``n_ctx_slot`` KV cells each (``n_ctx = n_slots * n_ctx_slot``,
+    ``kv_unified = False``). llama.cpp rounds each sequence's share up to a
+    multiple of 256 cells, so a slot may in fact hold a little more than
+    ``n_ctx_slot`` tokens; the runner budgets with ``n_ctx_slot``.
+
+    Args:
+        path: the GGUF model file (checked with
+            :func:`~ringserve.engine.modelfile.check_model_file`).
+        n_slots: sequences decoded together (llama.cpp ``n_seq_max``), 1..
+            ``llama_max_parallel_sequences()``.
+        n_ctx_slot: KV cells (tokens) per slot: prompt plus generated tokens.
+        n_batch: most tokens per :meth:`decode`, summed over slots; also the
+            physical micro-batch (``n_ubatch``).
+        n_gpu_layers: layers to offload to a GPU (-1: all, 0: none).
+        n_threads: CPU threads for decoding; 0 means ``os.cpu_count()``.
+        use_extra_bufts: let llama.cpp use extra CPU buffer types (weight
+            repacking, AMX). Off by default: with a native build on AMX CPUs
+            ``ggml_backend_amx_mul_mat`` crashes on multi-token batches.
+        model_id: name reported to clients; default the file's stem.
+
+    Attributes:
+        model_id, n_slots, n_ctx_slot, n_batch: as the arguments
+            (the :class:`~ringserve.engine.protocol.Engine` attributes).
+        n_ctx_seq: KV cells llama.cpp actually gave each sequence
+            (``llama_n_ctx_seq``, >= ``n_ctx_slot``).
+        n_vocab: tokens in the vocabulary.
+        n_threads: CPU threads used.
+        path: the checked, absolute model path.
+
+    Raises:
+        ModelFileError: the file is missing, unreadable or not GGUF, or
+            llama.cpp could not load it.
+        ChatTemplateError: the model's chat template is not one llama.cpp
+            supports.
+        ValueError: a size argument is out of range.
+        EngineError: llama.cpp could not create the context or the batch.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        n_slots: int = 4,
+        n_ctx_slot: int = 4096,
+        n_batch: int = 512,
+        n_gpu_layers: int = 0,
+        n_threads: int = 0,
+        use_extra_bufts: bool = False,
+        model_id: str | None = None,
+    ) -> None:
+        self._model = None
+        self._ctx = None
+        self._batch: lc.llama_batch | None = None
+        self._closed = False
+        path = check_model_file(path)
+        _init_backend()
+        if not 1 <= n_slots <= lc.llama_max_parallel_sequences():
+            raise ValueError(
+                f"n_slots must be 1..{lc.llama_max_parallel_sequences()}, got {n_slots}"
+            )
+        if n_ctx_slot < 1:
+            raise ValueError(f"n_ctx_slot must be >= 1, got {n_ctx_slot}")
+        if n_batch < 1:
+            raise ValueError(f"n_batch must be >= 1, got {n_batch}")
+        if n_threads < 0:
+            raise ValueError(f"n_threads must be >= 0, got {n_threads}")
+
+        self.path = path
+        self.model_id = model_id or path.stem
+        self.n_slots = n_slots
+        self.n_ctx_slot = n_ctx_slot
+        self.n_batch = n_batch
+        self.n_threads = n_threads or os.cpu_count() or 1
+        self._chains: list[int | None] = [None] * n_slots
+        self._pieces: dict[int, tuple[bytes, bool]] = {}
+        self._piece_buf = ctypes.create_string_buffer(64)
+
+        mparams = lc.llama_model_default_params()
+        mparams.n_gpu_layers = n_gpu_layers
+        mparams.use_extra_bufts = use_extra_bufts
+        self._model = lc.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self._model:
+            raise ModelFileError(f"llama.cpp could not load the model: {path}", path)
+        try:
+            self._vocab = lc.llama_model_get_vocab(self._model)
+            self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+            self._bos = lc.llama_vocab_bos(self._vocab)
+            self._template = self._resolve_template()
+
+            cparams = lc.llama_context_default_params()
+            cparams.n_ctx = n_slots * n_ctx_slot
+            cparams.n_seq_max = n_slots
+            cparams.n_batch = n_batch
+            cparams.n_ubatch = n_batch
+            cparams.n_threads = self.n_threads
+            cparams.n_threads_batch = self.n_threads
+            cparams.no_perf = True
+            if hasattr(cparams, "kv_unified"):
+                cparams.kv_unified = False
+            self._ctx = lc.llama_init_from_model(self._model, cparams)
+            if not self._ctx:
+                raise EngineError(
+                    f"llama.cpp could not create a context of {n_slots} x {n_ctx_slot} tokens"
+                )
+            self._mem = lc.llama_get_memory(self._ctx)
+            self.n_ctx_seq = lc.llama_n_ctx_seq(self._ctx)
+            if self.n_ctx_seq < n_ctx_slot:
+                raise EngineError(
+                    f"llama.cpp gave each sequence {self.n_ctx_seq} KV cells, "
+                    f"fewer than n_ctx_slot={n_ctx_slot}"
+                )
+
+            # One batch for the engine's life: token ids, positions, one seq id
+            # per token, an output flag per token. Views over its C arrays let
+            # decode() fill whole runs with slice assignment.
+            self._batch = lc.llama_batch_init(n_batch, 0, 1)
+            b = self._batch
+            self._tok = (lc.llama_token * n_batch).from_address(ctypes.addressof(b.token.contents))
+            self._pos = (lc.llama_pos * n_batch).from_address(ctypes.addressof(b.pos.contents))
+            self._out = (ctypes.c_int8 * n_batch).from_address(ctypes.addressof(b.logits.contents))
+            n_seq = (ctypes.c_int32 * n_batch).from_address(ctypes.addressof(b.n_seq_id.contents))
+            n_seq[:] = [1] * n_batch
+            self._seq = [b.seq_id[i] for i in range(n_batch)]
+            self._out_addr = ctypes.addressof(self._out)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- chat template and tokens ------------------------------------------
+
+    def _resolve_template(self) -> bytes:
+        """The GGUF's chat template if llama.cpp can apply it, else :data:`FALLBACK_CHAT_TEMPLATE`.
+
+        Raises:
+            ChatTemplateError: the GGUF has a template llama.cpp does not recognise.
+        """
+        tmpl = lc.llama_model_chat_template(self._model, None)
+        if not tmpl:
+            return FALLBACK_CHAT_TEMPLATE
+        probe = (lc.llama_chat_message * 1)(lc.llama_chat_message(b"user", b"hi"))
+        if lc.llama_chat_apply_template(tmpl, probe, 1, True, None, 0) < 0:
+            raise ChatTemplateError(
+                f"the model's chat template is not supported by llama.cpp: {self.path}", self.path
+            )
+        return tmpl
+
+    def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Render ``messages`` with the model's chat template and tokenize the result.
+
+        See :meth:`render_chat` for the template. Special tokens in the
+        rendered text are parsed (``parse_special=True``) and BOS is added
+        if the model asks for it (``add_special=True``; a BOS the template
+        already wrote is not doubled).
+
+        Args:
+            messages: the conversation, oldest first.
+
+        Returns:
+            The prompt as token ids.
+
+        Raises:
+            ValueError: as :meth:`render_chat`.
+        """
+        tokens = self.tokenize(self.render_chat(messages), add_special=True, parse_special=True)
+        if len(tokens) >= 2 and tokens[0] == tokens[1] == self._bos:
+            del tokens[0]  # the template already wrote BOS as text
+        return tokens
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        """Render ``messages`` with the model's chat template, generation prompt appended.
+
+        The template is the GGUF's ``tokenizer.chat_template`` as llama.cpp's
+        ``llama_chat_apply_template`` understands it: llama.cpp recognises
+        known template families and does not run Jinja, so a template's
+        extras (such as SmolLM2's default system prompt) are not added. A
+        model without a template falls back to llama.cpp's ChatML; a
+        template llama.cpp does not know fails at construction
+        (:class:`ChatTemplateError`).
+
+        Args:
+            messages: the conversation, oldest first.
+
+        Returns:
+            The prompt text.
+
+        Raises:
+            ValueError: no messages, a NUL character in a message, or
+                llama.cpp failed to apply the template to these messages.
+        """
+        self._check_open()
+        if not messages:
+            raise ValueError("at least one message is required")
+        chat = (lc.llama_chat_message * len(messages))()
+        size = 256
+        for i, m in enumerate(messages):
+            if "\x00" in m.content:
+                raise ValueError(f"message {i} contains a NUL character")
+            content = m.content.encode("utf-8")
+            chat[i].role = m.role.encode("ascii")
+            chat[i].content = content
+            size += 2 * len(content) + 32
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = lc.llama_chat_apply_template(self._template, chat, len(messages), True, buf, size)
+            if n < 0:
+                raise ValueError("llama.cpp could not apply the chat template to these messages")
+            if n <= size:
+                break
+            size = n
+        return buf.raw[:n].decode("utf-8", errors="replace")
+
+    def tokenize(
+        self, text: str | bytes, *, add_special: bool = False, parse_special: bool = False
+    ) -> list[int]:
+        """Tokenize plain text (no chat template).
+
+        Args:
+            text: the text; ``str`` is encoded as UTF-8.
+            add_special: add BOS/EOS if the model is configured to.
+            parse_special: turn special-token text such as ``<|im_start|>``
+                into its token instead of plain text.
+
+        Returns:
+            Token ids.
+        """
+        self._check_open()
+        data = text.encode("utf-8") if isinstance(text, str) else text
+        cap = len(data) + 8
+        while True:
+            toks = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(
+                self._vocab, data, len(data), toks, cap, add_special, parse_special
+            )
+            if n >= 0:
+                return toks[:n]
+            if n == -(2**31):
+                raise ValueError("text too long to tokenize")
+            cap = -n
+
+    def token_piece(self, token: int) -> bytes:
+        """Raw bytes of ``token`` as generated text (special tokens render empty)."""
+        return self._piece(token)[0]
+
+    def token_is_eog(self, token: int) -> bool:
+        """Whether ``token`` ends generation (``llama_vocab_is_eog``: EOS, EOT, ``<|im_end|>``...)."""
+        return self._piece(token)[1]
+
+    def _piece(self, token: int) -> tuple[bytes, bool]:
+        """(bytes, is-end-of-generation) of ``token``, cached per token id."""
+        hit = self._pieces.get(token)
+        if hit is not None:
+            return hit
+        buf = self._piece_buf
+        n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        hit = (buf.raw[:n], bool(lc.llama_vocab_is_eog(self._vocab, token)))
+        self._pieces[token] = hit
+        return hit
+
+    # -- slots --------------------------------------------------------------
+
+    def begin(self, slot: int, sampling: SamplingParams) -> None:
+        """Prepare ``slot`` for a new sequence: empty its KV cells and build its sampler chain.
+
+        Temperature 0 gives a greedy chain. Otherwise the chain is top-k (if
+        ``top_k > 0``), top-p (if ``top_p < 1``), min-p (if ``min_p > 0``),
+        temperature, then a seeded draw (``seed``, or a random one when None;
+        llama.cpp treats seed ``0xFFFFFFFF`` as "random" too). Any previous
+        chain of the slot is freed.
+
+        Raises:
+            ValueError: ``slot`` is not in ``0 .. n_slots-1``.
+        """
+        self._check_open()
+        self._check_slot(slot)
+        lc.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        self._free_chain(slot)
+        params = lc.llama_sampler_chain_default_params()
+        params.no_perf = True
+        chain = lc.llama_sampler_chain_init(params)
+        if sampling.temperature == 0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+        else:
+            if sampling.top_k > 0:
+                lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(sampling.top_k))
+            if sampling.top_p < 1.0:
+                lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(sampling.top_p, 1))
+            if sampling.min_p > 0.0:
+                lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(sampling.min_p, 1))
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(sampling.temperature))
+            seed = random.getrandbits(32) if sampling.seed is None else sampling.seed & 0xFFFFFFFF
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
+        self._chains[slot] = chain
+
+    def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
+        """Decode one batch holding every feed; sample one token per feed with ``sample``.
+
+        All feeds go into the one shared ``llama_batch`` (tokens at their
+        positions, sequence id = slot, output flag on the last token of each
+        sampling feed), then a single ``llama_decode``. Each sampling feed's
+        chain then samples from the logits of its last token.
+
+        Args:
+            feeds: at most one feed per slot; tokens summed over feeds must be
+                1..``n_batch``. Positions must continue the slot's sequence.
+
+        Returns:
+            One :class:`Sampled` per feed with ``sample=True``, in feed order.
+            ``piece`` is the token's text bytes (empty for special tokens such
+            as ``<|im_end|>``); ``eog`` marks an end-of-generation token.
+
+        Raises:
+            ValueError: too many tokens, an empty feed, a slot out of range or
+                fed twice, or a sampling feed for a slot without :meth:`begin`.
+                Nothing was decoded.
+            KVCacheFull: a feed would take its slot past ``n_ctx_slot``
+                tokens (checked before decoding; ``slots`` = those slots), or
+                ``llama_decode`` returned 1, no KV cells for the batch
+                (``slots`` = all fed slots). Either way nothing was decoded
+                and the KV cache is as before the call.
+            EngineError: any other nonzero return (invalid batch, abort,
+                fatal error); after a fatal error some of the batch may stay
+                in the KV cache, so the runner should release the slots.
+        """
+        self._check_open()
+        if not feeds:
+            return []
+        tok, pos, seq, out = self._tok, self._pos, self._seq, self._out
+        n = 0
+        seen: set[int] = set()
+        sample_at: list[tuple[int, int]] = []  # (feed slot, batch index)
+        full: list[int] = []  # slots that would pass n_ctx_slot
+        for f in feeds:
+            slot = f.slot
+            k = len(f.tokens)
+            if k == 0:
+                raise ValueError(f"empty feed for slot {slot}")
+            if not 0 <= slot < self.n_slots:
+                raise ValueError(f"slot must be 0..{self.n_slots - 1}, got {slot}")
+            if slot in seen:
+                raise ValueError(f"slot {slot} fed twice in one decode")
+            seen.add(slot)
+            if n + k > self.n_batch:
+                raise ValueError(
+                    f"{sum(len(x.tokens) for x in feeds)} tokens exceed n_batch={self.n_batch}"
+                )
+            if f.sample and self._chains[slot] is None:
+                raise ValueError(f"slot {slot} has no sampler; call begin() first")
+            if f.pos + k > self.n_ctx_slot:
+                full.append(slot)
+            end = n + k
+            tok[n:end] = f.tokens
+            pos[n:end] = range(f.pos, f.pos + k)
+            for i in range(n, end):
+                seq[i][0] = slot
+            if f.sample:
+                sample_at.append((slot, end - 1))
+            n = end
+        if full:
+            msg = f"slot(s) {full} would exceed n_ctx_slot={self.n_ctx_slot} tokens"
+            raise KVCacheFull(msg, full)
+        ctypes.memset(self._out_addr, 0, n)
+        for _, i in sample_at:
+            out[i] = 1
+        batch = self._batch
+        batch.n_tokens = n
+
+        rc = lc.llama_decode(self._ctx, batch)
+        if rc != 0:
+            slots = [f.slot for f in feeds]
+            if rc == 1:
+                raise KVCacheFull(
+                    f"no KV cells for a batch of {n} tokens (llama_decode returned 1)", slots
+                )
+            msg = _DECODE_ERRORS.get(rc, f"llama_decode failed with code {rc}")
+            raise EngineError(msg, slots)
+
+        result = []
+        for slot, i in sample_at:
+            token = lc.llama_sampler_sample(self._chains[slot], self._ctx, i)
+            piece, eog = self._piece(token)
+            result.append(Sampled(slot, token, piece, eog))
+        return result
+
+    def release(self, slot: int) -> None:
+        """Remove the slot's KV cells and free its sampler chain.
+
+        Calls ``llama_memory_seq_rm(mem, slot, -1, -1)``, which never fails
+        for a whole sequence.
+
+        Idempotent; a released slot can be begun again.
+
+        Raises:
+            ValueError: ``slot`` is not in ``0 .. n_slots-1``.
+        """
+        self._check_open()
+        self._check_slot(slot)
+        lc.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        self._free_chain(slot)
+
+    def kv_cells_used(self, slot: int | None = None) -> int:
+        """KV cells holding tokens of ``slot``, or of every slot when None.
+
+        Counted from ``llama_memory_seq_pos_min/max`` as ``max - min + 1``
+        (0 for an empty sequence); llama.cpp guarantees every position in
+        that range is present.
+
+        Raises:
+            ValueError: ``slot`` is not in ``0 .. n_slots-1``.
+        """
+        self._check_open()
+        if slot is not None:
+            self._check_slot(slot)
+            return self._cells(slot)
+        return sum(self._cells(s) for s in range(self.n_slots))
+
+    def _cells(self, slot: int) -> int:
+        hi = lc.llama_memory_seq_pos_max(self._mem, slot)
+        if hi < 0:
+            return 0
+        return hi - lc.llama_memory_seq_pos_min(self._mem, slot) + 1
+
+    # -- lifetime -----------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the sampler chains, the batch, the context and the model. Idempotent.
+
+        Any other method called afterwards raises :class:`EngineError`.
+        """
+        self._closed = True
+        for slot in range(len(getattr(self, "_chains", ()))):
+            self._free_chain(slot)
+        if self._batch is not None:
+            lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            lc.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            lc.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> LlamaEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _free_chain(self, slot: int) -> None:
+        chain = self._chains[slot]
+        if chain is not None:
+            self._chains[slot] = None
+            lc.llama_sampler_free(chain)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot must be 0..{self.n_slots - 1}, got {slot}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError("the engine is closed")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"<LlamaEngine {self.model_id!r} slots={self.n_slots} ctx/slot={self.n_ctx_slot}"
+            f" batch={self.n_batch} {state}>"
+        )
