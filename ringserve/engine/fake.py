@@ -1,0 +1,321 @@
+"""A scripted, deterministic engine for protocol, fault and load tests.
+
+:class:`FakeEngine` implements :class:`ringserve.engine.protocol.Engine`
+without a model. It keeps honest books, so tests can check what the runner
+did to it:
+
+* The prompt is the chat rendered as ``"<|role|>content\\n"`` lines and
+  tokenized one token per UTF-8 byte (token id = byte value, 0..255).
+* Each slot's KV cells are the tokens fed to it; :meth:`kv_cells_used`
+  counts them, :meth:`release` empties them. Positions must continue the
+  sequence, a slot must be begun before it is fed, a batch holds at most
+  ``n_batch`` tokens and one feed per slot, and a slot never holds more than
+  ``n_ctx_slot`` tokens (else :class:`KVCacheFull` for that slot). Breaking
+  one of the other rules raises ``ValueError`` like ``engine/llama.py`` does.
+* The reply is chosen when a slot's prompt is complete (its first sample),
+  from the prompt bytes in its KV cells: the last user message's text after
+  ``"echo:"`` if it starts so, else ``reply`` (a str, or a callable taking
+  the last user message's text), else :data:`DEFAULT_REPLY`. Its UTF-8 bytes
+  are cut into tokens of ``piece_bytes`` bytes, so multi-byte characters are
+  split across tokens, then one EOG token (empty piece) ends it. Sampling
+  parameters are accepted and ignored.
+* A failed :meth:`decode` changes nothing (no KV cells, no reply progress),
+  so the runner may feed the same batch again.
+
+Every decode call is appended to :attr:`FakeEngine.log` (its feeds and
+whether it raised), so tests can see which slots were fed at which step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from ringserve.core.events import ChatMessage, SamplingParams
+from ringserve.engine.protocol import EngineError, KVCacheFull, Sampled, SlotFeed
+
+__all__ = ["DEFAULT_REPLY", "EOG_TOKEN", "DecodeCall", "FakeEngine"]
+
+DEFAULT_REPLY = "The quick brown fox jumps over the lazy dog."
+"""The reply when the request is not an ``echo:`` and no ``reply`` was given."""
+
+EOG_TOKEN = 256
+"""Token id of the fake end-of-generation token (its piece is empty)."""
+
+_USER_MARK = "<|user|>"
+
+
+@attrs.frozen
+class DecodeCall:
+    """One :meth:`FakeEngine.decode` call as the fake saw it.
+
+    Attributes:
+        index: 0-based count of decode calls.
+        feeds: the batch.
+        error: the exception's class name if the call raised, else None.
+    """
+
+    index: int
+    feeds: tuple[SlotFeed, ...]
+    error: str | None = None
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """Slots fed in this call."""
+        return tuple(f.slot for f in self.feeds)
+
+
+@attrs.define(eq=False)
+class _SlotState:
+    kv: list[int] = attrs.Factory(list)
+    pieces: list[bytes] | None = None
+    samples: int = 0
+
+
+def _last_user_text(prompt: bytes) -> str:
+    text = prompt.decode("utf-8", "replace")
+    i = text.rfind(_USER_MARK)
+    if i < 0:
+        return ""
+    rest = text[i + len(_USER_MARK) :]
+    j = rest.find("\n<|")
+    if j >= 0:
+        rest = rest[:j]
+    elif rest.endswith("\n"):
+        rest = rest[:-1]
+    return rest
+
+
+class FakeEngine:
+    """A deterministic :class:`~ringserve.engine.protocol.Engine` with scripted faults.
+
+    Args:
+        n_slots: sequences decoded together.
+        n_ctx_slot: KV cells (tokens) per slot.
+        n_batch: most tokens per decode call.
+        piece_bytes: bytes per reply token (>= 1).
+        step_seconds: blocking sleep in every decode call (seconds).
+        prefill_seconds: blocking sleep once per prompt, in the decode call
+            that feeds its first chunk (seconds).
+        fail_after_tokens: a slot's sample number ``fail_after_tokens + 1``
+            raises :class:`EngineError` naming that slot (nothing in the batch
+            is applied). None: never.
+        crash_after_steps: decode call number ``crash_after_steps + 1``
+            (1-based) raises ``RuntimeError``, once, as a bug would. None: never.
+        reply: the reply text, or a callable from the last user message's
+            text to it; None: :data:`DEFAULT_REPLY`. ``echo:`` requests
+            ignore it.
+
+    Thread safety: every method takes one lock, so a test may read
+    :meth:`kv_cells_used` while the runner's worker thread decodes.
+    """
+
+    def __init__(
+        self,
+        *,
+        n_slots: int = 4,
+        n_ctx_slot: int = 4096,
+        n_batch: int = 512,
+        piece_bytes: int = 4,
+        step_seconds: float = 0.0,
+        prefill_seconds: float = 0.0,
+        fail_after_tokens: int | None = None,
+        crash_after_steps: int | None = None,
+        reply: str | Callable[[str], str] | None = None,
+    ) -> None:
+        if n_slots < 1 or n_ctx_slot < 1 or n_batch < 1 or piece_bytes < 1:
+            raise ValueError("n_slots, n_ctx_slot, n_batch and piece_bytes must be >= 1")
+        self.model_id = "fake"
+        self.n_slots = n_slots
+        self.n_ctx_slot = n_ctx_slot
+        self.n_batch = n_batch
+        self.piece_bytes = piece_bytes
+        self.step_seconds = step_seconds
+        self.prefill_seconds = prefill_seconds
+        self.fail_after_tokens = fail_after_tokens
+        self.crash_after_steps = crash_after_steps
+        self.reply = reply
+        self.log: list[DecodeCall] = []
+        self.closed = False
+        self._lock = threading.Lock()
+        self._slots: list[_SlotState | None] = [None] * n_slots
+        self._vocab: dict[bytes, int] = {}
+        self._pieces: dict[int, bytes] = {EOG_TOKEN: b""}
+        self._crashed = False
+
+    # -- tokens --------------------------------------------------------------
+
+    @staticmethod
+    def render_chat(messages: Sequence[ChatMessage]) -> str:
+        """The prompt text: one ``"<|role|>content\\n"`` line per message."""
+        return "".join(f"<|{m.role}|>{m.content}\n" for m in messages)
+
+    def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """One token per UTF-8 byte of :meth:`render_chat` (token id = byte value)."""
+        self._check_open()
+        return list(self.render_chat(messages).encode("utf-8"))
+
+    def reply_for(self, last_user_text: str) -> str:
+        """The reply the fake gives to a last user message (see the module docstring)."""
+        if last_user_text.startswith("echo:"):
+            return last_user_text[len("echo:") :]
+        if callable(self.reply):
+            return self.reply(last_user_text)
+        return DEFAULT_REPLY if self.reply is None else self.reply
+
+    def reply_tokens(self, last_user_text: str) -> int:
+        """How many tokens the reply to ``last_user_text`` takes, EOG included."""
+        n = len(self.reply_for(last_user_text).encode("utf-8"))
+        return -(-n // self.piece_bytes) + 1
+
+    def _token_for(self, piece: bytes) -> int:
+        if len(piece) == 1:
+            return piece[0]
+        token = self._vocab.get(piece)
+        if token is None:
+            token = EOG_TOKEN + 1 + len(self._vocab)
+            self._vocab[piece] = token
+            self._pieces[token] = piece
+        return token
+
+    # -- slots ---------------------------------------------------------------
+
+    def begin(self, slot: int, sampling: SamplingParams) -> None:
+        """Start a fresh sequence in ``slot`` (empty KV cells)."""
+        with self._lock:
+            self._check_open()
+            self._check_slot(slot)
+            self._slots[slot] = _SlotState()
+
+    def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
+        """Apply one batch; one :class:`Sampled` per feed with ``sample``, in feed order.
+
+        Raises:
+            ValueError: an empty feed, a slot out of range, fed twice or not
+                begun, a position that does not continue the slot, or more
+                than ``n_batch`` tokens.
+            KVCacheFull: a feed would pass ``n_ctx_slot`` (names those slots).
+            EngineError: scripted ``fail_after_tokens``.
+            RuntimeError: scripted ``crash_after_steps``.
+        """
+        feeds = tuple(feeds)
+        with self._lock:
+            self._check_open()
+            call = len(self.log)
+            try:
+                result = self._decode(call, feeds)
+            except Exception as exc:
+                self.log.append(DecodeCall(call, feeds, type(exc).__name__))
+                raise
+            self.log.append(DecodeCall(call, feeds))
+        return result
+
+    def _decode(self, call: int, feeds: tuple[SlotFeed, ...]) -> list[Sampled]:
+        if self.crash_after_steps is not None and call == self.crash_after_steps and not self._crashed:
+            self._crashed = True
+            raise RuntimeError(f"fake engine crash at decode call {call + 1}")
+        total = sum(len(f.tokens) for f in feeds)
+        if total > self.n_batch:
+            raise ValueError(f"{total} tokens exceed n_batch={self.n_batch}")
+        seen: set[int] = set()
+        full: list[int] = []
+        prefill_sleeps = 0
+        for f in feeds:
+            self._check_slot(f.slot)
+            if not f.tokens:
+                raise ValueError(f"empty feed for slot {f.slot}")
+            if f.slot in seen:
+                raise ValueError(f"slot {f.slot} fed twice in one decode")
+            seen.add(f.slot)
+            state = self._slots[f.slot]
+            if state is None:
+                raise ValueError(f"slot {f.slot} fed without begin()")
+            if f.pos != len(state.kv):
+                raise ValueError(
+                    f"slot {f.slot}: feed at position {f.pos}, sequence holds {len(state.kv)}"
+                )
+            if f.pos + len(f.tokens) > self.n_ctx_slot:
+                full.append(f.slot)
+            if f.pos == 0:
+                prefill_sleeps += 1
+        if full:
+            raise KVCacheFull(f"slot(s) {full} would exceed n_ctx_slot={self.n_ctx_slot}", full)
+
+        # Work out every sample before changing anything, so a failure leaves no trace.
+        planned: list[tuple[SlotFeed, list[bytes], bytes, bool]] = []
+        for f in feeds:
+            if not f.sample:
+                continue
+            state = self._slots[f.slot]
+            assert state is not None
+            pieces = state.pieces
+            if pieces is None:
+                prompt = bytes(t for t in (*state.kv, *f.tokens) if t < 256)
+                data = self.reply_for(_last_user_text(prompt)).encode("utf-8")
+                step = self.piece_bytes
+                pieces = [data[i : i + step] for i in range(0, len(data), step)]
+            if self.fail_after_tokens is not None and state.samples >= self.fail_after_tokens:
+                raise EngineError(
+                    f"fake engine failure on slot {f.slot} after {state.samples} tokens", [f.slot]
+                )
+            i = state.samples
+            piece, eog = (pieces[i], False) if i < len(pieces) else (b"", True)
+            planned.append((f, pieces, piece, eog))
+
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
+        if prefill_sleeps and self.prefill_seconds:
+            time.sleep(self.prefill_seconds * prefill_sleeps)
+        for f in feeds:
+            state = self._slots[f.slot]
+            assert state is not None
+            state.kv.extend(f.tokens)
+        result = []
+        for f, pieces, piece, eog in planned:
+            state = self._slots[f.slot]
+            assert state is not None
+            state.pieces = pieces
+            state.samples += 1
+            token = EOG_TOKEN if eog else self._token_for(piece)
+            result.append(Sampled(f.slot, token, piece, eog))
+        return result
+
+    def release(self, slot: int) -> None:
+        """Remove the slot's KV cells and forget its reply. Idempotent."""
+        with self._lock:
+            self._check_open()
+            self._check_slot(slot)
+            self._slots[slot] = None
+
+    def kv_cells_used(self, slot: int | None = None) -> int:
+        """Tokens held by ``slot`` (by every slot when None)."""
+        with self._lock:
+            if slot is not None:
+                self._check_slot(slot)
+                state = self._slots[slot]
+                return 0 if state is None else len(state.kv)
+            return sum(len(s.kv) for s in self._slots if s is not None)
+
+    def token_piece(self, token: int) -> bytes:
+        """The bytes of a token this engine produced."""
+        if token < 256:
+            return bytes([token])
+        return self._pieces[token]
+
+    def close(self) -> None:
+        """Mark the engine closed; later calls raise :class:`EngineError`."""
+        self.closed = True
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot must be 0..{self.n_slots - 1}, got {slot}")
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineError("the engine is closed")
+
+    def __repr__(self) -> str:
+        return f"<FakeEngine slots={self.n_slots} ctx/slot={self.n_ctx_slot} batch={self.n_batch}>"

@@ -1,0 +1,705 @@
+"""The Trio owner of the engine: one task decodes for every request.
+
+Like llama.cpp's ``server_context`` (``tools/server``), one owner holds the
+model and all slots and fills one shared batch per step. Here the owner is the
+task running :meth:`Runner.run`; the engine's blocking calls run on a worker
+thread via ``trio.to_thread.run_sync`` under a ``CapacityLimiter(1)`` that the
+runner owns, with ``abandon_on_cancel=False``: a thread inside ``decode`` is
+never abandoned, cancellation takes effect between steps.
+
+One step of the loop:
+
+1. Slots of requests that ended (finished, failed or cancelled) are released
+   on the worker thread (``engine.release``: KV cells removed, sampler
+   freed), and only then become free for admission.
+2. :meth:`Scheduler.plan <ringserve.core.scheduler.Scheduler.plan>` admits
+   queued requests and builds one batch: one token per decoding slot plus
+   prompt chunks for prefilling slots.
+3. On the worker thread: ``engine.begin`` for the admitted slots, then one
+   ``engine.decode`` for the batch.
+4. Back on the Trio thread, each sampled token is counted, detokenized (one
+   :class:`~ringserve.core.detokenizer.Detokenizer` per request), run through
+   the request's :class:`~ringserve.core.stop.StopMatcher`, and the result is
+   pushed with ``send_nowait`` to that request's channel: generation never
+   waits for a consumer. Each channel's buffer holds ``max_tokens + 2``
+   events, more than a generation can produce, so it never fills.
+
+With nothing to do the loop parks on a ``trio.Event`` that ``submit`` and
+cancellation set; it never polls.
+
+Consumers call :meth:`Runner.prepare` (tokenize and check the context budget,
+case C4) and then ``async with runner.submit(prepared) as gen``: iterating
+``gen`` gives :class:`TextDelta` events and one terminal :class:`Finish` or
+:class:`Failure`. Leaving the block early cancels (cases C1/C2).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from ringserve.config import EngineConfig
+from ringserve.core.detokenizer import Detokenizer
+from ringserve.core.errors import ErrorKind, RingserveError, invalid
+from ringserve.core.events import (
+    Failure,
+    Finish,
+    GenerationEvent,
+    GenerationRequest,
+    SamplingParams,
+    StopReason,
+    TextDelta,
+    Usage,
+)
+from ringserve.core.scheduler import Entry, Plan, Scheduler, SlotState
+from ringserve.core.stop import StopMatcher
+from ringserve.engine.protocol import Engine, EngineError, KVCacheFull, Sampled, SlotFeed
+
+__all__ = ["Generation", "Prepared", "Runner", "RunnerStatistics"]
+
+log = logging.getLogger("ringserve.runner")
+
+
+@attrs.frozen
+class Prepared:
+    """A request that passed :meth:`Runner.prepare`: tokenized and within the context.
+
+    Attributes:
+        request: the request as the surface parsed it.
+        prompt_tokens: the rendered, tokenized prompt.
+        max_tokens: the token budget: ``request.max_tokens``, or when that is
+            None, what the slot's context leaves after the prompt.
+    """
+
+    request: GenerationRequest
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+
+
+@attrs.frozen
+class RunnerStatistics:
+    """A snapshot of the runner (for ``metrics.py`` and tests).
+
+    Attributes:
+        slots_total: slots decoded together.
+        slots_busy: slots holding a request or still being released.
+        queue_depth: requests waiting for a slot, per priority.
+        kv_cells_used: KV cells in use over all slots, as of the last engine
+            call (tokens).
+        kv_cells_total: ``slots_total * n_ctx_slot`` (tokens).
+        steps: decode calls that succeeded.
+        failed_steps: decode calls that raised.
+        last_step_seconds: wall time of the last decode call (seconds).
+        decode_seconds_total: wall time of all decode calls (seconds).
+        last_step_tokens: tokens in the last decoded batch.
+        step_tokens_total: tokens in all decoded batches (prompt chunks and
+            fed-back samples).
+        prompt_tokens_total: prompt tokens of admitted requests.
+        generated_tokens_total: tokens sampled for live requests (EOG counted).
+        cancels: requests cancelled by their consumer.
+        tokens_after_cancel_total: tokens decoded for requests after their
+            cancel (0, or 1 per cancel that raced an in-flight step).
+        last_cancel_to_free_seconds: time from the last cancel of a request
+            holding a slot to its KV cells being removed (seconds, on the
+            Trio clock); None before the first.
+        max_cancel_to_free_seconds: the largest such time so far, or None.
+        running: the owner loop is running.
+    """
+
+    slots_total: int
+    slots_busy: int
+    queue_depth: dict[int, int]
+    kv_cells_used: int
+    kv_cells_total: int
+    steps: int
+    failed_steps: int
+    last_step_seconds: float
+    decode_seconds_total: float
+    last_step_tokens: int
+    step_tokens_total: int
+    prompt_tokens_total: int
+    generated_tokens_total: int
+    cancels: int
+    tokens_after_cancel_total: int
+    last_cancel_to_free_seconds: float | None
+    max_cancel_to_free_seconds: float | None
+    running: bool
+
+
+@attrs.define(eq=False)
+class Generation:
+    """One submitted request: an async iterator of its events.
+
+    Yields :class:`TextDelta` events, then exactly one :class:`Finish` or
+    :class:`Failure`, then stops. Only the runner produces events; iterating
+    never drives generation, and a slow consumer never slows it (events wait
+    in the generation's buffer).
+
+    Attributes:
+        prepared: what was submitted.
+        tokens_after_cancel: tokens decoded for it after it was cancelled.
+    """
+
+    prepared: Prepared
+    _entry: Entry
+    _send: trio.MemorySendChannel[GenerationEvent]
+    _receive: trio.MemoryReceiveChannel[GenerationEvent]
+    _detokenizer: Detokenizer = attrs.field(factory=Detokenizer)
+    _stopper: StopMatcher = attrs.field(default=None)
+    _tokens_since_delta: int = 0
+    _outcome: Finish | Failure | None = None
+    _cancel_time: float | None = None
+    tokens_after_cancel: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self._stopper is None:
+            self._stopper = StopMatcher(self.prepared.request.stop)
+
+    @property
+    def id(self) -> int:
+        """The runner's ticket number for this request (increasing)."""
+        return self._entry.id
+
+    @property
+    def usage(self) -> Usage:
+        """Live token counts: prompt tokens, and tokens sampled so far (EOG counted).
+
+        Valid at any time, including after a cancel (it then stays as it was).
+        """
+        return Usage(len(self.prepared.prompt_tokens), self._entry.generated)
+
+    @property
+    def state(self) -> SlotState:
+        """Where the request is in the slot lifecycle."""
+        return self._entry.state
+
+    @property
+    def slot(self) -> int | None:
+        """The slot it holds or held; None while queued."""
+        return self._entry.slot
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether its consumer left before the terminal event was produced."""
+        return self._cancel_time is not None
+
+    @property
+    def outcome(self) -> Finish | Failure | None:
+        """The terminal event once produced (whether or not it was read yet)."""
+        return self._outcome
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        try:
+            return await self._receive.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+    async def collect(self) -> tuple[str, Finish | Failure]:
+        """Read every remaining event; return the joined text and the terminal event."""
+        parts = []
+        terminal: Finish | Failure | None = None
+        async for event in self:
+            if isinstance(event, TextDelta):
+                parts.append(event.text)
+            else:
+                terminal = event
+        assert terminal is not None, "a generation always ends with Finish or Failure"
+        return "".join(parts), terminal
+
+
+@attrs.frozen
+class _StepOutcome:
+    """What one worker-thread step came back with."""
+
+    begin_errors: dict[int, Exception] = attrs.Factory(dict)
+    sampled: list[Sampled] | None = None
+    error: Exception | None = None
+    seconds: float = 0.0
+    kv_cells_used: int | None = None
+
+
+class Runner:
+    """The one owner of an engine: admits, batches, decodes and streams results.
+
+    Slots, batch size and chunking: ``min(config.slots, engine.n_slots)``
+    slots, batches of at most ``min(config.n_batch, engine.n_batch)`` tokens,
+    prompt chunks of at most ``config.prefill_chunk`` tokens per slot and
+    step, and up to ``config.queue_size`` requests waiting beyond the free
+    slots. The context per slot is ``engine.n_ctx_slot``.
+
+    Args:
+        engine: the backend; the runner calls it only from its worker thread.
+        config: the ``[engine]`` table.
+
+    Raises:
+        ValueError: the batch is smaller than the number of slots.
+    """
+
+    def __init__(self, engine: Engine, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        self._engine = engine
+        self._config = config
+        n_slots = min(config.slots, engine.n_slots)
+        n_batch = min(config.n_batch, engine.n_batch)
+        self._scheduler = Scheduler(
+            n_slots=n_slots,
+            n_batch=n_batch,
+            prefill_chunk=min(config.prefill_chunk, n_batch),
+            queue_size=config.queue_size,
+        )
+        self._limiter = trio.CapacityLimiter(1)
+        self._wake = trio.Event()
+        self._idle = trio.Event()
+        self._started = False
+        self._running = False
+        self._closed = False
+        # statistics
+        self._kv_used = 0
+        self._steps = 0
+        self._failed_steps = 0
+        self._last_step_seconds = 0.0
+        self._decode_seconds_total = 0.0
+        self._last_step_tokens = 0
+        self._step_tokens_total = 0
+        self._prompt_tokens_total = 0
+        self._generated_total = 0
+        self._cancels = 0
+        self._tokens_after_cancel = 0
+        self._last_cancel_to_free: float | None = None
+        self._max_cancel_to_free: float | None = None
+
+    # -- pass-through ------------------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        """The engine's model name."""
+        return self._engine.model_id
+
+    @property
+    def n_ctx_slot(self) -> int:
+        """KV cells (tokens) per slot: prompt plus generated tokens must fit."""
+        return self._engine.n_ctx_slot
+
+    @property
+    def running(self) -> bool:
+        """Whether the owner loop is running (requests can be submitted)."""
+        return self._running
+
+    # -- consumer side -----------------------------------------------------
+
+    async def prepare(self, request: GenerationRequest) -> Prepared:
+        """Tokenize a request on the worker thread and check it fits a slot (C4).
+
+        Runs ``engine.tokenize_chat`` under the runner's limiter, so it waits
+        for an in-flight decode step. Cancelling the caller takes effect once
+        the tokenizer returns (the thread is not abandoned).
+
+        Args:
+            request: the parsed request.
+
+        Returns:
+            The request with its prompt tokens and resolved ``max_tokens``.
+
+        Raises:
+            RingserveError: ``INVALID_REQUEST`` with ``param="messages"`` when
+                the prompt is empty, cannot be rendered (the engine raised
+                ``ValueError``) or fills the slot's context by itself, or
+                ``param="max_tokens"`` when prompt + max_tokens exceeds it. The
+                message gives the numbers (tokens). Nothing is enqueued.
+        """
+        try:
+            tokens = await trio.to_thread.run_sync(
+                self._engine.tokenize_chat,
+                request.messages,
+                limiter=self._limiter,
+                abandon_on_cancel=False,
+            )
+        except ValueError as exc:  # the engine's "cannot render these messages"
+            raise invalid(f"the messages cannot be rendered: {exc}", "messages") from None
+        n_prompt = len(tokens)
+        ctx = self.n_ctx_slot
+        if n_prompt == 0:
+            raise invalid("the prompt is empty", "messages")
+        if n_prompt >= ctx:
+            raise invalid(
+                f"the prompt is {n_prompt} tokens, but the context per slot is {ctx} tokens"
+                f" and at least 1 must be left to generate",
+                "messages",
+            )
+        max_tokens = request.max_tokens
+        if max_tokens is None:
+            max_tokens = ctx - n_prompt
+        elif n_prompt + max_tokens > ctx:
+            raise invalid(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) ="
+                f" {n_prompt + max_tokens} tokens exceeds the context per slot ({ctx} tokens);"
+                f" max_tokens may be at most {ctx - n_prompt}",
+                "max_tokens",
+            )
+        return Prepared(request, tuple(tokens), max_tokens)
+
+    @asynccontextmanager
+    async def submit(self, prepared: Prepared) -> AsyncIterator[Generation]:
+        """Enqueue a prepared request; yield its :class:`Generation`.
+
+        Entering enqueues at once or raises. Leaving the block before the
+        generation produced its terminal event cancels it, synchronously, so
+        this holds when the block is left by an exception or by Trio
+        cancellation of the consumer: the request leaves the queue, or its
+        slot is marked for release, which the runner does (KV cells removed,
+        sampler freed) before its next decode step. At most one token that
+        was already being decoded is counted as decoded after the cancel.
+        ``gen.usage`` stays valid.
+
+        Raises:
+            RingserveError: ``OVERLOADED`` (retryable, with ``retry_after``)
+                when the queue is full; ``UNAVAILABLE`` when the runner loop is
+                not running.
+        """
+        gen = self._enqueue(prepared)
+        try:
+            yield gen
+        finally:
+            if gen._outcome is None and not gen.cancelled:
+                self._cancel(gen)
+            gen._receive.close()
+
+    def _enqueue(self, prepared: Prepared) -> Generation:
+        if not self._running:
+            raise RingserveError(
+                ErrorKind.UNAVAILABLE,
+                "the generation loop is not running",
+                retry_after=1.0,
+                retryable=True,
+            )
+        request = prepared.request
+        entry = self._scheduler.enqueue(
+            prepared.prompt_tokens, prepared.max_tokens, priority=request.priority
+        )
+        send, receive = trio.open_memory_channel[GenerationEvent](prepared.max_tokens + 2)
+        gen = Generation(prepared, entry, send, receive)
+        entry.tag = gen
+        self._poke()
+        return gen
+
+    def _cancel(self, gen: Generation) -> None:
+        """Mark ``gen`` cancelled and free its queue place or slot (sync; Trio thread)."""
+        gen._cancel_time = trio.current_time()
+        gen._send.close()
+        self._cancels += 1
+        entry = gen._entry
+        if not entry.done:
+            self._scheduler.cancel(entry)
+        self._poke()
+
+    def _poke(self) -> None:
+        """Wake the owner loop; the runner is no longer idle."""
+        self._wake.set()
+        if self._idle.is_set():
+            self._idle = trio.Event()
+
+    async def wait_idle(self) -> None:
+        """Wait until nothing is queued or decoding and every ended slot is released.
+
+        Returns at once when the loop is not running. Handy for a graceful
+        drain and for tests (a fact to wait on instead of a sleep).
+        """
+        while self._running and not self._idle.is_set():
+            await self._idle.wait()
+
+    # -- statistics ----------------------------------------------------------
+
+    def statistics(self) -> RunnerStatistics:
+        """A frozen snapshot of slots, queue, KV cells, steps and cancels."""
+        s = self._scheduler.statistics()
+        return RunnerStatistics(
+            slots_total=s.slots_total,
+            slots_busy=s.slots_busy,
+            queue_depth=dict(s.queue_depth),
+            kv_cells_used=self._kv_used,
+            kv_cells_total=s.slots_total * self.n_ctx_slot,
+            steps=self._steps,
+            failed_steps=self._failed_steps,
+            last_step_seconds=self._last_step_seconds,
+            decode_seconds_total=self._decode_seconds_total,
+            last_step_tokens=self._last_step_tokens,
+            step_tokens_total=self._step_tokens_total,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generated_tokens_total=self._generated_total,
+            cancels=self._cancels,
+            tokens_after_cancel_total=self._tokens_after_cancel,
+            last_cancel_to_free_seconds=self._last_cancel_to_free,
+            max_cancel_to_free_seconds=self._max_cancel_to_free,
+            running=self._running,
+        )
+
+    # -- the owner loop ------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the owner loop until cancelled; start it in the server's nursery.
+
+        Calls ``task_status.started()`` once requests can be submitted. A
+        crash inside ``engine.decode`` fails the generations it affects
+        (:class:`Failure` ``api_error``, retryable) and the loop goes on. If
+        the loop itself ends, by cancellation (``unavailable``) or by a bug
+        (``api_error``), every queued and active generation gets a
+        :class:`Failure` first, so no consumer hangs; the exception then
+        propagates.
+
+        Raises:
+            RuntimeError: ``run`` was already called on this runner.
+        """
+        if self._started:
+            raise RuntimeError("Runner.run() may be called only once")
+        self._started = True
+        self._running = True
+        try:
+            task_status.started()
+            while True:
+                await self._release_ended()
+                plan = self._scheduler.plan()
+                if not plan.feeds:
+                    if self._scheduler.releases_pending:
+                        continue  # a request ended during the release hop
+                    if self._scheduler.active():
+                        raise RuntimeError("live requests but nothing to feed")
+                    self._idle.set()
+                    await self._wake.wait()
+                    self._wake = trio.Event()
+                    continue
+                await self._step(plan)
+        except BaseException as exc:
+            self._running = False
+            self._closed = True
+            if isinstance(exc, trio.Cancelled):
+                kind, message = "unavailable", "the server is shutting down"
+            else:
+                log.exception("the generation loop crashed")
+                kind, message = "api_error", f"internal error in the generation loop ({type(exc).__name__})"
+            self._fail_everything(kind, message)
+            self._idle.set()
+            raise
+
+    async def _release_ended(self) -> None:
+        """Release the slots of ended requests on the worker thread, then free them."""
+        ended = self._scheduler.take_releases()
+        if not ended:
+            return
+        slots = [e.slot for e in ended if e.slot is not None]
+        kv = await trio.to_thread.run_sync(
+            self._release_sync, slots, limiter=self._limiter, abandon_on_cancel=False
+        )
+        now = trio.current_time()
+        if kv is not None:
+            self._kv_used = kv
+        self._scheduler.released(ended)
+        for entry in ended:
+            gen = entry.tag
+            if isinstance(gen, Generation) and gen._cancel_time is not None:
+                took = now - gen._cancel_time
+                self._last_cancel_to_free = took
+                if self._max_cancel_to_free is None or took > self._max_cancel_to_free:
+                    self._max_cancel_to_free = took
+
+    def _release_sync(self, slots: Sequence[int]) -> int | None:
+        """Worker thread: ``engine.release`` each slot; return KV cells in use."""
+        for slot in slots:
+            try:
+                self._engine.release(slot)
+            except Exception:
+                # begin() empties the slot again before its next use.
+                log.exception("engine.release(%d) failed", slot)
+        return self._kv_cells_sync()
+
+    def _kv_cells_sync(self) -> int | None:
+        try:
+            return self._engine.kv_cells_used()
+        except Exception:
+            return None
+
+    def _step_sync(
+        self, begins: Sequence[tuple[int, SamplingParams]], feeds: Sequence[SlotFeed]
+    ) -> _StepOutcome:
+        """Worker thread: begin the admitted slots, then decode the batch once.
+
+        Exceptions come back in the outcome instead of being raised, so the
+        owner loop sees which call failed.
+        """
+        begin_errors: dict[int, Exception] = {}
+        for slot, sampling in begins:
+            try:
+                self._engine.begin(slot, sampling)
+            except Exception as exc:
+                begin_errors[slot] = exc
+        if begin_errors:
+            return _StepOutcome(begin_errors=begin_errors, kv_cells_used=self._kv_cells_sync())
+        t0 = time.perf_counter()
+        try:
+            sampled = self._engine.decode(feeds)
+        except Exception as exc:
+            return _StepOutcome(
+                error=exc,
+                seconds=time.perf_counter() - t0,
+                kv_cells_used=self._kv_cells_sync(),
+            )
+        seconds = time.perf_counter() - t0
+        return _StepOutcome(sampled=sampled, seconds=seconds, kv_cells_used=self._kv_cells_sync())
+
+    async def _step(self, plan: Plan) -> None:
+        """One decode step for ``plan`` and the handling of what it gave."""
+        begins = []
+        for entry in plan.admitted:
+            gen = entry.tag
+            assert isinstance(gen, Generation) and entry.slot is not None
+            begins.append((entry.slot, gen.prepared.request.sampling))
+            self._prompt_tokens_total += len(entry.prompt)
+        outcome = await trio.to_thread.run_sync(
+            self._step_sync, begins, plan.feeds, limiter=self._limiter, abandon_on_cancel=False
+        )
+        if outcome.kv_cells_used is not None:
+            self._kv_used = outcome.kv_cells_used
+
+        if outcome.begin_errors:
+            admitted = {e.slot: e for e in plan.admitted}
+            for slot, exc in outcome.begin_errors.items():
+                entry = admitted[slot]
+                log.error("engine.begin(%d) failed: %r", slot, exc)
+                self._fail(entry, "api_error", f"the engine could not start: {exc}", retryable=True)
+            return
+
+        if outcome.error is not None:
+            self._failed_steps += 1
+            self._last_step_seconds = outcome.seconds
+            self._decode_seconds_total += outcome.seconds
+            self._on_decode_error(plan, outcome.error)
+            return
+
+        assert outcome.sampled is not None
+        self._steps += 1
+        self._last_step_seconds = outcome.seconds
+        self._decode_seconds_total += outcome.seconds
+        n = plan.n_tokens
+        self._last_step_tokens = n
+        self._step_tokens_total += n
+        self._scheduler.commit(plan)
+        for sampled in outcome.sampled:
+            entry = plan.owner(sampled.slot)
+            gen = entry.tag
+            assert isinstance(gen, Generation)
+            if gen.cancelled:
+                gen.tokens_after_cancel += 1
+                self._tokens_after_cancel += 1
+                continue
+            if not entry.live:
+                continue
+            self._scheduler.on_sampled(sampled.slot, sampled.token)
+            self._generated_total += 1
+            self._on_token(gen, sampled)
+
+    def _on_decode_error(self, plan: Plan, error: Exception) -> None:
+        """Fail the generations a failed decode affects; the rest retry next step."""
+        fed = {f.slot for f in plan.feeds}
+        if isinstance(error, EngineError):
+            affected = set(error.slots) & fed or fed
+            if isinstance(error, KVCacheFull):
+                kind = "overloaded"
+                message = f"no room left in the KV cache: {error}"
+            else:
+                kind = "api_error"
+                message = f"the engine failed: {error}"
+            log.warning("decode failed for slots %s: %s", sorted(affected), error)
+            for slot in sorted(affected):
+                self._fail(plan.owner(slot), kind, message, retryable=True)
+            return
+        # Not an EngineError: a bug or a crash (C12). The engine's state for
+        # every active slot is unknown, so all of them fail and are released.
+        log.error("engine.decode crashed", exc_info=error)
+        message = f"internal error while generating ({type(error).__name__})"
+        for entry in self._scheduler.active():
+            self._fail(entry, "api_error", message, retryable=True)
+
+    # -- turning tokens into events ----------------------------------------
+
+    def _on_token(self, gen: Generation, sampled: Sampled) -> None:
+        """Count, detokenize and stop-match one sampled token; emit what it releases."""
+        gen._tokens_since_delta += 1
+        if sampled.eog:
+            self._finish(gen, StopReason.END)
+            return
+        text = gen._detokenizer.feed(sampled.piece)
+        if text:
+            match = gen._stopper.feed(text)
+            if match.text:
+                self._emit_text(gen, match.text)
+            if match.stop is not None:
+                self._finish(gen, StopReason.STOP_SEQUENCE, match.stop)
+                return
+        if gen._entry.budget_left <= 0:
+            self._finish(gen, StopReason.MAX_TOKENS)
+
+    def _emit_text(self, gen: Generation, text: str) -> None:
+        self._emit(gen, TextDelta(text, gen._tokens_since_delta))
+        gen._tokens_since_delta = 0
+
+    def _finish(self, gen: Generation, reason: StopReason, stop: str | None = None) -> None:
+        """End a generation normally: flush held text, emit Finish, free the slot."""
+        if stop is None:
+            tail = gen._detokenizer.flush()
+            text = ""
+            if tail:
+                match = gen._stopper.feed(tail)
+                text = match.text
+                if match.stop is not None:
+                    reason, stop = StopReason.STOP_SEQUENCE, match.stop
+            if stop is None:
+                text += gen._stopper.flush()
+            if text:
+                self._emit_text(gen, text)
+        self._end(gen, Finish(reason, gen.usage, stop))
+
+    def _fail(self, entry: Entry, kind: str, message: str, *, retryable: bool) -> None:
+        gen = entry.tag
+        assert isinstance(gen, Generation)
+        if entry.done:
+            return
+        self._end(gen, Failure(kind, message, gen.usage, retryable))
+
+    def _end(self, gen: Generation, event: Finish | Failure) -> None:
+        """Emit the terminal event, close the channel and let the slot drain."""
+        entry = gen._entry
+        if entry.live:
+            self._scheduler.finish(entry)
+        elif entry.state is SlotState.QUEUED:
+            self._scheduler.cancel(entry)  # leaves the queue; only on shutdown
+        gen._outcome = event
+        self._emit(gen, event)
+        gen._send.close()
+
+    def _emit(self, gen: Generation, event: GenerationEvent) -> None:
+        if gen.cancelled:
+            return
+        try:
+            gen._send.send_nowait(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the consumer is gone; the cancel path frees the slot
+        except trio.WouldBlock:  # pragma: no cover - the buffer is sized to never fill
+            raise RuntimeError("generation event buffer full") from None
+
+    def _fail_everything(self, kind: str, message: str) -> None:
+        """The loop is ending: every queued or active generation gets a Failure."""
+        for entry in (*self._scheduler.active(), *self._scheduler.queued()):
+            gen = entry.tag
+            if isinstance(gen, Generation) and gen._outcome is None and not gen.cancelled:
+                try:
+                    self._end(gen, Failure(kind, message, gen.usage, retryable=True))
+                except Exception:  # pragma: no cover - keep failing the others
+                    gen._send.close()
+

@@ -1,0 +1,686 @@
+"""engine/runner.py on the FakeEngine: streaming, stops, concurrency, cancels, failures.
+
+No test sleeps to "let it run". Tests wait on facts: a generation's events,
+``Runner.wait_idle()``, or a hook that the fake engine calls (on the Trio
+thread, while its decode call is still in flight) to order things exactly.
+Fake decode steps take no time, so the real clock is used; ``trio.fail_after``
+bounds are a guard against hangs, not a wait.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+from ringserve.config import EngineConfig
+from ringserve.core.errors import ErrorKind, RingserveError
+from ringserve.core.events import (
+    ChatMessage,
+    Failure,
+    Finish,
+    GenerationRequest,
+    SamplingParams,
+    StopReason,
+    TextDelta,
+)
+from ringserve.core.scheduler import SlotState
+from ringserve.engine.fake import DEFAULT_REPLY, DecodeCall, FakeEngine
+from ringserve.engine.runner import Generation, Runner, RunnerStatistics
+
+GUARD = 10  # seconds: no test should come near this
+
+Hook = Callable[[DecodeCall], Awaitable[None]]
+
+
+class HookedEngine(FakeEngine):
+    """FakeEngine that runs an async hook on the Trio thread at the end of each decode call.
+
+    The worker thread waits for the hook, so whatever the hook does happens
+    while that decode step is in flight. It also records which threads called
+    the engine.
+    """
+
+    def __init__(self, *, hook: Hook | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.hook = hook
+        self.threads: set[int] = set()
+
+    def tokenize_chat(self, messages):
+        self.threads.add(threading.get_ident())
+        return super().tokenize_chat(messages)
+
+    def begin(self, slot, sampling):
+        self.threads.add(threading.get_ident())
+        return super().begin(slot, sampling)
+
+    def release(self, slot):
+        self.threads.add(threading.get_ident())
+        return super().release(slot)
+
+    def decode(self, feeds):
+        self.threads.add(threading.get_ident())
+        try:
+            return super().decode(feeds)
+        finally:
+            if self.hook is not None:
+                trio.from_thread.run(self.hook, self.log[-1])
+
+
+def req(text: str, max_tokens: int | None = 256, *, stop=(), priority=0) -> GenerationRequest:
+    return GenerationRequest(
+        (ChatMessage("user", text),),
+        max_tokens,
+        SamplingParams(temperature=0),
+        tuple(stop),
+        priority,
+    )
+
+
+@asynccontextmanager
+async def serving(engine, **config):
+    runner = Runner(engine, EngineConfig(**config))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        with trio.fail_after(GUARD):
+            yield runner
+        nursery.cancel_scope.cancel()
+
+
+async def generate(runner: Runner, request: GenerationRequest):
+    """Run one request to the end: (events, text, terminal, generation)."""
+    prepared = await runner.prepare(request)
+    async with runner.submit(prepared) as gen:
+        events = [e async for e in gen]
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    return events, text, events[-1], gen
+
+
+def sample_feeds(engine: FakeEngine, slot: int, after: int = -1) -> int:
+    """Successful sampling feeds for ``slot`` in decode calls with index > ``after``."""
+    return sum(
+        1
+        for call in engine.log
+        if call.error is None and call.index > after
+        for f in call.feeds
+        if f.slot == slot and f.sample
+    )
+
+
+# -- text and usage ----------------------------------------------------------
+
+
+async def test_text_equals_fake_reply_and_usage_counts_tokens_sampled():
+    engine = HookedEngine(piece_bytes=3)
+    async with serving(engine) as runner:
+        events, text, last, gen = await generate(runner, req("hello"))
+        await runner.wait_idle()
+    threads = set(engine.threads)
+    assert text == DEFAULT_REPLY
+    assert all(isinstance(e, TextDelta) and e.text for e in events[:-1])
+    expected_tokens = engine.reply_tokens("hello")  # pieces + EOG
+    assert last == Finish(StopReason.END, gen.usage)
+    assert gen.usage.input_tokens == len(engine.tokenize_chat([ChatMessage("user", "hello")]))
+    assert gen.usage.output_tokens == expected_tokens == sample_feeds(engine, gen.slot)
+    assert sum(e.tokens for e in events[:-1]) <= expected_tokens
+    stats = runner.statistics()
+    assert stats.generated_tokens_total == expected_tokens
+    assert stats.prompt_tokens_total == gen.usage.input_tokens
+    assert stats.kv_cells_used == 0 and engine.kv_cells_used() == 0
+    assert stats.slots_busy == 0 and stats.queue_depth == {}
+    # every engine call ran on a worker thread, never on the Trio thread
+    assert threads and threading.get_ident() not in threads
+
+
+async def test_echo_and_max_tokens():
+    engine = FakeEngine(piece_bytes=1)
+    async with serving(engine) as runner:
+        _, text, last, gen = await generate(runner, req("echo:0123456789", max_tokens=4))
+        _, text2, last2, _ = await generate(runner, req("echo:ab"))
+    assert (text, last.stop_reason, gen.usage.output_tokens) == ("0123", StopReason.MAX_TOKENS, 4)
+    assert (text2, last2.stop_reason, last2.usage.output_tokens) == ("ab", StopReason.END, 3)
+
+
+async def test_max_tokens_none_is_what_the_context_leaves():
+    engine = FakeEngine(n_ctx_slot=64, piece_bytes=1, reply="z" * 200)
+    async with serving(engine) as runner:
+        prepared = await runner.prepare(req("hi", max_tokens=None))
+        n_prompt = len(prepared.prompt_tokens)
+        assert prepared.max_tokens == 64 - n_prompt
+        async with runner.submit(prepared) as gen:
+            text, last = await gen.collect()
+    assert text == "z" * (64 - n_prompt)
+    assert last.stop_reason is StopReason.MAX_TOKENS
+
+
+@pytest.mark.parametrize("piece_bytes", [1, 2, 3, 4, 5])
+async def test_split_multibyte_characters_never_give_replacement_chars(piece_bytes):
+    """C6 on the fake: emoji, skin tone, CJK, a flag, Cyrillic and ½ cut at every width."""
+    reply = "👍🏽 你好 🇯🇵 Привет ½"
+    engine = FakeEngine(piece_bytes=piece_bytes, reply=reply)
+    async with serving(engine) as runner:
+        events, text, last, _ = await generate(runner, req("repeat"))
+    assert "\ufffd" not in text
+    assert text == reply
+    assert last.stop_reason is StopReason.END
+    assert all("\ufffd" not in e.text for e in events if isinstance(e, TextDelta))
+
+
+@pytest.mark.parametrize("piece_bytes", [1, 2, 3, 5, 7])
+async def test_stop_sequence_split_across_tokens_does_not_leak(piece_bytes):
+    """C7: nothing of "beta gamma" is ever streamed, whatever the token split."""
+    engine = FakeEngine(piece_bytes=piece_bytes, reply="alpha beta gamma delta")
+    async with serving(engine) as runner:
+        events, text, last, gen = await generate(runner, req("go", stop=["beta gamma"]))
+    assert text == "alpha "
+    assert "b" not in "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert last == Finish(StopReason.STOP_SEQUENCE, gen.usage, "beta gamma")
+    # generation stopped at the match: no token of " delta" was sampled
+    assert gen.usage.output_tokens == -(-len("alpha beta gamma") // piece_bytes)
+
+
+async def test_held_back_stop_prefix_is_released_at_the_end():
+    engine = FakeEngine(piece_bytes=2, reply="alpha beta gam")
+    async with serving(engine) as runner:
+        _, text, last, _ = await generate(runner, req("go", stop=["beta gamma"]))
+    assert text == "alpha beta gam"
+    assert last.stop_reason is StopReason.END and last.stop_sequence is None
+
+
+async def test_generation_never_waits_for_its_consumer():
+    engine = FakeEngine(piece_bytes=1, reply="x" * 300)
+    async with serving(engine) as runner:
+        prepared = await runner.prepare(req("go", max_tokens=400))
+        async with runner.submit(prepared) as gen:
+            await runner.wait_idle()  # read nothing until it is all done
+            assert isinstance(gen.outcome, Finish)
+            assert engine.kv_cells_used() == 0
+            text, last = await gen.collect()
+    assert text == "x" * 300 and last.stop_reason is StopReason.END
+
+
+# -- concurrency and batching ------------------------------------------------
+
+
+async def test_four_concurrent_generations_all_start_before_any_finishes():
+    """C8: one batch serves all four; every first delta comes before the first Finish."""
+    engine = FakeEngine(n_slots=4, piece_bytes=2)
+    order: list[tuple[str, int]] = []
+
+    async def one(runner: Runner, i: int) -> None:
+        prepared = await runner.prepare(req(f"user {i}"))
+        async with runner.submit(prepared) as gen:
+            first = True
+            async for event in gen:
+                if isinstance(event, TextDelta) and first:
+                    order.append(("first", i))
+                    first = False
+                elif isinstance(event, Finish):
+                    order.append(("finish", i))
+
+    async with serving(engine) as runner:
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, runner, i)
+        stats = runner.statistics()
+    kinds = [k for k, _ in order]
+    assert kinds.count("first") == 4 and kinds.count("finish") == 4
+    assert kinds.index("finish") > max(i for i, k in enumerate(kinds) if k == "first")
+    # they were decoded together: some batch fed all four slots
+    assert max(len(call.feeds) for call in engine.log) == 4
+    assert stats.steps < 4 * engine.reply_tokens("user 0")
+
+
+async def test_long_prompt_does_not_stall_a_decoding_slot():
+    engine = HookedEngine(n_slots=2, piece_bytes=1, reply="y" * 80)
+    started = trio.Event()
+
+    async def hook(call: DecodeCall) -> None:
+        if call.index == 0:
+            started.set()
+
+    engine.hook = hook
+    async with serving(engine, prefill_chunk=16) as runner:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(generate, runner, req("short"))
+            await started.wait()
+            nursery.start_soon(generate, runner, req("L" * 300))
+    # while the long prompt was being fed, every batch still carried slot 0's token
+    prefill_calls = [c for c in engine.log if any(f.slot == 1 and not f.sample for f in c.feeds)]
+    assert len(prefill_calls) >= 300 // 16
+    for call in prefill_calls:
+        sizes = {f.slot: len(f.tokens) for f in call.feeds}
+        assert sizes[1] <= 16
+        if call.index < 80:  # slot 0 still generating its 80 + 1 tokens
+            assert sizes.get(0) == 1
+
+
+async def test_priority_then_fifo_admission():
+    engine = HookedEngine(n_slots=1, piece_bytes=1, reply="r" * 5)
+    gate = trio.Event()
+    queued = trio.Event()
+    finished: list[str] = []
+
+    async def hook(call: DecodeCall) -> None:
+        if call.index == 0:
+            gate.set()
+            await queued.wait()  # keep "first" in flight until the others are queued
+
+    engine.hook = hook
+
+    async def one(runner, name, prepared):
+        async with runner.submit(prepared) as gen:
+            await gen.collect()
+        finished.append(name)
+
+    async with serving(engine, queue_size=8) as runner:
+        prepared = {
+            name: await runner.prepare(req(name, priority=prio))
+            for name, prio in [("first", 0), ("a", 1), ("b", 0), ("c", 1), ("d", 0)]
+        }
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, runner, "first", prepared["first"])
+            await gate.wait()
+            for name in "abcd":
+                await one_started(nursery, one, runner, name, prepared[name])
+            assert runner.statistics().queue_depth == {0: 2, 1: 2}
+            queued.set()
+    assert finished == ["first", "b", "d", "a", "c"]
+
+
+async def one_started(nursery, fn, runner, name, prepared):
+    """Start fn and wait until its request is in the queue (queue depth grew)."""
+    before = sum(runner.statistics().queue_depth.values())
+    nursery.start_soon(fn, runner, name, prepared)
+    while sum(runner.statistics().queue_depth.values()) == before:
+        await trio.testing.wait_all_tasks_blocked()
+
+
+# -- admission errors ----------------------------------------------------------
+
+
+async def test_queue_full_is_overloaded_at_once():
+    engine = FakeEngine(n_slots=1, piece_bytes=1, reply="w" * 50)
+    async with serving(engine, queue_size=1) as runner:
+        p = await runner.prepare(req("x"))
+        async with runner.submit(p) as a, runner.submit(p) as b:
+            with pytest.raises(RingserveError) as info:
+                async with runner.submit(p):
+                    pytest.fail("entered a full queue")
+            err = info.value
+            assert err.kind is ErrorKind.OVERLOADED and err.status == 529
+            assert err.retryable and err.retry_after and err.retry_after > 0
+            # one request per slot plus queue_size may wait
+            assert sum(runner.statistics().queue_depth.values()) == 2
+            await a.collect()
+            await b.collect()
+
+
+async def test_prompt_too_long_is_invalid_before_anything_is_enqueued():
+    engine = FakeEngine(n_ctx_slot=64)
+    async with serving(engine) as runner:
+        with pytest.raises(RingserveError) as info:
+            await runner.prepare(req("p" * 100, max_tokens=8))  # "<|user|>" + 100 + "\n"
+        assert info.value.kind is ErrorKind.INVALID_REQUEST and info.value.status == 400
+        assert info.value.param == "messages"
+        assert "109 tokens" in info.value.message and "64 tokens" in info.value.message
+
+        with pytest.raises(RingserveError) as info:
+            await runner.prepare(req("p" * 21, max_tokens=50))  # 30 + 50 > 64
+        assert info.value.kind is ErrorKind.INVALID_REQUEST and info.value.param == "max_tokens"
+        msg = info.value.message
+        assert "30 tokens" in msg and "(50)" in msg and "64 tokens" in msg and "at most 34" in msg
+
+        stats = runner.statistics()
+    assert stats.queue_depth == {} and stats.steps == 0 and engine.log == []
+
+
+async def test_submit_without_a_running_loop_is_unavailable():
+    engine = FakeEngine()
+    runner = Runner(engine, EngineConfig())
+    prepared = await runner.prepare(req("x"))
+    with pytest.raises(RingserveError) as info:
+        async with runner.submit(prepared):
+            pass
+    assert info.value.kind is ErrorKind.UNAVAILABLE
+
+
+# -- cancellation (C1/C2) -------------------------------------------------------
+
+
+async def test_cancel_mid_generation_frees_the_slot_within_one_step():
+    engine = FakeEngine(piece_bytes=1, reply="c" * 3000)
+    async with serving(engine) as runner:
+        prepared = await runner.prepare(req("long", max_tokens=4000))
+        async with runner.submit(prepared) as gen:
+            seen = 0
+            async for event in gen:
+                assert isinstance(event, TextDelta)
+                seen += 1
+                if seen == 3:
+                    break
+            calls_at_cancel = len(engine.log)
+        assert gen.cancelled and gen.state is SlotState.CANCELLED
+        await runner.wait_idle()
+        stats = runner.statistics()
+    slot = gen.slot
+    assert engine.kv_cells_used(slot) == 0 and stats.kv_cells_used == 0
+    assert stats.slots_busy == 0 and stats.cancels == 1
+    assert stats.tokens_after_cancel_total == gen.tokens_after_cancel <= 1
+    # at most the step in flight at the cancel was decoded for it, nothing after
+    assert sample_feeds(engine, slot, after=calls_at_cancel - 1) <= 1
+    assert stats.last_cancel_to_free_seconds is not None and stats.last_cancel_to_free_seconds >= 0
+    assert gen.usage.output_tokens >= 3
+    assert gen.usage.output_tokens < 4000
+
+
+async def test_cancel_while_a_step_is_in_flight_counts_one_token_after_cancel():
+    engine = HookedEngine(piece_bytes=1, reply="d" * 500)
+    in_flight = trio.Event()
+    left = trio.Event()
+
+    async def hook(call: DecodeCall) -> None:
+        if call.index == 5:
+            in_flight.set()
+            await left.wait()  # the decode call returns only after the consumer left
+
+    engine.hook = hook
+    async with serving(engine) as runner:
+        prepared = await runner.prepare(req("x", max_tokens=600))
+        async with runner.submit(prepared) as gen:
+            await in_flight.wait()
+        left.set()
+        await runner.wait_idle()
+        stats = runner.statistics()
+    assert gen.tokens_after_cancel == 1 and stats.tokens_after_cancel_total == 1
+    assert gen.usage.output_tokens == 5  # calls 0..4 delivered; call 5's token came too late
+    assert len(engine.log) == 6  # no decode call after the cancelled one
+    assert engine.kv_cells_used(gen.slot) == 0
+
+
+async def test_cancel_while_prefilling():
+    engine = HookedEngine(piece_bytes=1)
+    in_flight = trio.Event()
+
+    async def hook(call: DecodeCall) -> None:
+        if call.index == 1:
+            in_flight.set()
+
+    engine.hook = hook
+    async with serving(engine, prefill_chunk=8) as runner:
+        prepared = await runner.prepare(req("P" * 200))
+        async with runner.submit(prepared) as gen:
+            await in_flight.wait()
+            assert gen.state is SlotState.PREFILL
+        await runner.wait_idle()
+        stats = runner.statistics()
+    assert gen.state is SlotState.CANCELLED and gen.usage.output_tokens == 0
+    assert engine.kv_cells_used() == 0 and stats.tokens_after_cancel_total == 0
+    assert all(not f.sample for call in engine.log for f in call.feeds)
+    assert len(engine.log) <= 3
+
+
+async def test_cancel_while_queued():
+    engine = FakeEngine(n_slots=1, piece_bytes=1, reply="q" * 40)
+    async with serving(engine) as runner:
+        p = await runner.prepare(req("first"))
+        q = await runner.prepare(req("second"))
+        async with runner.submit(p) as a:
+            first = await a.__anext__()  # "first" holds the only slot now
+            async with runner.submit(q) as b:
+                assert b.state is SlotState.QUEUED
+            assert b.state is SlotState.CANCELLED and b.slot is None
+            assert runner.statistics().queue_depth == {}
+            text, last = await a.collect()
+        await runner.wait_idle()
+    text = first.text + text
+    assert text == "q" * 40 and last.stop_reason is StopReason.END
+    assert {f.slot for call in engine.log for f in call.feeds} == {0}
+    assert len({call.feeds[0].tokens[:3] for call in engine.log if call.feeds[0].pos == 0}) == 1
+
+
+async def test_trio_cancellation_of_the_consumer_cancels_the_generation():
+    engine = HookedEngine(piece_bytes=1, reply="t" * 500)
+    consumer_scope = trio.CancelScope()
+
+    async def hook(call: DecodeCall) -> None:
+        if call.index == 10:
+            consumer_scope.cancel()
+
+    engine.hook = hook
+    async with serving(engine) as runner:
+        prepared = await runner.prepare(req("x", max_tokens=600))
+        with consumer_scope:
+            async with runner.submit(prepared) as gen:
+                async for _ in gen:
+                    pass
+        assert consumer_scope.cancelled_caught
+        await runner.wait_idle()
+        stats = runner.statistics()
+    assert gen.cancelled and stats.cancels == 1
+    assert engine.kv_cells_used() == 0 and stats.tokens_after_cancel_total <= 1
+    assert len(engine.log) <= 12
+
+
+async def test_cancelled_slot_is_reused_by_the_next_request():
+    engine = FakeEngine(n_slots=1, piece_bytes=1, reply="u" * 100)
+    async with serving(engine) as runner:
+        p = await runner.prepare(req("x"))
+        async with runner.submit(p) as gen:
+            await gen.__anext__()
+        _, text, last, gen2 = await generate(runner, req("echo:again"))
+    assert text == "again" and gen2.slot == gen.slot == 0
+
+
+# -- failures (C3/C12) ---------------------------------------------------------
+
+
+async def test_engine_error_fails_only_its_generation_and_the_batch_is_retried():
+    engine = HookedEngine(n_slots=2, piece_bytes=1, fail_after_tokens=5)
+    go_b = trio.Event()
+    b_in = trio.Event()
+
+    async def hook(call: DecodeCall) -> None:
+        if call.index == 2:
+            go_b.set()
+            await b_in.wait()
+
+    engine.hook = hook
+    results = {}
+
+    async def a(runner):
+        results["a"] = await generate(runner, req("echo:" + "a" * 30))
+
+    async def b(runner):
+        prepared = await runner.prepare(req("echo:bcd"))  # before the hook holds the limiter
+        await go_b.wait()
+        async with runner.submit(prepared) as gen:
+            b_in.set()
+            results["b"] = (await gen.collect(), gen)
+
+    async with serving(engine) as runner:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a, runner)
+            nursery.start_soon(b, runner)
+        await runner.wait_idle()
+        stats = runner.statistics()
+
+    _, text_a, last_a, gen_a = results["a"]
+    assert text_a == "aaaaa"
+    assert isinstance(last_a, Failure)
+    assert (last_a.kind, last_a.retryable) == ("api_error", True)
+    assert last_a.usage.output_tokens == 5 == gen_a.usage.output_tokens
+
+    (text_b, last_b), gen_b = results["b"]
+    assert text_b == "bcd" and last_b == Finish(StopReason.END, gen_b.usage)
+    # the failing call carried b's feed too; b was fed again at the next step
+    failed = [call for call in engine.log if call.error]
+    assert len(failed) == 1 and gen_b.slot in failed[0].slots and gen_a.slot in failed[0].slots
+    assert stats.failed_steps == 1 and engine.kv_cells_used() == 0
+
+
+async def test_kv_cache_full_is_overloaded_for_that_slot():
+    class FullEngine(FakeEngine):
+        def decode(self, feeds):
+            if any(f.slot == 1 and f.pos > 0 and f.sample for f in feeds):
+                from ringserve.engine.protocol import KVCacheFull
+
+                self.log.append(DecodeCall(len(self.log), tuple(feeds), "KVCacheFull"))
+                raise KVCacheFull("no room", [1])
+            return super().decode(feeds)
+
+    engine = FullEngine(n_slots=2, piece_bytes=1, reply="k" * 10)
+    async with serving(engine) as runner:
+        async with trio.open_nursery() as nursery:
+            results = {}
+
+            async def one(name):
+                results[name] = await generate(runner, req(name))
+
+            nursery.start_soon(one, "a")
+            nursery.start_soon(one, "b")
+    failures = [r for r in results.values() if isinstance(r[2], Failure)]
+    finishes = [r for r in results.values() if isinstance(r[2], Finish)]
+    assert len(failures) == 1 and len(finishes) == 1
+    assert failures[0][2].kind == "overloaded" and failures[0][2].retryable
+    assert finishes[0][1] == "k" * 10
+
+
+async def test_decode_crash_fails_every_active_generation_and_serving_goes_on():
+    """C12: a bug in decode ends every affected stream with a Failure, then new work succeeds."""
+    engine = FakeEngine(n_slots=3, piece_bytes=1, reply="z" * 50, crash_after_steps=3)
+    results = []
+
+    async def one(runner, text):
+        results.append(await generate(runner, req(text)))
+
+    async with serving(engine, queue_size=4) as runner:
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(one, runner, f"victim {i}")
+        calls_after_failure = len(engine.log)
+        _, text, last, _ = await generate(runner, req("echo:after the crash"))
+        await runner.wait_idle()
+        stats = runner.statistics()
+    assert len(results) == 2
+    for _, _, last_event, gen in results:
+        assert isinstance(last_event, Failure)
+        assert (last_event.kind, last_event.retryable) == ("api_error", True)
+        assert last_event.usage == gen.usage and gen.usage.output_tokens <= 3
+    # they failed at the crashed call itself (call 4), not after more steps
+    assert calls_after_failure == 4 and engine.log[3].error == "RuntimeError"
+    assert text == "after the crash" and last.stop_reason is StopReason.END
+    assert stats.failed_steps == 1 and stats.running and engine.kv_cells_used() == 0
+
+
+async def test_crash_in_the_loop_itself_fails_waiting_consumers():
+    engine = FakeEngine(n_slots=1, piece_bytes=1, reply="b" * 20)
+    runner = Runner(engine, EngineConfig(queue_size=4))
+    results = []
+    crashes = []
+
+    def broken(gen, sampled):
+        raise ZeroDivisionError("bug in token handling")
+
+    runner._on_token = broken  # a bug inside the owner loop
+
+    async def run_runner(task_status=trio.TASK_STATUS_IGNORED):
+        try:
+            await runner.run(task_status=task_status)
+        except ZeroDivisionError as exc:
+            crashes.append(exc)
+
+    async def consumer(prepared):
+        async with runner.submit(prepared) as gen:
+            results.append(await gen.collect())
+
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run_runner)
+            p = await runner.prepare(req("x"))
+            for _ in range(3):  # one active, two queued
+                nursery.start_soon(consumer, p)
+    assert len(crashes) == 1
+    assert len(results) == 3
+    for text, last in results:
+        assert text == "" and isinstance(last, Failure)
+        assert last.kind == "api_error" and last.retryable
+    assert not runner.running
+    with pytest.raises(RingserveError) as err:
+        async with runner.submit(p):
+            pass
+    assert err.value.kind is ErrorKind.UNAVAILABLE
+
+
+async def test_shutdown_fails_active_and_queued_generations_as_unavailable():
+    engine = HookedEngine(n_slots=1, piece_bytes=1, reply="s" * 100)
+    runner = Runner(engine, EngineConfig())
+    results = []
+    step = trio.Event()
+
+    async def hook(call: DecodeCall) -> None:
+        if call.index == 3:
+            step.set()
+
+    engine.hook = hook
+
+    async def consumer(prepared):
+        async with runner.submit(prepared) as gen:
+            results.append(await gen.collect())
+
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as outer:
+            async with trio.open_nursery() as inner:
+                await inner.start(runner.run)
+                p = await runner.prepare(req("x"))
+                outer.start_soon(consumer, p)
+                outer.start_soon(consumer, p)
+                await step.wait()
+                inner.cancel_scope.cancel()
+    assert len(results) == 2
+    for _, last in results:
+        assert isinstance(last, Failure) and last.kind == "unavailable" and last.retryable
+
+
+# -- statistics ----------------------------------------------------------------
+
+
+async def test_statistics_is_a_frozen_snapshot_with_step_timing():
+    engine = FakeEngine(piece_bytes=4)
+    async with serving(engine) as runner:
+        before = runner.statistics()
+        _, _, _, gen = await generate(runner, req("hello"))
+        await runner.wait_idle()
+        after = runner.statistics()
+    assert isinstance(after, RunnerStatistics)
+    assert before.steps == 0 and before.running
+    assert after.steps == gen.usage.output_tokens  # one step per token for a single short prompt
+    assert after.slots_total == 4 and after.kv_cells_total == 4 * engine.n_ctx_slot
+    assert after.decode_seconds_total >= after.last_step_seconds >= 0
+    assert after.last_step_tokens == 1
+    assert after.step_tokens_total == gen.usage.input_tokens + gen.usage.output_tokens - 1
+    with pytest.raises(AttributeError):
+        after.steps = 0  # type: ignore[misc]
+
+
+async def test_idle_runner_parks_without_polling(autojump_clock):
+    engine = FakeEngine()
+    runner = Runner(engine, EngineConfig())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        await trio.sleep(3600)  # an hour of virtual time: a polling loop would spin here
+        await runner.wait_idle()
+        assert runner._wake.statistics().tasks_waiting == 1
+        assert runner.statistics().steps == 0 and engine.log == []
+        p = await runner.prepare(req("echo:ok"))
+        async with runner.submit(p) as gen:
+            text, _ = await gen.collect()
+        assert text == "ok"
+        nursery.cancel_scope.cancel()
+
+
+def test_generation_is_exported():
+    assert Generation.__aiter__ is not None
