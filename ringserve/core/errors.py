@@ -27,6 +27,11 @@ class ErrorKind(enum.Enum):
     OVERLOADED = 529
     UNAVAILABLE = 503
 
+    @classmethod
+    def from_name(cls, name: str) -> ErrorKind:
+        """The kind named ``name`` (case-insensitive, e.g. ``"api_error"``); API_ERROR if unknown."""
+        return cls.__members__.get(name.upper(), cls.API_ERROR)
+
 
 class RingserveError(Exception):
     """An error with the status and kind a surface needs to answer it.

@@ -1,0 +1,58 @@
+"""Command line: ``ringserve serve [--config FILE] [--host H] [--port P] [--model PATH] [--slots N]``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import trio
+
+from ringserve.config import Config
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ringserve", description="Self-hosted LLM server streaming over SSE.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the server")
+    serve.add_argument("--config", type=Path, help="TOML config file (see configs/default.toml)")
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="bind port (default 8080)")
+    serve.add_argument("--model", help="path to a GGUF model (default: the bundled SmolLM2-135M-Instruct)")
+    serve.add_argument("--slots", type=int, help="concurrent sequences decoded together (default 4)")
+    serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return parser
+
+
+def load_config(args: argparse.Namespace) -> Config:
+    """The config file (or defaults) with the command line's overrides applied."""
+    config = Config.from_toml(args.config) if args.config else Config()
+    server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if server:
+        config = config.replace("server", **server)
+    if args.model is not None:
+        config = config.replace("model", path=args.model)
+    if args.slots is not None:
+        config = config.replace("engine", slots=args.slots)
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ringserve.engine.modelfile import ModelFileError, check_model_file, default_model_path
+    from ringserve.server import serve
+
+    try:
+        config = load_config(args)
+        check_model_file(config.model.path or default_model_path())
+    except (OSError, ValueError, ModelFileError) as exc:
+        print(f"ringserve: {exc}", file=sys.stderr)
+        return 2
+    trio.run(serve, config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,385 @@
+"""Generations decoupled from connections: one producer task per message, readers tail its log.
+
+Every generation runs in the server-owned nursery, not in the request's. Its
+producer renders the runner's events in the message's surface format, encodes
+them (``core/sse.py``) with the id ``<message_id>:<seq>``, and appends them to
+the message's ring log, coalesced by ``core/coalesce.py``. Every HTTP
+connection, the first one included, is a reader of that log, so a dropped
+client costs a replay, not the answer (seed "Streaming LLM Responses over SSE
+and Surviving Disconnects").
+
+When the last reader of a message leaves, its disconnect policy decides:
+``abort`` cancels the generation after ``grace_seconds`` (the runner frees its
+slot and KV cells before the next decode step); ``continue`` lets it finish.
+A cancelled message is billed for the tokens really sampled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import attrs
+import trio
+
+from ringserve.config import Config
+from ringserve.core.coalesce import Coalescer
+from ringserve.core.errors import ErrorKind, RingserveError
+from ringserve.core.events import Failure, Finish, StopReason, TextDelta, Usage
+from ringserve.core.ringlog import Gap, LogState, format_event_id, parse_event_id
+from ringserve.core.sse import encode_event
+from ringserve.engine.runner import Runner
+from ringserve.messages import MessageStore, StoredMessage
+from ringserve.stream.logs import LogStore, MessageLog
+from ringserve.stream.reader import tail
+from ringserve.surfaces.base import MessageResult, ParsedRequest, Renderer, Surface, WireEvent
+
+_NOT_YET = object()
+
+
+class CancelReason:
+    """Why a producer's cancel scope was cancelled."""
+
+    CLIENT_GONE = "client_gone"
+    REQUESTED = "requested"
+    DRAIN = "drain"
+
+
+@attrs.define(eq=False)
+class LiveMessage:
+    """A message whose producer is running or whose log is still held.
+
+    ``parts`` is the text released to readers so far; ``status`` follows
+    ``messages.STATUSES``; ``done`` is set once the terminal event is in the log.
+    """
+
+    id: str
+    surface: Surface
+    model: str
+    created: int
+    include_usage: bool
+    policy: str
+    request_hash: str
+    log: MessageLog | None = None
+    status: str = "queued"
+    parts: list[str] = attrs.Factory(list)
+    usage: Usage = Usage(0, 0)
+    stop_reason: str | None = None
+    stop_sequence: str | None = None
+    error: str | None = None
+    cancel_reason: str | None = None
+    cancel_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    done: trio.Event = attrs.Factory(trio.Event)
+
+    def result(self) -> MessageResult:
+        return MessageResult(
+            message_id=self.id,
+            model=self.model,
+            created=self.created,
+            text="".join(self.parts),
+            stop_reason=self.stop_reason,
+            stop_sequence=self.stop_sequence,
+            usage=self.usage,
+        )
+
+
+def request_hash(body: bytes) -> str:
+    """Fingerprint of a request body, for ``Idempotency-Key`` checks."""
+    return hashlib.sha256(body).hexdigest()
+
+
+def _resume_after(value: str, message_id: str) -> int:
+    """The seq a ``Last-Event-ID`` names, or a 400 in the surface's shape."""
+    if len(value) > 200:
+        raise RingserveError(ErrorKind.INVALID_REQUEST, "Last-Event-ID is too long", param="Last-Event-ID")
+    try:
+        return parse_event_id(value, message_id)
+    except ValueError as exc:
+        raise RingserveError(ErrorKind.INVALID_REQUEST, str(exc)[:300], param="Last-Event-ID") from None
+
+
+class Hub:
+    """Owns live messages, their producers and the disconnect policy.
+
+    Args:
+        config: the server config (stream and policy tables are used).
+        runner: the engine's owner task.
+        logs: the stream-log backend.
+        store: the durable message store.
+        nursery: the server-owned nursery producers run in.
+    """
+
+    def __init__(self, config: Config, runner: Runner, logs: LogStore, store: MessageStore, nursery: trio.Nursery):
+        self.config = config
+        self.runner = runner
+        self.logs = logs
+        self.store = store
+        self._nursery = nursery
+        self._live: dict[str, LiveMessage] = {}
+        self._keys: dict[str, LiveMessage] = {}
+        self.draining = False
+
+    # -- creating ------------------------------------------------------------------------
+
+    async def create(
+        self,
+        surface: Surface,
+        parsed: ParsedRequest,
+        *,
+        body_hash: str,
+        request_json: str,
+        policy: str,
+        idempotency_key: str | None = None,
+    ) -> tuple[LiveMessage | StoredMessage, bool]:
+        """Start a generation, or find the one an ``Idempotency-Key`` already started.
+
+        Returns:
+            ``(message, created)``: ``created`` is False for an idempotent retry,
+            whose message may be live or only stored.
+
+        Raises:
+            RingserveError: ``UNPROCESSABLE`` (key reused with another body),
+            ``INVALID_REQUEST`` (prompt + max_tokens over the context),
+            ``OVERLOADED`` (queue full), ``UNAVAILABLE`` (draining).
+        """
+        if self.draining:
+            raise RingserveError(ErrorKind.UNAVAILABLE, "server is shutting down", retry_after=1, retryable=True)
+        if idempotency_key is not None:
+            existing = self._keys.get(idempotency_key) or self.store.by_idempotency_key(idempotency_key)
+            if existing is not None:
+                if existing.request_hash != body_hash:
+                    raise RingserveError(
+                        ErrorKind.UNPROCESSABLE,
+                        "Idempotency-Key was already used with a different request body",
+                        param="Idempotency-Key",
+                    )
+                return existing, False
+        model = self.runner.model_id
+        msg = LiveMessage(
+            id=f"{surface.id_prefix}{secrets.token_hex(12)}",
+            surface=surface,
+            model=model,
+            created=int(time.time()),
+            include_usage=parsed.include_usage,
+            policy=policy,
+            request_hash=body_hash,
+        )
+        if idempotency_key is not None:
+            self._keys[idempotency_key] = msg
+        try:
+            prepared = await self.runner.prepare(parsed.request)
+            row = StoredMessage(
+                id=msg.id,
+                surface=surface.name,
+                model=model,
+                created=msg.created,
+                status="queued",
+                request=request_json,
+                request_hash=body_hash,
+                idempotency_key=idempotency_key,
+                input_tokens=len(prepared.prompt_tokens),
+            )
+            await self._nursery.start(self._produce, msg, prepared, row)
+        finally:
+            if idempotency_key is not None and msg.log is None:
+                del self._keys[idempotency_key]
+        return msg, True
+
+    async def _produce(self, msg: LiveMessage, prepared: Any, row: StoredMessage, *, task_status) -> None:
+        renderer = msg.surface.renderer(msg.id, msg.model, msg.created, msg.include_usage)
+        msg.usage = Usage(len(prepared.prompt_tokens), 0)
+        gen = None
+        try:
+            with msg.cancel_scope:
+                async with self.runner.submit(prepared) as gen:
+                    self.store.insert(row)
+                    msg.log = self.logs.create(msg.id)
+                    msg.log.on_idle = lambda: self._on_idle(msg)
+                    self._live[msg.id] = msg
+                    task_status.started()
+                    self._append(msg, renderer.start(msg.usage))
+                    await self._pump(msg, gen, renderer)
+        finally:
+            if msg.log is not None and not msg.log.closed:
+                if gen is not None:
+                    msg.usage = gen.usage
+                self._end_interrupted(msg, renderer)
+
+    async def _pump(self, msg: LiveMessage, gen: Any, renderer: Renderer) -> None:
+        stream = self.config.stream
+        coalescer = Coalescer(window=stream.flush_ms / 1000, max_tokens=stream.flush_tokens)
+        events = gen.__aiter__()
+        while True:
+            event: Any = _NOT_YET
+            with trio.move_on_at(coalescer.deadline):
+                event = await anext(events, None)
+            if event is _NOT_YET:
+                self._release(msg, renderer, coalescer.due(trio.current_time()))
+                continue
+            if isinstance(event, TextDelta):
+                if msg.status == "queued":
+                    msg.status = "generating"
+                    self.store.update(msg.id, status="generating")
+                msg.usage = gen.usage
+                self._release(msg, renderer, coalescer.add(event.text, event.tokens, trio.current_time()))
+                continue
+            self._release(msg, renderer, coalescer.flush())
+            if isinstance(event, Finish):
+                self._finish(msg, renderer, event)
+            elif isinstance(event, Failure):
+                self._fail(msg, renderer, event)
+            else:
+                self._fail(msg, renderer, Failure("api_error", "generation ended without a result", gen.usage, True))
+            return
+
+    # -- writing the log -----------------------------------------------------------------
+
+    def _append(self, msg: LiveMessage, events: list[WireEvent]) -> None:
+        log = msg.log
+        for ev in events:
+            log.append(encode_event(ev.data, event=ev.event, id=format_event_id(msg.id, log.next_seq)))
+
+    def _release(self, msg: LiveMessage, renderer: Renderer, text: str | None) -> None:
+        if text:
+            msg.parts.append(text)
+            self._append(msg, renderer.delta(text))
+
+    def _finish(self, msg: LiveMessage, renderer: Renderer, finish: Finish) -> None:
+        msg.usage = finish.usage
+        msg.stop_reason = msg.surface.stop_reason(finish.stop_reason)
+        msg.stop_sequence = finish.stop_sequence
+        msg.status = "cancelled" if finish.stop_reason is StopReason.CANCELLED else "complete"
+        self._append(msg, renderer.finish(finish))
+        self._close(msg, LogState.FINISHED)
+
+    def _fail(self, msg: LiveMessage, renderer: Renderer, failure: Failure) -> None:
+        msg.usage = failure.usage
+        msg.status = "failed"
+        msg.error = failure.message
+        self._append(msg, renderer.fail(failure))
+        self._close(msg, LogState.FAILED)
+
+    def _end_interrupted(self, msg: LiveMessage, renderer: Renderer) -> None:
+        """Terminal events for a producer that was cancelled (synchronous: runs while cancelled)."""
+        if msg.cancel_reason == CancelReason.DRAIN:
+            self._fail(msg, renderer, Failure("unavailable", "server is shutting down; resume or retry", msg.usage, True))
+        elif msg.cancel_reason is not None:
+            self._finish(msg, renderer, Finish(StopReason.CANCELLED, msg.usage))
+        else:
+            self._fail(msg, renderer, Failure("api_error", "generation stopped unexpectedly", msg.usage, True))
+
+    def _close(self, msg: LiveMessage, state: LogState) -> None:
+        msg.log.close(state)
+        self.store.update(
+            msg.id,
+            status=msg.status,
+            text="".join(msg.parts),
+            stop_reason=msg.stop_reason,
+            stop_sequence=msg.stop_sequence,
+            output_tokens=msg.usage.output_tokens,
+            input_tokens=msg.usage.input_tokens,
+            error=msg.error,
+        )
+        msg.done.set()
+
+    # -- policy and cancel ---------------------------------------------------------------
+
+    def _on_idle(self, msg: LiveMessage) -> None:
+        if msg.done.is_set() or msg.policy != "abort":
+            return
+        grace = self.config.policy.grace_seconds
+        if grace <= 0:
+            self.cancel(msg, CancelReason.CLIENT_GONE)
+        else:
+            self._nursery.start_soon(self._abort_after_grace, msg, grace)
+
+    async def _abort_after_grace(self, msg: LiveMessage, grace: float) -> None:
+        await trio.sleep(grace)
+        if msg.log.readers == 0:
+            self.cancel(msg, CancelReason.CLIENT_GONE)
+
+    def cancel(self, msg: LiveMessage, reason: str) -> None:
+        """Cancel a live generation (idempotent); its readers get a terminal event."""
+        if not msg.done.is_set() and msg.cancel_reason is None:
+            msg.cancel_reason = reason
+            msg.cancel_scope.cancel()
+
+    def drain(self) -> None:
+        """Refuse new generations from now on."""
+        self.draining = True
+
+    def cancel_all(self, reason: str) -> None:
+        for msg in list(self._live.values()):
+            self.cancel(msg, reason)
+
+    async def wait_all_done(self) -> None:
+        for msg in list(self._live.values()):
+            await msg.done.wait()
+
+    # -- finding and reading -------------------------------------------------------------
+
+    def live(self, message_id: str) -> LiveMessage | None:
+        msg = self._live.get(message_id)
+        if msg is not None and self.logs.get(message_id) is None:
+            del self._live[message_id]  # the log expired: the store answers from now on
+            return None
+        return msg
+
+    def lookup(self, message_id: str) -> LiveMessage | StoredMessage:
+        """The live message, else the stored one.
+
+        Raises:
+            RingserveError: ``NOT_FOUND`` when no such message exists.
+        """
+        msg = self.live(message_id)
+        if msg is not None:
+            return msg
+        try:
+            stored = self.store.get(message_id)
+        except sqlite3.Error:
+            stored = None
+        if stored is None:
+            raise RingserveError(ErrorKind.NOT_FOUND, f"no message {message_id[:80]!r}")
+        return stored
+
+    def open_log(self, message_id: str, last_event_id: str | None) -> tuple[MessageLog, int | None]:
+        """The log to resume and the seq to resume after (None: from the start).
+
+        Raises:
+            RingserveError: ``NOT_FOUND`` (unknown message), ``GONE`` (the log
+            expired, or the id is older than the ring holds: fetch
+            ``GET /v1/messages/{id}``), ``INVALID_REQUEST`` (malformed id, or
+            one that was never sent).
+        """
+        after = None if last_event_id is None else _resume_after(last_event_id, message_id)
+        log = self.logs.get(message_id)
+        if log is None:
+            self.lookup(message_id)  # raises NOT_FOUND for an unknown id
+            raise RingserveError(
+                ErrorKind.GONE,
+                f"the stream log of {message_id} has expired; GET /v1/messages/{message_id} has the message",
+            )
+        try:
+            check = log.read_from(after, limit=0)
+        except ValueError:
+            raise RingserveError(
+                ErrorKind.INVALID_REQUEST, "Last-Event-ID names an event that was never sent", param="Last-Event-ID"
+            ) from None
+        if isinstance(check, Gap):
+            raise RingserveError(
+                ErrorKind.GONE,
+                f"events after {last_event_id} have left the ring; GET /v1/messages/{message_id} has the text",
+            )
+        return log, after
+
+    def stream(
+        self, log: MessageLog, after: int | None, on_heartbeat: Callable[[], None] | None = None
+    ) -> AsyncIterator[bytes]:
+        """The SSE bytes of ``log`` after ``after``: replay, then live, with heartbeats."""
+        server = self.config.server
+        return tail(log, after, heartbeat_interval=server.heartbeat_interval, retry_ms=server.retry_ms,
+                    on_heartbeat=on_heartbeat)

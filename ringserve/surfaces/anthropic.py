@@ -1,0 +1,187 @@
+"""Anthropic Messages API surface (``POST /v1/messages``).
+
+Request and event shapes follow Anthropic's "Messages" and "Streaming
+Messages" documentation: ``message_start``, ``content_block_start``,
+``content_block_delta`` (``text_delta``)..., ``content_block_stop``,
+``message_delta`` (``stop_reason``, ``stop_sequence``, ``usage``),
+``message_stop``; errors are ``{"type": "error", "error": {"type", "message"}}``
+both as HTTP bodies and as the in-band ``event: error``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ringserve.core.errors import ErrorKind, RingserveError, invalid
+from ringserve.core.events import (
+    ChatMessage,
+    Failure,
+    Finish,
+    GenerationRequest,
+    SamplingParams,
+    StopReason,
+    Usage,
+)
+from ringserve.surfaces.base import (
+    MessageResult,
+    ParsedRequest,
+    WireEvent,
+    dumps,
+    get_bool,
+    get_float,
+    get_int,
+    get_str,
+    require_object,
+    stop_list,
+    text_content,
+)
+
+MAX_TOKENS_LIMIT = 1_000_000
+
+#: ErrorKind → Anthropic error ``type`` (docs: "Errors").
+ERROR_TYPES = {
+    ErrorKind.INVALID_REQUEST: "invalid_request_error",
+    ErrorKind.AUTHENTICATION: "authentication_error",
+    ErrorKind.PERMISSION: "permission_error",
+    ErrorKind.NOT_FOUND: "not_found_error",
+    ErrorKind.CONFLICT: "invalid_request_error",
+    ErrorKind.GONE: "not_found_error",
+    ErrorKind.REQUEST_TOO_LARGE: "request_too_large",
+    ErrorKind.UNPROCESSABLE: "invalid_request_error",
+    ErrorKind.RATE_LIMIT: "rate_limit_error",
+    ErrorKind.API_ERROR: "api_error",
+    ErrorKind.OVERLOADED: "overloaded_error",
+    ErrorKind.UNAVAILABLE: "overloaded_error",
+}
+
+#: StopReason → Anthropic ``stop_reason``. ``cancelled`` is ringserve's own
+#: value for a generation ended by ``POST /v1/messages/{id}/cancel``.
+STOP_REASONS = {
+    StopReason.END: "end_turn",
+    StopReason.MAX_TOKENS: "max_tokens",
+    StopReason.STOP_SEQUENCE: "stop_sequence",
+    StopReason.CANCELLED: "cancelled",
+    StopReason.REFUSAL: "refusal",
+}
+
+
+def _error_object(kind_name: str, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": kind_name, "message": message}}
+
+
+class AnthropicRenderer:
+    """Renders one message's events in Anthropic's streaming order (see module doc)."""
+
+    def __init__(self, message_id: str, model: str) -> None:
+        self._message_id = message_id
+        self._model = model
+
+    def start(self, usage: Usage) -> list[WireEvent]:
+        message = {
+            "id": self._message_id,
+            "type": "message",
+            "role": "assistant",
+            "content": [],
+            "model": self._model,
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
+        }
+        return [
+            WireEvent(dumps({"type": "message_start", "message": message}), "message_start"),
+            WireEvent(
+                dumps({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+                "content_block_start",
+            ),
+        ]
+
+    def delta(self, text: str) -> list[WireEvent]:
+        data = dumps({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})
+        return [WireEvent(data, "content_block_delta")]
+
+    def finish(self, finish: Finish) -> list[WireEvent]:
+        delta = {"stop_reason": STOP_REASONS[finish.stop_reason], "stop_sequence": finish.stop_sequence}
+        usage = {"input_tokens": finish.usage.input_tokens, "output_tokens": finish.usage.output_tokens}
+        return [
+            WireEvent(dumps({"type": "content_block_stop", "index": 0}), "content_block_stop"),
+            WireEvent(dumps({"type": "message_delta", "delta": delta, "usage": usage}), "message_delta"),
+            WireEvent(dumps({"type": "message_stop"}), "message_stop"),
+        ]
+
+    def fail(self, failure: Failure) -> list[WireEvent]:
+        kind = ErrorKind.from_name(failure.kind)
+        return [WireEvent(dumps(_error_object(ERROR_TYPES[kind], failure.message)), "error")]
+
+
+class AnthropicSurface:
+    """Anthropic Messages: parsing, rendering and error shapes."""
+
+    name = "anthropic"
+    id_prefix = "msg_"
+
+    def parse_request(self, body: Any) -> ParsedRequest:
+        """Validate a Messages request body.
+
+        Supported: ``model``, ``max_tokens`` (required), ``messages`` (string
+        content or text blocks), ``system`` (string or text blocks),
+        ``temperature`` (0–1), ``top_p``, ``top_k``, ``stop_sequences``,
+        ``stream``, ``metadata``. Other keys are ignored.
+
+        Raises:
+            RingserveError: ``INVALID_REQUEST`` naming the offending field.
+        """
+        body = require_object(body)
+        model = get_str(body, "model", required=True)
+        max_tokens = get_int(body, "max_tokens", lo=1, hi=MAX_TOKENS_LIMIT)
+        if max_tokens is None:
+            raise invalid("max_tokens: field required", param="max_tokens")
+        messages: list[ChatMessage] = []
+        if "system" in body and body["system"] is not None:
+            messages.append(ChatMessage("system", text_content(body["system"], "system")))
+        raw = body.get("messages")
+        if not isinstance(raw, list) or not raw:
+            raise invalid("messages: must be a non-empty list", param="messages")
+        for i, m in enumerate(raw):
+            if not isinstance(m, dict):
+                raise invalid(f"messages[{i}]: must be an object", param="messages")
+            role = m.get("role")
+            if role not in ("user", "assistant"):
+                raise invalid(f"messages[{i}].role: must be 'user' or 'assistant'", param="messages")
+            messages.append(ChatMessage(role, text_content(m.get("content"), f"messages[{i}].content")))
+        metadata = body.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise invalid("metadata: must be an object", param="metadata")
+        sampling = SamplingParams(
+            temperature=get_float(body, "temperature", lo=0.0, hi=1.0, default=1.0),
+            top_p=get_float(body, "top_p", lo=0.0, hi=1.0, default=1.0),
+            top_k=get_int(body, "top_k", lo=0, hi=1_000_000, default=0),
+        )
+        request = GenerationRequest(
+            messages=tuple(messages),
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop=stop_list(body.get("stop_sequences"), "stop_sequences"),
+        )
+        return ParsedRequest(request=request, stream=get_bool(body, "stream"), model=model)
+
+    def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> AnthropicRenderer:
+        return AnthropicRenderer(message_id, model)
+
+    def message_json(self, result: MessageResult) -> dict[str, Any]:
+        """The non-stream ``Message`` object."""
+        return {
+            "id": result.message_id,
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "text", "text": result.text}],
+            "model": result.model,
+            "stop_reason": result.stop_reason,
+            "stop_sequence": result.stop_sequence,
+            "usage": {"input_tokens": result.usage.input_tokens, "output_tokens": result.usage.output_tokens},
+        }
+
+    def stop_reason(self, reason: StopReason) -> str:
+        return STOP_REASONS[reason]
+
+    def error_json(self, error: RingserveError) -> dict[str, Any]:
+        return _error_object(ERROR_TYPES[error.kind], error.message)

@@ -1,0 +1,173 @@
+"""What every API surface provides: parse a request, render events, shape errors.
+
+A surface is picked once per request (by route) and never tested for by name
+inside the shell, in the manner of h11's ``READERS``/``WRITERS`` tables. Only
+``surfaces/*`` know JSON keys; the SSE bytes are made by ``core/sse.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+import attrs
+
+from ringserve.core.errors import RingserveError, invalid
+from ringserve.core.events import Failure, Finish, GenerationRequest, Usage
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON, UTF-8 kept as is (the SSE stream is UTF-8)."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+@attrs.frozen
+class WireEvent:
+    """One SSE event before encoding: optional event name and its data line(s)."""
+
+    data: str
+    event: str | None = None
+
+
+@attrs.frozen
+class ParsedRequest:
+    """A surface request after validation.
+
+    Args:
+        request: the surface-neutral generation request.
+        stream: whether the client asked for an SSE stream.
+        model: the model name the client sent (may be empty).
+        include_usage: OpenAI ``stream_options.include_usage``.
+    """
+
+    request: GenerationRequest
+    stream: bool
+    model: str = ""
+    include_usage: bool = False
+
+
+@attrs.frozen
+class MessageResult:
+    """A finished (or cancelled, or failed) message as the non-stream answer needs it."""
+
+    message_id: str
+    model: str
+    created: int
+    text: str
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: Usage
+
+
+class Renderer(Protocol):
+    """Turns one generation's events into wire events, in order.
+
+    ``start`` comes first, then any number of ``delta``, then exactly one of
+    ``finish`` or ``fail``. Renderers are per message and hold its ids.
+    """
+
+    def start(self, usage: Usage) -> list[WireEvent]: ...
+
+    def delta(self, text: str) -> list[WireEvent]: ...
+
+    def finish(self, finish: Finish) -> list[WireEvent]: ...
+
+    def fail(self, failure: Failure) -> list[WireEvent]: ...
+
+
+class Surface(Protocol):
+    """One API dialect (Anthropic Messages or OpenAI Chat Completions)."""
+
+    name: str
+    id_prefix: str
+
+    def parse_request(self, body: Any) -> ParsedRequest: ...
+
+    def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> Renderer: ...
+
+    def message_json(self, result: MessageResult) -> dict[str, Any]: ...
+
+    def error_json(self, error: RingserveError) -> dict[str, Any]: ...
+
+
+# -- validation helpers shared by both parsers ----------------------------------------------
+
+
+def require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid("request body must be a JSON object")
+    return body
+
+
+def get_int(body: dict[str, Any], key: str, *, lo: int, hi: int, default: int | None = None) -> int | None:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"{key}: must be an integer", param=key)
+    if not lo <= value <= hi:
+        raise invalid(f"{key}: must be between {lo} and {hi}, got {value}", param=key)
+    return value
+
+
+def get_float(body: dict[str, Any], key: str, *, lo: float, hi: float, default: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise invalid(f"{key}: must be a number", param=key)
+    if not lo <= value <= hi:
+        raise invalid(f"{key}: must be between {lo} and {hi}, got {value}", param=key)
+    return float(value)
+
+
+def get_bool(body: dict[str, Any], key: str, default: bool = False) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(f"{key}: must be a boolean", param=key)
+    return value
+
+
+def get_str(body: dict[str, Any], key: str, *, required: bool = False, default: str = "") -> str:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise invalid(f"{key}: field required", param=key)
+        return default
+    if not isinstance(value, str):
+        raise invalid(f"{key}: must be a string", param=key)
+    return value
+
+
+def text_content(value: Any, where: str) -> str:
+    """Message content: a string, or a list of ``{"type": "text", "text": ...}`` blocks joined."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for i, block in enumerate(value):
+            if not isinstance(block, dict) or block.get("type") != "text":
+                raise invalid(f"{where}[{i}]: only text content blocks are supported", param=where)
+            text = block.get("text")
+            if not isinstance(text, str):
+                raise invalid(f"{where}[{i}].text: must be a string", param=where)
+            parts.append(text)
+        return "".join(parts)
+    raise invalid(f"{where}: must be a string or a list of text blocks", param=where)
+
+
+def stop_list(value: Any, key: str, *, max_items: int = 16, max_len: int = 256) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise invalid(f"{key}: must be a string or a list of strings", param=key)
+    if len(value) > max_items:
+        raise invalid(f"{key}: at most {max_items} stop sequences", param=key)
+    if any(len(s) > max_len for s in value):
+        raise invalid(f"{key}: each stop sequence has at most {max_len} characters", param=key)
+    return tuple(s for s in value if s)
+

@@ -1,0 +1,201 @@
+"""OpenAI Chat Completions surface (``POST /v1/chat/completions``).
+
+Shapes follow OpenAI's "Chat Completions" API reference and its "Streaming"
+guide: ``chat.completion.chunk`` objects, a usage chunk with empty
+``choices`` only when ``stream_options.include_usage`` is set, and a final
+``data: [DONE]``. A mid-stream error is ``data: {"error": {...}}`` with no
+``[DONE]`` after it (the official SDK raises on it). HTTP errors are
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ringserve.core.errors import ErrorKind, RingserveError, invalid
+from ringserve.core.events import (
+    ChatMessage,
+    Failure,
+    Finish,
+    GenerationRequest,
+    SamplingParams,
+    StopReason,
+    Usage,
+)
+from ringserve.surfaces.base import (
+    MessageResult,
+    ParsedRequest,
+    WireEvent,
+    dumps,
+    get_bool,
+    get_float,
+    get_int,
+    get_str,
+    require_object,
+    stop_list,
+    text_content,
+)
+
+MAX_TOKENS_LIMIT = 1_000_000
+DONE = "[DONE]"
+
+#: ErrorKind → (OpenAI error ``type``, ``code``).
+ERROR_TYPES = {
+    ErrorKind.INVALID_REQUEST: ("invalid_request_error", None),
+    ErrorKind.AUTHENTICATION: ("invalid_request_error", "invalid_api_key"),
+    ErrorKind.PERMISSION: ("invalid_request_error", "permission_denied"),
+    ErrorKind.NOT_FOUND: ("invalid_request_error", "not_found"),
+    ErrorKind.CONFLICT: ("invalid_request_error", "conflict"),
+    ErrorKind.GONE: ("invalid_request_error", "expired"),
+    ErrorKind.REQUEST_TOO_LARGE: ("invalid_request_error", "request_too_large"),
+    ErrorKind.UNPROCESSABLE: ("invalid_request_error", "idempotency_key_reused"),
+    ErrorKind.RATE_LIMIT: ("rate_limit_error", "rate_limit_exceeded"),
+    ErrorKind.API_ERROR: ("server_error", None),
+    ErrorKind.OVERLOADED: ("server_error", "overloaded"),
+    ErrorKind.UNAVAILABLE: ("server_error", "unavailable"),
+}
+
+#: HTTP status per kind where OpenAI differs from the kind's default (overload is 503).
+STATUS = {ErrorKind.OVERLOADED: 503}
+
+#: StopReason → OpenAI ``finish_reason``. ``cancelled`` is ringserve's own value.
+FINISH_REASONS = {
+    StopReason.END: "stop",
+    StopReason.MAX_TOKENS: "length",
+    StopReason.STOP_SEQUENCE: "stop",
+    StopReason.CANCELLED: "cancelled",
+    StopReason.REFUSAL: "content_filter",
+}
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _error_object(kind: ErrorKind, message: str, param: str | None) -> dict[str, Any]:
+    type_, code = ERROR_TYPES[kind]
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _usage(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.input_tokens,
+        "completion_tokens": usage.output_tokens,
+        "total_tokens": usage.input_tokens + usage.output_tokens,
+    }
+
+
+class OpenAIRenderer:
+    """Renders one completion's events as ``chat.completion.chunk`` data lines."""
+
+    def __init__(self, message_id: str, model: str, created: int, include_usage: bool) -> None:
+        self._head = {"id": message_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        self._include_usage = include_usage
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> WireEvent:
+        chunk = {**self._head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+        if self._include_usage:
+            chunk["usage"] = None
+        return WireEvent(dumps(chunk))
+
+    def start(self, usage: Usage) -> list[WireEvent]:
+        return [self._chunk({"role": "assistant", "content": ""}, None)]
+
+    def delta(self, text: str) -> list[WireEvent]:
+        return [self._chunk({"content": text}, None)]
+
+    def finish(self, finish: Finish) -> list[WireEvent]:
+        events = [self._chunk({}, FINISH_REASONS[finish.stop_reason])]
+        if self._include_usage:
+            events.append(WireEvent(dumps({**self._head, "choices": [], "usage": _usage(finish.usage)})))
+        events.append(WireEvent(DONE))
+        return events
+
+    def fail(self, failure: Failure) -> list[WireEvent]:
+        return [WireEvent(dumps(_error_object(ErrorKind.from_name(failure.kind), failure.message, None)))]
+
+
+class OpenAISurface:
+    """OpenAI Chat Completions: parsing, rendering and error shapes."""
+
+    name = "openai"
+    id_prefix = "chatcmpl-"
+
+    def parse_request(self, body: Any) -> ParsedRequest:
+        """Validate a Chat Completions request body.
+
+        Supported: ``model``, ``messages`` (roles system/developer/user/
+        assistant; string or text-part content), ``max_completion_tokens`` /
+        ``max_tokens`` (absent: what the context leaves), ``temperature``
+        (0–2), ``top_p``, ``stop`` (string or list), ``seed``, ``stream``,
+        ``stream_options.include_usage``, ``n`` (only 1). Other keys are ignored.
+
+        Raises:
+            RingserveError: ``INVALID_REQUEST`` naming the offending field.
+        """
+        body = require_object(body)
+        model = get_str(body, "model")
+        raw = body.get("messages")
+        if not isinstance(raw, list) or not raw:
+            raise invalid("messages: must be a non-empty list", param="messages")
+        messages = []
+        for i, m in enumerate(raw):
+            if not isinstance(m, dict):
+                raise invalid(f"messages[{i}]: must be an object", param="messages")
+            role = ROLES.get(m.get("role"))  # type: ignore[arg-type]
+            if role is None:
+                raise invalid(f"messages[{i}].role: must be one of {', '.join(ROLES)}", param="messages")
+            content = m.get("content")
+            if content is None and role == "assistant":
+                content = ""
+            messages.append(ChatMessage(role, text_content(content, f"messages[{i}].content")))
+        max_tokens = get_int(body, "max_completion_tokens", lo=1, hi=MAX_TOKENS_LIMIT)
+        if max_tokens is None:
+            max_tokens = get_int(body, "max_tokens", lo=1, hi=MAX_TOKENS_LIMIT)
+        if get_int(body, "n", lo=1, hi=1, default=1) != 1:
+            raise invalid("n: only 1 is supported", param="n")
+        seed = get_int(body, "seed", lo=-(2**63), hi=2**64 - 1)
+        sampling = SamplingParams(
+            temperature=get_float(body, "temperature", lo=0.0, hi=2.0, default=1.0),
+            top_p=get_float(body, "top_p", lo=0.0, hi=1.0, default=1.0),
+            seed=None if seed is None else seed % 2**32,
+        )
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise invalid("stream_options: must be an object", param="stream_options")
+        include_usage = get_bool(options or {}, "include_usage")
+        request = GenerationRequest(
+            messages=tuple(messages),
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop=stop_list(body.get("stop"), "stop"),
+        )
+        return ParsedRequest(request=request, stream=get_bool(body, "stream"), model=model, include_usage=include_usage)
+
+    def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> OpenAIRenderer:
+        return OpenAIRenderer(message_id, model, created, include_usage)
+
+    def message_json(self, result: MessageResult) -> dict[str, Any]:
+        """The non-stream ``chat.completion`` object."""
+        return {
+            "id": result.message_id,
+            "object": "chat.completion",
+            "created": result.created,
+            "model": result.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": result.text, "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": result.stop_reason,
+                }
+            ],
+            "usage": _usage(result.usage),
+        }
+
+    def stop_reason(self, reason: StopReason) -> str:
+        return FINISH_REASONS[reason]
+
+    def error_status(self, error: RingserveError) -> int:
+        return STATUS.get(error.kind, error.status)
+
+    def error_json(self, error: RingserveError) -> dict[str, Any]:
+        return _error_object(error.kind, error.message, error.param)

@@ -1,0 +1,105 @@
+"""Shared fixtures: an in-process ringserve on the fake engine, and one on the real model."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from ringserve.config import Config
+from ringserve.engine.fake import FakeEngine
+from ringserve.server import serve
+
+
+def fake_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
+    """A test config: port 0, a store in ``tmp_path``, overrides per table."""
+    config = Config().replace("server", port=0).replace("store", path=str(tmp_path / "store.sqlite3"))
+    for section, changes in sections.items():
+        config = config.replace(section, **changes)
+    return config
+
+
+@asynccontextmanager
+async def running_server(config: Config, **engine_kwargs: Any) -> AsyncIterator[Any]:
+    """Serve ``config`` on a :class:`FakeEngine` in this Trio run; yields the ServerState (``.urls[0]``)."""
+    stop = trio.Event()
+    engine_kwargs.setdefault("n_slots", config.engine.slots)
+    engine_kwargs.setdefault("n_ctx_slot", config.engine.ctx_per_slot)
+
+    def factory(_config: Config) -> FakeEngine:
+        return FakeEngine(**engine_kwargs)
+
+    async with trio.open_nursery() as nursery:
+        state = await nursery.start(lambda task_status: serve(
+            config, factory, handle_signals=False, shutdown_trigger=stop, task_status=task_status))
+        try:
+            yield state
+        finally:
+            stop.set()
+
+
+@pytest.fixture
+async def fake_server(tmp_path: Path) -> AsyncIterator[Any]:
+    """Default fake-engine server; yields ``(state, httpx.AsyncClient)`` with base_url set."""
+    async with running_server(fake_config(tmp_path)) as state:
+        async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+            yield state, client
+
+
+# -- the real bundled model in a real server process --------------------------------------
+
+
+class ServerProcess:
+    """``python -m ringserve serve`` in a subprocess, on a free port, until stopped."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ringserve", "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.lines: list[str] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("server exited:\n" + "".join(self.lines))
+            self.lines.append(line)
+            m = re.search(r"ready: .* at (http://\S+)", line)
+            if m:
+                self.url = m.group(1).rstrip(",")
+                return
+        raise RuntimeError("server did not become ready:\n" + "".join(self.lines))
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc.stdout.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One real-model server for the session (4 slots, 1024-token context per slot)."""
+    cfg = tmp_path_factory.mktemp("model") / "config.toml"
+    store = cfg.parent / "store.sqlite3"
+    cfg.write_text(f'[engine]\nslots = 4\nctx_per_slot = 4608\n[store]\npath = "{store}"\n')
+    server = ServerProcess(["--config", str(cfg)])
+    yield server
+    server.stop()

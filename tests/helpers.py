@@ -1,0 +1,41 @@
+"""Test helpers: read an SSE response with the project's own parser."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from ringserve.core.sse import ServerSentEvent, SSEParser
+
+ANTHROPIC_BODY = {"model": "any", "max_tokens": 64, "messages": [{"role": "user", "content": "hello"}]}
+OPENAI_BODY = {"model": "any", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 64}
+
+
+async def sse_events(client: httpx.AsyncClient, method: str, url: str, **kwargs: Any) -> tuple[httpx.Response, list[ServerSentEvent], bytes]:
+    """Send a request and read its whole SSE body: (response, events, raw bytes)."""
+    parser = SSEParser()
+    events: list[ServerSentEvent] = []
+    raw = bytearray()
+    async with client.stream(method, url, **kwargs) as resp:
+        async for chunk in resp.aiter_raw():
+            raw += chunk
+            events += parser.feed(chunk)
+    return resp, events, bytes(raw)
+
+
+def anthropic_text(events: list[ServerSentEvent]) -> str:
+    return "".join(
+        json.loads(e.data)["delta"]["text"] for e in events if e.event == "content_block_delta"
+    )
+
+
+def openai_text(events: list[ServerSentEvent]) -> str:
+    out = []
+    for e in events:
+        if e.data == "[DONE]":
+            continue
+        for choice in json.loads(e.data).get("choices", []):
+            out.append(choice["delta"].get("content") or "")
+    return "".join(out)
