@@ -9,7 +9,7 @@ import trio
 import trio.testing
 
 from ringserve.core.ringlog import LogState, RingLog, format_event_id
-from ringserve.core.sse import SSEParser, encode_comment, encode_event, encode_retry
+from ringserve.core.sse import SSEParser, encode_comment, encode_event
 from ringserve.stream.logs import MemoryMessageLog
 from ringserve.stream.reader import ReaderLagged, tail
 
@@ -44,20 +44,19 @@ async def test_replay_then_live_then_end(autojump_clock: trio.abc.Clock) -> None
     n_replayed = trio.Event()
 
     async def consume() -> None:
-        async with aclosing(tail(log, None, heartbeat_interval=15, retry_ms=3000)) as chunks:
+        async with aclosing(tail(log, None, heartbeat_interval=15)) as chunks:
             async for chunk in chunks:
                 got.append(chunk)
-                if len(got) == 4:
+                if len(got) == 3:
                     n_replayed.set()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(consume)
         await n_replayed.wait()
         await trio.testing.wait_all_tasks_blocked()
-        assert got[0] == encode_retry(3000)
         append_event(log, "new 3")
         await trio.testing.wait_all_tasks_blocked()
-        assert len(got) == 5  # delivered live, without waiting for a heartbeat
+        assert len(got) == 4  # delivered live, without waiting for a heartbeat
         append_event(log, "new 4")
         log.close(LogState.FINISHED)  # the reader still drains the last entry, then ends
     events = SSEParser().feed(b"".join(got))
@@ -161,7 +160,6 @@ async def test_ends_after_close_even_when_empty(autojump_clock: trio.abc.Clock) 
         nursery.start_soon(close_later)
         assert await collect(log, None, heartbeat_interval=10) == []
     assert trio.current_time() == 0.5
-    assert await collect(log, None, retry_ms=0) == [encode_retry(0)]
 
 
 async def test_gap_at_start_raises_reader_lagged(autojump_clock: trio.abc.Clock) -> None:

@@ -201,7 +201,9 @@ class Hub:
                     msg.log.on_idle = lambda: self._on_idle(msg)
                     self._live[msg.id] = msg
                     task_status.started()
-                    self._append(msg, renderer.start(msg.usage))
+                    # The reconnection hint rides on the first event: a standalone "retry:"
+                    # block is dispatched as an empty event by the OpenAI SDK's decoder.
+                    self._append(msg, renderer.start(msg.usage), retry=self.config.server.retry_ms)
                     await self._pump(msg, gen, renderer)
         finally:
             if msg.log is not None and not msg.log.closed:
@@ -238,10 +240,11 @@ class Hub:
 
     # -- writing the log -----------------------------------------------------------------
 
-    def _append(self, msg: LiveMessage, events: list[WireEvent]) -> None:
+    def _append(self, msg: LiveMessage, events: list[WireEvent], retry: int | None = None) -> None:
         log = msg.log
         for ev in events:
-            log.append(encode_event(ev.data, event=ev.event, id=format_event_id(msg.id, log.next_seq)))
+            log.append(encode_event(ev.data, event=ev.event, id=format_event_id(msg.id, log.next_seq), retry=retry))
+            retry = None
 
     def _release(self, msg: LiveMessage, renderer: Renderer, text: str | None) -> None:
         if text:
@@ -380,6 +383,4 @@ class Hub:
         self, log: MessageLog, after: int | None, on_heartbeat: Callable[[], None] | None = None
     ) -> AsyncIterator[bytes]:
         """The SSE bytes of ``log`` after ``after``: replay, then live, with heartbeats."""
-        server = self.config.server
-        return tail(log, after, heartbeat_interval=server.heartbeat_interval, retry_ms=server.retry_ms,
-                    on_heartbeat=on_heartbeat)
+        return tail(log, after, heartbeat_interval=self.config.server.heartbeat_interval, on_heartbeat=on_heartbeat)

@@ -10,7 +10,7 @@ the log (``LogStore.get``), registers as a reader, and writes what
     with log.reader():                      # counts the reader; on_idle on exit
         async with contextlib.aclosing(
             tail(log, after, heartbeat_interval=cfg.heartbeat_interval,
-                 retry_ms=cfg.retry_ms, on_heartbeat=metrics.ping)
+                 on_heartbeat=metrics.ping)
         ) as chunks:
             async for chunk in chunks:
                 await send(chunk)
@@ -40,7 +40,7 @@ from collections.abc import AsyncIterator, Callable
 import trio
 
 from ringserve.core.ringlog import Gap
-from ringserve.core.sse import encode_comment, encode_retry
+from ringserve.core.sse import encode_comment
 from ringserve.stream.logs import MessageLog
 
 __all__ = ["DEFAULT_BATCH", "ReaderLagged", "tail"]
@@ -73,7 +73,6 @@ async def tail(
     after: int | None,
     *,
     heartbeat_interval: float,
-    retry_ms: int | None = None,
     on_heartbeat: Callable[[], None] | None = None,
     batch: int = DEFAULT_BATCH,
 ) -> AsyncIterator[bytes]:
@@ -81,11 +80,9 @@ async def tail(
 
     Yields, in order:
 
-    1. ``encode_retry(retry_ms)`` if ``retry_ms`` is given (the client's
-       reconnection delay, WHATWG HTML "Server-sent events" ``retry:``);
-    2. the bytes of every held entry after ``after`` (the replay), one chunk
+    1. the bytes of every held entry after ``after`` (the replay), one chunk
        per entry, exactly as appended;
-    3. each new entry's bytes as the producer appends it, and
+    2. each new entry's bytes as the producer appends it, and
        ``encode_comment("ping")`` whenever ``heartbeat_interval`` seconds pass
        with nothing to send (``on_heartbeat()`` is called before each ping,
        for metrics).
@@ -99,7 +96,6 @@ async def tail(
         after: the last sequence number the client has (from
             ``Last-Event-ID``); ``None`` starts from entry 0.
         heartbeat_interval: seconds of silence before a ping (> 0).
-        retry_ms: milliseconds for a leading ``retry:`` field, or ``None``.
         on_heartbeat: called synchronously once per ping.
         batch: the most entries read from the log per step.
 
@@ -113,8 +109,6 @@ async def tail(
     """
     if heartbeat_interval <= 0:
         raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
-    if retry_ms is not None:
-        yield encode_retry(retry_ms)
     cursor = after
     while True:
         got = log.read_from(cursor, batch)
