@@ -30,14 +30,20 @@ def fake_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
 
 
 @asynccontextmanager
-async def running_server(config: Config, **engine_kwargs: Any) -> AsyncIterator[Any]:
-    """Serve ``config`` on a :class:`FakeEngine` in this Trio run; yields the ServerState (``.urls[0]``)."""
+async def running_server(config: Config, engine_factory: Any = None, **engine_kwargs: Any) -> AsyncIterator[Any]:
+    """Serve ``config`` in this Trio run; yields the ServerState (``.urls[0]``, ``.hub``).
+
+    The engine is a :class:`FakeEngine` built from ``engine_kwargs`` unless
+    ``engine_factory`` (``Config -> Engine``, e.g. ``load_llama_engine``) is given.
+    """
     stop = trio.Event()
     engine_kwargs.setdefault("n_slots", config.engine.slots)
     engine_kwargs.setdefault("n_ctx_slot", config.engine.ctx_per_slot)
 
     def factory(_config: Config) -> FakeEngine:
         return FakeEngine(**engine_kwargs)
+
+    factory = engine_factory or factory
 
     async with trio.open_nursery() as nursery:
         state = await nursery.start(lambda task_status: serve(
