@@ -471,7 +471,7 @@ async def test_cancelled_slot_is_reused_by_the_next_request():
         p = await runner.prepare(req("x"))
         async with runner.submit(p) as gen:
             await gen.__anext__()
-        _, text, last, gen2 = await generate(runner, req("echo:again"))
+        _, text, _, gen2 = await generate(runner, req("echo:again"))
     assert text == "again" and gen2.slot == gen.slot == 0
 
 
