@@ -1,0 +1,233 @@
+"""Prometheus metrics for the streaming SLOs (``GET /metrics``, prometheus-client).
+
+Every server has its own :class:`Metrics` with its own ``CollectorRegistry``
+(never the global one), so servers started in one process, tests included,
+never share a number. Two kinds of metric:
+
+* **Event metrics**, observed where the event happens, through the methods
+  below: the hub (time to first token, gaps between text entries, time per
+  output token, in-band errors), the app (resumes, heartbeats, slow-reader
+  disconnects, truncated streams, HTTP errors) and the runner (cancel to KV
+  freed, through its ``on_cancel_freed`` hook).
+* **Snapshot metrics**, read at scrape time from ``statistics()`` of the
+  runner and of the log store, and from the hub (:meth:`Metrics.watch`):
+  slots, queue, KV cells, tokens, zombie tokens, readers, ring entries and
+  bytes, append latency. They cost nothing between scrapes.
+
+Names follow the Prometheus conventions: base units (seconds, bytes),
+``_total`` on counters, ``ringserve_`` prefix. ``configs/grafana-dashboard.json``
+plots them. Core modules never import this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import attrs
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.registry import Collector
+
+from ringserve.core.errors import ErrorKind
+from ringserve.core.events import Finish, StopReason
+
+if TYPE_CHECKING:
+    from ringserve.stream.hub import Hub
+
+__all__ = ["CONTENT_TYPE", "Metrics", "StreamTimer", "error_type"]
+
+#: The ``Content-Type`` of :meth:`Metrics.render` (Prometheus text format 0.0.4).
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+#: Seconds; from sub-frame to the long prefill of a full queue.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Seconds; one decode step to a visible stall.
+GAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+#: Seconds per token; a big GPU to a slow CPU.
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+#: Seconds; within one decode step is the goal (C1).
+FREE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+def error_type(kind: str | ErrorKind) -> str:
+    """The ``type`` label of an error: its ``ErrorKind`` name in lower case.
+
+    A string is read as an ``ErrorKind`` name, as ``Failure.kind`` holds
+    (``"overloaded"``; an unknown one is ``api_error``), so HTTP and in-band
+    errors share labels.
+    """
+    if isinstance(kind, str):
+        kind = ErrorKind.from_name(kind)
+    return kind.name.lower()
+
+
+@attrs.define
+class StreamTimer:
+    """When one generation started and released its first and latest text (seconds, any monotonic clock)."""
+
+    started: float
+    first: float | None = None
+    last: float | None = None
+
+
+class Metrics:
+    """The metrics of one server: event instruments plus a scrape-time collector.
+
+    Attributes:
+        registry: this server's own registry; :meth:`render` exposes it.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "ringserve_time_to_first_token_seconds",
+            "Seconds from a generation request to its first text in the stream log.",
+            registry=r, buckets=LATENCY_BUCKETS,
+        )
+        self.gap = Histogram(
+            "ringserve_inter_entry_gap_seconds",
+            "Seconds between consecutive text entries of one stream (time between tokens as readers see it).",
+            registry=r, buckets=GAP_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "ringserve_time_per_output_token_seconds",
+            "Seconds per output token after the first, per finished (not cancelled) generation.",
+            registry=r, buckets=TPOT_BUCKETS,
+        )
+        self.cancel_to_free = Histogram(
+            "ringserve_cancel_to_kv_freed_seconds",
+            "Seconds from a generation's cancel (abort or cancel request) to its KV cells being removed.",
+            registry=r, buckets=FREE_BUCKETS,
+        )
+        self.resumes = Counter(
+            "ringserve_resumes",
+            "Requests to the resume route, by result: ok, expired (410) or rejected (other 4xx).",
+            ["result"], registry=r,
+        )
+        self.slow_readers = Counter(
+            "ringserve_slow_reader_disconnects",
+            "Readers dropped for being too slow: lagged (next entry left the ring) or blocked (writes stalled).",
+            ["reason"], registry=r,
+        )
+        self.heartbeats = Counter(
+            "ringserve_heartbeats", "SSE ': ping' comments sent to readers.", registry=r,
+        )
+        self.errors = Counter(
+            "ringserve_errors",
+            "Errors answered, by type (ErrorKind) and stage: request (HTTP status) or stream (in-band event).",
+            ["type", "stage"], registry=r,
+        )
+        self.truncated = Counter(
+            "ringserve_streams_truncated",
+            "Stream connections that ended before their terminal event (client gone, lagged): clients must resume.",
+            ["reason"], registry=r,
+        )
+
+    # -- wiring ---------------------------------------------------------------------------
+
+    def watch(self, hub: Hub) -> None:
+        """Expose the snapshot metrics of ``hub``, its runner and its log store; call it once per server."""
+        self.registry.register(_SnapshotCollector(hub))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition (``Content-Type``: :data:`CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
+
+    # -- events: generations (hub) --------------------------------------------------------
+
+    def text_released(self, timer: StreamTimer, now: float) -> None:
+        """A generation appended text to its log at ``now``: TTFT once, then the gap."""
+        if timer.first is None:
+            timer.first = now
+            self.ttft.observe(now - timer.started)
+        else:
+            self.gap.observe(now - timer.last)
+        timer.last = now
+
+    def finished(self, timer: StreamTimer, now: float, finish: Finish) -> None:
+        """A generation finished at ``now``: TPOT = (now - first text) / (output tokens - 1).
+
+        Cancelled generations and those with fewer than 2 tokens or no text
+        are not observed (they say nothing about decode speed).
+        """
+        tokens = finish.usage.output_tokens
+        if finish.stop_reason is not StopReason.CANCELLED and timer.first is not None and tokens > 1:
+            self.tpot.observe((now - timer.first) / (tokens - 1))
+
+    def cancel_freed(self, seconds: float) -> None:
+        """The runner removed a cancelled generation's KV cells ``seconds`` after the cancel."""
+        self.cancel_to_free.observe(seconds)
+
+    def error(self, kind: str | ErrorKind, stage: str) -> None:
+        """An error was answered: ``stage`` is ``request`` (HTTP) or ``stream`` (in-band)."""
+        self.errors.labels(type=error_type(kind), stage=stage).inc()
+
+    # -- events: readers (app) ------------------------------------------------------------
+
+    def resumed(self, result: str) -> None:
+        """A resume request was answered: ``ok``, ``expired`` or ``rejected``."""
+        self.resumes.labels(result=result).inc()
+
+    def heartbeat(self) -> None:
+        """A reader was sent a ``: ping`` comment."""
+        self.heartbeats.inc()
+
+    def slow_reader_disconnected(self, reason: str) -> None:
+        """A reader was dropped: ``lagged`` or ``blocked``."""
+        self.slow_readers.labels(reason=reason).inc()
+
+    def stream_truncated(self, reason: str) -> None:
+        """A stream connection ended before its terminal event (``disconnected``, ``lagged``...)."""
+        self.truncated.labels(reason=reason).inc()
+
+
+class _SnapshotCollector(Collector):
+    """Reads ``statistics()`` snapshots at scrape time (see the module docstring)."""
+
+    def __init__(self, hub: Hub) -> None:
+        self._hub = hub
+
+    def collect(self) -> Iterator[Metric]:
+        hub = self._hub
+        s = hub.runner.statistics()
+        logs = hub.logs.statistics()
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=value)
+
+        queue = GaugeMetricFamily("ringserve_queue_depth", "Requests waiting for a slot, by priority.", labels=["priority"])
+        for priority, n in sorted(s.queue_depth.items()):
+            queue.add_metric([str(priority)], n)
+        yield queue
+        yield gauge("ringserve_active_generations", "Generations whose producer is running.", hub.active_generations)
+        yield gauge("ringserve_connected_readers", "Readers of stream logs (SSE connections and non-stream waits).",
+                    logs.readers)
+        yield gauge("ringserve_slots_busy", "Slots holding a request or being released.", s.slots_busy)
+        yield gauge("ringserve_slots_total", "Slots decoded together.", s.slots_total)
+        yield gauge("ringserve_kv_cells_used", "KV-cache cells (tokens) in use over all slots.", s.kv_cells_used)
+        yield gauge("ringserve_kv_cells_total", "KV-cache cells (tokens) over all slots.", s.kv_cells_total)
+        yield counter("ringserve_prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens_total)
+        yield counter("ringserve_generated_tokens", "Tokens sampled for live requests.", s.generated_tokens_total)
+        yield counter("ringserve_zombie_tokens",
+                      "Tokens decoded for a generation after its cancel (its last reader gone under abort,"
+                      " or a cancel request): 0, or 1 per cancel that raced a decode step.",
+                      s.tokens_after_cancel_total)
+        yield counter("ringserve_cancels", "Generations cancelled by their consumer.", s.cancels)
+        yield counter("ringserve_decode_steps", "Decode calls that succeeded.", s.steps)
+        yield counter("ringserve_decode_seconds", "Wall seconds spent in decode calls.", s.decode_seconds_total)
+        yield gauge("ringserve_ring_logs", "Stream logs held (live and completed).", logs.logs)
+        yield gauge("ringserve_ring_entries", "Entries held over all stream logs.", logs.entries)
+        yield gauge("ringserve_ring_bytes", "Entry bytes held over all stream logs.", logs.bytes)
+        yield gauge("ringserve_ring_memory_cap_bytes", "The memory cap over all stream logs.", logs.memory_cap_bytes)
+        yield counter("ringserve_ring_appended_entries", "Entries appended to stream logs.", logs.appends_total)
+        yield counter("ringserve_ring_appended_bytes", "Bytes appended to stream logs.", logs.append_bytes_total)
+        yield counter("ringserve_ring_evicted_entries",
+                      "Entries that left a full ring (a lagging reader of that log gets 410).",
+                      logs.entries_evicted_total)
+        yield SummaryMetricFamily("ringserve_ring_append_seconds", "Wall seconds per stream-log append.",
+                                  count_value=logs.appends_total, sum_value=logs.append_seconds_total)
