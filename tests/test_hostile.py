@@ -247,6 +247,36 @@ def test_huge_and_odd_numbers_are_answered_in_shape(client, path, field, number)
     assert_answer(surface, resp.status_code, resp.content)
 
 
+BOTH = ("anthropic", "openai")
+#: (a change to a valid body, the surfaces that read that field and must answer 400)
+KNOWN_BAD = [
+    ({"messages": [{"role": [], "content": "x"}]}, BOTH),
+    ({"messages": [{"role": {"a": 1}, "content": "x"}]}, BOTH),
+    ({"messages": [{"role": "user", "content": 5}]}, BOTH),
+    ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, BOTH),
+    ({"messages": {"role": "user"}}, BOTH),
+    ({"messages": []}, BOTH),
+    ({"model": ["x"]}, BOTH),
+    ({"temperature": "hot"}, BOTH),
+    ({"stream": "yes"}, BOTH),
+    ({"stop_sequences": [1, 2]}, ("anthropic",)),
+    ({"metadata": []}, ("anthropic",)),
+    ({"system": 7}, ("anthropic",)),
+    ({"stop": [1, 2]}, ("openai",)),
+    ({"stream_options": []}, ("openai",)),
+    ({"n": 2}, ("openai",)),
+]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("change, rejected_by", KNOWN_BAD)
+def test_known_bad_fields_are_400_in_shape(client, path, change, rejected_by):
+    surface, base = PATHS[path]
+    resp = client.post(path, content=raw_json({**base, **change}), headers=AUTH)
+    assert_answer(surface, resp.status_code, resp.content)
+    assert resp.status_code == (400 if surface in rejected_by else 200)
+
+
 @pytest.mark.parametrize("path", list(PATHS))
 def test_deep_nesting_is_400_not_a_crash(client, path):
     surface, _ = PATHS[path]

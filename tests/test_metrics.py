@@ -78,8 +78,8 @@ async def test_a_stream_a_cancel_and_resumes_are_counted(tmp_path):
         assert before("ringserve_kv_cells_total") == config.engine.slots * config.engine.ctx_per_slot
 
         # 1. a whole stream: TTFT, gaps between its text entries, TPOT
-        resp, events, _ = await sse_events(client, "POST", "/v1/messages",
-                                           json=body("echo:" + " ".join(["hello"] * 10), stream=True))
+        resp, events, raw = await sse_events(client, "POST", "/v1/messages",
+                                             json=body("echo:" + " ".join(["hello"] * 10), stream=True))
         mid = resp.headers["x-message-id"]
         deltas = sum(e.event == "content_block_delta" for e in events)
         m = await scrape(client)
@@ -92,6 +92,7 @@ async def test_a_stream_a_cancel_and_resumes_are_counted(tmp_path):
         assert m("ringserve_prompt_tokens_total") == stats.prompt_tokens_total > 0
         assert m("ringserve_ring_appended_entries_total") == len(events)
         assert m("ringserve_ring_append_seconds_count") == len(events)
+        assert m("ringserve_ring_bytes") == m("ringserve_ring_appended_bytes_total") == len(raw) > 0
 
         # 2. a stream whose client leaves mid-way (abort policy): live gauges, then a cancel
         async with client.stream("POST", "/v1/messages", json=body(LONG, stream=True)) as live:
@@ -144,6 +145,42 @@ async def test_a_stream_a_cancel_and_resumes_are_counted(tmp_path):
         assert m("ringserve_heartbeats_total") == 0
 
 
+async def test_a_reader_that_falls_out_of_the_ring_is_counted_as_lagged(tmp_path):
+    """A client stops reading while the producer writes far more than the socket buffers and the
+    ring hold: when it reads again its next entry is gone, so its connection ends without the
+    terminal event, counted as truncated and as a lagged slow reader."""
+    config = fake_config(tmp_path, stream={"ring_max_entries": 8})
+    piece = 256 * 1024  # bytes per token, so each log entry is a quarter MiB
+    async with running_server(config, reply="x" * (96 * piece), piece_bytes=piece, step_seconds=0.005) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        mid = (await client.post("/v1/messages", json=body("hi"), headers=ASYNC)).json()["id"]
+        async with client.stream("GET", f"/v1/messages/{mid}/stream") as resp:
+            assert resp.status_code == 200
+            # not reading: ~24 MiB are produced, far more than the socket buffers take
+            await wait_until(lambda: state.hub.active_generations == 0)
+            parser = SSEParser()
+            events = [e async for chunk in resp.aiter_raw() for e in parser.feed(chunk)]
+        assert events and events[-1].event != "message_stop"
+        m = await scrape(client)
+        assert m("ringserve_slow_reader_disconnects_total", reason="lagged") == 1
+        assert m("ringserve_streams_truncated_total", reason="lagged") == 1
+        assert m("ringserve_ring_evicted_entries_total") > 0
+
+
+async def test_queue_depth_by_priority(tmp_path):
+    config = fake_config(tmp_path, engine={"slots": 1})
+    async with running_server(config, step_seconds=0.01) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        ids = [(await client.post("/v1/messages", json=body(LONG), headers=ASYNC)).json()["id"] for _ in range(3)]
+        m = await scrape(client)
+        assert m("ringserve_queue_depth", priority="0") == 2
+        assert m("ringserve_slots_busy") == m("ringserve_slots_total") == 1
+        assert m("ringserve_active_generations") == 3
+        for mid in ids:
+            await client.post(f"/v1/messages/{mid}/cancel")
+        assert (await scrape(client))("ringserve_queue_depth", priority="0") == 0
+
+
 async def test_heartbeats_are_counted(tmp_path):
     config = fake_config(tmp_path, server={"heartbeat_interval": 1.0})
     async with running_server(config, prefill_seconds=1.3) as state, \
@@ -167,7 +204,7 @@ async def test_in_band_errors_are_counted_by_type(tmp_path, path, request_body):
         assert m("ringserve_time_per_output_token_seconds_count") == 0
 
 
-async def test_ready_is_503_until_the_model_is_loaded(tmp_path):
+async def test_ready_is_503_until_the_model_is_loaded_and_while_draining(tmp_path):
     loaded = threading.Event()
     seen: list[str] = []
 
@@ -177,7 +214,7 @@ async def test_ready_is_503_until_the_model_is_loaded(tmp_path):
 
     def slow_factory(config: Config) -> FakeEngine:
         assert loaded.wait(10)
-        return FakeEngine(n_slots=config.engine.slots)
+        return FakeEngine(n_slots=config.engine.slots, step_seconds=0.005)
 
     handler = Grab()
     logging.getLogger("ringserve").addHandler(handler)
@@ -199,7 +236,15 @@ async def test_ready_is_503_until_the_model_is_loaded(tmp_path):
                     while (await client.get("/ready")).status_code != 200:
                         await trio.sleep(0.01)
                 assert (await client.get("/health")).json() == {"status": "ok", "model": "fake"}
-            stop.set()
+                # draining: the listener still answers while a generation finishes
+                mid = (await client.post("/v1/messages", json=body(LONG), headers=ASYNC)).json()["id"]
+                stop.set()
+                with trio.fail_after(10):
+                    while (ready := await client.get("/ready")).status_code != 503:
+                        await trio.sleep(0.01)
+                assert ready.json()["status"] == "draining"
+                assert (await client.get("/health")).json()["status"] == "draining"
+                assert (await client.post(f"/v1/messages/{mid}/cancel")).status_code == 200
     finally:
         loaded.set()
         logging.getLogger("ringserve").removeHandler(handler)
