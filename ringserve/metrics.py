@@ -6,7 +6,7 @@ never share a number. Two kinds of metric:
 
 * **Event metrics**, observed where the event happens, through the methods
   below: the hub (time to first token, gaps between text entries, time per
-  output token, in-band errors), the app (resumes, heartbeats, slow-reader
+  output token, failed generations), the app (resumes, heartbeats, slow-reader
   disconnects, truncated streams, HTTP errors) and the runner (cancel to KV
   freed, through its ``on_cancel_freed`` hook).
 * **Snapshot metrics**, read at scrape time from ``statistics()`` of the
@@ -116,7 +116,8 @@ class Metrics:
         )
         self.errors = Counter(
             "ringserve_errors",
-            "Errors answered, by type (ErrorKind) and stage: request (HTTP status) or stream (in-band event).",
+            "Errors by type (ErrorKind) and stage: http (an error status was answered) or generation"
+            " (a started generation failed; its readers got an in-band error event).",
             ["type", "stage"], registry=r,
         )
         self.truncated = Counter(
@@ -161,7 +162,9 @@ class Metrics:
         self.cancel_to_free.observe(seconds)
 
     def error(self, kind: str | ErrorKind, stage: str) -> None:
-        """An error was answered: ``stage`` is ``request`` (HTTP) or ``stream`` (in-band)."""
+        """An error happened: ``stage`` is ``http`` (an error status answered) or ``generation``
+        (a started generation failed; its log ends in an in-band error event). A non-stream request
+        whose generation fails counts once in each."""
         self.errors.labels(type=error_type(kind), stage=stage).inc()
 
     # -- events: readers (app) ------------------------------------------------------------

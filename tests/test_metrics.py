@@ -140,8 +140,8 @@ async def test_a_stream_a_cancel_and_resumes_are_counted(tmp_path):
         assert m("ringserve_resumes_total", result="ok") == 1
         assert m("ringserve_resumes_total", result="rejected") == 1
         assert m("ringserve_resumes_total", result="expired") == 1
-        assert m("ringserve_errors_total", type="invalid_request", stage="request") == 1
-        assert m("ringserve_errors_total", type="gone", stage="request") == 1
+        assert m("ringserve_errors_total", type="invalid_request", stage="http") == 1
+        assert m("ringserve_errors_total", type="gone", stage="http") == 1
         assert m("ringserve_heartbeats_total") == 0
 
 
@@ -200,7 +200,7 @@ async def test_in_band_errors_are_counted_by_type(tmp_path, path, request_body):
         _, events, _ = await sse_events(client, "POST", path, json={**request_body, "stream": True})
         assert "error" in json.loads(events[-1].data)
         m = await scrape(client)
-        assert m("ringserve_errors_total", type="api_error", stage="stream") == 1
+        assert m("ringserve_errors_total", type="api_error", stage="generation") == 1
         assert m("ringserve_time_per_output_token_seconds_count") == 0
 
 
