@@ -14,6 +14,7 @@ import h2.connection
 import h2.errors
 import h2.events
 import httpx
+import pytest
 import trio
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -137,3 +138,8 @@ async def test_cancelling_one_http2_stream_cancels_only_its_reader(tmp_path):
     assert anthropic_text(events[3]) == reply
     final = json.loads(next(e for e in events[3] if e.event == "message_delta").data)
     assert final["delta"]["stop_reason"] == "end_turn"
+
+
+def test_certfile_and_keyfile_go_together():
+    with pytest.raises(ValueError, match="certfile and keyfile"):
+        Config.from_dict({"server": {"certfile": "cert.pem"}})
