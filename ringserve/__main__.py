@@ -1,4 +1,7 @@
-"""Command line: ``ringserve serve [--config FILE] [--host H] [--port P] [--model PATH] [--slots N]``."""
+"""Command line: ``ringserve serve [--config FILE] [--host H] [--port P] [--model PATH] [--slots N]``.
+
+Also ``ringserve chat "PROMPT"`` and ``ringserve tail MESSAGE_ID`` (clients; see ``ringserve/chat.py``).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from pathlib import Path
 
 import trio
 
+from ringserve.chat import add_commands
 from ringserve.config import Config
 
 
@@ -22,6 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="path to a GGUF model (default: the bundled SmolLM2-135M-Instruct)")
     serve.add_argument("--slots", type=int, help="concurrent sequences decoded together (default 4)")
     serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    add_commands(sub)
     return parser
 
 
@@ -40,7 +45,10 @@ def load_config(args: argparse.Namespace) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if getattr(args, "client_command", None) is not None:
+        return args.client_command(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ringserve.auth import AuthSetupError
     from ringserve.engine.modelfile import ModelFileError, check_model_file, default_model_path
     from ringserve.server import serve
 
@@ -50,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, ModelFileError) as exc:
         print(f"ringserve: {exc}", file=sys.stderr)
         return 2
-    trio.run(serve, config)
-    return 0
+    try:
+        return trio.run(serve, config)  # 0 after a drain, 1 if a second signal cut it short
+    except AuthSetupError as exc:  # a non-loopback host with no keys, or a malformed key
+        print(f"ringserve: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

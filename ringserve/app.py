@@ -22,10 +22,17 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
+from ringserve.accesslog import SCOPE_KEY as _ACCESS
+from ringserve.accesslog import AccessRecord
+from ringserve.auth import Authenticator
 from ringserve.config import Config
+from ringserve.connections import SendWatchdog
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import Usage
+from ringserve.core.limits import ReaderGate, check_request
 from ringserve.messages import StoredMessage
+from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ringserve.metrics import Metrics, error_type
 from ringserve.stream.hub import CancelReason, Hub, LiveMessage, request_hash
 from ringserve.stream.reader import ReaderLagged
 from ringserve.surfaces.anthropic import AnthropicSurface
@@ -65,25 +72,44 @@ class ClosingHTTPConnection(TrioASGIHTTPConnection):
 
     async def __call__(self, receive: Any, send: Any) -> None:
         cleanups: list[Callable[[], None]] = self.scope.setdefault(_CLEANUPS, [])
+        record = self.scope[_ACCESS] = AccessRecord.from_scope(self.scope)
+
+        async def send_counted(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+                headers = [*message.get("headers", ()), (b"x-request-id", record.request_id.encode("ascii"))]
+                message = {**message, "headers": headers}
+            elif message["type"] == "http.response.body":
+                record.bytes += len(message.get("body", b""))
+            await send(message)
+
         try:
-            await super().__call__(receive, send)
+            await super().__call__(receive, send_counted)
         finally:
             for fn in reversed(cleanups):
                 fn()
+            if record.error_type is not None:
+                self.app.ringserve_state.metrics.error(record.error_type, "http")
+            record.emit()
 
     async def handle_request(self, nursery: trio.Nursery, request: Any, send: Any) -> None:
-        async def send_final_shielded(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                with trio.CancelScope(shield=True):
-                    await send(message)
-            else:
-                await send(message)
+        watch = self.app.ringserve_state.watchdog.watch
 
-        await super().handle_request(nursery, request, send_final_shielded)
+        async def send_watched(message: dict[str, Any]) -> None:
+            # Every write is timed: a peer that stops reading is dropped (connections.py).
+            with watch(self.scope, nursery.cancel_scope):
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    with trio.CancelScope(shield=True):
+                        await send(message)
+                else:
+                    await send(message)
+
+        await super().handle_request(nursery, request, send_watched)
 
 
 class RingserveQuart(QuartTrio):
     asgi_http_class = ClosingHTTPConnection
+    ringserve_state: ServerState
 
 
 @attrs.define(eq=False)
@@ -95,9 +121,23 @@ class ServerState:
     model_id: str = ""
     urls: list[str] = attrs.Factory(list)
     started: float = attrs.Factory(time.time)
+    metrics: Metrics = attrs.Factory(Metrics)
+    auth: Authenticator = attrs.Factory(lambda self: Authenticator.from_config(self.config.auth), takes_self=True)
+    gate: ReaderGate = attrs.Factory(
+        lambda self: ReaderGate(self.config.limits.max_readers_per_message, self.config.limits.max_readers_per_client),
+        takes_self=True,
+    )
+    watchdog: SendWatchdog = attrs.Factory(
+        lambda self: SendWatchdog(
+            self.config.server.slow_reader_timeout, on_drop=lambda: self.metrics.slow_reader_disconnected("blocked")
+        ),
+        takes_self=True,
+    )
 
 
 def _error_response(surface: Surface, error: RingserveError) -> Response:
+    """The surface's error JSON with the error's status; noted for the access log and metrics."""
+    request.scope[_ACCESS].error_type = error_type(error.kind)
     status = getattr(surface, "error_status", lambda e: e.status)(error)
     resp = Response(dumps(surface.error_json(error)), status, content_type="application/json")
     if error.retry_after is not None:
@@ -137,9 +177,11 @@ def create_app(state: ServerState) -> RingserveQuart:
     """Build the quart-trio app for ``state`` (routes listed in README.md)."""
     config = state.config
     app = RingserveQuart("ringserve")
+    app.ringserve_state = state
     # Quart's 60 s RESPONSE_TIMEOUT would cut long streams; bodies are bounded by size instead.
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["MAX_CONTENT_LENGTH"] = config.server.max_body_bytes
+    app.config["SEND_FILE_MAX_AGE_DEFAULT"] = None  # the playground's files: no stale app.js after an upgrade
 
     def hub_or_unavailable() -> Hub:
         if state.hub is None:
@@ -150,22 +192,29 @@ def create_app(state: ServerState) -> RingserveQuart:
         reader = log_.reader()
         reader.__enter__()
         released = False
+        truncated: str | None = "disconnected"  # why the connection ended before the terminal event
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
                 reader.__exit__(None, None, None)
+                if truncated is not None:
+                    state.metrics.stream_truncated(truncated)
 
         request.scope.setdefault(_CLEANUPS, []).append(release)
 
         async def body() -> AsyncIterator[bytes]:
+            nonlocal truncated
             try:
-                async with aclosing(hub.stream(log_, after)) as chunks:
+                async with aclosing(hub.stream(log_, after, on_heartbeat=state.metrics.heartbeat)) as chunks:
                     async for chunk in chunks:
                         yield chunk
+                truncated = None
             except ReaderLagged:
-                pass  # the client resumes with Last-Event-ID and gets a defined answer
+                # the client resumes with Last-Event-ID and gets a defined answer
+                truncated = "lagged"
+                state.metrics.slow_reader_disconnected("lagged")
             finally:
                 release()
 
@@ -179,9 +228,11 @@ def create_app(state: ServerState) -> RingserveQuart:
             raw = await request.get_data()
             try:
                 body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as exc:
+            except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
                 raise RingserveError(ErrorKind.INVALID_REQUEST, f"request body is not valid JSON: {exc}") from None
             parsed = surface.parse_request(body)
+            limits = config.limits
+            check_request(parsed.request, max_messages=limits.max_messages, max_text_chars=limits.max_message_chars)
             if config.model.strict_model_name and parsed.model and parsed.model != state.model_id:
                 raise RingserveError(ErrorKind.NOT_FOUND, f"model {parsed.model[:100]!r} is not served here", param="model")
             prefer = {p.strip().split("=")[0].lower() for p in request.headers.get("Prefer", "").split(",")}
@@ -197,6 +248,7 @@ def create_app(state: ServerState) -> RingserveQuart:
             key = request.headers.get("Idempotency-Key")
             if key is not None and not (0 < len(key) <= 255 and key.isprintable()):
                 raise RingserveError(ErrorKind.INVALID_REQUEST, "Idempotency-Key must be 1-255 printable characters")
+            admit_reader()
             msg, _created = await hub.create(
                 surface,
                 parsed,
@@ -205,12 +257,16 @@ def create_app(state: ServerState) -> RingserveQuart:
                 policy=policy,
                 idempotency_key=key,
             )
+            request.scope[_ACCESS].message_id = msg.id
             if respond_async:
                 location = f"/v1/messages/{msg.id}"
-                payload = {"id": msg.id, "status": msg.status, "url": location, "stream_url": f"{location}/stream"}
+                payload = {"id": msg.id, "status": msg.status, "url": location, **stream_token_json(msg.id)}
                 return _json(payload, 202, {"Location": location, "Preference-Applied": "respond-async"})
-            if isinstance(msg, StoredMessage):
-                return stored_answer(surface, msg, parsed.stream)
+            if isinstance(msg, StoredMessage):  # an idempotent retry of a finished message
+                if parsed.stream:
+                    log_, after = hub.open_log(msg.id, None)  # GONE once the log expired
+                    return sse_response(hub, log_, after, {"X-Message-Id": msg.id})
+                return stored_answer(surface, msg)
             if parsed.stream:
                 return sse_response(hub, msg.log, None, {"X-Message-Id": msg.id})
             with msg.log.reader():
@@ -225,11 +281,7 @@ def create_app(state: ServerState) -> RingserveQuart:
             return _error_response(surface, RingserveError(kind, msg.error or "generation failed", retryable=True))
         return _json(surface.message_json(msg.result()), headers={"X-Message-Id": msg.id})
 
-    def stored_answer(surface: Surface, msg: StoredMessage, stream: bool) -> Response:
-        if stream:
-            raise RingserveError(
-                ErrorKind.GONE, f"the stream of {msg.id} has expired; GET /v1/messages/{msg.id} has the message"
-            )
+    def stored_answer(surface: Surface, msg: StoredMessage) -> Response:
         if msg.status != "complete":
             raise RingserveError(ErrorKind.CONFLICT, f"message {msg.id} is {msg.status}")
         result = MessageResult(msg.id, msg.model, msg.created, msg.text, msg.stop_reason, msg.stop_sequence,
@@ -238,6 +290,54 @@ def create_app(state: ServerState) -> RingserveQuart:
 
     def surface_of(message_id: str) -> Surface:
         return OPENAI if message_id.startswith(OPENAI.id_prefix) else ANTHROPIC
+
+    def request_surface() -> Surface:
+        """The surface whose error shape answers this request: by route, by message id, and for
+        /v1/models (read by both SDKs) by the Anthropic SDK's ``anthropic-version`` header."""
+        if request.path.startswith("/v1/chat"):
+            return OPENAI
+        message_id = (request.view_args or {}).get("message_id")
+        if message_id is not None:
+            return surface_of(message_id)
+        if request.path == "/v1/models" and "anthropic-version" not in request.headers:
+            return OPENAI
+        return ANTHROPIC
+
+    def admit_reader(message_readers: int = 0) -> None:
+        """Count this request as a reader of its client until it ends (429 over the limits)."""
+        leave = state.gate.enter(request.remote_addr or "", message_readers)
+        request.scope.setdefault(_CLEANUPS, []).append(leave)
+
+    def stream_token_json(message_id: str) -> dict[str, Any]:
+        token, expires = state.auth.issue(message_id)
+        return {
+            "stream_token": token,
+            "stream_token_expires_at": expires,
+            "stream_url": f"/v1/messages/{message_id}/stream?stream_token={token}",
+        }
+
+    @app.before_request
+    async def authenticate() -> Response | None:
+        """Note the route for the access log; refuse /v1 requests without a valid key (401).
+
+        ``GET /v1/messages/{id}/stream`` also takes ``?stream_token=`` for that
+        message. /health, /ready and /metrics stay open.
+        """
+        if request.url_rule is not None:
+            request.scope[_ACCESS].route = request.url_rule.rule
+        auth = state.auth
+        if not auth.enabled or not request.path.startswith("/v1/") or auth.request_key_ok(request.headers):
+            return None
+        if request.endpoint == "resume_stream" and auth.token_ok(
+            request.args.get("stream_token"), request.view_args["message_id"]
+        ):
+            return None
+        resp = _error_response(request_surface(), RingserveError(
+            ErrorKind.AUTHENTICATION,
+            "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)",
+        ))
+        resp.headers["WWW-Authenticate"] = 'Bearer realm="ringserve"'
+        return resp
 
     @app.post("/v1/messages")
     async def anthropic_messages() -> Response:
@@ -256,15 +356,30 @@ def create_app(state: ServerState) -> RingserveQuart:
 
     @app.get("/v1/messages/<message_id>/stream")
     async def resume_stream(message_id: str) -> Response:
+        record = request.scope[_ACCESS]
+        record.message_id, record.resume = message_id, True
         try:
             hub = hub_or_unavailable()
             last = request.headers.get("Last-Event-ID")
             if last is None:
                 last = request.args.get("last_event_id")
             log_, after = hub.open_log(message_id, last or None)
-            return sse_response(hub, log_, after, {"X-Message-Id": message_id})
+            admit_reader(log_.readers)
+        except RingserveError as exc:
+            state.metrics.resumed("expired" if exc.kind is ErrorKind.GONE else "rejected")
+            return _error_response(surface_of(message_id), exc)
+        state.metrics.resumed("ok")
+        return sse_response(hub, log_, after, {"X-Message-Id": message_id})
+
+    @app.post("/v1/messages/<message_id>/stream_token")
+    async def issue_stream_token(message_id: str) -> Response:
+        """A short-lived token that lets ``GET .../stream?stream_token=`` read this one message."""
+        request.scope[_ACCESS].message_id = message_id
+        try:
+            hub_or_unavailable().lookup(message_id)
         except RingserveError as exc:
             return _error_response(surface_of(message_id), exc)
+        return _json({"id": message_id, **stream_token_json(message_id)})
 
     @app.post("/v1/messages/<message_id>/cancel")
     async def cancel_message(message_id: str) -> Response:
@@ -294,25 +409,51 @@ def create_app(state: ServerState) -> RingserveQuart:
         return _json({"object": "list", "data": [item], "has_more": False,
                       "first_id": state.model_id, "last_id": state.model_id})
 
+    @app.get("/")
+    async def playground() -> Response:
+        """The playground page (``ringserve/static/``; Quart serves ``/static/app.js`` from there)."""
+        return await app.send_static_file("index.html")
+
     @app.get("/health")
     async def health() -> Response:
+        """503 while the model loads, 200 after (also while draining: the process is alive).
+
+        For an orchestrator's liveness probe give it a start-up delay or a
+        startup probe covering the model load; use ``/ready`` for traffic.
+        """
         if state.hub is None:
+            return _json({"status": "loading", "model": None}, 503)
+        return _json({"status": "draining" if state.hub.draining else "ok", "model": state.model_id})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: 200 once the model is loaded and the decode loop runs; 503 before and while draining."""
+        hub = state.hub
+        if hub is None:
             return _json({"status": "loading"}, 503)
-        return _json({"status": "ok", "model": state.model_id})
+        if hub.draining or not hub.runner.running:
+            return _json({"status": "draining" if hub.draining else "stopped"}, 503)
+        return _json({"status": "ready", "model": state.model_id})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format (open, like /health: firewall it if it must stay private)."""
+        return Response(state.metrics.render(), 200, content_type=METRICS_CONTENT_TYPE)
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
         kinds = {404: ErrorKind.NOT_FOUND, 405: ErrorKind.INVALID_REQUEST, 413: ErrorKind.REQUEST_TOO_LARGE}
         kind = kinds.get(exc.code or 500, ErrorKind.INVALID_REQUEST if (exc.code or 500) < 500 else ErrorKind.API_ERROR)
-        surface = OPENAI if request.path.startswith("/v1/chat") else ANTHROPIC
-        resp = _error_response(surface, RingserveError(kind, exc.description or exc.name))
+        message = exc.description or exc.name
+        if exc.code == 413:
+            message = f"the request body is larger than server.max_body_bytes ({config.server.max_body_bytes} bytes)"
+        resp = _error_response(request_surface(), RingserveError(kind, message))
         resp.status_code = exc.code or 500
         return resp
 
     @app.errorhandler(Exception)
     async def internal_error(exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        surface = OPENAI if request.path.startswith("/v1/chat") else ANTHROPIC
-        return _error_response(surface, RingserveError(ErrorKind.API_ERROR, "internal server error"))
+        return _error_response(request_surface(), RingserveError(ErrorKind.API_ERROR, "internal server error"))
 
     return app

@@ -542,7 +542,9 @@ class ResumeState:
             ClientError: an id that is malformed, of another message, or that
                 skips a sequence number (a gap in the stream).
         """
-        if not sse.data:
+        if not sse.data or sse.event == "reconnect":
+            # A reconnect hint (server.max_stream_seconds) carries no id: the server closes
+            # the connection next, and the stream resumes from the last id like any drop.
             return []
         if self.message_id is None:
             self.message_id = (sse.id or "").rpartition(":")[0] or None

@@ -15,6 +15,8 @@ from typing import Any
 import attrs
 from attrs import validators as v
 
+from ringserve.core.safety import compile_patterns, load_checker
+
 DISCONNECT_POLICIES = ("abort", "continue")
 
 
@@ -30,7 +32,11 @@ def _non_negative(_inst: object, attribute: attrs.Attribute, value: float) -> No
 
 @attrs.frozen
 class ServerConfig:
-    """HTTP listener and connection behaviour (times in seconds)."""
+    """HTTP listener and connection behaviour (times in seconds).
+
+    ``certfile`` and ``keyfile`` (PEM) both set: HTTPS, with HTTP/2 offered by
+    ALPN; both empty: plain HTTP/1.1 and HTTP/2 with prior knowledge (h2c).
+    """
 
     host: str = "127.0.0.1"
     port: int = attrs.field(default=8080, validator=[v.ge(0), v.le(65535)])
@@ -40,6 +46,14 @@ class ServerConfig:
     max_stream_seconds: float = attrs.field(default=0.0, validator=_non_negative)
     slow_reader_timeout: float = attrs.field(default=30.0, validator=_positive)
     max_body_bytes: int = attrs.field(default=4 * 1024 * 1024, validator=_positive)
+    keep_alive_timeout: float = attrs.field(default=5.0, validator=_positive)
+    certfile: str = ""
+    keyfile: str = ""
+
+
+    def __attrs_post_init__(self) -> None:
+        if bool(self.certfile) != bool(self.keyfile):
+            raise ValueError("certfile and keyfile must be given together")
 
 
 @attrs.frozen
@@ -99,12 +113,65 @@ class StoreConfig:
 
 
 @attrs.frozen
+class LimitsConfig:
+    """Per-request and per-reader limits (0 = no limit); refusals use the surface's error shape.
+
+    ``max_messages`` and ``max_message_chars`` (characters of message text in
+    all, system prompt included) give 400; ``max_readers_per_message`` and
+    ``max_readers_per_client`` (concurrent stream readers and non-stream
+    waits, by peer address) give 429.
+    """
+
+    max_messages: int = attrs.field(default=1000, validator=_non_negative)
+    max_message_chars: int = attrs.field(default=1_048_576, validator=_non_negative)
+    max_readers_per_message: int = attrs.field(default=16, validator=_non_negative)
+    max_readers_per_client: int = attrs.field(default=64, validator=_non_negative)
+
+
+def _key_list(value: Any) -> tuple[str, ...]:
+    # A bare string would otherwise become a tuple of one-character keys.
+    if isinstance(value, str) or not all(isinstance(k, str) for k in value):
+        raise ValueError("api_keys must be a list of strings")
+    return tuple(value)
+
+
+@attrs.frozen
 class AuthConfig:
     """API keys (empty: no auth) and stream-token lifetime (seconds)."""
 
-    api_keys: tuple[str, ...] = attrs.field(default=(), converter=tuple, repr=False)
+    api_keys: tuple[str, ...] = attrs.field(default=(), converter=_key_list, repr=False)
     stream_token_ttl: float = attrs.field(default=60.0, validator=_positive)
     allow_remote_without_keys: bool = False
+
+
+def _pattern_list(value: Any) -> tuple[str, ...]:
+    # A bare string would otherwise become a tuple of one-character patterns.
+    if isinstance(value, str):
+        raise ValueError("patterns must be a list of strings")
+    patterns = tuple(value)
+    compile_patterns(patterns)
+    return patterns
+
+
+def _checker_path(_inst: object, _attribute: attrs.Attribute, value: str) -> None:
+    if value:
+        load_checker(value)
+
+
+@attrs.frozen
+class SafetyConfig:
+    """Output safety stage (``stream/safety.py``): hold-back window in tokens and checkers.
+
+    ``window_tokens`` 0 turns the stage off (no check, no added latency).
+    ``patterns`` are Python regular expressions that block the text they
+    match; ``checker`` is ``"module:callable"``, a blocking
+    ``fn(released, window) -> Verdict`` run on a worker thread, imported when
+    the config is loaded.
+    """
+
+    window_tokens: int = attrs.field(default=0, validator=_non_negative)
+    patterns: tuple[str, ...] = attrs.field(default=(), converter=_pattern_list)
+    checker: str = attrs.field(default="", validator=_checker_path)
 
 
 _SECTIONS = {
@@ -115,6 +182,8 @@ _SECTIONS = {
     "policy": PolicyConfig,
     "store": StoreConfig,
     "auth": AuthConfig,
+    "limits": LimitsConfig,
+    "safety": SafetyConfig,
 }
 
 
@@ -129,6 +198,8 @@ class Config:
     policy: PolicyConfig = attrs.Factory(PolicyConfig)
     store: StoreConfig = attrs.Factory(StoreConfig)
     auth: AuthConfig = attrs.Factory(AuthConfig)
+    limits: LimitsConfig = attrs.Factory(LimitsConfig)
+    safety: SafetyConfig = attrs.Factory(SafetyConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:

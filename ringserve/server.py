@@ -6,12 +6,13 @@ import logging
 import signal
 from collections.abc import Callable
 
-import hypercorn.config
 import hypercorn.trio
 import trio
 
 from ringserve.app import ServerState, create_app
+from ringserve.auth import Authenticator, check_bind
 from ringserve.config import Config
+from ringserve.connections import HypercornConfig
 from ringserve.engine.protocol import Engine
 from ringserve.engine.runner import Runner
 from ringserve.messages import MessageStore
@@ -43,13 +44,33 @@ def load_llama_engine(config: Config) -> Engine:
     )
 
 
-def hypercorn_config(config: Config) -> hypercorn.config.Config:
-    hc = hypercorn.config.Config()
-    hc.bind = [f"{config.server.host}:{config.server.port}"]
+#: Seconds the drain gives readers to write their terminal events once every generation
+#: has ended (hypercorn's graceful timeout); connections still pinned on a write are then reset.
+DRAIN_FLUSH_SECONDS = 2.0
+
+
+def hypercorn_config(config: Config) -> HypercornConfig:
+    """hypercorn's settings for ``config``: bind, TLS, keep-alive, TCP timeouts.
+
+    With ``certfile``/``keyfile`` the listener speaks TLS and offers HTTP/2 by
+    ALPN; without, HTTP/1.1 and HTTP/2 with prior knowledge (h2c). HTTP/3
+    (``quic_bind``) stays off: on this stack a reset HTTP/3 stream is never
+    reported to the app, so a cancelled stream would keep its reader and, with
+    it, its generation.
+    """
+    server = config.server
+    hc = HypercornConfig()
+    hc.bind = [f"{server.host}:{server.port}"]
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
-    # Streams end with their own terminal events during a drain; give them time to be written.
-    hc.graceful_timeout = config.server.drain_timeout + 5
+    hc.keep_alive_timeout = server.keep_alive_timeout
+    # The kernel's backstop, for writes the watchdog does not see; twice the watchdog's time, so
+    # that the watchdog, which logs and counts, normally acts first.
+    hc.tcp_user_timeout = 2 * server.slow_reader_timeout
+    # hypercorn is stopped only once every stream holds its terminal event (see serve()).
+    hc.graceful_timeout = DRAIN_FLUSH_SECONDS
+    if server.certfile:
+        hc.certfile, hc.keyfile = server.certfile, server.keyfile
     return hc
 
 
@@ -60,39 +81,72 @@ async def serve(
     handle_signals: bool = True,
     shutdown_trigger: trio.Event | None = None,
     task_status: trio.TaskStatus[ServerState] = trio.TASK_STATUS_IGNORED,
-) -> None:
+) -> int:
     """Run ringserve until a signal (or ``shutdown_trigger``) asks it to stop.
 
-    The listener starts first (``/health`` answers 503 while the model loads);
+    The listener starts first (``/ready`` answers 503 while the model loads);
     ``task_status.started(state)`` is called once the model is loaded and the
     decode loop runs, with ``state.urls`` set. On SIGINT/SIGTERM: refuse new
     generations, let running ones finish for up to ``drain_timeout`` seconds,
     end the rest with a retryable in-band error, persist, and return. A second
     signal stops at once.
+
+    The drain, in order (hypercorn tells the app nothing before its lifespan
+    shutdown, which runs last, so ringserve drains itself first): the hub
+    refuses new generations (503 with ``Retry-After``; ``/ready`` 503)
+    while the listener still answers; running generations get up to
+    ``drain_timeout`` seconds, then the rest end with a retryable in-band
+    error; only then is hypercorn stopped, which closes the listener and idle
+    keep-alive connections and lets readers write their terminal events for
+    :data:`DRAIN_FLUSH_SECONDS`; a connection still pinned on a write after
+    that (a client that stopped reading) is reset.
+
+    Returns:
+        The exit status: 0 after a drain, 1 when a second signal cut it short.
+
+    Raises:
+        AuthSetupError: ``server.host`` is not loopback, no API key is
+            configured and ``auth.allow_remote_without_keys`` is false; or
+            an API key is malformed (checked before anything starts).
     """
+    auth = Authenticator.from_config(config.auth)
+    check_bind(config.server.host, auth, config.auth.allow_remote_without_keys)
     store = MessageStore(config.store.path)
     interrupted = store.mark_interrupted()
     if interrupted:
         log.info("marked %d message(s) left generating by a previous run as interrupted", interrupted)
     logs = MemoryLogStore(config.stream)
-    state = ServerState(config)
+    state = ServerState(config, auth=auth)
     app = create_app(state)
     stop = trio.Event() if shutdown_trigger is None else shutdown_trigger
     listener_stop = trio.Event()
+    status = 0
     try:
         async with trio.open_nursery() as nursery:
+
+            def stop_now() -> None:
+                nonlocal status
+                status = 1
+                log.warning("second signal: stopping now")
+                if state.hub is not None:
+                    state.hub.cancel_all(CancelReason.DRAIN)
+                state.watchdog.abort_all()
+                nursery.cancel_scope.cancel()
+
             await nursery.start(logs.run)
+            await nursery.start(state.watchdog.run)
             if handle_signals:
-                nursery.start_soon(_watch_signals, stop)
+                nursery.start_soon(_watch_signals, stop, stop_now)
             hc = hypercorn_config(config)
             http_done = trio.Event()
             urls = await nursery.start(_serve_http, app, hc, listener_stop, http_done)
             state.urls = urls
             log.info("listening on %s (loading the model)", ", ".join(urls))
             engine = await trio.to_thread.run_sync(engine_factory, config)
-            runner = Runner(engine, config.engine)
+            runner = Runner(engine, config.engine, on_cancel_freed=state.metrics.cancel_freed)
             await nursery.start(runner.run)
-            hub = Hub(config, runner, logs, store, nursery)
+            hub = Hub(config, runner, logs, store, nursery, metrics=state.metrics)
+            state.metrics.watch(hub)
             state.model_id = runner.model_id
             state.hub = hub
             log.info(
@@ -103,21 +157,27 @@ async def serve(
             await stop.wait()
             log.info("draining: refusing new generations, waiting up to %.0f s", config.server.drain_timeout)
             hub.drain()
-            listener_stop.set()
             with trio.move_on_after(config.server.drain_timeout):
                 await hub.wait_all_done()
             hub.cancel_all(CancelReason.DRAIN)
             await hub.wait_all_done()
-            # Readers now hold terminal events; hypercorn finishes them within its graceful timeout.
-            with trio.move_on_after(hc.graceful_timeout):
+            # Every log now ends in a terminal event; stop hypercorn and let readers write them.
+            listener_stop.set()
+            with trio.move_on_after(DRAIN_FLUSH_SECONDS + 0.5):
                 await http_done.wait()
+            if not http_done.is_set():
+                aborted = state.watchdog.abort_all()
+                log.warning("reset %d connection(s) whose client stopped reading", aborted)
+                with trio.move_on_after(DRAIN_FLUSH_SECONDS):
+                    await http_done.wait()
             nursery.cancel_scope.cancel()
     finally:
         store.close()
+    return status
 
 
 async def _serve_http(
-    app: object, hc: hypercorn.config.Config, stop: trio.Event, done: trio.Event, *, task_status: trio.TaskStatus
+    app: object, hc: HypercornConfig, stop: trio.Event, done: trio.Event, *, task_status: trio.TaskStatus
 ) -> None:
     try:
         await hypercorn.trio.serve(app, hc, shutdown_trigger=stop.wait, task_status=task_status)
@@ -125,9 +185,10 @@ async def _serve_http(
         done.set()
 
 
-async def _watch_signals(stop: trio.Event) -> None:
+async def _watch_signals(stop: trio.Event, stop_now: Callable[[], None]) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
             if stop.is_set():
-                raise SystemExit(1)  # second signal: stop at once
+                stop_now()  # second signal
+                return
             stop.set()

@@ -68,9 +68,10 @@ async def fake_server(tmp_path: Path) -> AsyncIterator[Any]:
 class ServerProcess:
     """``python -m ringserve serve`` in a subprocess, on a free port, until stopped."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, command: list[str] | None = None) -> None:
+        # ``command`` replaces ``python -m ringserve serve --port 0`` (tests/fake_serve.py uses it).
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ringserve", "serve", "--port", "0", *args],
+            [*(command or [sys.executable, "-m", "ringserve", "serve", "--port", "0"]), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

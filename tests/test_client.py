@@ -263,6 +263,17 @@ async def test_heartbeats_keep_a_connection_inside_the_idle_timeout(tmp_path: Pa
     assert final.text == REPLY and stream.reconnects == 0
 
 
+async def test_a_reconnect_hint_resumes_on_a_fresh_connection(tmp_path: Path) -> None:
+    """server.max_stream_seconds ends each connection with an id-less reconnect event."""
+    reconnects: list[Reconnect] = []
+    async with server_and_proxy(tmp_path, Cut, server={"max_stream_seconds": 0.3}, step_seconds=0.004) as (s, _p):
+        async with AsyncClient(s.urls[0], backoff=FAST, timeout=20) as client:
+            async with client.stream("hi", max_tokens=400, on_reconnect=reconnects.append) as stream:
+                final = await stream.final_message()
+    assert final.text == REPLY
+    assert reconnects and all(r.last_event_id is not None for r in reconnects)
+
+
 async def test_the_overall_timeout_ends_the_stream_and_cancels_the_generation(tmp_path: Path) -> None:
     async with server_and_proxy(tmp_path, Cut, step_seconds=0.05) as (state, _proxy):
         async with AsyncClient(state.urls[0], timeout=0.6) as client:

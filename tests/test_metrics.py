@@ -230,7 +230,7 @@ async def test_ready_is_503_until_the_model_is_loaded_and_while_draining(tmp_pat
                 ready = await client.get("/ready")
                 assert (ready.status_code, ready.json()["status"]) == (503, "loading")
                 health = await client.get("/health")
-                assert (health.status_code, health.json()["status"]) == (200, "loading")
+                assert (health.status_code, health.json()["status"]) == (503, "loading")  # issue 2: 503 while loading
                 loaded.set()
                 with trio.fail_after(10):
                     while (await client.get("/ready")).status_code != 200:

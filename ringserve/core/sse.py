@@ -19,6 +19,7 @@ Encoder guarantees (so framing can never break):
 
 from __future__ import annotations
 
+import json
 import operator
 
 import attrs
@@ -28,6 +29,7 @@ __all__ = [
     "SSEParser",
     "encode_comment",
     "encode_event",
+    "encode_reconnect",
     "encode_retry",
 ]
 
@@ -141,6 +143,30 @@ def encode_comment(text: str = "ping") -> bytes:
     if "\n" in text or "\r" in text:
         raise ValueError(f"SSE comment must be one line: {text!r}")
     return (": " + text + "\n\n").encode("utf-8")
+
+
+def encode_reconnect(last_event_id: str | None) -> bytes:
+    """Encode ringserve's ``reconnect`` hint: the server ends this connection on purpose.
+
+    Sent as the last block of a connection that reached
+    ``server.max_stream_seconds``: ``event: reconnect`` with data
+    ``{"type": "reconnect", "last_event_id": ...}``, the id of the last event
+    this connection delivered (``null`` if none: resume from the start). The
+    generation goes on; the client resumes on a fresh connection with that
+    ``Last-Event-ID``. The block has no ``id`` field: it is not in the
+    message's log, and the client's last event ID buffer must keep naming the
+    last real event (WHATWG HTML, "Interpreting an event stream"), so that a
+    browser ``EventSource``, which reconnects by itself when the server
+    closes, resumes at the right place.
+
+    Args:
+        last_event_id: ``<message_id>:<seq>`` of the last event sent, or None.
+
+    Returns:
+        The complete SSE block.
+    """
+    data = json.dumps({"type": "reconnect", "last_event_id": last_event_id}, separators=(",", ":"))
+    return encode_event(data, event="reconnect")
 
 
 @attrs.frozen

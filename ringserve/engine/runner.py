@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import attrs
@@ -238,13 +238,23 @@ class Runner:
     Args:
         engine: the backend; the runner calls it only from its worker thread.
         config: the ``[engine]`` table.
+        on_cancel_freed: called with the seconds from a cancel to the
+            removal of that generation's KV cells, each time one is freed
+            (for the metrics' histogram).
 
     Raises:
         ValueError: the batch is smaller than the number of slots.
     """
 
-    def __init__(self, engine: Engine, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        config: EngineConfig | None = None,
+        *,
+        on_cancel_freed: Callable[[float], None] | None = None,
+    ) -> None:
         config = config or EngineConfig()
+        self._on_cancel_freed = on_cancel_freed
         self._engine = engine
         self._config = config
         n_slots = min(config.slots, engine.n_slots)
@@ -508,6 +518,8 @@ class Runner:
                 self._last_cancel_to_free = took
                 if self._max_cancel_to_free is None or took > self._max_cancel_to_free:
                     self._max_cancel_to_free = took
+                if self._on_cancel_freed is not None:
+                    self._on_cancel_freed(took)
 
     def _release_sync(self, slots: Sequence[int]) -> int | None:
         """Worker thread: ``engine.release`` each slot; return KV cells in use."""

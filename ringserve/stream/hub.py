@@ -1,9 +1,11 @@
 """Generations decoupled from connections: one producer task per message, readers tail its log.
 
 Every generation runs in the server-owned nursery, not in the request's. Its
-producer renders the runner's events in the message's surface format, encodes
-them (``core/sse.py``) with the id ``<message_id>:<seq>``, and appends them to
-the message's ring log, coalesced by ``core/coalesce.py``. Every HTTP
+producer passes the runner's events through the safety stage
+(``stream/safety.py``, when ``[safety] window_tokens`` > 0), renders them in
+the message's surface format, encodes them (``core/sse.py``) with the id
+``<message_id>:<seq>``, and appends them to the message's ring log,
+coalesced by ``core/coalesce.py``. Every HTTP
 connection, the first one included, is a reader of that log, so a dropped
 client costs a replay, not the answer (seed "Streaming LLM Responses over SSE
 and Surviving Disconnects").
@@ -34,8 +36,10 @@ from ringserve.core.ringlog import Gap, LogState, format_event_id, parse_event_i
 from ringserve.core.sse import encode_event
 from ringserve.engine.runner import Runner
 from ringserve.messages import MessageStore, StoredMessage
+from ringserve.metrics import Metrics, StreamTimer
 from ringserve.stream.logs import LogStore, MessageLog
 from ringserve.stream.reader import tail
+from ringserve.stream.safety import SafetyStage
 from ringserve.surfaces.base import MessageResult, ParsedRequest, Renderer, Surface, WireEvent
 
 _NOT_YET = object()
@@ -54,7 +58,9 @@ class LiveMessage:
     """A message whose producer is running or whose log is still held.
 
     ``parts`` is the text released to readers so far; ``status`` follows
-    ``messages.STATUSES``; ``done`` is set once the terminal event is in the log.
+    ``messages.STATUSES``; ``started`` is set once its log exists (or its
+    creation failed); ``done`` once the terminal event is in the log, when the
+    message leaves the hub and the store answers for it.
     """
 
     id: str
@@ -64,6 +70,7 @@ class LiveMessage:
     include_usage: bool
     policy: str
     request_hash: str
+    idempotency_key: str | None = None
     log: MessageLog | None = None
     status: str = "queued"
     parts: list[str] = attrs.Factory(list)
@@ -73,6 +80,8 @@ class LiveMessage:
     error: str | None = None
     cancel_reason: str | None = None
     cancel_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    timer: StreamTimer = attrs.Factory(lambda: StreamTimer(trio.current_time()))
+    started: trio.Event = attrs.Factory(trio.Event)
     done: trio.Event = attrs.Factory(trio.Event)
 
     def result(self) -> MessageResult:
@@ -106,15 +115,28 @@ class Hub:
     """Owns live messages, their producers and the disconnect policy.
 
     Args:
-        config: the server config (stream and policy tables are used).
+        config: the server config (stream, policy and safety tables are used).
         runner: the engine's owner task.
         logs: the stream-log backend.
         store: the durable message store.
         nursery: the server-owned nursery producers run in.
+        metrics: where TTFT, gaps, TPOT and in-band errors are observed
+            (default: a private :class:`Metrics` nobody scrapes).
     """
 
-    def __init__(self, config: Config, runner: Runner, logs: LogStore, store: MessageStore, nursery: trio.Nursery):
+    def __init__(
+        self,
+        config: Config,
+        runner: Runner,
+        logs: LogStore,
+        store: MessageStore,
+        nursery: trio.Nursery,
+        *,
+        metrics: Metrics | None = None,
+    ):
         self.config = config
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.safety = SafetyStage.from_config(config.safety, max_threads=config.engine.slots)
         self.runner = runner
         self.logs = logs
         self.store = store
@@ -149,6 +171,9 @@ class Hub:
         if self.draining:
             raise RingserveError(ErrorKind.UNAVAILABLE, "server is shutting down", retry_after=1, retryable=True)
         if idempotency_key is not None:
+            pending = self._keys.get(idempotency_key)
+            if pending is not None:
+                await pending.started.wait()  # a concurrent retry: wait for the first one's log
             existing = self._keys.get(idempotency_key) or self.store.by_idempotency_key(idempotency_key)
             if existing is not None:
                 if existing.request_hash != body_hash:
@@ -167,6 +192,7 @@ class Hub:
             include_usage=parsed.include_usage,
             policy=policy,
             request_hash=body_hash,
+            idempotency_key=idempotency_key,
         )
         if idempotency_key is not None:
             self._keys[idempotency_key] = msg
@@ -187,6 +213,7 @@ class Hub:
         finally:
             if idempotency_key is not None and msg.log is None:
                 del self._keys[idempotency_key]
+            msg.started.set()
         return msg, True
 
     async def _produce(self, msg: LiveMessage, prepared: Any, row: StoredMessage, *, task_status) -> None:
@@ -214,6 +241,7 @@ class Hub:
     async def _pump(self, msg: LiveMessage, gen: Any, renderer: Renderer) -> None:
         stream = self.config.stream
         coalescer = Coalescer(window=stream.flush_ms / 1000, max_tokens=stream.flush_tokens)
+        gate = None if self.safety is None else self.safety.gate(msg.id)
         events = gen.__aiter__()
         while True:
             event: Any = _NOT_YET
@@ -222,21 +250,28 @@ class Hub:
             if event is _NOT_YET:
                 self._release(msg, renderer, coalescer.due(trio.current_time()))
                 continue
-            if isinstance(event, TextDelta):
-                if msg.status == "queued":
-                    msg.status = "generating"
-                    self.store.update(msg.id, status="generating")
-                msg.usage = gen.usage
-                self._release(msg, renderer, coalescer.add(event.text, event.tokens, trio.current_time()))
-                continue
-            self._release(msg, renderer, coalescer.flush())
-            if isinstance(event, Finish):
-                self._finish(msg, renderer, event)
-            elif isinstance(event, Failure):
-                self._fail(msg, renderer, event)
-            else:
-                self._fail(msg, renderer, Failure("api_error", "generation ended without a result", gen.usage, True))
-            return
+            if event is None:
+                event = Failure("api_error", "generation ended without a result", gen.usage, True)
+            # The safety stage runs outside the flush deadline's scope, which must not cut a check short.
+            for screened in [event] if gate is None else await gate.screen(event, gen.usage):
+                if self._on_event(msg, gen, renderer, coalescer, screened):
+                    return  # leaving the runner's submit block cancels a refused generation
+
+    def _on_event(self, msg: LiveMessage, gen: Any, renderer: Renderer, coalescer: Coalescer, event: Any) -> bool:
+        """Hand one (screened) event to the coalescer and the log; True once it was the terminal one."""
+        if isinstance(event, TextDelta):
+            if msg.status == "queued":
+                msg.status = "generating"
+                self.store.update(msg.id, status="generating")
+            msg.usage = gen.usage
+            self._release(msg, renderer, coalescer.add(event.text, event.tokens, trio.current_time()))
+            return False
+        self._release(msg, renderer, coalescer.flush())
+        if isinstance(event, Finish):
+            self._finish(msg, renderer, event)
+        else:
+            self._fail(msg, renderer, event)
+        return True
 
     # -- writing the log -----------------------------------------------------------------
 
@@ -250,6 +285,7 @@ class Hub:
         if text:
             msg.parts.append(text)
             self._append(msg, renderer.delta(text))
+            self.metrics.text_released(msg.timer, trio.current_time())
 
     def _finish(self, msg: LiveMessage, renderer: Renderer, finish: Finish) -> None:
         msg.usage = finish.usage
@@ -258,6 +294,7 @@ class Hub:
         msg.status = "cancelled" if finish.stop_reason is StopReason.CANCELLED else "complete"
         self._append(msg, renderer.finish(finish))
         self._close(msg, LogState.FINISHED)
+        self.metrics.finished(msg.timer, trio.current_time(), finish)
 
     def _fail(self, msg: LiveMessage, renderer: Renderer, failure: Failure) -> None:
         msg.usage = failure.usage
@@ -265,6 +302,7 @@ class Hub:
         msg.error = failure.message
         self._append(msg, renderer.fail(failure))
         self._close(msg, LogState.FAILED)
+        self.metrics.error(failure.kind, "generation")
 
     def _end_interrupted(self, msg: LiveMessage, renderer: Renderer) -> None:
         """Terminal events for a producer that was cancelled (synchronous: runs while cancelled)."""
@@ -287,6 +325,9 @@ class Hub:
             input_tokens=msg.usage.input_tokens,
             error=msg.error,
         )
+        del self._live[msg.id]
+        if msg.idempotency_key is not None:
+            del self._keys[msg.idempotency_key]
         msg.done.set()
 
     # -- policy and cancel ---------------------------------------------------------------
@@ -325,12 +366,14 @@ class Hub:
 
     # -- finding and reading -------------------------------------------------------------
 
+    @property
+    def active_generations(self) -> int:
+        """Generations whose terminal event is not yet in their log."""
+        return sum(1 for msg in self._live.values() if not msg.done.is_set())
+
     def live(self, message_id: str) -> LiveMessage | None:
-        msg = self._live.get(message_id)
-        if msg is not None and self.logs.get(message_id) is None:
-            del self._live[message_id]  # the log expired: the store answers from now on
-            return None
-        return msg
+        """The message if its generation is still running."""
+        return self._live.get(message_id)
 
     def lookup(self, message_id: str) -> LiveMessage | StoredMessage:
         """The live message, else the stored one.
@@ -382,5 +425,33 @@ class Hub:
     def stream(
         self, log: MessageLog, after: int | None, on_heartbeat: Callable[[], None] | None = None
     ) -> AsyncIterator[bytes]:
-        """The SSE bytes of ``log`` after ``after``: replay, then live, with heartbeats."""
-        return tail(log, after, heartbeat_interval=self.config.server.heartbeat_interval, on_heartbeat=on_heartbeat)
+        """The SSE bytes of ``log`` after ``after``: replay, then live, with heartbeats.
+
+        A connection that reaches ``server.max_stream_seconds`` ends with a
+        reconnect hint (``core/sse.py`` ``encode_reconnect``); the generation
+        is then held for ``retry_ms + heartbeat_interval`` (:meth:`_hold`), so
+        the disconnect policy does not abort it while the client reconnects.
+        """
+        server = self.config.server
+        return tail(log, after, heartbeat_interval=server.heartbeat_interval, on_heartbeat=on_heartbeat,
+                    max_seconds=server.max_stream_seconds, on_reconnect=lambda: self._hold(log))
+
+    def _hold(self, log: MessageLog) -> None:
+        """Count one more reader of ``log`` for ``retry_ms + heartbeat_interval`` seconds.
+
+        Entered synchronously, before the reader that sent a reconnect hint
+        leaves, so ``on_idle`` (the disconnect policy) does not fire in between.
+        """
+        if log.closed:
+            return
+        server = self.config.server
+        hold = log.reader()
+        hold.__enter__()
+
+        async def release_later() -> None:
+            try:
+                await trio.sleep(server.retry_ms / 1000 + server.heartbeat_interval)
+            finally:
+                hold.__exit__(None, None, None)
+
+        self._nursery.start_soon(release_later)

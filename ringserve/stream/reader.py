@@ -35,12 +35,13 @@ generator that is dropped unfinished is otherwise only finalized by the GC.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Callable
 
 import trio
 
-from ringserve.core.ringlog import Gap
-from ringserve.core.sse import encode_comment
+from ringserve.core.ringlog import Gap, format_event_id
+from ringserve.core.sse import encode_comment, encode_reconnect
 from ringserve.stream.logs import MessageLog
 
 __all__ = ["DEFAULT_BATCH", "ReaderLagged", "tail"]
@@ -74,6 +75,8 @@ async def tail(
     *,
     heartbeat_interval: float,
     on_heartbeat: Callable[[], None] | None = None,
+    max_seconds: float = 0.0,
+    on_reconnect: Callable[[], None] | None = None,
     batch: int = DEFAULT_BATCH,
 ) -> AsyncIterator[bytes]:
     """Yield a log's SSE bytes after ``after``: replay, then live, then end.
@@ -89,7 +92,10 @@ async def tail(
 
     Returns once the log is closed and every entry has been yielded. The
     terminal ``done``/``error`` event is the producer's last entry; ``tail``
-    adds none.
+    adds none. With ``max_seconds``, once that long has passed and the end is
+    not yet reached, it calls ``on_reconnect()``, yields
+    ``encode_reconnect(<id of the last entry yielded>)`` and returns: the
+    client resumes on a fresh connection.
 
     Args:
         log: the message log (a :class:`~ringserve.stream.logs.MessageLog`).
@@ -97,6 +103,8 @@ async def tail(
             ``Last-Event-ID``); ``None`` starts from entry 0.
         heartbeat_interval: seconds of silence before a ping (> 0).
         on_heartbeat: called synchronously once per ping.
+        max_seconds: seconds this connection may stream (0: no limit).
+        on_reconnect: called synchronously just before the reconnect hint.
         batch: the most entries read from the log per step.
 
     Raises:
@@ -109,11 +117,19 @@ async def tail(
     """
     if heartbeat_interval <= 0:
         raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
+    ends_at = trio.current_time() + max_seconds if max_seconds > 0 else math.inf
     cursor = after
     while True:
         got = log.read_from(cursor, batch)
         if isinstance(got, Gap):
             raise ReaderLagged(got)
+        if not got and log.closed:  # caught up, and nothing more will come
+            return
+        if trio.current_time() >= ends_at:
+            if on_reconnect is not None:
+                on_reconnect()
+            yield encode_reconnect(None if cursor is None else format_event_id(log.message_id, cursor))
+            return
         if got:
             for entry in got:
                 # Advance before yielding: if the consumer stops here, the
@@ -121,11 +137,9 @@ async def tail(
                 cursor = entry.seq
                 yield entry.data
             continue
-        if log.closed:  # caught up, and nothing more will come
-            return
-        with trio.move_on_after(heartbeat_interval) as scope:
+        with trio.move_on_at(min(trio.current_time() + heartbeat_interval, ends_at)) as scope:
             await log.wait_for_entries(cursor)
-        if scope.cancelled_caught:
+        if scope.cancelled_caught and trio.current_time() < ends_at:
             if on_heartbeat is not None:
                 on_heartbeat()
             yield encode_comment("ping")

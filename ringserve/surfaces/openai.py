@@ -140,7 +140,8 @@ class OpenAISurface:
         for i, m in enumerate(raw):
             if not isinstance(m, dict):
                 raise invalid(f"messages[{i}]: must be an object", param="messages")
-            role = ROLES.get(m.get("role"))  # type: ignore[arg-type]
+            role = m.get("role")
+            role = ROLES.get(role) if isinstance(role, str) else None
             if role is None:
                 raise invalid(f"messages[{i}].role: must be one of {', '.join(ROLES)}", param="messages")
             content = m.get("content")
