@@ -55,7 +55,10 @@ _CLEANUPS = "ringserve.cleanups"
 
 
 class ClosingHTTPConnection(TrioASGIHTTPConnection):
-    """quart-trio's HTTP connection with two fixes of our own.
+    """quart-trio's HTTP connection with an access record, a send watchdog and two fixes.
+
+    Every request gets an :class:`AccessRecord` (one log line at the end) and
+    an ``X-Request-Id``; every send is timed by the :class:`SendWatchdog`.
 
     Cleanups: a handler that registers a stream reader adds its release to
     ``request.scope["ringserve.cleanups"]``; it runs when the ASGI call
@@ -236,18 +239,10 @@ def create_app(state: ServerState) -> RingserveQuart:
             if config.model.strict_model_name and parsed.model and parsed.model != state.model_id:
                 raise RingserveError(ErrorKind.NOT_FOUND, f"model {parsed.model[:100]!r} is not served here", param="model")
             prefer = {p.strip().split("=")[0].lower() for p in request.headers.get("Prefer", "").split(",")}
-            respond_async = "respond-async" in prefer
-            policy = "continue" if respond_async else getattr(config.policy, surface.name)
-            override = request.headers.get("Ringserve-Disconnect-Policy")
-            if override is not None:
-                if override not in ("abort", "continue"):
-                    raise RingserveError(
-                        ErrorKind.INVALID_REQUEST, "Ringserve-Disconnect-Policy must be 'abort' or 'continue'"
-                    )
-                policy = override
-            key = request.headers.get("Idempotency-Key")
-            if key is not None and not (0 < len(key) <= 255 and key.isprintable()):
-                raise RingserveError(ErrorKind.INVALID_REQUEST, "Idempotency-Key must be 1-255 printable characters")
+            respond_async = "respond-async" in prefer  # RFC 7240
+            policy = hub.policy_for(
+                surface, respond_async=respond_async, override=request.headers.get("Ringserve-Disconnect-Policy")
+            )
             admit_reader()
             msg, _created = await hub.create(
                 surface,
@@ -255,7 +250,7 @@ def create_app(state: ServerState) -> RingserveQuart:
                 body_hash=request_hash(raw),
                 request_json=raw.decode("utf-8", "replace"),
                 policy=policy,
-                idempotency_key=key,
+                idempotency_key=request.headers.get("Idempotency-Key"),
             )
             request.scope[_ACCESS].message_id = msg.id
             if respond_async:

@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 import trio
 
-from ringserve.config import Config
+from ringserve.config import DISCONNECT_POLICIES, Config
 from ringserve.core.coalesce import Coalescer
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import Failure, Finish, StopReason, TextDelta, Usage
@@ -165,9 +165,12 @@ class Hub:
 
         Raises:
             RingserveError: ``UNPROCESSABLE`` (key reused with another body),
-            ``INVALID_REQUEST`` (prompt + max_tokens over the context),
+            ``INVALID_REQUEST`` (prompt + max_tokens over the context, or a malformed
+            ``Idempotency-Key``),
             ``OVERLOADED`` (queue full), ``UNAVAILABLE`` (draining).
         """
+        if idempotency_key is not None and not (0 < len(idempotency_key) <= 255 and idempotency_key.isprintable()):
+            raise RingserveError(ErrorKind.INVALID_REQUEST, "Idempotency-Key must be 1-255 printable characters")
         if self.draining:
             raise RingserveError(ErrorKind.UNAVAILABLE, "server is shutting down", retry_after=1, retryable=True)
         if idempotency_key is not None:
@@ -345,6 +348,22 @@ class Hub:
         await trio.sleep(grace)
         if msg.log.readers == 0:
             self.cancel(msg, CancelReason.CLIENT_GONE)
+
+    def policy_for(self, surface: Surface, *, respond_async: bool, override: str | None) -> str:
+        """The disconnect policy of a new message.
+
+        ``Prefer: respond-async`` means ``continue`` (nobody is reading yet); a
+        ``Ringserve-Disconnect-Policy`` header overrides; else the surface's
+        ``[policy]`` setting.
+
+        Raises:
+            RingserveError: ``INVALID_REQUEST`` for an override other than ``abort``/``continue``.
+        """
+        if override is not None:
+            if override not in DISCONNECT_POLICIES:
+                raise RingserveError(ErrorKind.INVALID_REQUEST, "Ringserve-Disconnect-Policy must be 'abort' or 'continue'")
+            return override
+        return "continue" if respond_async else getattr(self.config.policy, surface.name)
 
     def cancel(self, msg: LiveMessage, reason: str) -> None:
         """Cancel a live generation (idempotent); its readers get a terminal event."""
