@@ -17,7 +17,8 @@ Run from the repository root::
 
     .venv/bin/python bench/raw_decode.py [--seqs 1 4 8] [--tokens 128] [--repeats 3]
 
-A later benchmark can ``from bench.raw_decode import raw_tokens_per_second``.
+A later benchmark can ``from bench.raw_decode import raw_tokens_per_second``
+(or :func:`raw_decode_run` for the per-step times too).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import llama_cpp as lc
 
 if __package__ in (None, ""):
@@ -58,10 +60,37 @@ def _ctx_per_seq(n_tokens: int) -> int:
     return -(-need // 256) * 256
 
 
+@attrs.frozen
+class RawRun:
+    """The fastest repeat of :func:`raw_decode_run`.
+
+    Attributes:
+        tokens_per_second: sampled tokens per second, summed over sequences.
+        prefill_seconds: the one batched prefill of every prompt, first
+            samples included (seconds): the loop's time to first token.
+        step_seconds: each timed decode step (one token per sequence), in order
+            (seconds): the loop's time between tokens.
+    """
+
+    tokens_per_second: float
+    prefill_seconds: float
+    step_seconds: tuple[float, ...]
+
+
 def raw_tokens_per_second(
     path: str | Path, n_seqs: int, n_tokens: int, *, n_threads: int = 0, repeats: int = 1
 ) -> float:
     """Aggregate greedy decode speed of a raw low-level llama-cpp-python loop.
+
+    ``raw_decode_run(...).tokens_per_second``; see :func:`raw_decode_run`.
+    """
+    return raw_decode_run(path, n_seqs, n_tokens, n_threads=n_threads, repeats=repeats).tokens_per_second
+
+
+def raw_decode_run(
+    path: str | Path, n_seqs: int, n_tokens: int, *, n_threads: int = 0, repeats: int = 1
+) -> RawRun:
+    """Aggregate greedy decode speed of a raw low-level llama-cpp-python loop, with step times.
 
     Loads the model (``use_extra_bufts=False``), creates a context for
     ``n_seqs`` sequences, prefills :data:`PROMPT` into each, takes one
@@ -76,7 +105,7 @@ def raw_tokens_per_second(
         repeats: timed runs on the same context; the fastest is returned.
 
     Returns:
-        Sampled tokens per second, summed over sequences.
+        The fastest repeat: tokens per second, prefill and step times.
 
     Raises:
         RuntimeError: llama.cpp failed to load, create or decode.
@@ -135,7 +164,7 @@ def raw_tokens_per_second(
         for s in range(n_seqs):
             last[s] = lc.llama_sampler_sample(samplers[s], ctx, s)
 
-    best = 0.0
+    best: RawRun | None = None
     try:
         for _ in range(repeats):
             lc.llama_memory_seq_rm(mem, -1, -1, -1)
@@ -151,20 +180,31 @@ def raw_tokens_per_second(
                     i += 1
                 last_index.append(i - 1)
             batch.n_tokens = i
+            t0 = time.perf_counter()
             decode()
             last = [lc.llama_sampler_sample(samplers[s], ctx, i) for s, i in enumerate(last_index)]
+            prefill = time.perf_counter() - t0
             step(last, n_prompt)  # warm-up
+            steps = []
             t0 = time.perf_counter()
             for k in range(n_tokens):
                 step(last, n_prompt + 1 + k)
-            elapsed = time.perf_counter() - t0
-            best = max(best, n_seqs * n_tokens / elapsed)
+                steps.append(time.perf_counter())
+            elapsed = steps[-1] - t0
+            run = RawRun(
+                n_seqs * n_tokens / elapsed,
+                prefill,
+                tuple(b - a for a, b in zip([t0, *steps], steps)),
+            )
+            if best is None or run.tokens_per_second > best.tokens_per_second:
+                best = run
     finally:
         for chain in samplers:
             lc.llama_sampler_free(chain)
         lc.llama_batch_free(batch)
         lc.llama_free(ctx)
         lc.llama_model_free(model)
+    assert best is not None, "repeats must be >= 1"
     return best
 
 

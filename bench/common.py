@@ -1,0 +1,272 @@
+"""What every benchmark script shares: the machine's description, percentiles, output files.
+
+Each script in ``bench/`` prints a table, and writes ``bench/results/NAME.json``
+(raw figures, every repeat, and :func:`machine`) and ``bench/results/NAME.png``
+(a matplotlib plot). Figures are medians over repeated rounds; ratios are
+taken per round, side by side, then the median of those is reported, so a
+neighbour's load on a shared machine hits both sides of a ratio alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+"""The repository root."""
+
+RESULTS = Path(os.environ.get("RINGSERVE_BENCH_RESULTS") or ROOT / "bench" / "results")
+"""Where the JSON and PNG files go: ``bench/results`` (git-ignored), or the directory
+named by the environment variable ``RINGSERVE_BENCH_RESULTS``."""
+
+_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "vnni", "bf16")
+
+
+def machine() -> dict[str, Any]:
+    """The machine a figure was measured on: CPU model, cores, SIMD flags, load, versions."""
+    model, flags = "unknown", []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model == "unknown":
+                model = value.strip()
+            elif key == "flags" and not flags:
+                flags = sorted(f for f in value.split() if f.startswith(_FLAG_PREFIXES) or "vnni" in f)
+    except OSError:
+        pass
+    try:
+        import llama_cpp
+
+        llama_version = llama_cpp.__version__
+    except ImportError:  # pragma: no cover - every script but gateway/resume needs it
+        llama_version = None
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "simd_flags": flags,
+        "amx": any(f.startswith("amx") for f in flags),
+        "load_average_1m_5m_15m": list(os.getloadavg()),
+        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "python": platform.python_version(),
+        "llama_cpp_python": llama_version,
+        "ringserve_commit": commit,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    """One line naming the machine, for the top of a table."""
+    simd = " ".join(f for f in info["simd_flags"] if f.startswith(("avx512f", "avx2", "amx", "avx_vnni")))
+    load = "/".join(f"{x:.1f}" for x in info["load_average_1m_5m_15m"])
+    return f"{info['cpu']}, {info['cores']} cores, {simd or 'no AVX2'}; load {load}"
+
+
+def pct(values: Iterable[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100, linear interpolation) of ``values``; None when empty."""
+    data = np.asarray(list(values), dtype=float)
+    if data.size == 0:
+        return None
+    return float(np.percentile(data, q))
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """The median of the values that are not None; None when there are none."""
+    data = [v for v in values if v is not None]
+    return float(np.median(data)) if data else None
+
+
+def fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    """``value * scale`` with ``digits`` decimals, or ``-`` for None."""
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A right-aligned plain-text table."""
+    rows = [list(map(str, r)) for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def write_json(name: str, payload: dict[str, Any]) -> Path:
+    """Write ``bench/results/NAME.json`` (indented); return its path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def figure(*, nrows: int = 1, ncols: int = 1, width: float = 10.0, height: float = 4.0) -> tuple[Any, Any]:
+    """A matplotlib figure and its axes (Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(nrows, ncols, figsize=(width, height), squeeze=False)
+
+
+def save_figure(fig: Any, name: str, info: dict[str, Any]) -> Path:
+    """Caption ``fig`` with the machine, write ``bench/results/NAME.png``; return its path."""
+    import matplotlib.pyplot as plt
+
+    fig.text(0.01, 0.005, machine_line(info), fontsize=7, color="0.4")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def raise_fd_limit(wanted: int) -> int:
+    """Raise this process's open-file soft limit towards ``wanted`` (capped by the hard limit).
+
+    Child processes inherit it. Returns the soft limit now in force.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    return soft
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process ``pid`` (bytes, from ``/proc/PID/status`` VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) process ``pid`` has used so far (seconds)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def python() -> str:
+    """The interpreter running this script (the project's venv when started as documented)."""
+    return sys.executable
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for servers that need one named)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server in a subprocess, its output in a log file, stopped with SIGTERM.
+
+    Args:
+        argv: the command line.
+        log_path: where its stdout and stderr go.
+        ready_pattern: a regex whose group 1 is the base URL, searched in the
+            log (ringserve prints ``ready: ... at http://HOST:PORT``); or None
+            with ``url`` given, polled with ``GET url + probe`` until 200.
+        url: the base URL when it is known in advance.
+        probe: the path polled when ``ready_pattern`` is None.
+        timeout: seconds to wait for readiness.
+
+    Raises:
+        RuntimeError: the process exited or did not become ready in time
+            (the message holds the end of its log).
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log_path: Path,
+        *,
+        ready_pattern: str | None = None,
+        url: str | None = None,
+        probe: str = "/",
+        timeout: float = 180.0,
+    ) -> None:
+        import re
+
+        import httpx
+
+        self.argv = list(argv)
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT
+        )
+        self.url = url
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"{self.argv[:4]} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if ready_pattern is not None:
+                m = re.search(ready_pattern, log_path.read_text(errors="replace"))
+                if m:
+                    self.url = m.group(1).rstrip(",")
+                    return
+            else:
+                try:
+                    if httpx.get(f"{url}{probe}", timeout=2).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"{self.argv[:4]} did not become ready in {timeout:.0f} s:\n{self.log_tail()}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, n: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after 30 s; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+RINGSERVE_READY = r"ready: .* at (http://\S+)"
+"""The line ``ringserve serve`` logs once the model is loaded and requests are taken."""
+
+
+def ringserve_config(path: Path, tables: dict[str, dict[str, Any]]) -> Path:
+    """Write a ringserve TOML config with ``tables`` (values: str, bool, int, float) to ``path``."""
+    lines = []
+    for name, keys in tables.items():
+        lines.append(f"[{name}]")
+        for key, value in keys.items():
+            lines.append(f"{key} = {json.dumps(value)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path

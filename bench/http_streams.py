@@ -1,0 +1,344 @@
+"""End-to-end streaming over HTTP: ringserve against llama-cpp-python's own server, side by side.
+
+Both servers run as subprocesses on the same model file and the same two CPU
+threads' worth of llama.cpp work:
+
+* ``python -m ringserve serve --slots 8 --port 0 --config ...`` (default
+  ``[stream]`` coalescing: one SSE entry per 25 ms or 16 tokens);
+* ``python -m llama_cpp.server --model PATH --n_ctx 2048 --n_threads T
+  --n_threads_batch T --interrupt_requests False`` (the ``server`` extra of
+  llama-cpp-python; its default ``interrupt_requests=True`` would end a
+  stream as soon as another request arrives, so it is turned off; it serves
+  one request at a time).
+
+Real clients (httpx, async, one connection per stream) send the same
+OpenAI Chat Completions request (a system and a user message, greedy,
+``max_tokens`` tokens, ``stream: true``; each prompt made unique by a tag
+at its start, the same tags for both servers) at 1, 2, 4, 8 and 16 concurrent
+streams, each client ``--requests`` requests back to back. Measured at the
+client: TTFT (request sent to the first chunk with text), time between
+chunks (consecutive chunks with text, per stream), time per output token
+(per stream: last chunk minus first chunk over tokens - 1), and aggregate
+tokens/s (all tokens over the wall time of the level). Tokens come from
+``usage`` when the server sends it (ringserve, ``stream_options``), else
+``max_tokens`` for a ``length`` finish, else one per chunk.
+
+Rounds alternate which server goes first; figures are medians over rounds and
+ratios (ringserve / llama_cpp.server) medians of per-round ratios.
+
+Run from the repository root (needs ``pip install -e '.[bench]'``)::
+
+    .venv/bin/python bench/http_streams.py [--streams 1 2 4 8 16] [--tokens 128] [--rounds 3]
+
+Writes ``bench/results/http_streams.json`` and ``bench/results/http_streams.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (  # noqa: E402
+    RINGSERVE_READY,
+    ServerProcess,
+    figure,
+    fmt,
+    free_port,
+    machine,
+    machine_line,
+    median,
+    pct,
+    python,
+    ringserve_config,
+    save_figure,
+    table,
+    write_json,
+)
+from ringserve.engine.modelfile import default_model_path  # noqa: E402
+
+
+def messages(tag: str) -> list[dict[str, str]]:
+    """The conversation a request sends; ``tag`` makes each prompt unique.
+
+    The tag leads the system message so no two prompts share more than the
+    template's first tokens: llama-cpp-python reuses the KV cells of the
+    previous prompt's common prefix, which would hide its prefill on repeated
+    prompts. The explicit system message makes both servers' chat templates
+    render the same prompt.
+    """
+    return [
+        {"role": "system", "content": f"Request {tag}. You are a helpful assistant."},
+        {"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."},
+    ]
+
+CPP_SERVER_REFERENCE = {1: 105.0, 4: 163.0, 8: 195.0}
+"""llama.cpp's C++ ``llama-server`` on this machine and model, aggregate tokens/s by
+concurrent streams (from the engine issue; not measured by this script)."""
+
+SERVERS = ("ringserve", "llama_cpp.server")
+
+
+@attrs.define
+class StreamTrace:
+    """One streamed request as its client saw it (perf_counter seconds)."""
+
+    sent: float
+    chunks: list[float] = attrs.Factory(list)
+    ended: float = 0.0
+    tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def _tokens(usage: dict[str, Any] | None, finish_reason: str | None, chunks: int, max_tokens: int) -> int:
+    if usage and usage.get("completion_tokens") is not None:
+        return int(usage["completion_tokens"])
+    if finish_reason == "length":
+        return max_tokens
+    return chunks
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> StreamTrace:
+    """POST a streamed chat completion and time every chunk that carries text."""
+    trace = StreamTrace(time.perf_counter())
+    usage = None
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                trace.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return trace
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    trace.error = str(chunk["error"])[:200]
+                    break
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        trace.chunks.append(time.perf_counter())
+                    trace.finish_reason = choice.get("finish_reason") or trace.finish_reason
+    except httpx.HTTPError as exc:
+        trace.error = f"{type(exc).__name__}: {exc}"
+    trace.ended = time.perf_counter()
+    trace.tokens = _tokens(usage, trace.finish_reason, len(trace.chunks), body["max_tokens"])
+    return trace
+
+
+async def run_level(url: str, n_streams: int, requests: int, max_tokens: int, tag: str) -> dict[str, Any]:
+    """``n_streams`` clients at once, each sending ``requests`` streamed requests in turn.
+
+    Request ``j`` of client ``i`` is tagged ``{tag}-{i}-{j}`` (see :func:`messages`).
+    """
+    traces: list[StreamTrace] = []
+    limits = httpx.Limits(max_connections=n_streams, max_keepalive_connections=n_streams)
+
+    async def client_loop(client: httpx.AsyncClient, i: int) -> None:
+        for j in range(requests):
+            body = {
+                "model": "smollm2",
+                "messages": messages(f"{tag}-{i}-{j}"),
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            traces.append(await one_stream(client, url, body))
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30), limits=limits) as client:
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for i in range(n_streams):
+                nursery.start_soon(client_loop, client, i)
+        wall = time.perf_counter() - t0
+    ok = [t for t in traces if t.error is None and t.chunks]
+    ttft = [t.chunks[0] - t.sent for t in ok]
+    gaps = [b - a for t in ok for a, b in zip(t.chunks, t.chunks[1:])]
+    tpot = [(t.chunks[-1] - t.chunks[0]) / (t.tokens - 1) for t in ok if t.tokens > 1 and len(t.chunks) > 1]
+    tokens = sum(t.tokens for t in ok)
+    return {
+        "streams": n_streams,
+        "requests": len(traces),
+        "errors": [t.error for t in traces if t.error is not None],
+        "finish_reasons": sorted({str(t.finish_reason) for t in ok}),
+        "tokens": tokens,
+        "chunks": sum(len(t.chunks) for t in ok),
+        "wall_seconds": wall,
+        "tokens_per_second": tokens / wall,
+        "load_average_1m": os.getloadavg()[0],
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p99": pct(ttft, 99),
+        "chunk_gap_p50": pct(gaps, 50),
+        "chunk_gap_p99": pct(gaps, 99),
+        "tpot_p50": pct(tpot, 50),
+    }
+
+
+def warm_up(url: str, max_tokens: int) -> dict[str, Any]:
+    """One non-streamed request (loads caches); returns its usage, to compare prompts."""
+    body = {"model": "smollm2", "messages": messages("warm-up"), "max_tokens": max_tokens, "temperature": 0}
+    resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    resp.raise_for_status()
+    answer = resp.json()
+    return {"usage": answer.get("usage"), "text_start": answer["choices"][0]["message"]["content"][:80]}
+
+
+def start_servers(model: Path, threads: int, tmp: Path, slots: int) -> dict[str, ServerProcess]:
+    cfg = ringserve_config(tmp / "ringserve.toml", {
+        "model": {"path": str(model), "n_threads": threads},
+        "engine": {"ctx_per_slot": 2048},
+        "store": {"path": str(tmp / "store.sqlite3")},
+    })
+    servers = {}
+    servers["ringserve"] = ServerProcess(
+        [python(), "-m", "ringserve", "serve", "--slots", str(slots), "--port", "0", "--config", str(cfg)],
+        tmp / "ringserve.log",
+        ready_pattern=RINGSERVE_READY,
+    )
+    port = free_port()
+    try:
+        servers["llama_cpp.server"] = ServerProcess(
+            [python(), "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+             "--n_ctx", "2048", "--n_batch", "512", "--n_threads", str(threads), "--n_threads_batch", str(threads),
+             "--interrupt_requests", "False"],
+            tmp / "llama_cpp_server.log",
+            url=f"http://127.0.0.1:{port}",
+            probe="/v1/models",
+        )
+    except BaseException:
+        servers["ringserve"].stop()
+        raise
+    return servers
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="GGUF file (default: the bundled model)")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="concurrent streams")
+    ap.add_argument("--tokens", type=int, default=128, help="max_tokens per request")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client, back to back")
+    ap.add_argument("--rounds", type=int, default=3, help="repeats of the whole comparison")
+    ap.add_argument("--slots", type=int, default=8, help="ringserve --slots")
+    ap.add_argument("--threads", type=int, default=0, help="llama.cpp threads in both servers (0: all cores)")
+    args = ap.parse_args(argv)
+    model = args.model or default_model_path()
+    threads = args.threads or os.cpu_count() or 1
+    info = machine()
+    print(f"HTTP streaming: {model.name}, max_tokens {args.tokens}, {args.requests} request(s) per client,"
+          f" {args.rounds} rounds, ringserve --slots {args.slots}, {threads} threads each")
+    print(machine_line(info), flush=True)
+
+    rounds: dict[str, dict[int, list[dict[str, Any]]]] = {s: {n: [] for n in args.streams} for s in SERVERS}
+    with tempfile.TemporaryDirectory(prefix="ringserve-bench-") as tmp_name:
+        servers = start_servers(model, threads, Path(tmp_name), args.slots)
+        try:
+            warm = {name: warm_up(server.url, args.tokens) for name, server in servers.items()}
+            for name, w in warm.items():
+                print(f"  {name} at {servers[name].url}: warm-up usage {w['usage']}")
+            for r in range(args.rounds):
+                order = SERVERS if r % 2 == 0 else SERVERS[::-1]
+                for n in args.streams:
+                    for name in order:
+                        level = trio.run(run_level, servers[name].url, n, args.requests, args.tokens, f"{r}-{n}")
+                        rounds[name][n].append(level)
+                        print(f"  round {r + 1} {name:>16} {n:>2} streams: {level['tokens_per_second']:6.1f} tok/s,"
+                              f" TTFT p50 {fmt(level['ttft_p50'], 1e3)} ms, errors {len(level['errors'])}",
+                              flush=True)
+        finally:
+            for server in servers.values():
+                server.stop()
+
+    keys = ["tokens_per_second", "ttft_p50", "ttft_p99", "chunk_gap_p50", "chunk_gap_p99", "tpot_p50"]
+    summary: dict[int, dict[str, Any]] = {}
+    for n in args.streams:
+        s: dict[str, Any] = {name: {k: median(x[k] for x in rounds[name][n]) for k in keys} for name in SERVERS}
+        s["ratio_tokens_per_second"] = median(
+            a["tokens_per_second"] / b["tokens_per_second"]
+            for a, b in zip(rounds["ringserve"][n], rounds["llama_cpp.server"][n])
+        )
+        s["ratio_ttft_p50"] = median(
+            a["ttft_p50"] / b["ttft_p50"]
+            for a, b in zip(rounds["ringserve"][n], rounds["llama_cpp.server"][n])
+            if a["ttft_p50"] and b["ttft_p50"]
+        )
+        s["cpp_server_reference_tokens_per_second"] = CPP_SERVER_REFERENCE.get(n)
+        summary[n] = s
+
+    headers = ["streams", "server", "tok/s", "TTFT p50/p99 ms", "chunk gap p50/p99 ms", "TPOT p50 ms"]
+    rows = []
+    for n in args.streams:
+        for name in SERVERS:
+            x = summary[n][name]
+            rows.append([n, name, fmt(x["tokens_per_second"]),
+                         f"{fmt(x['ttft_p50'], 1e3)}/{fmt(x['ttft_p99'], 1e3)}",
+                         f"{fmt(x['chunk_gap_p50'], 1e3)}/{fmt(x['chunk_gap_p99'], 1e3)}",
+                         fmt(x["tpot_p50"], 1e3)])
+    print(f"\nmedians of {args.rounds} rounds:")
+    print(table(headers, rows))
+    ratio_rows = [[n, fmt(summary[n]["ratio_tokens_per_second"], digits=2), fmt(summary[n]["ratio_ttft_p50"], digits=2),
+                   fmt(CPP_SERVER_REFERENCE.get(n)),
+                   fmt(summary[n]["ringserve"]["tokens_per_second"] / CPP_SERVER_REFERENCE[n], digits=2)
+                   if n in CPP_SERVER_REFERENCE else "-"]
+                  for n in args.streams]
+    print("\nringserve / llama_cpp.server (same run), and against llama.cpp's C++ server (issue's figure):")
+    print(table(["streams", "tok/s ratio", "TTFT p50 ratio", "C++ server tok/s", "ringserve / C++"], ratio_rows))
+
+    payload = {
+        "benchmark": "http_streams",
+        "machine": info,
+        "model": model.name,
+        "max_tokens": args.tokens,
+        "requests_per_client": args.requests,
+        "ringserve_slots": args.slots,
+        "threads": threads,
+        "warm_up": warm,
+        "cpp_server_reference": CPP_SERVER_REFERENCE,
+        "summary": {str(n): v for n, v in summary.items()},
+        "rounds": {name: {str(n): v for n, v in by_n.items()} for name, by_n in rounds.items()},
+    }
+    print(f"\nwrote {write_json('http_streams', payload)}")
+
+    fig, axes = figure(ncols=2, width=10, height=3.8)
+    ax, ax2 = axes[0]
+    for name, marker in zip(SERVERS, ("o", "s")):
+        ax.plot(args.streams, [summary[n][name]["tokens_per_second"] for n in args.streams], marker=marker, label=name)
+        ax2.plot(args.streams, [1e3 * summary[n][name]["ttft_p50"] for n in args.streams], marker=marker,
+                 label=f"{name} p50")
+        ax2.plot(args.streams, [1e3 * summary[n][name]["ttft_p99"] for n in args.streams], marker=marker, ls="--",
+                 alpha=0.6, label=f"{name} p99")
+    ref = sorted(CPP_SERVER_REFERENCE.items())
+    ax.plot([k for k, _ in ref], [v for _, v in ref], ls=":", marker="^", color="0.5",
+            label="llama.cpp C++ server (issue's figure)")
+    for ax_ in (ax, ax2):
+        ax_.set_xscale("log", base=2)
+        ax_.set_xticks(args.streams, [str(n) for n in args.streams])
+        ax_.set_xlabel("concurrent streams")
+        ax_.legend(fontsize=7)
+    ax.set_ylabel("aggregate tokens/s (median)")
+    ax.set_title("Streaming throughput over HTTP")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("ms")
+    ax2.set_title("Time to first token (client-measured)")
+    print(f"wrote {save_figure(fig, 'http_streams', info)}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The benchmark scripts in ``bench/`` run end to end with tiny workloads and write their files.
+
+Only that they run and report what they promise is checked: no figure is
+compared with an expected speed (numbers on a shared machine are noise).
+Results go to a temporary directory through ``RINGSERVE_BENCH_RESULTS``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_bench(name: str, tmp_path: Path, *args: str, timeout: float = 240) -> dict:
+    """Run ``bench/NAME.py ARGS``; return its JSON after checking the PNG exists too."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / f"{name}.py"), *args],
+        cwd=ROOT,
+        env={**os.environ, "RINGSERVE_BENCH_RESULTS": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / f"{name}.png").stat().st_size > 0
+    return json.loads((tmp_path / f"{name}.json").read_text())
+
+
+def test_resume_bench_replays_each_position(tmp_path: Path) -> None:
+    out = run_bench("resume", tmp_path, "--tokens", "200", "--repeats", "2")
+    assert out["machine"]["cores"] >= 1
+    for variant in out["results"].values():
+        positions = variant["positions"]
+        # the start replays more than the middle, which replays more than the end
+        assert positions["start"]["events"] > positions["middle"]["events"] > positions["end"]["events"] >= 1
+        for pos in positions.values():
+            assert len(pos["samples"]["total"]) == 2
+            assert 0 < pos["first_byte_p50"] <= pos["total_p50"]
+
+
+def test_gateway_bench_holds_and_fans_out(tmp_path: Path) -> None:
+    out = run_bench("gateway", tmp_path, "--streams", "20", "--heartbeat", "1", "--hold-seconds", "2.5",
+                    "--fanout-seconds", "1.5", "--messages", "2", "--entry-rate", "10")
+    hold = out["runs"]["hold"]["20"][0]
+    assert hold["alive"] == 20 and hold["streams_without_ping"] == 0
+    assert hold["rss_bytes"] > hold["rss_base_bytes"] > 0
+    fan = out["runs"]["fanout"]["20"][0]
+    assert fan["alive"] == 20 and fan["entries"] > 0 and fan["offered_entries_per_second"] == 200
+    assert fan["spread_p50"] is not None
+
+
+@pytest.mark.model
+def test_engine_bench_compares_both_sides(tmp_path: Path) -> None:
+    out = run_bench("engine", tmp_path, "--seqs", "1", "2", "--tokens", "8", "--rounds", "1")
+    for n in ("1", "2"):
+        summary = out["summary"][n]
+        assert summary["raw"]["tokens_per_second"] > 0 and summary["ringserve"]["tokens_per_second"] > 0
+        assert summary["ratio"] == pytest.approx(
+            summary["ringserve"]["tokens_per_second"] / summary["raw"]["tokens_per_second"])
+        assert summary["ringserve"]["ttft_p50"] > 0 and summary["ringserve"]["tbt_p99"] > 0
+
+
+@pytest.mark.model
+def test_abort_bench_frees_every_cancel(tmp_path: Path) -> None:
+    out = run_bench("abort", tmp_path, "--cancels", "3", "--slots", "2")
+    for setting in ("idle", "loaded"):
+        s = out["summary"][setting]
+        assert s["cancels"] == 3 and s["statuses"] == ["cancelled"]
+        assert 0 < s["cancel_to_free_p50"] <= s["close_to_free_p50"]
+        assert s["tokens_after_cancel_max"] <= 1  # only a decode already in flight
+
+
+@pytest.mark.model
+@pytest.mark.skipif(importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("fastapi") is None,
+                    reason="needs llama-cpp-python's server extra: pip install -e '.[bench]'")
+def test_http_bench_runs_both_servers(tmp_path: Path) -> None:
+    out = run_bench("http_streams", tmp_path, "--streams", "1", "2", "--tokens", "8", "--requests", "1",
+                    "--rounds", "1", "--slots", "2")
+    for n in ("1", "2"):
+        for server in ("ringserve", "llama_cpp.server"):
+            level = out["rounds"][server][n][0]
+            assert level["errors"] == [] and level["requests"] == int(n)
+            assert level["tokens"] > 0 and level["ttft_p50"] > 0
+        assert out["summary"][n]["ratio_tokens_per_second"] > 0
