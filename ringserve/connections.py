@@ -40,7 +40,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
+import h2.events
 import hypercorn.config
+import hypercorn.protocol
+import hypercorn.protocol.h2
+import hypercorn.trio.run
+import hypercorn.trio.tcp_server
 import trio
 
 __all__ = [
@@ -49,6 +54,7 @@ __all__ = [
     "WatchdogStatistics",
     "abort_connection",
     "find_tcp_socket",
+    "isolate_connection_faults",
     "tune_listening_socket",
 ]
 
@@ -312,3 +318,56 @@ class SendWatchdog:
 def _peer(scope: dict[str, Any]) -> str:
     client = _address(scope.get("client"))
     return "?" if client is None else f"{client[0]}:{client[1]}"
+
+
+# -- hypercorn per-connection faults ------------------------------------------------------------
+#
+# Two classes below are installed into hypercorn by :func:`isolate_connection_faults` (called by
+# ``serve``). They are ringserve's own subclasses, swapped in by name; site-packages is untouched.
+
+
+class _H2Protocol(hypercorn.protocol.h2.H2Protocol):
+    """hypercorn's HTTP/2 protocol, tolerant of body data for a stream it has already closed.
+
+    When the app answers before the request body has fully arrived (401, 404,
+    413...), hypercorn removes the stream; the DATA frames still in flight then
+    hit ``self.streams[stream_id]`` and raise ``KeyError`` out of the
+    connection (its ``StreamEnded`` branch already ignores this case). The
+    data is acknowledged for flow control and dropped.
+    """
+
+    async def _handle_events(self, events: list[Any]) -> None:
+        kept = []
+        for event in events:
+            if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
+                self.connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            else:
+                kept.append(event)
+        await super()._handle_events(kept)
+
+
+class _TCPServer(hypercorn.trio.tcp_server.TCPServer):
+    """hypercorn's per-connection task; a fault in one connection closes that connection only.
+
+    Unpatched, an exception escaping a connection's protocol code reaches
+    ``trio.serve_listeners``' nursery and stops the whole server, and every
+    stream with it.
+    """
+
+    async def run(self) -> None:
+        try:
+            await super().run()
+        except BaseException as exc:
+            # hypercorn's task group wraps a fault together with its siblings' Cancelled.
+            errors = exc.split(trio.Cancelled)[1] if isinstance(exc, BaseExceptionGroup) else exc
+            if errors is None or not isinstance(errors, Exception):
+                raise
+            log.error("an HTTP connection failed; it is closed, the server goes on", exc_info=errors)
+            with contextlib.suppress(Exception), trio.CancelScope(shield=True):
+                await self.stream.aclose()
+
+
+def isolate_connection_faults() -> None:
+    """Install :class:`_H2Protocol` and :class:`_TCPServer` into hypercorn (idempotent)."""
+    hypercorn.protocol.H2Protocol = _H2Protocol
+    hypercorn.trio.run.TCPServer = _TCPServer

@@ -12,7 +12,7 @@ import trio
 from ringserve.app import ServerState, create_app
 from ringserve.auth import Authenticator, check_bind
 from ringserve.config import Config
-from ringserve.connections import HypercornConfig
+from ringserve.connections import HypercornConfig, isolate_connection_faults
 from ringserve.engine.protocol import Engine
 from ringserve.engine.runner import Runner
 from ringserve.messages import MessageStore
@@ -111,6 +111,7 @@ async def serve(
     """
     auth = Authenticator.from_config(config.auth)
     check_bind(config.server.host, auth, config.auth.allow_remote_without_keys)
+    isolate_connection_faults()
     store = MessageStore(config.store.path)
     interrupted = store.mark_interrupted()
     if interrupted:

@@ -143,3 +143,22 @@ async def test_cancelling_one_http2_stream_cancels_only_its_reader(tmp_path):
 def test_certfile_and_keyfile_go_together():
     with pytest.raises(ValueError, match="certfile and keyfile"):
         Config.from_dict({"server": {"certfile": "cert.pem"}})
+
+
+@pytest.mark.parametrize("path, config_changes", [
+    ("/nonexistent", {}),                                    # 404 before the body is read
+    ("/v1/messages", {"auth": {"api_keys": ["sk-test"]}}),   # 401 before the body is read
+    ("/v1/messages", {"server": {"max_body_bytes": 1000}}),  # 413 before the body is read
+])
+async def test_an_early_answer_to_a_big_h2_body_does_not_crash_the_server(tmp_path, path, config_changes):
+    """hypercorn raised KeyError for DATA frames of a stream it had closed, which killed the server."""
+    async with running_server(fake_config(tmp_path, **config_changes)) as state:
+        url = state.urls[0]
+        async with httpx.AsyncClient(http1=False, http2=True, base_url=url, timeout=10) as client:
+            resp = await client.post(path, content=b"x" * 200_000, headers={"content-type": "application/json"})
+            assert resp.status_code in (401, 404, 413)
+        # the server (and every other connection) is still there
+        async with httpx.AsyncClient(http1=False, http2=True, base_url=url, timeout=10) as client:
+            for _ in range(3):
+                assert (await client.get("/health")).status_code == 200
+                await trio.sleep(0.05)
