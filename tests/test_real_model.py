@@ -130,3 +130,14 @@ def test_curl_streams_both_surfaces(model_server):
         events = SSEParser().feed(out)
         assert events, out
         assert last in (events[-1].event, events[-1].data)
+
+
+def test_anthropic_assistant_prefill_is_continued(sdk_clients):
+    a, _ = sdk_clients
+    msg = a.messages.create(
+        model="m", max_tokens=12, extra_body=GREEDY,
+        messages=[{"role": "user", "content": "Count from 1 to 10, separated by commas."},
+                  {"role": "assistant", "content": "1, 2, 3, 4,"}],
+    )
+    # the reply continues the prefill (and, as Anthropic's API does, does not repeat it)
+    assert msg.content[0].text.lstrip().startswith("5"), msg.content[0].text

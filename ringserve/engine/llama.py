@@ -25,6 +25,8 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+import re
+import secrets
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -223,10 +225,17 @@ class LlamaEngine:
     def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         """Render ``messages`` with the model's chat template and tokenize the result.
 
-        See :meth:`render_chat` for the template. Special tokens in the
-        rendered text are parsed (``parse_special=True``) and BOS is added
-        if the model asks for it (``add_special=True``; a BOS the template
-        already wrote is not doubled).
+        See :meth:`render_chat` for the template. Only the template's own text
+        is tokenized with special tokens parsed (``parse_special=True``);
+        message contents are tokenized as plain text, so a message holding
+        ``<|im_end|>`` or ``<|im_start|>system`` cannot forge a turn. BOS is
+        added if the model asks for it (a BOS the template already wrote is
+        not doubled).
+
+        When the last message is the assistant's, its turn is left open
+        (assistant prefill, as the Anthropic Messages API does): no generation
+        prompt is added, the template's end-of-turn after it is cut, and the
+        reply continues that text.
 
         Args:
             messages: the conversation, oldest first.
@@ -237,13 +246,30 @@ class LlamaEngine:
         Raises:
             ValueError: as :meth:`render_chat`.
         """
-        tokens = self.tokenize(self.render_chat(messages), add_special=True, parse_special=True)
+        for i, m in enumerate(messages):
+            if "\x00" in m.content:
+                raise ValueError(f"message {i} contains a NUL character")
+        marker = f"\x01{secrets.token_hex(8)}:"
+        holders = [ChatMessage(m.role, f"{marker}{i}\x01") for i, m in enumerate(messages)]
+        prefill = messages[-1].role == "assistant" if messages else False
+        text = self.render_chat(holders, add_generation_prompt=not prefill)
+        parts = re.split(re.escape(marker) + r"(\d+)\x01", text)
+        if len(parts) != 2 * len(messages) + 1:
+            raise ValueError("the chat template did not copy every message verbatim")
+        if prefill:
+            parts[-1] = ""  # the assistant's turn stays open
+        tokens: list[int] = []
+        for j, part in enumerate(parts):
+            if j % 2:  # a message's content: plain text
+                tokens += self.tokenize(messages[int(part)].content, parse_special=False)
+            elif part:  # the template's own text: markers are special tokens
+                tokens += self.tokenize(part, add_special=j == 0, parse_special=True)
         if len(tokens) >= 2 and tokens[0] == tokens[1] == self._bos:
             del tokens[0]  # the template already wrote BOS as text
         return tokens
 
-    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
-        """Render ``messages`` with the model's chat template, generation prompt appended.
+    def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` with the model's chat template (generation prompt appended by default).
 
         The template is the GGUF's ``tokenizer.chat_template`` as llama.cpp's
         ``llama_chat_apply_template`` understands it: llama.cpp recognises
@@ -277,7 +303,7 @@ class LlamaEngine:
             size += 2 * len(content) + 32
         while True:
             buf = ctypes.create_string_buffer(size)
-            n = lc.llama_chat_apply_template(self._template, chat, len(messages), True, buf, size)
+            n = lc.llama_chat_apply_template(self._template, chat, len(messages), add_generation_prompt, buf, size)
             if n < 0:
                 raise ValueError("llama.cpp could not apply the chat template to these messages")
             if n <= size:
