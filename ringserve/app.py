@@ -289,14 +289,12 @@ def create_app(state: ServerState) -> RingserveQuart:
     def request_surface() -> Surface:
         """The surface whose error shape answers this request: by route, by message id, and for
         /v1/models (read by both SDKs) by the Anthropic SDK's ``anthropic-version`` header."""
-        if request.path.startswith("/v1/chat"):
-            return OPENAI
         message_id = (request.view_args or {}).get("message_id")
         if message_id is not None:
             return surface_of(message_id)
-        if request.path == "/v1/models" and "anthropic-version" not in request.headers:
-            return OPENAI
-        return ANTHROPIC
+        if request.path.startswith("/v1/messages") or "anthropic-version" in request.headers:
+            return ANTHROPIC
+        return OPENAI if request.path.startswith("/v1/") else ANTHROPIC
 
     def admit_reader(message_readers: int = 0) -> None:
         """Count this request as a reader of its client until it ends (429 over the limits)."""
@@ -388,11 +386,9 @@ def create_app(state: ServerState) -> RingserveQuart:
         except RingserveError as exc:
             return _error_response(surface_of(message_id), exc)
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        if state.hub is None:
-            return _error_response(OPENAI, RingserveError(ErrorKind.UNAVAILABLE, "the model is still loading"))
-        item = {
+    def model_json() -> dict[str, Any]:
+        """The served model in a shape both SDKs read (OpenAI ``Model``, Anthropic ``ModelInfo``)."""
+        return {
             "id": state.model_id,
             "object": "model",
             "type": "model",
@@ -401,8 +397,22 @@ def create_app(state: ServerState) -> RingserveQuart:
             "display_name": state.model_id,
             "owned_by": "ringserve",
         }
-        return _json({"object": "list", "data": [item], "has_more": False,
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        if state.hub is None:
+            return _error_response(request_surface(), RingserveError(ErrorKind.UNAVAILABLE, "the model is still loading"))
+        return _json({"object": "list", "data": [model_json()], "has_more": False,
                       "first_id": state.model_id, "last_id": state.model_id})
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        """The served model under its own id (and, unless names are strict, under any id)."""
+        if state.hub is None:
+            return _error_response(request_surface(), RingserveError(ErrorKind.UNAVAILABLE, "the model is still loading"))
+        if model_id != state.model_id and config.model.strict_model_name:
+            return _error_response(request_surface(), RingserveError(ErrorKind.NOT_FOUND, f"no model {model_id[:100]!r}"))
+        return _json(model_json())
 
     @app.get("/")
     async def playground() -> Response:

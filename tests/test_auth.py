@@ -177,7 +177,7 @@ async def test_message_routes_and_models_need_a_key_in_the_surface_shape(keyed):
     assert_401(await client.get("/v1/models"), "openai")
     assert_401(await client.get("/v1/models", headers={"anthropic-version": "2023-06-01"}), "anthropic")
     assert (await client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"})).status_code == 200
-    assert_401(await client.get("/v1/no-such-route"), "anthropic")
+    assert_401(await client.get("/v1/no-such-route"), "openai")  # OpenAI's shape outside /v1/messages
 
 
 async def test_health_ready_and_metrics_stay_open(keyed):

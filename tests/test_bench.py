@@ -60,12 +60,14 @@ def test_gateway_bench_holds_and_fans_out(tmp_path: Path) -> None:
 
 @pytest.mark.model
 def test_engine_bench_compares_both_sides(tmp_path: Path) -> None:
-    out = run_bench("engine", tmp_path, "--seqs", "1", "2", "--tokens", "8", "--rounds", "1")
+    out = run_bench("engine", tmp_path, "--seqs", "1", "2", "--tokens", "8", "--bursts", "2")
     for n in ("1", "2"):
         summary = out["summary"][n]
         assert summary["raw"]["tokens_per_second"] > 0 and summary["ringserve"]["tokens_per_second"] > 0
-        assert summary["ratio"] == pytest.approx(
-            summary["ringserve"]["tokens_per_second"] / summary["raw"]["tokens_per_second"])
+        bursts = out["bursts_raw"][n]
+        assert len(bursts) == 2
+        for b in bursts:
+            assert b["ratio"] == pytest.approx(b["ringserve_tokens_per_second"] / b["raw_tokens_per_second"])
         assert summary["ringserve"]["ttft_p50"] > 0 and summary["ringserve"]["tbt_p99"] > 0
 
 

@@ -206,9 +206,9 @@ async def test_sigterm_drains_streams_in_flight_and_exits_0(tmp_path):
         if ended[name] == "complete":
             assert row["status"] == "complete"
         else:
-            assert row["status"] == "failed" and "shutting down" in row["error"]
+            assert row["status"] == "interrupted" and "shutting down" in row["error"]
     assert ended == {"finishes": "complete", "long-anthropic": "retryable", "long-openai": "retryable"}
-    assert all(row["status"] in ("complete", "failed") for row in rows.values())  # the stuck one too
+    assert all(row["status"] in ("complete", "interrupted") for row in rows.values())  # the stuck one too
 
 
 async def test_second_signal_exits_at_once(tmp_path):
@@ -233,7 +233,7 @@ async def test_second_signal_exits_at_once(tmp_path):
     assert _ended_with("anthropic", out["events"]) in ("retryable", "truncated")
     assert out["events"][-1].event != "message_stop"
     row = server.rows()[out["id"]]
-    assert row["status"] == "failed" and "shutting down" in row["error"]
+    assert row["status"] == "interrupted" and "shutting down" in row["error"]
 
 
 async def test_non_reading_client_is_dropped_and_cannot_grow_memory_or_block_shutdown(tmp_path):

@@ -257,6 +257,26 @@ async def test_models_and_health(fake_server):
 
 async def test_unknown_route_is_json_404(fake_server):
     _state, client = fake_server
+    resp = await client.get("/v1/messages/x/nope")
+    assert resp.status_code == 404
+    assert resp.json()["type"] == "error"  # Anthropic's shape under /v1/messages
     resp = await client.get("/v1/nope")
     assert resp.status_code == 404
-    assert resp.json()["type"] == "error"
+    assert resp.json()["error"]["type"] == "invalid_request_error"  # OpenAI's shape elsewhere in /v1
+
+
+async def test_model_retrieve_works_with_both_sdk_shapes(fake_server):
+    state, client = fake_server
+    one = (await client.get(f"/v1/models/{state.model_id}")).json()
+    assert one["id"] == state.model_id and one["object"] == "model" and one["type"] == "model"
+    resp = await client.get("/v1/embeddings")
+    assert resp.status_code == 404 and set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_idempotency_keys_are_scoped_per_surface(fake_server):
+    _state, client = fake_server
+    body = {**ANTHROPIC_BODY, "messages": [{"role": "user", "content": "echo:same body"}]}
+    a = await client.post("/v1/messages", json=body, headers={"Idempotency-Key": "shared"})
+    o = await client.post("/v1/chat/completions", json=body, headers={"Idempotency-Key": "shared"})
+    assert a.json()["id"].startswith("msg_")
+    assert o.json()["id"].startswith("chatcmpl-") and o.json()["object"] == "chat.completion"

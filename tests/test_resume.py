@@ -273,3 +273,20 @@ async def test_idempotent_stream_retry_replays_the_log(tmp_path):
         _, first, _ = await sse_events(client, "POST", "/v1/messages", json=body, headers={"Idempotency-Key": "s"})
         _, again, _ = await sse_events(client, "POST", "/v1/messages", json=body, headers={"Idempotency-Key": "s"})
         assert first == again and first[-1].event == "message_stop"
+
+
+async def test_text_so_far_is_persisted_while_generating(tmp_path):
+    """A crash loses at most PERSIST_EVERY seconds of text: the store has the text so far."""
+    config = fake_config(tmp_path)
+    async with running_server(config, step_seconds=0.01) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        created = (await client.post("/v1/messages", headers=ASYNC, json=body_for("/v1/messages", LONG_TEXT))).json()
+        store = MessageStore(config.store.path)
+        try:
+            await wait_until(lambda: store.get(created["id"]).text != "", timeout=10)
+            row = store.get(created["id"])
+            assert row.status == "generating"
+            assert LONG_TEXT.removeprefix("echo:").startswith(row.text)
+            assert row.output_tokens > 0
+        finally:
+            store.close()

@@ -170,7 +170,7 @@ def test_queue_full_counts_free_slots_and_queue_size():
     assert err.kind is ErrorKind.OVERLOADED and err.status == 529
     assert err.retryable and err.retry_after is not None and err.retry_after > 0
     assert (err.depth, err.capacity) == (2, 2)
-    assert "2 requests are waiting" in str(err)
+    assert "queue is full" in str(err)
 
     s.plan()  # one admitted, one still waiting: capacity is now queue_size only
     with pytest.raises(QueueFull):

@@ -135,8 +135,7 @@ class QueueFull(RingserveError):
     def __init__(self, depth: int, capacity: int, retry_after: float = 1.0) -> None:
         super().__init__(
             ErrorKind.OVERLOADED,
-            f"the server is overloaded: {depth} requests are waiting for a slot"
-            f" (at most {capacity}); retry later",
+            "the server is overloaded: every slot is busy and the admission queue is full; retry later",
             retry_after=retry_after,
             retryable=True,
         )

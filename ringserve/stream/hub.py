@@ -44,6 +44,9 @@ from ringserve.surfaces.base import MessageResult, ParsedRequest, Renderer, Surf
 
 _NOT_YET = object()
 
+#: Seconds between writes of a generating message's text so far to the store.
+PERSIST_EVERY = 1.0
+
 
 class CancelReason:
     """Why a producer's cancel scope was cancelled."""
@@ -79,6 +82,7 @@ class LiveMessage:
     stop_sequence: str | None = None
     error: str | None = None
     cancel_reason: str | None = None
+    persisted_at: float = 0.0
     cancel_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     timer: StreamTimer = attrs.Factory(lambda: StreamTimer(trio.current_time()))
     started: trio.Event = attrs.Factory(trio.Event)
@@ -174,6 +178,7 @@ class Hub:
         if self.draining:
             raise RingserveError(ErrorKind.UNAVAILABLE, "server is shutting down", retry_after=1, retryable=True)
         if idempotency_key is not None:
+            idempotency_key = f"{surface.name}:{idempotency_key}"  # a key names a request on one surface
             pending = self._keys.get(idempotency_key)
             if pending is not None:
                 await pending.started.wait()  # a concurrent retry: wait for the first one's log
@@ -288,7 +293,11 @@ class Hub:
         if text:
             msg.parts.append(text)
             self._append(msg, renderer.delta(text))
-            self.metrics.text_released(msg.timer, trio.current_time())
+            now = trio.current_time()
+            self.metrics.text_released(msg.timer, now)
+            if now - msg.persisted_at >= PERSIST_EVERY:  # so a crash loses at most that much text
+                msg.persisted_at = now
+                self.store.update(msg.id, text="".join(msg.parts), output_tokens=msg.usage.output_tokens)
 
     def _finish(self, msg: LiveMessage, renderer: Renderer, finish: Finish) -> None:
         msg.usage = finish.usage
@@ -299,9 +308,9 @@ class Hub:
         self._close(msg, LogState.FINISHED)
         self.metrics.finished(msg.timer, trio.current_time(), finish)
 
-    def _fail(self, msg: LiveMessage, renderer: Renderer, failure: Failure) -> None:
+    def _fail(self, msg: LiveMessage, renderer: Renderer, failure: Failure, status: str = "failed") -> None:
         msg.usage = failure.usage
-        msg.status = "failed"
+        msg.status = status
         msg.error = failure.message
         self._append(msg, renderer.fail(failure))
         self._close(msg, LogState.FAILED)
@@ -310,7 +319,8 @@ class Hub:
     def _end_interrupted(self, msg: LiveMessage, renderer: Renderer) -> None:
         """Terminal events for a producer that was cancelled (synchronous: runs while cancelled)."""
         if msg.cancel_reason == CancelReason.DRAIN:
-            self._fail(msg, renderer, Failure("unavailable", "server is shutting down; resume or retry", msg.usage, True))
+            failure = Failure("unavailable", "the server is shutting down; retry the request", msg.usage, True)
+            self._fail(msg, renderer, failure, status="interrupted")
         elif msg.cancel_reason is not None:
             self._finish(msg, renderer, Finish(StopReason.CANCELLED, msg.usage))
         else:
@@ -437,7 +447,8 @@ class Hub:
         if isinstance(check, Gap):
             raise RingserveError(
                 ErrorKind.GONE,
-                f"events after {last_event_id} have left the ring; GET /v1/messages/{message_id} has the text",
+                f"{'the start of the stream' if after is None else f'the events after {last_event_id}'} has left"
+                f" the ring; GET /v1/messages/{message_id} has the text",
             )
         return log, after
 
