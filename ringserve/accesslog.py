@@ -40,6 +40,7 @@ SCOPE_KEY = "ringserve.access"
 REDACTED = "[redacted]"
 _SECRET_NAME = re.compile(r"token|key|secret|password|auth", re.IGNORECASE)
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def redact_query(raw: bytes) -> str:
@@ -51,13 +52,23 @@ def redact_query(raw: bytes) -> str:
     Returns:
         The query re-encoded (``application/x-www-form-urlencoded``), with
         ``[redacted]`` for the value of every parameter whose name matches
-        ``token|key|secret|password|auth`` (case-insensitive). Undecodable
+        ``token|key|secret|password|auth`` (case-insensitive), for such a
+        name itself unless it is a plain identifier, and for any value that
+        holds one of those words. Undecodable
         bytes are kept as U+FFFD, never raised on.
     """
     if not raw:
         return ""
     pairs = parse_qsl(raw.decode("latin-1"), keep_blank_values=True, encoding="utf-8", errors="replace")
-    return urlencode([(k, REDACTED if _SECRET_NAME.search(k) else v) for k, v in pairs], safe="[]")
+    return urlencode([_redact_pair(k, v) for k, v in pairs], safe="[]")
+
+
+def _redact_pair(name: str, value: str) -> tuple[str, str]:
+    """Hide a value under a secret-looking name, and any name or value that smuggles one in
+    (``stream_token%3D...`` decodes to a name holding the token; ``a=1;stream_token=...`` to a value)."""
+    if _SECRET_NAME.search(name):
+        return (name if _PLAIN_NAME.fullmatch(name) else REDACTED), REDACTED
+    return name, REDACTED if _SECRET_NAME.search(value) else value
 
 
 def request_id_from(value: str | None) -> str:

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import trio
 
+from ringserve.accesslog import redact_query
 from ringserve.auth import ENV_KEYS, Authenticator, AuthSetupError, check_bind, is_loopback
 from ringserve.config import AuthConfig
 from ringserve.core.sse import SSEParser
@@ -273,3 +274,14 @@ async def test_access_log_has_one_line_per_request_and_no_secret(keyed, caplog):
     )
     for secret in (KEY, OTHER_KEY, token, token.split(".")[1]):
         assert secret not in everything
+
+
+@pytest.mark.parametrize("query, secret", [
+    (b"stream_token=SECRET1", "SECRET1"),
+    (b"stream_token%3DSECRET2", "SECRET2"),      # the token inside a parameter name
+    (b"a=1;stream_token=SECRET3", "SECRET3"),    # the token inside a value
+    (b"x=1&API_KEY=SECRET4", "SECRET4"),
+])
+def test_redaction_catches_smuggled_tokens(query, secret):
+    assert secret not in redact_query(query)
+    assert redact_query(b"last_event_id=msg_1%3A4&a=b") == "last_event_id=msg_1%3A4&a=b"
