@@ -18,6 +18,7 @@ import httpx
 import pytest
 import trio
 
+from tests.conftest import fake_config, running_server
 from tests.proxy import forget_last_event_id, server_behind_proxy
 
 CHROMIUM = "/usr/bin/chromium"
@@ -150,3 +151,25 @@ async def test_playground_reads_the_message_when_the_ring_no_longer_holds_the_re
             stored = (await http.get(f"/v1/messages/{seen['message-id']}")).json()
     assert seen["status"] == "done" and "the stream was refused; reading the message" in seen["log"]
     assert seen["output"] == stored["text"] == REPLY and seen["stop-reason"] == "end_turn"
+
+
+async def test_playground_renews_an_expired_stream_token(tmp_path: Path) -> None:
+    """With API keys on, EventSource reconnects reuse the token URL; once it expires the page gets a new one."""
+    _sync_playwright()
+    config = fake_config(tmp_path, auth={"api_keys": ["sk-page"], "stream_token_ttl": 1.0},
+                         server={"max_stream_seconds": 0.4, "retry_ms": 100}, stream={"flush_tokens": 1})
+    async with running_server(config, **ENGINE) as state:
+
+        def script(page: Any) -> dict[str, str]:
+            page.fill("#api-key", "sk-page")
+            page.fill("#prompt", "Tell me about stream tokens.")
+            page.click("#send")
+            wait_for_text(page, "status", "t === 'done' || t.startsWith('error')")
+            return {k: text_of(page, k) for k in ("output", "status", "message-id", "log")}
+
+        seen = await trio.to_thread.run_sync(in_browser, tmp_path, state.urls[0], script)
+        async with httpx.AsyncClient(base_url=state.urls[0], headers={"x-api-key": "sk-page"}) as http:
+            stored = (await http.get(f"/v1/messages/{seen['message-id']}")).json()
+    assert seen["status"] == "done"
+    assert seen["output"] == stored["text"] == REPLY
+    assert "resuming with a fresh stream token" in seen["log"]

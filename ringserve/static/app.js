@@ -106,8 +106,8 @@ function end(msg) {
   if (!$("status").className) setStatus($("stop-reason").textContent === "cancelled" ? "cancelled" : "done");
 }
 
-function follow(msg, surface, view) {
-  let lastSeq = -1, opened = false, lost = false;
+function follow(msg, surface, view, lastSeq = -1) {
+  let opened = false, lost = false;
   const es = new EventSource(new URL(msg.stream_url, location.href));
   msg.es = es;
   const onEvent = (ev) => {
@@ -139,12 +139,28 @@ function follow(msg, surface, view) {
       if (!lost) logLine(`connection lost after event ${lastSeq}; reconnecting with Last-Event-ID`);
       lost = true;
       setStatus("reconnecting");
-    } else {  // the server refused the stream: read the stored message instead
-      logLine("the stream was refused; reading the message");
+    } else {  // the server refused the stream: an expired stream token, or the log is gone
       es.close();
-      pollMessage(msg, view);
+      if (opened) {
+        // it streamed before: most likely the token expired, so resume with a fresh one
+        renew(msg, surface, view, lastSeq).catch(() => pollMessage(msg, view));
+      } else {
+        logLine("the stream was refused; reading the message");
+        pollMessage(msg, view);
+      }
     }
   };
+}
+
+// A fresh stream token (POST /v1/messages/{id}/stream_token), then resume after lastSeq.
+async function renew(msg, surface, view, lastSeq) {
+  const resp = await fetch(`${msg.url}/stream_token`, { method: "POST", headers: authHeaders() });
+  if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+  const body = await resp.json();
+  const after = lastSeq >= 0 ? `&last_event_id=${encodeURIComponent(`${msg.id}:${lastSeq}`)}` : "";
+  msg.stream_url = body.stream_url + after;
+  logLine("the stream was refused; resuming with a fresh stream token");
+  follow(msg, surface, view, lastSeq);
 }
 
 // GET /v1/messages/{id} until the message is finished; shows any text not yet streamed.
