@@ -3,7 +3,7 @@
 In one process and one run, for 1, 4 and 8 concurrent sequences, on the
 bundled model (or ``--model``) and the same prompt tokens:
 
-* **raw**: :func:`bench.raw_decode.raw_decode_run`, the low-level batched
+* **raw**: :class:`bench.raw_decode.RawDecoder`, the low-level batched
   greedy loop (one context, one batch, one sampler per sequence), the ceiling.
 * **ringserve**: a :class:`ringserve.engine.runner.Runner` owning a
   :class:`ringserve.engine.llama.LlamaEngine`, driven through Trio exactly as
@@ -21,12 +21,16 @@ prefill (raw) or submit to first text (ringserve); time between tokens is
 each decode step (raw) or each text event's gap divided by the tokens it
 carries (ringserve).
 
-Rounds alternate which side runs first; each figure is the median over
-rounds and the ratio is the median of per-round ratios.
+Both sides stay loaded side by side and take turns: ``--bursts`` pairs
+of one raw run and one runner generation, alternating which goes first, so a
+neighbour's load spike on a shared machine lands on both sides alike.
+Tokens/s is the median over bursts and the ratio the median of per-burst
+ratios (the interquartile range is printed too); TTFT and time between
+tokens are percentiles pooled over all bursts.
 
 Run from the repository root::
 
-    .venv/bin/python bench/engine.py [--seqs 1 4 8] [--tokens 128] [--rounds 5]
+    .venv/bin/python bench/engine.py [--seqs 1 4 8] [--tokens 64] [--bursts 15]
 
 Writes ``bench/results/engine.json`` and ``bench/results/engine.png``.
 """
@@ -48,7 +52,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import figure, fmt, machine, machine_line, median, pct, save_figure, table, write_json  # noqa: E402
-from bench.raw_decode import N_BATCH, PROMPT, _ctx_per_seq, raw_decode_run  # noqa: E402
+from bench.raw_decode import N_BATCH, PROMPT, RawDecoder, _ctx_per_seq  # noqa: E402
 from ringserve.config import EngineConfig  # noqa: E402
 from ringserve.core.events import ChatMessage, Finish, GenerationRequest, SamplingParams, TextDelta  # noqa: E402
 from ringserve.engine.llama import LlamaEngine  # noqa: E402
@@ -61,26 +65,11 @@ GOAL_RATIO = 0.95
 
 @attrs.frozen
 class Side:
-    """One side's figures for one round at one concurrency (seconds, tokens/s)."""
+    """One side's figures for one burst (seconds, tokens/s)."""
 
     tokens_per_second: float
     ttft: list[float]
     tbt: list[float]
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "tokens_per_second": self.tokens_per_second,
-            "ttft_p50": pct(self.ttft, 50),
-            "ttft_p99": pct(self.ttft, 99),
-            "tbt_p50": pct(self.tbt, 50),
-            "tbt_p99": pct(self.tbt, 99),
-        }
-
-
-def raw_side(path: Path, n_seqs: int, n_tokens: int, n_threads: int) -> Side:
-    """The raw loop: one repeat; TTFT is its batched prefill, TBT its decode steps."""
-    run = raw_decode_run(path, n_seqs, n_tokens, n_threads=n_threads)
-    return Side(run.tokens_per_second, [run.prefill_seconds] * n_seqs, list(run.step_seconds))
 
 
 @attrs.define
@@ -106,7 +95,7 @@ async def _consume(gen: Generation, trace: _Trace) -> None:
 
 
 async def _generate_all(runner: Runner, prepared: Prepared, n_seqs: int) -> list[_Trace]:
-    """Submit ``n_seqs`` copies at once (before the runner can plan), read them all."""
+    """Submit ``n_seqs`` copies at once (before the runner can plan), read them all, wait for the slots."""
     async with AsyncExitStack() as stack, trio.open_nursery() as nursery:
         traces = []
         for _ in range(n_seqs):
@@ -114,38 +103,12 @@ async def _generate_all(runner: Runner, prepared: Prepared, n_seqs: int) -> list
             gen = await stack.enter_async_context(runner.submit(prepared))
             traces.append(trace)
             nursery.start_soon(_consume, gen, trace)
+    await runner.wait_idle()
     return traces
 
 
-def runner_side(path: Path, n_seqs: int, n_tokens: int, n_threads: int) -> tuple[Side, list[str]]:
-    """ringserve's runner on a fresh engine: one warm-up generation, then the timed one.
-
-    Returns the figures and each sequence's stop reason (all ``max_tokens``
-    when the model talked for the whole run, as the raw loop does).
-    """
-    engine = LlamaEngine(
-        path, n_slots=n_seqs, n_ctx_slot=_ctx_per_seq(n_tokens), n_batch=N_BATCH, n_threads=n_threads
-    )
-    with engine:
-        prompt = tuple(engine.tokenize(PROMPT, add_special=True, parse_special=True))
-        request = GenerationRequest(
-            messages=(ChatMessage("user", PROMPT),), max_tokens=n_tokens + 1, sampling=SamplingParams(temperature=0)
-        )
-        warm = Prepared(attrs.evolve(request, max_tokens=2), prompt, 2)
-        timed = Prepared(request, prompt, n_tokens + 1)
-        config = EngineConfig(slots=n_seqs, n_batch=N_BATCH, prefill_chunk=N_BATCH, queue_size=n_seqs)
-
-        async def main() -> list[_Trace]:
-            runner = Runner(engine, config)
-            async with trio.open_nursery() as nursery:
-                await nursery.start(runner.run)
-                await _generate_all(runner, warm, n_seqs)
-                await runner.wait_idle()
-                traces = await _generate_all(runner, timed, n_seqs)
-                nursery.cancel_scope.cancel()
-            return traces
-
-        traces = trio.run(main)
+def _runner_side(traces: list[_Trace]) -> Side:
+    """Tokens after the batched prefill over the time from the first tokens to the last."""
     first = [t.deltas[0][0] for t in traces]
     start = max(first)
     end = max(t.finished for t in traces)
@@ -155,57 +118,104 @@ def runner_side(path: Path, n_seqs: int, n_tokens: int, n_threads: int) -> tuple
         for (a, _), (b, k) in zip(t.deltas, t.deltas[1:]):
             if k:
                 tbt += [(b - a) / k] * k
-    side = Side(after_first / (end - start), [f - t.submitted for f, t in zip(first, traces)], tbt)
-    return side, [t.stop_reason for t in traces]
+    return Side(after_first / (end - start), [f - t.submitted for f, t in zip(first, traces)], tbt)
+
+
+def compare(path: Path, n_seqs: int, n_tokens: int, n_threads: int, bursts: int) -> list[dict[str, Any]]:
+    """Interleave ``bursts`` raw runs and runner generations, both kept loaded; one record per pair.
+
+    Both sides hold their own context on the same model file. The runner's
+    loop runs all along; a raw run blocks the Trio thread while the runner is
+    idle. Each burst pair alternates which side goes first, so a neighbour's
+    load spike lands on both sides alike over the bursts.
+    """
+    with RawDecoder(path, n_seqs, n_tokens, n_threads=n_threads) as raw, LlamaEngine(
+        path, n_slots=n_seqs, n_ctx_slot=_ctx_per_seq(n_tokens), n_batch=N_BATCH, n_threads=n_threads
+    ) as engine:
+        prompt = tuple(engine.tokenize(PROMPT, add_special=True, parse_special=True))
+        assert list(prompt) == raw.prompt, "both sides must decode the same prompt tokens"
+        request = GenerationRequest(
+            messages=(ChatMessage("user", PROMPT),), max_tokens=n_tokens + 1, sampling=SamplingParams(temperature=0)
+        )
+        warm = Prepared(attrs.evolve(request, max_tokens=2), prompt, 2)
+        timed = Prepared(request, prompt, n_tokens + 1)
+        config = EngineConfig(slots=n_seqs, n_batch=N_BATCH, prefill_chunk=N_BATCH, queue_size=n_seqs)
+
+        async def main() -> list[dict[str, Any]]:
+            runner = Runner(engine, config)
+            records = []
+            async with trio.open_nursery() as nursery:
+                await nursery.start(runner.run)
+                await _generate_all(runner, warm, n_seqs)
+                raw.run()  # warm-up
+                for b in range(bursts):
+                    if b % 2 == 0:
+                        r = raw.run()
+                        traces = await _generate_all(runner, timed, n_seqs)
+                    else:
+                        traces = await _generate_all(runner, timed, n_seqs)
+                        r = raw.run()
+                    ours = _runner_side(traces)
+                    records.append({
+                        "raw": Side(r.tokens_per_second, [r.prefill_seconds] * n_seqs, list(r.step_seconds)),
+                        "ringserve": ours,
+                        "ratio": ours.tokens_per_second / r.tokens_per_second,
+                        "stop_reasons": sorted({t.stop_reason for t in traces}),
+                        "load_average_1m": os.getloadavg()[0],
+                    })
+                nursery.cancel_scope.cancel()
+            return records
+
+        return trio.run(main)
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median tokens/s per side, median of per-burst ratios, pooled TTFT and TBT percentiles."""
+    out: dict[str, Any] = {}
+    for side in ("raw", "ringserve"):
+        ttft = [x for r in records for x in r[side].ttft]
+        tbt = [x for r in records for x in r[side].tbt]
+        out[side] = {
+            "tokens_per_second": median(r[side].tokens_per_second for r in records),
+            "ttft_p50": pct(ttft, 50),
+            "ttft_p99": pct(ttft, 99),
+            "tbt_p50": pct(tbt, 50),
+            "tbt_p99": pct(tbt, 99),
+        }
+    ratios = [r["ratio"] for r in records]
+    out["ratio"] = median(ratios)
+    out["ratio_p25"] = pct(ratios, 25)
+    out["ratio_p75"] = pct(ratios, 75)
+    out["stop_reasons"] = sorted({x for r in records for x in r["stop_reasons"]})
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="GGUF file (default: the bundled model)")
     ap.add_argument("--seqs", type=int, nargs="+", default=[1, 4, 8], help="concurrent sequences")
-    ap.add_argument("--tokens", type=int, default=128, help="timed decode steps per sequence")
-    ap.add_argument("--rounds", type=int, default=5, help="repeats of the whole comparison")
+    ap.add_argument("--tokens", type=int, default=64, help="timed decode steps per sequence and burst")
+    ap.add_argument("--bursts", type=int, default=15, help="interleaved raw/ringserve pairs per concurrency")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
     args = ap.parse_args(argv)
     path = args.model or default_model_path()
     threads = args.threads or os.cpu_count() or 1
     info = machine()
-    print(f"engine vs raw decode: {path.name}, {args.tokens} tokens/seq, {args.rounds} rounds, {threads} threads")
+    print(f"engine vs raw decode: {path.name}, {args.tokens} tokens/seq per burst, {args.bursts} burst pairs,"
+          f" {threads} threads")
     print(machine_line(info), flush=True)
 
-    rounds: dict[int, list[dict[str, Any]]] = {n: [] for n in args.seqs}
-    for r in range(args.rounds):
-        for n in args.seqs:
-            if r % 2 == 0:
-                raw = raw_side(path, n, args.tokens, args.threads)
-                ours, stops = runner_side(path, n, args.tokens, args.threads)
-            else:
-                ours, stops = runner_side(path, n, args.tokens, args.threads)
-                raw = raw_side(path, n, args.tokens, args.threads)
-            rounds[n].append({
-                "raw": raw.summary(),
-                "ringserve": ours.summary(),
-                "ratio": ours.tokens_per_second / raw.tokens_per_second,
-                "stop_reasons": sorted(set(stops)),
-                "load_average_1m": os.getloadavg()[0],
-            })
-            print(f"  round {r + 1} seqs {n}: raw {raw.tokens_per_second:.1f} tok/s,"
-                  f" ringserve {ours.tokens_per_second:.1f} tok/s,"
-                  f" ratio {ours.tokens_per_second / raw.tokens_per_second:.3f}", flush=True)
-
-    def med(n: int, side: str, key: str) -> float | None:
-        return median(x[side][key] for x in rounds[n])
-
-    summary = {}
+    records: dict[int, list[dict[str, Any]]] = {}
+    summary: dict[int, dict[str, Any]] = {}
     for n in args.seqs:
-        summary[n] = {
-            side: {k: med(n, side, k) for k in rounds[n][0][side]} for side in ("raw", "ringserve")
-        }
-        summary[n]["ratio"] = median(x["ratio"] for x in rounds[n])
-        summary[n]["ratio_min"] = min(x["ratio"] for x in rounds[n])
-        summary[n]["ratio_max"] = max(x["ratio"] for x in rounds[n])
+        records[n] = compare(path, n, args.tokens, args.threads, args.bursts)
+        summary[n] = summarize(records[n])
+        s = summary[n]
+        print(f"  seqs {n}: raw {s['raw']['tokens_per_second']:.1f} tok/s, ringserve"
+              f" {s['ringserve']['tokens_per_second']:.1f} tok/s, ratio {s['ratio']:.3f}"
+              f" (p25-p75 {s['ratio_p25']:.3f}-{s['ratio_p75']:.3f})", flush=True)
 
-    headers = ["seqs", "raw tok/s", "ringserve tok/s", "ratio", "(min-max)",
+    headers = ["seqs", "raw tok/s", "ringserve tok/s", "ratio", "(p25-p75)",
                "raw TTFT ms", "rs TTFT p50/p99 ms", "raw TBT p50/p99 ms", "rs TBT p50/p99 ms"]
     rows = []
     for n in args.seqs:
@@ -213,14 +223,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raw, ours = s["raw"], s["ringserve"]
         rows.append([
             n, fmt(raw["tokens_per_second"]), fmt(ours["tokens_per_second"]), fmt(s["ratio"], digits=3),
-            f"{s['ratio_min']:.3f}-{s['ratio_max']:.3f}",
+            f"{s['ratio_p25']:.3f}-{s['ratio_p75']:.3f}",
             fmt(raw["ttft_p50"], 1e3),
             f"{fmt(ours['ttft_p50'], 1e3)}/{fmt(ours['ttft_p99'], 1e3)}",
             f"{fmt(raw['tbt_p50'], 1e3, 2)}/{fmt(raw['tbt_p99'], 1e3, 2)}",
             f"{fmt(ours['tbt_p50'], 1e3, 2)}/{fmt(ours['tbt_p99'], 1e3, 2)}",
         ])
     print()
-    print(f"medians of {args.rounds} rounds (ratio = ringserve / raw, goal >= {GOAL_RATIO}):")
+    print(f"tokens/s: medians of {args.bursts} bursts; ratio = median of per-burst ringserve / raw"
+          f" (goal >= {GOAL_RATIO}); TTFT and TBT pooled over bursts:")
     print(table(headers, rows))
 
     payload = {
@@ -228,16 +239,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": info,
         "model": path.name,
         "tokens_per_sequence": args.tokens,
+        "bursts": args.bursts,
         "threads": threads,
         "goal_ratio": GOAL_RATIO,
         "summary": {str(n): v for n, v in summary.items()},
-        "rounds": {str(n): v for n, v in rounds.items()},
+        "bursts_raw": {
+            str(n): [
+                {"raw_tokens_per_second": r["raw"].tokens_per_second,
+                 "ringserve_tokens_per_second": r["ringserve"].tokens_per_second,
+                 "ratio": r["ratio"], "stop_reasons": r["stop_reasons"], "load_average_1m": r["load_average_1m"]}
+                for r in recs
+            ]
+            for n, recs in records.items()
+        },
     }
     print(f"\nwrote {write_json('engine', payload)}")
 
     fig, axes = figure(ncols=2, width=10, height=3.8)
     ax, ax2 = axes[0]
-    xs = range(len(args.seqs))
+    xs = list(range(len(args.seqs)))
     width = 0.38
     raw_tps = [summary[n]["raw"]["tokens_per_second"] for n in args.seqs]
     our_tps = [summary[n]["ringserve"]["tokens_per_second"] for n in args.seqs]
@@ -246,18 +266,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for bar, n in zip(bars, args.seqs):
         ax.annotate(f"{summary[n]['ratio']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(xs), [str(n) for n in args.seqs])
+    ax.set_xticks(xs, [str(n) for n in args.seqs])
     ax.set_xlabel("concurrent sequences")
     ax.set_ylabel("aggregate tokens/s (median)")
     ax.set_title("Decode throughput")
     ax.legend(fontsize=8)
-    for side, label in (("raw", "raw"), ("ringserve", "ringserve")):
-        ax2.plot(list(xs), [1e3 * summary[n][side]["tbt_p50"] for n in args.seqs], marker="o", label=f"{label} p50")
-        ax2.plot(list(xs), [1e3 * summary[n][side]["tbt_p99"] for n in args.seqs], marker="x", ls="--",
-                 label=f"{label} p99")
-    ax2.set_xticks(list(xs), [str(n) for n in args.seqs])
+    for side in ("raw", "ringserve"):
+        ax2.plot(xs, [1e3 * summary[n][side]["tbt_p50"] for n in args.seqs], marker="o", label=f"{side} p50")
+        ax2.plot(xs, [1e3 * summary[n][side]["tbt_p99"] for n in args.seqs], marker="x", ls="--",
+                 label=f"{side} p99")
+    ax2.set_xticks(xs, [str(n) for n in args.seqs])
     ax2.set_xlabel("concurrent sequences")
     ax2.set_ylabel("ms")
+    ax2.set_yscale("log")
     ax2.set_title("Time between tokens")
     ax2.legend(fontsize=8)
     print(f"wrote {save_figure(fig, 'engine', info)}")

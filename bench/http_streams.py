@@ -23,12 +23,19 @@ tokens/s (all tokens over the wall time of the level). Tokens come from
 ``usage`` when the server sends it (ringserve, ``stream_options``), else
 ``max_tokens`` for a ``length`` finish, else one per chunk.
 
+Each round also runs, in this process while both servers idle, the raw
+llama-cpp-python decode loop (``bench/raw_decode.py``) for every stream count
+up to ``--slots``, as ``--tokens`` tokens per sequence with its prefill timed
+in, the ceiling an HTTP server on this engine could reach ("end to end over
+HTTP" ratio of the engine issue).
+
 Rounds alternate which server goes first; figures are medians over rounds and
-ratios (ringserve / llama_cpp.server) medians of per-round ratios.
+ratios (ringserve / llama_cpp.server, ringserve / raw loop) medians of
+per-round ratios.
 
 Run from the repository root (needs ``pip install -e '.[bench]'``)::
 
-    .venv/bin/python bench/http_streams.py [--streams 1 2 4 8 16] [--tokens 128] [--rounds 3]
+    .venv/bin/python bench/http_streams.py [--streams 1 2 4 8 16] [--tokens 128] [--rounds 5]
 
 Writes ``bench/results/http_streams.json`` and ``bench/results/http_streams.png``.
 """
@@ -67,6 +74,7 @@ from bench.common import (  # noqa: E402
     table,
     write_json,
 )
+from bench.raw_decode import raw_decode_run  # noqa: E402
 from ringserve.engine.modelfile import default_model_path  # noqa: E402
 
 
@@ -191,6 +199,22 @@ async def run_level(url: str, n_streams: int, requests: int, max_tokens: int, ta
     }
 
 
+def raw_level(model: Path, n: int, tokens: int, threads: int) -> dict[str, float]:
+    """The raw decode loop's end-to-end rate for ``n`` sequences of ``tokens`` tokens.
+
+    One :func:`bench.raw_decode.raw_decode_run` of ``tokens - 1`` steps (its
+    prefill samples the first token); the rate counts the prefill too, as the
+    HTTP figures do: ``n * tokens / (prefill + steps)``. Its prompt is the raw
+    loop's own (``PROMPT``, about as long as the chat prompt here).
+    """
+    run = raw_decode_run(model, n, tokens - 1, n_threads=threads)
+    return {
+        "tokens_per_second": n * tokens / (run.prefill_seconds + sum(run.step_seconds)),
+        "decode_tokens_per_second": run.tokens_per_second,
+        "prefill_seconds": run.prefill_seconds,
+    }
+
+
 def warm_up(url: str, max_tokens: int) -> dict[str, Any]:
     """One non-streamed request (loads caches); returns its usage, to compare prompts."""
     body = {"model": "smollm2", "messages": messages("warm-up"), "max_tokens": max_tokens, "temperature": 0}
@@ -233,11 +257,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--model", type=Path, default=None, help="GGUF file (default: the bundled model)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="concurrent streams")
     ap.add_argument("--tokens", type=int, default=128, help="max_tokens per request")
-    ap.add_argument("--requests", type=int, default=2, help="requests per client, back to back")
-    ap.add_argument("--rounds", type=int, default=3, help="repeats of the whole comparison")
+    ap.add_argument("--requests", type=int, default=1, help="requests per client, back to back")
+    ap.add_argument("--rounds", type=int, default=5, help="repeats of the whole comparison")
     ap.add_argument("--slots", type=int, default=8, help="ringserve --slots")
     ap.add_argument("--threads", type=int, default=0, help="llama.cpp threads in both servers (0: all cores)")
+    ap.add_argument("--replot", type=Path, help="only redraw the plot from this script's JSON")
     args = ap.parse_args(argv)
+    if args.replot is not None:
+        payload = json.loads(args.replot.read_text())
+        print(f"wrote {plot(payload)}")
+        return payload
     model = args.model or default_model_path()
     threads = args.threads or os.cpu_count() or 1
     info = machine()
@@ -246,6 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(machine_line(info), flush=True)
 
     rounds: dict[str, dict[int, list[dict[str, Any]]]] = {s: {n: [] for n in args.streams} for s in SERVERS}
+    raw_rounds: dict[int, list[dict[str, float]]] = {n: [] for n in args.streams if n <= args.slots}
     with tempfile.TemporaryDirectory(prefix="ringserve-bench-") as tmp_name:
         servers = start_servers(model, threads, Path(tmp_name), args.slots)
         try:
@@ -261,6 +291,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         print(f"  round {r + 1} {name:>16} {n:>2} streams: {level['tokens_per_second']:6.1f} tok/s,"
                               f" TTFT p50 {fmt(level['ttft_p50'], 1e3)} ms, errors {len(level['errors'])}",
                               flush=True)
+                    if n <= args.slots:
+                        raw_rounds[n].append(raw_level(model, n, args.tokens, threads))
         finally:
             for server in servers.values():
                 server.stop()
@@ -278,6 +310,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for a, b in zip(rounds["ringserve"][n], rounds["llama_cpp.server"][n])
             if a["ttft_p50"] and b["ttft_p50"]
         )
+        if n in raw_rounds:
+            s["raw_loop_tokens_per_second"] = median(x["tokens_per_second"] for x in raw_rounds[n])
+            s["ratio_raw_loop"] = median(
+                a["tokens_per_second"] / b["tokens_per_second"] for a, b in zip(rounds["ringserve"][n], raw_rounds[n])
+            )
         s["cpp_server_reference_tokens_per_second"] = CPP_SERVER_REFERENCE.get(n)
         summary[n] = s
 
@@ -293,12 +330,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"\nmedians of {args.rounds} rounds:")
     print(table(headers, rows))
     ratio_rows = [[n, fmt(summary[n]["ratio_tokens_per_second"], digits=2), fmt(summary[n]["ratio_ttft_p50"], digits=2),
+                   fmt(summary[n].get("raw_loop_tokens_per_second")),
+                   fmt(summary[n].get("ratio_raw_loop"), digits=2),
                    fmt(CPP_SERVER_REFERENCE.get(n)),
                    fmt(summary[n]["ringserve"]["tokens_per_second"] / CPP_SERVER_REFERENCE[n], digits=2)
                    if n in CPP_SERVER_REFERENCE else "-"]
                   for n in args.streams]
-    print("\nringserve / llama_cpp.server (same run), and against llama.cpp's C++ server (issue's figure):")
-    print(table(["streams", "tok/s ratio", "TTFT p50 ratio", "C++ server tok/s", "ringserve / C++"], ratio_rows))
+    print("\nringserve / llama_cpp.server and ringserve / raw loop (same run, medians of per-round ratios),"
+          " and against llama.cpp's C++ server (issue's figure):")
+    print(table(["streams", "vs llama_cpp.server tok/s", "TTFT p50", "raw loop tok/s", "vs raw loop",
+                 "C++ server tok/s", "vs C++"], ratio_rows))
 
     payload = {
         "benchmark": "http_streams",
@@ -312,32 +353,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cpp_server_reference": CPP_SERVER_REFERENCE,
         "summary": {str(n): v for n, v in summary.items()},
         "rounds": {name: {str(n): v for n, v in by_n.items()} for name, by_n in rounds.items()},
+        "raw_loop_rounds": {str(n): v for n, v in raw_rounds.items()},
     }
     print(f"\nwrote {write_json('http_streams', payload)}")
 
+    print(f"wrote {plot(payload)}")
+    return payload
+
+
+def plot(payload: dict[str, Any]) -> Path:
+    """Draw ``bench/results/http_streams.png`` from a payload (this script's JSON)."""
+    summary = payload["summary"]
+    streams = sorted(int(n) for n in summary)
     fig, axes = figure(ncols=2, width=10, height=3.8)
     ax, ax2 = axes[0]
-    for name, marker in zip(SERVERS, ("o", "s")):
-        ax.plot(args.streams, [summary[n][name]["tokens_per_second"] for n in args.streams], marker=marker, label=name)
-        ax2.plot(args.streams, [1e3 * summary[n][name]["ttft_p50"] for n in args.streams], marker=marker,
+    for i, (name, marker) in enumerate(zip(SERVERS, ("o", "s"))):
+        color = f"C{i}"
+        ax.plot(streams, [summary[str(n)][name]["tokens_per_second"] for n in streams], marker=marker, color=color,
+                label=name)
+        ax2.plot(streams, [1e3 * summary[str(n)][name]["ttft_p50"] for n in streams], marker=marker, color=color,
                  label=f"{name} p50")
-        ax2.plot(args.streams, [1e3 * summary[n][name]["ttft_p99"] for n in args.streams], marker=marker, ls="--",
-                 alpha=0.6, label=f"{name} p99")
-    ref = sorted(CPP_SERVER_REFERENCE.items())
+        ax2.plot(streams, [1e3 * summary[str(n)][name]["ttft_p99"] for n in streams], marker=marker, color=color,
+                 ls="--", alpha=0.5, label=f"{name} p99")
+    raw = [n for n in streams if summary[str(n)].get("raw_loop_tokens_per_second")]
+    ax.plot(raw, [summary[str(n)]["raw_loop_tokens_per_second"] for n in raw], ls="-.", marker="d", color="C2",
+            label="raw llama-cpp-python loop, no HTTP")
+    ref = sorted((int(k), v) for k, v in payload["cpp_server_reference"].items())
     ax.plot([k for k, _ in ref], [v for _, v in ref], ls=":", marker="^", color="0.5",
             label="llama.cpp C++ server (issue's figure)")
     for ax_ in (ax, ax2):
         ax_.set_xscale("log", base=2)
-        ax_.set_xticks(args.streams, [str(n) for n in args.streams])
+        ax_.set_xticks(streams, [str(n) for n in streams])
         ax_.set_xlabel("concurrent streams")
         ax_.legend(fontsize=7)
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("aggregate tokens/s (median)")
-    ax.set_title("Streaming throughput over HTTP")
+    ax.set_title(f"Streaming over HTTP ({payload['max_tokens']} tokens per request)")
     ax2.set_yscale("log")
     ax2.set_ylabel("ms")
     ax2.set_title("Time to first token (client-measured)")
-    print(f"wrote {save_figure(fig, 'http_streams', info)}")
-    return payload
+    return save_figure(fig, "http_streams", payload["machine"])
 
 
 if __name__ == "__main__":

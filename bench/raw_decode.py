@@ -18,7 +18,8 @@ Run from the repository root::
     .venv/bin/python bench/raw_decode.py [--seqs 1 4 8] [--tokens 128] [--repeats 3]
 
 A later benchmark can ``from bench.raw_decode import raw_tokens_per_second``
-(or :func:`raw_decode_run` for the per-step times too).
+(or :func:`raw_decode_run` for the per-step times too, or keep a
+:class:`RawDecoder` open to interleave its runs with another engine's).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _ctx_per_seq(n_tokens: int) -> int:
 
 @attrs.frozen
 class RawRun:
-    """The fastest repeat of :func:`raw_decode_run`.
+    """One timed run of the raw loop (:meth:`RawDecoder.run`).
 
     Attributes:
         tokens_per_second: sampled tokens per second, summed over sequences.
@@ -92,17 +93,16 @@ def raw_decode_run(
 ) -> RawRun:
     """Aggregate greedy decode speed of a raw low-level llama-cpp-python loop, with step times.
 
-    Loads the model (``use_extra_bufts=False``), creates a context for
-    ``n_seqs`` sequences, prefills :data:`PROMPT` into each, takes one
-    untimed step, then times ``n_tokens`` steps of one token per sequence.
-    Model load and prefill are not timed.
+    Loads the model, runs :meth:`RawDecoder.run` ``repeats`` times on the same
+    context and returns the fastest run. Model load and prefill are not in
+    the tokens per second.
 
     Args:
         path: GGUF model file.
         n_seqs: sequences decoded together (>= 1).
         n_tokens: timed decode steps, so tokens sampled per sequence (>= 1).
         n_threads: CPU threads; 0 means ``os.cpu_count()``.
-        repeats: timed runs on the same context; the fastest is returned.
+        repeats: timed runs on the same context (>= 1); the fastest is returned.
 
     Returns:
         The fastest repeat: tokens per second, prefill and step times.
@@ -110,102 +110,146 @@ def raw_decode_run(
     Raises:
         RuntimeError: llama.cpp failed to load, create or decode.
     """
-    if os.environ.get("RINGSERVE_LLAMA_LOG") != "1":
-        lc.llama_log_set(_quiet, ctypes.c_void_p(0))
-    lc.llama_backend_init()
-    threads = n_threads or os.cpu_count() or 1
-    mparams = lc.llama_model_default_params()
-    mparams.use_extra_bufts = False
-    model = lc.llama_model_load_from_file(str(path).encode(), mparams)
-    if not model:
-        raise RuntimeError(f"cannot load {path}")
-    vocab = lc.llama_model_get_vocab(model)
-    text = PROMPT.encode()
-    buf = (lc.llama_token * (len(text) + 8))()
-    n_prompt = lc.llama_tokenize(vocab, text, len(text), buf, len(buf), True, True)
-    prompt = list(buf[:n_prompt])
+    with RawDecoder(path, n_seqs, n_tokens, n_threads=n_threads) as decoder:
+        runs = [decoder.run() for _ in range(repeats)]
+    return max(runs, key=lambda r: r.tokens_per_second)
 
-    if n_prompt * n_seqs > N_BATCH:
-        raise ValueError(f"{n_seqs} prompts of {n_prompt} tokens exceed n_batch={N_BATCH}")
-    cparams = lc.llama_context_default_params()
-    cparams.n_ctx = n_seqs * _ctx_per_seq(n_tokens)
-    cparams.n_seq_max = n_seqs
-    cparams.n_batch = N_BATCH
-    cparams.n_ubatch = N_BATCH
-    cparams.n_threads = threads
-    cparams.n_threads_batch = threads
-    cparams.kv_unified = False
-    ctx = lc.llama_init_from_model(model, cparams)
-    if not ctx:
-        lc.llama_model_free(model)
-        raise RuntimeError("cannot create context")
-    mem = lc.llama_get_memory(ctx)
-    batch = lc.llama_batch_init(N_BATCH, 0, 1)
-    samplers = []
-    for _ in range(n_seqs):
-        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
-        samplers.append(chain)
 
-    def decode() -> None:
-        rc = lc.llama_decode(ctx, batch)
+class RawDecoder:
+    """The raw loop's model, context, batch and samplers, kept for repeated runs.
+
+    Loads the model (``use_extra_bufts=False``) and creates a context for
+    ``n_seqs`` sequences of :func:`_ctx_per_seq` cells each (per-sequence KV
+    cache), one batch of :data:`N_BATCH` tokens and one greedy sampler per
+    sequence. A benchmark may keep it open next to another engine and
+    interleave runs. Close it (or use it as a context manager) to free them.
+
+    Args:
+        path: GGUF model file.
+        n_seqs: sequences decoded together (>= 1).
+        n_tokens: timed decode steps per :meth:`run` (>= 1).
+        n_threads: CPU threads; 0 means ``os.cpu_count()``.
+
+    Raises:
+        RuntimeError: llama.cpp failed to load the model or create the context.
+        ValueError: the prompts do not fit one batch.
+    """
+
+    def __init__(self, path: str | Path, n_seqs: int, n_tokens: int, *, n_threads: int = 0) -> None:
+        if os.environ.get("RINGSERVE_LLAMA_LOG") != "1":
+            lc.llama_log_set(_quiet, ctypes.c_void_p(0))
+        lc.llama_backend_init()
+        self.n_seqs = n_seqs
+        self.n_tokens = n_tokens
+        threads = n_threads or os.cpu_count() or 1
+        mparams = lc.llama_model_default_params()
+        mparams.use_extra_bufts = False
+        self._model = lc.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self._model:
+            raise RuntimeError(f"cannot load {path}")
+        vocab = lc.llama_model_get_vocab(self._model)
+        text = PROMPT.encode()
+        buf = (lc.llama_token * (len(text) + 8))()
+        n_prompt = lc.llama_tokenize(vocab, text, len(text), buf, len(buf), True, True)
+        self.prompt = list(buf[:n_prompt])
+        if n_prompt * n_seqs > N_BATCH:
+            lc.llama_model_free(self._model)
+            raise ValueError(f"{n_seqs} prompts of {n_prompt} tokens exceed n_batch={N_BATCH}")
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = n_seqs * _ctx_per_seq(n_tokens)
+        cparams.n_seq_max = n_seqs
+        cparams.n_batch = N_BATCH
+        cparams.n_ubatch = N_BATCH
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.kv_unified = False
+        self._ctx = lc.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            lc.llama_model_free(self._model)
+            raise RuntimeError("cannot create context")
+        self._mem = lc.llama_get_memory(self._ctx)
+        self._batch = lc.llama_batch_init(N_BATCH, 0, 1)
+        self._samplers = []
+        for _ in range(n_seqs):
+            chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+            self._samplers.append(chain)
+
+    def _decode(self) -> None:
+        rc = lc.llama_decode(self._ctx, self._batch)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
 
-    def step(last: list[int], pos: int) -> None:
-        for s in range(n_seqs):
+    def _step(self, last: list[int], pos: int) -> None:
+        batch = self._batch
+        for s in range(self.n_seqs):
             batch.token[s] = last[s]
             batch.pos[s] = pos
             batch.n_seq_id[s] = 1
             batch.seq_id[s][0] = s
             batch.logits[s] = 1
-        batch.n_tokens = n_seqs
-        decode()
-        for s in range(n_seqs):
-            last[s] = lc.llama_sampler_sample(samplers[s], ctx, s)
+        batch.n_tokens = self.n_seqs
+        self._decode()
+        for s in range(self.n_seqs):
+            last[s] = lc.llama_sampler_sample(self._samplers[s], self._ctx, s)
 
-    best: RawRun | None = None
-    try:
-        for _ in range(repeats):
-            lc.llama_memory_seq_rm(mem, -1, -1, -1)
-            i = 0
-            last_index = []
-            for s in range(n_seqs):
-                for p, t in enumerate(prompt):
-                    batch.token[i] = t
-                    batch.pos[i] = p
-                    batch.n_seq_id[i] = 1
-                    batch.seq_id[i][0] = s
-                    batch.logits[i] = p == n_prompt - 1
-                    i += 1
-                last_index.append(i - 1)
-            batch.n_tokens = i
-            t0 = time.perf_counter()
-            decode()
-            last = [lc.llama_sampler_sample(samplers[s], ctx, i) for s, i in enumerate(last_index)]
-            prefill = time.perf_counter() - t0
-            step(last, n_prompt)  # warm-up
-            steps = []
-            t0 = time.perf_counter()
-            for k in range(n_tokens):
-                step(last, n_prompt + 1 + k)
-                steps.append(time.perf_counter())
-            elapsed = steps[-1] - t0
-            run = RawRun(
-                n_seqs * n_tokens / elapsed,
-                prefill,
-                tuple(b - a for a, b in zip([t0, *steps], steps)),
-            )
-            if best is None or run.tokens_per_second > best.tokens_per_second:
-                best = run
-    finally:
-        for chain in samplers:
+    def run(self) -> RawRun:
+        """Empty the KV cache, prefill :data:`PROMPT` into every sequence in one batch,
+        take one untimed step, then time ``n_tokens`` steps of one token per sequence.
+
+        Raises:
+            RuntimeError: ``llama_decode`` failed.
+        """
+        batch, prompt, n_prompt = self._batch, self.prompt, len(self.prompt)
+        lc.llama_memory_seq_rm(self._mem, -1, -1, -1)
+        i = 0
+        last_index = []
+        for s in range(self.n_seqs):
+            for p, t in enumerate(prompt):
+                batch.token[i] = t
+                batch.pos[i] = p
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = s
+                batch.logits[i] = p == n_prompt - 1
+                i += 1
+            last_index.append(i - 1)
+        batch.n_tokens = i
+        t0 = time.perf_counter()
+        self._decode()
+        last = [lc.llama_sampler_sample(self._samplers[s], self._ctx, i) for s, i in enumerate(last_index)]
+        prefill = time.perf_counter() - t0
+        self._step(last, n_prompt)  # warm-up
+        steps = []
+        t0 = time.perf_counter()
+        for k in range(self.n_tokens):
+            self._step(last, n_prompt + 1 + k)
+            steps.append(time.perf_counter())
+        return RawRun(
+            self.n_seqs * self.n_tokens / (steps[-1] - t0),
+            prefill,
+            tuple(b - a for a, b in zip([t0, *steps], steps)),
+        )
+
+    def close(self) -> None:
+        """Free the samplers, the batch, the context and the model. Idempotent."""
+        for chain in self._samplers:
             lc.llama_sampler_free(chain)
-        lc.llama_batch_free(batch)
-        lc.llama_free(ctx)
-        lc.llama_model_free(model)
-    assert best is not None, "repeats must be >= 1"
-    return best
+        self._samplers = []
+        if self._batch is not None:
+            lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            lc.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            lc.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> RawDecoder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def engine_tokens_per_second(
