@@ -375,10 +375,7 @@ class LlamaEngine:
         Raises:
             ValueError: ``slot`` is not in ``0 .. n_slots-1``.
         """
-        self._check_open()
-        self._check_slot(slot)
-        lc.llama_memory_seq_rm(self._mem, slot, -1, -1)
-        self._free_chain(slot)
+        self.release(slot)  # empty KV cells, old chain freed
         params = lc.llama_sampler_chain_default_params()
         params.no_perf = True
         chain = lc.llama_sampler_chain_init(params)
