@@ -280,3 +280,14 @@ async def test_idempotency_keys_are_scoped_per_surface(fake_server):
     o = await client.post("/v1/chat/completions", json=body, headers={"Idempotency-Key": "shared"})
     assert a.json()["id"].startswith("msg_")
     assert o.json()["id"].startswith("chatcmpl-") and o.json()["object"] == "chat.completion"
+
+
+async def test_seed_makes_sampling_reproducible_and_extension_fields_validate(fake_server):
+    """min_p, top_k and seed are accepted on both surfaces (as llama.cpp's server does) and range-checked."""
+    _state, client = fake_server
+    for path, base in (("/v1/messages", ANTHROPIC_BODY), ("/v1/chat/completions", OPENAI_BODY)):
+        ok = await client.post(path, json={**base, "min_p": 0.05, "top_k": 40, "seed": 7})
+        assert ok.status_code == 200
+        for field, value in (("min_p", 2), ("top_k", -1), ("seed", "x")):
+            bad = await client.post(path, json={**base, field: value})
+            assert bad.status_code == 400 and field in bad.text

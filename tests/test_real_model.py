@@ -141,3 +141,10 @@ def test_anthropic_assistant_prefill_is_continued(sdk_clients):
     )
     # the reply continues the prefill (and, as Anthropic's API does, does not repeat it)
     assert msg.content[0].text.lstrip().startswith("5"), msg.content[0].text
+
+
+def test_seeded_sampling_is_reproducible(sdk_clients):
+    _, o = sdk_clients
+    kwargs = dict(model="m", max_tokens=16, temperature=0.9, seed=1234, messages=[{"role": "user", "content": PROMPT}])
+    first = o.chat.completions.create(**kwargs).choices[0].message.content
+    assert first == o.chat.completions.create(**kwargs).choices[0].message.content

@@ -18,7 +18,6 @@ from ringserve.core.events import (
     Failure,
     Finish,
     GenerationRequest,
-    SamplingParams,
     StopReason,
     Usage,
 )
@@ -28,9 +27,9 @@ from ringserve.surfaces.base import (
     WireEvent,
     dumps,
     get_bool,
-    get_float,
     get_int,
     get_str,
+    sampling_params,
     require_object,
     stop_list,
     text_content,
@@ -125,7 +124,8 @@ class AnthropicSurface:
         Supported: ``model``, ``max_tokens`` (required), ``messages`` (string
         content or text blocks), ``system`` (string or text blocks),
         ``temperature`` (0–1), ``top_p``, ``top_k``, ``stop_sequences``,
-        ``stream``, ``metadata``. Other keys are ignored.
+        ``stream``, ``metadata``; and, as llama.cpp's server does, ``min_p``
+        and ``seed``. Other keys are ignored.
 
         Raises:
             RingserveError: ``INVALID_REQUEST`` naming the offending field.
@@ -151,11 +151,7 @@ class AnthropicSurface:
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise invalid("metadata: must be an object", param="metadata")
-        sampling = SamplingParams(
-            temperature=get_float(body, "temperature", lo=0.0, hi=1.0, default=1.0),
-            top_p=get_float(body, "top_p", lo=0.0, hi=1.0, default=1.0),
-            top_k=get_int(body, "top_k", lo=0, hi=1_000_000, default=0),
-        )
+        sampling = sampling_params(body, max_temperature=1.0)
         request = GenerationRequest(
             messages=tuple(messages),
             max_tokens=max_tokens,

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import attrs
 
 from ringserve.core.errors import RingserveError, invalid
-from ringserve.core.events import Failure, Finish, GenerationRequest, Usage
+from ringserve.core.events import Failure, Finish, GenerationRequest, SamplingParams, Usage
 
 
 def dumps(obj: Any) -> str:
@@ -171,3 +171,24 @@ def stop_list(value: Any, key: str, *, max_items: int = 16, max_len: int = 256) 
         raise invalid(f"{key}: each stop sequence has at most {max_len} characters", param=key)
     return tuple(s for s in value if s)
 
+
+
+def sampling_params(body: dict[str, Any], *, max_temperature: float) -> SamplingParams:
+    """Sampler settings from a request body, the same keys on both surfaces.
+
+    ``temperature`` (0 = greedy; at most ``max_temperature``, 1 for Anthropic
+    and 2 for OpenAI, as their APIs allow), ``top_p``, and, as llama.cpp's
+    server accepts them on both APIs, ``top_k``, ``min_p`` and ``seed`` (any
+    integer, taken modulo 2**32).
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` naming the field.
+    """
+    seed = get_int(body, "seed", lo=-(2**63), hi=2**64 - 1)
+    return SamplingParams(
+        temperature=get_float(body, "temperature", lo=0.0, hi=max_temperature, default=1.0),
+        top_p=get_float(body, "top_p", lo=0.0, hi=1.0, default=1.0),
+        top_k=get_int(body, "top_k", lo=0, hi=1_000_000, default=0),
+        min_p=get_float(body, "min_p", lo=0.0, hi=1.0, default=0.0),
+        seed=None if seed is None else seed % 2**32,
+    )

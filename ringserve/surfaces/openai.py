@@ -18,7 +18,6 @@ from ringserve.core.events import (
     Failure,
     Finish,
     GenerationRequest,
-    SamplingParams,
     StopReason,
     Usage,
 )
@@ -28,9 +27,9 @@ from ringserve.surfaces.base import (
     WireEvent,
     dumps,
     get_bool,
-    get_float,
     get_int,
     get_str,
+    sampling_params,
     require_object,
     stop_list,
     text_content,
@@ -126,7 +125,8 @@ class OpenAISurface:
         assistant; string or text-part content), ``max_completion_tokens`` /
         ``max_tokens`` (absent: what the context leaves), ``temperature``
         (0–2), ``top_p``, ``stop`` (string or list), ``seed``, ``stream``,
-        ``stream_options.include_usage``, ``n`` (only 1). Other keys are ignored.
+        ``stream_options.include_usage``, ``n`` (only 1); and, as llama.cpp's
+        server does, ``top_k`` and ``min_p``. Other keys are ignored.
 
         Raises:
             RingserveError: ``INVALID_REQUEST`` naming the offending field.
@@ -153,12 +153,7 @@ class OpenAISurface:
             max_tokens = get_int(body, "max_tokens", lo=1, hi=MAX_TOKENS_LIMIT)
         if get_int(body, "n", lo=1, hi=1, default=1) != 1:
             raise invalid("n: only 1 is supported", param="n")
-        seed = get_int(body, "seed", lo=-(2**63), hi=2**64 - 1)
-        sampling = SamplingParams(
-            temperature=get_float(body, "temperature", lo=0.0, hi=2.0, default=1.0),
-            top_p=get_float(body, "top_p", lo=0.0, hi=1.0, default=1.0),
-            seed=None if seed is None else seed % 2**32,
-        )
+        sampling = sampling_params(body, max_temperature=2.0)
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
             raise invalid("stream_options: must be an object", param="stream_options")
