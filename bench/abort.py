@@ -238,11 +238,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ax.set_title("Time until the KV cells are freed (CDF)")
     ax.legend(fontsize=7)
     width = 0.38
+    wasted = {s: [r["tokens_after_close"] + r["tokens_after_cancel"] for r in records[s]] for s in SETTINGS}
+    top = max(max(counts) for counts in wasted.values())
     for i, setting in enumerate(SETTINGS):
-        counts = [r["tokens_after_close"] + r["tokens_after_cancel"] for r in records[setting]]
-        top = max(counts)
+        counts = wasted[setting]
         ax2.bar([k + (i - 0.5) * width for k in range(top + 1)], [counts.count(k) for k in range(top + 1)], width,
                 label=setting)
+    ax2.set_xticks(range(top + 1))
     ax2.set_xlabel("tokens decoded after the client closed")
     ax2.set_ylabel("cancels")
     ax2.set_title(f"Wasted decode per cancel ({args.cancels} cancels)")

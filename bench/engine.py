@@ -271,9 +271,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ax.set_ylabel("aggregate tokens/s (median)")
     ax.set_title("Decode throughput")
     ax.legend(fontsize=8)
-    for side in ("raw", "ringserve"):
-        ax2.plot(xs, [1e3 * summary[n][side]["tbt_p50"] for n in args.seqs], marker="o", label=f"{side} p50")
-        ax2.plot(xs, [1e3 * summary[n][side]["tbt_p99"] for n in args.seqs], marker="x", ls="--",
+    for i, side in enumerate(("raw", "ringserve")):
+        ax2.plot(xs, [1e3 * summary[n][side]["tbt_p50"] for n in args.seqs], marker="o", color=f"C{i}",
+                 label=f"{side} p50")
+        ax2.plot(xs, [1e3 * summary[n][side]["tbt_p99"] for n in args.seqs], marker="x", ls="--", color=f"C{i}",
                  label=f"{side} p99")
     ax2.set_xticks(xs, [str(n) for n in args.seqs])
     ax2.set_xlabel("concurrent sequences")

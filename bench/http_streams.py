@@ -61,6 +61,7 @@ if __package__ in (None, ""):
 from bench.common import (  # noqa: E402
     RINGSERVE_READY,
     ServerProcess,
+    cpu_seconds,
     figure,
     fmt,
     free_port,
@@ -199,6 +200,23 @@ async def run_level(url: str, n_streams: int, requests: int, max_tokens: int, ta
     }
 
 
+def server_counters(server: ServerProcess, name: str) -> dict[str, float]:
+    """The server's CPU seconds so far and, for ringserve, its decode counters (from ``/metrics``).
+
+    Their increase over a level tells a slow level's cause apart: CPU the
+    server did not get, decode calls that took long, or time outside decode.
+    """
+    counters = {"cpu_seconds": cpu_seconds(server.pid)}
+    if name == "ringserve":
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        for line in text.splitlines():
+            for metric, key in (("ringserve_decode_seconds_total ", "decode_seconds"),
+                                ("ringserve_decode_steps_total ", "decode_steps")):
+                if line.startswith(metric):
+                    counters[key] = float(line.split()[1])
+    return counters
+
+
 def raw_level(model: Path, n: int, tokens: int, threads: int) -> dict[str, float]:
     """The raw decode loop's end-to-end rate for ``n`` sequences of ``tokens`` tokens.
 
@@ -286,7 +304,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 order = SERVERS if r % 2 == 0 else SERVERS[::-1]
                 for n in args.streams:
                     for name in order:
-                        level = trio.run(run_level, servers[name].url, n, args.requests, args.tokens, f"{r}-{n}")
+                        server = servers[name]
+                        before = server_counters(server, name)
+                        level = trio.run(run_level, server.url, n, args.requests, args.tokens, f"{r}-{n}")
+                        after = server_counters(server, name)
+                        level.update({f"server_{k}": after[k] - before[k] for k in after})
                         rounds[name][n].append(level)
                         print(f"  round {r + 1} {name:>16} {n:>2} streams: {level['tokens_per_second']:6.1f} tok/s,"
                               f" TTFT p50 {fmt(level['ttft_p50'], 1e3)} ms, errors {len(level['errors'])}",
