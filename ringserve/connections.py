@@ -337,13 +337,14 @@ class _H2Protocol(hypercorn.protocol.h2.H2Protocol):
     """
 
     async def _handle_events(self, events: list[Any]) -> None:
-        kept = []
+        # One at a time: a stream is created by its RequestReceived, which may come in the same
+        # batch as its first DataReceived.
         for event in events:
             if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
                 self.connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
             else:
-                kept.append(event)
-        await super()._handle_events(kept)
+                await super()._handle_events([event])
+        await self._flush()
 
 
 class _TCPServer(hypercorn.trio.tcp_server.TCPServer):
