@@ -69,7 +69,7 @@ class ServerProcess:
     """``python -m ringserve serve`` in a subprocess, on a free port, until stopped."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, command: list[str] | None = None) -> None:
-        # ``command`` replaces ``python -m ringserve serve --port 0`` (tests/fake_serve.py uses it).
+        # ``command`` replaces ``python -m ringserve serve --port 0`` (tests/test_drain.py runs bench/fake_server.py with it).
         self.proc = subprocess.Popen(
             [*(command or [sys.executable, "-m", "ringserve", "serve", "--port", "0"]), *args],
             stdout=subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""A real server process on the fake engine (tests/fake_serve.py): SIGTERM drain, a second signal,
+"""A real server process on the fake engine (bench/fake_server.py): SIGTERM drain, a second signal,
 and a client that stops reading (server memory bounded, reader dropped, shutdown still prompt)."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _toml(sections: dict[str, dict[str, Any]]) -> str:
 
 
 class FakeServerProcess(ServerProcess):
-    """``python -m tests.fake_serve`` with a config built from ``sections``; keeps reading its log."""
+    """``bench/fake_server.py`` with a config built from ``sections``; keeps reading its log."""
 
     def __init__(self, tmp_path: Path, sections: dict[str, dict[str, Any]], fake: dict[str, Any],
                  reply_bytes: int | None = None) -> None:
@@ -50,7 +50,7 @@ class FakeServerProcess(ServerProcess):
         args = ["--config", str(config), "--fake", json.dumps(fake)]
         if reply_bytes is not None:
             args += ["--reply-bytes", str(reply_bytes)]
-        super().__init__(args, env={"PYTHONPATH": str(ROOT)}, command=[sys.executable, "-m", "tests.fake_serve"])
+        super().__init__(args, env={"PYTHONPATH": str(ROOT)}, command=[sys.executable, str(ROOT / "bench" / "fake_server.py")])
         self._changed = threading.Condition()
         threading.Thread(target=self._read_log, daemon=True).start()
 
