@@ -259,7 +259,7 @@ def create_app(state: ServerState) -> RingserveQuart:
                 return _json(payload, 202, {"Location": location, "Preference-Applied": "respond-async"})
             if isinstance(msg, StoredMessage):  # an idempotent retry of a finished message
                 if parsed.stream:
-                    log_, after = hub.open_log(msg.id, None)  # GONE once the log expired
+                    log_, after = await hub.open_log(msg.id, None)  # GONE once the log expired
                     return sse_response(hub, log_, after, {"X-Message-Id": msg.id})
                 return stored_answer(surface, msg)
             if parsed.stream:
@@ -356,7 +356,7 @@ def create_app(state: ServerState) -> RingserveQuart:
             last = request.headers.get("Last-Event-ID")
             if last is None:
                 last = request.args.get("last_event_id")
-            log_, after = hub.open_log(message_id, last or None)
+            log_, after = await hub.open_log(message_id, last or None)
             admit_reader(log_.readers)
         except RingserveError as exc:
             state.metrics.resumed("expired" if exc.kind is ErrorKind.GONE else "rejected")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from collections.abc import Callable
 
@@ -17,7 +18,7 @@ from ringserve.engine.protocol import Engine
 from ringserve.engine.runner import Runner
 from ringserve.messages import MessageStore
 from ringserve.stream.hub import CancelReason, Hub
-from ringserve.stream.logs import MemoryLogStore
+from ringserve.stream.logs import LogStore, MemoryLogStore
 
 log = logging.getLogger("ringserve")
 
@@ -42,6 +43,26 @@ def load_llama_engine(config: Config) -> Engine:
         use_extra_bufts=config.model.use_extra_bufts,
         model_id=config.model.name or None,
     )
+
+
+def make_log_store(config: Config) -> LogStore:
+    """The ``[stream] backend``: in-process memory, or Redis (``stream/redis_logs.py``).
+
+    Raises:
+        SystemExit: backend ``redis`` without coredis installed (one-line message).
+        ValueError: a ``RINGSERVE_REDIS_URL`` with an unknown scheme.
+    """
+    match config.stream.backend:
+        case "memory":
+            return MemoryLogStore(config.stream)
+        case "redis":
+            try:
+                from ringserve.stream.redis_logs import RedisLogStore
+            except ImportError as exc:
+                raise SystemExit(f"[stream] backend = \"redis\" needs coredis: pip install 'ringserve[redis]' ({exc})") from None
+            return RedisLogStore(config.stream, config.stream.redis_url_from(os.environ))
+        case other:
+            raise AssertionError(f"unknown stream backend {other!r}")  # the config validator lists them
 
 
 #: Seconds the drain gives readers to write their terminal events once every generation
@@ -116,7 +137,7 @@ async def serve(
     interrupted = store.mark_interrupted()
     if interrupted:
         log.info("marked %d message(s) left generating by a previous run as interrupted", interrupted)
-    logs = MemoryLogStore(config.stream)
+    logs = make_log_store(config)
     state = ServerState(config, auth=auth)
     app = create_app(state)
     stop = trio.Event() if shutdown_trigger is None else shutdown_trigger

@@ -421,7 +421,7 @@ class Hub:
             raise RingserveError(ErrorKind.NOT_FOUND, f"no message {message_id[:80]!r}")
         return stored
 
-    def open_log(self, message_id: str, last_event_id: str | None) -> tuple[MessageLog, int | None]:
+    async def open_log(self, message_id: str, last_event_id: str | None) -> tuple[MessageLog, int | None]:
         """The log to resume and the seq to resume after (None: from the start).
 
         Raises:
@@ -431,7 +431,7 @@ class Hub:
             one that was never sent).
         """
         after = None if last_event_id is None else _resume_after(last_event_id, message_id)
-        log = self.logs.get(message_id)
+        log = await self.logs.find(message_id)
         if log is None:
             self.lookup(message_id)  # raises NOT_FOUND for an unknown id
             raise RingserveError(

@@ -12,6 +12,10 @@ touching readers or producers:
 * :class:`LogStore`: what the app uses to create and find logs.
 
 In-memory backend: :class:`MemoryLogStore` and :class:`MemoryMessageLog`.
+Redis backend (``[stream] backend = "redis"``): ``stream/redis_logs.py``,
+built on these: a replica's own logs stay memory logs whose :class:`LogMirror`
+copies every entry to a Redis stream, and a log another replica owns is a
+memory log filled from that stream.
 
 Ownership (STYLE: one owner per mutable thing). The producer task is the only
 writer of a log (``append``/``close``). The store's dict is changed only by
@@ -47,9 +51,10 @@ Protocol                       Redis
                                count would be ``INCR``/``DECR log:{id}:readers``.
 ``evicted(id)``                a tombstone key ``gone:{id}`` with a longer TTL.
 memory cap                     ``maxmemory`` with ``volatile-ttl`` eviction.
-``get(id)``                    ``EXISTS`` -- the one call that needs a round trip
-                               before a handle exists; a Redis store will make
-                               ``get`` awaitable (one call site in the app).
+``get(id)`` / ``find(id)``     ``get`` answers from what this process holds, so
+                               it stays sync; ``find`` (awaitable, used by
+                               ``Hub.open_log``) also looks in Redis:
+                               ``XRANGE log:{id} - +`` (bounded by MAXLEN).
 =============================  ===================================================
 """
 
@@ -68,6 +73,7 @@ from ringserve.config import StreamConfig
 from ringserve.core.ringlog import Entry, Gap, LogState, RingLog
 
 __all__ = [
+    "LogMirror",
     "LogStore",
     "LogStoreStatistics",
     "MemoryLogStore",
@@ -120,11 +126,25 @@ class LogStore(Protocol):
 
     def get(self, message_id: str) -> MessageLog | None: ...
 
+    async def find(self, message_id: str) -> MessageLog | None: ...
+
     def forget(self, message_id: str) -> None: ...
 
     def evicted(self, message_id: str) -> bool: ...
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
+
+
+class LogMirror(Protocol):
+    """Told, synchronously, of every append to and the close of a :class:`MemoryMessageLog`.
+
+    The Redis backend's writer (``stream/redis_logs.py``) is one: it queues
+    the entry for its next pipelined flush. Neither call may block or raise.
+    """
+
+    def appended(self, log: MemoryMessageLog, seq: int, data: bytes) -> None: ...
+
+    def closed(self, log: MemoryMessageLog) -> None: ...
 
 
 @attrs.define(eq=False)
@@ -144,6 +164,7 @@ class MemoryMessageLog:
             (abort the generation, or let it run); check :attr:`closed` if a
             finished log does not matter. An exception it raises propagates
             out of the reader's ``with`` block.
+        mirror: told of every append and of the close (``None``: nobody).
         completed_at: clock time of :meth:`close`, ``None`` while OPEN.
     """
 
@@ -151,6 +172,7 @@ class MemoryMessageLog:
     _ring: RingLog
     _clock: Callable[[], float] = attrs.field(default=trio.current_time, kw_only=True)
     on_idle: Callable[[], None] | None = attrs.field(default=None, kw_only=True)
+    mirror: LogMirror | None = attrs.field(default=None, kw_only=True)
     completed_at: float | None = attrs.field(default=None, init=False)
     _readers: int = attrs.field(default=0, init=False)
     _changed: trio.Event = attrs.field(factory=trio.Event, init=False, repr=False)
@@ -203,6 +225,8 @@ class MemoryMessageLog:
         before = self._ring.nbytes
         seq = self._ring.append(data)
         self._wake()
+        if self.mirror is not None:
+            self.mirror.appended(self, seq, data)
         if self._store is not None:
             self._store._appended(
                 self, self._ring.nbytes - before, len(data), time.perf_counter() - started
@@ -220,8 +244,19 @@ class MemoryMessageLog:
         self._ring.close(state)
         self.completed_at = self._clock()
         self._wake()
+        if self.mirror is not None:
+            self.mirror.closed(self)
         if self._store is not None:
             self._store._closed(self)
+
+    def skip_to(self, seq: int) -> None:
+        """Drop the entries held and go on at ``seq`` (``RingLog.skip_to``), waking every reader.
+
+        Only for a copy of a log held elsewhere (``stream/redis_logs.py``) whose
+        older entries are gone there.
+        """
+        self._ring.skip_to(seq)
+        self._wake()
 
     def _wake(self) -> None:
         # A trio.Event fires once and cannot be cleared: set the current one
@@ -380,6 +415,11 @@ class MemoryLogStore:
             self._expirations_total += 1
             return None
         return log
+
+    async def find(self, message_id: str) -> MemoryMessageLog | None:
+        """:meth:`get`, after a checkpoint: this store holds only this process's logs."""
+        await trio.lowlevel.checkpoint()
+        return self.get(message_id)
 
     def forget(self, message_id: str) -> None:
         """Drop a log now, live or not (no-op if not held).

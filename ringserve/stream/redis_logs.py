@@ -1,0 +1,341 @@
+"""Redis Streams backend of the stream log (``[stream] backend = "redis"``): any replica resumes any stream.
+
+One Redis stream per message, ``ringserve:log:{message_id}``; entry ``seq`` has
+the explicit id ``<seq+1>-0`` (Redis ids must be > ``0-0``) and one field
+``d`` (the rendered SSE bytes, exactly as appended); after the last entry the
+owner adds a terminal marker with the next id and one field ``s`` (the
+``LogState`` value: ``finished``/``failed``), then ``EXPIRE``\\ s the key.
+The table in ``stream/logs.py`` maps the rest.
+
+Who holds what (one replica = one ringserve process):
+
+* **Owned logs** (this replica runs the generation): a plain
+  :class:`~ringserve.stream.logs.MemoryMessageLog` in a local
+  :class:`~ringserve.stream.logs.MemoryLogStore`, so the producer and the
+  readers on this replica work exactly as with the memory backend (no Redis
+  round trip on their path). Its :class:`_Writer` mirror queues every entry;
+  a flusher task sends everything queued, for every stream, in one pipelined
+  round trip (``XADD ... MAXLEN ~ ring_max_entries``, then ``EXPIRE``), at
+  most once per ``flush_ms`` and never more than one round trip in flight.
+* **Remote logs** (another replica owns it): :meth:`RedisLogStore.find` loads
+  the whole stream (``XRANGE``; bounded by MAXLEN) into a fresh memory log,
+  and while it is open one **pump** task per replica tails every such stream
+  with a single ``XREAD BLOCK`` over all of them, appending what arrives, so
+  any number of readers of any number of messages share one connection.
+  A pump that finds entries missing (trimmed by MAXLEN before it read them)
+  skips ahead (``RingLog.skip_to``): the readers behind get a ``Gap``, as
+  with an evicted entry.
+
+Connections: :data:`WRITER_CONNECTIONS` for appends and loads plus one for the
+pump, whatever the number of readers or messages. A blocking ``XREAD`` is
+never cancelled (a cancelled one leaves coredis's connection busy until the
+block ends): the pump is woken for a new stream by an ``XADD`` to its own
+wake stream, ``ringserve:wake:{replica}``, and blocks at most
+:data:`PUMP_BLOCK_MS`.
+
+Client: coredis (``pip install 'ringserve[redis]'``), which runs on Trio
+through anyio; redis-py's asyncio client does not.
+
+Not (yet) shared across replicas: reader counts (the abort policy counts the
+readers on the owner only), message status and ``Idempotency-Key`` (SQLite
+per replica), cancel, and the owner's liveness (a killed owner leaves its
+stream open until :data:`LIVE_KEY_SECONDS` pass); see ``docs/scale-out.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections.abc import Callable
+
+import attrs
+import coredis
+import coredis.exceptions
+import trio
+from coredis.tokens import PureToken
+
+from ringserve.config import StreamConfig
+from ringserve.core.ringlog import LogState, RingLog
+from ringserve.stream.logs import LogStoreStatistics, MemoryLogStore, MemoryMessageLog
+
+__all__ = ["KEY_PREFIX", "LIVE_KEY_SECONDS", "PUMP_BLOCK_MS", "WRITER_CONNECTIONS", "RedisLogStore", "stream_key"]
+
+log = logging.getLogger("ringserve")
+
+#: Prefix of every message's stream key.
+KEY_PREFIX = "ringserve:log:"
+#: Seconds a live stream's key lives past its latest flush (each flush renews it): what an owner
+#: killed mid-generation leaves behind is gone after this.
+LIVE_KEY_SECONDS = 3600
+#: The longest one pump XREAD blocks, in milliseconds (it is woken early for a new stream).
+PUMP_BLOCK_MS = 1000
+#: The most entries the pump takes from one stream per XREAD.
+PUMP_BATCH = 256
+#: Connections of the writer pool (appends, loads, wake-ups); the pump has one more of its own.
+WRITER_CONNECTIONS = 4
+#: Seconds the flusher waits before retrying a batch Redis did not take.
+RETRY_SECONDS = 0.5
+
+_DATA, _STATE = b"d", b"s"
+_REDIS_ERRORS = (coredis.exceptions.RedisError, OSError)
+
+
+def stream_key(message_id: str) -> str:
+    """The Redis key of ``message_id``'s stream."""
+    return KEY_PREFIX + message_id
+
+
+def _entry_id(seq: int) -> str:
+    return f"{seq + 1}-0"
+
+
+def _entry_seq(identifier: bytes | str) -> int:
+    text = identifier.decode() if isinstance(identifier, bytes) else identifier
+    return int(text.split("-", 1)[0]) - 1
+
+
+@attrs.frozen
+class _Append:
+    key: str
+    seq: int
+    data: bytes
+
+
+@attrs.frozen
+class _Close:
+    key: str
+    seq: int  # the marker's: the log's next_seq at close
+    state: LogState
+
+
+@attrs.define(eq=False)
+class _Writer:
+    """The owned logs' :class:`~ringserve.stream.logs.LogMirror`: queues each append and close."""
+
+    pending: list[_Append | _Close] = attrs.Factory(list)
+    wanted: trio.Event = attrs.Factory(trio.Event)
+
+    def appended(self, log_: MemoryMessageLog, seq: int, data: bytes) -> None:
+        self._queue(_Append(stream_key(log_.message_id), seq, data))
+
+    def closed(self, log_: MemoryMessageLog) -> None:
+        self._queue(_Close(stream_key(log_.message_id), log_.next_seq, log_.state))
+
+    def _queue(self, op: _Append | _Close) -> None:
+        self.pending.append(op)
+        self.wanted.set()
+
+    def take(self) -> list[_Append | _Close]:
+        ops, self.pending = self.pending, []
+        self.wanted = trio.Event()
+        return ops
+
+
+def _deliver(log_: MemoryMessageLog, identifier: bytes, fields: dict[bytes, bytes]) -> None:
+    """Apply one stream entry to a remote log's copy (sync)."""
+    seq = _entry_seq(identifier)
+    if seq < log_.next_seq or log_.closed:
+        return  # already held (a load and the pump may overlap)
+    if seq > log_.next_seq:
+        log_.skip_to(seq)  # trimmed before we read it: readers behind get a Gap
+    if _STATE in fields:
+        log_.close(LogState(fields[_STATE].decode()))
+    else:
+        log_.append(fields[_DATA])
+
+
+@attrs.define(eq=False)
+class RedisLogStore:
+    """A :class:`~ringserve.stream.logs.LogStore` whose logs are Redis streams too (see the module docstring).
+
+    Args:
+        config: ring bounds, memory cap, TTL and flush interval (``flush_ms``).
+        url: the Redis server (``StreamConfig.redis_url_from``).
+        clock: seconds; ``trio.current_time`` by default.
+
+    :meth:`run` must be running (it holds the connections) before any other
+    awaitable method is called.
+    """
+
+    config: StreamConfig
+    url: str
+    clock: Callable[[], float] = trio.current_time
+    replica: str = attrs.Factory(lambda: secrets.token_hex(8))
+    local: MemoryLogStore = attrs.field(init=False)
+    _writer: _Writer = attrs.field(factory=_Writer, init=False)
+    _remote: dict[str, MemoryMessageLog] = attrs.field(factory=dict, init=False)
+    _unread: set[str] = attrs.field(factory=set, init=False)  # tailed with no reader at the last pump turn
+    _tail_changed: trio.Event = attrs.field(factory=trio.Event, init=False)
+    _pump_blocked: bool = attrs.field(default=False, init=False)
+    _client: coredis.Redis = attrs.field(init=False)
+    _pump_client: coredis.Redis = attrs.field(init=False)
+    round_trips_total: int = attrs.field(default=0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.local = MemoryLogStore(self.config, self.clock)
+        self._client = coredis.Redis.from_url(self.url, max_connections=WRITER_CONNECTIONS)
+        self._pump_client = coredis.Redis.from_url(self.url, max_connections=1)
+
+    @property
+    def _wake_key(self) -> str:
+        return f"ringserve:wake:{self.replica}"
+
+    # -- LogStore -----------------------------------------------------------
+
+    def create(self, message_id: str) -> MemoryMessageLog:
+        """A new OPEN log owned by this replica; its entries go to Redis at the next flush.
+
+        Raises:
+            ValueError: this replica already holds a log with that id.
+        """
+        log_ = self.local.create(message_id)
+        log_.mirror = self._writer
+        return log_
+
+    def get(self, message_id: str) -> MemoryMessageLog | None:
+        """The log if this replica holds it (owned, or tailed for a reader here); no round trip."""
+        return self.local.get(message_id) or self._remote.get(message_id)
+
+    async def find(self, message_id: str) -> MemoryMessageLog | None:
+        """The log, from this replica or from Redis (one ``XRANGE``); ``None`` if neither has it.
+
+        A remote log that is still open is tailed by the pump from then on,
+        as long as it has readers on this replica.
+
+        Raises:
+            coredis.exceptions.RedisError, OSError: Redis is unreachable.
+        """
+        held = self.get(message_id)
+        if held is not None or self.local.evicted(message_id):
+            return held
+        entries = await self._client.xrange(stream_key(message_id), "-", "+")
+        held = self.get(message_id)  # a concurrent find may have loaded it meanwhile
+        if held is not None or not entries:
+            return held
+        ring = RingLog(self.config.ring_max_entries, self.config.ring_max_bytes)
+        ring.skip_to(_entry_seq(entries[0].identifier))
+        copy = MemoryMessageLog(message_id, ring, clock=self.clock)
+        for entry in entries:
+            _deliver(copy, entry.identifier, dict(entry.field_values))
+        if not copy.closed:
+            self._remote[message_id] = copy
+            await self._wake_pump()
+        return copy
+
+    def forget(self, message_id: str) -> None:
+        """Drop a log from this replica now (its Redis key expires by itself)."""
+        self.local.forget(message_id)
+        self._remote.pop(message_id, None)
+
+    def evicted(self, message_id: str) -> bool:
+        """Whether this replica held ``message_id`` and let it go (410 Gone rather than 404)."""
+        return self.local.evicted(message_id)
+
+    def statistics(self) -> LogStoreStatistics:
+        """The owned logs' snapshot (remote copies are not counted)."""
+        return self.local.statistics()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the connections; run the TTL sweep, the flusher and the pump. Never returns.
+
+        On cancellation the flusher sends what is still queued (shielded, at
+        most one second), so the terminal events of a drain reach Redis.
+
+        Raises:
+            coredis.exceptions.RedisError, OSError: Redis is unreachable at start.
+        """
+        async with self._client, self._pump_client:
+            await self._client.delete([self._wake_key])
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.local.run)
+                nursery.start_soon(self._flush_loop)
+                nursery.start_soon(self._pump_loop)
+                task_status.started()
+
+    # -- writing ------------------------------------------------------------
+
+    async def _flush_loop(self) -> None:
+        interval = max(self.config.flush_ms, 1.0) / 1000
+        last = -math.inf
+        try:
+            while True:
+                await self._writer.wanted.wait()
+                await trio.sleep_until(last + interval)  # at most one round trip per flush interval
+                last = trio.current_time()
+                ops = self._writer.take()
+                try:
+                    await self._send(ops)
+                except _REDIS_ERRORS as exc:
+                    log.warning("redis: %d log entries not written, retrying: %s", len(ops), exc)
+                    self._writer.pending[:0] = ops  # explicit ids make a resend harmless
+                    self._writer.wanted.set()
+                    await trio.sleep(RETRY_SECONDS)
+        finally:
+            ops = self._writer.take()
+            if ops:
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                    await self._send(ops)
+
+    async def _send(self, ops: list[_Append | _Close]) -> None:
+        """One pipelined round trip: every queued XADD in order, and the EXPIREs."""
+        ttl = max(1, math.ceil(self.config.ttl_seconds))  # EXPIRE 0 would delete before a remote reader saw the end
+        expiries: dict[str, int] = {}
+        async with self._client.pipeline(transaction=False, raise_on_error=False) as pipe:
+            for op in ops:
+                match op:
+                    case _Append(key=key, seq=seq, data=data):
+                        pipe.xadd(key, {_DATA: data}, identifier=_entry_id(seq), trim_strategy=PureToken.MAXLEN,
+                                  threshold=self.config.ring_max_entries, trim_operator=PureToken.APPROXIMATELY)
+                        expiries.setdefault(key, LIVE_KEY_SECONDS)
+                    case _Close(key=key, seq=seq, state=state):
+                        pipe.xadd(key, {_STATE: state.value}, identifier=_entry_id(seq))
+                        expiries[key] = ttl
+            for key, seconds in expiries.items():
+                pipe.expire(key, seconds)
+        self.round_trips_total += 1
+
+    # -- tailing ------------------------------------------------------------
+
+    async def _wake_pump(self) -> None:
+        changed, self._tail_changed = self._tail_changed, trio.Event()
+        changed.set()
+        if self._pump_blocked:
+            await self._client.xadd(self._wake_key, {b"w": b"1"}, trim_strategy=PureToken.MAXLEN, threshold=1)
+
+    def _prune(self) -> None:
+        """Stop tailing ended copies, and copies with no reader here at two pump turns in a row
+        (a fresh copy's first reader enters right after :meth:`find`, so one turn is grace)."""
+        for message_id, copy in list(self._remote.items()):
+            if copy.closed or (copy.readers == 0 and message_id in self._unread):
+                del self._remote[message_id]
+        self._unread = {mid for mid, copy in self._remote.items() if copy.readers == 0}
+
+    async def _pump_loop(self) -> None:
+        wake_last = "0-0"
+        while True:
+            self._prune()
+            if not self._remote:
+                await self._tail_changed.wait()
+                continue
+            streams = {stream_key(mid): f"{copy.next_seq}-0" for mid, copy in self._remote.items()}
+            streams[self._wake_key] = wake_last
+            self._pump_blocked = True
+            try:
+                got = await self._pump_client.xread(streams, count=PUMP_BATCH, block=PUMP_BLOCK_MS)
+            except _REDIS_ERRORS as exc:
+                log.warning("redis: pump read failed, retrying: %s", exc)
+                await trio.sleep(RETRY_SECONDS)
+                continue
+            finally:
+                self._pump_blocked = False
+            for key, entries in (got or {}).items():
+                name = key.decode()
+                if name == self._wake_key:
+                    wake_last = entries[-1].identifier.decode()
+                    continue
+                copy = self._remote.get(name.removeprefix(KEY_PREFIX))
+                if copy is None:
+                    continue
+                for entry in entries:
+                    _deliver(copy, entry.identifier, dict(entry.field_values))
