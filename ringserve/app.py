@@ -30,7 +30,7 @@ from ringserve.connections import SendWatchdog
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import Usage
 from ringserve.core.limits import ReaderGate, check_request
-from ringserve.messages import StoredMessage
+from ringserve.messages import FINAL_STATUSES, StoredMessage
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ringserve.metrics import Metrics, error_type
 from ringserve.stream.hub import CancelReason, Hub, LiveMessage, request_hash
@@ -343,7 +343,7 @@ def create_app(state: ServerState) -> RingserveQuart:
     @app.get("/v1/messages/<message_id>")
     async def get_message(message_id: str) -> Response:
         try:
-            return _json(message_status_json(hub_or_unavailable().lookup(message_id)))
+            return _json(message_status_json(await hub_or_unavailable().find(message_id)))
         except RingserveError as exc:
             return _error_response(surface_of(message_id), exc)
 
@@ -369,7 +369,7 @@ def create_app(state: ServerState) -> RingserveQuart:
         """A short-lived token that lets ``GET .../stream?stream_token=`` read this one message."""
         request.scope[_ACCESS].message_id = message_id
         try:
-            hub_or_unavailable().lookup(message_id)
+            await hub_or_unavailable().find(message_id)
         except RingserveError as exc:
             return _error_response(surface_of(message_id), exc)
         return _json({"id": message_id, **stream_token_json(message_id)})
@@ -378,10 +378,12 @@ def create_app(state: ServerState) -> RingserveQuart:
     async def cancel_message(message_id: str) -> Response:
         try:
             hub = hub_or_unavailable()
-            msg = hub.lookup(message_id)
+            msg = await hub.find(message_id)
             if isinstance(msg, LiveMessage):
                 hub.cancel(msg, CancelReason.REQUESTED)
                 await msg.done.wait()
+            elif msg.status not in FINAL_STATUSES:  # another replica generates it
+                msg = await hub.cancel_elsewhere(msg)
             return _json(message_status_json(msg))
         except RingserveError as exc:
             return _error_response(surface_of(message_id), exc)

@@ -165,10 +165,11 @@ def _key_list(value: Any) -> tuple[str, ...]:
 
 @attrs.frozen
 class AuthConfig:
-    """API keys (empty: no auth) and stream-token lifetime (seconds)."""
+    """API keys (empty: no auth), stream-token lifetime (seconds) and secret (empty: random per process)."""
 
     api_keys: tuple[str, ...] = attrs.field(default=(), converter=_key_list, repr=False)
     stream_token_ttl: float = attrs.field(default=60.0, validator=_positive)
+    stream_token_secret: str = attrs.field(default="", repr=False)
     allow_remote_without_keys: bool = False
 
 

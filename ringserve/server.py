@@ -65,6 +65,18 @@ def make_log_store(config: Config) -> LogStore:
             raise AssertionError(f"unknown stream backend {other!r}")  # the config validator lists them
 
 
+def _mirrored_store(config: Config, logs: LogStore) -> MessageStore:
+    from ringserve.stream.redis_logs import MirroredMessageStore
+
+    return MirroredMessageStore(config.store.path, logs)
+
+
+def _cancel_live(hub: Hub, message_id: str) -> None:
+    msg = hub.live(message_id)
+    if msg is not None:
+        hub.cancel(msg, CancelReason.REQUESTED)
+
+
 #: Seconds the drain gives readers to write their terminal events once every generation
 #: has ended (hypercorn's graceful timeout); connections still pinned on a write are then reset.
 DRAIN_FLUSH_SECONDS = 2.0
@@ -133,11 +145,11 @@ async def serve(
     auth = Authenticator.from_config(config.auth)
     check_bind(config.server.host, auth, config.auth.allow_remote_without_keys)
     isolate_connection_faults()
-    store = MessageStore(config.store.path)
+    logs = make_log_store(config)
+    store = MessageStore(config.store.path) if isinstance(logs, MemoryLogStore) else _mirrored_store(config, logs)
     interrupted = store.mark_interrupted()
     if interrupted:
         log.info("marked %d message(s) left generating by a previous run as interrupted", interrupted)
-    logs = make_log_store(config)
     state = ServerState(config, auth=auth)
     app = create_app(state)
     stop = trio.Event() if shutdown_trigger is None else shutdown_trigger
@@ -169,6 +181,8 @@ async def serve(
             await nursery.start(runner.run)
             hub = Hub(config, runner, logs, store, nursery, metrics=state.metrics)
             state.metrics.watch(hub)
+            if not isinstance(logs, MemoryLogStore):  # a cancel another replica relays
+                logs.on_cancel = lambda message_id: _cancel_live(hub, message_id)
             state.model_id = runner.model_id
             state.hub = hub
             log.info(

@@ -3,14 +3,17 @@ read through both replicas with random drops and resumes, and reassembles byte f
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import trio
 
 from tests.helpers import ANTHROPIC_BODY
 from tests.redis_server import RedisServer, needs_redis
@@ -28,22 +31,29 @@ TOKENS = 2000
 _ID = re.compile(rb"^id: (\S+):(\d+)$", re.M)
 
 
-@pytest.fixture
-def replicas(tmp_path: Path) -> Iterator[tuple[FakeServerProcess, FakeServerProcess]]:
+@contextlib.contextmanager
+def two_replicas(tmp_path: Path, fake: dict[str, Any]) -> Iterator[tuple[FakeServerProcess, FakeServerProcess]]:
+    """Replicas A and B (one entry per token, a shared stream-token secret, API keys off) on one redis-server."""
     redis = RedisServer(tmp_path)
     servers = []
     try:
         for name in ("a", "b"):
             work = tmp_path / name
             work.mkdir()
-            sections = {"stream": {"backend": "redis", "redis_url": redis.url, "flush_tokens": 1, "flush_ms": 0.0}}
-            servers.append(FakeServerProcess(work, sections, {"piece_bytes": 2, "step_seconds": 0.002},
-                                             reply_bytes=2 * TOKENS))
+            sections = {"stream": {"backend": "redis", "redis_url": redis.url, "flush_tokens": 1, "flush_ms": 0.0},
+                        "auth": {"stream_token_secret": "shared by both replicas"}}
+            servers.append(FakeServerProcess(work, sections, fake, reply_bytes=2 * TOKENS))
         yield servers[0], servers[1]
     finally:
         for server in servers:
             server.stop()
         redis.stop()
+
+
+@pytest.fixture
+def replicas(tmp_path: Path) -> Iterator[tuple[FakeServerProcess, FakeServerProcess]]:
+    with two_replicas(tmp_path, {"piece_bytes": 2, "step_seconds": 0.002}) as pair:
+        yield pair
 
 
 async def _read_blocks(client: httpx.AsyncClient, url: str, headers: dict[str, str], most: int | None) -> tuple[list[bytes], bool]:
@@ -104,3 +114,43 @@ async def test_a_stream_read_through_both_replicas_with_drops_reassembles_exactl
     assert b"event: message_stop" in got[-1]
     assert sum(replica_of) >= CYCLES // 4 and len(replica_of) - sum(replica_of) >= CYCLES // 4
     assert len(replica_of) == CYCLES, f"the stream ended after {len(replica_of)} cycles"
+
+
+def _metric(text: str, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", text, re.M)[1])
+
+
+async def test_status_stream_token_and_cancel_through_b_for_a_message_generated_on_a(tmp_path):
+    with two_replicas(tmp_path, {"piece_bytes": 2, "step_seconds": 0.02}) as (a, b):  # 40 s if not cancelled
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {**ANTHROPIC_BODY, "max_tokens": TOKENS + 10, "stream": True}
+            resp = await client.post(f"{a.url}/v1/messages", json=body, headers={"Prefer": "respond-async"})
+            assert resp.status_code == 202
+            message_id = resp.json()["id"]
+            # B has no such row in its SQLite: it reads the state A wrote to Redis.
+            status = (await client.get(f"{b.url}/v1/messages/{message_id}")).json()
+            with trio.fail_after(30):
+                while status["status"] != "generating" or not status["text"]:  # A writes it every second
+                    await trio.sleep(0.05)
+                    status = (await client.get(f"{b.url}/v1/messages/{message_id}")).json()
+            assert status["id"] == message_id and status["surface"] == "anthropic"
+            # A stream token B issued opens the stream on A (one secret for both).
+            token = (await client.post(f"{b.url}/v1/messages/{message_id}/stream_token")).json()["stream_token"]
+            blocks, _ = await _read_blocks(client, f"{a.url}/v1/messages/{message_id}/stream?stream_token={token}",
+                                           {}, 2)
+            assert b"event: message_start" in blocks[0]
+            # Cancel through B: A stops the generation and frees its KV cells.
+            cancelled = await client.post(f"{b.url}/v1/messages/{message_id}/cancel")
+            assert cancelled.status_code == 200
+            final = cancelled.json()
+            assert final["status"] == "cancelled" and final["stop_reason"] is not None
+            on_a = (await client.get(f"{a.url}/v1/messages/{message_id}")).json()
+            assert on_a["status"] == "cancelled" and on_a["text"] == final["text"]
+            assert 0 < on_a["usage"]["output_tokens"] < TOKENS
+            metrics = (await client.get(f"{a.url}/metrics")).text
+            assert _metric(metrics, "ringserve_kv_cells_used") == 0
+            assert _metric(metrics, "ringserve_cancel_to_kv_freed_seconds_count") == 1
+            # The stream through B ends with the cancel's terminal event, as on A.
+            whole_b, ended = await _read_blocks(client, f"{b.url}/v1/messages/{message_id}/stream", {}, None)
+            whole_a, _ = await _read_blocks(client, f"{a.url}/v1/messages/{message_id}/stream", {}, None)
+            assert ended and whole_b == whole_a and b"message_stop" in whole_b[-1]

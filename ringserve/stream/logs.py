@@ -50,6 +50,8 @@ Protocol                       Redis
                                the count stays in the gateway; a cross-gateway
                                count would be ``INCR``/``DECR log:{id}:readers``.
 ``evicted(id)``                a tombstone key ``gone:{id}`` with a longer TTL.
+``find_message(id)``           ``HGETALL msg:{id}``: the status the owner wrote.
+``request_cancel(id)``         ``XADD cancel * id <id>``, read by every pump.
 memory cap                     ``maxmemory`` with ``volatile-ttl`` eviction.
 ``get(id)`` / ``find(id)``     ``get`` answers from what this process holds, so
                                it stays sync; ``find`` (awaitable, used by
@@ -71,6 +73,7 @@ import trio
 
 from ringserve.config import StreamConfig
 from ringserve.core.ringlog import Entry, Gap, LogState, RingLog
+from ringserve.messages import StoredMessage
 
 __all__ = [
     "LogMirror",
@@ -127,6 +130,10 @@ class LogStore(Protocol):
     def get(self, message_id: str) -> MessageLog | None: ...
 
     async def find(self, message_id: str) -> MessageLog | None: ...
+
+    async def find_message(self, message_id: str) -> StoredMessage | None: ...
+
+    async def request_cancel(self, message_id: str) -> None: ...
 
     def forget(self, message_id: str) -> None: ...
 
@@ -420,6 +427,14 @@ class MemoryLogStore:
         """:meth:`get`, after a checkpoint: this store holds only this process's logs."""
         await trio.lowlevel.checkpoint()
         return self.get(message_id)
+
+    async def find_message(self, message_id: str) -> None:
+        """Always ``None``: no other replica writes message state here (the Redis store's does)."""
+        await trio.lowlevel.checkpoint()
+
+    async def request_cancel(self, message_id: str) -> None:
+        """Nothing to do: every message of a memory store is this process's (``Hub.cancel`` stops it)."""
+        await trio.lowlevel.checkpoint()
 
     def forget(self, message_id: str) -> None:
         """Drop a log now, live or not (no-op if not held).

@@ -36,18 +36,27 @@ wake stream, ``ringserve:wake:{replica}``, and blocks at most
 Client: coredis (``pip install 'ringserve[redis]'``), which runs on Trio
 through anyio; redis-py's asyncio client does not.
 
+Message state: :class:`MirroredMessageStore` copies every write of the
+owner's SQLite store to a hash ``ringserve:msg:{id}`` in the same pipeline,
+which :meth:`RedisLogStore.find_message` reads on any replica. Cancel:
+:meth:`RedisLogStore.request_cancel` adds the id to :data:`CANCEL_STREAM`,
+which every replica's pump reads; the owner calls :attr:`RedisLogStore.on_cancel`.
+
 Not (yet) shared across replicas: reader counts (the abort policy counts the
-readers on the owner only), message status and ``Idempotency-Key`` (SQLite
-per replica), cancel, and the owner's liveness (a killed owner leaves its
-stream open until :data:`LIVE_KEY_SECONDS` pass); see ``docs/scale-out.md``.
+readers on the owner only), ``Idempotency-Key`` (looked up in the owner's
+SQLite only), and the owner's liveness (a killed owner leaves its stream open
+until :data:`LIVE_KEY_SECONDS` pass); see ``docs/scale-out.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import assert_never
 
 import attrs
 import coredis
@@ -56,10 +65,23 @@ import trio
 from coredis.tokens import PureToken
 
 from ringserve.config import StreamConfig
+from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.ringlog import LogState, RingLog
+from ringserve.messages import MessageStore, StoredMessage
 from ringserve.stream.logs import LogStoreStatistics, MemoryLogStore, MemoryMessageLog
 
-__all__ = ["KEY_PREFIX", "LIVE_KEY_SECONDS", "PUMP_BLOCK_MS", "WRITER_CONNECTIONS", "RedisLogStore", "stream_key"]
+__all__ = [
+    "CANCEL_STREAM",
+    "KEY_PREFIX",
+    "LIVE_KEY_SECONDS",
+    "MESSAGE_KEY_SECONDS",
+    "MESSAGE_PREFIX",
+    "PUMP_BLOCK_MS",
+    "WRITER_CONNECTIONS",
+    "MirroredMessageStore",
+    "RedisLogStore",
+    "stream_key",
+]
 
 log = logging.getLogger("ringserve")
 
@@ -68,6 +90,15 @@ KEY_PREFIX = "ringserve:log:"
 #: Seconds a live stream's key lives past its latest flush (each flush renews it): what an owner
 #: killed mid-generation leaves behind is gone after this.
 LIVE_KEY_SECONDS = 3600
+#: Prefix of every message's status hash (the :class:`~ringserve.messages.StoredMessage` fields but
+#: ``request``, each JSON-encoded), written by the owner at each store write.
+MESSAGE_PREFIX = "ringserve:msg:"
+#: Seconds a status hash lives past its latest write (SQLite on the owner keeps the row for good).
+MESSAGE_KEY_SECONDS = 86400
+#: The stream every replica's pump reads: cancel requests (field ``id``), acted on by the owner.
+CANCEL_STREAM = "ringserve:cancel"
+#: The most cancel requests kept in :data:`CANCEL_STREAM` (MAXLEN ~).
+CANCEL_STREAM_MAXLEN = 10_000
 #: The longest one pump XREAD blocks, in milliseconds (it is woken early for a new stream).
 PUMP_BLOCK_MS = 1000
 #: The most entries the pump takes from one stream per XREAD.
@@ -109,11 +140,17 @@ class _Close:
     state: LogState
 
 
+@attrs.frozen
+class _Status:
+    key: str
+    fields: dict[str, str]  # StoredMessage field -> JSON
+
+
 @attrs.define(eq=False)
 class _Writer:
     """The owned logs' :class:`~ringserve.stream.logs.LogMirror`: queues each append and close."""
 
-    pending: list[_Append | _Close] = attrs.Factory(list)
+    pending: list[_Append | _Close | _Status] = attrs.Factory(list)
     wanted: trio.Event = attrs.Factory(trio.Event)
 
     def appended(self, log_: MemoryMessageLog, seq: int, data: bytes) -> None:
@@ -122,14 +159,29 @@ class _Writer:
     def closed(self, log_: MemoryMessageLog) -> None:
         self._queue(_Close(stream_key(log_.message_id), log_.next_seq, log_.state))
 
-    def _queue(self, op: _Append | _Close) -> None:
+    def status(self, message_id: str, fields: dict[str, object]) -> None:
+        encoded = {name: json.dumps(value) for name, value in fields.items() if name != "request"}
+        self._queue(_Status(MESSAGE_PREFIX + message_id, encoded))
+
+    def _queue(self, op: _Append | _Close | _Status) -> None:
         self.pending.append(op)
         self.wanted.set()
 
-    def take(self) -> list[_Append | _Close]:
+    def take(self) -> list[_Append | _Close | _Status]:
         ops, self.pending = self.pending, []
         self.wanted = trio.Event()
         return ops
+
+
+@contextlib.contextmanager
+def _unavailable_if_down() -> Iterator[None]:
+    """A Redis failure on a request's path becomes a retryable 503 in the surface's shape."""
+    try:
+        yield
+    except _REDIS_ERRORS as exc:
+        log.warning("redis: %s", exc)
+        raise RingserveError(ErrorKind.UNAVAILABLE, "the shared stream store (Redis) is unreachable; retry",
+                             retry_after=1, retryable=True) from None
 
 
 def _deliver(log_: MemoryMessageLog, identifier: bytes, fields: dict[bytes, bytes]) -> None:
@@ -165,12 +217,13 @@ class RedisLogStore:
     local: MemoryLogStore = attrs.field(init=False)
     _writer: _Writer = attrs.field(factory=_Writer, init=False)
     _remote: dict[str, MemoryMessageLog] = attrs.field(factory=dict, init=False)
-    _unread: set[str] = attrs.field(factory=set, init=False)  # tailed with no reader at the last pump turn
-    _tail_changed: trio.Event = attrs.field(factory=trio.Event, init=False)
+    _nursery: trio.Nursery | None = attrs.field(default=None, init=False)
     _pump_blocked: bool = attrs.field(default=False, init=False)
     _client: coredis.Redis = attrs.field(init=False)
     _pump_client: coredis.Redis = attrs.field(init=False)
     round_trips_total: int = attrs.field(default=0, init=False)
+    #: Called with a message id when any replica asks for its cancel (the server points it at the hub).
+    on_cancel: Callable[[str], None] | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         self.local = MemoryLogStore(self.config, self.clock)
@@ -204,12 +257,13 @@ class RedisLogStore:
         as long as it has readers on this replica.
 
         Raises:
-            coredis.exceptions.RedisError, OSError: Redis is unreachable.
+            RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable.
         """
         held = self.get(message_id)
         if held is not None or self.local.evicted(message_id):
             return held
-        entries = await self._client.xrange(stream_key(message_id), "-", "+")
+        with _unavailable_if_down():
+            entries = await self._client.xrange(stream_key(message_id), "-", "+")
         held = self.get(message_id)  # a concurrent find may have loaded it meanwhile
         if held is not None or not entries:
             return held
@@ -220,8 +274,32 @@ class RedisLogStore:
             _deliver(copy, entry.identifier, dict(entry.field_values))
         if not copy.closed:
             self._remote[message_id] = copy
-            await self._wake_pump()
+            if self._pump_blocked:  # else its next XREAD has the new stream already
+                self._nursery.start_soon(self._wake_pump)  # not awaited: the caller enters its reader first
         return copy
+
+    async def find_message(self, message_id: str) -> StoredMessage | None:
+        """The status its owner last wrote to Redis (``request`` left empty), or ``None``.
+
+        Raises:
+            RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable.
+        """
+        with _unavailable_if_down():
+            fields = await self._client.hgetall(MESSAGE_PREFIX + message_id)
+        if not fields:
+            return None
+        values = {name.decode(): json.loads(value) for name, value in fields.items()}
+        return StoredMessage(**{**values, "request": ""})
+
+    async def request_cancel(self, message_id: str) -> None:
+        """Ask the replica that owns ``message_id`` to cancel it (an entry in :data:`CANCEL_STREAM`).
+
+        Raises:
+            RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable.
+        """
+        with _unavailable_if_down():
+            await self._client.xadd(CANCEL_STREAM, {b"id": message_id.encode()}, trim_strategy=PureToken.MAXLEN,
+                                    threshold=CANCEL_STREAM_MAXLEN, trim_operator=PureToken.APPROXIMATELY)
 
     def forget(self, message_id: str) -> None:
         """Drop a log from this replica now (its Redis key expires by itself)."""
@@ -248,6 +326,7 @@ class RedisLogStore:
         async with self._client, self._pump_client:
             await self._client.delete([self._wake_key])
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 await nursery.start(self.local.run)
                 nursery.start_soon(self._flush_loop)
                 nursery.start_soon(self._pump_loop)
@@ -277,12 +356,14 @@ class RedisLogStore:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                     await self._send(ops)
 
-    async def _send(self, ops: list[_Append | _Close]) -> None:
+    async def _send(self, ops: list[_Append | _Close | _Status]) -> None:
         """One pipelined round trip: every queued XADD in order, and the EXPIREs."""
         ttl = max(1, math.ceil(self.config.ttl_seconds))  # EXPIRE 0 would delete before a remote reader saw the end
         expiries: dict[str, int] = {}
+        # Statuses first: a reader that sees a log's terminal marker then reads the final status.
+        ordered = [op for op in ops if isinstance(op, _Status)] + [op for op in ops if not isinstance(op, _Status)]
         async with self._client.pipeline(transaction=False, raise_on_error=False) as pipe:
-            for op in ops:
+            for op in ordered:
                 match op:
                     case _Append(key=key, seq=seq, data=data):
                         pipe.xadd(key, {_DATA: data}, identifier=_entry_id(seq), trim_strategy=PureToken.MAXLEN,
@@ -291,6 +372,11 @@ class RedisLogStore:
                     case _Close(key=key, seq=seq, state=state):
                         pipe.xadd(key, {_STATE: state.value}, identifier=_entry_id(seq))
                         expiries[key] = ttl
+                    case _Status(key=key, fields=fields):
+                        pipe.hset(key, fields)
+                        expiries[key] = MESSAGE_KEY_SECONDS
+                    case _:
+                        assert_never(op)
             for key, seconds in expiries.items():
                 pipe.expire(key, seconds)
         self.round_trips_total += 1
@@ -298,28 +384,31 @@ class RedisLogStore:
     # -- tailing ------------------------------------------------------------
 
     async def _wake_pump(self) -> None:
-        changed, self._tail_changed = self._tail_changed, trio.Event()
-        changed.set()
-        if self._pump_blocked:
+        with contextlib.suppress(*_REDIS_ERRORS):  # unwoken, the pump still comes round within PUMP_BLOCK_MS
             await self._client.xadd(self._wake_key, {b"w": b"1"}, trim_strategy=PureToken.MAXLEN, threshold=1)
 
+    async def _last_id(self, key: str) -> str:
+        last = await self._client.xrevrange(key, "+", "-", count=1)
+        return last[0].identifier.decode() if last else "0-0"
+
     def _prune(self) -> None:
-        """Stop tailing ended copies, and copies with no reader here at two pump turns in a row
-        (a fresh copy's first reader enters right after :meth:`find`, so one turn is grace)."""
+        """Stop tailing ended copies and copies nobody here reads.
+
+        A fresh copy's first reader enters synchronously after :meth:`find`
+        returns (nothing awaits in between), before the pump runs again.
+        """
         for message_id, copy in list(self._remote.items()):
-            if copy.closed or (copy.readers == 0 and message_id in self._unread):
+            if copy.closed or copy.readers == 0:
                 del self._remote[message_id]
-        self._unread = {mid for mid, copy in self._remote.items() if copy.readers == 0}
 
     async def _pump_loop(self) -> None:
         wake_last = "0-0"
+        cancel_last = await self._last_id(CANCEL_STREAM)  # requests made before this replica started are not its
         while True:
             self._prune()
-            if not self._remote:
-                await self._tail_changed.wait()
-                continue
             streams = {stream_key(mid): f"{copy.next_seq}-0" for mid, copy in self._remote.items()}
             streams[self._wake_key] = wake_last
+            streams[CANCEL_STREAM] = cancel_last
             self._pump_blocked = True
             try:
                 got = await self._pump_client.xread(streams, count=PUMP_BATCH, block=PUMP_BLOCK_MS)
@@ -334,8 +423,41 @@ class RedisLogStore:
                 if name == self._wake_key:
                     wake_last = entries[-1].identifier.decode()
                     continue
+                if name == CANCEL_STREAM:
+                    cancel_last = entries[-1].identifier.decode()
+                    for entry in entries:
+                        message_id = entry.field_values[b"id"].decode()
+                        if self.on_cancel is not None and self.local.get(message_id) is not None:
+                            self.on_cancel(message_id)
+                    continue
                 copy = self._remote.get(name.removeprefix(KEY_PREFIX))
                 if copy is None:
                     continue
                 for entry in entries:
                     _deliver(copy, entry.identifier, dict(entry.field_values))
+
+
+class MirroredMessageStore(MessageStore):
+    """The SQLite :class:`~ringserve.messages.MessageStore`, whose every write also goes to Redis.
+
+    Each :meth:`insert` and :meth:`update` queues an ``HSET`` of the fields
+    written on ``logs``'s next pipelined flush, so that
+    :meth:`RedisLogStore.find_message` on any replica reads the status, the
+    text so far and the usage (as fresh as ``hub.PERSIST_EVERY``).
+
+    Args:
+        path: the SQLite database, as for :class:`MessageStore`.
+        logs: the Redis log store whose flusher carries the writes.
+    """
+
+    def __init__(self, path: str, logs: RedisLogStore) -> None:
+        super().__init__(path)
+        self._logs = logs
+
+    def insert(self, message: StoredMessage) -> None:
+        super().insert(message)
+        self._logs._writer.status(message.id, attrs.asdict(message))
+
+    def update(self, message_id: str, **fields: object) -> None:
+        super().update(message_id, **fields)
+        self._logs._writer.status(message_id, fields)
