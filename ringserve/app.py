@@ -34,6 +34,7 @@ from ringserve.messages import FINAL_STATUSES, StoredMessage
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ringserve.metrics import Metrics, error_type
 from ringserve.stream.hub import CancelReason, Hub, LiveMessage, request_hash
+from ringserve.stream.logs import store_unavailable
 from ringserve.stream.reader import ReaderLagged
 from ringserve.surfaces.anthropic import AnthropicSurface
 from ringserve.surfaces.base import MessageResult, Surface, dumps
@@ -228,6 +229,8 @@ def create_app(state: ServerState) -> RingserveQuart:
     async def generate(surface: Surface) -> Response:
         try:
             hub = hub_or_unavailable()
+            if not hub.logs.available:
+                raise store_unavailable()
             raw = await request.get_data()
             try:
                 body = json.loads(raw)
@@ -434,12 +437,15 @@ def create_app(state: ServerState) -> RingserveQuart:
 
     @app.get("/ready")
     async def ready() -> Response:
-        """Readiness: 200 once the model is loaded and the decode loop runs; 503 before and while draining."""
+        """Readiness: 200 once the model is loaded and the decode loop runs; 503 before, while
+        draining, and while the Redis log backend cannot reach Redis."""
         hub = state.hub
         if hub is None:
             return _json({"status": "loading"}, 503)
         if hub.draining or not hub.runner.running:
             return _json({"status": "draining" if hub.draining else "stopped"}, 503)
+        if not hub.logs.available:
+            return _json({"status": "log store unavailable"}, 503)
         return _json({"status": "ready", "model": state.model_id})
 
     @app.get("/metrics")

@@ -29,11 +29,12 @@ def free_port() -> int:
 class RedisServer:
     """``redis-server`` with no persistence on ``127.0.0.1:<free port>``, in ``workdir``, until :meth:`stop`.
 
-    ``extra`` are more ``--option value`` arguments (e.g. a small ``stream-node-max-entries``).
+    ``extra`` are more ``--option value`` arguments (e.g. a small ``stream-node-max-entries``);
+    ``port`` restarts one on the port of a stopped one.
     """
 
-    def __init__(self, workdir: Path, *extra: str) -> None:
-        self.port = free_port()
+    def __init__(self, workdir: Path, *extra: str, port: int | None = None) -> None:
+        self.port = free_port() if port is None else port
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc = subprocess.Popen(
             [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

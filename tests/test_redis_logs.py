@@ -212,3 +212,33 @@ async def test_a_new_stream_wakes_the_blocked_pump(redis_server, monkeypatch):
 
 async def _is(value: bool) -> bool:
     return value
+
+
+async def test_redis_down_gives_503_with_retry_after_and_ready_503_then_recovers(tmp_path, redis_server):
+    import httpx
+
+    from tests.conftest import fake_config, running_server
+    from tests.helpers import ANTHROPIC_BODY
+
+    config = fake_config(tmp_path, stream={"backend": "redis", "redis_url": redis_server.url})
+    async with running_server(config) as state, httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        assert (await client.get("/ready")).status_code == 200
+        assert (await client.post("/v1/messages", json=ANTHROPIC_BODY)).status_code == 200
+        redis_server.stop()
+        with trio.fail_after(10):
+            while (await client.get("/ready")).status_code == 200:
+                await trio.sleep(0.05)
+        resp = await client.post("/v1/messages", json=ANTHROPIC_BODY)
+        assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
+        assert resp.json()["type"] == "error" and resp.json()["error"]["type"]  # the Anthropic error shape
+        missing = await client.get("/v1/messages/msg_elsewhere/stream")
+        assert missing.status_code == 503 and missing.headers["Retry-After"] == "1"
+        restarted = RedisServer(tmp_path, port=redis_server.port)
+        try:
+            with trio.fail_after(20):
+                while (await client.get("/ready")).status_code != 200:
+                    await trio.sleep(0.05)
+            resp = await client.post("/v1/messages", json=ANTHROPIC_BODY)
+            assert resp.status_code == 200 and resp.json()["content"][0]["text"]
+        finally:
+            restarted.stop()

@@ -72,6 +72,7 @@ import attrs
 import trio
 
 from ringserve.config import StreamConfig
+from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.ringlog import Entry, Gap, LogState, RingLog
 from ringserve.messages import StoredMessage
 
@@ -82,7 +83,14 @@ __all__ = [
     "MemoryLogStore",
     "MemoryMessageLog",
     "MessageLog",
+    "store_unavailable",
 ]
+
+
+def store_unavailable() -> RingserveError:
+    """The error a request gets while the log store cannot reach what it is built on (503, ``Retry-After``)."""
+    return RingserveError(ErrorKind.UNAVAILABLE, "the shared stream store (Redis) is unreachable; retry",
+                          retry_after=1, retryable=True)
 
 
 @runtime_checkable
@@ -134,6 +142,9 @@ class LogStore(Protocol):
     async def find_message(self, message_id: str) -> StoredMessage | None: ...
 
     async def request_cancel(self, message_id: str) -> None: ...
+
+    @property
+    def available(self) -> bool: ...
 
     def forget(self, message_id: str) -> None: ...
 
@@ -435,6 +446,11 @@ class MemoryLogStore:
     async def request_cancel(self, message_id: str) -> None:
         """Nothing to do: every message of a memory store is this process's (``Hub.cancel`` stops it)."""
         await trio.lowlevel.checkpoint()
+
+    @property
+    def available(self) -> bool:
+        """Always True: nothing outside this process is needed."""
+        return True
 
     def forget(self, message_id: str) -> None:
         """Drop a log now, live or not (no-op if not held).

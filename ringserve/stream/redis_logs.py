@@ -65,10 +65,9 @@ import trio
 from coredis.tokens import PureToken
 
 from ringserve.config import StreamConfig
-from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.ringlog import LogState, RingLog
 from ringserve.messages import MessageStore, StoredMessage
-from ringserve.stream.logs import LogStoreStatistics, MemoryLogStore, MemoryMessageLog
+from ringserve.stream.logs import LogStoreStatistics, MemoryLogStore, MemoryMessageLog, store_unavailable
 
 __all__ = [
     "CANCEL_STREAM",
@@ -105,8 +104,11 @@ PUMP_BLOCK_MS = 1000
 PUMP_BATCH = 256
 #: Connections of the writer pool (appends, loads, wake-ups); the pump has one more of its own.
 WRITER_CONNECTIONS = 4
-#: Seconds the flusher waits before retrying a batch Redis did not take.
+#: Seconds the flusher and the pump wait before retrying after Redis failed.
 RETRY_SECONDS = 0.5
+#: The most queued writes held while Redis is unreachable (beyond, the oldest are dropped: a
+#: remote reader then sees a gap).
+MAX_PENDING_OPS = 100_000
 
 _DATA, _STATE = b"d", b"s"
 _REDIS_ERRORS = (coredis.exceptions.RedisError, OSError)
@@ -180,8 +182,7 @@ def _unavailable_if_down() -> Iterator[None]:
         yield
     except _REDIS_ERRORS as exc:
         log.warning("redis: %s", exc)
-        raise RingserveError(ErrorKind.UNAVAILABLE, "the shared stream store (Redis) is unreachable; retry",
-                             retry_after=1, retryable=True) from None
+        raise store_unavailable() from None
 
 
 def _deliver(log_: MemoryMessageLog, identifier: bytes, fields: dict[bytes, bytes]) -> None:
@@ -218,6 +219,7 @@ class RedisLogStore:
     _writer: _Writer = attrs.field(factory=_Writer, init=False)
     _remote: dict[str, MemoryMessageLog] = attrs.field(factory=dict, init=False)
     _nursery: trio.Nursery | None = attrs.field(default=None, init=False)
+    _down_since: float | None = attrs.field(default=None, init=False)
     _pump_blocked: bool = attrs.field(default=False, init=False)
     _client: coredis.Redis = attrs.field(init=False)
     _pump_client: coredis.Redis = attrs.field(init=False)
@@ -310,6 +312,30 @@ class RedisLogStore:
         """Whether this replica held ``message_id`` and let it go (410 Gone rather than 404)."""
         return self.local.evicted(message_id)
 
+    @property
+    def available(self) -> bool:
+        """False from a failed Redis round trip (flush or pump) until the next one that succeeds.
+
+        The pump makes one at least every :data:`PUMP_BLOCK_MS`, so this follows
+        Redis within about a second either way.
+        """
+        return self._down_since is None
+
+    def _went_down(self, what: str, exc: BaseException) -> None:
+        if self._down_since is None:
+            self._down_since = self.clock()
+            log.warning("redis: %s failed, the Redis log backend is unavailable: %s", what, exc)
+            # Remote copies cannot go on: end them (no terminal event, so their clients resume,
+            # and get 503 until Redis is back).
+            for copy in self._remote.values():
+                copy.close(LogState.FAILED)
+            self._remote.clear()
+
+    def _came_up(self) -> None:
+        if self._down_since is not None:
+            log.info("redis: reachable again after %.1f s", self.clock() - self._down_since)
+            self._down_since = None
+
     def statistics(self) -> LogStoreStatistics:
         """The owned logs' snapshot (remote copies are not counted)."""
         return self.local.statistics()
@@ -346,14 +372,20 @@ class RedisLogStore:
                 try:
                     await self._send(ops)
                 except _REDIS_ERRORS as exc:
-                    log.warning("redis: %d log entries not written, retrying: %s", len(ops), exc)
-                    self._writer.pending[:0] = ops  # explicit ids make a resend harmless
+                    self._went_down("a flush", exc)
+                    pending = self._writer.pending
+                    pending[:0] = ops  # explicit ids make a resend harmless
+                    if len(pending) > MAX_PENDING_OPS:
+                        log.warning("redis: dropping %d queued writes", len(pending) - MAX_PENDING_OPS)
+                        del pending[: len(pending) - MAX_PENDING_OPS]
                     self._writer.wanted.set()
                     await trio.sleep(RETRY_SECONDS)
+                else:
+                    self._came_up()
         finally:
             ops = self._writer.take()
             if ops:
-                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0), contextlib.suppress(*_REDIS_ERRORS):
                     await self._send(ops)
 
     async def _send(self, ops: list[_Append | _Close | _Status]) -> None:
@@ -413,11 +445,12 @@ class RedisLogStore:
             try:
                 got = await self._pump_client.xread(streams, count=PUMP_BATCH, block=PUMP_BLOCK_MS)
             except _REDIS_ERRORS as exc:
-                log.warning("redis: pump read failed, retrying: %s", exc)
+                self._pump_blocked = False
+                self._went_down("the pump's read", exc)
                 await trio.sleep(RETRY_SECONDS)
                 continue
-            finally:
-                self._pump_blocked = False
+            self._pump_blocked = False
+            self._came_up()
             for key, entries in (got or {}).items():
                 name = key.decode()
                 if name == self._wake_key:
