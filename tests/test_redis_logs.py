@@ -242,3 +242,23 @@ async def test_redis_down_gives_503_with_retry_after_and_ready_503_then_recovers
             assert resp.status_code == 200 and resp.json()["content"][0]["text"]
         finally:
             restarted.stop()
+
+
+async def test_readers_on_another_replica_count_on_the_owner_and_their_leaving_makes_it_idle(redis_server):
+    async with stores(redis_server.url) as (a, b):
+        owned = a.create("m1")
+        idle: list[int] = []
+        owned.on_idle = lambda: idle.append(owned.readers)
+        owned.append(b"data: 0\n\n")
+        async with redis(redis_server.url) as client:
+            await until(lambda: _xlen(client, "m1", 1))
+        copy = await b.find("m1")
+        with owned.reader():
+            with copy.reader(), copy.reader():
+                await until(lambda: _is(owned.readers == 3))
+            await until(lambda: _is(owned.readers == 1))
+            assert idle == []  # the local reader is still there
+        assert idle == [0]
+        with copy.reader():
+            await until(lambda: _is(owned.readers == 1))
+        await until(lambda: _is(idle == [0, 0]))  # the last reader, elsewhere, left

@@ -46,9 +46,9 @@ Protocol                       Redis
                                from it (``[]`` still means "wait").
 ``read_from`` ``Gap``          the first id held (``XINFO STREAM`` first-entry or
                                ``XRANGE - + COUNT 1``) is past ``after+1``.
-``reader()`` / ``on_idle``     per process: the HTTP connections are local, so
-                               the count stays in the gateway; a cross-gateway
-                               count would be ``INCR``/``DECR log:{id}:readers``.
+``reader()`` / ``on_idle``     a reader on another replica is reported to the
+                               owner (``XADD readers * id <id> d +1|-1``, read by
+                               every pump); ``readers`` counts both.
 ``evicted(id)``                a tombstone key ``gone:{id}`` with a longer TTL.
 ``find_message(id)``           ``HGETALL msg:{id}``: the status the owner wrote.
 ``request_cancel(id)``         ``XADD cancel * id <id>``, read by every pump.
@@ -183,6 +183,9 @@ class MemoryMessageLog:
             finished log does not matter. An exception it raises propagates
             out of the reader's ``with`` block.
         mirror: told of every append and of the close (``None``: nobody).
+        on_readers: called synchronously with ``+1``/``-1`` as each
+            :meth:`reader` block enters and exits (the Redis backend tells the
+            owning replica of readers elsewhere this way).
         completed_at: clock time of :meth:`close`, ``None`` while OPEN.
     """
 
@@ -191,8 +194,10 @@ class MemoryMessageLog:
     _clock: Callable[[], float] = attrs.field(default=trio.current_time, kw_only=True)
     on_idle: Callable[[], None] | None = attrs.field(default=None, kw_only=True)
     mirror: LogMirror | None = attrs.field(default=None, kw_only=True)
+    on_readers: Callable[[int], None] | None = attrs.field(default=None, kw_only=True)
     completed_at: float | None = attrs.field(default=None, init=False)
     _readers: int = attrs.field(default=0, init=False)
+    _remote_readers: int = attrs.field(default=0, init=False)
     _changed: trio.Event = attrs.field(factory=trio.Event, init=False, repr=False)
     # Set by MemoryLogStore while the log is in it, for accounting.
     _store: MemoryLogStore | None = attrs.field(default=None, init=False, repr=False)
@@ -225,8 +230,18 @@ class MemoryMessageLog:
 
     @property
     def readers(self) -> int:
-        """How many :meth:`reader` blocks are open now."""
-        return self._readers
+        """How many :meth:`reader` blocks are open now, plus the readers other replicas reported."""
+        return self._readers + self._remote_readers
+
+    def remote_readers_changed(self, delta: int) -> None:
+        """Readers of this log on other replicas came (``+1``) or went (``-1``).
+
+        They count in :attr:`readers`; when that drops to zero this way,
+        :attr:`on_idle` is called as for a local reader.
+        """
+        self._remote_readers += delta
+        if delta < 0 and self.readers == 0 and self.on_idle is not None:
+            self.on_idle()
 
     # -- producer -----------------------------------------------------------
 
@@ -321,11 +336,15 @@ class MemoryMessageLog:
         Exiting is synchronous, so a cancelled reader still leaves at once.
         """
         self._readers += 1
+        if self.on_readers is not None:
+            self.on_readers(1)
         try:
             yield
         finally:
             self._readers -= 1
-            if self._readers == 0 and self.on_idle is not None:
+            if self.on_readers is not None:
+                self.on_readers(-1)
+            if self.readers == 0 and self.on_idle is not None:
                 self.on_idle()
 
 

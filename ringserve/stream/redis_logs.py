@@ -42,9 +42,13 @@ which :meth:`RedisLogStore.find_message` reads on any replica. Cancel:
 :meth:`RedisLogStore.request_cancel` adds the id to :data:`CANCEL_STREAM`,
 which every replica's pump reads; the owner calls :attr:`RedisLogStore.on_cancel`.
 
-Not (yet) shared across replicas: reader counts (the abort policy counts the
-readers on the owner only), ``Idempotency-Key`` (looked up in the owner's
-SQLite only), and the owner's liveness (a killed owner leaves its stream open
+Reader counts: each reader of a remote copy entering and leaving is queued
+(``+1``/``-1``) for :data:`READERS_STREAM`, which the owner's pump adds to
+the log's :attr:`~ringserve.stream.logs.MemoryMessageLog.readers`, so the
+abort policy (after ``grace_seconds``) sees readers on every replica.
+
+Not (yet) shared across replicas: ``Idempotency-Key`` (looked up in the
+owner's SQLite only), and the owner's liveness (a killed owner leaves its stream open
 until :data:`LIVE_KEY_SECONDS` pass); see ``docs/scale-out.md``.
 """
 
@@ -58,6 +62,7 @@ import secrets
 from collections.abc import Callable, Iterator
 from typing import assert_never
 
+import anyio
 import attrs
 import coredis
 import coredis.exceptions
@@ -96,7 +101,10 @@ MESSAGE_PREFIX = "ringserve:msg:"
 MESSAGE_KEY_SECONDS = 86400
 #: The stream every replica's pump reads: cancel requests (field ``id``), acted on by the owner.
 CANCEL_STREAM = "ringserve:cancel"
-#: The most cancel requests kept in :data:`CANCEL_STREAM` (MAXLEN ~).
+#: The stream every replica's pump reads: readers of a message coming and going on a replica
+#: (fields ``id`` and ``d``, ``+1``/``-1``), counted by the owner.
+READERS_STREAM = "ringserve:readers"
+#: The most entries kept in :data:`CANCEL_STREAM` and :data:`READERS_STREAM` (MAXLEN ~).
 CANCEL_STREAM_MAXLEN = 10_000
 #: The longest one pump XREAD blocks, in milliseconds (it is woken early for a new stream).
 PUMP_BLOCK_MS = 1000
@@ -111,7 +119,8 @@ RETRY_SECONDS = 0.5
 MAX_PENDING_OPS = 100_000
 
 _DATA, _STATE = b"d", b"s"
-_REDIS_ERRORS = (coredis.exceptions.RedisError, OSError)
+# A connection that breaks mid-command surfaces as anyio's resource errors.
+_REDIS_ERRORS = (coredis.exceptions.RedisError, OSError, anyio.ClosedResourceError, anyio.BrokenResourceError)
 
 
 def stream_key(message_id: str) -> str:
@@ -143,6 +152,12 @@ class _Close:
 
 
 @attrs.frozen
+class _Readers:
+    message_id: str
+    delta: int
+
+
+@attrs.frozen
 class _Status:
     key: str
     fields: dict[str, str]  # StoredMessage field -> JSON
@@ -152,7 +167,7 @@ class _Status:
 class _Writer:
     """The owned logs' :class:`~ringserve.stream.logs.LogMirror`: queues each append and close."""
 
-    pending: list[_Append | _Close | _Status] = attrs.Factory(list)
+    pending: list[_Append | _Close | _Readers | _Status] = attrs.Factory(list)
     wanted: trio.Event = attrs.Factory(trio.Event)
 
     def appended(self, log_: MemoryMessageLog, seq: int, data: bytes) -> None:
@@ -165,11 +180,14 @@ class _Writer:
         encoded = {name: json.dumps(value) for name, value in fields.items() if name != "request"}
         self._queue(_Status(MESSAGE_PREFIX + message_id, encoded))
 
-    def _queue(self, op: _Append | _Close | _Status) -> None:
+    def readers(self, message_id: str, delta: int) -> None:
+        self._queue(_Readers(message_id, delta))
+
+    def _queue(self, op: _Append | _Close | _Readers | _Status) -> None:
         self.pending.append(op)
         self.wanted.set()
 
-    def take(self) -> list[_Append | _Close | _Status]:
+    def take(self) -> list[_Append | _Close | _Readers | _Status]:
         ops, self.pending = self.pending, []
         self.wanted = trio.Event()
         return ops
@@ -271,7 +289,8 @@ class RedisLogStore:
             return held
         ring = RingLog(self.config.ring_max_entries, self.config.ring_max_bytes)
         ring.skip_to(_entry_seq(entries[0].identifier))
-        copy = MemoryMessageLog(message_id, ring, clock=self.clock)
+        copy = MemoryMessageLog(message_id, ring, clock=self.clock,
+                                on_readers=lambda delta: self._writer.readers(message_id, delta))
         for entry in entries:
             _deliver(copy, entry.identifier, dict(entry.field_values))
         if not copy.closed:
@@ -388,7 +407,7 @@ class RedisLogStore:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0), contextlib.suppress(*_REDIS_ERRORS):
                     await self._send(ops)
 
-    async def _send(self, ops: list[_Append | _Close | _Status]) -> None:
+    async def _send(self, ops: list[_Append | _Close | _Readers | _Status]) -> None:
         """One pipelined round trip: every queued XADD in order, and the EXPIREs."""
         ttl = max(1, math.ceil(self.config.ttl_seconds))  # EXPIRE 0 would delete before a remote reader saw the end
         expiries: dict[str, int] = {}
@@ -404,6 +423,10 @@ class RedisLogStore:
                     case _Close(key=key, seq=seq, state=state):
                         pipe.xadd(key, {_STATE: state.value}, identifier=_entry_id(seq))
                         expiries[key] = ttl
+                    case _Readers(message_id=message_id, delta=delta):
+                        pipe.xadd(READERS_STREAM, {b"id": message_id.encode(), b"d": str(delta).encode()},
+                                  trim_strategy=PureToken.MAXLEN, threshold=CANCEL_STREAM_MAXLEN,
+                                  trim_operator=PureToken.APPROXIMATELY)
                     case _Status(key=key, fields=fields):
                         pipe.hset(key, fields)
                         expiries[key] = MESSAGE_KEY_SECONDS
@@ -435,12 +458,15 @@ class RedisLogStore:
 
     async def _pump_loop(self) -> None:
         wake_last = "0-0"
-        cancel_last = await self._last_id(CANCEL_STREAM)  # requests made before this replica started are not its
+        # Requests and reader counts from before this replica started are about others' messages.
+        cancel_last = await self._last_id(CANCEL_STREAM)
+        readers_last = await self._last_id(READERS_STREAM)
         while True:
             self._prune()
             streams = {stream_key(mid): f"{copy.next_seq}-0" for mid, copy in self._remote.items()}
             streams[self._wake_key] = wake_last
             streams[CANCEL_STREAM] = cancel_last
+            streams[READERS_STREAM] = readers_last
             self._pump_blocked = True
             try:
                 got = await self._pump_client.xread(streams, count=PUMP_BATCH, block=PUMP_BLOCK_MS)
@@ -455,6 +481,13 @@ class RedisLogStore:
                 name = key.decode()
                 if name == self._wake_key:
                     wake_last = entries[-1].identifier.decode()
+                    continue
+                if name == READERS_STREAM:
+                    readers_last = entries[-1].identifier.decode()
+                    for entry in entries:
+                        owned = self.local.get(entry.field_values[b"id"].decode())
+                        if owned is not None:
+                            owned.remote_readers_changed(int(entry.field_values[b"d"]))
                     continue
                 if name == CANCEL_STREAM:
                     cancel_last = entries[-1].identifier.decode()
