@@ -262,3 +262,11 @@ async def test_readers_on_another_replica_count_on_the_owner_and_their_leaving_m
         with copy.reader():
             await until(lambda: _is(owned.readers == 1))
         await until(lambda: _is(idle == [0, 0]))  # the last reader, elsewhere, left
+
+
+async def test_a_resume_elsewhere_before_the_first_flush_still_finds_the_stream(redis_server):
+    async with stores(redis_server.url, flush_ms=25.0) as (a, b):
+        owned = a.create("m1")
+        owned.append(b"data: 0\n\n")  # queued; the flusher has not sent it yet
+        copy = await b.find("m1")
+        assert copy is not None and [e.data for e in copy.read_from(None)] == [b"data: 0\n\n"]

@@ -1,5 +1,7 @@
 """Two ringserve processes (bench/fake_server.py) on one redis-server: a stream generated on A is
-read through both replicas with random drops and resumes, and reassembles byte for byte."""
+read through both replicas with random drops and resumes (directly, and through nginx with the
+config of docs/scale-out.md) and reassembles byte for byte; status, stream tokens and cancel work
+through the replica that does not own the message."""
 
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ import pytest
 import trio
 
 from tests.helpers import ANTHROPIC_BODY
-from tests.redis_server import RedisServer, needs_redis
+from tests.redis_server import RedisServer, free_port, needs_redis
 from tests.test_drain import FakeServerProcess
+from tests.test_nginx import NGINX, documented_snippet, start_nginx
 
 pytest.importorskip("coredis", reason="the redis extra is not installed (pip install 'ringserve[redis]')")
 
@@ -73,47 +76,77 @@ async def _read_blocks(client: httpx.AsyncClient, url: str, headers: dict[str, s
     return blocks, True
 
 
+def _last_event_id(block: bytes) -> dict[str, str]:
+    found = _ID.search(block)
+    return {"Last-Event-ID": f"{found[1].decode()}:{found[2].decode()}"}
+
+
+async def _start(client: httpx.AsyncClient, url: str) -> tuple[str, list[bytes]]:
+    """POST a long stream (policy continue) and drop it after its first event: (message id, [that event])."""
+    body = {**ANTHROPIC_BODY, "max_tokens": TOKENS + 10, "stream": True}
+    async with client.stream("POST", f"{url}/v1/messages", json=body,
+                             headers={"Ringserve-Disconnect-Policy": "continue"}) as resp:
+        assert resp.status_code == 200
+        buffer = b""
+        async for chunk in resp.aiter_raw():
+            buffer += chunk
+            if b"\n\n" in buffer:
+                return resp.headers["X-Message-Id"], [buffer[: buffer.index(b"\n\n") + 2]]
+    raise AssertionError("the stream ended before its first event")
+
+
+async def _drop_and_resume(client: httpx.AsyncClient, message_id: str, got: list[bytes], urls: list[str],
+                           rng: random.Random) -> None:
+    """One resume per url of ``urls`` after ``got[-1]``, each dropped after 1-8 events; then read the rest."""
+    for url in urls:
+        blocks, ended = await _read_blocks(client, f"{url}/v1/messages/{message_id}/stream",
+                                           _last_event_id(got[-1]), rng.randint(1, 8))
+        got += blocks
+        assert not ended, f"the stream ended after {urls.index(url) + 1} cycles"
+    blocks, _ = await _read_blocks(client, f"{urls[-1]}/v1/messages/{message_id}/stream", _last_event_id(got[-1]), None)
+    got += blocks
+
+
+def _assert_whole(got: list[bytes], whole: list[bytes]) -> None:
+    seqs = [int(_ID.search(block)[2]) for block in got]
+    assert seqs == list(range(len(got))), "a seq was lost or repeated"
+    assert b"".join(got) == b"".join(whole)  # byte for byte
+    assert b"event: message_stop" in got[-1]
+
+
 async def test_a_stream_read_through_both_replicas_with_drops_reassembles_exactly(replicas):
     a, b = replicas
     rng = random.Random(17)
     async with httpx.AsyncClient(timeout=60) as client:
-        body = {**ANTHROPIC_BODY, "max_tokens": TOKENS + 10, "stream": True}
-        got: list[bytes] = []
-        async with client.stream("POST", f"{a.url}/v1/messages", json=body,
-                                 headers={"Ringserve-Disconnect-Policy": "continue"}) as resp:
-            assert resp.status_code == 200
-            message_id = resp.headers["X-Message-Id"]
-            buffer = b""
-            async for chunk in resp.aiter_raw():
-                buffer += chunk
-                if b"\n\n" in buffer:
-                    got.append(buffer[: buffer.index(b"\n\n") + 2])
-                    break
-        ended = False
-        replica_of = []
-        for cycle in range(CYCLES):
-            replica = (a, b)[cycle % 2] if rng.random() < 0.5 else rng.choice((a, b))
-            replica_of.append(replica is b)
-            last = _ID.search(got[-1])
-            blocks, ended = await _read_blocks(
-                client, f"{replica.url}/v1/messages/{message_id}/stream",
-                {"Last-Event-ID": f"{last[1].decode()}:{last[2].decode()}"}, rng.randint(1, 8))
-            got += blocks
-            if ended:
-                break
-        assert ended or cycle == CYCLES - 1
-        if not ended:
-            last = _ID.search(got[-1])
-            blocks, _ = await _read_blocks(client, f"{b.url}/v1/messages/{message_id}/stream",
-                                           {"Last-Event-ID": f"{last[1].decode()}:{last[2].decode()}"}, None)
-            got += blocks
+        message_id, got = await _start(client, a.url)
+        # alternating, with random runs on one replica
+        urls = [((a, b)[cycle % 2] if rng.random() < 0.5 else rng.choice((a, b))).url for cycle in range(CYCLES)]
+        assert urls.count(b.url) >= CYCLES // 4 and urls.count(a.url) >= CYCLES // 4
+        await _drop_and_resume(client, message_id, got, urls, rng)
         whole, _ = await _read_blocks(client, f"{b.url}/v1/messages/{message_id}/stream", {}, None)
-    seqs = [int(_ID.search(block)[2]) for block in got]
-    assert seqs == list(range(len(got))), "a seq was lost or repeated"
-    assert b"".join(got) == b"".join(whole)  # byte for byte, the single read through B
-    assert b"event: message_stop" in got[-1]
-    assert sum(replica_of) >= CYCLES // 4 and len(replica_of) - sum(replica_of) >= CYCLES // 4
-    assert len(replica_of) == CYCLES, f"the stream ended after {len(replica_of)} cycles"
+    _assert_whole(got, whole)
+
+
+@pytest.mark.skipif(NGINX is None, reason="nginx is not installed (Debian: apt-get install -y nginx)")
+async def test_the_scale_out_nginx_config_spreads_resumes_over_both_replicas(replicas, tmp_path):
+    a, b = replicas
+    port = free_port()
+    snippet = documented_snippet("scale-out.md")
+    snippet, n1 = re.subn(r"server 127\.0\.0\.1:808([12]);",
+                          lambda m: f"server {(a, b)[int(m[1]) - 1].url.removeprefix('http://')};", snippet)
+    snippet, n2 = re.subn(r"listen 80;", f"listen 127.0.0.1:{port};", snippet)
+    assert (n1, n2) == (2, 1), "docs/scale-out.md no longer has the lines this test adjusts"
+    (tmp_path / "nginx").mkdir()
+    rng = random.Random(18)
+    with start_nginx(tmp_path / "nginx", snippet, port) as proxy:
+        async with httpx.AsyncClient(timeout=60) as client:
+            message_id, got = await _start(client, proxy)
+            await _drop_and_resume(client, message_id, got, [proxy] * 20, rng)
+            whole, _ = await _read_blocks(client, f"{a.url}/v1/messages/{message_id}/stream", {}, None)
+            _assert_whole(got, whole)
+            for replica in (a, b):  # round robin: both served resumes
+                metrics = (await client.get(f"{replica.url}/metrics")).text
+                assert _metric(metrics, r'ringserve_resumes_total\{result="ok"\}') >= 5
 
 
 def _metric(text: str, name: str) -> float:

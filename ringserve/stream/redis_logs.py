@@ -114,6 +114,9 @@ PUMP_BATCH = 256
 WRITER_CONNECTIONS = 4
 #: Seconds the flusher and the pump wait before retrying after Redis failed.
 RETRY_SECONDS = 0.5
+#: Seconds, beyond two flush intervals, that :meth:`RedisLogStore.find` waits before looking again
+#: for a stream it did not find: a client may resume elsewhere before its message's first flush.
+MISS_RETRY_SECONDS = 0.05
 #: The most queued writes held while Redis is unreachable (beyond, the oldest are dropped: a
 #: remote reader then sees a gap).
 MAX_PENDING_OPS = 100_000
@@ -273,6 +276,9 @@ class RedisLogStore:
     async def find(self, message_id: str) -> MemoryMessageLog | None:
         """The log, from this replica or from Redis (one ``XRANGE``); ``None`` if neither has it.
 
+        A miss is looked up once more after two flush intervals and
+        :data:`MISS_RETRY_SECONDS` (so an unknown id costs that much more).
+
         A remote log that is still open is tailed by the pump from then on,
         as long as it has readers on this replica.
 
@@ -282,8 +288,12 @@ class RedisLogStore:
         held = self.get(message_id)
         if held is not None or self.local.evicted(message_id):
             return held
+        key = stream_key(message_id)
         with _unavailable_if_down():
-            entries = await self._client.xrange(stream_key(message_id), "-", "+")
+            entries = await self._client.xrange(key, "-", "+")
+            if not entries:  # maybe just created elsewhere, its first flush not yet in Redis
+                await trio.sleep(2 * self._flush_interval + MISS_RETRY_SECONDS)
+                entries = await self._client.xrange(key, "-", "+")
         held = self.get(message_id)  # a concurrent find may have loaded it meanwhile
         if held is not None or not entries:
             return held
@@ -379,8 +389,12 @@ class RedisLogStore:
 
     # -- writing ------------------------------------------------------------
 
+    @property
+    def _flush_interval(self) -> float:
+        return max(self.config.flush_ms, 1.0) / 1000
+
     async def _flush_loop(self) -> None:
-        interval = max(self.config.flush_ms, 1.0) / 1000
+        interval = self._flush_interval
         last = -math.inf
         try:
             while True:
