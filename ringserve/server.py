@@ -10,13 +10,16 @@ from collections.abc import Callable
 import hypercorn.trio
 import trio
 
-from ringserve.app import ServerState, create_app
+from ringserve.app import SURFACES, ServerState, create_app
 from ringserve.auth import Authenticator, check_bind
 from ringserve.config import Config
 from ringserve.connections import HypercornConfig, isolate_connection_faults
 from ringserve.engine.protocol import Engine
 from ringserve.engine.runner import Runner
-from ringserve.messages import MessageStore
+from ringserve.core.events import Failure, Usage
+from ringserve.core.ringlog import format_event_id
+from ringserve.core.sse import encode_event
+from ringserve.messages import MessageStore, StoredMessage
 from ringserve.stream.hub import CancelReason, Hub
 from ringserve.stream.logs import LogStore, MemoryLogStore
 
@@ -69,6 +72,15 @@ def _mirrored_store(config: Config, logs: LogStore) -> MessageStore:
     from ringserve.stream.redis_logs import MirroredMessageStore
 
     return MirroredMessageStore(config.store.path, logs)
+
+
+def _owner_lost_entries(stored: StoredMessage, seq: int) -> list[bytes]:
+    """The retryable in-band error that ends a stream whose owning replica died, from entry ``seq`` on."""
+    from ringserve.stream.redis_logs import OWNER_LOST_MESSAGE
+
+    failure = Failure("unavailable", OWNER_LOST_MESSAGE, Usage(stored.input_tokens, stored.output_tokens), True)
+    events = SURFACES[stored.surface].renderer(stored.id, stored.model, stored.created, False).fail(failure)
+    return [encode_event(ev.data, event=ev.event, id=format_event_id(stored.id, seq + i)) for i, ev in enumerate(events)]
 
 
 def _cancel_live(hub: Hub, message_id: str) -> None:
@@ -181,8 +193,9 @@ async def serve(
             await nursery.start(runner.run)
             hub = Hub(config, runner, logs, store, nursery, metrics=state.metrics)
             state.metrics.watch(hub)
-            if not isinstance(logs, MemoryLogStore):  # a cancel another replica relays
+            if not isinstance(logs, MemoryLogStore):  # a cancel another replica relays; an owner that died
                 logs.on_cancel = lambda message_id: _cancel_live(hub, message_id)
+                logs.on_owner_lost = _owner_lost_entries
             state.model_id = runner.model_id
             state.hub = hub
             log.info(

@@ -6,7 +6,9 @@ through the replica that does not own the message."""
 from __future__ import annotations
 
 import contextlib
+import json
 import random
+import signal
 import re
 import sys
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ import httpx
 import pytest
 import trio
 
+from ringserve.core.sse import SSEParser
 from tests.helpers import ANTHROPIC_BODY
 from tests.redis_server import RedisServer, free_port, needs_redis
 from tests.test_drain import FakeServerProcess
@@ -188,3 +191,32 @@ async def test_status_stream_token_and_cancel_through_b_for_a_message_generated_
             whole_b, ended = await _read_blocks(client, f"{b.url}/v1/messages/{message_id}/stream", {}, None)
             whole_a, _ = await _read_blocks(client, f"{a.url}/v1/messages/{message_id}/stream", {}, None)
             assert ended and whole_b == whole_a and b"message_stop" in whole_b[-1]
+
+
+async def test_kill_9_of_the_owner_ends_the_stream_on_b_with_an_in_band_error_and_interrupted(tmp_path):
+    from ringserve.stream.redis_logs import LEASE_MS
+
+    with two_replicas(tmp_path, {"piece_bytes": 2, "step_seconds": 0.02}) as (a, b):  # 40 s if left to run
+        async with httpx.AsyncClient(timeout=60) as client:
+            message_id, got = await _start(client, a.url)
+            async with client.stream("GET", f"{b.url}/v1/messages/{message_id}/stream",
+                                     headers=_last_event_id(got[-1])) as resp:
+                assert resp.status_code == 200
+                parser = SSEParser()
+                events = []
+                killed_at = None
+                with trio.fail_after(LEASE_MS / 1000 + 20):
+                    async for chunk in resp.aiter_raw():
+                        events += parser.feed(chunk)
+                        if killed_at is None and len(events) >= 5:
+                            a.proc.send_signal(signal.SIGKILL)
+                            a.proc.wait(10)
+                            killed_at = trio.current_time()
+            assert killed_at is not None
+            assert events[-1].event == "error" and "retry" in json.loads(events[-1].data)["error"]["message"]
+            assert [int(e.id.rsplit(":", 1)[1]) for e in events] == list(range(1, len(events) + 1))
+            status = (await client.get(f"{b.url}/v1/messages/{message_id}")).json()
+            assert status["status"] == "interrupted" and status["error"] and status["text"]
+            # a resume on B now replays to the same end
+            blocks, ended = await _read_blocks(client, f"{b.url}/v1/messages/{message_id}/stream", {}, None)
+            assert ended and b"event: error" in blocks[-1]

@@ -47,9 +47,14 @@ Reader counts: each reader of a remote copy entering and leaving is queued
 the log's :attr:`~ringserve.stream.logs.MemoryMessageLog.readers`, so the
 abort policy (after ``grace_seconds``) sees readers on every replica.
 
+Owner lease: each pump renews ``ringserve:replica:{replica}`` (:data:`LEASE_MS`);
+a replica tailing a stream whose owner's lease lapsed writes the surface's
+retryable in-band error (:attr:`RedisLogStore.on_owner_lost`) and the end into
+the stream, and ``interrupted`` into the status, in one Lua script that does
+nothing if the stream moved on meanwhile.
+
 Not (yet) shared across replicas: ``Idempotency-Key`` (looked up in the
-owner's SQLite only), and the owner's liveness (a killed owner leaves its stream open
-until :data:`LIVE_KEY_SECONDS` pass); see ``docs/scale-out.md``.
+owner's SQLite only); see ``docs/scale-out.md``.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ __all__ = [
     "LIVE_KEY_SECONDS",
     "MESSAGE_KEY_SECONDS",
     "MESSAGE_PREFIX",
+    "OWNER_LOST_MESSAGE",
     "PUMP_BLOCK_MS",
     "WRITER_CONNECTIONS",
     "MirroredMessageStore",
@@ -106,8 +112,35 @@ CANCEL_STREAM = "ringserve:cancel"
 READERS_STREAM = "ringserve:readers"
 #: The most entries kept in :data:`CANCEL_STREAM` and :data:`READERS_STREAM` (MAXLEN ~).
 CANCEL_STREAM_MAXLEN = 10_000
+#: Prefix of each replica's liveness key, renewed by its pump (``SET ... PX LEASE_MS``).
+REPLICA_PREFIX = "ringserve:replica:"
+#: Milliseconds a replica's lease lasts; its pump renews it about every second. A replica that
+#: tails a stream whose owner's lease has lapsed ends the stream for everyone (see ``_take_over``).
+LEASE_MS = 5000
+#: Ends a stream whose owner is gone: appends the given entries (ARGV[3..]) and the terminal marker
+#: at the ids after ARGV[1] (the last id the caller holds), only if that is still the stream's last
+#: id (else the owner, or another replica, wrote meanwhile: nothing is done); then EXPIRE ARGV[2] and
+#: the status hash KEYS[2] gets status "interrupted" and the error ARGV[#ARGV] (JSON). Returns 1 or 0.
+_TAKE_OVER = """
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #last == 0 or last[1][1] ~= ARGV[1] then return 0 end
+local seq = tonumber(string.match(ARGV[1], '^(%d+)-'))
+for i = 3, #ARGV - 1 do
+    seq = seq + 1
+    redis.call('XADD', KEYS[1], seq .. '-0', 'd', ARGV[i])
+end
+redis.call('XADD', KEYS[1], (seq + 1) .. '-0', 's', 'failed')
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('HSET', KEYS[2], 'status', '"interrupted"', 'error', ARGV[#ARGV])
+return 1
+"""
+#: The error of a message whose owner died mid-generation (in-band and in its status).
+OWNER_LOST_MESSAGE = "the replica generating this message stopped; retry the request"
 #: The longest one pump XREAD blocks, in milliseconds (it is woken early for a new stream).
 PUMP_BLOCK_MS = 1000
+#: Seconds past its expected end after which the pump gives up on a Redis call (and counts Redis
+#: as down).
+STALL_SECONDS = 2.0
 #: The most entries the pump takes from one stream per XREAD.
 PUMP_BATCH = 256
 #: Connections of the writer pool (appends, loads, wake-ups); the pump has one more of its own.
@@ -247,6 +280,10 @@ class RedisLogStore:
     round_trips_total: int = attrs.field(default=0, init=False)
     #: Called with a message id when any replica asks for its cancel (the server points it at the hub).
     on_cancel: Callable[[str], None] | None = attrs.field(default=None, init=False)
+    #: Renders the in-band error that ends a stream whose owner died: called with the message's
+    #: status and the seq of the first entry to write; returns those entries' SSE bytes.
+    on_owner_lost: Callable[[StoredMessage, int], list[bytes]] | None = attrs.field(default=None, init=False)
+    _owners: dict[str, str] = attrs.field(factory=dict, init=False)  # remote copy -> its owner replica
 
     def __attrs_post_init__(self) -> None:
         self.local = MemoryLogStore(self.config, self.clock)
@@ -288,12 +325,11 @@ class RedisLogStore:
         held = self.get(message_id)
         if held is not None or self.local.evicted(message_id):
             return held
-        key = stream_key(message_id)
         with _unavailable_if_down():
-            entries = await self._client.xrange(key, "-", "+")
+            entries, owner = await self._load(message_id)
             if not entries:  # maybe just created elsewhere, its first flush not yet in Redis
                 await trio.sleep(2 * self._flush_interval + MISS_RETRY_SECONDS)
-                entries = await self._client.xrange(key, "-", "+")
+                entries, owner = await self._load(message_id)
         held = self.get(message_id)  # a concurrent find may have loaded it meanwhile
         if held is not None or not entries:
             return held
@@ -304,10 +340,19 @@ class RedisLogStore:
         for entry in entries:
             _deliver(copy, entry.identifier, dict(entry.field_values))
         if not copy.closed:
+            if owner is not None:
+                self._owners[message_id] = json.loads(owner)
             self._remote[message_id] = copy
             if self._pump_blocked:  # else its next XREAD has the new stream already
                 self._nursery.start_soon(self._wake_pump)  # not awaited: the caller enters its reader first
         return copy
+
+    async def _load(self, message_id: str) -> tuple[tuple, bytes | None]:
+        """The stream's entries and its owner (JSON), in one round trip."""
+        async with self._client.pipeline(transaction=False) as pipe:
+            entries = pipe.xrange(stream_key(message_id), "-", "+")
+            owner = pipe.hget(MESSAGE_PREFIX + message_id, "owner")
+        return await entries, await owner
 
     async def find_message(self, message_id: str) -> StoredMessage | None:
         """The status its owner last wrote to Redis (``request`` left empty), or ``None``.
@@ -320,6 +365,7 @@ class RedisLogStore:
         if not fields:
             return None
         values = {name.decode(): json.loads(value) for name, value in fields.items()}
+        values.pop("owner", None)
         return StoredMessage(**{**values, "request": ""})
 
     async def request_cancel(self, message_id: str) -> None:
@@ -469,22 +515,57 @@ class RedisLogStore:
         for message_id, copy in list(self._remote.items()):
             if copy.closed or copy.readers == 0:
                 del self._remote[message_id]
+                self._owners.pop(message_id, None)
+
+    async def _lease(self) -> None:
+        """Renew this replica's lease; end the tailed streams whose owner's lease has lapsed."""
+        owners = {self._owners[mid] for mid in self._remote if mid in self._owners}
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.set(REPLICA_PREFIX + self.replica, b"1", px=LEASE_MS)
+            alive = {owner: pipe.exists([REPLICA_PREFIX + owner]) for owner in owners}
+        dead = {owner for owner, exists in alive.items() if not await exists}
+        for message_id, copy in list(self._remote.items()):
+            if self._owners.get(message_id) in dead:
+                await self._take_over(message_id, copy)
+
+    async def _take_over(self, message_id: str, copy: MemoryMessageLog) -> None:
+        """The owner is gone: write the in-band error and the end into its stream (once, atomically)."""
+        stored = await self.find_message(message_id)
+        if stored is None or self.on_owner_lost is None or copy.next_seq == 0:
+            return
+        log.warning("redis: the replica generating %s is gone; ending its stream", message_id)
+        entries = self.on_owner_lost(stored, copy.next_seq)
+        ttl = max(1, math.ceil(self.config.ttl_seconds))
+        error = json.dumps(OWNER_LOST_MESSAGE)
+        await self._client.eval(_TAKE_OVER, keys=[stream_key(message_id), MESSAGE_PREFIX + message_id],
+                                args=[f"{copy.next_seq}-0", ttl, *entries, error])
 
     async def _pump_loop(self) -> None:
         wake_last = "0-0"
         # Requests and reader counts from before this replica started are about others' messages.
         cancel_last = await self._last_id(CANCEL_STREAM)
         readers_last = await self._last_id(READERS_STREAM)
+        lease_at = -math.inf
         while True:
             self._prune()
+            if trio.current_time() >= lease_at:
+                lease_at = trio.current_time() + LEASE_MS / 3000 / 2
+                try:
+                    with trio.fail_after(STALL_SECONDS):
+                        await self._lease()
+                except (*_REDIS_ERRORS, trio.TooSlowError) as exc:
+                    self._went_down("the lease", exc)
             streams = {stream_key(mid): f"{copy.next_seq}-0" for mid, copy in self._remote.items()}
             streams[self._wake_key] = wake_last
             streams[CANCEL_STREAM] = cancel_last
             streams[READERS_STREAM] = readers_last
             self._pump_blocked = True
             try:
-                got = await self._pump_client.xread(streams, count=PUMP_BATCH, block=PUMP_BLOCK_MS)
-            except _REDIS_ERRORS as exc:
+                # A connection whose peer vanished may never answer: past the block time and
+                # STALL_SECONDS more, the read counts as failed.
+                with trio.fail_after(PUMP_BLOCK_MS / 1000 + STALL_SECONDS):
+                    got = await self._pump_client.xread(streams, count=PUMP_BATCH, block=PUMP_BLOCK_MS)
+            except (*_REDIS_ERRORS, trio.TooSlowError) as exc:
                 self._pump_blocked = False
                 self._went_down("the pump's read", exc)
                 await trio.sleep(RETRY_SECONDS)
@@ -536,7 +617,7 @@ class MirroredMessageStore(MessageStore):
 
     def insert(self, message: StoredMessage) -> None:
         super().insert(message)
-        self._logs._writer.status(message.id, attrs.asdict(message))
+        self._logs._writer.status(message.id, {**attrs.asdict(message), "owner": self._logs.replica})
 
     def update(self, message_id: str, **fields: object) -> None:
         super().update(message_id, **fields)
