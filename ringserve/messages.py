@@ -15,8 +15,9 @@ finished messages (:data:`FINAL_STATUSES`) are deleted once they are
 ``max_age_seconds`` old (counted from their last write, i.e. their end), and
 the oldest finished ones go first while the database holds more than
 ``max_bytes``; ``queued``/``generating`` rows are never deleted. Deleting a
-row frees its idempotency key. Deletion runs in batches of
-:data:`SWEEP_BATCH_ROWS` rows picked by an index, and freed pages go back to
+row frees its idempotency key. Deletion runs in transactions of at most
+:data:`SWEEP_BATCH_ROWS` rows and :data:`SWEEP_BATCH_SECONDS` seconds, rows
+picked one by one by an index, and freed pages go back to
 the file system by ``PRAGMA incremental_vacuum`` in steps of
 :data:`VACUUM_STEP_PAGES` pages (the file uses ``auto_vacuum=INCREMENTAL``;
 an older file is converted once at open by a ``VACUUM``). No call reads more
@@ -48,11 +49,14 @@ FINAL_STATUSES = frozenset({"complete", "cancelled", "failed", "interrupted"})
 #: proves the file writable).
 SCHEMA_VERSION = 1
 
-#: Rows deleted per sweep transaction; the sweep yields to the event loop between batches.
-SWEEP_BATCH_ROWS = 16
+#: Most rows, and seconds, of one sweep transaction; the sweep yields to the event loop between
+#: batches. Deleting a finished message with a 64 KiB answer takes about 0.2 ms (2 busy cores).
+SWEEP_BATCH_ROWS = 64
+SWEEP_BATCH_SECONDS = 0.002
 
-#: Pages (4 KiB by default) handed back per ``incremental_vacuum`` call; yields between calls.
-VACUUM_STEP_PAGES = 64
+#: Pages (4 KiB by default) handed back per ``incremental_vacuum`` call (about 0.2 ms for 32);
+#: the sweep yields between calls.
+VACUUM_STEP_PAGES = 32
 
 #: Largest size in bytes the WAL file keeps after a checkpoint (``PRAGMA journal_size_limit``).
 WAL_SIZE_LIMIT = 4 * 1024 * 1024
@@ -256,21 +260,38 @@ class MessageStore:
         """Bytes of the database in use (pages not on the free list; the WAL not counted)."""
         return (self._pragma("page_count") - self._pragma("freelist_count")) * self._pragma("page_size")
 
-    def sweep(self, now: float, *, max_age: float, max_bytes: int, limit: int = SWEEP_BATCH_ROWS) -> int:
-        """Delete up to ``limit`` finished messages in one transaction; return how many.
+    def sweep(
+        self,
+        now: float,
+        *,
+        max_age: float,
+        max_bytes: int,
+        limit: int = SWEEP_BATCH_ROWS,
+        budget: float = SWEEP_BATCH_SECONDS,
+    ) -> int:
+        """Delete finished messages in one transaction, one row at a time; return how many.
 
-        First those last written before ``now - max_age`` (seconds; 0: no age
-        limit), then, while :meth:`used_bytes` is over ``max_bytes`` (0: no
-        limit), the oldest finished ones. ``queued`` and ``generating`` rows
-        are never deleted. Freed pages stay in the file until :meth:`reclaim`.
+        A row is due when it was last written before ``now - max_age``
+        (seconds; 0: no age limit), else, while :meth:`used_bytes` is over
+        ``max_bytes`` (0: no limit), the oldest finished one, so the database
+        ends just under the limit. Stops when nothing is due, after ``limit``
+        rows, or once ``budget`` seconds have passed (at least one row is
+        deleted when one is due, however large). ``queued`` and ``generating``
+        rows are never deleted. Freed pages stay in the file until
+        :meth:`reclaim`. Every row is found by the ``updated`` index.
         """
-        pick = f"SELECT rowid FROM messages WHERE status IN ({_FINAL}) {{}} ORDER BY updated LIMIT ?"
+        finished = f"SELECT rowid FROM messages WHERE status IN ({_FINAL}) {{}} ORDER BY updated LIMIT 1"
+        expired, oldest = finished.format("AND updated < ?"), finished.format("")
+        start = time.perf_counter()
         deleted = 0
         with self._timed(), self._transaction():
-            if max_age > 0:
-                deleted = self._delete(pick.format("AND updated < ?"), (now - max_age, limit))
-            if deleted < limit and 0 < max_bytes < self.used_bytes():
-                deleted += self._delete(pick.format(""), (limit - deleted,))
+            while deleted < limit and (deleted == 0 or time.perf_counter() - start < budget):
+                if not (
+                    (max_age > 0 and self._delete(expired, (now - max_age,)))
+                    or (0 < max_bytes < self.used_bytes() and self._delete(oldest, ()))
+                ):
+                    break
+                deleted += 1
         self._swept += deleted
         return deleted
 
@@ -329,12 +350,9 @@ async def sweep_once(store: MessageStore, config: StoreConfig) -> int:
     messages were deleted.
     """
     total = 0
-    while True:
-        deleted = store.sweep(store.clock(), max_age=config.max_age_seconds, max_bytes=config.max_bytes)
+    while deleted := store.sweep(store.clock(), max_age=config.max_age_seconds, max_bytes=config.max_bytes):
         total += deleted
         await trio.lowlevel.checkpoint()
-        if deleted < SWEEP_BATCH_ROWS:
-            break
     while store.reclaim() > VACUUM_STEP_PAGES:
         await trio.lowlevel.checkpoint()
     return total
