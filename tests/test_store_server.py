@@ -84,6 +84,9 @@ async def test_finished_messages_expire_and_answer_404_generating_ones_stay(tmp_
             await trio.sleep(0.02)
         assert seen == {"queued", "generating", "complete"}
         assert state.hub.store.statistics().swept_total >= 2
+        metrics = (await client.get("/metrics")).text
+        swept = next(line for line in metrics.splitlines() if line.startswith("ringserve_store_swept_messages_total"))
+        assert float(swept.split()[1]) >= 2 and "ringserve_store_bytes " in metrics
 
         assert_expired(await client.get(f"/v1/messages/{a_id}"), a_id, "anthropic")
         assert_expired(await client.get(f"/v1/messages/{b_id}"), b_id, "openai")
