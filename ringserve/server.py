@@ -15,7 +15,7 @@ from ringserve.config import Config
 from ringserve.connections import HypercornConfig, isolate_connection_faults
 from ringserve.engine.protocol import Engine
 from ringserve.engine.runner import Runner
-from ringserve.messages import MessageStore
+from ringserve.messages import MessageStore, run_retention
 from ringserve.stream.hub import CancelReason, Hub
 from ringserve.stream.logs import MemoryLogStore
 
@@ -108,11 +108,17 @@ async def serve(
         AuthSetupError: ``server.host`` is not loopback, no API key is
             configured and ``auth.allow_remote_without_keys`` is false; or
             an API key is malformed (checked before anything starts).
+        StoreError: the message store cannot be opened or written (one line naming the path).
     """
     auth = Authenticator.from_config(config.auth)
     check_bind(config.server.host, auth, config.auth.allow_remote_without_keys)
     isolate_connection_faults()
-    store = MessageStore(config.store.path)
+    store = MessageStore.from_config(config.store)
+    log.info(
+        "message store: %s (finished messages kept %s, up to %s%s)",
+        store.path, _limit(config.store.max_age_seconds, "s"), _limit(config.store.max_bytes, " bytes"),
+        "" if config.store.keep_prompts else "; prompts not kept",
+    )
     interrupted = store.mark_interrupted()
     if interrupted:
         log.info("marked %d message(s) left generating by a previous run as interrupted", interrupted)
@@ -135,6 +141,7 @@ async def serve(
                 nursery.cancel_scope.cancel()
 
             await nursery.start(logs.run)
+            await nursery.start(run_retention, store, config.store)
             await nursery.start(state.watchdog.run)
             if handle_signals:
                 nursery.start_soon(_watch_signals, stop, stop_now)
@@ -175,6 +182,10 @@ async def serve(
     finally:
         store.close()
     return status
+
+
+def _limit(value: float, unit: str) -> str:
+    return f"{value:g}{unit}" if value else "without limit"
 
 
 async def _serve_http(

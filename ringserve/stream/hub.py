@@ -408,7 +408,8 @@ class Hub:
         """The live message, else the stored one.
 
         Raises:
-            RingserveError: ``NOT_FOUND`` when no such message exists.
+            RingserveError: ``NOT_FOUND`` when no such message exists, or it was
+            deleted by the store's retention (``messages.MessageStore.sweep``).
         """
         msg = self.live(message_id)
         if msg is not None:
@@ -418,7 +419,11 @@ class Hub:
         except sqlite3.Error:
             stored = None
         if stored is None:
-            raise RingserveError(ErrorKind.NOT_FOUND, f"no message {message_id[:80]!r}")
+            raise RingserveError(
+                ErrorKind.NOT_FOUND,
+                f"no message {message_id[:80]!r}: the id is unknown, or the message was deleted after its"
+                " retention time ([store] max_age_seconds, max_bytes)",
+            )
         return stored
 
     def open_log(self, message_id: str, last_event_id: str | None) -> tuple[MessageLog, int | None]:
