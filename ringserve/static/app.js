@@ -31,8 +31,8 @@ const $ = (id) => document.getElementById(id);
 const SETTINGS_KEY = "ringserve.settings";
 const API_KEY = "ringserve.apiKey";  // sessionStorage only: this tab, until it closes
 const SAVE_MS = 250;                  // most one conversation is written per this many ms while streaming
-const WATCH_MS = 2000;                // a following tab notes it is still watching this often
-const TIMING_GAP_MS = 6000;           // away longer than this (tab closed): timings are not measurable
+const WATCH_MS = 1000;                // a following tab notes it is still watching this often
+const TIMING_GAP_MS = 3000;           // away longer than this (tab closed): timings are not measurable
 const POLL_MS = 1000;
 const EMPTY_CONNECTIONS = 3;          // connections in a row without an event before reading the message
 
@@ -400,10 +400,7 @@ function showChanges(changed) {
   if (!changed.length) return;
   for (const msgId of changed) {
     const follower = state.followers.get(msgId);
-    if (follower && store.isTerminal(follower.msg)) {
-      follower.close();
-      state.followers.delete(msgId);
-    }
+    if (follower) follower.adopted();
   }
   if (changed.every((msgId) => state.views.has(msgId))) {
     for (const msg of state.conv.messages) if (changed.includes(msg.id)) updateMessage(msg);
@@ -545,6 +542,7 @@ class Follower {
     this.watchTimer = null;
     this.url = null;
     this.refusals = 0;  // refused connections in a row
+    this.awaitingId = false;  // another tab posts this answer; its message id is still to come
     // what SURFACES[...].read adds to the answer
     this.answer = {
       text: (t) => {
@@ -569,12 +567,32 @@ class Follower {
     }
     this.watchTimer = setInterval(() => { this.msg.watchedAt = Date.now(); saveSoon(this.conv); }, WATCH_MS);
     if (msg.status === "sending") {
-      // Another tab is posting it: give that tab time to store the message id first.
-      if (fromOtherTab) setTimeout(() => { if (!this.closed && this.msg.status === "sending") this.post(); }, 5000);
-      else this.post();
+      if (!fromOtherTab) {
+        this.post();  // again after a reload: the same body and Idempotency-Key give the same message
+        return;
+      }
+      // Another tab is posting it: give that tab time to store the message id (see adopted()).
+      this.awaitingId = true;
+      setTimeout(() => {
+        if (this.closed || !this.awaitingId) return;
+        this.awaitingId = false;
+        if (this.msg.status === "sending") this.post();
+        else this.connect();
+      }, 5000);
     } else if (msg.source === "stored") {
       this.readStored(null);
     } else {
+      this.connect();
+    }
+  }
+
+  /** Another tab stored a newer state of this answer (store.adopt has put it in this.msg). */
+  adopted() {
+    if (store.isTerminal(this.msg)) {
+      this.close();
+      state.followers.delete(this.msg.id);
+    } else if (this.awaitingId && this.msg.messageId) {
+      this.awaitingId = false;
       this.connect();
     }
   }

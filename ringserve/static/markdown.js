@@ -112,16 +112,22 @@ function renderList(lines, start, parent, doc) {
   const list = el(doc, ordered ? "ol" : "ul", parent);
   if (ordered && first[2] !== "1") list.setAttribute("start", String(Number(first[2])));
   const marker = ordered ? first[3] : first[2];
+  const indent = first[1].length;  // an item marker indented 2 more than this starts a nested list
   let i = start;
   let items = [];
   const flush = () => {
-    if (items.length) renderBlocks(items, el(doc, "li", list), doc);
+    if (!items.length) return;
+    const li = el(doc, "li", list);
+    renderBlocks(items, li, doc);
+    if (!items.some(isBlank)) {  // a tight item: its paragraphs are plain lines
+      for (const p of [...li.children]) if (p.tagName === "P") p.replaceWith(...p.childNodes);
+    }
     items = [];
   };
   while (i < lines.length) {
     const line = lines[i];
     const m = ordered ? ORDERED.exec(line) : BULLET.exec(line);
-    if (m && (ordered ? m[3] : m[2]) === marker) {
+    if (m && (ordered ? m[3] : m[2]) === marker && m[1].length < indent + 2) {
       flush();
       items.push(ordered ? m[4] : m[3]);
     } else if (!isBlank(line) && /^[ \t]{2,}/.test(line)) {
