@@ -108,8 +108,13 @@ def answer(page: Any) -> dict[str, str] | None:
 
 def wait_answer(page: Any, condition: str, timeout_ms: int = 30_000) -> dict[str, str]:
     """Wait until ``condition`` (JS over ``a``, the object :func:`answer` returns) holds; return the answer."""
-    page.wait_for_function(f"(() => {{ const a = {_ANSWER}; return a !== null && ({condition}); }})()",
-                           timeout=timeout_ms)
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(f"(() => {{ const a = {_ANSWER}; return a !== null && ({condition}); }})()",
+                               timeout=timeout_ms)
+    except PlaywrightTimeout:
+        raise AssertionError(f"no answer with {condition} after {timeout_ms} ms; the last: {answer(page)}") from None
     result = answer(page)
     assert result is not None
     return result
