@@ -149,6 +149,42 @@ async def test_a_closed_tab_reopened_later_shows_the_finished_answer(tmp_path: P
         assert "reconnect #" in seen["log"] and seen["note"] == ""
 
 
+@pytest.mark.parametrize("answer_204", [False, True], ids=["200-without-events", "204"])
+async def test_a_resume_after_the_terminal_event_ends_with_the_stored_message(tmp_path: Path,
+                                                                               answer_204: bool) -> None:
+    """A stored answer that has its terminal event but not its end (as if the tab died in between).
+
+    Resuming after the terminal event is answered 204 by newer servers (EventSource gives up: the
+    page asks why) and 200 with no events by older ones (EventSource would reconnect for ever):
+    either way the page reads GET /v1/messages/{id} and ends the answer with it. The 204 is
+    played by the browser's request routing.
+    """
+    require_browser()
+    async with running_server(config(tmp_path), **ENGINE) as state:
+
+        def script(browser: Browser) -> dict[str, Any]:
+            page = browser.page(state.urls[0])
+            send(page, "hello")
+            first = wait_finished(page)
+            page.evaluate("""(() => {
+              const key = 'ringserve.conv.' + location.hash.slice(1);
+              const conv = JSON.parse(localStorage.getItem(key));
+              const answer = conv.messages.at(-1);
+              Object.assign(answer, {status: 'streaming', stopReason: null, finishedAt: null});
+              localStorage.setItem(key, JSON.stringify(conv));
+            })()""")
+            if answer_204:
+                page.route("**/stream?*last_event_id=*", lambda route: route.fulfill(status=204))
+            page.reload()
+            return {"first": first, **wait_finished(page)}
+
+        seen = await trio.to_thread.run_sync(in_browser, tmp_path, script)
+    assert seen["first"]["state"] == "done"
+    assert seen["state"] == "done" and seen["text"] == SHORT and seen["stopReason"] == "end_turn"
+    assert ("had already ended (204)" in seen["log"]) is answer_204
+    assert "reading the message" in seen["log"]
+
+
 def two_tabs(browser: Browser, url: str) -> tuple[Any, Any]:
     """Two tabs on one (new) conversation; the first sends, the second learns of it from storage events."""
     first = browser.page(url)

@@ -16,8 +16,8 @@
 // longer holds the resume point, 204 the stream had already ended (both: read GET
 // /v1/messages/{id}, polling while it still generates), 404 unknown message, 429/503 try again.
 // A resume after the terminal event that is answered 200 with nothing in it (servers before the
-// 204 answer) shows up as connections that end without an event; after a few the page reads the
-// message too.
+// 204 answer) shows up as a connection that ends without an event; on that the page reads the
+// message too (and streams on if it is still generating).
 //
 // Other tabs: every write fires a `storage` event there; a tab showing that conversation merges it
 // (store.js) and follows any unfinished answer with its own EventSource. Stop (button or Escape)
@@ -34,7 +34,6 @@ const SAVE_MS = 250;                  // most one conversation is written per th
 const WATCH_MS = 1000;                // a following tab notes it is still watching this often
 const TIMING_GAP_MS = 3000;           // away longer than this (tab closed): timings are not measurable
 const POLL_MS = 1000;
-const EMPTY_CONNECTIONS = 3;          // connections in a row without an event before reading the message
 
 // The read side of each surface: what an event adds to the answer, and whether it ends the stream.
 const SURFACES = {
@@ -538,7 +537,6 @@ class Follower {
     this.reconnecting = false;
     this.stopping = false;
     this.stopRequested = false;
-    this.emptyConnections = 0;
     this.watchTimer = null;
     this.url = null;
     this.refusals = 0;  // refused connections in a row
@@ -683,7 +681,6 @@ class Follower {
       const seq = seqOf(ev.lastEventId, msg.messageId);
       if (seq === null || seq <= msg.lastSeq) return;  // replayed: already shown (or by another tab)
       gotEvent = true;
-      this.emptyConnections = 0;
       this.reconnecting = false;
       let data;
       try {
@@ -722,18 +719,20 @@ class Follower {
     es.onerror = (ev) => {
       if (this.es !== es || ev instanceof MessageEvent || this.closed) return;
       if (es.readyState === EventSource.CONNECTING) {
-        if (opened && !gotEvent) this.emptyConnections += 1;
+        if (opened && !gotEvent) {
+          // A connection that ended without a new event: a resume after the terminal event is
+          // answered so by servers without the 204 answer. Ask the message.
+          es.close();
+          this.es = null;
+          logLine(msg, `a connection ended without new events after ${msg.lastSeq}; reading the message`);
+          this.readStored(null);
+          return;
+        }
         if (!this.reconnecting) logLine(msg, `connection lost after event ${msg.lastSeq}; reconnecting with Last-Event-ID`);
         this.reconnecting = true;
         opened = false;
         gotEvent = false;
         if (!state.banners.has("server")) checkHealth();
-        if (this.emptyConnections >= EMPTY_CONNECTIONS) {
-          es.close();
-          this.es = null;
-          logLine(msg, "the stream ends without new events; reading the message");
-          this.readStored(null);
-        }
         updateMessage(msg);
       } else {  // refused: EventSource gives up; find out why
         es.close();
@@ -868,7 +867,7 @@ class Follower {
     this.reconnecting = false;
     const final = STATUS_FROM_SERVER[body.status];
     if (final === undefined && note === null && msg.source !== "stored") {
-      this.emptyConnections = 0;
+      await sleep(500);  // still generating: stream on, but not in a tight loop
       this.connect();
       return;
     }
