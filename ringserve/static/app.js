@@ -83,6 +83,7 @@ const state = {
   banners: new Map(),       // reason -> text
   keyWaiters: new Set(),    // followers paused until a valid key is given
   healthTimer: null,
+  index: new Map(),         // conversation id -> {id, title, updatedAt, busy}: the sidebar
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -288,6 +289,7 @@ function saveNow(conv) {
   try {
     const changed = store.save(conv);
     setBanner("storage", null);
+    index(conv.id, conv);
     if (conv === state.conv) showChanges(changed);
   } catch (err) {
     setBanner("storage", `This browser's storage is full; the conversation is not saved (${err.name}).`, true);
@@ -306,19 +308,33 @@ function busy(conv) {
   return conv.messages.some((m) => m.role === "assistant" && !store.isTerminal(m));
 }
 
+function entry(conv) {
+  return { id: conv.id, title: conv.title, updatedAt: conv.updatedAt, busy: busy(conv) };
+}
+
+/** Note `conv` (or its removal: null) in the sidebar's index; re-render the sidebar if that changed it. */
+function index(id, conv) {
+  const before = JSON.stringify(state.index.get(id) || null);
+  if (conv) state.index.set(id, entry(conv));
+  else state.index.delete(id);
+  if (JSON.stringify(state.index.get(id) || null) !== before) renderSidebar();
+}
+
+function recent() {
+  return [...state.index.values()].sort((a, b) => b.updatedAt - a.updatedAt);
+}
+
 function renderSidebar() {
   const list = $("conversations");
-  const all = store.loadAll();
-  if (state.conv && !all.some((c) => c.id === state.conv.id) && state.conv.messages.length) all.unshift(state.conv);
   list.replaceChildren();
-  for (const conv of all) {
+  for (const conv of recent()) {
     const li = document.createElement("li");
     if (state.conv && conv.id === state.conv.id) li.className = "current";
     const button = document.createElement("button");
     button.type = "button";
     button.textContent = conv.title || "New conversation";
     button.title = conv.title;
-    if (busy(conv)) button.classList.add("busy");
+    if (conv.busy) button.classList.add("busy");
     button.addEventListener("click", () => { location.hash = conv.id; closeDrawer(); });
     li.appendChild(button);
     list.appendChild(li);
@@ -342,8 +358,8 @@ function openFromHash() {
     openConversation(id);
     return;
   }
-  const recent = store.loadAll()[0];
-  history.replaceState(null, "", `#${recent ? recent.id : store.newId()}`);
+  const last = recent()[0];
+  history.replaceState(null, "", `#${last ? last.id : store.newId()}`);
   openConversation(decodeURIComponent(location.hash.slice(1)));
 }
 
@@ -360,8 +376,9 @@ function deleteChat() {
   state.followers.clear();
   conv.deleted = true;
   store.remove(conv.id);
+  index(conv.id, null);
   state.conv = null;
-  const next = store.loadAll()[0];
+  const next = recent()[0];
   location.hash = next ? next.id : store.newId();
 }
 
@@ -390,8 +407,16 @@ function onStorage(event) {
       return;
     }
     showChanges(store.adopt(state.conv, store.load(id)));
+    index(id, state.conv);
+  } else {
+    let conv = null;
+    try {
+      conv = event.newValue === null ? null : JSON.parse(event.newValue);
+    } catch {
+      // not ours to read
+    }
+    index(id, conv);
   }
-  renderSidebar();
 }
 
 /** Show messages another tab changed or added; follow the unfinished ones. */
@@ -574,8 +599,12 @@ class Follower {
       setTimeout(() => {
         if (this.closed || !this.awaitingId) return;
         this.awaitingId = false;
-        if (this.msg.status === "sending") this.post();
-        else this.connect();
+        if (this.msg.status === "sending") {
+          this.post();
+        } else {
+          this.connect();
+          this.stopIfRequested();
+        }
       }, 5000);
     } else if (msg.source === "stored") {
       this.readStored(null);
@@ -592,6 +621,7 @@ class Follower {
     } else if (this.awaitingId && this.msg.messageId) {
       this.awaitingId = false;
       this.connect();
+      this.stopIfRequested();
     }
   }
 
@@ -617,7 +647,6 @@ class Follower {
     this.close();
     state.followers.delete(msg.id);
     this.changed(true);
-    renderSidebar();
   }
 
   endWithError(text) {
@@ -654,8 +683,8 @@ class Follower {
     msg.tokenExpires = body.stream_token_expires_at;
     msg.status = "waiting";
     this.changed(true);
-    if (this.stopRequested) this.stop();
     this.connect();
+    this.stopIfRequested();
   }
 
   streamUrl() {
@@ -888,6 +917,14 @@ class Follower {
     this.end(final);
   }
 
+  /** Stop was asked for before the message had an id; it has one now. */
+  stopIfRequested() {
+    if (!this.stopRequested) return;
+    this.stopRequested = false;
+    this.stopping = false;
+    this.stop();
+  }
+
   async stop() {
     const msg = this.msg;
     if (store.isTerminal(msg) || this.stopping) return;
@@ -968,7 +1005,6 @@ function send(event) {
   $("input").value = "";
   saveNow(conv);
   renderConversation();
-  renderSidebar();
   const follower = new Follower(conv, answer);
   state.followers.set(answer.id, follower);
   follower.start({ fresh: true, fromOtherTab: false });
@@ -1025,6 +1061,7 @@ function init() {
   window.addEventListener("hashchange", openFromHash);
   window.addEventListener("pagehide", flushSaves);
   document.addEventListener("visibilitychange", () => { if (document.hidden) flushSaves(); });
+  for (const conv of store.loadAll()) state.index.set(conv.id, entry(conv));
   openFromHash();
   checkServer();
 }
