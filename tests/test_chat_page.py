@@ -24,6 +24,8 @@ SLOW = {"reply": LONG, "piece_bytes": 2, "step_seconds": 0.04}
 #: About 3 s.
 SHORT = "A closed tab comes back to the whole answer, read from the stream log or from the message store. " * 2
 ENGINE = {"reply": SHORT, "piece_bytes": 2, "step_seconds": 0.03}
+#: Tokens the fake engine samples for SHORT: one per 2 bytes, and the end-of-generation token.
+ENGINE_TOKENS = len(SHORT.encode()) // 2 + 1
 SERVER = {"retry_ms": 100}
 SURFACE_PATH = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions"}
 
@@ -101,6 +103,39 @@ def test_three_reloads_mid_answer_on_the_real_model(model_server: Any, tmp_path:
                                                              timeout_ms=180_000, max_tokens=64))
     reference = trio.run(same_request_without_reloads, model_server.url, seen["record"], 180)
     check_reloads(seen, reference)
+
+
+async def test_a_reload_during_the_post_gets_the_same_message(tmp_path: Path) -> None:
+    """The POST reached the server but its 202 never reached the page: after the reload the page
+    sends the same body with the same Idempotency-Key and follows the message the server made."""
+    require_browser()
+    async with running_server(config(tmp_path), **ENGINE) as state:
+
+        def script(browser: Browser) -> dict[str, Any]:
+            page = browser.page(state.urls[0])
+            created: list[dict[str, Any]] = []
+
+            def swallow(route: Any) -> None:
+                if created:
+                    route.continue_()
+                else:  # the first POST: forward it, and keep its answer from the page until the reload
+                    created.append(route.fetch().json())
+
+            page.route("**/v1/messages", swallow)
+            send(page, "hello")
+            while not created:
+                page.wait_for_timeout(20)
+            sending = answer(page)
+            page.reload()
+            return {"created": created[0], "sending": sending, **wait_finished(page)}
+
+        seen = await trio.to_thread.run_sync(in_browser, tmp_path, script)
+        async with httpx.AsyncClient(base_url=state.urls[0]) as http:
+            generated = metric((await http.get("/metrics")).text, "ringserve_generated_tokens_total")
+    assert seen["sending"]["state"] == "sending" and seen["sending"]["messageId"] == ""
+    assert seen["messageId"] == seen["created"]["id"]
+    assert seen["state"] == "done" and seen["text"] == SHORT
+    assert generated == ENGINE_TOKENS  # one generation, not two
 
 
 async def wait_until(predicate: Any, what: str, timeout: float = 20) -> None:

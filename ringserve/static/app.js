@@ -83,6 +83,7 @@ const state = {
   banners: new Map(),       // reason -> text
   keyWaiters: new Set(),    // followers paused until a valid key is given
   healthTimer: null,
+  leaving: false,           // the page is being unloaded: requests it aborts are not failures
   index: new Map(),         // conversation id -> {id, title, updatedAt, busy}: the sidebar
 };
 
@@ -664,6 +665,7 @@ class Follower {
         body: msg.request,
       });
     } catch (err) {
+      if (state.leaving) return;  // the reload or close aborted it: the next page posts again
       this.endWithError(`Could not reach the server, so nothing was generated (${err.message}). Send again when it is back.`);
       return;
     }
@@ -1059,7 +1061,8 @@ function init() {
   });
   window.addEventListener("storage", onStorage);
   window.addEventListener("hashchange", openFromHash);
-  window.addEventListener("pagehide", flushSaves);
+  window.addEventListener("pagehide", () => { state.leaving = true; flushSaves(); });
+  window.addEventListener("pageshow", () => { state.leaving = false; });
   document.addEventListener("visibilitychange", () => { if (document.hidden) flushSaves(); });
   for (const conv of store.loadAll()) state.index.set(conv.id, entry(conv));
   openFromHash();
