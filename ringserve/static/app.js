@@ -34,6 +34,7 @@ const SAVE_MS = 250;                  // most one conversation is written per th
 const WATCH_MS = 1000;                // a following tab notes it is still watching this often
 const TIMING_GAP_MS = 3000;           // away longer than this (tab closed): timings are not measurable
 const POLL_MS = 1000;
+const RENDER_MS = 50;                 // an answer's Markdown is rendered again at most this often while streaming
 
 // The read side of each surface: what an event adds to the answer, and whether it ends the stream.
 const SURFACES = {
@@ -461,7 +462,7 @@ function renderConversation() {
       el("div", "body", article, msg.text);
       continue;
     }
-    const view = { article, body: el("div", "body", article), rendered: null };
+    const view = { article, body: el("div", "body", article), rendered: null, timer: null };
     view.src = el("pre", "src", article);
     view.src.hidden = true;
     view.note = el("p", "note", article);
@@ -505,15 +506,28 @@ function stateLabel(msg) {
            stopped: "stopped", error: "error" }[msg.status];
 }
 
+/** Render the answer's text (Markdown and source), keeping the view at the bottom if it was. */
+function renderText(view, msg) {
+  clearTimeout(view.timer);
+  view.timer = null;
+  if (view.rendered === msg.text) return;
+  const box = $("messages");
+  const atBottom = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
+  view.body.replaceChildren(renderMarkdown(msg.text));
+  view.src.textContent = msg.text;
+  view.rendered = msg.text;
+  if (atBottom) box.scrollTop = box.scrollHeight;
+}
+
 function updateMessage(msg) {
   const view = state.views.get(msg.id);
   if (!view) return;
   const box = $("messages");
   const atBottom = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
   if (view.rendered !== msg.text) {
-    view.body.replaceChildren(renderMarkdown(msg.text));
-    view.src.textContent = msg.text;
-    view.rendered = msg.text;
+    // The whole text is rendered again: at most every RENDER_MS while it streams, at once at its end.
+    if (view.rendered === null || store.isTerminal(msg)) renderText(view, msg);
+    else if (view.timer === null) view.timer = setTimeout(() => renderText(view, msg), RENDER_MS);
   }
   const label = stateLabel(msg);
   view.article.dataset.state = label;
