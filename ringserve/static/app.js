@@ -683,7 +683,6 @@ class Follower {
       this.endWithError(`Could not reach the server, so nothing was generated (${err.message}). Send again when it is back.`);
       return;
     }
-    if (this.closed) return;
     if (resp.status === 401) {
       this.endWithError(`The server refused the API key: ${resp.message}`);
       return;
@@ -698,7 +697,8 @@ class Follower {
     msg.streamUrl = body.stream_url;
     msg.tokenExpires = body.stream_token_expires_at;
     msg.status = "waiting";
-    this.changed(true);
+    this.changed(true);  // also when this tab has moved on to another conversation: it is stored
+    if (this.closed) return;
     this.connect();
     this.stopIfRequested();
   }
@@ -714,7 +714,7 @@ class Follower {
     if (this.closed || store.isTerminal(this.msg)) return;
     const msg = this.msg;
     if (msg.tokenExpires && Date.now() / 1000 > msg.tokenExpires - 2) {
-      if (!(await this.renew())) return;
+      if (!(await this.renew()) || this.closed) return;
     }
     this.url = this.streamUrl();
     const es = new EventSource(this.url);
