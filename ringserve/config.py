@@ -135,9 +135,21 @@ class PolicyConfig:
 
 @attrs.frozen
 class StoreConfig:
-    """Durable message store (SQLite). ``:memory:`` keeps nothing across restarts."""
+    """Durable message store (SQLite) and its retention (seconds, bytes; 0 = no limit).
 
-    path: str = "ringserve.sqlite3"
+    ``path`` empty: ``messages.sqlite3`` in the per-user data directory
+    (``ringserve.messages.default_store_path``); ``":memory:"`` keeps nothing
+    across restarts. Finished messages are deleted ``max_age_seconds`` after
+    they end, and the oldest finished first while the database is over
+    ``max_bytes``, by a sweep every ``sweep_interval_seconds``.
+    ``keep_prompts`` false stores no request body, only its SHA-256.
+    """
+
+    path: str = ""
+    max_age_seconds: float = attrs.field(default=7 * 24 * 3600.0, validator=_non_negative)
+    max_bytes: int = attrs.field(default=1024 * 1024 * 1024, validator=_non_negative)
+    sweep_interval_seconds: float = attrs.field(default=60.0, validator=_positive)
+    keep_prompts: bool = True
 
 
 @attrs.frozen

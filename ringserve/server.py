@@ -19,7 +19,7 @@ from ringserve.engine.runner import Runner
 from ringserve.core.events import Failure, Usage
 from ringserve.core.ringlog import format_event_id
 from ringserve.core.sse import encode_event
-from ringserve.messages import MessageStore, StoredMessage
+from ringserve.messages import MessageStore, StoredMessage, run_retention
 from ringserve.stream.hub import CancelReason, Hub
 from ringserve.stream.logs import LogStore, MemoryLogStore
 
@@ -71,7 +71,7 @@ def make_log_store(config: Config) -> LogStore:
 def _mirrored_store(config: Config, logs: LogStore) -> MessageStore:
     from ringserve.stream.redis_logs import MirroredMessageStore
 
-    return MirroredMessageStore(config.store.path, logs)
+    return MirroredMessageStore.from_config(config.store).mirror_to(logs)
 
 
 def _owner_lost_entries(stored: StoredMessage, seq: int) -> list[bytes]:
@@ -153,12 +153,18 @@ async def serve(
         AuthSetupError: ``server.host`` is not loopback, no API key is
             configured and ``auth.allow_remote_without_keys`` is false; or
             an API key is malformed (checked before anything starts).
+        StoreError: the message store cannot be opened or written (one line naming the path).
     """
     auth = Authenticator.from_config(config.auth)
     check_bind(config.server.host, auth, config.auth.allow_remote_without_keys)
     isolate_connection_faults()
     logs = make_log_store(config)
-    store = MessageStore(config.store.path) if isinstance(logs, MemoryLogStore) else _mirrored_store(config, logs)
+    store = MessageStore.from_config(config.store) if isinstance(logs, MemoryLogStore) else _mirrored_store(config, logs)
+    log.info(
+        "message store: %s (finished messages kept %s, up to %s%s)",
+        store.path, _limit(config.store.max_age_seconds, "s"), _limit(config.store.max_bytes, " bytes"),
+        "" if config.store.keep_prompts else "; prompts not kept",
+    )
     interrupted = store.mark_interrupted()
     if interrupted:
         log.info("marked %d message(s) left generating by a previous run as interrupted", interrupted)
@@ -180,6 +186,7 @@ async def serve(
                 nursery.cancel_scope.cancel()
 
             await nursery.start(logs.run)
+            await nursery.start(run_retention, store, config.store)
             await nursery.start(state.watchdog.run)
             if handle_signals:
                 nursery.start_soon(_watch_signals, stop, stop_now)
@@ -223,6 +230,10 @@ async def serve(
     finally:
         store.close()
     return status
+
+
+def _limit(value: float, unit: str) -> str:
+    return f"{value:g}{unit}" if value else "without limit"
 
 
 async def _serve_http(

@@ -410,7 +410,8 @@ class Hub:
         """The live message, else the stored one.
 
         Raises:
-            RingserveError: ``NOT_FOUND`` when no such message exists.
+            RingserveError: ``NOT_FOUND`` when no such message exists, or it was
+            deleted by the store's retention (``messages.MessageStore.sweep``).
         """
         msg = self.live(message_id)
         if msg is not None:
@@ -420,7 +421,11 @@ class Hub:
         except sqlite3.Error:
             stored = None
         if stored is None:
-            raise RingserveError(ErrorKind.NOT_FOUND, f"no message {message_id[:80]!r}")
+            raise RingserveError(
+                ErrorKind.NOT_FOUND,
+                f"no message {message_id[:80]!r}: the id is unknown, or the message was deleted after its"
+                " retention time ([store] max_age_seconds, max_bytes)",
+            )
         return stored
 
     async def find(self, message_id: str) -> LiveMessage | StoredMessage:

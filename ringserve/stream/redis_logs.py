@@ -601,24 +601,27 @@ class RedisLogStore:
 class MirroredMessageStore(MessageStore):
     """The SQLite :class:`~ringserve.messages.MessageStore`, whose every write also goes to Redis.
 
-    Each :meth:`insert` and :meth:`update` queues an ``HSET`` of the fields
-    written on ``logs``'s next pipelined flush, so that
-    :meth:`RedisLogStore.find_message` on any replica reads the status, the
-    text so far and the usage (as fresh as ``hub.PERSIST_EVERY``).
-
-    Args:
-        path: the SQLite database, as for :class:`MessageStore`.
-        logs: the Redis log store whose flusher carries the writes.
+    Build it as a :class:`MessageStore` (``from_config``), then :meth:`mirror_to`
+    the Redis log store. Each :meth:`insert` and :meth:`update` then queues an
+    ``HSET`` of the fields written (with ``owner``, this replica) on that
+    store's next pipelined flush, so that :meth:`RedisLogStore.find_message`
+    on any replica reads the status, the text so far and the usage (as fresh
+    as ``hub.PERSIST_EVERY``).
     """
 
-    def __init__(self, path: str, logs: RedisLogStore) -> None:
-        super().__init__(path)
+    _logs: RedisLogStore | None = None
+
+    def mirror_to(self, logs: RedisLogStore) -> MirroredMessageStore:
+        """Send every later write to ``logs``'s flusher too; returns ``self``."""
         self._logs = logs
+        return self
 
     def insert(self, message: StoredMessage) -> None:
         super().insert(message)
+        assert self._logs is not None, "mirror_to() was not called"
         self._logs._writer.status(message.id, {**attrs.asdict(message), "owner": self._logs.replica})
 
     def update(self, message_id: str, **fields: object) -> None:
         super().update(message_id, **fields)
+        assert self._logs is not None, "mirror_to() was not called"
         self._logs._writer.status(message_id, fields)
