@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,12 @@ def test_http_bench_runs_both_servers(tmp_path: Path) -> None:
             assert level["errors"] == [] and level["requests"] == int(n)
             assert level["tokens"] > 0 and level["ttft_p50"] > 0
         assert out["summary"][n]["ratio_tokens_per_second"] > 0
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed (apt-get install redis-server)")
+def test_redis_append_bench_runs_both_modes(tmp_path: Path) -> None:
+    pytest.importorskip("coredis", reason="the redis extra is not installed")
+    out = run_bench("redis_append", tmp_path, "--streams", "4", "--entries", "10", "--repeats", "1")
+    assert set(out["summary"]) == {"pipelined", "per_entry"}
+    assert out["summary"]["per_entry"]["round_trips"] == 40
+    assert out["summary"]["pipelined"]["round_trips"] < 40  # several streams' entries per round trip
