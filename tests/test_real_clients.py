@@ -5,16 +5,18 @@ tokens), so a reply runs out of context after about a hundred tokens: the
 Anthropic SDK with ``max_tokens=16384`` ends with
 ``model_context_window_exceeded`` and the OpenAI SDK with ``length``, with
 exact usage; pydantic-ai agents (which send ``max_tokens=16384`` to
-Anthropic by default) run and stream on both surfaces.
+Anthropic by default) run and stream on both surfaces, and so does an OpenAI
+Agents SDK agent on the Chat Completions surface.
 
-pydantic-ai runs its own asyncio loop (``run_sync``, ``asyncio.run``), so these
-tests are plain functions, not Trio tests.
+The frameworks run on asyncio (``run_sync``, ``asyncio.run``), so these tests
+are plain functions, not Trio tests.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import agents
 import anthropic
 import openai
 import pytest
@@ -28,7 +30,7 @@ from tests.conftest import ServerProcess
 
 pytestmark = pytest.mark.model
 
-CTX = 160
+CTX = 64
 LONG = "Write a very long story about a dragon who learns to cook. Use many chapters."
 GREEDY = {"temperature": 0}
 
@@ -89,7 +91,7 @@ def test_pydantic_ai_agent_run(agent_model):
     result = agent.run_sync(PROMPT, model_settings=GREEDY)
     assert isinstance(result.output, str) and result.output.strip()
     assert "\ufffd" not in result.output
-    usage = result.usage()
+    usage = result.usage
     assert usage.input_tokens > 0 and usage.output_tokens > 0
     assert usage.input_tokens + usage.output_tokens <= CTX
 
@@ -133,3 +135,34 @@ def test_pydantic_ai_agent_structured_output(agent_model):
     agent = Agent(agent_model, output_type=Colours)
     result = agent.run_sync(PROMPT, model_settings=GREEDY)
     assert isinstance(result.output, Colours) and len(result.output.names) == 3
+
+
+# -- the OpenAI Agents SDK (Chat Completions model; tracing off, so nothing leaves the machine) --
+
+def _agents_agent(url: str):
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    model = agents.OpenAIChatCompletionsModel(model="gpt-4o", openai_client=client)
+    return agents.Agent(name="colours", instructions="Answer briefly.", model=model,
+                        model_settings=agents.ModelSettings(temperature=0))
+
+
+def test_openai_agents_sdk_run_and_run_streamed(small_ctx_server):
+    from openai.types.responses import ResponseTextDeltaEvent
+
+    agents.set_tracing_disabled(True)
+
+    async def run() -> str:
+        result = await agents.Runner.run(_agents_agent(small_ctx_server.url), PROMPT)
+        return result.final_output
+
+    async def streamed() -> tuple[list[str], str]:
+        result = agents.Runner.run_streamed(_agents_agent(small_ctx_server.url), PROMPT)
+        deltas = [e.data.delta async for e in result.stream_events()
+                  if e.type == "raw_response_event" and isinstance(e.data, ResponseTextDeltaEvent)]
+        return deltas, result.final_output
+
+    output = asyncio.run(run())
+    assert isinstance(output, str) and output.strip() and "\ufffd" not in output
+    deltas, final = asyncio.run(streamed())
+    assert len(deltas) > 1
+    assert "".join(deltas) == final == output
