@@ -171,7 +171,7 @@ class Hub:
 
         Raises:
             RingserveError: ``UNPROCESSABLE`` (key reused with another body),
-            ``INVALID_REQUEST`` (prompt + max_tokens over the context, or a malformed
+            ``INVALID_REQUEST`` (a prompt that does not fit the context, or a malformed
             ``Idempotency-Key``),
             ``OVERLOADED`` (queue full), ``UNAVAILABLE`` (draining).
         """
