@@ -10,7 +10,6 @@ import logging
 import sys
 from pathlib import Path
 
-import trio
 
 from ringserve.chat import add_commands
 from ringserve.config import Config
@@ -50,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ringserve.auth import AuthSetupError
     from ringserve.engine.modelfile import ModelFileError, check_model_file, default_model_path
-    from ringserve.server import serve
+    from ringserve.server import run_process
 
     try:
         config = load_config(args)
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ringserve: {exc}", file=sys.stderr)
         return 2
     try:
-        return trio.run(serve, config)  # 0 after a drain, 1 if a second signal cut it short
+        return run_process(config)  # 0 after a drain, 1 if a second signal cut it short
     except AuthSetupError as exc:  # a non-loopback host with no keys, or a malformed key
         print(f"ringserve: {exc}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 from collections.abc import Callable
@@ -48,7 +49,7 @@ def load_llama_engine(config: Config) -> Engine:
 #: has ended (hypercorn's graceful timeout); the connections still open are then reset, and
 #: the server waits half as long again for them to end. A reader that keeps up gets its last
 #: events in milliseconds; one that stopped reading cannot get them however long it is given.
-DRAIN_FLUSH_SECONDS = 0.5
+DRAIN_FLUSH_SECONDS = 0.3
 
 
 def hypercorn_config(config: Config) -> HypercornConfig:
@@ -180,6 +181,20 @@ async def serve(
     finally:
         store.close()
     return status
+
+
+def run_process(config: Config, engine_factory: Callable[[Config], Engine] = load_llama_engine) -> int:
+    """:func:`serve` as a process's main loop (``ringserve serve``): its exit status.
+
+    Once it returns the process is about to exit, so every object left is
+    frozen (``gc.freeze``): the interpreter's final garbage collection then
+    skips them, which took 0.3-0.7 s of the drain's bound on a loaded 2-core
+    machine. (The store is closed and the logs are flushed already.)
+    """
+    try:
+        return trio.run(serve, config, engine_factory)
+    finally:
+        gc.freeze()
 
 
 async def _serve_http(
