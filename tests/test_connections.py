@@ -327,3 +327,37 @@ async def test_watchdog_drops_a_send_blocked_longer_than_the_timeout(autojump_cl
         assert stats.readers_dropped_total == 2 and len(drops) == 2
         assert stats.sends_in_flight == 0
         nursery.cancel_scope.cancel()
+
+
+# -- error answers made outside the routes ------------------------------------------------------
+
+
+def _openai_error(body: bytes) -> dict[str, Any]:
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    return error
+
+
+@pytest.mark.parametrize("path", ["/static//x", "/v1//models", "/nonexistent"])
+async def test_paths_that_match_no_route_get_a_json_404(fake_server, path):
+    """werkzeug merged slashes with a 308 redirect whose body was HTML; now no route matches: 404,
+    OpenAI's error shape (the shape outside /v1/messages)."""
+    _state, client = fake_server
+    resp = await client.get(path)
+    assert resp.status_code == 404 and resp.headers["content-type"] == "application/json"
+    _openai_error(resp.content)
+
+
+@pytest.mark.parametrize("header", [b"X-Test: a\x00b", b"X-Test: a\rb", b"Bad Header: x"])
+async def test_a_request_hypercorn_cannot_parse_gets_a_json_400(tmp_path, header):
+    """A NUL or CR in a header value, or a space in a name: h11 refuses the request and hypercorn answers
+    it itself; the answer has a JSON body in OpenAI's error shape, and the connection is closed."""
+    async with running_server(fake_config(tmp_path)) as state:
+        stream = await trio.open_tcp_stream(*_host_port(state.urls[0]))
+        async with stream:
+            await stream.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n\r\n")
+            raw, _ = await _read_until_eof(stream, 5)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ")
+    assert b"content-type: application/json" in head.lower()
+    assert "malformed HTTP request" in _openai_error(body)["message"]
