@@ -1,7 +1,7 @@
 """A ringserve server process on the fake engine, with a start gate, for the gateway benchmarks.
 
 ``python bench/fake_server.py --config FILE [--fake JSON] [--reply-bytes N] [--gate-after K]``
-runs :func:`ringserve.server.serve` exactly as ``ringserve serve`` does
+runs :func:`ringserve.server.run_process` exactly as ``ringserve serve`` does
 (listener, hub, signals, drain, the ``ready: ... at URL`` log line) with a
 :class:`~ringserve.engine.fake.FakeEngine` built from the ``--fake`` JSON
 keyword arguments (``n_slots`` and ``n_ctx_slot`` default to the config's).
@@ -25,7 +25,6 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-import trio
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,7 +33,7 @@ from ringserve.config import Config  # noqa: E402
 from ringserve.core.events import SamplingParams  # noqa: E402
 from ringserve.engine.fake import FakeEngine  # noqa: E402
 from ringserve.engine.protocol import Sampled, SlotFeed  # noqa: E402
-from ringserve.server import serve  # noqa: E402
+from ringserve.server import run_process  # noqa: E402
 
 REPLY_UNIT = "0123456789abcdef"
 """The reply text is this, repeated (no SSE field names in it, 16 bytes)."""
@@ -80,10 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.reply_bytes is not None:
         kwargs["reply"] = REPLY_UNIT * (args.reply_bytes // len(REPLY_UNIT))
     if args.gate_after is None:
-        return trio.run(serve, config, lambda _config: FakeEngine(**kwargs))
+        return run_process(config, lambda _config: FakeEngine(**kwargs))
     gate = threading.Event()
     signal.signal(signal.SIGUSR1, lambda _signum, _frame: gate.set())
-    return trio.run(serve, config, lambda _config: GatedFakeEngine(gate=gate, gate_after=args.gate_after, **kwargs))
+    return run_process(config, lambda _config: GatedFakeEngine(gate=gate, gate_after=args.gate_after, **kwargs))
 
 
 if __name__ == "__main__":

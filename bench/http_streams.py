@@ -48,6 +48,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -242,7 +243,7 @@ def warm_up(url: str, max_tokens: int) -> dict[str, Any]:
     return {"usage": answer.get("usage"), "text_start": answer["choices"][0]["message"]["content"][:80]}
 
 
-def start_servers(model: Path, threads: int, tmp: Path, slots: int) -> dict[str, ServerProcess]:
+def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Sequence[str]) -> dict[str, ServerProcess]:
     cfg = ringserve_config(tmp / "ringserve.toml", {
         "model": {"path": str(model), "n_threads": threads},
         "engine": {"ctx_per_slot": 2048},
@@ -254,6 +255,8 @@ def start_servers(model: Path, threads: int, tmp: Path, slots: int) -> dict[str,
         tmp / "ringserve.log",
         ready_pattern=RINGSERVE_READY,
     )
+    if "llama_cpp.server" not in names:
+        return servers
     port = free_port()
     try:
         servers["llama_cpp.server"] = ServerProcess(
@@ -279,6 +282,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=5, help="repeats of the whole comparison")
     ap.add_argument("--slots", type=int, default=8, help="ringserve --slots")
     ap.add_argument("--threads", type=int, default=0, help="llama.cpp threads in both servers (0: all cores)")
+    ap.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS),
+                    help="servers to run (ratios need both; the tests' smoke run uses ringserve only)")
     ap.add_argument("--replot", type=Path, help="only redraw the plot from this script's JSON")
     args = ap.parse_args(argv)
     if args.replot is not None:
@@ -295,13 +300,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rounds: dict[str, dict[int, list[dict[str, Any]]]] = {s: {n: [] for n in args.streams} for s in SERVERS}
     raw_rounds: dict[int, list[dict[str, float]]] = {n: [] for n in args.streams if n <= args.slots}
     with tempfile.TemporaryDirectory(prefix="ringserve-bench-") as tmp_name:
-        servers = start_servers(model, threads, Path(tmp_name), args.slots)
+        servers = start_servers(model, threads, Path(tmp_name), args.slots, args.servers)
         try:
             warm = {name: warm_up(server.url, args.tokens) for name, server in servers.items()}
             for name, w in warm.items():
                 print(f"  {name} at {servers[name].url}: warm-up usage {w['usage']}")
             for r in range(args.rounds):
-                order = SERVERS if r % 2 == 0 else SERVERS[::-1]
+                order = [name for name in (SERVERS if r % 2 == 0 else SERVERS[::-1]) if name in servers]
                 for n in args.streams:
                     for name in order:
                         server = servers[name]
@@ -369,6 +374,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": model.name,
         "max_tokens": args.tokens,
         "requests_per_client": args.requests,
+        "servers": args.servers,
         "ringserve_slots": args.slots,
         "threads": threads,
         "warm_up": warm,
@@ -390,6 +396,8 @@ def plot(payload: dict[str, Any]) -> Path:
     fig, axes = figure(ncols=2, width=10, height=3.8)
     ax, ax2 = axes[0]
     for i, (name, marker) in enumerate(zip(SERVERS, ("o", "s"))):
+        if name not in payload.get("servers", SERVERS):
+            continue
         color = f"C{i}"
         ax.plot(streams, [summary[str(n)][name]["tokens_per_second"] for n in streams], marker=marker, color=color,
                 label=name)

@@ -10,8 +10,6 @@ import logging
 import sys
 from pathlib import Path
 
-import trio
-
 from ringserve.chat import add_commands
 from ringserve.config import Config
 
@@ -51,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from ringserve.auth import AuthSetupError
     from ringserve.engine.modelfile import ModelFileError, check_model_file, default_model_path
     from ringserve.messages import StoreError
-    from ringserve.server import serve
+    from ringserve.server import run_process
 
     try:
         config = load_config(args)
@@ -60,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ringserve: {exc}", file=sys.stderr)
         return 2
     try:
-        return trio.run(serve, config)  # 0 after a drain, 1 if a second signal cut it short
+        return run_process(config)  # 0 after a drain, 1 if a second signal cut it short
     except (AuthSetupError, StoreError) as exc:  # a non-loopback host with no keys, a malformed key, a bad store file
         print(f"ringserve: {exc}", file=sys.stderr)
         return 2

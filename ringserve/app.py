@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import trio
 from quart import Response, request
+from quart.routing import QuartMap
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
@@ -111,8 +112,18 @@ class ClosingHTTPConnection(TrioASGIHTTPConnection):
         await super().handle_request(nursery, request, send_watched)
 
 
+class _RouteMap(QuartMap):
+    """Quart's URL map without slash merging: werkzeug answers ``/static//x`` or ``/v1//models``
+    with a 308 redirect whose body is HTML, which Quart sends past the error handlers; unmerged,
+    such a path is a 404 in the JSON error shape."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "merge_slashes": False})
+
+
 class RingserveQuart(QuartTrio):
     asgi_http_class = ClosingHTTPConnection
+    url_map_class = _RouteMap
     ringserve_state: ServerState
 
 
@@ -290,14 +301,15 @@ def create_app(state: ServerState) -> RingserveQuart:
         return OPENAI if message_id.startswith(OPENAI.id_prefix) else ANTHROPIC
 
     def request_surface() -> Surface:
-        """The surface whose error shape answers this request: by route, by message id, and for
-        /v1/models (read by both SDKs) by the Anthropic SDK's ``anthropic-version`` header."""
+        """The surface whose error shape answers this request: by message id; else Anthropic under
+        /v1/messages or with the Anthropic SDK's ``anthropic-version`` header (/v1/models is read by
+        both SDKs); else OpenAI (also outside /v1, like hypercorn's own 400s: connections.py)."""
         message_id = (request.view_args or {}).get("message_id")
         if message_id is not None:
             return surface_of(message_id)
         if request.path.startswith("/v1/messages") or "anthropic-version" in request.headers:
             return ANTHROPIC
-        return OPENAI if request.path.startswith("/v1/") else ANTHROPIC
+        return OPENAI
 
     def admit_reader(message_readers: int = 0) -> None:
         """Count this request as a reader of its client until it ends (429 over the limits)."""

@@ -15,40 +15,61 @@ with that here:
   writes the watchdog does not see, normally comes second.
 * **Application**: :class:`SendWatchdog` times every ASGI ``send``. One
   blocked longer than ``slow_reader_timeout`` seconds has its request
-  cancelled (enough for an HTTP/2 stream stalled on its own flow-control
-  window) and, for HTTP/1.x or if it is still blocked at the next check, its
-  TCP connection aborted: :func:`abort_connection` shuts the socket down with
-  ``SO_LINGER`` 0, which wakes the pinned write with ``EPIPE`` and makes the
-  close a reset, so the kernel drops the unsent bytes too. The reader is
-  released and can resume with ``Last-Event-ID``; the generation is not
-  affected (the disconnect policy decides, as for any reader that leaves).
+  cancelled and its HTTP/2 stream reset (``RST_STREAM``, the connection's
+  other streams go on), or its HTTP/1.x connection aborted;
+  a send still blocked at the next check has its TCP connection aborted:
+  :func:`abort_connection` shuts the socket down with ``SO_LINGER`` 0, which
+  wakes the pinned write with ``EPIPE`` and makes the close a reset, so the
+  kernel drops the unsent bytes too. The reader is released and can resume
+  with ``Last-Event-ID``; the generation is not affected (the disconnect
+  policy decides, as for any reader that leaves).
 
-The drain uses :meth:`SendWatchdog.abort_all` for writes still pinned once
-every stream has its terminal event, so a non-reading client cannot keep the
-server from exiting.
+HTTP/2 needs two fixes to hypercorn for that (:class:`_StreamBuffer`,
+:class:`_H2Protocol`): unpatched, a stream whose flow-control window stays
+shut never blocks its sender, so its bytes pile up in hypercorn without
+bound, and a send waiting on a stream buffer is never woken once its
+connection closes.
+
+The drain ends with :meth:`HypercornConfig.reset_connections` for every
+connection still open once every stream has had its terminal event and a
+short flush, so a client that stopped reading cannot keep the server from
+exiting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import http
 import logging
 import math
 import os
 import socket
 import struct
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import attrs
+import h11
+import h2.errors
 import h2.events
+import h2.exceptions
 import hypercorn.config
+import hypercorn.events
 import hypercorn.protocol
 import hypercorn.protocol.h2
+import hypercorn.protocol.h11
+import hypercorn.protocol.http_stream
 import hypercorn.trio.run
 import hypercorn.trio.tcp_server
 import trio
 
+from ringserve.core.errors import ErrorKind, RingserveError
+from ringserve.surfaces.base import dumps
+from ringserve.surfaces.openai import OpenAISurface
+
 __all__ = [
+    "RESET_STREAM",
     "HypercornConfig",
     "SendWatchdog",
     "WatchdogStatistics",
@@ -59,6 +80,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("ringserve")
+
+#: ASGI scope key of an HTTP/2 request: a no-argument callable that resets its stream
+#: (``RST_STREAM`` ``CANCEL``) and tells hypercorn and the app as if the client had.
+RESET_STREAM = "ringserve.reset_stream"
 
 #: Keep-alive probes sent before a silent peer is given up (with ``TCP_USER_TIMEOUT``
 #: set, Linux gives up once that has passed instead).
@@ -96,14 +121,31 @@ def tune_listening_socket(sock: socket.socket, timeout: float) -> None:
 
 
 class HypercornConfig(hypercorn.config.Config):
-    """hypercorn's config whose listening sockets get :func:`tune_listening_socket`.
+    """hypercorn's config whose listening sockets get :func:`tune_listening_socket`, and which
+    knows every connection open on them (:class:`_TCPServer` enters and leaves ``connections``).
 
     Attributes:
         tcp_user_timeout: seconds for :func:`tune_listening_socket`; 0 leaves
             the sockets as hypercorn makes them.
+        connections: the connections open now.
     """
 
     tcp_user_timeout: float = 0.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.connections: set[_TCPServer] = set()
+
+    def reset_connections(self) -> int:
+        """Reset every connection open now (as :func:`abort_connection` does): any write pinned
+        on one wakes with ``EPIPE`` and hypercorn ends it.
+
+        Returns:
+            How many connections were reset.
+        """
+        for connection in self.connections:
+            _reset_socket(connection.socket())
+        return len(self.connections)
 
     def create_sockets(self) -> hypercorn.config.Sockets:
         sockets = super().create_sockets()
@@ -168,11 +210,15 @@ def abort_connection(local: Any, peer: Any) -> bool:
     if sock is None:
         return False
     with sock:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
+        _reset_socket(sock)
     return True
+
+
+def _reset_socket(sock: socket.socket | trio.socket.SocketType) -> None:
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 @attrs.frozen
@@ -184,8 +230,7 @@ class WatchdogStatistics:
         oldest_send_seconds: how long the oldest of them has run (0 if none).
         readers_dropped_total: requests dropped because a send was blocked
             longer than the timeout (each counted once).
-        connections_aborted_total: TCP connections reset by the watchdog or
-            by :meth:`SendWatchdog.abort_all`.
+        connections_aborted_total: TCP connections reset by the watchdog.
     """
 
     sends_in_flight: int
@@ -210,11 +255,13 @@ class SendWatchdog:
     Every ASGI ``send`` of a request runs inside :meth:`watch`; :meth:`run`
     (one task in the server nursery) checks every ``min(timeout / 4, 1)``
     seconds. A send older than ``timeout`` gets, once, its request's cancel
-    scope cancelled and ``on_drop()`` called; an HTTP/1.x connection is also
-    aborted at once (hypercorn shields HTTP/1 socket writes, so cancelling
-    cannot reach them), any other one at the next check if the send is still
-    there (an HTTP/2 stream stalled on its own flow-control window returns
-    when cancelled, leaving the connection's other streams alone).
+    scope cancelled and ``on_drop()`` called, and then its HTTP/2 stream
+    reset (the scope's :data:`RESET_STREAM`; this wakes the send, also the
+    final one that the app shields, and leaves the connection's other streams
+    alone) or, without one (HTTP/1.x: hypercorn shields its socket writes, so
+    cancelling cannot reach them), its connection aborted at once. A send
+    still there at the next check has its connection aborted (an HTTP/2
+    write pinned on the socket itself).
 
     Args:
         timeout: seconds (> 0), ``server.slow_reader_timeout``.
@@ -266,23 +313,14 @@ class SendWatchdog:
                 send.cancel_scope.cancel()
                 if self.on_drop is not None:
                     self.on_drop()
-                if str(send.scope.get("http_version", "1.1")).startswith("1"):
+                reset_stream = send.scope.get(RESET_STREAM)
+                if reset_stream is not None:
+                    reset_stream()
+                else:
                     self._abort(send)
             else:
                 self._abort(send)
         return dropped
-
-    def abort_all(self) -> int:
-        """Abort the connection of every send in flight (the drain's last step).
-
-        Returns:
-            How many connections were found and reset.
-        """
-        aborted = 0
-        for send in list(self._sends.values()):
-            send.cancel_scope.cancel()
-            aborted += self._abort(send)
-        return aborted
 
     def _abort(self, send: _Send) -> bool:
         if send.aborted:
@@ -322,19 +360,70 @@ def _peer(scope: dict[str, Any]) -> str:
 
 # -- hypercorn per-connection faults ------------------------------------------------------------
 #
-# Two classes below are installed into hypercorn by :func:`isolate_connection_faults` (called by
+# The classes below are installed into hypercorn by :func:`isolate_connection_faults` (called by
 # ``serve``). They are ringserve's own subclasses, swapped in by name; site-packages is untouched.
 
 
-class _H2Protocol(hypercorn.protocol.h2.H2Protocol):
-    """hypercorn's HTTP/2 protocol, tolerant of body data for a stream it has already closed.
+class _StreamBuffer(hypercorn.protocol.h2.StreamBuffer):
+    """hypercorn's per-stream send buffer, paused by what it holds rather than by what it sent.
 
-    When the app answers before the request body has fully arrived (401, 404,
-    413...), hypercorn removes the stream; the DATA frames still in flight then
-    hit ``self.streams[stream_id]`` and raise ``KeyError`` out of the
-    connection (its ``StreamEnded`` branch already ignores this case). The
-    data is acknowledged for flow control and dropped.
+    ``push`` waits once the buffer holds ``BUFFER_HIGH_WATER`` (32 KiB) until
+    ``pop`` lets it go on. hypercorn lets it go on whenever one ``pop`` returns
+    less than ``BUFFER_LOW_WATER`` (16 KiB), and a stream whose flow-control
+    window is shut (a client with ``SETTINGS_INITIAL_WINDOW_SIZE`` 0, or one
+    that stopped reading) pops nothing, again and again: its sender never
+    blocked and the buffer took the whole answer. Here ``pop`` lets it go on
+    only once the buffer holds less than ``BUFFER_LOW_WATER``, so a stream
+    buffers at most the high-water mark plus two sends, and a send to a shut
+    window blocks (which :class:`SendWatchdog` sees).
     """
+
+    async def pop(self, max_length: int) -> bytes:
+        data = bytes(self.buffer[:max_length])
+        del self.buffer[:max_length]
+        if len(self.buffer) < hypercorn.protocol.h2.BUFFER_LOW_WATER:
+            await self._paused.set()
+        if not self.buffer:
+            await self._is_empty.set()
+        return data
+
+
+class _H2Protocol(hypercorn.protocol.h2.H2Protocol):
+    """hypercorn's HTTP/2 protocol with three fixes.
+
+    * Body data for a stream it has already closed is dropped: when the app
+      answers before the request body has fully arrived (401, 404, 413...),
+      hypercorn removes the stream; the DATA frames still in flight then hit
+      ``self.streams[stream_id]`` and raise ``KeyError`` out of the connection
+      (its ``StreamEnded`` branch already ignores this case). The data is
+      acknowledged for flow control and dropped.
+    * Every request's scope gets :data:`RESET_STREAM`, which resets its stream.
+    * When the connection closes, or its task group is cancelled (a shutdown),
+      every stream buffer is closed, which wakes the sends waiting on them
+      (unpatched, a send waiting for a shut window to drain its stream's last
+      bytes waited forever, and the app shields that send, so the connection
+      task and the server's shutdown never ended).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ended = trio.Event()
+
+    async def initiate(self, *args: Any, **kwargs: Any) -> None:
+        await super().initiate(*args, **kwargs)
+        self.task_group.spawn(self._close_buffers_at_end)
+
+    async def _close_buffers_at_end(self) -> None:
+        try:
+            await self._ended.wait()
+        finally:  # closing never checkpoints, so it runs to the end also when cancelled
+            for buffer in list(self.stream_buffers.values()):
+                await buffer.close()
+
+    async def handle(self, event: hypercorn.events.Event) -> None:
+        await super().handle(event)
+        if isinstance(event, hypercorn.events.Closed):
+            self._ended.set()
 
     async def _handle_events(self, events: list[Any]) -> None:
         # One at a time: a stream is created by its RequestReceived, which may come in the same
@@ -346,16 +435,63 @@ class _H2Protocol(hypercorn.protocol.h2.H2Protocol):
                 await super()._handle_events([event])
         await self._flush()
 
+    async def _create_stream(self, request: h2.events.RequestReceived) -> None:
+        await super()._create_stream(request)
+        stream = self.streams.get(request.stream_id)
+        if isinstance(stream, hypercorn.protocol.http_stream.HTTPStream):
+            # The app has not run yet: it was only scheduled, and holds this same scope dict.
+            stream.scope[RESET_STREAM] = partial(self.task_group.spawn, self._reset_stream, request.stream_id)
+
+    async def _reset_stream(self, stream_id: int) -> None:
+        """``RST_STREAM`` (``CANCEL``) for ``stream_id``; then as for one from the client: the
+        stream's buffer is closed (waking its send), and the app gets ``http.disconnect``."""
+        buffer = self.stream_buffers.get(stream_id)
+        if buffer is None or self.closed:
+            return  # it has ended already, or the whole connection has
+        with contextlib.suppress(h2.exceptions.ProtocolError):  # closed meanwhile
+            self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+        await buffer.close()
+        await self._close_stream(stream_id)
+        await self._window_updated(stream_id)  # the send task drops the stream's buffer
+        await self._flush()
+
+
+class _H11Protocol(hypercorn.protocol.h11.H11Protocol):
+    """hypercorn's HTTP/1.1 protocol whose own error answers have a JSON body in the OpenAI error
+    shape (like the app's answers outside ``/v1/messages``) instead of an empty one.
+
+    hypercorn answers by itself a request that h11 cannot parse (a NUL or a
+    newline in a header, a malformed request line: 400; headers too large:
+    431), and closes the connection.
+    """
+
+    async def _send_error_response(self, status_code: int) -> None:
+        phrase = http.HTTPStatus(status_code).phrase
+        error = RingserveError(ErrorKind.INVALID_REQUEST, f"malformed HTTP request ({status_code} {phrase})")
+        body = dumps(OpenAISurface().error_json(error)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                   (b"connection", b"close"), *self.config.response_headers("h11")]
+        await self._send_h11_event(h11.Response(status_code=status_code, headers=headers))
+        await self._send_h11_event(h11.Data(data=body))
+        await self._send_h11_event(h11.EndOfMessage())
+
 
 class _TCPServer(hypercorn.trio.tcp_server.TCPServer):
-    """hypercorn's per-connection task; a fault in one connection closes that connection only.
+    """hypercorn's per-connection task; a fault in one connection closes that connection only,
+    and the connection is in its config's ``connections`` while it runs (:class:`HypercornConfig`).
 
     Unpatched, an exception escaping a connection's protocol code reaches
     ``trio.serve_listeners``' nursery and stops the whole server, and every
     stream with it.
     """
 
+    def socket(self) -> trio.socket.SocketType:
+        """The connection's TCP socket (under TLS too)."""
+        return getattr(self.stream, "transport_stream", self.stream).socket
+
     async def run(self) -> None:
+        connections = getattr(self.config, "connections", set())
+        connections.add(self)
         try:
             await super().run()
         except BaseException as exc:
@@ -366,9 +502,14 @@ class _TCPServer(hypercorn.trio.tcp_server.TCPServer):
             log.error("an HTTP connection failed; it is closed, the server goes on", exc_info=errors)
             with contextlib.suppress(Exception), trio.CancelScope(shield=True):
                 await self.stream.aclose()
+        finally:
+            connections.discard(self)
 
 
 def isolate_connection_faults() -> None:
-    """Install :class:`_H2Protocol` and :class:`_TCPServer` into hypercorn (idempotent)."""
+    """Install :class:`_StreamBuffer`, :class:`_H2Protocol`, :class:`_H11Protocol` and
+    :class:`_TCPServer` into hypercorn (idempotent)."""
+    hypercorn.protocol.h2.StreamBuffer = _StreamBuffer
     hypercorn.protocol.H2Protocol = _H2Protocol
+    hypercorn.protocol.H11Protocol = _H11Protocol
     hypercorn.trio.run.TCPServer = _TCPServer

@@ -281,7 +281,9 @@ async def test_the_overall_timeout_ends_the_stream_and_cancels_the_generation(tm
             async with client.stream("hi", max_tokens=400) as stream:
                 with pytest.raises(RequestTimeout) as caught:
                     await stream.final_message()
-            assert trio.current_time() - start < 0.6 + 0.3  # exact in the async client
+            # Ended by the 0.6 s timeout, not by the stream's end (400 tokens at 0.05 s: 20 s); the bound
+            # leaves room for a loaded machine.
+            assert 0.6 <= trio.current_time() - start < 5.0
             assert 0 < len(caught.value.text) < len(REPLY)
             status = await client.get_message(stream.message_id)
         assert status["status"] == "cancelled"  # leaving the stream early cancelled it
@@ -296,7 +298,7 @@ async def test_the_overall_timeout_ends_the_stream_and_cancels_the_generation(tm
                 return elapsed, sync_client.get_message(sync_stream.message_id)
 
         elapsed, sync_status = await trio.to_thread.run_sync(sync_run)
-    assert elapsed < 0.6 + 0.5 + 0.5 and sync_status["status"] == "cancelled"
+    assert 0.6 <= elapsed < 5.0 and sync_status["status"] == "cancelled"  # as above
 
 
 # -- the terminal commands -------------------------------------------------------------------------------

@@ -4,8 +4,10 @@ cancelling one stream of a multiplexed connection cancels only that stream's rea
 from __future__ import annotations
 
 import datetime
+import gc
 import ipaddress
 import json
+import re
 import ssl
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import h2.connection
 import h2.errors
 import h2.events
 import httpx
+import hypercorn.protocol.h2
 import pytest
 import trio
 from cryptography import x509
@@ -21,9 +24,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from ringserve.app import message_status_json
 from ringserve.config import Config
 from ringserve.core.sse import SSEParser
 from tests.conftest import fake_config, running_server
+from tests.h2client import open_h2
 from tests.helpers import ANTHROPIC_BODY, anthropic_text, sse_events
 
 ECHO = {**ANTHROPIC_BODY, "stream": True, "messages": [{"role": "user", "content": "echo:over HTTP/2"}]}
@@ -162,3 +167,82 @@ async def test_an_early_answer_to_a_big_h2_body_does_not_crash_the_server(tmp_pa
             for _ in range(3):
                 assert (await client.get("/health")).status_code == 200
                 await trio.sleep(0.05)
+
+
+def _h2_buffered_bytes() -> int:
+    """Response bytes held now in hypercorn's HTTP/2 stream buffers (all connections of this process)."""
+    return sum(len(o.buffer) for o in gc.get_objects() if isinstance(o, hypercorn.protocol.h2.StreamBuffer))
+
+
+#: Most bytes a stream whose window is shut may hold in hypercorn: its high-water mark (32 KiB) and two
+#: sends (each at most 16 tokens of 2 KiB, coalesced), with room to spare; the answers are 2 MiB.
+STUCK_BUFFER_BOUND = 256 * 1024
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["h2c", "tls"])
+async def test_streams_whose_window_never_opens_buffer_little_and_are_reset(tmp_path, tls):
+    """A client with SETTINGS_INITIAL_WINDOW_SIZE 0 that never opens its streams' windows: while they
+    are stuck, the server holds a bounded number of their bytes however long the answers (which run to
+    the end under ``continue``); after slow_reader_timeout each stuck stream gets RST_STREAM (CANCEL), is
+    counted as a dropped slow reader, and a generation under ``abort`` stops with it; the connection's
+    other streams go on."""
+    server: dict[str, object] = {"slow_reader_timeout": 60.0}
+    cafile = None
+    if tls:
+        cert, key = self_signed_cert(tmp_path)
+        server |= {"certfile": str(cert), "keyfile": str(key)}
+        cafile = str(cert)
+    config = fake_config(tmp_path, server=server, engine={"ctx_per_slot": 12000})
+    def reply(kib: str) -> str:  # the user message says how long: "2048" is 2 MiB, 1024 tokens of 2 KiB
+        return "0123456789abcdef" * (64 * int(kib))
+
+    body = {**ANTHROPIC_BODY, "stream": True, "max_tokens": 10000, "messages": [{"role": "user", "content": "2048"}]}
+    async with running_server(config, piece_bytes=2048, step_seconds=0.001, reply=reply) as state:
+        client = await open_h2(state.urls[0], cafile)
+        async with client.stream, trio.open_nursery() as nursery:
+            nursery.start_soon(client.run)
+            with trio.fail_after(60):
+                # Two stuck streams whose generations run to the end regardless of their reader.
+                stuck = [await client.request("POST", "/v1/messages", body, read=False,
+                                              headers={"ringserve-disconnect-policy": "continue"}) for _ in range(2)]
+                await client.wait_for(lambda: all(client.streams[s].headers for s in stuck))
+                ids = [client.streams[s].headers[b"x-message-id"].decode() for s in stuck]
+                peak = 0
+                for message_id in ids:
+                    while (msg := state.hub.live(message_id)) is not None:
+                        peak = max(peak, _h2_buffered_bytes())
+                        with trio.move_on_after(0.2):
+                            await msg.done.wait()
+                finished = [message_status_json(state.hub.lookup(i)) for i in ids]
+                assert [m["status"] for m in finished] == ["complete", "complete"]
+                assert all(m["text"] == reply("2048") for m in finished)  # 2 MiB each, none of it sent
+                assert peak < STUCK_BUFFER_BOUND, peak
+                assert not any(client.streams[s].body for s in stuck)
+                assert state.watchdog.statistics().readers_dropped_total == 0
+
+                # Now a short timeout: the stuck streams are reset; so is a new one, whose generation
+                # (16 MiB, 8192 tokens, >= 8 s) stops with it under ``abort``.
+                state.watchdog.timeout = 0.5
+                long = {**body, "messages": [{"role": "user", "content": "16384"}]}
+                aborted = await client.request("POST", "/v1/messages", long, read=False)
+                await client.wait_for(lambda: client.streams[aborted].headers is not None)
+                aborted_id = client.streams[aborted].headers[b"x-message-id"].decode()
+                await client.wait_for(lambda: all(client.streams[s].reset_code is not None for s in [*stuck, aborted]))
+                assert {client.streams[s].reset_code for s in [*stuck, aborted]} == {h2.errors.ErrorCodes.CANCEL}
+                if (msg := state.hub.live(aborted_id)) is not None:
+                    await msg.done.wait()
+                cancelled = message_status_json(state.hub.lookup(aborted_id))
+                assert cancelled["status"] == "cancelled" and cancelled["usage"]["output_tokens"] < 8192 // 2
+                assert _h2_buffered_bytes() == 0
+                metrics = state.metrics.render().decode()
+                assert re.search(r'^ringserve_slow_reader_disconnects_total\{reason="blocked"\} 3\.0$',
+                                 metrics, re.MULTILINE), metrics
+
+                # The connection itself is fine: a stream that reads gets its whole answer.
+                echo = {**body, "messages": [{"role": "user", "content": "echo:still here"}]}
+                reading = await client.request("POST", "/v1/messages", echo, read=True)
+                await client.wait_for(lambda: client.streams[reading].ended)
+                assert not client.closed
+                events = SSEParser().feed(bytes(client.streams[reading].body))
+                assert events[-1].event == "message_stop" and anthropic_text(events) == "still here"
+            nursery.cancel_scope.cancel()
