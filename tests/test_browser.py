@@ -126,7 +126,7 @@ async def test_playground_stop_button_cancels_the_generation(tmp_path: Path) -> 
         seen = await trio.to_thread.run_sync(in_browser, tmp_path, proxy.url, script)
         async with httpx.AsyncClient(base_url=state.urls[0]) as http:
             stored = (await http.get(f"/v1/messages/{seen['message-id']}")).json()
-    assert seen["status"] == "cancelled" and seen["stop-reason"] == "cancelled"
+    assert seen["status"] == "cancelled" and seen["stop-reason"] == "end_turn"  # with ringserve_cancelled
     assert stored["status"] == "cancelled" and seen["output"] == stored["text"]
     assert len(seen["output"]) < len(REPLY)
 

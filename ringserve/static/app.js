@@ -22,7 +22,9 @@ const SURFACES = {
                                     messages: [{ role: "user", content: prompt }] }),
     read(name, data, view) {
       if (name === "content_block_delta" && data.delta.type === "text_delta") view.text(data.delta.text);
-      else if (name === "message_delta") view.finish(data.delta.stop_reason, data.usage.output_tokens);
+      else if (name === "message_delta") {
+        view.finish(data.delta.stop_reason, data.usage.output_tokens, data.delta.ringserve_cancelled === true);
+      }
       else if (name === "message_stop") return true;
       else if (name === "error") { view.fail(`${data.error.type}: ${data.error.message}`); return true; }
       return false;
@@ -38,7 +40,7 @@ const SURFACES = {
       if (data.error) { view.fail(`${data.error.type}: ${data.error.message}`); return true; }
       for (const choice of data.choices || []) {
         if (choice.delta && choice.delta.content) view.text(choice.delta.content);
-        if (choice.finish_reason) view.finish(choice.finish_reason, null);
+        if (choice.finish_reason) view.finish(choice.finish_reason, null, choice.ringserve_cancelled === true);
       }
       if (data.usage) view.finish(null, data.usage.completion_tokens);
       return false;
@@ -65,8 +67,9 @@ function setStatus(text, isError = false) {
 }
 
 // The view of one message: text, timings and counters. All DOM writes use textContent.
+// A cancelled message has a plain stop reason (end_turn, stop) and "ringserve_cancelled": true.
 function makeView(startedAt) {
-  let firstAt = null, stopReason = null, outputTokens = null;
+  let firstAt = null, stopReason = null, outputTokens = null, cancelled = false;
   const stats = () => {
     if (stopReason !== null) $("stop-reason").textContent = stopReason;
     if (outputTokens !== null && firstAt !== null) {
@@ -82,11 +85,13 @@ function makeView(startedAt) {
       }
       $("output").textContent += t;
     },
-    finish(reason, tokens) {
+    finish(reason, tokens, wasCancelled = false) {
       if (reason !== null) stopReason = reason;
       if (tokens !== null) outputTokens = tokens;
+      if (wasCancelled) cancelled = true;
       stats();
     },
+    get cancelled() { return cancelled; },
     fail(message) { setStatus(`error: ${message}`, true); },
   };
 }
@@ -98,12 +103,12 @@ function seqOf(lastEventId, messageId) {
   return Number.isInteger(seq) ? seq : null;
 }
 
-function end(msg) {
+function end(msg, view = null) {
   msg.done = true;
   if (msg.es) msg.es.close();
   $("stop").disabled = true;
   $("send").disabled = false;
-  if (!$("status").className) setStatus($("stop-reason").textContent === "cancelled" ? "cancelled" : "done");
+  if (!$("status").className) setStatus(view && view.cancelled ? "cancelled" : "done");
 }
 
 function follow(msg, surface, view, lastSeq = -1) {
@@ -115,7 +120,7 @@ function follow(msg, surface, view, lastSeq = -1) {
     if (seq === null || seq <= lastSeq) return;  // a replayed event: already shown
     lastSeq = seq;
     const data = ev.data === "[DONE]" ? ev.data : JSON.parse(ev.data);
-    if (SURFACES[surface].read(ev.type, data, view)) end(msg);
+    if (SURFACES[surface].read(ev.type, data, view)) end(msg, view);
   };
   if (surface === "anthropic") {
     // "error" is also EventSource's own connection-error event; only a MessageEvent is the server's.
@@ -172,9 +177,9 @@ async function pollMessage(msg, view) {
     const shown = $("output").textContent;
     if (body.text.startsWith(shown) && body.text.length > shown.length) view.text(body.text.slice(shown.length));
     if (body.status !== "queued" && body.status !== "generating") {
-      view.finish(body.stop_reason, body.usage.output_tokens);
+      view.finish(body.stop_reason, body.usage.output_tokens, body.status === "cancelled");
       if (body.status === "failed" || body.status === "interrupted") view.fail(body.error || body.status);
-      end(msg);
+      end(msg, view);
       break;
     }
     await new Promise((resolve) => setTimeout(resolve, 500));
@@ -221,7 +226,7 @@ async function stop() {
   if (!current || current.done) return;
   $("stop").disabled = true;
   logLine("stop: cancelling the generation");
-  // The stream then ends with stop reason "cancelled" and its terminal event.
+  // The stream then ends with its terminal event, marked "ringserve_cancelled": true.
   await fetch(`/v1/messages/${encodeURIComponent(current.id)}/cancel`, { method: "POST", headers: authHeaders() });
 }
 
