@@ -220,6 +220,21 @@ async def test_an_in_band_error_raises(tmp_path: Path, surface: str) -> None:
         await stream.final_message()  # the stream stays failed
 
 
+@pytest.mark.parametrize("surface", ["anthropic", "openai"])
+async def test_a_cancel_by_another_party_gives_a_final_message_marked_cancelled(tmp_path: Path, surface: str) -> None:
+    """The server's ringserve_cancelled key becomes FinalMessage.cancelled; the stop reason stays an SDK value."""
+    async with server_and_proxy(tmp_path, Cut, step_seconds=0.01) as (state, _proxy):
+        async with AsyncClient(state.urls[0]) as client:
+            async with client.stream("hi", surface=surface, max_tokens=400) as stream:
+                async for event in stream:
+                    if event.text:
+                        await client.cancel(stream.message_id)
+                        break
+                final = await stream.final_message()
+    assert final.cancelled and final.stop_reason == {"anthropic": "end_turn", "openai": "stop"}[surface]
+    assert 0 < len(final.text) < len(REPLY)
+
+
 async def test_an_http_error_raises_without_retrying(tmp_path: Path) -> None:
     async with server_and_proxy(tmp_path, Cut) as (state, _proxy), AsyncClient(state.urls[0]) as client:
         async with client.stream("hi", max_tokens=0) as stream:

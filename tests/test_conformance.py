@@ -15,16 +15,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import httpx
-import openai
 import pytest
 import trio
 
 from ringserve.core.sse import SSEParser, encode_comment
 from ringserve.engine.fake import DEFAULT_REPLY
 from ringserve.stream.hub import CancelReason
-from tests.conformance import PATHS, Seen, check_answer, check_stream, stream_bytes
+from tests.conformance import PATHS, Seen, check_answer, check_stream, sdk_answer, sdk_stream_text, stream_bytes
 from tests.conftest import fake_config, running_server
 from tests.helpers import ANTHROPIC_BODY, OPENAI_BODY
 from tests.test_metrics import scrape
@@ -33,6 +31,7 @@ SURFACES = ["anthropic", "openai"]
 ASYNC = {"Prefer": "respond-async"}
 LONG = " ".join(f"w{i}" for i in range(200))  # about 250 fake tokens
 PING = encode_comment("ping")
+SDK_REQUEST = {"max_tokens": 64, "messages": [{"role": "user", "content": "hello"}]}
 HINT = re.compile(rb": reconnect (\{.*\})\n\Z")
 
 #: How each ending is spelled: (Anthropic stop_reason, OpenAI finish_reason).
@@ -235,6 +234,7 @@ SILENCES = {
     "queue": ({"engine": {"slots": 1}}, {"step_seconds": 0.01, "reply": _reply}),
     "safety": ({"safety": {"window_tokens": 2, "checker": "tests.safety_checkers:slow_first"}}, {}),
     "resume": ({}, {"prefill_seconds": 1.3}),
+    "error": ({}, {"prefill_seconds": 1.3, "fail_after_tokens": 2}),  # pings, then an in-band error
 }
 
 
@@ -272,7 +272,10 @@ async def test_heartbeats_in_every_silence_are_invisible_to_the_sdks(tmp_path: P
     for raw, resumed in bodies:
         assert PING in raw, raw[:300]
         seen = check_stream(surface, raw, resumed=resumed)
-        assert seen.stop_reason == stop_reason(surface, "end") and DEFAULT_REPLY.endswith(seen.text)
+        if silence == "error":
+            assert seen.error is not None and seen.stop_reason is None
+        else:
+            assert seen.stop_reason == stop_reason(surface, "end") and DEFAULT_REPLY.endswith(seen.text)
     assert any(raw.index(PING) > raw.index(b"id: ") for raw, _ in bodies)  # a ping after an id: the old crash
 
 
@@ -302,15 +305,6 @@ async def test_overload_answers_carry_retry_headers(tmp_path: Path) -> None:
         assert (resp.headers["retry-after"], resp.headers["retry-after-ms"]) == ("1", "1000")
 
 
-def _sdk_create(sdk: str, url: str, **client_kwargs: Any) -> tuple[str, str | None]:
-    """One non-stream request through the official SDK's own client: (text, stop reason)."""
-    if sdk == "anthropic":
-        message = anthropic.Anthropic(base_url=url, api_key="k", **client_kwargs).messages.create(
-            model="any", max_tokens=64, messages=[{"role": "user", "content": "hello"}])
-        return message.content[0].text, message.stop_reason
-    completion = openai.OpenAI(base_url=url + "/v1", api_key="k", **client_kwargs).chat.completions.create(
-        model="any", max_tokens=64, messages=[{"role": "user", "content": "hello"}])
-    return completion.choices[0].message.content, completion.choices[0].finish_reason
 
 
 @pytest.mark.parametrize("sdk", SURFACES)
@@ -322,7 +316,7 @@ async def test_the_sdks_retry_a_full_queue_after_the_given_delay(tmp_path: Path,
     async with running_server(config, step_seconds=0.01, reply=_reply) as state, \
             httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
         await client.post("/v1/messages", json=body("anthropic", stream=False, content="long", max_tokens=1000), headers=ASYNC)
-        text, reason = await trio.to_thread.run_sync(lambda: _sdk_create(sdk, state.urls[0], max_retries=8))
+        text, reason = await trio.to_thread.run_sync(lambda: sdk_answer(sdk, state.urls[0], max_retries=8, **SDK_REQUEST))
         refused = (await scrape(client))("ringserve_errors_total", type="overloaded", stage="http")
     assert (text, reason) == (DEFAULT_REPLY, stop_reason(sdk, "end"))
     delays = [float(m) for m in re.findall(r"Retrying request .*in ([0-9.]+) seconds", caplog.text)]
@@ -331,49 +325,6 @@ async def test_the_sdks_retry_a_full_queue_after_the_given_delay(tmp_path: Path,
 
 
 # -- the SDKs' own stream classes ---------------------------------------------------------------
-
-
-def _sdk_stream(sdk: str, url: str, *, use_async: bool, resume: str | None = None) -> str:
-    """Stream through the official SDK's own Stream / AsyncStream; the text. ``resume``: read
-    ``GET /v1/messages/{id}/stream`` from the start with the SDK's stream class instead."""
-    prompt = [{"role": "user", "content": "hello"}]
-
-    def text_of_anthropic(events: list[Any]) -> str:
-        return "".join(e.delta.text for e in events if e.type == "content_block_delta")
-
-    def text_of_openai(chunks: list[Any]) -> str:
-        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-
-    async def run_async() -> str:
-        if sdk == "anthropic":
-            client = anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0)
-            stream = await (client.get(f"/v1/messages/{resume}/stream", cast_to=anthropic.types.RawMessageStreamEvent,
-                                       stream=True, stream_cls=anthropic.AsyncStream[anthropic.types.RawMessageStreamEvent])
-                            if resume else client.messages.create(model="any", max_tokens=64, messages=prompt, stream=True))
-            return text_of_anthropic([e async for e in stream])
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
-        chunk_type = openai.types.chat.ChatCompletionChunk
-        stream = await (client.get(f"/messages/{resume}/stream", cast_to=chunk_type, stream=True,
-                                   stream_cls=openai.AsyncStream[chunk_type])
-                        if resume else client.chat.completions.create(model="any", max_tokens=64, messages=prompt,
-                                                                      stream=True))
-        return text_of_openai([c async for c in stream])
-
-    if use_async:
-        import asyncio
-        return asyncio.run(run_async())
-    if sdk == "anthropic":
-        client = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
-        stream = (client.get(f"/v1/messages/{resume}/stream", cast_to=anthropic.types.RawMessageStreamEvent,
-                             stream=True, stream_cls=anthropic.Stream[anthropic.types.RawMessageStreamEvent])
-                  if resume else client.messages.create(model="any", max_tokens=64, messages=prompt, stream=True))
-        return text_of_anthropic(list(stream))
-    client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
-    chunk_type = openai.types.chat.ChatCompletionChunk
-    stream = (client.get(f"/messages/{resume}/stream", cast_to=chunk_type, stream=True,
-                         stream_cls=openai.Stream[chunk_type])
-              if resume else client.chat.completions.create(model="any", max_tokens=64, messages=prompt, stream=True))
-    return text_of_openai(list(stream))
 
 
 @pytest.mark.parametrize("sdk", SURFACES)
@@ -386,10 +337,11 @@ async def test_the_sdks_stream_classes_read_through_queue_waits_and_resumes(tmp_
     async with running_server(config, step_seconds=0.01, reply=_reply) as state, \
             httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
         await client.post(PATHS[sdk], json=body(sdk, stream=False, content="long", max_tokens=1000), headers=ASYNC)
-        assert await trio.to_thread.run_sync(lambda: _sdk_stream(sdk, state.urls[0], use_async=use_async)) == DEFAULT_REPLY
+        assert await trio.to_thread.run_sync(lambda: sdk_stream_text(sdk, state.urls[0], use_async=use_async,
+                                                                     **SDK_REQUEST)) == DEFAULT_REPLY
         await client.post(PATHS[sdk], json=body(sdk, stream=False, content="long", max_tokens=1000), headers=ASYNC)
         created = (await client.post(PATHS[sdk], json=body(sdk, stream=True), headers=ASYNC)).json()
         text = await trio.to_thread.run_sync(
-            lambda: _sdk_stream(sdk, state.urls[0], use_async=use_async, resume=created["id"]))
+            lambda: sdk_stream_text(sdk, state.urls[0], use_async=use_async, resume=created["id"]))
         assert text == DEFAULT_REPLY
         assert (await scrape(client))("ringserve_heartbeats_total") >= 2
