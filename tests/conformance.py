@@ -14,15 +14,20 @@ then validated in pydantic strict mode against the SDKs' types:
 To add a case, capture a stream's bytes (:func:`stream_bytes`) or an answer
 and call :func:`check_stream` or :func:`check_answer`; both return what they
 saw (:class:`Seen`: text, stop reason, the cancel mark, the error) to assert on.
+:func:`sdk_stream_text` and :func:`sdk_answer` drive the SDKs' own clients
+(sync or async, a create or a resume) for end-to-end cases.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
+import anthropic
 import attrs
 import httpx
+import openai
 from anthropic import _streaming as anthropic_streaming
 from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent
 from openai import _streaming as openai_streaming
@@ -175,3 +180,70 @@ async def stream_bytes(client: httpx.AsyncClient, method: str, url: str, **kwarg
         async for chunk in resp.aiter_raw():
             raw += chunk
     return resp, bytes(raw)
+
+
+# -- the official SDKs' own clients -----------------------------------------------------------
+
+
+def _client(sdk: str, url: str, use_async: bool, **client_kwargs: Any) -> Any:
+    client_kwargs.setdefault("max_retries", 0)
+    if sdk == "anthropic":
+        cls = anthropic.AsyncAnthropic if use_async else anthropic.Anthropic
+        return cls(base_url=url, api_key="unused", **client_kwargs)
+    cls = openai.AsyncOpenAI if use_async else openai.OpenAI
+    return cls(base_url=url + "/v1", api_key="unused", **client_kwargs)
+
+
+def _create(sdk: str, client: Any, stream: bool, request: dict[str, Any]) -> Any:
+    # Current SDKs have no temperature argument on both; the server takes it as an extra field.
+    request = {"model": "any", **request}
+    if sdk == "anthropic":
+        return client.messages.create(stream=stream, **request)
+    return client.chat.completions.create(stream=stream, **request)
+
+
+def _resume(sdk: str, client: Any, use_async: bool, message_id: str, last_event_id: str | None) -> Any:
+    """``GET /v1/messages/{id}/stream`` through the SDK's own stream class."""
+    options = {"headers": {"Last-Event-ID": last_event_id}} if last_event_id else {}
+    if sdk == "anthropic":
+        event, path = anthropic.types.RawMessageStreamEvent, f"/v1/messages/{message_id}/stream"
+        cls = anthropic.AsyncStream if use_async else anthropic.Stream
+    else:
+        event, path = openai.types.chat.ChatCompletionChunk, f"/messages/{message_id}/stream"  # base URL ends in /v1
+        cls = openai.AsyncStream if use_async else openai.Stream
+    return client.get(path, cast_to=event, stream=True, stream_cls=cls[event], options=options)
+
+
+def _text(sdk: str, items: list[Any]) -> str:
+    if sdk == "anthropic":
+        return "".join(e.delta.text for e in items if e.type == "content_block_delta")
+    return "".join(c.choices[0].delta.content or "" for c in items if c.choices)
+
+
+def sdk_stream_text(sdk: str, url: str, *, use_async: bool = False, resume: str | None = None,
+                    last_event_id: str | None = None, **request: Any) -> str:
+    """Stream through the official SDK's ``Stream`` (or ``AsyncStream``) and return the text.
+
+    Blocking (run it on a thread). ``request`` is the SDK's ``create`` arguments (``model``
+    defaults to ``"any"``); with ``resume`` it reads ``GET /v1/messages/{resume}/stream``
+    after ``last_event_id`` with the SDK's stream class instead.
+    """
+    if use_async:
+        async def run() -> str:
+            client = _client(sdk, url, True)
+            stream = await (_resume(sdk, client, True, resume, last_event_id) if resume
+                            else _create(sdk, client, True, request))
+            return _text(sdk, [item async for item in stream])
+
+        return asyncio.run(run())
+    client = _client(sdk, url, False)
+    stream = _resume(sdk, client, False, resume, last_event_id) if resume else _create(sdk, client, True, request)
+    return _text(sdk, list(stream))
+
+
+def sdk_answer(sdk: str, url: str, *, max_retries: int = 0, **request: Any) -> tuple[str, str | None]:
+    """One non-stream request through the official SDK's client (blocking): (text, stop reason)."""
+    answer = _create(sdk, _client(sdk, url, False, max_retries=max_retries), False, request)
+    if sdk == "anthropic":
+        return "".join(block.text for block in answer.content), answer.stop_reason
+    return answer.choices[0].message.content or "", answer.choices[0].finish_reason
