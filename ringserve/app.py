@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -156,7 +157,10 @@ def _error_response(surface: Surface, error: RingserveError) -> Response:
     status = getattr(surface, "error_status", lambda e: e.status)(error)
     resp = Response(dumps(surface.error_json(error)), status, content_type="application/json")
     if error.retry_after is not None:
-        resp.headers["Retry-After"] = str(max(1, round(error.retry_after)))
+        # Retry-After is whole seconds (RFC 9110, section 10.2.3), rounded up so that no client
+        # comes back early; both SDKs read the exact value from retry-after-ms first.
+        resp.headers["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
+        resp.headers["retry-after-ms"] = str(max(0, round(error.retry_after * 1000)))
     return resp
 
 
@@ -285,7 +289,7 @@ def create_app(state: ServerState) -> RingserveQuart:
             return _error_response(surface, exc)
 
     def finished_answer(surface: Surface, msg: LiveMessage) -> Response:
-        if msg.status == "failed":
+        if msg.status in ("failed", "interrupted"):  # interrupted: ended by the drain
             kind = ErrorKind.UNAVAILABLE if msg.cancel_reason == CancelReason.DRAIN else ErrorKind.API_ERROR
             return _error_response(surface, RingserveError(kind, msg.error or "generation failed", retryable=True))
         return _json(surface.message_json(msg.result()), headers={"X-Message-Id": msg.id})

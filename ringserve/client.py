@@ -73,6 +73,7 @@ import httpx_sse
 import trio
 
 from ringserve.core.ringlog import parse_event_id
+from ringserve.surfaces.base import CANCELLED_KEY
 from ringserve.surfaces.openai import OpenAISurface
 
 __all__ = [
@@ -121,11 +122,14 @@ class FinalMessage:
         id: the message id (``msg_...`` or ``chatcmpl-...``).
         text: the whole reply text.
         stop_reason: in the surface's spelling (Anthropic ``end_turn``,
-            ``max_tokens``, ``stop_sequence``; OpenAI ``stop``, ``length``;
-            ``cancelled`` on both for a cancelled generation).
+            ``max_tokens``, ``stop_sequence``, ``refusal``; OpenAI ``stop``,
+            ``length``, ``content_filter``); a cancelled generation has the
+            plain end of turn (``end_turn``, ``stop``).
         stop_sequence: the stop string that ended it, if any.
         usage: tokens billed.
         model: the model that answered.
+        cancelled: True when a cancel ended the generation (the server's
+            ``ringserve_cancelled`` key, or status ``cancelled``).
     """
 
     id: str
@@ -134,6 +138,7 @@ class FinalMessage:
     stop_sequence: str | None
     usage: Usage
     model: str = ""
+    cancelled: bool = False
 
 
 @attrs.frozen
@@ -284,6 +289,7 @@ class _Reading:
     usage: Usage | None = None
     terminal: bool = False
     error: tuple[str, str] | None = None
+    cancelled: bool = False
 
 
 class _AnthropicWire:
@@ -310,6 +316,7 @@ class _AnthropicWire:
             delta = data.get("delta") or {}
             into.stop_reason = delta.get("stop_reason")
             into.stop_sequence = delta.get("stop_sequence")
+            into.cancelled = delta.get(CANCELLED_KEY) is True
             usage = data.get("usage") or {}
             into.usage = Usage(usage.get("input_tokens", 0), usage.get("output_tokens", 0))
         elif event == "message_stop":
@@ -354,6 +361,7 @@ class _OpenAIWire:
             text += (choice.get("delta") or {}).get("content") or ""
             if choice.get("finish_reason") is not None:
                 into.stop_reason = choice["finish_reason"]
+                into.cancelled = choice.get(CANCELLED_KEY) is True
         return text
 
 
@@ -533,18 +541,17 @@ class ResumeState:
     def feed(self, sse: httpx_sse.ServerSentEvent) -> list[StreamEvent]:
         """One decoded SSE block; returns the events it delivers (none for a duplicate).
 
-        httpx-sse also dispatches blocks without data (a lone ``retry:``, the
-        blank line after a ``: ping``), which WHATWG says not to; they carry
-        nothing and are skipped.
+        httpx-sse also dispatches blocks without data, which WHATWG says not
+        to; ringserve sends none (its heartbeats and reconnect hint are
+        comment lines, ``core/sse.py``), but a proxy might, so they are
+        skipped.
 
         Raises:
             StreamError: the event is an in-band error.
             ClientError: an id that is malformed, of another message, or that
                 skips a sequence number (a gap in the stream).
         """
-        if not sse.data or sse.event == "reconnect":
-            # A reconnect hint (server.max_stream_seconds) carries no id: the server closes
-            # the connection next, and the stream resumes from the last id like any drop.
+        if not sse.data:
             return []
         if self.message_id is None:
             self.message_id = (sse.id or "").rpartition(":")[0] or None
@@ -574,7 +581,7 @@ class ResumeState:
                 self._fetch, self._switch = True, "the stream had no usage; reading the message"
             else:
                 self.final = FinalMessage(self.message_id or "", self.text, reading.stop_reason,
-                                          reading.stop_sequence, reading.usage, reading.model)
+                                          reading.stop_sequence, reading.usage, reading.model, reading.cancelled)
         return [StreamEvent(seq, sse.event, data, text)]
 
     def answered(self, status: int, headers: Mapping[str, str], body: bytes) -> list[StreamEvent]:
@@ -685,7 +692,7 @@ class ResumeState:
             self.final = FinalMessage(
                 self.message_id or "", self.text, message.get("stop_reason"), message.get("stop_sequence"),
                 Usage(usage.get("input_tokens", 0), usage.get("output_tokens", 0)),
-                message.get("model") or self._reading.model,
+                message.get("model") or self._reading.model, status == "cancelled",
             )
         return events
 

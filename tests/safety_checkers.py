@@ -7,6 +7,7 @@ thread-safe objects only. Each test resets what it uses with :func:`reset`.
 from __future__ import annotations
 
 import threading
+import time
 
 from ringserve.core.safety import Verdict
 
@@ -48,3 +49,14 @@ def broken(released: str, window: str) -> Verdict:
 def not_a_verdict(released: str, window: str) -> bool:
     """A classifier that answers in the wrong type."""
     return True
+
+
+#: Seconds :func:`slow_first` takes on a message's first check (longer than a 1 s heartbeat interval).
+SLOW_SECONDS = 1.3
+
+
+def slow_first(released: str, window: str) -> Verdict:
+    """A slow classifier: allows, after :data:`SLOW_SECONDS` on each message's first check (nothing released yet)."""
+    if not released:
+        time.sleep(SLOW_SECONDS)
+    return Verdict.allow()

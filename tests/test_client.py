@@ -220,6 +220,21 @@ async def test_an_in_band_error_raises(tmp_path: Path, surface: str) -> None:
         await stream.final_message()  # the stream stays failed
 
 
+@pytest.mark.parametrize("surface", ["anthropic", "openai"])
+async def test_a_cancel_by_another_party_gives_a_final_message_marked_cancelled(tmp_path: Path, surface: str) -> None:
+    """The server's ringserve_cancelled key becomes FinalMessage.cancelled; the stop reason stays an SDK value."""
+    async with server_and_proxy(tmp_path, Cut, step_seconds=0.01) as (state, _proxy):
+        async with AsyncClient(state.urls[0]) as client:
+            async with client.stream("hi", surface=surface, max_tokens=400) as stream:
+                async for event in stream:
+                    if event.text:
+                        await client.cancel(stream.message_id)
+                        break
+                final = await stream.final_message()
+    assert final.cancelled and final.stop_reason == {"anthropic": "end_turn", "openai": "stop"}[surface]
+    assert 0 < len(final.text) < len(REPLY)
+
+
 async def test_an_http_error_raises_without_retrying(tmp_path: Path) -> None:
     async with server_and_proxy(tmp_path, Cut) as (state, _proxy), AsyncClient(state.urls[0]) as client:
         async with client.stream("hi", max_tokens=0) as stream:
@@ -264,7 +279,7 @@ async def test_heartbeats_keep_a_connection_inside_the_idle_timeout(tmp_path: Pa
 
 
 async def test_a_reconnect_hint_resumes_on_a_fresh_connection(tmp_path: Path) -> None:
-    """server.max_stream_seconds ends each connection with an id-less reconnect event."""
+    """server.max_stream_seconds ends each connection with a reconnect hint (a comment line)."""
     reconnects: list[Reconnect] = []
     async with server_and_proxy(tmp_path, Cut, server={"max_stream_seconds": 0.3}, step_seconds=0.004) as (s, _p):
         async with AsyncClient(s.urls[0], backoff=FAST, timeout=20) as client:
@@ -336,7 +351,7 @@ async def test_chat_ctrl_c_cancels_the_generation_on_the_server(tmp_path: Path) 
         message_id = line.split()[1].rstrip(":")
         async with AsyncClient(state.urls[0]) as client:
             status = await client.get_message(message_id)
-    assert status["status"] == "cancelled" and status["stop_reason"] == "cancelled"
+    assert status["status"] == "cancelled" and status["stop_reason"] == "end_turn"
     assert len(status["text"]) < len(REPLY)
 
 

@@ -18,7 +18,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from ringserve.config import Config
-from ringserve.core.sse import SSEParser
+from ringserve.core.sse import SSEParser, encode_comment
 from ringserve.engine.fake import FakeEngine
 from ringserve.metrics import Metrics
 from ringserve.server import serve
@@ -187,7 +187,7 @@ async def test_heartbeats_are_counted(tmp_path):
             httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
         _, events, raw = await sse_events(client, "POST", "/v1/messages", json={**ANTHROPIC_BODY, "stream": True})
         assert events[-1].event == "message_stop"
-        pings = raw.count(b": ping\n\n")
+        pings = raw.count(encode_comment("ping"))
         assert pings >= 1
         assert (await scrape(client))("ringserve_heartbeats_total") == pings
 

@@ -184,7 +184,8 @@ async def test_explicit_cancel_ends_every_reader_with_a_terminal_event(tmp_path)
         for events in results:
             assert events[-1].data == "[DONE]"
             final = json.loads(events[-2].data)
-            assert final["choices"][0]["finish_reason"] == "cancelled"
+            assert final["choices"][0]["finish_reason"] == "stop"
+            assert final["choices"][0]["ringserve_cancelled"] is True
         await wait_until(lambda: state.hub.runner.statistics().slots_busy == 0)  # within one step
         usage = answer.json()["usage"]
         assert 0 < usage["output_tokens"] < 200

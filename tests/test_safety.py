@@ -550,7 +550,7 @@ async def test_cancel_does_not_wait_for_a_hung_classifier(tmp_path):
             await trio.to_thread.run_sync(safety_checkers.WAITING.wait, GUARD)
             with trio.fail_after(safety_checkers.GATE_GUARD / 2):
                 cancelled = (await client.post(f"/v1/messages/{created['id']}/cancel")).json()
-            assert (cancelled["status"], cancelled["stop_reason"], cancelled["text"]) == ("cancelled", "cancelled", "")
+            assert (cancelled["status"], cancelled["stop_reason"], cancelled["text"]) == ("cancelled", "end_turn", "")
             assert not safety_checkers.GATE.is_set()  # the check is still hanging: it was abandoned
     finally:
         safety_checkers.GATE.set()

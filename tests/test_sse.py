@@ -17,7 +17,7 @@ from ringserve.core.sse import (
     SSEParser,
     encode_comment,
     encode_event,
-    encode_retry,
+    encode_reconnect,
 )
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -147,27 +147,28 @@ def test_encode_event_lone_surrogate_is_value_error():
         encode_event("\ud800")
 
 
-def test_encode_retry():
-    assert encode_retry(3000) == b"retry: 3000\n\n"
-    assert encode_retry(0) == b"retry: 0\n\n"
-    with pytest.raises(ValueError):
-        encode_retry(-5)
-    events, parser = parse([encode_retry(2500)])
-    assert events == []
-    assert parser.retry == 2500
-    assert parser.pending_bytes == 0
-
-
 def test_encode_comment():
-    assert encode_comment() == b": ping\n\n"
-    assert encode_comment("keep-alive") == b": keep-alive\n\n"
+    # One line and no blank line: it joins the next block instead of ending one (see encode_comment).
+    assert encode_comment() == b": ping\n"
+    assert encode_comment("keep-alive") == b": keep-alive\n"
     for bad in ("a\nb", "a\rb"):
         with pytest.raises(ValueError):
             encode_comment(bad)
     events, parser = parse(bytewise(encode_comment() * 3))
     assert events == []
     assert parser.comments == 3
-    assert parser.pending_bytes == 0
+    assert parser.pending_bytes == 3 * len(b": ping\n")  # an open block holding only comments
+    events, parser = parse([encode_comment() * 2 + encode_event("x", id="m:0") + encode_comment()])
+    assert events == [ServerSentEvent(data="x", id="m:0")]
+    assert parser.comments == 3
+
+
+def test_encode_reconnect():
+    assert encode_reconnect("msg_1:4") == b': reconnect {"last_event_id":"msg_1:4"}\n'
+    assert encode_reconnect(None) == b': reconnect {"last_event_id":null}\n'
+    events, parser = parse([encode_event("x", id="msg_1:4"), encode_comment(), encode_reconnect("msg_1:4")])
+    assert [e.data for e in events] == ["x"]
+    assert parser.last_event_id == "msg_1:4"  # what EventSource sends when it reconnects by itself
 
 
 # ---------------------------------------------------------------- parser rules
@@ -333,8 +334,8 @@ def test_round_trip_one_event(args, cuts):
     cuts=st.lists(st.integers(min_value=0), max_size=12),
 )
 def test_round_trip_stream(items, retry, cuts):
-    wire = encode_retry(retry)
-    expected, comments, last_id = [], 0, ""
+    wire = encode_event("first", id="m:0", retry=retry)
+    expected, comments, last_id = [ServerSentEvent("message", "first", "m:0", retry)], 0, "m:0"
     for item in items:
         if isinstance(item, str):
             wire += encode_comment(item)
@@ -350,7 +351,7 @@ def test_round_trip_stream(items, retry, cuts):
     _, parser = parse(split_at(wire, cuts))
     assert parser.comments == comments
     assert parser.last_event_id == last_id
-    assert parser.pending_bytes == 0
+    assert parser.pending_bytes == len(wire) - _last_boundary(wire)  # trailing comment lines, if any
     # Cut the stream anywhere: only whole blocks come out, the rest is pending.
     for cut in cuts[:3]:
         cut %= len(wire) + 1
@@ -386,3 +387,38 @@ def test_parser_matches_reference_on_raw_streams(pieces, cuts):
     assert (parser.comments, parser.last_event_id, parser.retry) == (
         ref_comments, ref_last_id, ref_retry,
     )
+
+
+# ---------------------------------------------------------------- the official SDKs' decoders
+
+# Both SDKs decode with a copy of httpx-sse's SSEDecoder, which keeps the last event id across
+# blocks and dispatches any blank line once one is set, even with an empty data buffer (the spec
+# dispatches nothing then). The OpenAI SDK parses every dispatched block as JSON, so an empty one
+# raises; the Anthropic SDK yields every named event but "ping".
+_SURROGATE = re.compile("[\ud800-\udfff]")  # encode_event refuses them (ValueError)
+SDK_DECODERS = {
+    "openai": pytest.importorskip("openai._streaming").SSEDecoder,
+    "anthropic": pytest.importorskip("anthropic._streaming").SSEDecoder,
+}
+
+
+@SETTINGS
+@pytest.mark.parametrize("sdk", sorted(SDK_DECODERS))
+@given(
+    items=st.lists(st.one_of(events_args().filter(lambda a: not _SURROGATE.search(a[0])),
+                             st.just("ping"), st.just("reconnect")), max_size=8),
+    cuts=st.lists(st.integers(min_value=0), max_size=12),
+)
+def test_sdk_decoders_dispatch_exactly_the_encoded_events(sdk, items, cuts):
+    """Heartbeats and the reconnect hint never reach an SDK as an event, wherever they fall."""
+    wire, expected = b"", []
+    for item in items:
+        if item == "ping":
+            wire += encode_comment()
+        elif item == "reconnect":
+            wire += encode_reconnect("m:1")
+        else:
+            wire += encode_event(item[0], event=item[1], id=item[2], retry=item[3])
+            expected.append(expected_event(*item))
+    got = list(SDK_DECODERS[sdk]().iter_bytes(iter(split_at(wire, cuts))))
+    assert [(e.event or "message", e.data) for e in got] == [(e.event, e.data) for e in expected]

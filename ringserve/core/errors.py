@@ -27,10 +27,19 @@ class ErrorKind(enum.Enum):
     OVERLOADED = 529
     UNAVAILABLE = 503
 
+    @property
+    def is_overload(self) -> bool:
+        """The server is busy, not the request wrong: answered with ``Retry-After``."""
+        return self in (ErrorKind.RATE_LIMIT, ErrorKind.OVERLOADED, ErrorKind.UNAVAILABLE)
+
     @classmethod
     def from_name(cls, name: str) -> ErrorKind:
         """The kind named ``name`` (case-insensitive, e.g. ``"api_error"``); API_ERROR if unknown."""
         return cls.__members__.get(name.upper(), cls.API_ERROR)
+
+
+#: Seconds suggested by an overload error that names no better value.
+DEFAULT_RETRY_AFTER = 1.0
 
 
 class RingserveError(Exception):
@@ -40,7 +49,10 @@ class RingserveError(Exception):
         kind: what went wrong, surface-neutral.
         message: a sentence for the client; never contains secrets.
         param: the offending request field, if any (OpenAI reports it).
-        retry_after: seconds for a ``Retry-After`` header, if any.
+        retry_after: seconds for the ``Retry-After`` and ``retry-after-ms``
+            headers; an overload kind (``ErrorKind.is_overload``) without one
+            gets :data:`DEFAULT_RETRY_AFTER`, so every 429, 503 and 529 tells
+            the SDKs' retry loops how long to wait.
         retryable: whether the same request may succeed later.
     """
 
@@ -57,7 +69,7 @@ class RingserveError(Exception):
         self.kind = kind
         self.message = message
         self.param = param
-        self.retry_after = retry_after
+        self.retry_after = DEFAULT_RETRY_AFTER if retry_after is None and kind.is_overload else retry_after
         self.retryable = retryable
 
     @property

@@ -4,8 +4,8 @@ The wire format follows the WHATWG HTML Living Standard, section "Server-sent
 events" (https://html.spec.whatwg.org/multipage/server-sent-events.html),
 subsections "Parsing an event stream" and "Interpreting an event stream".
 Every SSE byte ringserve sends is made here: surfaces return events, and
-:func:`encode_event`, :func:`encode_comment` and :func:`encode_retry` turn
-them into bytes. Nothing here does I/O; :class:`SSEParser` takes bytes in
+:func:`encode_event`, :func:`encode_comment` and :func:`encode_reconnect`
+turn them into bytes. Nothing here does I/O; :class:`SSEParser` takes bytes in
 and gives :class:`ServerSentEvent` values out, in the manner of h11.
 
 Encoder guarantees (so framing can never break):
@@ -14,7 +14,12 @@ Encoder guarantees (so framing can never break):
   line, so a parser gets the payload back with every line end as LF;
 * ``id`` and ``event`` holding CR, LF or NUL are refused with ValueError
   (a NUL id would be silently ignored by a browser);
-* every block ends with a blank line, and the output is UTF-8.
+* every event block ends with a blank line, and the output is UTF-8;
+* nothing it makes is a block without ``data``: a comment (a heartbeat, the
+  reconnect hint) is one line with no blank line after it, and the
+  reconnection time rides on an event (``encode_event(retry=...)``). The
+  official SDKs' decoders dispatch a data-less block once an id has been
+  seen, where the spec dispatches nothing; see :func:`encode_comment`.
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ __all__ = [
     "encode_comment",
     "encode_event",
     "encode_reconnect",
-    "encode_retry",
 ]
 
 _BOM = b"\xef\xbb\xbf"
@@ -103,70 +107,63 @@ def _retry_line(ms: int) -> str:
     return f"retry: {ms}\n"
 
 
-def encode_retry(ms: int) -> bytes:
-    """Encode a block that only sets the client's reconnection time.
-
-    ringserve sends it first on every event-stream connection. It carries no
-    ``data`` line, so a client dispatches no event for it (WHATWG HTML,
-    "Interpreting an event stream": an empty data buffer is not dispatched).
-
-    Args:
-        ms: reconnection time in milliseconds (>= 0).
-
-    Returns:
-        ``b"retry: <ms>\\n\\n"``.
-
-    Raises:
-        ValueError: ``ms`` is negative.
-        TypeError: ``ms`` is not an integer.
-    """
-    return (_retry_line(ms) + "\n").encode("ascii")
-
-
 def encode_comment(text: str = "ping") -> bytes:
-    """Encode a comment block, used as a heartbeat (``b": ping\\n\\n"``).
+    """Encode one comment line, used as a heartbeat (``b": ping\\n"``).
 
     A line starting with a colon is ignored by clients (WHATWG HTML,
     "Interpreting an event stream"), but its bytes keep proxies and idle
-    timers from closing the connection. The trailing blank line dispatches
-    nothing, because the data buffer is empty.
+    timers from closing the connection.
+
+    No blank line follows it, on purpose. A blank line ends a block, and the
+    decoders of the official SDKs (``openai/_streaming.py`` and
+    ``anthropic/_streaming.py``, both from httpx-sse's ``SSEDecoder``)
+    dispatch a block whose data buffer is empty once an ``id`` has been
+    seen, because they keep the last event id across blocks; the OpenAI SDK
+    then parses ``""`` as JSON and raises. Without the blank line the comment
+    joins the block that comes next, which it leaves unchanged, so every
+    parser dispatches exactly the events it would without it. At the end of
+    the stream such a line is an unfinished block holding nothing, which the
+    spec discards.
 
     Args:
         text: the comment text, one line.
 
     Returns:
-        ``b": " + text + b"\\n\\n"`` in UTF-8.
+        ``b": " + text + b"\\n"`` in UTF-8.
 
     Raises:
         ValueError: ``text`` contains CR or LF.
     """
     if "\n" in text or "\r" in text:
         raise ValueError(f"SSE comment must be one line: {text!r}")
-    return (": " + text + "\n\n").encode("utf-8")
+    return (": " + text + "\n").encode("utf-8")
 
 
 def encode_reconnect(last_event_id: str | None) -> bytes:
     """Encode ringserve's ``reconnect`` hint: the server ends this connection on purpose.
 
-    Sent as the last block of a connection that reached
-    ``server.max_stream_seconds``: ``event: reconnect`` with data
-    ``{"type": "reconnect", "last_event_id": ...}``, the id of the last event
-    this connection delivered (``null`` if none: resume from the start). The
-    generation goes on; the client resumes on a fresh connection with that
-    ``Last-Event-ID``. The block has no ``id`` field: it is not in the
-    message's log, and the client's last event ID buffer must keep naming the
-    last real event (WHATWG HTML, "Interpreting an event stream"), so that a
-    browser ``EventSource``, which reconnects by itself when the server
-    closes, resumes at the right place.
+    Sent as the last bytes of a connection that reached
+    ``server.max_stream_seconds``: the comment line
+    ``: reconnect {"last_event_id":...}`` (:func:`encode_comment`), naming the
+    id of the last event this connection delivered (``null`` if none: resume
+    from the start). The generation goes on; the client resumes on a fresh
+    connection with that ``Last-Event-ID``.
+
+    It is a comment, not an event, so that no parser dispatches anything for
+    it: the OpenAI SDK yields every dispatched event as a chunk (an
+    ``event: reconnect`` block became a malformed ``ChatCompletionChunk``),
+    and the Anthropic SDK yields every named event but ``ping``. A browser
+    ``EventSource`` reconnects by itself when the server closes, and its
+    last event ID still names the last real event, so it resumes at the
+    right place (WHATWG HTML, "Interpreting an event stream").
 
     Args:
         last_event_id: ``<message_id>:<seq>`` of the last event sent, or None.
 
     Returns:
-        The complete SSE block.
+        The comment line's bytes.
     """
-    data = json.dumps({"type": "reconnect", "last_event_id": last_event_id}, separators=(",", ":"))
-    return encode_event(data, event="reconnect")
+    return encode_comment("reconnect " + json.dumps({"last_event_id": last_event_id}, separators=(",", ":")))
 
 
 @attrs.frozen

@@ -46,7 +46,7 @@ const SURFACES = {
     body: (model, messages, s) => ({ model, max_tokens: s.maxTokens, temperature: s.temperature, stream: true, messages }),
     read(name, data, answer) {
       if (name === "content_block_delta" && data.delta.type === "text_delta") answer.text(data.delta.text);
-      else if (name === "message_delta") answer.finish(data.delta.stop_reason, data.usage.output_tokens);
+      else if (name === "message_delta") answer.finish(data.delta.stop_reason, data.usage.output_tokens, data.delta.ringserve_cancelled === true);
       else if (name === "message_stop") return true;
       else if (name === "error") { answer.fail(`${data.error.type}: ${data.error.message}`); return true; }
       return false;
@@ -63,7 +63,7 @@ const SURFACES = {
       if (data.error) { answer.fail(`${data.error.type}: ${data.error.message}`); return true; }
       for (const choice of data.choices || []) {
         if (choice.delta && choice.delta.content) answer.text(choice.delta.content);
-        if (choice.finish_reason) answer.finish(choice.finish_reason, null);
+        if (choice.finish_reason) answer.finish(choice.finish_reason, null, choice.ringserve_cancelled === true);
       }
       if (data.usage) answer.finish(null, data.usage.completion_tokens);
       return false;
@@ -588,9 +588,11 @@ class Follower {
         msg.text += t;
         msg.status = "streaming";
       },
-      finish: (reason, tokens) => {
+      // A cancelled message keeps an SDK stop reason (end_turn, stop) and says "ringserve_cancelled": true.
+      finish: (reason, tokens, cancelled = false) => {
         if (reason !== null) msg.stopReason = reason;
         if (tokens !== null) msg.outputTokens = tokens;
+        if (cancelled) msg.cancelled = true;
       },
       fail: (message) => { msg.error = message; },
     };
@@ -737,7 +739,7 @@ class Follower {
       msg.lastSeq = seq;
       msg.watchedAt = Date.now();
       if (SURFACES[msg.surface].read(ev.type, data, this.answer)) {
-        this.end(msg.error ? "error" : msg.stopReason === "cancelled" ? "stopped" : "done");
+        this.end(msg.error ? "error" : msg.cancelled ? "stopped" : "done");
       } else {
         this.changed(false);
       }

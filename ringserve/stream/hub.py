@@ -99,6 +99,7 @@ class LiveMessage:
             stop_reason=self.stop_reason,
             stop_sequence=self.stop_sequence,
             usage=self.usage,
+            cancelled=self.status == "cancelled",
         )
 
 

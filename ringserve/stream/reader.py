@@ -1,5 +1,11 @@
 """Tail one message log as SSE bytes: replay, then live, with heartbeats.
 
+The heartbeat is ``encode_comment("ping")``, one comment line with no blank
+line after it (``core/sse.py`` says why: the official SDKs' decoders would
+dispatch the blank line as an empty event). :func:`tail` yields it only
+between whole entries, so it always joins the block of the next entry (or the
+reconnect hint), and every byte of silence is still traffic for a proxy.
+
 Every HTTP connection, the first one included, is a reader: the route finds
 the log (``LogStore.get``), registers as a reader, and writes what
 :func:`tail` yields. Typical use in a route::
@@ -10,7 +16,7 @@ the log (``LogStore.get``), registers as a reader, and writes what
     with log.reader():                      # counts the reader; on_idle on exit
         async with contextlib.aclosing(
             tail(log, after, heartbeat_interval=cfg.heartbeat_interval,
-                 on_heartbeat=metrics.ping)
+                 on_heartbeat=metrics.heartbeat)
         ) as chunks:
             async for chunk in chunks:
                 await send(chunk)
@@ -86,16 +92,17 @@ async def tail(
     1. the bytes of every held entry after ``after`` (the replay), one chunk
        per entry, exactly as appended;
     2. each new entry's bytes as the producer appends it, and
-       ``encode_comment("ping")`` whenever ``heartbeat_interval`` seconds pass
-       with nothing to send (``on_heartbeat()`` is called before each ping,
-       for metrics).
+       ``encode_comment("ping")`` (``b": ping\\n"``) whenever
+       ``heartbeat_interval`` seconds pass with nothing to send
+       (``on_heartbeat()`` is called before each ping, for metrics).
 
     Returns once the log is closed and every entry has been yielded. The
     terminal ``done``/``error`` event is the producer's last entry; ``tail``
     adds none. With ``max_seconds``, once that long has passed and the end is
     not yet reached, it calls ``on_reconnect()``, yields
-    ``encode_reconnect(<id of the last entry yielded>)`` and returns: the
-    client resumes on a fresh connection.
+    ``encode_reconnect(<id of the last entry yielded>)`` (a comment line that
+    no parser dispatches) and returns: the client resumes on a fresh
+    connection.
 
     Args:
         log: the message log (a :class:`~ringserve.stream.logs.MessageLog`).

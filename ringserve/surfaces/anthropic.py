@@ -27,6 +27,7 @@ from ringserve.surfaces.base import (
     ParsedRequest,
     Refused,
     WireEvent,
+    cancelled_fields,
     dumps,
     get_bool,
     get_int,
@@ -55,14 +56,15 @@ ERROR_TYPES = {
     ErrorKind.UNAVAILABLE: "overloaded_error",
 }
 
-#: StopReason → Anthropic ``stop_reason``. ``cancelled`` is ringserve's own
-#: value for a generation ended by ``POST /v1/messages/{id}/cancel``.
+#: StopReason → Anthropic ``stop_reason``, each a value of the SDK's ``StopReason`` literal. A
+#: cancelled generation ends its turn where it was cut, with ``"ringserve_cancelled": true``
+#: next to the stop reason (``surfaces/base.py`` ``CANCELLED_KEY``).
 STOP_REASONS = {
     StopReason.END: "end_turn",
     StopReason.MAX_TOKENS: "max_tokens",
     StopReason.CONTEXT_FULL: "model_context_window_exceeded",
     StopReason.STOP_SEQUENCE: "stop_sequence",
-    StopReason.CANCELLED: "cancelled",
+    StopReason.CANCELLED: "end_turn",
     StopReason.REFUSAL: "refusal",
 }
 
@@ -141,7 +143,11 @@ class AnthropicRenderer:
         return [WireEvent(data, "content_block_delta")]
 
     def finish(self, finish: Finish) -> list[WireEvent]:
-        delta = {"stop_reason": STOP_REASONS[finish.stop_reason], "stop_sequence": finish.stop_sequence}
+        delta = {
+            "stop_reason": STOP_REASONS[finish.stop_reason],
+            "stop_sequence": finish.stop_sequence,
+            **cancelled_fields(finish.stop_reason is StopReason.CANCELLED),
+        }
         usage = {"input_tokens": finish.usage.input_tokens, "output_tokens": finish.usage.output_tokens}
         return [
             WireEvent(dumps({"type": "content_block_stop", "index": 0}), "content_block_stop"),
@@ -223,6 +229,7 @@ class AnthropicSurface:
             "model": result.model,
             "stop_reason": result.stop_reason,
             "stop_sequence": result.stop_sequence,
+            **cancelled_fields(result.cancelled),
             "usage": {"input_tokens": result.usage.input_tokens, "output_tokens": result.usage.output_tokens},
         }
 

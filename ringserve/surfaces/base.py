@@ -47,9 +47,25 @@ class ParsedRequest:
     include_usage: bool = False
 
 
+#: ringserve's extension key, next to the stop reason of a cancelled message on both surfaces:
+#: Anthropic ``message_delta.delta`` and ``Message``, OpenAI the final chunk's choice and the
+#: ``chat.completion`` choice. The stop reason itself stays a value of the SDKs' types (``end_turn``,
+#: ``stop``); the SDKs' models allow extra keys, so typed clients read it as ``model_extra``.
+CANCELLED_KEY = "ringserve_cancelled"
+
+
+def cancelled_fields(cancelled: bool) -> dict[str, bool]:
+    """``{"ringserve_cancelled": true}`` for a cancelled message, else nothing (see :data:`CANCELLED_KEY`)."""
+    return {CANCELLED_KEY: True} if cancelled else {}
+
+
 @attrs.frozen
 class MessageResult:
-    """A finished (or cancelled, or failed) message as the non-stream answer needs it."""
+    """A finished (or cancelled, or failed) message as the non-stream answer needs it.
+
+    ``stop_reason`` is in the surface's spelling; ``cancelled`` marks a message ended by a cancel
+    (its stop reason is then the surface's plain end of turn).
+    """
 
     message_id: str
     model: str
@@ -58,6 +74,7 @@ class MessageResult:
     stop_reason: str | None
     stop_sequence: str | None
     usage: Usage
+    cancelled: bool = False
 
 
 class Renderer(Protocol):

@@ -27,6 +27,7 @@ from ringserve.surfaces.base import (
     ParsedRequest,
     Refused,
     WireEvent,
+    cancelled_fields,
     dumps,
     get_bool,
     get_int,
@@ -59,13 +60,15 @@ ERROR_TYPES = {
 #: HTTP status per kind where OpenAI differs from the kind's default (overload is 503).
 STATUS = {ErrorKind.OVERLOADED: 503}
 
-#: StopReason → OpenAI ``finish_reason``. ``cancelled`` is ringserve's own value.
+#: StopReason → OpenAI ``finish_reason``, each a value of the SDK's literal. A cancelled
+#: generation stops where it was cut, with ``"ringserve_cancelled": true`` in the choice
+#: (``surfaces/base.py`` ``CANCELLED_KEY``).
 FINISH_REASONS = {
     StopReason.END: "stop",
     StopReason.MAX_TOKENS: "length",
     StopReason.CONTEXT_FULL: "length",
     StopReason.STOP_SEQUENCE: "stop",
-    StopReason.CANCELLED: "cancelled",
+    StopReason.CANCELLED: "stop",
     StopReason.REFUSAL: "content_filter",
 }
 
@@ -147,8 +150,10 @@ class OpenAIRenderer:
         self._head = {"id": message_id, "object": "chat.completion.chunk", "created": created, "model": model}
         self._include_usage = include_usage
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> WireEvent:
-        chunk = {**self._head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None, cancelled: bool = False) -> WireEvent:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+                  **cancelled_fields(cancelled)}
+        chunk = {**self._head, "choices": [choice]}
         if self._include_usage:
             chunk["usage"] = None
         return WireEvent(dumps(chunk))
@@ -160,7 +165,7 @@ class OpenAIRenderer:
         return [self._chunk({"content": text}, None)]
 
     def finish(self, finish: Finish) -> list[WireEvent]:
-        events = [self._chunk({}, FINISH_REASONS[finish.stop_reason])]
+        events = [self._chunk({}, FINISH_REASONS[finish.stop_reason], finish.stop_reason is StopReason.CANCELLED)]
         if self._include_usage:
             events.append(WireEvent(dumps({**self._head, "choices": [], "usage": _usage(finish.usage)})))
         events.append(WireEvent(DONE))
@@ -248,6 +253,7 @@ class OpenAISurface:
                     "message": {"role": "assistant", "content": result.text, "refusal": None},
                     "logprobs": None,
                     "finish_reason": result.stop_reason,
+                    **cancelled_fields(result.cancelled),
                 }
             ],
             "usage": _usage(result.usage),
