@@ -274,13 +274,14 @@ def create_app(state: ServerState) -> RingserveQuart:
             return _error_response(surface, exc)
 
     def finished_answer(surface: Surface, msg: LiveMessage) -> Response:
-        if msg.status == "failed":
+        if msg.status in ("failed", "interrupted"):  # interrupted: the drain ended it
             kind = ErrorKind.UNAVAILABLE if msg.cancel_reason == CancelReason.DRAIN else ErrorKind.API_ERROR
             return _error_response(surface, RingserveError(kind, msg.error or "generation failed", retryable=True))
         return _json(surface.message_json(msg.result()), headers={"X-Message-Id": msg.id})
 
     def stored_answer(surface: Surface, msg: StoredMessage) -> Response:
-        if msg.status != "complete":
+        """A finished message as its surface's JSON (``Hub.create`` generates failed ones again)."""
+        if msg.status not in ("complete", "cancelled"):
             raise RingserveError(ErrorKind.CONFLICT, f"message {msg.id} is {msg.status}")
         result = MessageResult(msg.id, msg.model, msg.created, msg.text, msg.stop_reason, msg.stop_sequence,
                                Usage(msg.input_tokens, msg.output_tokens))
