@@ -33,7 +33,7 @@ from ringserve.core.limits import ReaderGate, check_request
 from ringserve.messages import FINAL_STATUSES, StoredMessage
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ringserve.metrics import Metrics, error_type
-from ringserve.stream.hub import CancelReason, Hub, LiveMessage, request_hash
+from ringserve.stream.hub import CancelReason, Hub, LiveMessage, StreamEnded, request_hash
 from ringserve.stream.logs import store_unavailable
 from ringserve.stream.reader import ReaderLagged
 from ringserve.surfaces.anthropic import AnthropicSurface
@@ -362,6 +362,9 @@ def create_app(state: ServerState) -> RingserveQuart:
                 last = request.args.get("last_event_id")
             log_, after = await hub.open_log(message_id, last or None)
             admit_reader(log_.readers)
+        except StreamEnded:  # after the terminal event: 204 makes an EventSource stop reconnecting
+            state.metrics.resumed("ended")
+            return Response(b"", 204, headers={"X-Message-Id": message_id})
         except RingserveError as exc:
             state.metrics.resumed("expired" if exc.kind is ErrorKind.GONE else "rejected")
             return _error_response(surface_of(message_id), exc)

@@ -125,6 +125,16 @@ def _resume_after(value: str, message_id: str) -> int:
         raise RingserveError(ErrorKind.INVALID_REQUEST, str(exc)[:300], param="Last-Event-ID") from None
 
 
+class StreamEnded(Exception):
+    """Nothing follows the resume point: it is the terminal event of a stream that has ended.
+
+    Answered 204 No Content, on which a browser ``EventSource`` stops
+    reconnecting (WHATWG HTML, "Server-sent events": a 204 fails the
+    connection for good), where a 200 with an empty body would make it
+    reconnect forever.
+    """
+
+
 class Hub:
     """Owns live messages, their producers and the disconnect policy.
 
@@ -376,6 +386,7 @@ class Hub:
             output_tokens=msg.usage.output_tokens,
             input_tokens=msg.usage.input_tokens,
             error=msg.error,
+            final_seq=msg.log.next_seq - 1,
         )
         del self._live[msg.id]
         if msg.idempotency_key is not None:
@@ -495,6 +506,9 @@ class Hub:
         """The log to resume and the seq to resume after (None: from the start).
 
         Raises:
+            StreamEnded: ``last_event_id`` is the terminal event of the
+            message's stream, whether its log is still held or has expired
+            (the store keeps the terminal event's seq).
             RingserveError: ``NOT_FOUND`` (unknown message), ``GONE`` (the log
             expired, or the id is older than the ring holds: fetch
             ``GET /v1/messages/{id}``), ``INVALID_REQUEST`` (malformed id, or
@@ -503,11 +517,15 @@ class Hub:
         after = None if last_event_id is None else _resume_after(last_event_id, message_id)
         log = await self.logs.find(message_id)
         if log is None:
-            self.lookup(message_id)  # raises NOT_FOUND for an unknown id
+            msg = self.lookup(message_id)  # raises NOT_FOUND for an unknown id
+            if after is not None and isinstance(msg, StoredMessage) and msg.final_seq == after:
+                raise StreamEnded(message_id)
             raise RingserveError(
                 ErrorKind.GONE,
                 f"the stream log of {message_id} has expired; GET /v1/messages/{message_id} has the message",
             )
+        if log.closed and after is not None and after == log.next_seq - 1:
+            raise StreamEnded(message_id)
         try:
             check = log.read_from(after, limit=0)
         except ValueError:
