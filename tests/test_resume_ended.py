@@ -64,3 +64,16 @@ async def test_a_store_from_before_final_seq_gets_the_column(tmp_path):
     store.update("msg_old", final_seq=7)
     assert store.get("msg_old").final_seq == 7
     store.close()
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["http1", "h2c"])
+async def test_the_204_keeps_the_connection_usable(tmp_path, http2):
+    async with running_server(fake_config(tmp_path)) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], http1=not http2, http2=http2, timeout=30) as client:
+        resp, events, _ = await sse_events(client, "POST", "/v1/messages",
+                                           json=body_for("/v1/messages", "echo:end", stream=True))
+        mid = resp.headers["x-message-id"]
+        for _ in range(3):  # the same connection each time (keep-alive, or one HTTP/2 connection)
+            ended = await client.get(f"/v1/messages/{mid}/stream", headers={"Last-Event-ID": events[-1].id})
+            assert (ended.status_code, ended.content, ended.http_version) == (204, b"", "HTTP/2" if http2 else "HTTP/1.1")
+        assert (await client.get(f"/v1/messages/{mid}")).json()["status"] == "complete"
