@@ -10,8 +10,8 @@ With ``--gate-after K``, once ``K`` sequences have been begun every decode
 call waits until the process receives ``SIGUSR1``: the benchmark creates its
 messages, connects all its streams while nothing is generated, then sends
 the signal so every stream sees the same live load from the same moment.
-(The wait holds the runner's engine limiter, so requests created after the
-gate closed are tokenized only once it opens.)
+(The wait holds the runner's decode limiter; requests created after the gate
+closed are still tokenized at once, under the tokenizer's own limiter.)
 """
 
 from __future__ import annotations

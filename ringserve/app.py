@@ -35,7 +35,7 @@ from ringserve.core.limits import ReaderGate, check_request
 from ringserve.messages import FINAL_STATUSES, StoredMessage
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ringserve.metrics import Metrics, error_type
-from ringserve.stream.hub import CancelReason, Hub, LiveMessage, request_hash
+from ringserve.stream.hub import CancelReason, Hub, LiveMessage, StreamEnded, request_hash
 from ringserve.stream.logs import store_unavailable
 from ringserve.stream.reader import ReaderLagged
 from ringserve.surfaces.anthropic import AnthropicSurface
@@ -295,7 +295,8 @@ def create_app(state: ServerState) -> RingserveQuart:
         return _json(surface.message_json(msg.result()), headers={"X-Message-Id": msg.id})
 
     def stored_answer(surface: Surface, msg: StoredMessage) -> Response:
-        if msg.status != "complete":
+        """A finished message as its surface's JSON (``Hub.create`` generates failed ones again)."""
+        if msg.status not in ("complete", "cancelled"):
             raise RingserveError(ErrorKind.CONFLICT, f"message {msg.id} is {msg.status}")
         result = MessageResult(msg.id, msg.model, msg.created, msg.text, msg.stop_reason, msg.stop_sequence,
                                Usage(msg.input_tokens, msg.output_tokens))
@@ -377,6 +378,9 @@ def create_app(state: ServerState) -> RingserveQuart:
                 last = request.args.get("last_event_id")
             log_, after = await hub.open_log(message_id, last or None)
             admit_reader(log_.readers)
+        except StreamEnded:  # after the terminal event: 204 makes an EventSource stop reconnecting
+            state.metrics.resumed("ended")
+            return Response(b"", 204, headers={"X-Message-Id": message_id})
         except RingserveError as exc:
             state.metrics.resumed("expired" if exc.kind is ErrorKind.GONE else "rejected")
             return _error_response(surface_of(message_id), exc)

@@ -168,15 +168,19 @@ class Authenticator:
         """Whether ``token`` was issued here for ``message_id`` and has not expired.
 
         A token for another message, an expired one, a forged or malformed
-        one, and ``None`` all give False. The MAC is compared in constant time.
+        one, and ``None`` all give False. Each token has one spelling, the one
+        :meth:`issue` wrote: the whole text is compared (in constant time) with
+        the token issued for its expiry, so ``0<expires>.<mac>``, which names
+        the same integer, is refused too.
         """
         if token is None or len(token) > _MAX_TOKEN_LENGTH:
             return False
-        expires_text, dot, mac = token.partition(".")
+        expires_text, dot, _ = token.partition(".")
         if not dot or not (expires_text.isascii() and expires_text.isdigit()) or len(expires_text) > 12:
             return False
         expires = int(expires_text)
-        good = hmac.compare_digest(self._mac(message_id, expires).encode(), mac.encode("utf-8", "surrogateescape"))
+        canonical = f"{expires}.{self._mac(message_id, expires)}"
+        good = hmac.compare_digest(canonical.encode(), token.encode("utf-8", "surrogateescape"))
         return good and self.clock() < expires
 
 

@@ -36,9 +36,9 @@ no I/O; the two shells only send what it asks for and feed it what arrives):
   whose seq was already delivered is dropped, and a seq that skips ahead is
   an error (it would be a gap in the text).
 * When the stream log has expired or no longer holds the next event (410),
-  the client reads ``GET /v1/messages/{id}`` instead: it delivers the text
-  not yet streamed as one ``"fallback"`` event and polls while the message
-  is still generating.
+  or the stream has ended at the last event received (204), the client reads
+  ``GET /v1/messages/{id}`` instead: it delivers the text not yet streamed as
+  one ``"fallback"`` event and polls while the message is still generating.
 * An in-band error event raises :class:`StreamError`. HTTP errors that a
   retry cannot fix raise :class:`APIError`; more than ``max_retries``
   consecutive failed attempts without progress raise :class:`ConnectionLost`.
@@ -593,8 +593,9 @@ class ResumeState:
             ClientError: a 200 answer of the wrong kind, or stored text that
                 does not continue what was streamed.
         """
-        if status == 410 and self.message_id is not None and not self._fetch:
-            self._fetch, self._switch = True, "the stream log is gone (410); reading the message"
+        if status in (204, 410) and self.message_id is not None and not self._fetch:
+            why = "the stream has ended (204)" if status == 204 else "the stream log is gone (410)"
+            self._fetch, self._switch = True, f"{why}; reading the message"
             return []
         if status in RETRYABLE_STATUS:
             self._retry_after = _retry_after(headers)

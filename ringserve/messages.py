@@ -53,7 +53,7 @@ FINAL_STATUSES = frozenset({"complete", "cancelled", "failed", "interrupted"})
 
 #: ``PRAGMA user_version`` of the files this code writes (written at every open, which
 #: proves the file writable).
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: final_seq
 
 #: Most rows, and seconds, of one sweep transaction; the sweep yields to the event loop between
 #: batches. Deleting a finished message with a 64 KiB answer takes about 0.2 ms (2 busy cores).
@@ -85,7 +85,8 @@ CREATE TABLE IF NOT EXISTS messages (
     input_tokens INTEGER NOT NULL DEFAULT 0,
     output_tokens INTEGER NOT NULL DEFAULT 0,
     error TEXT,
-    updated REAL NOT NULL
+    updated REAL NOT NULL,
+    final_seq INTEGER
 );
 CREATE INDEX IF NOT EXISTS messages_updated ON messages (updated);
 CREATE INDEX IF NOT EXISTS messages_unfinished ON messages (status) WHERE status IN ('queued','generating');
@@ -103,6 +104,9 @@ class StoredMessage:
 
     ``request`` is the request body as received, or ``""`` when the store was
     opened with ``keep_prompts=False`` (``request_hash`` is always kept).
+    ``final_seq`` is the seq of the terminal event in the message's stream log
+    (None until the log is closed), so a resume after it is answered 204 even
+    once the log has expired.
     """
 
     id: str
@@ -119,6 +123,7 @@ class StoredMessage:
     input_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
+    final_seq: int | None = None
 
 
 _COLUMNS = [a.name for a in attrs.fields(StoredMessage)]
@@ -210,6 +215,9 @@ class MessageStore:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
+        columns = {row[1] for row in db.execute("PRAGMA table_info(messages)")}
+        if columns and "final_seq" not in columns:  # a file of schema version 1
+            db.execute("ALTER TABLE messages ADD COLUMN final_seq INTEGER")
         db.executescript(_SCHEMA)
 
     def mark_interrupted(self) -> int:

@@ -104,7 +104,7 @@ class Metrics:
         )
         self.resumes = Counter(
             "ringserve_resumes",
-            "Requests to the resume route, by result: ok, expired (410) or rejected (other 4xx).",
+            "Requests to the resume route, by result: ok, ended (204), expired (410) or rejected (other 4xx).",
             ["result"], registry=r,
         )
         self.slow_readers = Counter(
@@ -171,7 +171,7 @@ class Metrics:
     # -- events: readers (app) ------------------------------------------------------------
 
     def resumed(self, result: str) -> None:
-        """A resume request was answered: ``ok``, ``expired`` or ``rejected``."""
+        """A resume request was answered: ``ok``, ``ended``, ``expired`` or ``rejected``."""
         self.resumes.labels(result=result).inc()
 
     def heartbeat(self) -> None:

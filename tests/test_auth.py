@@ -105,6 +105,17 @@ def test_stream_token_is_bound_to_one_message_and_expires():
         assert not auth.token_ok(bad, "msg_a"), bad
 
 
+def test_a_stream_token_has_one_spelling():
+    """The MAC covers the expiry's integer; any other text of that integer, or of the token, is refused."""
+    auth = Authenticator(token_ttl=60.0, clock=lambda: 1_000_000.0)
+    token, expires = auth.issue("msg_a")
+    mac = token.partition(".")[2]
+    assert auth.token_ok(token, "msg_a")
+    for other in (f"0{token}", f"00{token}", f"+{token}", f" {token}", f"{token} ", f"{token}=", f"{token}.",
+                  f"{expires}.{mac}.", f"{expires}..{mac}", f"{expires:_}.{mac}", f"{token}\n"):
+        assert not auth.token_ok(other, "msg_a"), other
+
+
 @pytest.mark.parametrize(
     "host, loopback", [("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("[::1]", True),
                        ("localhost", True), ("0.0.0.0", False), ("::", False), ("10.0.0.1", False),
@@ -227,6 +238,7 @@ async def test_stream_token_route_and_refusals(keyed):
     assert_401(await client.get(f"/v1/messages/{a}/stream", params={"stream_token": expired}), "anthropic")
     forged = token.split(".")[0] + "." + "A" * 43
     assert_401(await client.get(f"/v1/messages/{a}/stream", params={"stream_token": forged}), "anthropic")
+    assert_401(await client.get(f"/v1/messages/{a}/stream", params={"stream_token": "0" + token}), "anthropic")
     assert_401(await client.get(f"/v1/messages/{a}/stream"), "anthropic")
     # a token opens only the stream route, not the message itself or its cancel
     assert_401(await client.get(f"/v1/messages/{a}", params={"stream_token": token}), "anthropic")

@@ -176,3 +176,35 @@ async def test_page_says_when_a_message_cannot_be_sent(tmp_path: Path) -> None:
         seen = await trio.to_thread.run_sync(in_browser, tmp_path, script)
     assert seen["state"] == "error" and "Could not reach the server" in seen["note"]
     assert "not reachable" in seen["banner"]
+
+
+async def test_an_event_source_left_open_after_message_stop_reconnects_once_then_stops(tmp_path: Path) -> None:
+    """After the terminal event EventSource reconnects with its id; the 204 it gets makes it stop for good."""
+    require_browser()
+    async with running_server(fake_config(tmp_path, server=SERVER)) as state, \
+            httpx.AsyncClient(base_url=state.urls[0]) as http:
+        created = (await http.post("/v1/messages", headers={"Prefer": "respond-async"},
+                                   json={"model": "any", "max_tokens": 32, "stream": True,
+                                         "messages": [{"role": "user", "content": "echo:the end"}]})).json()
+
+        def script(browser: Browser) -> dict[str, Any]:
+            page = browser.page(state.urls[0])
+            page.evaluate("""(url) => {
+                const es = window.es = new EventSource(url);
+                window.seen = { stops: [], errors: 0, opens: 0 };
+                es.addEventListener("message_stop", (ev) => window.seen.stops.push(ev.lastEventId));
+                es.onopen = () => { window.seen.opens += 1; };
+                es.onerror = () => { window.seen.errors += 1; };
+            }""", created["stream_url"])
+            page.wait_for_function("window.seen.stops.length === 1")
+            page.wait_for_function("window.es.readyState === EventSource.CLOSED")
+            page.wait_for_timeout(20 * SERVER["retry_ms"])  # 20 reconnection delays: no request comes
+            return page.evaluate("({...window.seen, state: window.es.readyState})")
+
+        seen = await trio.to_thread.run_sync(in_browser, tmp_path, script)
+        metrics = (await http.get("/metrics")).text
+    # one error when the stream closed (EventSource then reconnects), one for the 204 (it stops: CLOSED)
+    assert len(seen.pop("stops")) == 1 and seen == {"errors": 2, "opens": 1, "state": 2}
+    resumes = {line.split('"')[1]: float(line.split()[-1])
+               for line in metrics.splitlines() if line.startswith("ringserve_resumes_total{") and line[-4:] != " 0.0"}
+    assert resumes == {"ok": 1.0, "ended": 1.0}  # the stream, then exactly one reconnect (204)

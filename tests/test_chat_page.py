@@ -189,10 +189,10 @@ async def test_a_resume_after_the_terminal_event_ends_with_the_stored_message(tm
                                                                                answer_204: bool) -> None:
     """A stored answer that has its terminal event but not its end (as if the tab died in between).
 
-    Resuming after the terminal event is answered 204 by newer servers (EventSource gives up: the
+    Resuming after the terminal event is answered 204 by this server (EventSource gives up: the
     page asks why) and 200 with no events by older ones (EventSource would reconnect for ever):
-    either way the page reads GET /v1/messages/{id} and ends the answer with it. The 204 is
-    played by the browser's request routing.
+    either way the page reads GET /v1/messages/{id} and ends the answer with it. The older
+    server's 200 is played by the browser's request routing.
     """
     require_browser()
     async with running_server(config(tmp_path), **ENGINE) as state:
@@ -208,8 +208,9 @@ async def test_a_resume_after_the_terminal_event_ends_with_the_stored_message(tm
               Object.assign(answer, {status: 'streaming', stopReason: null, finishedAt: null});
               localStorage.setItem(key, JSON.stringify(conv));
             })()""")
-            if answer_204:
-                page.route("**/stream?*last_event_id=*", lambda route: route.fulfill(status=204))
+            if not answer_204:
+                page.route("**/stream?*last_event_id=*",
+                           lambda route: route.fulfill(status=200, content_type="text/event-stream", body=""))
             page.reload()
             return {"first": first, **wait_finished(page)}
 

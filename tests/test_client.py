@@ -109,6 +109,21 @@ def test_state_honours_retry_after_and_the_deadline() -> None:
         state.reconnect(None, 8.0)  # the next attempt would start after the deadline
 
 
+def test_state_reads_the_message_when_the_stream_has_ended_204() -> None:
+    """204 (nothing after the last event: the stream has ended) switches to GET /v1/messages/{id}, at once."""
+    state = ResumeState.follow("msg_1", now=0.0, timeout=None, backoff=FAST)
+    state.feed(sse(delta("a"), "msg_1:0", "content_block_delta"))
+    assert state.answered(204, {}, b"") == []
+    wait = state.reconnect(None, 0.0)
+    assert wait.delay == 0.0 and "ended (204)" in wait.cause and wait.attempt == 0
+    request = state.next_request()
+    assert (request.method, request.url) == ("GET", "/v1/messages/msg_1")
+    message = {"status": "complete", "text": "ab", "stop_reason": "end_turn", "usage": {"input_tokens": 1,
+               "output_tokens": 2}, "model": "fake"}
+    assert [e.text for e in state.answered(200, {}, json.dumps(message).encode())] == ["b"]
+    assert state.done and state.finish_or_raise().text == "ab"
+
+
 # -- drops at random points: the text equals an uninterrupted run ----------------------------------
 
 

@@ -245,3 +245,31 @@ def test_a_final_assistant_message_is_a_prefill(engine):
     tokens = engine.tokenize_chat([ChatMessage("user", "Count from 1 to 10."), ChatMessage("assistant", prefill)])
     tail = b"".join(engine.token_piece(t) for t in tokens).decode()
     assert tail.endswith(prefill)
+
+
+def test_max_token_bytes_bounds_the_tokens_of_plain_text(engine):
+    """No piece is longer than max_token_bytes, so N bytes of text are at least N / max_token_bytes tokens."""
+    assert 1 < engine.max_token_bytes < 1024
+    assert max(len(engine.token_piece(t)) for t in range(engine.n_vocab)) == engine.max_token_bytes
+    for text in (" " * 5000, "x" * 3000, "hello world " * 400, "résumé 😀 東京 " * 200, "def f():\n    return 1\n" * 200):
+        data = text.encode("utf-8")
+        assert len(engine.tokenize(text)) >= len(data) / engine.max_token_bytes
+
+
+def test_tokenizing_while_another_thread_decodes(eng, prompt):
+    """tokenize_chat runs beside decode (the runner's tokenizer limiter): same tokens, same greedy tokens."""
+    import threading
+
+    text = [ChatMessage("user", "The sea, the sky and the sand. " * 50)]
+    alone = eng.tokenize_chat(text)
+    expected = greedy(eng, [0], prompt, 8)[0]
+    eng.release(0)
+    results: list = []
+    worker = threading.Thread(target=lambda: results.extend(eng.tokenize_chat(text) for _ in range(10)))
+    worker.start()
+    try:
+        got = greedy(eng, [0], prompt, 8)[0]
+    finally:
+        worker.join()
+    assert got == expected
+    assert len(results) == 10 and all(r == alone for r in results)

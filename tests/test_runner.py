@@ -368,13 +368,22 @@ async def test_queue_full_is_overloaded_at_once():
 
 
 async def test_prompt_too_long_is_invalid_before_anything_is_enqueued():
-    engine = FakeEngine(n_ctx_slot=64)
+    tokenized = []
+    engine = FakeEngine(n_ctx_slot=64, tokenize_hook=lambda: tokenized.append(1))
     async with serving(engine) as runner:
         with pytest.raises(RingserveError) as info:
-            await runner.prepare(req("p" * 100, max_tokens=8))  # "<|user|>" + 100 + "\n"
+            await runner.prepare(req("p" * 60, max_tokens=8))  # "<|user|>" + 60 + "\n"
         assert info.value.kind is ErrorKind.INVALID_REQUEST and info.value.status == 400
         assert info.value.param == "messages"
-        assert "109 tokens" in info.value.message and "64 tokens" in info.value.message
+        assert "69 tokens" in info.value.message and "64 tokens" in info.value.message
+        assert tokenized == [1]
+        # text that cannot fit (more bytes than ctx * max_token_bytes) is refused without tokenizing it
+        with pytest.raises(RingserveError) as info:
+            await runner.prepare(req("é" * 40, max_tokens=8))  # 80 bytes, 1 byte per token at most
+        assert info.value.kind is ErrorKind.INVALID_REQUEST and info.value.param == "messages"
+        assert "80 bytes" in info.value.message and "at least 80 tokens" in info.value.message
+        assert "64 tokens" in info.value.message
+        assert tokenized == [1]
 
         with pytest.raises(RingserveError) as info:
             await runner.prepare(req("p" * 55, max_tokens=8))  # 64 tokens: none left to generate
@@ -382,6 +391,38 @@ async def test_prompt_too_long_is_invalid_before_anything_is_enqueued():
 
         stats = runner.statistics()
     assert stats.queue_depth == {} and stats.steps == 0 and engine.log == []
+
+
+async def test_a_slow_tokenizer_does_not_hold_up_decode_steps():
+    """Tokenizing runs beside the decode loop (its own limiter), not under the decode limiter."""
+    gate, calls = threading.Event(), []
+
+    def hook() -> None:  # the second prompt's tokenizer is stuck until the gate opens
+        calls.append(threading.get_ident())
+        if len(calls) == 2:
+            assert gate.wait(GUARD)
+
+    engine = FakeEngine(piece_bytes=1, reply="d" * 3000, tokenize_hook=hook)
+    async with serving(engine) as runner:
+        prepared = await runner.prepare(req("go", max_tokens=None))
+        async with runner.submit(prepared) as gen, trio.open_nursery() as nursery:
+            await anext(gen.__aiter__())  # streaming
+            slow: list = []
+
+            async def prepare_slowly() -> None:
+                slow.append(await runner.prepare(req("slow")))
+
+            nursery.start_soon(prepare_slowly)
+            with trio.fail_after(5):
+                while len(calls) < 2:
+                    await trio.sleep(0.001)
+                stuck_at = runner.statistics().steps
+                while runner.statistics().steps < stuck_at + 20:  # decode steps go on meanwhile
+                    await trio.sleep(0.001)
+            assert not slow and gen.outcome is None
+            gate.set()
+        assert len(slow) == 1 and slow[0].prompt_tokens
+        assert threading.get_ident() not in calls
 
 
 async def test_submit_without_a_running_loop_is_unavailable():

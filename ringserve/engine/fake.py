@@ -108,10 +108,18 @@ class FakeEngine:
         reply: the reply text, or a callable from the last user message's
             text to it; None: :data:`DEFAULT_REPLY`. ``echo:`` requests
             ignore it.
+        tokenize_hook: called (blocking) on the tokenizing thread at the
+            start of every :meth:`tokenize_chat`, e.g. a
+            ``threading.Event.wait`` that scripts a slow tokenizer. None: none.
 
-    Thread safety: every method takes one lock, so a test may read
-    :meth:`kv_cells_used` while the runner's worker thread decodes.
+    Thread safety: every method but :meth:`tokenize_chat` takes one lock, so
+    a test may read :meth:`kv_cells_used` while the runner's worker thread
+    decodes; :meth:`tokenize_chat` reads no state, like llama.cpp's
+    tokenizer, and may run while another thread decodes.
     """
+
+    max_token_bytes = 1
+    """Bytes of message text one prompt token stands for, at most (one token per byte)."""
 
     def __init__(
         self,
@@ -125,6 +133,7 @@ class FakeEngine:
         fail_after_tokens: int | None = None,
         crash_after_steps: int | None = None,
         reply: str | Callable[[str], str] | None = None,
+        tokenize_hook: Callable[[], object] | None = None,
     ) -> None:
         if n_slots < 1 or n_ctx_slot < 1 or n_batch < 1 or piece_bytes < 1:
             raise ValueError("n_slots, n_ctx_slot, n_batch and piece_bytes must be >= 1")
@@ -138,6 +147,7 @@ class FakeEngine:
         self.fail_after_tokens = fail_after_tokens
         self.crash_after_steps = crash_after_steps
         self.reply = reply
+        self.tokenize_hook = tokenize_hook
         self.log: list[DecodeCall] = []
         self.closed = False
         self._lock = threading.Lock()
@@ -156,6 +166,8 @@ class FakeEngine:
     def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         """One token per UTF-8 byte of :meth:`render_chat` (token id = byte value)."""
         self._check_open()
+        if self.tokenize_hook is not None:
+            self.tokenize_hook()
         return list(self.render_chat(messages).encode("utf-8"))
 
     def reply_for(self, last_user_text: str) -> str:

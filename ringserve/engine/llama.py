@@ -102,6 +102,11 @@ class LlamaEngine:
         n_ctx_seq: KV cells llama.cpp actually gave each sequence
             (``llama_n_ctx_seq``, >= ``n_ctx_slot``).
         n_vocab: tokens in the vocabulary.
+        max_token_bytes: the longest piece in the vocabulary (bytes): plain
+            text of N bytes is at least ``N / max_token_bytes`` tokens, as a
+            BPE or SentencePiece token stands for the bytes of its piece;
+            None for other vocabulary types (the runner then does not bound
+            the text before tokenizing).
         n_threads: CPU threads used.
         path: the checked, absolute model path.
 
@@ -163,6 +168,7 @@ class LlamaEngine:
             self._vocab = lc.llama_model_get_vocab(self._model)
             self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
             self._bos = lc.llama_vocab_bos(self._vocab)
+            self.max_token_bytes = self._longest_piece()
             self._template = self._resolve_template()
 
             cparams = lc.llama_context_default_params()
@@ -222,8 +228,24 @@ class LlamaEngine:
             )
         return tmpl
 
+    def _longest_piece(self) -> int | None:
+        """Bytes of the longest token piece, for BPE and SPM vocabularies (None for others)."""
+        if lc.llama_vocab_type(self._vocab) not in (lc.LLAMA_VOCAB_TYPE_SPM, lc.LLAMA_VOCAB_TYPE_BPE):
+            return None
+        buf = ctypes.create_string_buffer(256)
+        longest = 1
+        for token in range(self.n_vocab):
+            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            longest = max(longest, abs(n))  # negative: the piece needs -n bytes
+        return longest
+
     def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         """Render ``messages`` with the model's chat template and tokenize the result.
+
+        Safe to call while another thread decodes: it reads only the
+        vocabulary and the chat template (llama.cpp's ``llama_tokenize`` keeps
+        its working state per call; ``tools/server`` tokenizes on its HTTP
+        threads while the main loop decodes).
 
         See :meth:`render_chat` for the template. Only the template's own text
         is tokenized with special tokens parsed (``parse_special=True``);

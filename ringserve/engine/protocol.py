@@ -5,8 +5,13 @@ low-level API; the only module that imports ``llama_cpp``) and
 ``engine/fake.py`` (scripted, deterministic, for protocol and load tests).
 
 Threading contract: the runner calls every method except the attributes from
-one worker thread at a time (``trio.to_thread.run_sync`` under a
-``CapacityLimiter(1)``), never from the Trio thread. Methods may block.
+a worker thread, never from the Trio thread, and methods may block. All but
+``tokenize_chat`` run one at a time (``trio.to_thread.run_sync`` under the
+runner's decode ``CapacityLimiter(1)``); ``tokenize_chat`` runs under a
+limiter of its own, so it may run while another thread decodes and must
+touch nothing but the vocabulary and the chat template (llama.cpp's
+``llama_tokenize`` reads only the immutable ``llama_vocab``, and its own
+server tokenizes on HTTP threads while its main loop decodes).
 
 Slots are integers ``0 .. n_slots-1`` and double as llama.cpp sequence ids.
 A slot's life on the engine side: ``begin`` (fresh sampler, empty KV) → one or
@@ -74,6 +79,11 @@ class Engine(Protocol):
     """KV cells (tokens) available to one slot: prompt + generated must fit."""
     n_batch: int
     """Most tokens one ``decode`` call may carry, summed over slots."""
+    max_token_bytes: int | None
+    """Most UTF-8 bytes of message text that one prompt token stands for (None: not known).
+
+    Message text of more than ``n_ctx_slot * max_token_bytes`` bytes cannot fit
+    a slot, so the runner refuses it without tokenizing it."""
 
     def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         """Render ``messages`` with the model's chat template (generation prompt added) and tokenize."""

@@ -270,7 +270,8 @@ class Runner:
             prefill_chunk=min(config.prefill_chunk, n_batch),
             queue_size=config.queue_size,
         )
-        self._limiter = trio.CapacityLimiter(1)
+        self._limiter = trio.CapacityLimiter(1)  # decode, begin, release: one engine call at a time
+        self._tokenize_limiter = trio.CapacityLimiter(1)  # tokenize_chat, beside a decode step
         self._wake = trio.Event()
         self._idle = trio.Event()
         self._started = False
@@ -311,11 +312,15 @@ class Runner:
     # -- consumer side -----------------------------------------------------
 
     async def prepare(self, request: GenerationRequest) -> Prepared:
-        """Tokenize a request on the worker thread and check it fits a slot (C4).
+        """Tokenize a request on a worker thread and check it fits a slot (C4).
 
-        Runs ``engine.tokenize_chat`` under the runner's limiter, so it waits
-        for an in-flight decode step. Cancelling the caller takes effect once
-        the tokenizer returns (the thread is not abandoned).
+        Message text longer than ``n_ctx_slot * engine.max_token_bytes`` bytes
+        (UTF-8) cannot fit and is refused before it is tokenized. Otherwise
+        ``engine.tokenize_chat`` runs on a thread under the tokenizer's own
+        ``CapacityLimiter(1)``, not the decode limiter: the decode loop goes on
+        while a prompt is tokenized, and prompts are tokenized one at a time.
+        Cancelling the caller takes effect once the tokenizer returns (the
+        thread is not abandoned).
 
         Args:
             request: the parsed request.
@@ -335,19 +340,29 @@ class Runner:
                 the prompt is empty, cannot be rendered (the engine raised
                 ``ValueError``) or fills the slot's context by itself (at
                 least 1 token must be left to generate). The message gives the
-                numbers (tokens). Nothing is enqueued.
+                numbers (tokens, or bytes when refused
+                before tokenizing). Nothing is enqueued.
         """
+        ctx = self.n_ctx_slot
+        per_token = self._engine.max_token_bytes
+        if per_token is not None:
+            n_bytes = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in request.messages)
+            if n_bytes > ctx * per_token:
+                raise invalid(
+                    f"the messages hold {n_bytes} bytes of text, at least {-(-n_bytes // per_token)} tokens,"
+                    f" but the context per slot is {ctx} tokens",
+                    "messages",
+                )
         try:
             tokens = await trio.to_thread.run_sync(
                 self._engine.tokenize_chat,
                 request.messages,
-                limiter=self._limiter,
+                limiter=self._tokenize_limiter,
                 abandon_on_cancel=False,
             )
         except ValueError as exc:  # the engine's "cannot render these messages"
             raise invalid(f"the messages cannot be rendered: {exc}", "messages") from None
         n_prompt = len(tokens)
-        ctx = self.n_ctx_slot
         if n_prompt == 0:
             raise invalid("the prompt is empty", "messages")
         if n_prompt >= ctx:

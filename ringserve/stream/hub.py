@@ -49,6 +49,9 @@ PERSIST_EVERY = 1.0
 #: Seconds a cancel sent to another replica waits for that replica to end the message.
 CANCEL_WAIT_SECONDS = 10.0
 
+#: Stored statuses that an idempotent retry generates again instead of returning.
+REGENERATED_STATUSES = frozenset({"failed", "interrupted"})
+
 
 class CancelReason:
     """Why a producer's cancel scope was cancelled."""
@@ -64,8 +67,11 @@ class LiveMessage:
 
     ``parts`` is the text released to readers so far; ``status`` follows
     ``messages.STATUSES``; ``started`` is set once its log exists (or its
-    creation failed); ``done`` once the terminal event is in the log, when the
-    message leaves the hub and the store answers for it.
+    creation failed, with the error in ``start_error`` when it was a
+    :class:`RingserveError`); ``done`` once the terminal event is in the log,
+    when the message leaves the hub and the store answers for it.
+    ``replaces`` is the id of the ``interrupted`` or ``failed`` message whose
+    ``Idempotency-Key`` this one takes over.
     """
 
     id: str
@@ -76,6 +82,8 @@ class LiveMessage:
     policy: str
     request_hash: str
     idempotency_key: str | None = None
+    replaces: str | None = None
+    start_error: RingserveError | None = None
     log: MessageLog | None = None
     status: str = "queued"
     parts: list[str] = attrs.Factory(list)
@@ -116,6 +124,16 @@ def _resume_after(value: str, message_id: str) -> int:
         return parse_event_id(value, message_id)
     except ValueError as exc:
         raise RingserveError(ErrorKind.INVALID_REQUEST, str(exc)[:300], param="Last-Event-ID") from None
+
+
+class StreamEnded(Exception):
+    """Nothing follows the resume point: it is the terminal event of a stream that has ended.
+
+    Answered 204 No Content, on which a browser ``EventSource`` stops
+    reconnecting (WHATWG HTML, "Server-sent events": a 204 fails the
+    connection for good), where a 200 with an empty body would make it
+    reconnect forever.
+    """
 
 
 class Hub:
@@ -166,6 +184,13 @@ class Hub:
     ) -> tuple[LiveMessage | StoredMessage, bool]:
         """Start a generation, or find the one an ``Idempotency-Key`` already started.
 
+        A retry with the key of a message that ended ``interrupted`` (a crash
+        or a drain) or ``failed`` starts a new generation under a new id, and
+        the key names the new message from then on (the old one stays readable
+        under its id); one that is live, ``complete`` or ``cancelled`` is
+        returned as it is. Retries that arrive while the key's first attempt
+        is still starting wait for it, and get its error if it failed to start.
+
         Returns:
             ``(message, created)``: ``created`` is False for an idempotent retry,
             whose message may be live or only stored.
@@ -174,18 +199,17 @@ class Hub:
             RingserveError: ``UNPROCESSABLE`` (key reused with another body),
             ``INVALID_REQUEST`` (a prompt that does not fit the context, or a malformed
             ``Idempotency-Key``),
-            ``OVERLOADED`` (queue full), ``UNAVAILABLE`` (draining).
+            ``OVERLOADED`` (queue full), ``UNAVAILABLE`` (draining); a retry
+            that waited for the key's first attempt gets that attempt's error.
         """
         if idempotency_key is not None and not (0 < len(idempotency_key) <= 255 and idempotency_key.isprintable()):
             raise RingserveError(ErrorKind.INVALID_REQUEST, "Idempotency-Key must be 1-255 printable characters")
         if self.draining:
             raise RingserveError(ErrorKind.UNAVAILABLE, "server is shutting down", retry_after=1, retryable=True)
+        replaces = None
         if idempotency_key is not None:
             idempotency_key = f"{surface.name}:{idempotency_key}"  # a key names a request on one surface
-            pending = self._keys.get(idempotency_key)
-            if pending is not None:
-                await pending.started.wait()  # a concurrent retry: wait for the first one's log
-            existing = self._keys.get(idempotency_key) or self.store.by_idempotency_key(idempotency_key)
+            existing = await self._by_key(idempotency_key)
             if existing is not None:
                 if existing.request_hash != body_hash:
                     raise RingserveError(
@@ -193,7 +217,9 @@ class Hub:
                         "Idempotency-Key was already used with a different request body",
                         param="Idempotency-Key",
                     )
-                return existing, False
+                if not (isinstance(existing, StoredMessage) and existing.status in REGENERATED_STATUSES):
+                    return existing, False
+                replaces = existing.id
         model = self.runner.model_id
         msg = LiveMessage(
             id=f"{surface.id_prefix}{secrets.token_hex(12)}",
@@ -204,6 +230,7 @@ class Hub:
             policy=policy,
             request_hash=body_hash,
             idempotency_key=idempotency_key,
+            replaces=replaces,
         )
         if idempotency_key is not None:
             self._keys[idempotency_key] = msg
@@ -221,11 +248,29 @@ class Hub:
                 input_tokens=len(prepared.prompt_tokens),
             )
             await self._nursery.start(self._produce, msg, prepared, row)
+        except RingserveError as exc:
+            msg.start_error = exc  # for the retries waiting on this attempt
+            raise
         finally:
             if idempotency_key is not None and msg.log is None:
                 del self._keys[idempotency_key]
             msg.started.set()
         return msg, True
+
+    async def _by_key(self, key: str) -> LiveMessage | StoredMessage | None:
+        """The message ``key`` names once no attempt under it is still starting: live, stored or None.
+
+        Raises:
+            RingserveError: the error of the attempt this call waited for,
+            when that attempt failed to start (the same answer for every
+            concurrent retry).
+        """
+        while (pending := self._keys.get(key)) is not None and not pending.started.is_set():
+            await pending.started.wait()
+            if pending.start_error is not None:
+                raise pending.start_error
+            # else it started, or was cancelled before it did: look again
+        return self._keys.get(key) or self.store.by_idempotency_key(key)
 
     async def _produce(self, msg: LiveMessage, prepared: Any, row: StoredMessage, *, task_status) -> None:
         renderer = msg.surface.renderer(msg.id, msg.model, msg.created, msg.include_usage)
@@ -234,6 +279,8 @@ class Hub:
         try:
             with msg.cancel_scope:
                 async with self.runner.submit(prepared) as gen:
+                    if msg.replaces is not None:
+                        self.store.update(msg.replaces, idempotency_key=None)  # the key moves to this message
                     self.store.insert(row)
                     msg.log = self.logs.create(msg.id)
                     msg.log.on_idle = lambda: self._on_idle(msg)
@@ -340,6 +387,7 @@ class Hub:
             output_tokens=msg.usage.output_tokens,
             input_tokens=msg.usage.input_tokens,
             error=msg.error,
+            final_seq=msg.log.next_seq - 1,
         )
         del self._live[msg.id]
         if msg.idempotency_key is not None:
@@ -459,6 +507,9 @@ class Hub:
         """The log to resume and the seq to resume after (None: from the start).
 
         Raises:
+            StreamEnded: ``last_event_id`` is the terminal event of the
+            message's stream, whether its log is still held or has expired
+            (the store keeps the terminal event's seq).
             RingserveError: ``NOT_FOUND`` (unknown message), ``GONE`` (the log
             expired, or the id is older than the ring holds: fetch
             ``GET /v1/messages/{id}``), ``INVALID_REQUEST`` (malformed id, or
@@ -467,11 +518,15 @@ class Hub:
         after = None if last_event_id is None else _resume_after(last_event_id, message_id)
         log = await self.logs.find(message_id)
         if log is None:
-            self.lookup(message_id)  # raises NOT_FOUND for an unknown id
+            msg = self.lookup(message_id)  # raises NOT_FOUND for an unknown id
+            if after is not None and isinstance(msg, StoredMessage) and msg.final_seq == after:
+                raise StreamEnded(message_id)
             raise RingserveError(
                 ErrorKind.GONE,
                 f"the stream log of {message_id} has expired; GET /v1/messages/{message_id} has the message",
             )
+        if log.closed and after is not None and after == log.next_seq - 1:
+            raise StreamEnded(message_id)
         try:
             check = log.read_from(after, limit=0)
         except ValueError:
