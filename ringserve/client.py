@@ -122,8 +122,9 @@ class FinalMessage:
         id: the message id (``msg_...`` or ``chatcmpl-...``).
         text: the whole reply text.
         stop_reason: in the surface's spelling (Anthropic ``end_turn``,
-            ``max_tokens``, ``stop_sequence``, ``refusal``; OpenAI ``stop``,
-            ``length``, ``content_filter``); a cancelled generation has the
+            ``max_tokens``, ``stop_sequence``, ``refusal``,
+            ``model_context_window_exceeded``; OpenAI ``stop``, ``length``,
+            ``content_filter``); a cancelled generation has the
             plain end of turn (``end_turn``, ``stop``).
         stop_sequence: the stop string that ended it, if any.
         usage: tokens billed.
