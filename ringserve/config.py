@@ -75,13 +75,20 @@ class ModelConfig:
 
 @attrs.frozen
 class EngineConfig:
-    """Slots, context and admission queue of the decode loop (sizes in tokens)."""
+    """Slots, context and admission queue of the decode loop (sizes in tokens).
+
+    ``prefix_cache`` keeps each ended request's KV cells as its slot's cache
+    entry and admits a request to the slot sharing the longest prompt prefix,
+    so only the rest of its prompt is prefilled; False frees every cell when a
+    request ends.
+    """
 
     slots: int = attrs.field(default=4, validator=[v.ge(1), v.le(256)])
     ctx_per_slot: int = attrs.field(default=4096, validator=v.ge(16))
     n_batch: int = attrs.field(default=512, validator=v.ge(1))
     prefill_chunk: int = attrs.field(default=256, validator=v.ge(1))
     queue_size: int = attrs.field(default=64, validator=_non_negative)
+    prefix_cache: bool = attrs.field(default=True, validator=v.instance_of(bool))
 
 
 @attrs.frozen

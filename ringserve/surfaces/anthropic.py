@@ -68,6 +68,16 @@ def _error_object(kind_name: str, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind_name, "message": message}}
 
 
+def _usage(usage: Usage) -> dict[str, int]:
+    """Anthropic ``usage``: ``input_tokens`` is the uncached part of the prompt and
+    ``cache_read_input_tokens`` the part read from the prefix cache (their sum is the prompt)."""
+    return {
+        "input_tokens": usage.input_tokens - usage.cached_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "output_tokens": usage.output_tokens,
+    }
+
+
 class AnthropicRenderer:
     """Renders one message's events in Anthropic's streaming order (see module doc)."""
 
@@ -84,7 +94,7 @@ class AnthropicRenderer:
             "model": self._model,
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
+            "usage": _usage(usage),
         }
         return [
             WireEvent(dumps({"type": "message_start", "message": message}), "message_start"),
@@ -100,10 +110,9 @@ class AnthropicRenderer:
 
     def finish(self, finish: Finish) -> list[WireEvent]:
         delta = {"stop_reason": STOP_REASONS[finish.stop_reason], "stop_sequence": finish.stop_sequence}
-        usage = {"input_tokens": finish.usage.input_tokens, "output_tokens": finish.usage.output_tokens}
         return [
             WireEvent(dumps({"type": "content_block_stop", "index": 0}), "content_block_stop"),
-            WireEvent(dumps({"type": "message_delta", "delta": delta, "usage": usage}), "message_delta"),
+            WireEvent(dumps({"type": "message_delta", "delta": delta, "usage": _usage(finish.usage)}), "message_delta"),
             WireEvent(dumps({"type": "message_stop"}), "message_stop"),
         ]
 
@@ -173,7 +182,7 @@ class AnthropicSurface:
             "model": result.model,
             "stop_reason": result.stop_reason,
             "stop_sequence": result.stop_sequence,
-            "usage": {"input_tokens": result.usage.input_tokens, "output_tokens": result.usage.output_tokens},
+            "usage": _usage(result.usage),
         }
 
     def stop_reason(self, reason: StopReason) -> str:
