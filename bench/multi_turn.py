@@ -227,11 +227,12 @@ def start_servers(args: argparse.Namespace, tmp: Path) -> dict[str, ServerProces
     try:
         for name, cache in (("ringserve", True), ("ringserve (no cache)", False)):
             tables: dict[str, dict[str, Any]] = {
+                "server": {"port": 0},
                 "engine": {"slots": args.slots, "ctx_per_slot": args.ctx, "prefix_cache": cache},
                 "store": {"path": str(tmp / f"store-{cache}.sqlite3")},
             }
             if args.fake:
-                tables["engine"]["queue_size"] = 16
+                tables["engine"]["ctx_per_slot"] = 16384  # one token per byte
                 cfg = ringserve_config(tmp / f"ringserve-{cache}.toml", tables)
                 argv = [python(), str(Path(__file__).resolve().parent / "fake_server.py"), "--config", str(cfg),
                         "--fake", json.dumps({"piece_bytes": 4})]

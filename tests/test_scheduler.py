@@ -564,3 +564,13 @@ def test_a_conversations_next_turn_stays_in_its_slot_even_with_an_empty_one_free
     nxt = history + prompt(40, start=6000)
     free = [SlotCache(0, cells, 3, prompt_tokens=300), SlotCache(1, (), -1)]
     assert choose_slot(nxt, free) == CacheChoice(0, 300)  # it destroys none of its last prompt
+
+
+def test_without_output_cells_only_the_prompt_is_kept():
+    s = Scheduler(n_slots=1, n_batch=64, prefill_chunk=64, prefix_cache=True, cache_output=False, min_hit=4)
+    a = s.enqueue(prompt(20), 9)
+    finish_after(s, a, [900, 901, 902])
+    assert a.kept == prompt(20)
+    b = s.enqueue((*prompt(20), 900, 901, 902, 7), 9)
+    s.plan()
+    assert (b.cached, b.pos) == (20, 20)  # the reply is prefilled again

@@ -33,6 +33,10 @@ Rules of this file (in the manner of h11's ``_state.py``):
   prompt fed so far, then the fed-back samples, never the last sample (it is
   not in the KV cells yet) and never a batch that was in flight when its
   request ended. A failed request leaves no cache (its cells are unknown).
+  With ``cache_output=False`` only the prompt's cells are kept: the cells of
+  sampled tokens were computed one token per step, which llama.cpp's kernels
+  may sum in another order than a batched prefill of the same tokens, so
+  keeping them can change a later greedy reply by a rounding.
   Without the cache a slot's cells are all removed when it drains and
   admission takes the lowest free slot.
 * One step's batch (:meth:`Scheduler.plan`) holds one token for every DECODE
@@ -463,6 +467,9 @@ class Scheduler:
         prefix_cache: keep ended requests' cells as cache entries and admit by
             :func:`choose_slot`; False: admission takes the lowest free slot
             and a drained slot keeps nothing.
+        cache_output: also keep the cells of the fed-back samples (a
+            conversation's next turn then prefills only its new messages);
+            False: only the prompt's (see the module docstring).
         min_hit: see :data:`MIN_HIT` (tokens).
         min_copy: see :data:`MIN_COPY` (tokens).
 
@@ -475,6 +482,7 @@ class Scheduler:
     prefill_chunk: int = attrs.field(validator=_positive)
     queue_size: int = attrs.field(default=64, validator=attrs.validators.ge(0))
     prefix_cache: bool = False
+    cache_output: bool = True
     min_hit: int = attrs.field(default=MIN_HIT, validator=attrs.validators.ge(1))
     min_copy: int = attrs.field(default=MIN_COPY, validator=attrs.validators.ge(1))
     _queues: dict[int, deque[Entry]] = attrs.field(init=False, factory=dict)
@@ -708,7 +716,8 @@ class Scheduler:
 
     def _vacate(self, entry: Entry, keep_cells: bool) -> None:
         assert entry.slot is not None and self._slots[entry.slot] is entry
-        entry.kept = entry.cells if self.prefix_cache and keep_cells else ()
+        cells = entry.cells if self.cache_output else entry.cells[: len(entry.prompt)]
+        entry.kept = cells if self.prefix_cache and keep_cells else ()
         self._slots[entry.slot] = None
         self._admit_order.remove(entry)
         self._draining.append(entry)

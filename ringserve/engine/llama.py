@@ -100,13 +100,13 @@ class LlamaEngine:
         use_extra_bufts: let llama.cpp use extra CPU buffer types (weight
             repacking, AMX). Off by default: with a native build on AMX CPUs
             ``ggml_backend_amx_mul_mat`` crashes on multi-token batches.
-        flash_attn: flash attention on (True), off (False) or llama.cpp's
-            choice (None: on where the backend supports it, CPUs included).
-            With it on, a token's attention is summed in an order that depends
-            on how many tokens of its sequence share the batch, so greedy
-            output after a prompt-prefix cache hit (the rest of the prompt fed
-            in other batch shapes) can differ from a full prefill's; off, it
-            does not.
+        flash_attn: flash attention on (True), off (False, the default) or
+            llama.cpp's choice (None: on where the backend supports it, CPUs
+            included). With it on, a token's attention is summed in an order
+            that depends on how many tokens of its sequence share the batch, so
+            greedy output after a prompt-prefix cache hit (the rest of the
+            prompt fed in other batch shapes) can differ from a full
+            prefill's; off, it does not.
         model_id: name reported to clients; default the file's stem.
 
     Attributes:
@@ -143,7 +143,7 @@ class LlamaEngine:
         n_gpu_layers: int = 0,
         n_threads: int = 0,
         use_extra_bufts: bool = False,
-        flash_attn: bool | None = None,
+        flash_attn: bool | None = False,
         model_id: str | None = None,
     ) -> None:
         self._model = None

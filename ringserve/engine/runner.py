@@ -286,6 +286,7 @@ class Runner:
             prefill_chunk=min(config.prefill_chunk, n_batch),
             queue_size=config.queue_size,
             prefix_cache=config.prefix_cache and engine.prefix_cache,
+            cache_output=config.prefix_cache_output,
         )
         self._limiter = trio.CapacityLimiter(1)
         self._wake = trio.Event()
