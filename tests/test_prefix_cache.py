@@ -8,32 +8,19 @@ a cell reused wrongly shows up as a wrong answer. One token per prompt byte.
 from __future__ import annotations
 
 import json
-from contextlib import asynccontextmanager
 
 import httpx
 import pytest
-import trio
 
-from ringserve.config import EngineConfig
 from ringserve.core.events import ChatMessage, Finish, GenerationRequest, SamplingParams, StopReason, TextDelta
 from ringserve.engine.fake import Begin, FakeEngine
 from ringserve.engine.runner import Runner
 from tests.conftest import fake_config, running_server
 from tests.helpers import ANTHROPIC_BODY, OPENAI_BODY, sse_events
+from tests.test_runner import serving
 
-GUARD = 10  # seconds: a hang guard, never a wait
-REAL_GUARD = 180  # the same on the real model
+REAL_GUARD = 180  # seconds: a hang guard on the real model, never a wait
 SYSTEM = "You are a terse assistant who answers every question in one short line. " * 4
-
-
-@asynccontextmanager
-async def serving(engine: FakeEngine, guard: float = GUARD, **config):
-    runner = Runner(engine, EngineConfig(**config))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(runner.run)
-        with trio.fail_after(guard):
-            yield runner
-        nursery.cancel_scope.cancel()
 
 
 def req(messages: list[ChatMessage], max_tokens: int = 64) -> GenerationRequest:

@@ -81,11 +81,11 @@ def req(text: str, max_tokens: int | None = 256, *, stop=(), priority=0) -> Gene
 
 
 @asynccontextmanager
-async def serving(engine, **config):
+async def serving(engine, guard: float = GUARD, **config):
     runner = Runner(engine, EngineConfig(**config))
     async with trio.open_nursery() as nursery:
         await nursery.start(runner.run)
-        with trio.fail_after(GUARD):
+        with trio.fail_after(guard):
             yield runner
         nursery.cancel_scope.cancel()
 
