@@ -92,8 +92,12 @@ SYSTEM = " ".join(
         "Never promise a repair date without checking the workshop calendar. Prices include tax.",
     ]
     * 5
+    + [
+        "Keep every answer under fifty words. When a customer seems unsure, end with a short offer of",
+        "further help, and remind them that they can book a repair by phone or at the workshop counter.",
+    ]
 )
-"""The system prompt: 950 tokens with SmolLM2's tokenizer (the tag in front adds a few)."""
+"""The system prompt: 949 tokens with SmolLM2's tokenizer (the session tag in front adds about 6)."""
 
 QUESTIONS = [
     "When are you open on Saturday?",
