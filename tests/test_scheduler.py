@@ -574,3 +574,9 @@ def test_without_output_cells_only_the_prompt_is_kept():
     b = s.enqueue((*prompt(20), 900, 901, 902, 7), 9)
     s.plan()
     assert (b.cached, b.pos) == (20, 20)  # the reply is prefilled again
+
+
+def test_a_short_prompt_sent_again_is_a_hit():
+    p = prompt(6)
+    free = [SlotCache(0, (*p, 99), 5), SlotCache(1, (), -1)]
+    assert choose_slot(p, free, min_hit=16) == CacheChoice(0, 5)

@@ -233,7 +233,8 @@ def choose_slot(
     sample needs the logits of the last prompt token.
 
     The slot is the one that reuses most; a reuse under ``min_hit`` tokens is
-    a miss and counts as 0. Among equal hits, the one that destroys fewest
+    a miss and counts as 0, unless it is all the prompt may reuse (a short
+    prompt sent again). Among equal hits, the one that destroys fewest
     cached prompt tokens wins (the cells of the slot's last prompt beyond
     what it reuses: another conversation's history after a shared system
     prompt; a conversation's next turn extends its last prompt and destroys
@@ -276,7 +277,7 @@ def choose_slot(
         choice, lost = CacheChoice(cache.slot, own), max(0, prompt_cells - own)
         if best_source is not None and best_source != cache.slot and best_copy - own >= min_copy:
             choice, lost = CacheChoice(cache.slot, best_copy, best_source), prompt_cells
-        hit = choice.reuse >= min_hit
+        hit = choice.reuse >= min_hit or 0 < choice.reuse == limit  # or all the prompt it may reuse
         key = (choice.reuse if hit else 0, -lost if hit else 0, choice.source is None, -cache.last_used, -cache.slot)
         if best is None or key > best[0]:
             best = (key, choice)

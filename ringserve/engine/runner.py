@@ -485,7 +485,9 @@ class Runner:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the owner loop until cancelled; start it in the server's nursery.
 
-        Calls ``task_status.started()`` once requests can be submitted. A
+        First empties every slot's KV cells (cells an earlier runner left
+        there are no cache entry of this one). Calls ``task_status.started()``
+        once requests can be submitted. A
         crash inside ``engine.decode`` fails the generations it affects
         (:class:`Failure` ``api_error``, retryable) and the loop goes on. If
         the loop itself ends, by cancellation (``unavailable``) or by a bug
@@ -499,6 +501,12 @@ class Runner:
         if self._started:
             raise RuntimeError("Runner.run() may be called only once")
         self._started = True
+        # The scheduler knows of no cache entry yet: empty every slot the engine may still hold.
+        everything = [(slot, 0) for slot in range(self._scheduler.n_slots)]
+        kv, _ = await trio.to_thread.run_sync(
+            self._release_sync, everything, limiter=self._limiter, abandon_on_cancel=False
+        )
+        self._kv_used = kv or 0
         self._running = True
         try:
             task_status.started()
