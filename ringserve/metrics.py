@@ -212,7 +212,9 @@ class _SnapshotCollector(Collector):
                     logs.readers)
         yield gauge("ringserve_slots_busy", "Slots holding a request or being released.", s.slots_busy)
         yield gauge("ringserve_slots_total", "Slots decoded together.", s.slots_total)
-        yield gauge("ringserve_kv_cells_used", "KV-cache cells (tokens) in use over all slots.", s.kv_cells_used)
+        yield gauge("ringserve_kv_cells_used",
+                    "KV-cache cells (tokens) held by requests over all slots (prefix-cache cells not counted).",
+                    s.kv_cells_used)
         yield gauge("ringserve_kv_cells_total", "KV-cache cells (tokens) over all slots.", s.kv_cells_total)
         yield counter("ringserve_prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens_total)
         yield counter("ringserve_prompt_tokens_prefilled", "Prompt tokens fed to the engine (not reused from the prefix cache).",
