@@ -396,6 +396,7 @@ def plot(payload: dict[str, Any]) -> Path:
             ax.plot(turns, [1e3 * x if x is not None else float("nan") for x in ttft], marker=marker,
                     color=f"C{i}", label=name)
         ax.set_yscale("log")
+        ax.set_xticks(turns)
         ax.set_xlabel("turn")
         ax.set_ylabel("TTFT p50, ms")
         ax.set_title(f"{scenario}: whole history sent every turn")
