@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ringserve.auth import AuthSetupError
     from ringserve.engine.modelfile import ModelFileError, check_model_file, default_model_path
+    from ringserve.messages import StoreError
     from ringserve.server import serve
 
     try:
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return trio.run(serve, config)  # 0 after a drain, 1 if a second signal cut it short
-    except AuthSetupError as exc:  # a non-loopback host with no keys, or a malformed key
+    except (AuthSetupError, StoreError) as exc:  # a non-loopback host with no keys, a malformed key, a bad store file
         print(f"ringserve: {exc}", file=sys.stderr)
         return 2
 

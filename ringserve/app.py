@@ -30,10 +30,11 @@ from ringserve.connections import SendWatchdog
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import Usage
 from ringserve.core.limits import ReaderGate, check_request
-from ringserve.messages import StoredMessage
+from ringserve.messages import FINAL_STATUSES, StoredMessage
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ringserve.metrics import Metrics, error_type
 from ringserve.stream.hub import CancelReason, Hub, LiveMessage, request_hash
+from ringserve.stream.logs import store_unavailable
 from ringserve.stream.reader import ReaderLagged
 from ringserve.surfaces.anthropic import AnthropicSurface
 from ringserve.surfaces.base import MessageResult, Surface, dumps
@@ -228,6 +229,8 @@ def create_app(state: ServerState) -> RingserveQuart:
     async def generate(surface: Surface) -> Response:
         try:
             hub = hub_or_unavailable()
+            if not hub.logs.available:
+                raise store_unavailable()
             raw = await request.get_data()
             try:
                 body = json.loads(raw)
@@ -259,7 +262,7 @@ def create_app(state: ServerState) -> RingserveQuart:
                 return _json(payload, 202, {"Location": location, "Preference-Applied": "respond-async"})
             if isinstance(msg, StoredMessage):  # an idempotent retry of a finished message
                 if parsed.stream:
-                    log_, after = hub.open_log(msg.id, None)  # GONE once the log expired
+                    log_, after = await hub.open_log(msg.id, None)  # GONE once the log expired
                     return sse_response(hub, log_, after, {"X-Message-Id": msg.id})
                 return stored_answer(surface, msg)
             if parsed.stream:
@@ -343,7 +346,7 @@ def create_app(state: ServerState) -> RingserveQuart:
     @app.get("/v1/messages/<message_id>")
     async def get_message(message_id: str) -> Response:
         try:
-            return _json(message_status_json(hub_or_unavailable().lookup(message_id)))
+            return _json(message_status_json(await hub_or_unavailable().find(message_id)))
         except RingserveError as exc:
             return _error_response(surface_of(message_id), exc)
 
@@ -356,7 +359,7 @@ def create_app(state: ServerState) -> RingserveQuart:
             last = request.headers.get("Last-Event-ID")
             if last is None:
                 last = request.args.get("last_event_id")
-            log_, after = hub.open_log(message_id, last or None)
+            log_, after = await hub.open_log(message_id, last or None)
             admit_reader(log_.readers)
         except RingserveError as exc:
             state.metrics.resumed("expired" if exc.kind is ErrorKind.GONE else "rejected")
@@ -369,7 +372,7 @@ def create_app(state: ServerState) -> RingserveQuart:
         """A short-lived token that lets ``GET .../stream?stream_token=`` read this one message."""
         request.scope[_ACCESS].message_id = message_id
         try:
-            hub_or_unavailable().lookup(message_id)
+            await hub_or_unavailable().find(message_id)
         except RingserveError as exc:
             return _error_response(surface_of(message_id), exc)
         return _json({"id": message_id, **stream_token_json(message_id)})
@@ -378,10 +381,12 @@ def create_app(state: ServerState) -> RingserveQuart:
     async def cancel_message(message_id: str) -> Response:
         try:
             hub = hub_or_unavailable()
-            msg = hub.lookup(message_id)
+            msg = await hub.find(message_id)
             if isinstance(msg, LiveMessage):
                 hub.cancel(msg, CancelReason.REQUESTED)
                 await msg.done.wait()
+            elif msg.status not in FINAL_STATUSES:  # another replica generates it
+                msg = await hub.cancel_elsewhere(msg)
             return _json(message_status_json(msg))
         except RingserveError as exc:
             return _error_response(surface_of(message_id), exc)
@@ -432,12 +437,15 @@ def create_app(state: ServerState) -> RingserveQuart:
 
     @app.get("/ready")
     async def ready() -> Response:
-        """Readiness: 200 once the model is loaded and the decode loop runs; 503 before and while draining."""
+        """Readiness: 200 once the model is loaded and the decode loop runs; 503 before, while
+        draining, and while the Redis log backend cannot reach Redis."""
         hub = state.hub
         if hub is None:
             return _json({"status": "loading"}, 503)
         if hub.draining or not hub.runner.running:
             return _json({"status": "draining" if hub.draining else "stopped"}, 503)
+        if not hub.logs.available:
+            return _json({"status": "log store unavailable"}, 503)
         return _json({"status": "ready", "model": state.model_id})
 
     @app.get("/metrics")

@@ -38,10 +38,12 @@ import attrs
 
 from ringserve.config import AuthConfig
 
-__all__ = ["ENV_KEYS", "AuthSetupError", "Authenticator", "check_bind", "is_loopback"]
+__all__ = ["ENV_KEYS", "ENV_TOKEN_SECRET", "AuthSetupError", "Authenticator", "check_bind", "is_loopback"]
 
 #: Environment variable with extra API keys, comma-separated.
 ENV_KEYS = "RINGSERVE_API_KEYS"
+#: Environment variable with the stream-token secret (replaces ``[auth] stream_token_secret``).
+ENV_TOKEN_SECRET = "RINGSERVE_STREAM_TOKEN_SECRET"
 
 _MAX_KEY_LENGTH = 512
 _MAX_TOKEN_LENGTH = 128
@@ -95,13 +97,20 @@ class Authenticator:
     def from_config(cls, config: AuthConfig, environ: Mapping[str, str] = os.environ) -> Authenticator:
         """Keys from ``config.api_keys`` plus ``RINGSERVE_API_KEYS`` in ``environ``.
 
+        The stream-token secret: ``RINGSERVE_STREAM_TOKEN_SECRET``, else
+        ``config.stream_token_secret`` (its SHA-256 is the HMAC key, so every
+        replica given the same one accepts the others' tokens); neither set:
+        32 random bytes (tokens work on this process only).
+
         Raises:
             AuthSetupError: a key is empty, longer than 512 characters, or holds a
                 space, a comma or a non-printable or non-ASCII character.
         """
         keys = list(config.api_keys)
         keys += [k.strip() for k in environ.get(ENV_KEYS, "").split(",") if k.strip()]
-        return cls(tuple(_digest(_check_key(k)) for k in keys), config.stream_token_ttl)
+        shared = environ.get(ENV_TOKEN_SECRET, "") or config.stream_token_secret
+        secret = _digest(shared) if shared else secrets.token_bytes(32)
+        return cls(tuple(_digest(_check_key(k)) for k in keys), config.stream_token_ttl, secret)
 
     @property
     def enabled(self) -> bool:

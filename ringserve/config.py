@@ -9,6 +9,7 @@ file fails at start-up with a message that names the key.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,10 @@ from attrs import validators as v
 from ringserve.core.safety import compile_patterns, load_checker
 
 DISCONNECT_POLICIES = ("abort", "continue")
+LOG_BACKENDS = ("memory", "redis")
+
+#: Environment variable that, when set, replaces ``[stream] redis_url``.
+ENV_REDIS_URL = "RINGSERVE_REDIS_URL"
 
 
 def _positive(_inst: object, attribute: attrs.Attribute, value: float) -> None:
@@ -101,9 +106,20 @@ class EngineConfig:
     prefix_cache_output: bool = attrs.field(default=True, validator=v.instance_of(bool))
 
 
+def _redis_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+    if value and not value.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"{attribute.name} must start with redis://, rediss:// or unix://, got {value!r}")
+
+
 @attrs.frozen
 class StreamConfig:
-    """Stream log: coalescing, ring bounds, memory cap and TTL."""
+    """Stream log: coalescing, ring bounds, memory cap, TTL and backend.
+
+    ``backend`` ``"memory"`` keeps each log in this process; ``"redis"`` keeps
+    it in a Redis stream at ``redis_url`` too (``stream/redis_logs.py``), so
+    any replica resumes any stream. :meth:`redis_url_from` applies the
+    ``RINGSERVE_REDIS_URL`` environment variable.
+    """
 
     flush_ms: float = attrs.field(default=25.0, validator=_non_negative)
     flush_tokens: int = attrs.field(default=16, validator=v.ge(1))
@@ -111,6 +127,18 @@ class StreamConfig:
     ring_max_bytes: int = attrs.field(default=4 * 1024 * 1024, validator=_positive)
     memory_cap_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_positive)
     ttl_seconds: float = attrs.field(default=60.0, validator=_non_negative)
+    backend: str = attrs.field(default="memory", validator=v.in_(LOG_BACKENDS))
+    redis_url: str = attrs.field(default="redis://127.0.0.1:6379/0", validator=_redis_url)
+
+    def redis_url_from(self, environ: Mapping[str, str]) -> str:
+        """``RINGSERVE_REDIS_URL`` from ``environ`` when set and not empty, else ``redis_url``.
+
+        Raises:
+            ValueError: the environment's URL has another scheme.
+        """
+        url = environ.get(ENV_REDIS_URL, "") or self.redis_url
+        _redis_url(self, attrs.fields(StreamConfig).redis_url, url)
+        return url
 
 
 @attrs.frozen
@@ -124,9 +152,21 @@ class PolicyConfig:
 
 @attrs.frozen
 class StoreConfig:
-    """Durable message store (SQLite). ``:memory:`` keeps nothing across restarts."""
+    """Durable message store (SQLite) and its retention (seconds, bytes; 0 = no limit).
 
-    path: str = "ringserve.sqlite3"
+    ``path`` empty: ``messages.sqlite3`` in the per-user data directory
+    (``ringserve.messages.default_store_path``); ``":memory:"`` keeps nothing
+    across restarts. Finished messages are deleted ``max_age_seconds`` after
+    they end, and the oldest finished first while the database is over
+    ``max_bytes``, by a sweep every ``sweep_interval_seconds``.
+    ``keep_prompts`` false stores no request body, only its SHA-256.
+    """
+
+    path: str = ""
+    max_age_seconds: float = attrs.field(default=7 * 24 * 3600.0, validator=_non_negative)
+    max_bytes: int = attrs.field(default=1024 * 1024 * 1024, validator=_non_negative)
+    sweep_interval_seconds: float = attrs.field(default=60.0, validator=_positive)
+    keep_prompts: bool = True
 
 
 @attrs.frozen
@@ -154,10 +194,11 @@ def _key_list(value: Any) -> tuple[str, ...]:
 
 @attrs.frozen
 class AuthConfig:
-    """API keys (empty: no auth) and stream-token lifetime (seconds)."""
+    """API keys (empty: no auth), stream-token lifetime (seconds) and secret (empty: random per process)."""
 
     api_keys: tuple[str, ...] = attrs.field(default=(), converter=_key_list, repr=False)
     stream_token_ttl: float = attrs.field(default=60.0, validator=_positive)
+    stream_token_secret: str = attrs.field(default="", repr=False)
     allow_remote_without_keys: bool = False
 
 

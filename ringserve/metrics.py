@@ -10,9 +10,10 @@ never share a number. Two kinds of metric:
   disconnects, truncated streams, HTTP errors) and the runner (cancel to KV
   freed, through its ``on_cancel_freed`` hook).
 * **Snapshot metrics**, read at scrape time from ``statistics()`` of the
-  runner and of the log store, and from the hub (:meth:`Metrics.watch`):
-  slots, queue, KV cells, tokens, zombie tokens, readers, ring entries and
-  bytes, append latency. They cost nothing between scrapes.
+  runner, of the log store and of the message store, and from the hub
+  (:meth:`Metrics.watch`): slots, queue, KV cells, tokens, zombie tokens,
+  readers, ring entries and bytes, append latency, store size and sweeps.
+  They cost nothing between scrapes.
 
 Names follow the Prometheus conventions: base units (seconds, bytes),
 ``_total`` on counters, ``ringserve_`` prefix. ``configs/grafana-dashboard.json``
@@ -246,3 +247,13 @@ class _SnapshotCollector(Collector):
                       logs.entries_evicted_total)
         yield SummaryMetricFamily("ringserve_ring_append_seconds", "Wall seconds per stream-log append.",
                                   count_value=logs.appends_total, sum_value=logs.append_seconds_total)
+        store = hub.store.statistics()
+        yield gauge("ringserve_store_bytes", "Bytes of the message store's database in use (WAL excluded).",
+                    store.used_bytes)
+        yield gauge("ringserve_store_free_bytes", "Free pages of the message store not yet given back, in bytes.",
+                    store.free_bytes)
+        yield counter("ringserve_store_swept_messages", "Finished messages deleted by the store's retention.",
+                      store.swept_total)
+        yield gauge("ringserve_store_longest_sweep_step_seconds",
+                    "The longest single retention batch or vacuum step so far (the event loop waited that long).",
+                    store.longest_step_seconds)

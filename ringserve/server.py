@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from collections.abc import Callable
 
 import hypercorn.trio
 import trio
 
-from ringserve.app import ServerState, create_app
+from ringserve.app import SURFACES, ServerState, create_app
 from ringserve.auth import Authenticator, check_bind
 from ringserve.config import Config
 from ringserve.connections import HypercornConfig, isolate_connection_faults
 from ringserve.engine.protocol import Engine
 from ringserve.engine.runner import Runner
-from ringserve.messages import MessageStore
+from ringserve.core.events import Failure, Usage
+from ringserve.core.ringlog import format_event_id
+from ringserve.core.sse import encode_event
+from ringserve.messages import MessageStore, StoredMessage, run_retention
 from ringserve.stream.hub import CancelReason, Hub
-from ringserve.stream.logs import MemoryLogStore
+from ringserve.stream.logs import LogStore, MemoryLogStore
 
 log = logging.getLogger("ringserve")
 
@@ -43,6 +47,47 @@ def load_llama_engine(config: Config) -> Engine:
         flash_attn={"auto": None, "on": True, "off": False}[config.model.flash_attn],
         model_id=config.model.name or None,
     )
+
+
+def make_log_store(config: Config) -> LogStore:
+    """The ``[stream] backend``: in-process memory, or Redis (``stream/redis_logs.py``).
+
+    Raises:
+        SystemExit: backend ``redis`` without coredis installed (one-line message).
+        ValueError: a ``RINGSERVE_REDIS_URL`` with an unknown scheme.
+    """
+    match config.stream.backend:
+        case "memory":
+            return MemoryLogStore(config.stream)
+        case "redis":
+            try:
+                from ringserve.stream.redis_logs import RedisLogStore
+            except ImportError as exc:
+                raise SystemExit(f"[stream] backend = \"redis\" needs coredis: pip install 'ringserve[redis]' ({exc})") from None
+            return RedisLogStore(config.stream, config.stream.redis_url_from(os.environ))
+        case other:
+            raise AssertionError(f"unknown stream backend {other!r}")  # the config validator lists them
+
+
+def _mirrored_store(config: Config, logs: LogStore) -> MessageStore:
+    from ringserve.stream.redis_logs import MirroredMessageStore
+
+    return MirroredMessageStore.from_config(config.store).mirror_to(logs)
+
+
+def _owner_lost_entries(stored: StoredMessage, seq: int) -> list[bytes]:
+    """The retryable in-band error that ends a stream whose owning replica died, from entry ``seq`` on."""
+    from ringserve.stream.redis_logs import OWNER_LOST_MESSAGE
+
+    failure = Failure("unavailable", OWNER_LOST_MESSAGE, Usage(stored.input_tokens, stored.output_tokens), True)
+    events = SURFACES[stored.surface].renderer(stored.id, stored.model, stored.created, False).fail(failure)
+    return [encode_event(ev.data, event=ev.event, id=format_event_id(stored.id, seq + i)) for i, ev in enumerate(events)]
+
+
+def _cancel_live(hub: Hub, message_id: str) -> None:
+    msg = hub.live(message_id)
+    if msg is not None:
+        hub.cancel(msg, CancelReason.REQUESTED)
 
 
 #: Seconds the drain gives readers to write their terminal events once every generation
@@ -109,15 +154,21 @@ async def serve(
         AuthSetupError: ``server.host`` is not loopback, no API key is
             configured and ``auth.allow_remote_without_keys`` is false; or
             an API key is malformed (checked before anything starts).
+        StoreError: the message store cannot be opened or written (one line naming the path).
     """
     auth = Authenticator.from_config(config.auth)
     check_bind(config.server.host, auth, config.auth.allow_remote_without_keys)
     isolate_connection_faults()
-    store = MessageStore(config.store.path)
+    logs = make_log_store(config)
+    store = MessageStore.from_config(config.store) if isinstance(logs, MemoryLogStore) else _mirrored_store(config, logs)
+    log.info(
+        "message store: %s (finished messages kept %s, up to %s%s)",
+        store.path, _limit(config.store.max_age_seconds, "s"), _limit(config.store.max_bytes, " bytes"),
+        "" if config.store.keep_prompts else "; prompts not kept",
+    )
     interrupted = store.mark_interrupted()
     if interrupted:
         log.info("marked %d message(s) left generating by a previous run as interrupted", interrupted)
-    logs = MemoryLogStore(config.stream)
     state = ServerState(config, auth=auth)
     app = create_app(state)
     stop = trio.Event() if shutdown_trigger is None else shutdown_trigger
@@ -136,6 +187,7 @@ async def serve(
                 nursery.cancel_scope.cancel()
 
             await nursery.start(logs.run)
+            await nursery.start(run_retention, store, config.store)
             await nursery.start(state.watchdog.run)
             if handle_signals:
                 nursery.start_soon(_watch_signals, stop, stop_now)
@@ -149,6 +201,9 @@ async def serve(
             await nursery.start(runner.run)
             hub = Hub(config, runner, logs, store, nursery, metrics=state.metrics)
             state.metrics.watch(hub)
+            if not isinstance(logs, MemoryLogStore):  # a cancel another replica relays; an owner that died
+                logs.on_cancel = lambda message_id: _cancel_live(hub, message_id)
+                logs.on_owner_lost = _owner_lost_entries
             state.model_id = runner.model_id
             state.hub = hub
             log.info(
@@ -176,6 +231,10 @@ async def serve(
     finally:
         store.close()
     return status
+
+
+def _limit(value: float, unit: str) -> str:
+    return f"{value:g}{unit}" if value else "without limit"
 
 
 async def _serve_http(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,12 @@ def test_multi_turn_bench_reports_cached_and_prefilled_tokens_per_turn(tmp_path:
     # the first one reused only what its tag shares with the previous scenario's prompt
     first, second = (t["cached_tokens"] for t in out["raw"]["ringserve"]["shared"][0] if t["turn"] == 1)
     assert first < 100 and second > 4000
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed (apt-get install redis-server)")
+def test_redis_append_bench_runs_both_modes(tmp_path: Path) -> None:
+    pytest.importorskip("coredis", reason="the redis extra is not installed")
+    out = run_bench("redis_append", tmp_path, "--streams", "4", "--entries", "10", "--repeats", "1")
+    assert set(out["summary"]) == {"pipelined", "per_entry"}
+    assert out["summary"]["per_entry"]["round_trips"] == 40
+    assert out["summary"]["pipelined"]["round_trips"] < 40  # several streams' entries per round trip

@@ -14,7 +14,8 @@ C6_TEXT = "👍🏽 你好 🇯🇵 Привет ½"
 C6_BYTES = C6_TEXT.encode("utf-8")
 
 
-def run(pieces) -> tuple[list[str], str]:
+def run(pieces) -> tuple[list[str], int]:
+    """The feeds' outputs and the bytes dropped at the end."""
     detok = Detokenizer()
     outs = [detok.feed(p) for p in pieces]
     return outs, detok.flush()
@@ -27,13 +28,12 @@ def split_at(data: bytes, cuts) -> list[bytes]:
 
 
 def test_c6_whole():
-    assert run([C6_BYTES]) == ([C6_TEXT], "")
+    assert run([C6_BYTES]) == ([C6_TEXT], 0)
 
 
 def test_c6_one_byte_at_a_time():
-    outs, tail = run([C6_BYTES[i : i + 1] for i in range(len(C6_BYTES))])
-    assert "".join(outs) + tail == C6_TEXT
-    assert tail == ""
+    outs, dropped = run([C6_BYTES[i : i + 1] for i in range(len(C6_BYTES))])
+    assert dropped == 0
     assert not any("\ufffd" in o for o in outs)
     # A character comes out on the feed of its last byte, never later.
     assert "".join(outs) == C6_TEXT
@@ -41,10 +41,9 @@ def test_c6_one_byte_at_a_time():
 
 @pytest.mark.parametrize("cut", range(len(C6_BYTES) + 1))
 def test_c6_every_two_way_split(cut):
-    outs, tail = run([C6_BYTES[:cut], C6_BYTES[cut:]])
-    assert "".join(outs) + tail == C6_TEXT
-    assert "\ufffd" not in "".join(outs)
-    assert tail == ""
+    outs, dropped = run([C6_BYTES[:cut], C6_BYTES[cut:]])
+    assert "".join(outs) == C6_TEXT
+    assert dropped == 0
     # The first feed gives exactly the characters wholly inside it.
     assert outs[0] == C6_BYTES[:cut].decode("utf-8", "ignore")
 
@@ -69,17 +68,44 @@ def test_holds_partial_character():
     ],
 )
 def test_invalid_bytes_give_replacement(pieces, text):
-    outs, tail = run(pieces)
-    assert "".join(outs) + tail == text
+    outs, dropped = run(pieces)
+    assert ("".join(outs), dropped) == (text, 0)
 
 
-def test_flush_replaces_incomplete_and_resets():
+def test_flush_drops_an_incomplete_character_and_resets():
+    """Issue 12: the end of a generation never turns a cut character into U+FFFD."""
     detok = Detokenizer()
     assert detok.feed(b"ok \xe4\xbd") == "ok "
-    assert detok.flush() == "\ufffd"
+    assert detok.flush() == 2
     assert detok.pending_bytes == 0
-    assert detok.flush() == ""
+    assert detok.flush() == 0
     assert detok.feed("½".encode()) == "½"
+
+
+@pytest.mark.parametrize("cut", range(1, 4))
+def test_flush_after_a_cut_emoji_leaves_no_replacement(cut):
+    detok = Detokenizer()
+    assert detok.feed("a👍".encode()[: 1 + cut]) == "a"
+    assert detok.flush() == cut
+    assert detok.feed(b"b") == "b"  # a fresh start: the dropped bytes are forgotten
+
+
+def answer_after(pieces) -> str:
+    """The text a generation of exactly these token pieces ends with (feeds, then flush)."""
+    outs, _ = run(pieces)
+    return "".join(outs)
+
+
+@SETTINGS
+@given(text=st.text(max_size=24), cuts=st.lists(st.integers(min_value=0), max_size=10))
+def test_answer_for_n_tokens_is_a_prefix_of_the_answer_for_n_plus_1(text, cuts):
+    """Issue 12's rule for a cut reply: no U+FFFD, and each answer extends the previous one."""
+    pieces = split_at(text.encode("utf-8"), cuts)
+    answers = [answer_after(pieces[:n]) for n in range(len(pieces) + 1)]
+    assert answers[-1] == text
+    for shorter, longer in zip(answers, answers[1:]):
+        assert "\ufffd" not in shorter
+        assert longer.startswith(shorter)
 
 
 @SETTINGS
@@ -87,10 +113,11 @@ def test_flush_replaces_incomplete_and_resets():
        cuts=st.lists(st.integers(min_value=0), max_size=10))
 def test_any_split_equals_whole_decode(data, cuts):
     pieces = split_at(data, cuts)
-    outs, tail = run(pieces)
-    assert "".join(outs) + tail == data.decode("utf-8", "replace")
-    single, single_tail = run([data[i : i + 1] for i in range(len(data))])
-    assert "".join(single) + single_tail == data.decode("utf-8", "replace")
+    outs, dropped = run(pieces)
+    assert 0 <= dropped <= 3
+    assert "".join(outs) == data[: len(data) - dropped].decode("utf-8", "replace")
+    single, single_dropped = run([data[i : i + 1] for i in range(len(data))])
+    assert ("".join(single), single_dropped) == ("".join(outs), dropped)
 
 
 @SETTINGS
@@ -106,4 +133,5 @@ def test_valid_text_never_gives_replacement(text, cuts):
         # Everything complete is released at once; at most 3 bytes of one character wait.
         assert released == fed[: len(fed) - detok.pending_bytes].decode("utf-8")
         assert detok.pending_bytes <= 3
-    assert released + detok.flush() == text
+    assert detok.flush() == 0
+    assert released == text

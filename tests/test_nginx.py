@@ -35,9 +35,9 @@ READ_TIMEOUT = 2  # seconds; the snippet's 60 s, shortened
 PREFILL = 5.0  # seconds of silence before the first token: 2.5 read timeouts
 
 
-def documented_snippet() -> str:
-    """The ```nginx block of docs/nginx.md."""
-    text = (ROOT / "docs" / "nginx.md").read_text()
+def documented_snippet(doc: str = "nginx.md") -> str:
+    """The ```nginx block of ``docs/<doc>``."""
+    text = (ROOT / "docs" / doc).read_text()
     return re.search(r"```nginx\n(.*?)```", text, re.DOTALL).group(1)
 
 
@@ -64,6 +64,14 @@ def run_nginx(tmp_path: Path, upstream_port: int, plain_port: int) -> Iterator[s
         f"        proxy_read_timeout {READ_TIMEOUT}s;\n    }}\n\n    location / {{",
         1,
     )
+    with start_nginx(tmp_path, snippet, port) as url:
+        yield url
+
+
+@contextmanager
+def start_nginx(tmp_path: Path, snippet: str, port: int) -> Iterator[str]:
+    """nginx with ``snippet`` (an ``upstream`` and a ``server`` listening on ``port``) as its http
+    block, files in ``tmp_path``; skips when nginx cannot start. Yields its base URL."""
     temp = {name: tmp_path / name for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")}
     user = "user root root;\n" if os.geteuid() == 0 else ""
     conf = tmp_path / "nginx.conf"

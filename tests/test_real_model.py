@@ -115,10 +115,10 @@ def test_unicode_round_trip_has_no_replacement_characters(sdk_clients):
 def test_sdk_errors_are_raised_for_bad_requests(sdk_clients):
     a, o = sdk_clients
     with pytest.raises(anthropic.BadRequestError) as info:
-        a.messages.create(model="m", max_tokens=9000, messages=[{"role": "user", "content": "x"}])
+        a.messages.create(model="m", max_tokens=0, messages=[{"role": "user", "content": "x"}])
     assert info.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError):
-        o.chat.completions.create(model="m", max_tokens=999_999, messages=[{"role": "user", "content": "x"}])
+        o.chat.completions.create(model="m", max_tokens=2_000_000, messages=[{"role": "user", "content": "x"}])
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")

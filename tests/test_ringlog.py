@@ -205,3 +205,20 @@ def test_random_appends_and_reads_never_skip_or_repeat(
         assert [e.seq for e in log.read_from(probe)] == list(  # type: ignore[union-attr]
             range(probe + 1, log.next_seq)
         )
+
+
+def test_skip_to_drops_what_is_held_and_goes_on_at_the_new_seq_across_the_wrap():
+    ring = RingLog(max_entries=4, max_bytes=1000)
+    ring.append(b"a")
+    ring.skip_to(6)  # slot 6 % 4 = 2: the slots before it stay unused until the wrap
+    assert (ring.first_seq, ring.next_seq, ring.entry_count, ring.nbytes, ring.evicted_total) == (6, 6, 0, 0, 1)
+    assert [ring.append(bytes([c])) for c in b"wxyz"] == [6, 7, 8, 9]  # wraps at 8
+    assert [(e.seq, e.data) for e in ring.read_from(5)] == [(6, b"w"), (7, b"x"), (8, b"y"), (9, b"z")]
+    assert ring.read_from(4) == Gap(after=4, first_available=6)
+    ring.append(b"!")  # evicts 6
+    assert [e.seq for e in ring.read_from(6)] == [7, 8, 9, 10]
+    with pytest.raises(ValueError):
+        ring.skip_to(3)
+    ring.close(LogState.FINISHED)
+    with pytest.raises(LogStateError):
+        ring.skip_to(20)

@@ -146,16 +146,41 @@ async def test_echo_and_max_tokens():
     assert (text2, last2.stop_reason, last2.usage.output_tokens) == ("ab", StopReason.END, 3)
 
 
-async def test_max_tokens_none_is_what_the_context_leaves():
+@pytest.mark.parametrize("max_tokens", [None, 10_000, 1_000_000])
+async def test_max_tokens_none_or_over_the_context_ends_when_the_context_is_full(max_tokens):
+    """Issue 22: a budget larger than the context left is served up to the context."""
     engine = FakeEngine(n_ctx_slot=64, piece_bytes=1, reply="z" * 200)
     async with serving(engine) as runner:
-        prepared = await runner.prepare(req("hi", max_tokens=None))
+        prepared = await runner.prepare(req("hi", max_tokens=max_tokens))
         n_prompt = len(prepared.prompt_tokens)
-        assert prepared.max_tokens == 64 - n_prompt
+        assert (prepared.max_tokens, prepared.context_bound) == (64 - n_prompt, True)
         async with runner.submit(prepared) as gen:
             text, last = await gen.collect()
+        await runner.wait_idle()
+        stats = runner.statistics()
     assert text == "z" * (64 - n_prompt)
-    assert last.stop_reason is StopReason.MAX_TOKENS
+    assert last == Finish(StopReason.CONTEXT_FULL, gen.usage)
+    assert gen.usage.output_tokens == 64 - n_prompt
+    # no request holds cells; the slot's cache entry is all of it but the last sample (never fed)
+    assert stats.kv_cells_used == 0 and engine.kv_cells_used() == stats.prefix_cache_cells == 63
+
+
+async def test_max_tokens_exactly_the_context_left_is_max_tokens():
+    engine = FakeEngine(n_ctx_slot=64, piece_bytes=1, reply="z" * 200)
+    async with serving(engine) as runner:
+        n_prompt = len((await runner.prepare(req("hi", max_tokens=None))).prompt_tokens)
+        prepared = await runner.prepare(req("hi", max_tokens=64 - n_prompt))
+        assert not prepared.context_bound
+        async with runner.submit(prepared) as gen:
+            text, last = await gen.collect()
+    assert (len(text), last.stop_reason) == (64 - n_prompt, StopReason.MAX_TOKENS)
+
+
+async def test_context_bound_generation_that_ends_first_is_end_of_turn():
+    engine = FakeEngine(n_ctx_slot=64, piece_bytes=1, reply="short")
+    async with serving(engine) as runner:
+        _, text, last, gen = await generate(runner, req("hi", max_tokens=16384))
+    assert (text, last.stop_reason, gen.usage.output_tokens) == ("short", StopReason.END, 6)
 
 
 @pytest.mark.parametrize("piece_bytes", [1, 2, 3, 4, 5])
@@ -169,6 +194,31 @@ async def test_split_multibyte_characters_never_give_replacement_chars(piece_byt
     assert text == reply
     assert last.stop_reason is StopReason.END
     assert all("\ufffd" not in e.text for e in events if isinstance(e, TextDelta))
+
+
+@pytest.mark.parametrize("piece_bytes", [1, 2, 3])
+async def test_max_tokens_cutting_a_character_drops_its_bytes(piece_bytes):
+    """Issue 12: a reply cut inside a character ends before it; usage counts every token."""
+    reply = "👍🏽 你好 🇯🇵 Привет ½"
+    n_tokens = -(-len(reply.encode()) // piece_bytes)
+    engine = FakeEngine(piece_bytes=piece_bytes, reply=reply)
+    answers = []
+    async with serving(engine) as runner:
+        for max_tokens in range(1, n_tokens + 1):
+            events, text, last, gen = await generate(runner, req("repeat", max_tokens=max_tokens))
+            assert last == Finish(StopReason.MAX_TOKENS, gen.usage)
+            assert gen.usage.output_tokens == max_tokens
+            assert all(e.text for e in events[:-1])  # no empty delta for dropped bytes
+            answers.append(text)
+    data = reply.encode()
+    # each answer is the whole characters of the bytes sampled, the cut one dropped
+    assert answers == [data[: n * piece_bytes].decode("utf-8", "ignore") for n in range(1, n_tokens + 1)]
+    assert answers[-1] == reply
+    assert not any("\ufffd" in a for a in answers)
+    for shorter, longer in zip(answers, answers[1:]):
+        assert longer.startswith(shorter)
+    # cuts inside a character really occur in this sweep
+    assert any(len(a.encode()) < min(n * piece_bytes, len(data)) for n, a in enumerate(answers, 1))
 
 
 @pytest.mark.parametrize("piece_bytes", [1, 2, 3, 5, 7])
@@ -332,10 +382,8 @@ async def test_prompt_too_long_is_invalid_before_anything_is_enqueued():
         assert "109 tokens" in info.value.message and "64 tokens" in info.value.message
 
         with pytest.raises(RingserveError) as info:
-            await runner.prepare(req("p" * 21, max_tokens=50))  # 30 + 50 > 64
-        assert info.value.kind is ErrorKind.INVALID_REQUEST and info.value.param == "max_tokens"
-        msg = info.value.message
-        assert "30 tokens" in msg and "(50)" in msg and "64 tokens" in msg and "at most 34" in msg
+            await runner.prepare(req("p" * 55, max_tokens=8))  # 64 tokens: none left to generate
+        assert info.value.param == "messages" and "64 tokens" in info.value.message
 
         stats = runner.statistics()
     assert stats.queue_depth == {} and stats.steps == 0 and engine.log == []

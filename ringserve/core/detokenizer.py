@@ -9,6 +9,13 @@ decoding of all the bytes at once, whatever the split.
 
 It releases whole code points, not grapheme clusters: 👍🏽 (two code points)
 may come out in two deltas, but never as U+FFFD.
+
+A generation that ends (``max_tokens``, the context, a stop, a cancel, a
+refusal) with a character still incomplete drops its bytes at
+:meth:`Detokenizer.flush` instead of turning them into U+FFFD: the token that
+would have finished the character was never sampled, and the text for N tokens
+stays a prefix of the text for N + 1 (issue 12). The token still counts in the
+usage.
 """
 
 from __future__ import annotations
@@ -31,12 +38,13 @@ class Detokenizer:
     Encoding standard). A U+FFFD appears only for bytes that are really
     invalid UTF-8 (a stray continuation byte, an impossible lead byte, an
     overlong or surrogate encoding, a sequence cut short by a byte that
-    cannot continue it), or at :meth:`flush` for an incomplete sequence still
-    pending when the generation ends. A valid character split across pieces
-    never gives one.
+    cannot continue it). A valid character split across pieces never gives
+    one, and neither does the end of the generation: :meth:`flush` drops an
+    incomplete character still pending.
 
-    For every split of a byte string ``b`` into pieces,
-    ``"".join(d.feed(p) for p in pieces) + d.flush() == b.decode("utf-8", "replace")``.
+    For every split of a byte string ``b`` into pieces, with ``n = d.flush()``
+    after the feeds, ``"".join(d.feed(p) for p in pieces) ==
+    b[: len(b) - n].decode("utf-8", "replace")``.
     """
 
     _decoder: codecs.IncrementalDecoder = attrs.field(
@@ -60,12 +68,17 @@ class Detokenizer:
         """
         return self._decoder.decode(piece)
 
-    def flush(self) -> str:
-        """Finish the generation: release what is held.
+    def flush(self) -> int:
+        """Finish the generation: drop the bytes of an incomplete character.
+
+        Everything complete was already released by :meth:`feed`; what is
+        held is the start of a character whose remaining bytes were never
+        sampled. It is dropped, never released as U+FFFD.
 
         Returns:
-            ``""`` if nothing is held, else one U+FFFD for the incomplete
-            sequence left at the end. The detokenizer is then back in its
-            initial state.
+            How many bytes were dropped (0 to 3). The detokenizer is then
+            back in its initial state.
         """
-        return self._decoder.decode(b"", final=True)
+        dropped = self.pending_bytes
+        self._decoder.reset()
+        return dropped

@@ -23,13 +23,17 @@ class StopReason(enum.Enum):
 
     ``END`` is an end-of-generation token (Anthropic ``end_turn``, OpenAI
     ``stop``); ``MAX_TOKENS`` is the token budget (``max_tokens`` /
-    ``length``); ``STOP_SEQUENCE`` is a caller's stop string (``stop_sequence``
-    / ``stop``); ``CANCELLED`` is a cancel or abort; ``REFUSAL`` is the safety
-    stage (``refusal`` / ``content_filter``).
+    ``length``); ``CONTEXT_FULL`` is the slot's context, full before the
+    caller's ``max_tokens`` was reached or with no ``max_tokens`` given
+    (``model_context_window_exceeded`` / ``length``); ``STOP_SEQUENCE`` is a
+    caller's stop string (``stop_sequence`` / ``stop``); ``CANCELLED`` is a
+    cancel or abort; ``REFUSAL`` is the safety stage (``refusal`` /
+    ``content_filter``).
     """
 
     END = "end"
     MAX_TOKENS = "max_tokens"
+    CONTEXT_FULL = "context_full"
     STOP_SEQUENCE = "stop_sequence"
     CANCELLED = "cancelled"
     REFUSAL = "refusal"
@@ -67,8 +71,8 @@ class GenerationRequest:
         messages: the conversation, oldest first; rendered with the model's
             chat template (from the GGUF metadata) by the engine.
         max_tokens: upper bound on sampled tokens (>= 1); None means "as many
-            as the slot's context leaves after the prompt" (the runner resolves it
-            in ``prepare``).
+            as the slot's context leaves after the prompt", and so does a
+            larger value (the runner resolves it in ``prepare``).
         sampling: the sampler settings.
         stop: stop strings; the first one matched ends the generation and is
             not emitted.

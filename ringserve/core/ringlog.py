@@ -211,7 +211,8 @@ class RingLog:
         seq = self._next_seq
         entry = Entry(seq, data)
         slot = seq % self.max_entries
-        if slot == len(self._slots):  # still growing: seq == len(slots) here
+        if slot >= len(self._slots):  # still growing (after skip_to, past a hole of unused slots)
+            self._slots.extend([None] * (slot - len(self._slots)))
             self._slots.append(entry)
         else:
             self._slots[slot] = entry
@@ -232,6 +233,26 @@ class RingLog:
         if state not in TRANSITIONS[self._state]:
             raise LogStateError(self._state, state)
         self._state = state
+
+    def skip_to(self, seq: int) -> None:
+        """Drop every held entry and go on at ``seq``: the next append gets ``seq``.
+
+        For a copy of a log whose older entries are gone (a replica tailing a
+        Redis stream that was trimmed, ``stream/redis_logs.py``): a reader
+        behind ``seq`` then gets a :class:`Gap`, as after an eviction.
+
+        Raises:
+            ValueError: ``seq < next_seq`` (sequence numbers never go back).
+            LogStateError: the log is not OPEN.
+        """
+        if self._state is not LogState.OPEN:
+            raise LogStateError(self._state, None)
+        if seq < self._next_seq:
+            raise ValueError(f"cannot skip back from {self._next_seq} to {seq}")
+        self._evicted_total += self.entry_count
+        self._slots = []
+        self._nbytes = 0
+        self._first_seq = self._next_seq = seq
 
     def _evict_oldest(self) -> None:
         slot = self._first_seq % self.max_entries

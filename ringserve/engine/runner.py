@@ -30,8 +30,8 @@ One step of the loop:
 With nothing to do the loop parks on a ``trio.Event`` that ``submit`` and
 cancellation set; it never polls.
 
-Consumers call :meth:`Runner.prepare` (tokenize and check the context budget,
-case C4) and then ``async with runner.submit(prepared) as gen``: iterating
+Consumers call :meth:`Runner.prepare` (tokenize, check that the prompt fits
+(case C4) and set the budget: ``max_tokens``, at most what the context leaves) and then ``async with runner.submit(prepared) as gen``: iterating
 ``gen`` gives :class:`TextDelta` events and one terminal :class:`Finish` or
 :class:`Failure`. Leaving the block early cancels (cases C1/C2).
 """
@@ -76,12 +76,17 @@ class Prepared:
         request: the request as the surface parsed it.
         prompt_tokens: the rendered, tokenized prompt.
         max_tokens: the token budget: ``request.max_tokens``, or when that is
-            None, what the slot's context leaves after the prompt.
+            None or larger, what the slot's context leaves after the prompt
+            (``n_ctx_slot - len(prompt_tokens)``).
+        context_bound: the budget is the context's, not the caller's: using
+            it up ends with :attr:`StopReason.CONTEXT_FULL` instead of
+            :attr:`StopReason.MAX_TOKENS`.
     """
 
     request: GenerationRequest
     prompt_tokens: tuple[int, ...]
     max_tokens: int
+    context_bound: bool = False
 
 
 @attrs.frozen
@@ -342,12 +347,19 @@ class Runner:
         Returns:
             The request with its prompt tokens and resolved ``max_tokens``.
 
+        A ``max_tokens`` larger than what the slot's context leaves after the
+        prompt is accepted (issue 22: clients send large defaults, such as
+        pydantic-ai's 16384): the budget is then what the context leaves, and
+        a generation that uses it all ends with
+        :attr:`StopReason.CONTEXT_FULL`. So the budget never exceeds the
+        slot's own KV cells, which no other request can use anyway.
+
         Raises:
             RingserveError: ``INVALID_REQUEST`` with ``param="messages"`` when
                 the prompt is empty, cannot be rendered (the engine raised
-                ``ValueError``) or fills the slot's context by itself, or
-                ``param="max_tokens"`` when prompt + max_tokens exceeds it. The
-                message gives the numbers (tokens). Nothing is enqueued.
+                ``ValueError``) or fills the slot's context by itself (at
+                least 1 token must be left to generate). The message gives the
+                numbers (tokens). Nothing is enqueued.
         """
         try:
             tokens = await trio.to_thread.run_sync(
@@ -368,17 +380,11 @@ class Runner:
                 f" and at least 1 must be left to generate",
                 "messages",
             )
-        max_tokens = request.max_tokens
-        if max_tokens is None:
-            max_tokens = ctx - n_prompt
-        elif n_prompt + max_tokens > ctx:
-            raise invalid(
-                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) ="
-                f" {n_prompt + max_tokens} tokens exceeds the context per slot ({ctx} tokens);"
-                f" max_tokens may be at most {ctx - n_prompt}",
-                "max_tokens",
-            )
-        return Prepared(request, tuple(tokens), max_tokens)
+        room = ctx - n_prompt
+        asked = request.max_tokens
+        if asked is None or asked > room:
+            return Prepared(request, tuple(tokens), room, context_bound=True)
+        return Prepared(request, tuple(tokens), asked)
 
     @asynccontextmanager
     async def submit(self, prepared: Prepared) -> AsyncIterator[Generation]:
@@ -698,24 +704,22 @@ class Runner:
                 self._finish(gen, StopReason.STOP_SEQUENCE, match.stop)
                 return
         if gen._entry.budget_left <= 0:
-            self._finish(gen, StopReason.MAX_TOKENS)
+            self._finish(gen, StopReason.CONTEXT_FULL if gen.prepared.context_bound else StopReason.MAX_TOKENS)
 
     def _emit_text(self, gen: Generation, text: str) -> None:
         self._emit(gen, TextDelta(text, gen._tokens_since_delta))
         gen._tokens_since_delta = 0
 
     def _finish(self, gen: Generation, reason: StopReason, stop: str | None = None) -> None:
-        """End a generation normally: flush held text, emit Finish, free the slot."""
+        """End a generation normally: flush held text, emit Finish, free the slot.
+
+        Held stop-sequence prefixes are released; the bytes of an incomplete
+        UTF-8 character are dropped (the usage still counts their tokens).
+        """
         if stop is None:
-            tail = gen._detokenizer.flush()
-            text = ""
-            if tail:
-                match = gen._stopper.feed(tail)
-                text = match.text
-                if match.stop is not None:
-                    reason, stop = StopReason.STOP_SEQUENCE, match.stop
-            if stop is None:
-                text += gen._stopper.flush()
+            # A character whose last bytes were never sampled is dropped, not sent as U+FFFD.
+            gen._detokenizer.flush()
+            text = gen._stopper.flush()
             if text:
                 self._emit_text(gen, text)
         self._end(gen, Finish(reason, gen.usage, stop))

@@ -46,6 +46,8 @@ _NOT_YET = object()
 
 #: Seconds between writes of a generating message's text so far to the store.
 PERSIST_EVERY = 1.0
+#: Seconds a cancel sent to another replica waits for that replica to end the message.
+CANCEL_WAIT_SECONDS = 10.0
 
 
 class CancelReason:
@@ -169,7 +171,7 @@ class Hub:
 
         Raises:
             RingserveError: ``UNPROCESSABLE`` (key reused with another body),
-            ``INVALID_REQUEST`` (prompt + max_tokens over the context, or a malformed
+            ``INVALID_REQUEST`` (a prompt that does not fit the context, or a malformed
             ``Idempotency-Key``),
             ``OVERLOADED`` (queue full), ``UNAVAILABLE`` (draining).
         """
@@ -408,7 +410,8 @@ class Hub:
         """The live message, else the stored one.
 
         Raises:
-            RingserveError: ``NOT_FOUND`` when no such message exists.
+            RingserveError: ``NOT_FOUND`` when no such message exists, or it was
+            deleted by the store's retention (``messages.MessageStore.sweep``).
         """
         msg = self.live(message_id)
         if msg is not None:
@@ -418,10 +421,40 @@ class Hub:
         except sqlite3.Error:
             stored = None
         if stored is None:
-            raise RingserveError(ErrorKind.NOT_FOUND, f"no message {message_id[:80]!r}")
+            raise RingserveError(
+                ErrorKind.NOT_FOUND,
+                f"no message {message_id[:80]!r}: the id is unknown, or the message was deleted after its"
+                " retention time ([store] max_age_seconds, max_bytes)",
+            )
         return stored
 
-    def open_log(self, message_id: str, last_event_id: str | None) -> tuple[MessageLog, int | None]:
+    async def find(self, message_id: str) -> LiveMessage | StoredMessage:
+        """:meth:`lookup`, else the state another replica wrote (Redis backend: ``LogStore.find_message``).
+
+        Raises:
+            RingserveError: ``NOT_FOUND`` when no replica has such a message;
+            ``UNAVAILABLE`` when the shared store is unreachable.
+        """
+        try:
+            return self.lookup(message_id)
+        except RingserveError:
+            shared = await self.logs.find_message(message_id)
+            if shared is None:
+                raise
+            return shared
+
+    async def cancel_elsewhere(self, msg: StoredMessage) -> StoredMessage:
+        """Ask the replica generating ``msg`` to cancel it; wait (at most :data:`CANCEL_WAIT_SECONDS`)
+        for its log to end, and return the state it then wrote (``msg`` if none)."""
+        await self.logs.request_cancel(msg.id)
+        log = await self.logs.find(msg.id)
+        if log is not None:
+            with log.reader(), trio.move_on_after(CANCEL_WAIT_SECONDS):
+                while not log.closed:
+                    await log.wait_for_entries(log.next_seq - 1 if log.next_seq else None)
+        return await self.logs.find_message(msg.id) or msg
+
+    async def open_log(self, message_id: str, last_event_id: str | None) -> tuple[MessageLog, int | None]:
         """The log to resume and the seq to resume after (None: from the start).
 
         Raises:
@@ -431,7 +464,7 @@ class Hub:
             one that was never sent).
         """
         after = None if last_event_id is None else _resume_after(last_event_id, message_id)
-        log = self.logs.get(message_id)
+        log = await self.logs.find(message_id)
         if log is None:
             self.lookup(message_id)  # raises NOT_FOUND for an unknown id
             raise RingserveError(

@@ -12,6 +12,10 @@ touching readers or producers:
 * :class:`LogStore`: what the app uses to create and find logs.
 
 In-memory backend: :class:`MemoryLogStore` and :class:`MemoryMessageLog`.
+Redis backend (``[stream] backend = "redis"``): ``stream/redis_logs.py``,
+built on these: a replica's own logs stay memory logs whose :class:`LogMirror`
+copies every entry to a Redis stream, and a log another replica owns is a
+memory log filled from that stream.
 
 Ownership (STYLE: one owner per mutable thing). The producer task is the only
 writer of a log (``append``/``close``). The store's dict is changed only by
@@ -42,14 +46,17 @@ Protocol                       Redis
                                from it (``[]`` still means "wait").
 ``read_from`` ``Gap``          the first id held (``XINFO STREAM`` first-entry or
                                ``XRANGE - + COUNT 1``) is past ``after+1``.
-``reader()`` / ``on_idle``     per process: the HTTP connections are local, so
-                               the count stays in the gateway; a cross-gateway
-                               count would be ``INCR``/``DECR log:{id}:readers``.
+``reader()`` / ``on_idle``     a reader on another replica is reported to the
+                               owner (``XADD readers * id <id> d +1|-1``, read by
+                               every pump); ``readers`` counts both.
 ``evicted(id)``                a tombstone key ``gone:{id}`` with a longer TTL.
+``find_message(id)``           ``HGETALL msg:{id}``: the status the owner wrote.
+``request_cancel(id)``         ``XADD cancel * id <id>``, read by every pump.
 memory cap                     ``maxmemory`` with ``volatile-ttl`` eviction.
-``get(id)``                    ``EXISTS`` -- the one call that needs a round trip
-                               before a handle exists; a Redis store will make
-                               ``get`` awaitable (one call site in the app).
+``get(id)`` / ``find(id)``     ``get`` answers from what this process holds, so
+                               it stays sync; ``find`` (awaitable, used by
+                               ``Hub.open_log``) also looks in Redis:
+                               ``XRANGE log:{id} - +`` (bounded by MAXLEN).
 =============================  ===================================================
 """
 
@@ -65,15 +72,25 @@ import attrs
 import trio
 
 from ringserve.config import StreamConfig
+from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.ringlog import Entry, Gap, LogState, RingLog
+from ringserve.messages import StoredMessage
 
 __all__ = [
+    "LogMirror",
     "LogStore",
     "LogStoreStatistics",
     "MemoryLogStore",
     "MemoryMessageLog",
     "MessageLog",
+    "store_unavailable",
 ]
+
+
+def store_unavailable() -> RingserveError:
+    """The error a request gets while the log store cannot reach what it is built on (503, ``Retry-After``)."""
+    return RingserveError(ErrorKind.UNAVAILABLE, "the shared stream store (Redis) is unreachable; retry",
+                          retry_after=1, retryable=True)
 
 
 @runtime_checkable
@@ -120,11 +137,32 @@ class LogStore(Protocol):
 
     def get(self, message_id: str) -> MessageLog | None: ...
 
+    async def find(self, message_id: str) -> MessageLog | None: ...
+
+    async def find_message(self, message_id: str) -> StoredMessage | None: ...
+
+    async def request_cancel(self, message_id: str) -> None: ...
+
+    @property
+    def available(self) -> bool: ...
+
     def forget(self, message_id: str) -> None: ...
 
     def evicted(self, message_id: str) -> bool: ...
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
+
+
+class LogMirror(Protocol):
+    """Told, synchronously, of every append to and the close of a :class:`MemoryMessageLog`.
+
+    The Redis backend's writer (``stream/redis_logs.py``) is one: it queues
+    the entry for its next pipelined flush. Neither call may block or raise.
+    """
+
+    def appended(self, log: MemoryMessageLog, seq: int, data: bytes) -> None: ...
+
+    def closed(self, log: MemoryMessageLog) -> None: ...
 
 
 @attrs.define(eq=False)
@@ -144,6 +182,10 @@ class MemoryMessageLog:
             (abort the generation, or let it run); check :attr:`closed` if a
             finished log does not matter. An exception it raises propagates
             out of the reader's ``with`` block.
+        mirror: told of every append and of the close (``None``: nobody).
+        on_readers: called synchronously with ``+1``/``-1`` as each
+            :meth:`reader` block enters and exits (the Redis backend tells the
+            owning replica of readers elsewhere this way).
         completed_at: clock time of :meth:`close`, ``None`` while OPEN.
     """
 
@@ -151,8 +193,11 @@ class MemoryMessageLog:
     _ring: RingLog
     _clock: Callable[[], float] = attrs.field(default=trio.current_time, kw_only=True)
     on_idle: Callable[[], None] | None = attrs.field(default=None, kw_only=True)
+    mirror: LogMirror | None = attrs.field(default=None, kw_only=True)
+    on_readers: Callable[[int], None] | None = attrs.field(default=None, kw_only=True)
     completed_at: float | None = attrs.field(default=None, init=False)
     _readers: int = attrs.field(default=0, init=False)
+    _remote_readers: int = attrs.field(default=0, init=False)
     _changed: trio.Event = attrs.field(factory=trio.Event, init=False, repr=False)
     # Set by MemoryLogStore while the log is in it, for accounting.
     _store: MemoryLogStore | None = attrs.field(default=None, init=False, repr=False)
@@ -185,8 +230,18 @@ class MemoryMessageLog:
 
     @property
     def readers(self) -> int:
-        """How many :meth:`reader` blocks are open now."""
-        return self._readers
+        """How many :meth:`reader` blocks are open now, plus the readers other replicas reported."""
+        return self._readers + self._remote_readers
+
+    def remote_readers_changed(self, delta: int) -> None:
+        """Readers of this log on other replicas came (``+1``) or went (``-1``).
+
+        They count in :attr:`readers`; when that drops to zero this way,
+        :attr:`on_idle` is called as for a local reader.
+        """
+        self._remote_readers += delta
+        if delta < 0 and self.readers == 0 and self.on_idle is not None:
+            self.on_idle()
 
     # -- producer -----------------------------------------------------------
 
@@ -203,6 +258,8 @@ class MemoryMessageLog:
         before = self._ring.nbytes
         seq = self._ring.append(data)
         self._wake()
+        if self.mirror is not None:
+            self.mirror.appended(self, seq, data)
         if self._store is not None:
             self._store._appended(
                 self, self._ring.nbytes - before, len(data), time.perf_counter() - started
@@ -220,8 +277,19 @@ class MemoryMessageLog:
         self._ring.close(state)
         self.completed_at = self._clock()
         self._wake()
+        if self.mirror is not None:
+            self.mirror.closed(self)
         if self._store is not None:
             self._store._closed(self)
+
+    def skip_to(self, seq: int) -> None:
+        """Drop the entries held and go on at ``seq`` (``RingLog.skip_to``), waking every reader.
+
+        Only for a copy of a log held elsewhere (``stream/redis_logs.py``) whose
+        older entries are gone there.
+        """
+        self._ring.skip_to(seq)
+        self._wake()
 
     def _wake(self) -> None:
         # A trio.Event fires once and cannot be cleared: set the current one
@@ -268,11 +336,15 @@ class MemoryMessageLog:
         Exiting is synchronous, so a cancelled reader still leaves at once.
         """
         self._readers += 1
+        if self.on_readers is not None:
+            self.on_readers(1)
         try:
             yield
         finally:
             self._readers -= 1
-            if self._readers == 0 and self.on_idle is not None:
+            if self.on_readers is not None:
+                self.on_readers(-1)
+            if self.readers == 0 and self.on_idle is not None:
                 self.on_idle()
 
 
@@ -380,6 +452,24 @@ class MemoryLogStore:
             self._expirations_total += 1
             return None
         return log
+
+    async def find(self, message_id: str) -> MemoryMessageLog | None:
+        """:meth:`get`, after a checkpoint: this store holds only this process's logs."""
+        await trio.lowlevel.checkpoint()
+        return self.get(message_id)
+
+    async def find_message(self, message_id: str) -> None:
+        """Always ``None``: no other replica writes message state here (the Redis store's does)."""
+        await trio.lowlevel.checkpoint()
+
+    async def request_cancel(self, message_id: str) -> None:
+        """Nothing to do: every message of a memory store is this process's (``Hub.cancel`` stops it)."""
+        await trio.lowlevel.checkpoint()
+
+    @property
+    def available(self) -> bool:
+        """Always True: nothing outside this process is needed."""
+        return True
 
     def forget(self, message_id: str) -> None:
         """Drop a log now, live or not (no-op if not held).

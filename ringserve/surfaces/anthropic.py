@@ -22,8 +22,10 @@ from ringserve.core.events import (
     Usage,
 )
 from ringserve.surfaces.base import (
+    FieldTable,
     MessageResult,
     ParsedRequest,
+    Refused,
     WireEvent,
     dumps,
     get_bool,
@@ -58,10 +60,50 @@ ERROR_TYPES = {
 STOP_REASONS = {
     StopReason.END: "end_turn",
     StopReason.MAX_TOKENS: "max_tokens",
+    StopReason.CONTEXT_FULL: "model_context_window_exceeded",
     StopReason.STOP_SEQUENCE: "stop_sequence",
     StopReason.CANCELLED: "cancelled",
     StopReason.REFUSAL: "refusal",
 }
+
+
+_TOOLS = "tool use is not implemented yet, issue 14"
+
+#: What ``parse_request`` does with each field of ``anthropic.types.MessageCreateParams``
+#: and ``anthropic.types.beta.MessageCreateParams`` (anthropic 2.14; the beta one is
+#: what ``client.beta.messages.create`` and pydantic-ai send), and with ringserve's
+#: extensions; the README's compatibility table.
+REQUEST_FIELDS = FieldTable(
+    supported=frozenset({
+        "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
+        # extensions, as llama.cpp's server accepts them
+        "min_p", "seed",
+    }),
+    ignored=frozenset({
+        # request bookkeeping and routing that cannot change the text
+        "metadata", "service_tier", "inference_geo", "speed", "user_profile_id", "workspace_id",
+        "cache_control", "diagnostics", "container",
+        # beta: billing, and retries on other models after a refusal (there is one model)
+        "billing_policy", "fallback_credit_token", "fallbacks",
+    }),
+    refused={
+        "tools": Refused(_TOOLS, neutral=([],)),
+        "tool_choice": Refused(_TOOLS, neutral=({"type": "none"}, {"type": "auto"})),
+        "thinking": Refused("extended thinking is not implemented", neutral=({"type": "disabled"},)),
+        "output_config": Refused("output formats and effort are not implemented", neutral=({},)),
+        # beta
+        "output_format": Refused("structured output is not implemented"),
+        "mcp_servers": Refused(_TOOLS, neutral=([],)),
+        "context_management": Refused("context management is not implemented"),
+        "compaction": Refused("compaction is not implemented"),
+        "thread": Refused("server-held threads are not implemented; send the whole conversation"),
+    },
+)
+
+#: The fields of one message (``MessageParam``: user, assistant and system messages).
+MESSAGE_FIELDS = FieldTable(supported=frozenset({"role", "content"}), ignored=frozenset(), refused={})
+
+ROLES = ("user", "assistant", "system")
 
 
 def _error_object(kind_name: str, message: str) -> dict[str, Any]:
@@ -130,16 +172,23 @@ class AnthropicSurface:
     def parse_request(self, body: Any) -> ParsedRequest:
         """Validate a Messages request body.
 
-        Supported: ``model``, ``max_tokens`` (required), ``messages`` (string
-        content or text blocks), ``system`` (string or text blocks),
-        ``temperature`` (0–1), ``top_p``, ``top_k``, ``stop_sequences``,
-        ``stream``, ``metadata``; and, as llama.cpp's server does, ``min_p``
-        and ``seed``. Other keys are ignored.
+        Fields as :data:`REQUEST_FIELDS` lists them: ``model``,
+        ``max_tokens`` (required, 1 to 1,000,000; more than the context leaves
+        is served until the context is full), ``messages`` (user, assistant
+        and system turns; string content or text blocks), ``system`` (string
+        or text blocks), ``temperature`` (0–1), ``top_p``, ``top_k``,
+        ``stop_sequences``, ``stream``; and, as llama.cpp's server does,
+        ``min_p`` and ``seed``. Bookkeeping fields (``metadata``, ...) are
+        accepted and ignored; fields that would change the answer and are
+        not implemented (``tools``, ``thinking``, image or document blocks,
+        ...) and unknown fields are refused. Headers such as
+        ``anthropic-beta`` are not read.
 
         Raises:
             RingserveError: ``INVALID_REQUEST`` naming the offending field.
         """
         body = require_object(body)
+        REQUEST_FIELDS.check(body)
         model = get_str(body, "model", required=True)
         max_tokens = get_int(body, "max_tokens", lo=1, hi=MAX_TOKENS_LIMIT)
         if max_tokens is None:
@@ -153,9 +202,10 @@ class AnthropicSurface:
         for i, m in enumerate(raw):
             if not isinstance(m, dict):
                 raise invalid(f"messages[{i}]: must be an object", param="messages")
+            MESSAGE_FIELDS.check(m, f"messages[{i}]", param="messages")
             role = m.get("role")
-            if role not in ("user", "assistant"):
-                raise invalid(f"messages[{i}].role: must be 'user' or 'assistant'", param="messages")
+            if role not in ROLES:
+                raise invalid(f"messages[{i}].role: must be one of {', '.join(ROLES)}", param="messages")
             messages.append(ChatMessage(role, text_content(m.get("content"), f"messages[{i}].content")))
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):

@@ -8,6 +8,7 @@ inside the shell, in the manner of h11's ``READERS``/``WRITERS`` tables. Only
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -93,6 +94,74 @@ class Surface(Protocol):
 # -- validation helpers shared by both parsers ----------------------------------------------
 
 
+@attrs.frozen
+class Refused:
+    """A request field that ringserve does not implement.
+
+    A request that sets it gets a 400 naming it, never an answer that
+    silently ignores it, unless its value is ``None`` or one of ``neutral``
+    (values that cannot change the answer, such as ``tools: []`` or
+    ``n: 1``; compared by type and value, so ``True`` is not ``1``).
+
+    Attributes:
+        why: the reason given in the error message.
+        neutral: the values accepted as if the field were absent.
+    """
+
+    why: str
+    neutral: tuple[Any, ...] = ()
+
+    def allows(self, value: Any) -> bool:
+        """Whether ``value`` is ``None`` or one of the neutral values."""
+        return value is None or any(type(value) is type(n) and value == n for n in self.neutral)
+
+
+@attrs.frozen
+class FieldTable:
+    """What a surface does with each field of a JSON object of its requests.
+
+    The one place per surface (and per object: the request body, a message)
+    that lists every field the official SDK's request type has (``anthropic.
+    types.MessageCreateParams``, ``openai.types.chat.CompletionCreateParams``),
+    which the README's compatibility tables follow.
+
+    Attributes:
+        supported: fields that the parser reads.
+        ignored: fields accepted and ignored because they cannot change the
+            answer (``metadata``, ``user``, ...).
+        refused: fields not implemented: a 400 unless their value is neutral.
+    """
+
+    supported: frozenset[str]
+    ignored: frozenset[str]
+    refused: Mapping[str, Refused]
+
+    def check(self, obj: dict[str, Any], where: str = "", param: str | None = None) -> None:
+        """Refuse the fields of ``obj`` that ringserve does not implement.
+
+        Args:
+            obj: the JSON object (a request body or one of its messages).
+            where: the object's path in error messages (``"messages[2]"``);
+                empty for the body.
+            param: the error's ``param``; None: the field's own name.
+
+        Raises:
+            RingserveError: ``INVALID_REQUEST`` (400) naming the first refused
+                field with a non-neutral value, or the first field that is in
+                no list (the Anthropic and OpenAI APIs refuse unknown fields
+                too).
+        """
+        for key, value in obj.items():
+            if key in self.supported or key in self.ignored:
+                continue
+            path = f"{where}.{key}" if where else key
+            rule = self.refused.get(key)
+            if rule is None:
+                raise invalid(f"{path}: unknown field", param=param or key)
+            if not rule.allows(value):
+                raise invalid(f"{path}: not supported by ringserve ({rule.why})", param=param or key)
+
+
 def require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object")
@@ -142,14 +211,25 @@ def get_str(body: dict[str, Any], key: str, *, required: bool = False, default: 
 
 
 def text_content(value: Any, where: str) -> str:
-    """Message content: a string, or a list of ``{"type": "text", "text": ...}`` blocks joined."""
+    """Message content: a string, or a list of ``{"type": "text", "text": ...}`` blocks joined.
+
+    Other keys of a text block (``cache_control``) are ignored. A block of any
+    other type (``image``, ``document``, ``image_url``, ``tool_result``, ...)
+    is a 400 naming the type, ``param`` ``where``'s first part.
+    """
     if isinstance(value, str):
         return value
     if isinstance(value, list):
         parts = []
         for i, block in enumerate(value):
-            if not isinstance(block, dict) or block.get("type") != "text":
-                raise invalid(f"{where}[{i}]: only text content blocks are supported", param=where)
+            if not isinstance(block, dict):
+                raise invalid(f"{where}[{i}]: must be an object", param=where)
+            if block.get("type") != "text":
+                raise invalid(
+                    f"{where}[{i}]: content blocks of type {block.get('type')!r} are not supported"
+                    " by ringserve (only text)",
+                    param=where,
+                )
             text = block.get("text")
             if not isinstance(text, str):
                 raise invalid(f"{where}[{i}].text: must be a string", param=where)

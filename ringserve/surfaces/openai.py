@@ -22,8 +22,10 @@ from ringserve.core.events import (
     Usage,
 )
 from ringserve.surfaces.base import (
+    FieldTable,
     MessageResult,
     ParsedRequest,
+    Refused,
     WireEvent,
     dumps,
     get_bool,
@@ -61,12 +63,68 @@ STATUS = {ErrorKind.OVERLOADED: 503}
 FINISH_REASONS = {
     StopReason.END: "stop",
     StopReason.MAX_TOKENS: "length",
+    StopReason.CONTEXT_FULL: "length",
     StopReason.STOP_SEQUENCE: "stop",
     StopReason.CANCELLED: "cancelled",
     StopReason.REFUSAL: "content_filter",
 }
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+_TOOLS = "tool use is not implemented yet, issue 14"
+_ZERO = (0, 0.0)
+
+#: What ``parse_request`` does with each field of
+#: ``openai.types.chat.CompletionCreateParams`` (openai 3.57), and with ringserve's
+#: extensions; the README's compatibility table.
+REQUEST_FIELDS = FieldTable(
+    supported=frozenset({
+        "model", "messages", "max_completion_tokens", "max_tokens", "temperature", "top_p", "stop", "seed",
+        "stream", "stream_options",
+        # extensions, as llama.cpp's server accepts them
+        "top_k", "min_p",
+    }),
+    ignored=frozenset({
+        # bookkeeping, caching and routing that cannot change the text
+        "metadata", "user", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+        "prompt_cache_options", "prompt_cache_retention",
+        # a latency hint: the answer stays the model's own
+        "prediction",
+        # meaningful only with tools, which are refused
+        "parallel_tool_calls",
+    }),
+    refused={
+        "tools": Refused(_TOOLS, neutral=([],)),
+        "tool_choice": Refused(_TOOLS, neutral=("none", "auto")),
+        "functions": Refused(_TOOLS, neutral=([],)),
+        "function_call": Refused(_TOOLS, neutral=("none", "auto")),
+        "response_format": Refused("structured output is not implemented", neutral=({"type": "text"},)),
+        "logprobs": Refused("log probabilities are not implemented", neutral=(False,)),
+        "top_logprobs": Refused("log probabilities are not implemented", neutral=(0,)),
+        "n": Refused("one choice per request", neutral=(1,)),
+        "frequency_penalty": Refused("penalties are not implemented", neutral=_ZERO),
+        "presence_penalty": Refused("penalties are not implemented", neutral=_ZERO),
+        "logit_bias": Refused("logit bias is not implemented", neutral=({},)),
+        "audio": Refused("audio output is not implemented"),
+        "modalities": Refused("only text output", neutral=(["text"],)),
+        "reasoning_effort": Refused("the model does not reason", neutral=("none",)),
+        "verbosity": Refused("verbosity is not implemented"),
+        "web_search_options": Refused("web search is not implemented"),
+        "moderation": Refused("moderation models are not implemented; see [safety] in the README"),
+    },
+)
+
+#: The fields of one message (system, developer, user and assistant messages; ``tool``
+#: and ``function`` messages are refused by role).
+MESSAGE_FIELDS = FieldTable(
+    supported=frozenset({"role", "content"}),
+    ignored=frozenset({"name", "refusal"}),
+    refused={
+        "tool_calls": Refused(_TOOLS, neutral=([],)),
+        "function_call": Refused(_TOOLS),
+        "audio": Refused("audio is not implemented"),
+    },
+)
 
 
 def _error_object(kind: ErrorKind, message: str, param: str | None) -> dict[str, Any]:
@@ -124,17 +182,23 @@ class OpenAISurface:
     def parse_request(self, body: Any) -> ParsedRequest:
         """Validate a Chat Completions request body.
 
-        Supported: ``model``, ``messages`` (roles system/developer/user/
-        assistant; string or text-part content), ``max_completion_tokens`` /
-        ``max_tokens`` (absent: what the context leaves), ``temperature``
-        (0–2), ``top_p``, ``stop`` (string or list), ``seed``, ``stream``,
-        ``stream_options.include_usage``, ``n`` (only 1); and, as llama.cpp's
-        server does, ``top_k`` and ``min_p``. Other keys are ignored.
+        Fields as :data:`REQUEST_FIELDS` lists them: ``model``, ``messages``
+        (roles system/developer/user/assistant; string or text-part content),
+        ``max_completion_tokens`` / ``max_tokens`` (1 to 1,000,000; absent or
+        more than the context leaves: until the context is full),
+        ``temperature`` (0–2), ``top_p``, ``stop`` (string or list), ``seed``,
+        ``stream``, ``stream_options.include_usage``; and, as llama.cpp's
+        server does, ``top_k`` and ``min_p``. Bookkeeping fields (``user``,
+        ``metadata``, ``store``, ...) are accepted and ignored; fields that
+        would change the answer and are not implemented (``tools``,
+        ``response_format``, ``logprobs``, ``n`` > 1, image parts, ...) and
+        unknown fields are refused.
 
         Raises:
             RingserveError: ``INVALID_REQUEST`` naming the offending field.
         """
         body = require_object(body)
+        REQUEST_FIELDS.check(body)
         model = get_str(body, "model")
         raw = body.get("messages")
         if not isinstance(raw, list) or not raw:
@@ -143,8 +207,12 @@ class OpenAISurface:
         for i, m in enumerate(raw):
             if not isinstance(m, dict):
                 raise invalid(f"messages[{i}]: must be an object", param="messages")
-            role = m.get("role")
-            role = ROLES.get(role) if isinstance(role, str) else None
+            wire_role = m.get("role")
+            if wire_role in ("tool", "function"):
+                raise invalid(f"messages[{i}].role: {wire_role!r} is not supported by ringserve ({_TOOLS})",
+                              param="messages")
+            MESSAGE_FIELDS.check(m, f"messages[{i}]", param="messages")
+            role = ROLES.get(wire_role) if isinstance(wire_role, str) else None
             if role is None:
                 raise invalid(f"messages[{i}].role: must be one of {', '.join(ROLES)}", param="messages")
             content = m.get("content")
@@ -154,8 +222,6 @@ class OpenAISurface:
         max_tokens = get_int(body, "max_completion_tokens", lo=1, hi=MAX_TOKENS_LIMIT)
         if max_tokens is None:
             max_tokens = get_int(body, "max_tokens", lo=1, hi=MAX_TOKENS_LIMIT)
-        if get_int(body, "n", lo=1, hi=1, default=1) != 1:
-            raise invalid("n: only 1 is supported", param="n")
         sampling = sampling_params(body, max_temperature=2.0)
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):

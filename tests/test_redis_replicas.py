@@ -1,0 +1,222 @@
+"""Two ringserve processes (bench/fake_server.py) on one redis-server: a stream generated on A is
+read through both replicas with random drops and resumes (directly, and through nginx with the
+config of docs/scale-out.md) and reassembles byte for byte; status, stream tokens and cancel work
+through the replica that does not own the message."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import signal
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from ringserve.core.sse import SSEParser
+from tests.helpers import ANTHROPIC_BODY
+from tests.redis_server import RedisServer, free_port, needs_redis
+from tests.test_drain import FakeServerProcess
+from tests.test_nginx import NGINX, documented_snippet, start_nginx
+
+pytest.importorskip("coredis", reason="the redis extra is not installed (pip install 'ringserve[redis]')")
+
+pytestmark = [needs_redis, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX processes")]
+
+#: Drop/resume cycles (the issue asks for 200; each one is a fresh connection to one of the replicas).
+CYCLES = 200
+#: Reply tokens: one log entry each (flush_tokens = 1), enough for CYCLES cycles of up to 8 events.
+TOKENS = 2000
+
+_ID = re.compile(rb"^id: (\S+):(\d+)$", re.M)
+
+
+@contextlib.contextmanager
+def two_replicas(tmp_path: Path, fake: dict[str, Any]) -> Iterator[tuple[FakeServerProcess, FakeServerProcess]]:
+    """Replicas A and B (one entry per token, a shared stream-token secret, API keys off) on one redis-server."""
+    redis = RedisServer(tmp_path)
+    servers = []
+    try:
+        for name in ("a", "b"):
+            work = tmp_path / name
+            work.mkdir()
+            sections = {"stream": {"backend": "redis", "redis_url": redis.url, "flush_tokens": 1, "flush_ms": 0.0},
+                        "auth": {"stream_token_secret": "shared by both replicas"}}
+            servers.append(FakeServerProcess(work, sections, fake, reply_bytes=2 * TOKENS))
+        yield servers[0], servers[1]
+    finally:
+        for server in servers:
+            server.stop()
+        redis.stop()
+
+
+@pytest.fixture
+def replicas(tmp_path: Path) -> Iterator[tuple[FakeServerProcess, FakeServerProcess]]:
+    with two_replicas(tmp_path, {"piece_bytes": 2, "step_seconds": 0.002}) as pair:
+        yield pair
+
+
+async def _read_blocks(client: httpx.AsyncClient, url: str, headers: dict[str, str], most: int | None) -> tuple[list[bytes], bool]:
+    """Up to ``most`` complete SSE blocks (pings left out), and whether the stream ended."""
+    blocks: list[bytes] = []
+    buffer = b""
+    async with client.stream("GET", url, headers=headers) as resp:
+        assert resp.status_code == 200, (url, resp.status_code, await resp.aread())
+        async for chunk in resp.aiter_raw():
+            buffer += chunk
+            *complete, buffer = buffer.split(b"\n\n")
+            for block in complete:
+                if not block.startswith(b":"):
+                    blocks.append(block + b"\n\n")
+                if most is not None and len(blocks) >= most:
+                    return blocks, False  # leaving the block drops the connection mid-stream
+    return blocks, True
+
+
+def _last_event_id(block: bytes) -> dict[str, str]:
+    found = _ID.search(block)
+    return {"Last-Event-ID": f"{found[1].decode()}:{found[2].decode()}"}
+
+
+async def _start(client: httpx.AsyncClient, url: str) -> tuple[str, list[bytes]]:
+    """POST a long stream (policy continue) and drop it after its first event: (message id, [that event])."""
+    body = {**ANTHROPIC_BODY, "max_tokens": TOKENS + 10, "stream": True}
+    async with client.stream("POST", f"{url}/v1/messages", json=body,
+                             headers={"Ringserve-Disconnect-Policy": "continue"}) as resp:
+        assert resp.status_code == 200
+        buffer = b""
+        async for chunk in resp.aiter_raw():
+            buffer += chunk
+            if b"\n\n" in buffer:
+                return resp.headers["X-Message-Id"], [buffer[: buffer.index(b"\n\n") + 2]]
+    raise AssertionError("the stream ended before its first event")
+
+
+async def _drop_and_resume(client: httpx.AsyncClient, message_id: str, got: list[bytes], urls: list[str],
+                           rng: random.Random) -> None:
+    """One resume per url of ``urls`` after ``got[-1]``, each dropped after 1-8 events; then read the rest."""
+    for url in urls:
+        blocks, ended = await _read_blocks(client, f"{url}/v1/messages/{message_id}/stream",
+                                           _last_event_id(got[-1]), rng.randint(1, 8))
+        got += blocks
+        assert not ended, f"the stream ended after {urls.index(url) + 1} cycles"
+    blocks, _ = await _read_blocks(client, f"{urls[-1]}/v1/messages/{message_id}/stream", _last_event_id(got[-1]), None)
+    got += blocks
+
+
+def _assert_whole(got: list[bytes], whole: list[bytes]) -> None:
+    seqs = [int(_ID.search(block)[2]) for block in got]
+    assert seqs == list(range(len(got))), "a seq was lost or repeated"
+    assert b"".join(got) == b"".join(whole)  # byte for byte
+    assert b"event: message_stop" in got[-1]
+
+
+async def test_a_stream_read_through_both_replicas_with_drops_reassembles_exactly(replicas):
+    a, b = replicas
+    rng = random.Random(17)
+    async with httpx.AsyncClient(timeout=60) as client:
+        message_id, got = await _start(client, a.url)
+        # alternating, with random runs on one replica
+        urls = [((a, b)[cycle % 2] if rng.random() < 0.5 else rng.choice((a, b))).url for cycle in range(CYCLES)]
+        assert urls.count(b.url) >= CYCLES // 4 and urls.count(a.url) >= CYCLES // 4
+        await _drop_and_resume(client, message_id, got, urls, rng)
+        whole, _ = await _read_blocks(client, f"{b.url}/v1/messages/{message_id}/stream", {}, None)
+    _assert_whole(got, whole)
+
+
+@pytest.mark.skipif(NGINX is None, reason="nginx is not installed (Debian: apt-get install -y nginx)")
+async def test_the_scale_out_nginx_config_spreads_resumes_over_both_replicas(replicas, tmp_path):
+    a, b = replicas
+    port = free_port()
+    snippet = documented_snippet("scale-out.md")
+    snippet, n1 = re.subn(r"server 127\.0\.0\.1:808([12]);",
+                          lambda m: f"server {(a, b)[int(m[1]) - 1].url.removeprefix('http://')};", snippet)
+    snippet, n2 = re.subn(r"listen 80;", f"listen 127.0.0.1:{port};", snippet)
+    assert (n1, n2) == (2, 1), "docs/scale-out.md no longer has the lines this test adjusts"
+    (tmp_path / "nginx").mkdir()
+    rng = random.Random(18)
+    with start_nginx(tmp_path / "nginx", snippet, port) as proxy:
+        async with httpx.AsyncClient(timeout=60) as client:
+            message_id, got = await _start(client, proxy)
+            await _drop_and_resume(client, message_id, got, [proxy] * 20, rng)
+            whole, _ = await _read_blocks(client, f"{a.url}/v1/messages/{message_id}/stream", {}, None)
+            _assert_whole(got, whole)
+            for replica in (a, b):  # round robin: both served resumes
+                metrics = (await client.get(f"{replica.url}/metrics")).text
+                assert _metric(metrics, r'ringserve_resumes_total\{result="ok"\}') >= 5
+
+
+def _metric(text: str, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", text, re.M)[1])
+
+
+async def test_status_stream_token_and_cancel_through_b_for_a_message_generated_on_a(tmp_path):
+    with two_replicas(tmp_path, {"piece_bytes": 2, "step_seconds": 0.02}) as (a, b):  # 40 s if not cancelled
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {**ANTHROPIC_BODY, "max_tokens": TOKENS + 10, "stream": True}
+            resp = await client.post(f"{a.url}/v1/messages", json=body, headers={"Prefer": "respond-async"})
+            assert resp.status_code == 202
+            message_id = resp.json()["id"]
+            # B has no such row in its SQLite: it reads the state A wrote to Redis.
+            status = (await client.get(f"{b.url}/v1/messages/{message_id}")).json()
+            with trio.fail_after(30):
+                while status["status"] != "generating" or not status["text"]:  # A writes it every second
+                    await trio.sleep(0.05)
+                    status = (await client.get(f"{b.url}/v1/messages/{message_id}")).json()
+            assert status["id"] == message_id and status["surface"] == "anthropic"
+            # A stream token B issued opens the stream on A (one secret for both).
+            token = (await client.post(f"{b.url}/v1/messages/{message_id}/stream_token")).json()["stream_token"]
+            blocks, _ = await _read_blocks(client, f"{a.url}/v1/messages/{message_id}/stream?stream_token={token}",
+                                           {}, 2)
+            assert b"event: message_start" in blocks[0]
+            # Cancel through B: A stops the generation and frees its KV cells.
+            cancelled = await client.post(f"{b.url}/v1/messages/{message_id}/cancel")
+            assert cancelled.status_code == 200
+            final = cancelled.json()
+            assert final["status"] == "cancelled" and final["stop_reason"] is not None
+            on_a = (await client.get(f"{a.url}/v1/messages/{message_id}")).json()
+            assert on_a["status"] == "cancelled" and on_a["text"] == final["text"]
+            assert 0 < on_a["usage"]["output_tokens"] < TOKENS
+            with trio.fail_after(10):  # the runner removes the cells at its next step, after the log ended
+                while _metric(metrics := (await client.get(f"{a.url}/metrics")).text, "ringserve_kv_cells_used"):
+                    await trio.sleep(0.05)
+            assert _metric(metrics, "ringserve_cancel_to_kv_freed_seconds_count") == 1
+            # The stream through B ends with the cancel's terminal event, as on A.
+            whole_b, ended = await _read_blocks(client, f"{b.url}/v1/messages/{message_id}/stream", {}, None)
+            whole_a, _ = await _read_blocks(client, f"{a.url}/v1/messages/{message_id}/stream", {}, None)
+            assert ended and whole_b == whole_a and b"message_stop" in whole_b[-1]
+
+
+async def test_kill_9_of_the_owner_ends_the_stream_on_b_with_an_in_band_error_and_interrupted(tmp_path):
+    from ringserve.stream.redis_logs import LEASE_MS
+
+    with two_replicas(tmp_path, {"piece_bytes": 2, "step_seconds": 0.02}) as (a, b):  # 40 s if left to run
+        async with httpx.AsyncClient(timeout=60) as client:
+            message_id, got = await _start(client, a.url)
+            async with client.stream("GET", f"{b.url}/v1/messages/{message_id}/stream",
+                                     headers=_last_event_id(got[-1])) as resp:
+                assert resp.status_code == 200
+                parser = SSEParser()
+                events = []
+                killed_at = None
+                with trio.fail_after(LEASE_MS / 1000 + 20):
+                    async for chunk in resp.aiter_raw():
+                        events += parser.feed(chunk)
+                        if killed_at is None and len(events) >= 5:
+                            a.proc.send_signal(signal.SIGKILL)
+                            a.proc.wait(10)
+                            killed_at = trio.current_time()
+            assert killed_at is not None
+            assert events[-1].event == "error" and "retry" in json.loads(events[-1].data)["error"]["message"]
+            assert [int(e.id.rsplit(":", 1)[1]) for e in events] == list(range(1, len(events) + 1))
+            status = (await client.get(f"{b.url}/v1/messages/{message_id}")).json()
+            assert status["status"] == "interrupted" and status["error"] and status["text"]
+            # a resume on B now replays to the same end
+            blocks, ended = await _read_blocks(client, f"{b.url}/v1/messages/{message_id}/stream", {}, None)
+            assert ended and b"event: error" in blocks[-1]

@@ -1,0 +1,203 @@
+"""The message store in a running server (fake engine): expiry per route, bounded file size, keep_prompts, bad files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from ringserve.messages import MessageStore
+from tests.conftest import fake_config, running_server
+from tests.helpers import sse_events
+
+ASYNC = {"Prefer": "respond-async"}
+LONG_ECHO = "echo:" + " ".join(f"w{i}" for i in range(400))
+
+
+def anthropic(content: str, **extra) -> dict:
+    return {"model": "any", "max_tokens": 1000, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def openai(content: str, **extra) -> dict:
+    return {"model": "any", "max_tokens": 1000, "messages": [{"role": "user", "content": content}], **extra}
+
+
+async def wait_until(predicate, timeout: float = 20.0) -> None:
+    """Wait (bounded) for a fact about the server's own state."""
+    with trio.fail_after(timeout):
+        while not await predicate():
+            await trio.sleep(0.01)
+
+
+def store_files(path: Path) -> list[Path]:
+    return [p for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm"), Path(f"{path}-journal")) if p.exists()]
+
+
+def assert_expired(resp: httpx.Response, message_id: str, surface: str) -> None:
+    assert resp.status_code == 404, resp.text
+    body = resp.json()
+    error = body["error"]
+    if surface == "anthropic":
+        assert body["type"] == "error" and error["type"] == "not_found_error"
+    else:
+        assert error["code"] == "not_found"
+    assert message_id in error["message"] and "retention" in error["message"]
+
+
+async def test_finished_messages_expire_and_answer_404_generating_ones_stay(tmp_path):
+    config = fake_config(
+        tmp_path,
+        store={"max_age_seconds": 0.5, "sweep_interval_seconds": 0.02},
+        stream={"ttl_seconds": 0.05},
+        engine={"slots": 1},
+    )
+    async with running_server(config, step_seconds=0.004) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        key = {"Idempotency-Key": "kept-as-long-as-its-message"}
+        a = await client.post("/v1/messages", json=anthropic("hi"), headers=key)
+        b = await client.post("/v1/chat/completions", json=openai("hi"))
+        assert a.status_code == b.status_code == 200
+        a_id, b_id = a.json()["id"], b.json()["id"]
+        # with one slot, the second long message waits "queued" while the first is "generating"
+        long_ids = [(await client.post("/v1/messages", json=anthropic(LONG_ECHO), headers=ASYNC)).json()["id"]
+                    for _ in range(2)]
+
+        async def gone(message_id: str) -> bool:
+            return (await client.get(f"/v1/messages/{message_id}")).status_code == 404
+
+        await wait_until(lambda: gone(a_id))
+        await wait_until(lambda: gone(b_id))
+        seen = set()
+        pending = list(long_ids)
+        while pending:  # sweeps keep running meanwhile; the unfinished messages are never among them
+            for message_id in list(pending):
+                resp = await client.get(f"/v1/messages/{message_id}")
+                assert resp.status_code == 200, resp.text
+                seen.add(resp.json()["status"])
+                if resp.json()["status"] == "complete":
+                    pending.remove(message_id)  # from now on it may expire
+            await trio.sleep(0.02)
+        assert seen == {"queued", "generating", "complete"}
+        assert state.hub.store.statistics().swept_total >= 2
+        metrics = (await client.get("/metrics")).text
+        swept = next(line for line in metrics.splitlines() if line.startswith("ringserve_store_swept_messages_total"))
+        assert float(swept.split()[1]) >= 2 and "ringserve_store_bytes " in metrics
+
+        assert_expired(await client.get(f"/v1/messages/{a_id}"), a_id, "anthropic")
+        assert_expired(await client.get(f"/v1/messages/{b_id}"), b_id, "openai")
+        assert_expired(await client.post(f"/v1/messages/{a_id}/cancel"), a_id, "anthropic")
+        assert_expired(await client.post(f"/v1/messages/{b_id}/stream_token"), b_id, "openai")
+        await wait_until(lambda: _true(state.hub.logs.get(a_id) is None))
+        assert_expired(await client.get(f"/v1/messages/{a_id}/stream"), a_id, "anthropic")
+        # the key went with its message: the same request makes a new one
+        again = await client.post("/v1/messages", json=anthropic("hi"), headers=key)
+        assert again.status_code == 200 and again.json()["id"] != a_id
+        for message_id in long_ids:
+            await wait_until(lambda: gone(message_id))
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_file_size_stops_growing_under_a_steady_load_of_long_answers(tmp_path):
+    max_bytes = 2 * 1024 * 1024
+    config = fake_config(
+        tmp_path,
+        store={"max_bytes": max_bytes, "sweep_interval_seconds": 0.05},
+        engine={"slots": 4, "ctx_per_slot": 4096},
+        stream={"ttl_seconds": 0.0},
+    )
+    path = Path(config.store.path)
+    reply = "".join(f"{i:07d} " for i in range(8192))  # 64 KiB
+    sizes = []
+    async with running_server(config, reply=reply, piece_bytes=512) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=60) as client:
+
+        async def one(i: int) -> None:
+            resp = await client.post("/v1/messages", json=anthropic(f"question {i} " * 200))
+            assert resp.status_code == 200 and len(resp.json()["content"][0]["text"]) == len(reply)
+
+        for round_ in range(12):  # 12 x 16 answers of 64 KiB and 2 KiB prompts: 13 MiB written
+            async with trio.open_nursery() as nursery:
+                for i in range(16):
+                    nursery.start_soon(one, round_ * 16 + i)
+            sizes.append(sum(p.stat().st_size for p in store_files(path)))
+        print("store file sizes (bytes, database + WAL) after each round:", sizes)
+        stats = state.hub.store.statistics()
+        print("longest sweep or vacuum step:", stats.longest_step_seconds, "s; swept", stats.swept_total)
+    written = 12 * 16 * len(reply)
+    # Without retention the file would hold every answer (> 12 MiB). It stays under the limit plus
+    # a WAL of at most a checkpoint's worth, and its late size is no larger than its early one.
+    assert max(sizes) < max_bytes + 8 * 1024 * 1024 < written
+    assert max(sizes[6:]) <= max(sizes[:6]) * 1.25
+    assert stats.swept_total >= 12 * 16 - 2 * max_bytes // len(reply)
+
+
+@pytest.mark.parametrize("keep_prompts", [False, True])
+async def test_keep_prompts_false_leaves_no_prompt_in_any_file(tmp_path, keep_prompts):
+    secret = "zebra-quasar-4417-PROMPT-MARKER"
+    config = fake_config(tmp_path, store={"keep_prompts": keep_prompts})
+    path = Path(config.store.path)
+    async with running_server(config) as state, httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        key = {"Idempotency-Key": "one"}
+        first = await client.post("/v1/messages", json=anthropic(f"tell me about {secret}"), headers=key)
+        assert first.status_code == 200
+        await sse_events(client, "POST", "/v1/chat/completions", json=openai(f"and {secret}", stream=True))
+        await client.post("/v1/messages", json=anthropic(f"later {secret}"), headers=ASYNC)
+        # idempotency works on the hash alone
+        retry = await client.post("/v1/messages", json=anthropic(f"tell me about {secret}"), headers=key)
+        assert retry.json()["id"] == first.json()["id"]
+        other = await client.post("/v1/messages", json=anthropic("another body"), headers=key)
+        assert other.status_code == 422
+        assert secret not in (await client.get(f"/v1/messages/{first.json()['id']}")).text
+        live = b"".join(p.read_bytes() for p in store_files(path))  # the WAL is still there now
+    closed = b"".join(p.read_bytes() for p in store_files(path))
+    found = secret.encode() in live + closed
+    assert found is keep_prompts  # with keep_prompts the same search finds it: the search is real
+
+
+def _cli(config: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ringserve", "serve", "--config", str(config), "--port", "0"],
+                          capture_output=True, text=True, timeout=60)
+
+
+def _assert_one_line(result: subprocess.CompletedProcess, path: Path) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and "Traceback" not in result.stderr, result.stderr
+
+
+def _config_for(tmp_path: Path, store: Path) -> Path:
+    config = tmp_path / "config.toml"
+    config.write_text(f'[store]\npath = "{store}"\n')
+    return config
+
+
+def test_a_corrupt_store_file_is_one_line_at_start(tmp_path):
+    store = tmp_path / "corrupt.sqlite3"
+    store.write_bytes(b"not a database at all; " * 100)
+    _assert_one_line(_cli(_config_for(tmp_path, store)), store)
+
+
+def test_a_read_only_store_file_is_one_line_at_start(tmp_path):
+    store = tmp_path / "ro.sqlite3"
+    MessageStore(str(store)).close()
+    if os.geteuid() == 0:  # root writes through file modes; an immutable file stops it
+        if subprocess.run(["chattr", "+i", str(store)], capture_output=True).returncode != 0:
+            pytest.skip("running as root on a file system without chattr +i")
+        undo = ["chattr", "-i", str(store)]
+    else:
+        store.chmod(0o444)
+        undo = ["chmod", "600", str(store)]
+    try:
+        result = _cli(_config_for(tmp_path, store))
+    finally:
+        subprocess.run(undo, check=True)
+    _assert_one_line(result, store)
+    assert "readonly" in result.stderr or "read-only" in result.stderr
