@@ -54,8 +54,8 @@ class GatedFakeEngine(FakeEngine):
         self._gate_after = gate_after
         self._begun = 0
 
-    def begin(self, slot: int, sampling: SamplingParams) -> None:
-        super().begin(slot, sampling)
+    def begin(self, slot: int, sampling: SamplingParams, keep: int = 0, source: int | None = None) -> None:
+        super().begin(slot, sampling, keep, source)
         self._begun += 1
 
     def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:

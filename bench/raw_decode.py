@@ -163,6 +163,7 @@ class RawDecoder:
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.kv_unified = False
+        cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as ringserve's [model] flash_attn = "off"
         self._ctx = lc.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             lc.llama_model_free(self._model)

@@ -108,7 +108,8 @@ _UNFINISHED = frozenset({"queued", "generating"})
 
 @attrs.frozen
 class Usage:
-    """Tokens billed for a message: prompt (``input_tokens``) and generated (``output_tokens``)."""
+    """Tokens billed for a message: prompt (``input_tokens``, the whole prompt, whether or not the server's
+    prefix cache held part of it) and generated (``output_tokens``)."""
 
     input_tokens: int
     output_tokens: int
@@ -319,7 +320,9 @@ class _AnthropicWire:
             into.stop_sequence = delta.get("stop_sequence")
             into.cancelled = delta.get(CANCELLED_KEY) is True
             usage = data.get("usage") or {}
-            into.usage = Usage(usage.get("input_tokens", 0), usage.get("output_tokens", 0))
+            # Anthropic's input_tokens is the uncached part; cache_read_input_tokens the rest
+            prompt = usage.get("input_tokens", 0) + (usage.get("cache_read_input_tokens") or 0)
+            into.usage = Usage(prompt, usage.get("output_tokens", 0))
         elif event == "message_stop":
             into.terminal = True
         elif event == "error":

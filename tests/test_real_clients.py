@@ -49,12 +49,15 @@ def test_anthropic_sdk_16384_max_tokens_ends_model_context_window_exceeded(small
     kwargs = dict(model="m", max_tokens=16384, extra_body=GREEDY, messages=[{"role": "user", "content": LONG}])
     full = a.messages.create(**kwargs)
     assert full.stop_reason == "model_context_window_exceeded", full
-    assert full.usage.input_tokens + full.usage.output_tokens == CTX
+    prompt = full.usage.input_tokens + (full.usage.cache_read_input_tokens or 0)  # input_tokens: uncached part
+    assert prompt + full.usage.output_tokens == CTX
     with a.messages.stream(**kwargs) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert final.stop_reason == "model_context_window_exceeded"
-    assert (final.usage.input_tokens, final.usage.output_tokens) == (full.usage.input_tokens, full.usage.output_tokens)
+    # the streamed repeat found all but the last prompt token in the prefix cache
+    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens) == (1, prompt - 1)
+    assert final.usage.output_tokens == full.usage.output_tokens
     assert streamed == full.content[0].text and "\ufffd" not in streamed
 
 

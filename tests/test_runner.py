@@ -53,13 +53,13 @@ class HookedEngine(FakeEngine):
         self.threads.add(threading.get_ident())
         return super().tokenize_chat(messages)
 
-    def begin(self, slot, sampling):
+    def begin(self, slot, sampling, keep=0, source=None):
         self.threads.add(threading.get_ident())
-        return super().begin(slot, sampling)
+        return super().begin(slot, sampling, keep, source)
 
-    def release(self, slot):
+    def release(self, slot, keep=0):
         self.threads.add(threading.get_ident())
-        return super().release(slot)
+        return super().release(slot, keep)
 
     def decode(self, feeds):
         self.threads.add(threading.get_ident())
@@ -81,11 +81,11 @@ def req(text: str, max_tokens: int | None = 256, *, stop=(), priority=0) -> Gene
 
 
 @asynccontextmanager
-async def serving(engine, **config):
+async def serving(engine, guard: float = GUARD, **config):
     runner = Runner(engine, EngineConfig(**config))
     async with trio.open_nursery() as nursery:
         await nursery.start(runner.run)
-        with trio.fail_after(GUARD):
+        with trio.fail_after(guard):
             yield runner
         nursery.cancel_scope.cancel()
 
@@ -129,7 +129,9 @@ async def test_text_equals_fake_reply_and_usage_counts_tokens_sampled():
     stats = runner.statistics()
     assert stats.generated_tokens_total == expected_tokens
     assert stats.prompt_tokens_total == gen.usage.input_tokens
-    assert stats.kv_cells_used == 0 and engine.kv_cells_used() == 0
+    # no request holds cells; the slot keeps its prompt and fed-back samples (not the EOG) as a cache entry
+    assert stats.kv_cells_used == 0
+    assert engine.kv_cells_used() == stats.prefix_cache_cells == gen.usage.input_tokens + expected_tokens - 1
     assert stats.slots_busy == 0 and stats.queue_depth == {}
     # every engine call ran on a worker thread, never on the Trio thread
     assert threads and threading.get_ident() not in threads
@@ -155,10 +157,12 @@ async def test_max_tokens_none_or_over_the_context_ends_when_the_context_is_full
         async with runner.submit(prepared) as gen:
             text, last = await gen.collect()
         await runner.wait_idle()
+        stats = runner.statistics()
     assert text == "z" * (64 - n_prompt)
     assert last == Finish(StopReason.CONTEXT_FULL, gen.usage)
     assert gen.usage.output_tokens == 64 - n_prompt
-    assert engine.kv_cells_used() == 0
+    # no request holds cells; the slot's cache entry is all of it but the last sample (never fed)
+    assert stats.kv_cells_used == 0 and engine.kv_cells_used() == stats.prefix_cache_cells == 63
 
 
 async def test_max_tokens_exactly_the_context_left_is_max_tokens():
@@ -245,7 +249,8 @@ async def test_generation_never_waits_for_its_consumer():
         async with runner.submit(prepared) as gen:
             await runner.wait_idle()  # read nothing until it is all done
             assert isinstance(gen.outcome, Finish)
-            assert engine.kv_cells_used() == 0
+            stats = runner.statistics()
+            assert stats.kv_cells_used == 0 and engine.kv_cells_used() == stats.prefix_cache_cells
             text, last = await gen.collect()
     assert text == "x" * 300 and last.stop_reason is StopReason.END
 
@@ -454,7 +459,7 @@ async def test_cancel_mid_generation_frees_the_slot_within_one_step():
         await runner.wait_idle()
         stats = runner.statistics()
     slot = gen.slot
-    assert engine.kv_cells_used(slot) == 0 and stats.kv_cells_used == 0
+    assert engine.kv_cells_used(slot) == stats.prefix_cache_cells and stats.kv_cells_used == 0
     assert stats.slots_busy == 0 and stats.cancels == 1
     assert stats.tokens_after_cancel_total == gen.tokens_after_cancel <= 1
     # at most the step in flight at the cancel was decoded for it, nothing after
@@ -485,7 +490,8 @@ async def test_cancel_while_a_step_is_in_flight_counts_one_token_after_cancel():
     assert gen.tokens_after_cancel == 1 and stats.tokens_after_cancel_total == 1
     assert gen.usage.output_tokens == 5  # calls 0..4 delivered; call 5's token came too late
     assert len(engine.log) == 6  # no decode call after the cancelled one
-    assert engine.kv_cells_used(gen.slot) == 0
+    # the cells kept are those committed: the prompt and samples 0..3; call 5's cell (sample 4) is cut
+    assert engine.kv_cells_used(gen.slot) == len(prepared.prompt_tokens) + 4 == stats.prefix_cache_cells
 
 
 async def test_cancel_while_prefilling():
@@ -505,7 +511,8 @@ async def test_cancel_while_prefilling():
         await runner.wait_idle()
         stats = runner.statistics()
     assert gen.state is SlotState.CANCELLED and gen.usage.output_tokens == 0
-    assert engine.kv_cells_used() == 0 and stats.tokens_after_cancel_total == 0
+    # only the chunk committed before the cancel stays cached; the one in flight is cut
+    assert engine.kv_cells_used() == stats.prefix_cache_cells == 8 and stats.tokens_after_cancel_total == 0
     assert all(not f.sample for call in engine.log for f in call.feeds)
     assert len(engine.log) <= 3
 
@@ -548,7 +555,7 @@ async def test_trio_cancellation_of_the_consumer_cancels_the_generation():
         await runner.wait_idle()
         stats = runner.statistics()
     assert gen.cancelled and stats.cancels == 1
-    assert engine.kv_cells_used() == 0 and stats.tokens_after_cancel_total <= 1
+    assert engine.kv_cells_used() == stats.prefix_cache_cells and stats.tokens_after_cancel_total <= 1
     assert len(engine.log) <= 12
 
 
@@ -606,7 +613,9 @@ async def test_engine_error_fails_only_its_generation_and_the_batch_is_retried()
     # the failing call carried b's feed too; b was fed again at the next step
     failed = [call for call in engine.log if call.error]
     assert len(failed) == 1 and gen_b.slot in failed[0].slots and gen_a.slot in failed[0].slots
-    assert stats.failed_steps == 1 and engine.kv_cells_used() == 0
+    # the failed generation's cells are gone, not cached; b's are its slot's cache entry
+    assert stats.failed_steps == 1 and engine.kv_cells_used(gen_a.slot) == 0
+    assert engine.kv_cells_used() == engine.kv_cells_used(gen_b.slot) == stats.prefix_cache_cells > 0
 
 
 async def test_kv_cache_full_is_overloaded_for_that_slot():
@@ -660,7 +669,9 @@ async def test_decode_crash_fails_every_active_generation_and_serving_goes_on():
     # they failed at the crashed call itself (call 4), not after more steps
     assert calls_after_failure == 4 and engine.log[3].error == "RuntimeError"
     assert text == "after the crash" and last.stop_reason is StopReason.END
-    assert stats.failed_steps == 1 and stats.running and engine.kv_cells_used() == 0
+    # the victims' cells are gone (not cached); the last request's are its slot's cache entry
+    assert stats.failed_steps == 1 and stats.running
+    assert engine.kv_cells_used() == stats.prefix_cache_cells == last.usage.input_tokens + last.usage.output_tokens - 1
 
 
 async def test_crash_in_the_loop_itself_fails_waiting_consumers():

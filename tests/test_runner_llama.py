@@ -1,8 +1,9 @@
 """engine/runner.py on the real bundled model (SmolLM2-135M, greedy, <= 32 tokens each).
 
 One LlamaEngine (4 slots x 512 cells) per module; each test runs its own
-Runner on it, and a runner releases every slot it used before it parks, so
-tests do not see each other's KV cells.
+Runner on it. A runner releases every slot it used before it parks, keeping
+only its prefix-cache cells, and a new runner knows no cache entries, so it
+empties a slot when it begins it: tests do not see each other's KV cells.
 """
 
 from __future__ import annotations
@@ -149,7 +150,10 @@ async def test_greedy_output_alone_equals_output_under_concurrency(engine):
     together, together_last, _ = results[1]
     assert together == alone
     assert together_last.stop_reason == alone_last.stop_reason
-    assert together_last.usage == alone_last.usage
+    assert together_last.usage.output_tokens == alone_last.usage.output_tokens
+    # the second run of PROMPTS[1] found all but its last prompt token in the prefix cache
+    assert (alone_last.usage.cached_tokens, together_last.usage.cached_tokens) == (
+        0, together_last.usage.input_tokens - 1)
 
 
 async def test_cancel_mid_generation_frees_the_kv_cells(engine):
@@ -167,7 +171,9 @@ async def test_cancel_mid_generation_frees_the_kv_cells(engine):
             # the runner is parked: reading the engine from here cannot race a decode
             cells = engine.kv_cells_used(gen.slot)
             cells_all = engine.kv_cells_used()
-    assert gen.cancelled and cells == 0 and cells_all == 0
+    # no request holds cells; the slot keeps the committed ones as its prefix-cache entry
+    assert gen.cancelled and cells == cells_all == stats.prefix_cache_cells
+    assert len(prepared.prompt_tokens) <= cells < len(prepared.prompt_tokens) + gen.usage.output_tokens
     assert stats.kv_cells_used == 0 and stats.slots_busy == 0
     assert stats.cancels == 1 and stats.tokens_after_cancel_total <= 1
     assert 3 <= gen.usage.output_tokens < 400

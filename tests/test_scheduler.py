@@ -7,11 +7,15 @@ import pytest
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.scheduler import (
     TRANSITIONS,
+    CacheChoice,
     IllegalTransition,
     Move,
     QueueFull,
     Scheduler,
+    SlotCache,
     SlotState,
+    choose_slot,
+    common_prefix,
 )
 from ringserve.engine.protocol import SlotFeed
 
@@ -357,3 +361,222 @@ def test_statistics_snapshot():
     assert st0.queued == 3 and st0.slots_busy == 0  # snapshots do not change later
     with pytest.raises(AttributeError):
         st.queued = 0  # type: ignore[misc]
+
+
+# -- the prompt-prefix cache: the choice, as a pure function --------------------------
+
+
+def test_common_prefix_counts_shared_leading_tokens():
+    assert common_prefix((), (1, 2)) == 0
+    assert common_prefix((1, 2, 3), (1, 2, 3)) == 3
+    assert common_prefix((1, 2, 3), (1, 2)) == 2
+    assert common_prefix((1, 2, 3, 4, 5, 6, 7), [1, 2, 3, 9, 5, 6, 7]) == 3  # a list compares as a tuple
+    assert common_prefix(tuple(range(1000)), (*range(517), -1)) == 517
+    assert common_prefix((5,), (6,)) == 0
+
+
+def test_choice_takes_the_longest_shared_prefix():
+    p = prompt(100)
+    free = [SlotCache(0, prompt(40), last_used=5), SlotCache(1, prompt(70), last_used=1), SlotCache(2, (), -1)]
+    assert choose_slot(p, free) == CacheChoice(1, 70)
+
+
+def test_choice_reuses_at_most_all_but_the_last_prompt_token():
+    p = prompt(50)
+    assert choose_slot(p, [SlotCache(0, prompt(80), 0)]) == CacheChoice(0, 49)
+    assert choose_slot(p, [SlotCache(0, p, 0)]) == CacheChoice(0, 49)
+
+
+def test_misses_and_ties_go_to_the_least_recently_used_slot():
+    p = prompt(100, start=500)
+    template = (500, 501, 502)  # only a few template tokens in common: a miss
+    free = [SlotCache(0, template + prompt(50), 7), SlotCache(1, template + prompt(30), 3),
+            SlotCache(2, template + prompt(90), 9)]
+    assert choose_slot(p, free) == CacheChoice(1, 3)  # LRU, reusing what it shares anyway
+    assert choose_slot(p, [*free, SlotCache(3)]) == CacheChoice(3, 0)  # a never-used slot first
+    # a tie between hits of the same length that lose the same: least recently used
+    q = prompt(60)
+    tie = [SlotCache(0, prompt(40), 8), SlotCache(1, prompt(40), 2)]
+    assert choose_slot(q, tie) == CacheChoice(1, 40)
+
+
+def test_among_equal_hits_the_one_that_destroys_least_cache_wins():
+    system = prompt(200)
+    a = system + prompt(300, start=1000)  # conversation A's history
+    b = system + prompt(50, start=2000)  # conversation B's
+    new = system + prompt(20, start=3000)
+    choice = choose_slot(new, [SlotCache(0, a, 1), SlotCache(1, b, 5)])
+    assert choice == CacheChoice(1, 200)  # B's slot loses 50 cached tokens, A's would lose 300
+
+
+def test_shared_prefix_is_copied_into_a_free_slot_rather_than_evicting_a_conversation():
+    system = prompt(200)
+    a = system + prompt(300, start=1000)
+    new = system + prompt(20, start=3000)
+    choice = choose_slot(new, [SlotCache(0, a, 9), SlotCache(1, (), -1)])
+    assert choice == CacheChoice(1, 200, source=0)
+    # from a live request's cells too
+    assert choose_slot(new, [SlotCache(1, (), -1)], {0: a}) == CacheChoice(1, 200, source=0)
+    # not when the copy saves fewer than min_copy tokens over the slot's own cells
+    own = system[:180]
+    assert choose_slot(new, [SlotCache(1, own, 0)], {0: a}, min_copy=32) == CacheChoice(1, 180)
+    assert choose_slot(new, [SlotCache(1, own, 0)], {0: a}, min_copy=20) == CacheChoice(1, 200, source=0)
+
+
+def test_choice_rejects_no_slot_and_empty_prompt():
+    with pytest.raises(ValueError, match="no free slot"):
+        choose_slot(prompt(3), [])
+    with pytest.raises(ValueError, match="at least one token"):
+        choose_slot((), [SlotCache(0)])
+
+
+# -- the prompt-prefix cache in the scheduler ------------------------------------------
+
+
+def cached(n_slots=2, n_batch=64, prefill_chunk=64) -> Scheduler:
+    return Scheduler(n_slots=n_slots, n_batch=n_batch, prefill_chunk=prefill_chunk, queue_size=4,
+                     prefix_cache=True, min_hit=4, min_copy=8)
+
+
+def finish_after(s: Scheduler, entry, samples: list[int]) -> None:
+    """Run ``entry`` until it has sampled ``samples``, finish it and drain its slot."""
+    while entry.generated < len(samples):
+        plan = s.plan()
+        s.commit(plan)
+        for feed in plan.feeds:
+            if feed.sample:
+                owner = plan.owner(feed.slot)
+                s.on_sampled(feed.slot, samples[owner.generated] if owner is entry else 999)
+    s.finish(entry)
+    drain(s)
+
+
+def test_turn_two_feeds_only_what_the_cache_lacks():
+    s = cached(n_slots=1)
+    turn1 = prompt(20)
+    a = s.enqueue(turn1, 9)
+    finish_after(s, a, [900, 901, 902])
+    # the cells hold the prompt and the fed-back samples, not the last sample
+    assert a.kept == (*turn1, 900, 901)
+    assert s.statistics().cached_cells == 22
+    turn2 = (*turn1, 900, 901, 902, *prompt(5, start=50))
+    b = s.enqueue(turn2, 9)
+    plan = s.plan()
+    assert plan.admitted == (b,) and (b.slot, b.cached, b.source, b.pos) == (0, 22, None, 22)
+    assert plan.feeds == (SlotFeed(0, turn2[22:], 22, True),)
+    assert plan.prompt_tokens == len(turn2) - 22
+    st = s.statistics()
+    assert (st.prefix_lookup_tokens, st.prefix_hit_tokens) == (20 + len(turn2), 22)
+    assert st.cached_cells == 0  # the entry is in use now
+
+
+def test_two_conversations_alternating_keep_their_own_slots():
+    s = cached(n_slots=2)
+    convs = {"a": list(prompt(30, start=100)), "b": list(prompt(30, start=200))}
+    slots: dict[str, list[int]] = {"a": [], "b": []}
+    for turn in range(4):
+        for name, history in convs.items():
+            e = s.enqueue(history, 9)
+            finish_after(s, e, [7000 + turn, 7100 + turn])
+            slots[name].append(e.slot)
+            if turn:
+                # all but the last sample (never fed) and the new user turn (5 tokens)
+                assert e.cached == len(history) - 6
+            history += [7000 + turn, 7100 + turn, *prompt(5, start=300 + 10 * turn)]
+    assert len(set(slots["a"])) == 1 and len(set(slots["b"])) == 1 and slots["a"] != slots["b"]
+
+
+def test_cancelled_request_keeps_only_committed_cells():
+    s = cached(n_slots=1)
+    a = s.enqueue(prompt(10), 9)
+    run_step(s, token=500)  # prompt fed, 500 sampled (not in the cells yet)
+    run_step(s, token=501)  # 500 fed, 501 sampled
+    plan = s.plan()  # 501 in flight ...
+    s.cancel(a)  # ... when the consumer leaves
+    s.commit(plan)
+    assert a.kept == (*prompt(10), 500)
+    (ended,) = s.take_releases()
+    s.released([ended])
+    b = s.enqueue((*prompt(10), 500, 501, 502), 9)
+    s.plan()
+    assert b.cached == 11  # not 501: its cell was decoded after the cancel, uncommitted
+
+
+def test_failed_request_and_lost_release_keep_nothing():
+    s = cached(n_slots=1)
+    a = s.enqueue(prompt(10), 9)
+    run_step(s)
+    s.finish(a, keep_cells=False)
+    assert a.kept == ()
+    drain(s)
+    b = s.enqueue(prompt(10), 9)
+    s.plan()
+    assert b.cached == 0
+    run_step(s)
+    s.finish(b)
+    ended = s.take_releases()
+    s.released(ended, lost=[0])  # the engine could not release it
+    c = s.enqueue(prompt(10), 9)
+    s.plan()
+    assert c.cached == 0
+
+
+def test_forget_cache_after_a_crash_drops_every_entry():
+    s = cached(n_slots=2)
+    a = s.enqueue(prompt(10), 9)
+    finish_after(s, a, [1])
+    assert s.statistics().cached_cells == 10
+    s.forget_cache()
+    assert s.statistics().cached_cells == 0
+    b = s.enqueue(prompt(10), 9)
+    s.plan()
+    assert b.cached == 0
+
+
+def test_without_the_cache_nothing_is_kept_or_looked_up():
+    s = sched(n_slots=1)
+    a = s.enqueue(prompt(10), 9)
+    run_step(s)
+    s.finish(a)
+    assert a.kept == ()
+    drain(s)
+    b = s.enqueue(prompt(10), 9)
+    s.plan()
+    assert (b.cached, b.pos) == (0, 0)
+    st = s.statistics()
+    assert (st.cached_cells, st.prefix_lookup_tokens, st.prefix_hit_tokens) == (0, 0, 0)
+
+
+def test_a_new_conversation_copies_a_live_slots_system_prompt():
+    s = cached(n_slots=2)
+    system = prompt(40)
+    a = s.enqueue((*system, *prompt(5, start=100)), 9)
+    run_step(s)  # a's whole prompt is fed (45 <= chunk)
+    b = s.enqueue((*system, *prompt(5, start=200)), 9)
+    plan = s.plan()
+    assert plan.admitted == (b,) and (b.slot, b.cached, b.source) == (1, 40, 0)
+    assert SlotFeed(1, prompt(5, start=200), 40, True) in plan.feeds
+
+
+def test_a_conversations_next_turn_stays_in_its_slot_even_with_an_empty_one_free():
+    history = prompt(300)
+    cells = history + prompt(20, start=5000)  # its last reply, which the next prompt re-renders differently
+    nxt = history + prompt(40, start=6000)
+    free = [SlotCache(0, cells, 3, prompt_tokens=300), SlotCache(1, (), -1)]
+    assert choose_slot(nxt, free) == CacheChoice(0, 300)  # it destroys none of its last prompt
+
+
+def test_without_output_cells_only_the_prompt_is_kept():
+    s = Scheduler(n_slots=1, n_batch=64, prefill_chunk=64, prefix_cache=True, cache_output=False, min_hit=4)
+    a = s.enqueue(prompt(20), 9)
+    finish_after(s, a, [900, 901, 902])
+    assert a.kept == prompt(20)
+    b = s.enqueue((*prompt(20), 900, 901, 902, 7), 9)
+    s.plan()
+    assert (b.cached, b.pos) == (20, 20)  # the reply is prefilled again
+
+
+def test_a_short_prompt_sent_again_is_a_hit():
+    p = prompt(6)
+    free = [SlotCache(0, (*p, 99), 5), SlotCache(1, (), -1)]
+    assert choose_slot(p, free, min_hit=16) == CacheChoice(0, 5)

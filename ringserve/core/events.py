@@ -88,10 +88,16 @@ class GenerationRequest:
 
 @attrs.frozen
 class Usage:
-    """Token counts: prompt tokens and sampled tokens (EOG included)."""
+    """Token counts: prompt tokens, sampled tokens (EOG included), and cached prompt tokens.
+
+    ``cached_tokens`` (<= ``input_tokens``) are the leading prompt tokens whose
+    KV cells were reused from the prompt-prefix cache instead of being
+    prefilled; ``input_tokens`` counts the whole prompt, cached or not.
+    """
 
     input_tokens: int
     output_tokens: int
+    cached_tokens: int = 0
 
 
 @attrs.frozen

@@ -22,6 +22,23 @@ Rules of this file (in the manner of h11's ``_state.py``):
   :meth:`Scheduler.released`, so a new request is never admitted into a
   slot whose cells are still there.
 * Admission is by priority (smaller int first), FIFO within a priority.
+* Prompt-prefix cache (``prefix_cache=True``): a slot whose request ended
+  keeps its KV cells and the list of tokens they hold (:class:`SlotCache`) while
+  it is free. A request is admitted into the slot that :func:`choose_slot`
+  picks (the free slot whose cached tokens share the longest prefix with its
+  prompt, ties and misses the least recently used), possibly copying a longer
+  prefix from another slot; its ``pos`` then starts after the reused prefix,
+  so only the rest of the prompt is fed. A slot's cached tokens are exactly the
+  tokens whose cells were decoded for it and committed (:meth:`commit`): the
+  prompt fed so far, then the fed-back samples, never the last sample (it is
+  not in the KV cells yet) and never a batch that was in flight when its
+  request ended. A failed request leaves no cache (its cells are unknown).
+  With ``cache_output=False`` only the prompt's cells are kept: the cells of
+  sampled tokens were computed one token per step, which llama.cpp's kernels
+  may sum in another order than a batched prefill of the same tokens, so
+  keeping them can change a later greedy reply by a rounding.
+  Without the cache a slot's cells are all removed when it drains and
+  admission takes the lowest free slot.
 * One step's batch (:meth:`Scheduler.plan`) holds one token for every DECODE
   slot, then at most one prompt chunk (<= ``prefill_chunk`` tokens) per
   PREFILL slot, oldest admission first, while the batch has room
@@ -50,6 +67,7 @@ from ringserve.engine.protocol import SlotFeed
 
 __all__ = [
     "TRANSITIONS",
+    "CacheChoice",
     "Entry",
     "IllegalTransition",
     "Move",
@@ -57,7 +75,10 @@ __all__ = [
     "QueueFull",
     "Scheduler",
     "SchedulerStatistics",
+    "SlotCache",
     "SlotState",
+    "choose_slot",
+    "common_prefix",
 ]
 
 
@@ -122,6 +143,148 @@ class IllegalTransition(RuntimeError):
         self.move = move
 
 
+MIN_HIT = 16
+"""Fewest reused prompt tokens that count as a cache hit (tokens).
+
+A shorter shared prefix is usually only the chat template's first tokens
+(``<|im_start|>system``), which every conversation shares: such a request is
+a miss and goes to the least recently used free slot instead of evicting
+another conversation's cache for a handful of tokens.
+"""
+
+MIN_COPY = 32
+"""Fewest prompt tokens a copy of cells from another slot must save (tokens).
+
+A copy between two slots' sequences (``llama_memory_seq_cp``) moves the whole
+source buffer, whatever the prefix length, so it pays only for a prefix worth
+more than a short prefill.
+"""
+
+
+@attrs.frozen
+class SlotCache:
+    """What a free slot's KV cells hold: a cache entry.
+
+    Attributes:
+        slot: the slot.
+        tokens: the token ids whose cells the slot holds, at positions
+            ``0 .. len(tokens)-1``.
+        last_used: the scheduler's tick when the slot was last released
+            (greater is more recent; -1: never used).
+        prompt_tokens: how many of ``tokens`` were its last request's prompt
+            (the rest were sampled); None: all of them.
+    """
+
+    slot: int
+    tokens: tuple[int, ...] = ()
+    last_used: int = -1
+    prompt_tokens: int | None = None
+
+
+@attrs.frozen
+class CacheChoice:
+    """Where a request is admitted and what of its prompt it does not feed again.
+
+    Attributes:
+        slot: the free slot it takes.
+        reuse: leading prompt tokens whose KV cells are reused instead of
+            prefilled; always less than the prompt's length, so at least one
+            prompt token is fed and gives the logits of the first sample.
+        source: the slot whose first ``reuse`` cells are copied into ``slot``
+            (``llama_memory_seq_cp``); None when ``slot`` keeps its own.
+    """
+
+    slot: int
+    reuse: int = 0
+    source: int | None = None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    a, b = tuple(a), tuple(b)
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def choose_slot(
+    prompt: Sequence[int],
+    free: Sequence[SlotCache],
+    sources: Mapping[int, Sequence[int]] | None = None,
+    *,
+    min_hit: int = MIN_HIT,
+    min_copy: int = MIN_COPY,
+) -> CacheChoice:
+    """The prefix-cache decision: which free slot a prompt goes to, and what it reuses.
+
+    For every free slot, what it could reuse is the longest prefix its own
+    cached tokens share with the prompt, or, when some other slot (free, or
+    one of ``sources``) shares a prefix at least ``min_copy`` tokens longer,
+    that prefix copied from there (the best such source). Reuse is capped at
+    ``len(prompt) - 1``: at least one prompt token is fed, since the first
+    sample needs the logits of the last prompt token.
+
+    The slot is the one that reuses most; a reuse under ``min_hit`` tokens is
+    a miss and counts as 0, unless it is all the prompt may reuse (a short
+    prompt sent again). Among equal hits, the one that destroys fewest
+    cached prompt tokens wins (the cells of the slot's last prompt beyond
+    what it reuses: another conversation's history after a shared system
+    prompt; a conversation's next turn extends its last prompt and destroys
+    none, only the reply's tail that it re-renders), then one that needs no
+    copy, then the least recently used; on a miss,
+    the least recently used (a never-used slot first); the lowest slot number
+    breaks a last tie.
+
+    Args:
+        prompt: the request's prompt tokens (at least one).
+        free: the free slots and what their cells hold.
+        sources: other slots whose cells may be copied from, by slot: the
+            tokens whose cells they hold now (live requests).
+        min_hit: see :data:`MIN_HIT` (tokens).
+        min_copy: see :data:`MIN_COPY` (tokens).
+
+    Returns:
+        The choice.
+
+    Raises:
+        ValueError: no free slot, or an empty prompt.
+    """
+    if not free:
+        raise ValueError("no free slot to choose from")
+    limit = len(prompt) - 1
+    if limit < 0:
+        raise ValueError("the prompt must hold at least one token")
+    candidates = {c.slot: c.tokens for c in free}
+    candidates.update(sources or {})
+    best_source, best_copy = None, 0
+    for slot, tokens in sorted(candidates.items()):
+        n = min(common_prefix(prompt, tokens), limit)
+        if n > best_copy:
+            best_source, best_copy = slot, n
+
+    best: tuple[tuple[int, int, bool, int, int], CacheChoice] | None = None
+    for cache in free:
+        own = min(common_prefix(prompt, cache.tokens), limit)
+        prompt_cells = len(cache.tokens) if cache.prompt_tokens is None else cache.prompt_tokens
+        choice, lost = CacheChoice(cache.slot, own), max(0, prompt_cells - own)
+        if best_source is not None and best_source != cache.slot and best_copy - own >= min_copy:
+            choice, lost = CacheChoice(cache.slot, best_copy, best_source), prompt_cells
+        hit = choice.reuse >= min_hit or 0 < choice.reuse == limit  # or all the prompt it may reuse
+        key = (choice.reuse if hit else 0, -lost if hit else 0, choice.source is None, -cache.last_used, -cache.slot)
+        if best is None or key > best[0]:
+            best = (key, choice)
+    assert best is not None
+    return best[1]
+
+
 class QueueFull(RingserveError):
     """The admission queue is full: an ``OVERLOADED`` error, retryable later.
 
@@ -161,6 +324,14 @@ class Entry:
             then prompt plus fed-back samples).
         generated: tokens sampled for it so far (an EOG token counts).
         next_token: the last sampled token, fed at the next step (DECODE).
+        cached: leading prompt tokens whose KV cells were reused from the
+            prefix cache at admission (not prefilled); 0 before admission.
+        source: the slot its reused cells were copied from at admission;
+            None when they were its own slot's (or nothing was reused).
+        sampled: the tokens sampled for it so far, in order.
+        kept: the tokens whose cells its slot keeps as a cache entry once it
+            drains (set when it ends; empty without the cache or after a
+            failure).
     """
 
     id: int
@@ -173,6 +344,21 @@ class Entry:
     pos: int = 0
     generated: int = 0
     next_token: int | None = None
+    cached: int = 0
+    source: int | None = None
+    sampled: list[int] = attrs.Factory(list)
+    kept: tuple[int, ...] = ()
+
+    @property
+    def cells(self) -> tuple[int, ...]:
+        """The tokens whose KV cells were decoded for it and committed, at positions ``0 .. pos-1``.
+
+        The prompt fed so far, then the fed-back samples; the last sample is
+        not among them until it is fed.
+        """
+        if self.pos <= len(self.prompt):
+            return self.prompt[: self.pos]
+        return self.prompt + tuple(self.sampled[: self.pos - len(self.prompt)])
 
     @property
     def live(self) -> bool:
@@ -216,6 +402,11 @@ class Plan:
         """Tokens in the batch."""
         return sum(len(f.tokens) for f in self.feeds)
 
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens in the batch (prefilled, as opposed to fed-back samples)."""
+        return sum(len(f.tokens) for f, e in zip(self.feeds, self.owners, strict=True) if f.pos < len(e.prompt))
+
     def owner(self, slot: int) -> Entry:
         """The request fed for ``slot`` in this plan.
 
@@ -240,6 +431,10 @@ class SchedulerStatistics:
         queued: requests waiting, all priorities.
         prefilling: requests in PREFILL.
         decoding: requests in DECODE.
+        cached_cells: KV cells (tokens) that free slots hold as cache entries.
+        prefix_lookup_tokens: prompt tokens of requests admitted with the
+            prefix cache on (looked up in it).
+        prefix_hit_tokens: of those, the tokens whose cells were reused.
     """
 
     slots_total: int
@@ -249,6 +444,9 @@ class SchedulerStatistics:
     queued: int
     prefilling: int
     decoding: int
+    cached_cells: int = 0
+    prefix_lookup_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
 
 def _positive(_inst: object, attribute: attrs.Attribute, value: int) -> None:
@@ -267,6 +465,14 @@ class Scheduler:
         prefill_chunk: most prompt tokens fed for one slot in one step.
         queue_size: most requests waiting for a slot beyond those that a free
             slot will take at the next plan (0: only as many as free slots).
+        prefix_cache: keep ended requests' cells as cache entries and admit by
+            :func:`choose_slot`; False: admission takes the lowest free slot
+            and a drained slot keeps nothing.
+        cache_output: also keep the cells of the fed-back samples (a
+            conversation's next turn then prefills only its new messages);
+            False: only the prompt's (see the module docstring).
+        min_hit: see :data:`MIN_HIT` (tokens).
+        min_copy: see :data:`MIN_COPY` (tokens).
 
     Raises:
         ValueError: a size is out of range, or ``n_batch < n_slots``.
@@ -276,6 +482,10 @@ class Scheduler:
     n_batch: int = attrs.field(validator=_positive)
     prefill_chunk: int = attrs.field(validator=_positive)
     queue_size: int = attrs.field(default=64, validator=attrs.validators.ge(0))
+    prefix_cache: bool = False
+    cache_output: bool = True
+    min_hit: int = attrs.field(default=MIN_HIT, validator=attrs.validators.ge(1))
+    min_copy: int = attrs.field(default=MIN_COPY, validator=attrs.validators.ge(1))
     _queues: dict[int, deque[Entry]] = attrs.field(init=False, factory=dict)
     _n_queued: int = attrs.field(init=False, default=0)
     _slots: list[Entry | None] = attrs.field(init=False)
@@ -284,6 +494,10 @@ class Scheduler:
     _handed_out: set[int] = attrs.field(init=False, factory=set)
     _admit_order: list[Entry] = attrs.field(init=False, factory=list)
     _ids: itertools.count = attrs.field(init=False, factory=itertools.count)
+    _cache: dict[int, SlotCache] = attrs.field(init=False, factory=dict)
+    _ticks: itertools.count = attrs.field(init=False, factory=itertools.count)
+    _lookup_tokens: int = attrs.field(init=False, default=0)
+    _hit_tokens: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         if self.n_batch < self.n_slots:
@@ -356,8 +570,12 @@ class Scheduler:
     def plan(self) -> Plan:
         """Admit queued requests into free slots, then build one batch.
 
-        Admission takes the lowest free slot for each request, in priority
-        then FIFO order, while slots are free. The batch is one token for
+        Admission goes in priority then FIFO order while slots are free. With
+        the prefix cache each request takes the slot :func:`choose_slot`
+        picks (live requests, those admitted just before in this plan
+        included, may be copied from) and its position starts after the
+        reused prefix; without it, the lowest free slot and position 0. The
+        batch is one token for
         every DECODE request (its last sample at its next position), then
         for each PREFILL request, oldest admission first, the next
         ``min(prefill_chunk, prompt left, room left)`` prompt tokens, until
@@ -371,11 +589,14 @@ class Scheduler:
         while self._free and self._queues:
             entry = self._pop_next()
             assert entry is not None
-            slot = min(self._free)
+            choice = self._choose(entry.prompt)
+            slot = choice.slot
             self._free.remove(slot)
+            self._cache.pop(slot, None)
             entry._move(Move.ADMIT)
             entry.slot = slot
-            entry.pos = 0
+            entry.pos = entry.cached = choice.reuse
+            entry.source = choice.source
             self._slots[slot] = entry
             self._admit_order.append(entry)
             admitted.append(entry)
@@ -401,6 +622,16 @@ class Scheduler:
                 owners.append(entry)
                 room -= n
         return Plan(tuple(admitted), tuple(feeds), tuple(owners))
+
+    def _choose(self, prompt: tuple[int, ...]) -> CacheChoice:
+        if not self.prefix_cache:
+            return CacheChoice(min(self._free))
+        free = [self._cache.get(slot) or SlotCache(slot) for slot in sorted(self._free)]
+        live = {e.slot: e.cells for e in self._admit_order if e.slot is not None}
+        choice = choose_slot(prompt, free, live, min_hit=self.min_hit, min_copy=self.min_copy)
+        self._lookup_tokens += len(prompt)
+        self._hit_tokens += choice.reuse
+        return choice
 
     def commit(self, plan: Plan) -> None:
         """Record that ``plan``'s batch was decoded: advance each fed request's position.
@@ -442,21 +673,33 @@ class Scheduler:
             raise IllegalTransition(entry, Move.PROMPT_DONE)
         entry.generated += 1
         entry.next_token = token
+        entry.sampled.append(token)
         return entry
 
     # -- ending --------------------------------------------------------------
 
-    def finish(self, entry: Entry) -> None:
+    def finish(self, entry: Entry, *, keep_cells: bool = True) -> None:
         """End a live request normally or by failure; its slot starts draining.
+
+        Args:
+            entry: the request.
+            keep_cells: with the prefix cache, its slot keeps the cells of
+                :attr:`Entry.cells` as a cache entry; False (a failure: what
+                the engine holds for it is unknown) keeps none.
 
         Raises:
             IllegalTransition: the request is not in PREFILL or DECODE.
         """
         entry._move(Move.FINISH)
-        self._vacate(entry)
+        self._vacate(entry, keep_cells)
 
     def cancel(self, entry: Entry) -> None:
         """Cancel a request: a queued one leaves the queue, a live one's slot drains.
+
+        A live one's committed cells (:attr:`Entry.cells`) stay as its slot's
+        cache entry (with the prefix cache): a batch in flight at the cancel
+        is not committed, so its cells are not counted and are cut off when
+        the slot is released.
 
         Raises:
             IllegalTransition: the request already ended.
@@ -470,10 +713,12 @@ class Scheduler:
                 del self._queues[entry.priority]
             self._n_queued -= 1
         else:
-            self._vacate(entry)
+            self._vacate(entry, keep_cells=True)
 
-    def _vacate(self, entry: Entry) -> None:
+    def _vacate(self, entry: Entry, keep_cells: bool) -> None:
         assert entry.slot is not None and self._slots[entry.slot] is entry
+        cells = entry.cells if self.cache_output else entry.cells[: len(entry.prompt)]
+        entry.kept = cells if self.prefix_cache and keep_cells else ()
         self._slots[entry.slot] = None
         self._admit_order.remove(entry)
         self._draining.append(entry)
@@ -482,25 +727,42 @@ class Scheduler:
         """Requests whose slots must have their KV cells removed now.
 
         Each is returned once; its slot stays unavailable until
-        :meth:`released`.
+        :meth:`released`. The engine removes every cell of the slot except
+        the first ``len(entry.kept)``, which stay as its cache entry.
         """
         out = tuple(self._draining)
         self._handed_out.update(e.slot for e in out if e.slot is not None)
         self._draining.clear()
         return out
 
-    def released(self, entries: Iterable[Entry]) -> None:
+    def released(self, entries: Iterable[Entry], lost: Iterable[int] = ()) -> None:
         """The engine removed these requests' KV cells: their slots are free again.
+
+        Each slot's cache entry becomes its request's :attr:`Entry.kept`
+        tokens, except for the slots in ``lost`` (the engine failed to
+        release them, so what their cells hold is unknown): those keep none.
 
         Raises:
             RuntimeError: a slot was not handed out by :meth:`take_releases`.
         """
+        lost = set(lost)
         for entry in entries:
             slot = entry.slot
             if slot not in self._handed_out:
                 raise RuntimeError(f"slot {slot} released without take_releases()")
             self._handed_out.remove(slot)
             self._free.add(slot)
+            kept = () if slot in lost else entry.kept
+            self._cache[slot] = SlotCache(slot, kept, next(self._ticks), min(len(kept), len(entry.prompt)))
+
+    def forget_cache(self) -> None:
+        """Drop every free slot's cache entry (the engine's state is unknown, e.g. after a crash).
+
+        The cells stay in the engine until the slot's next request begins
+        with nothing reused, which removes them.
+        """
+        for slot, cache in self._cache.items():
+            self._cache[slot] = SlotCache(slot, (), cache.last_used, 0)
 
     # -- queries -------------------------------------------------------------
 
@@ -537,4 +799,7 @@ class Scheduler:
             queued=self._n_queued,
             prefilling=states.count(SlotState.PREFILL),
             decoding=states.count(SlotState.DECODE),
+            cached_cells=sum(len(self._cache[s].tokens) for s in self._free if s in self._cache),
+            prefix_lookup_tokens=self._lookup_tokens,
+            prefix_hit_tokens=self._hit_tokens,
         )

@@ -7,7 +7,10 @@ did to it:
 * The prompt is the chat rendered as ``"<|role|>content\\n"`` lines and
   tokenized one token per UTF-8 byte (token id = byte value, 0..255).
 * Each slot's KV cells are the tokens fed to it; :meth:`kv_cells_used`
-  counts them, :meth:`release` empties them. Positions must continue the
+  counts them. :meth:`begin` and :meth:`release` cut them to their first
+  ``keep`` (the prompt-prefix cache), and :meth:`begin` with a ``source``
+  copies that slot's cells first; every call is recorded in
+  :attr:`FakeEngine.begins`. Positions must continue the
   sequence, a slot must be begun before it is fed, a batch holds at most
   ``n_batch`` tokens and one feed per slot, and a slot never holds more than
   ``n_ctx_slot`` tokens (else :class:`KVCacheFull` for that slot). Breaking
@@ -23,7 +26,8 @@ did to it:
   so the runner may feed the same batch again.
 
 Every decode call is appended to :attr:`FakeEngine.log` (its feeds and
-whether it raised), so tests can see which slots were fed at which step.
+whether it raised), so tests can see which slots were fed at which step, and
+:attr:`FakeEngine.prefilled` counts the prompt tokens fed per slot.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import attrs
 from ringserve.core.events import ChatMessage, SamplingParams
 from ringserve.engine.protocol import EngineError, KVCacheFull, Sampled, SlotFeed
 
-__all__ = ["DEFAULT_REPLY", "EOG_TOKEN", "DecodeCall", "FakeEngine"]
+__all__ = ["DEFAULT_REPLY", "EOG_TOKEN", "Begin", "DecodeCall", "FakeEngine"]
 
 DEFAULT_REPLY = "The quick brown fox jumps over the lazy dog."
 """The reply when the request is not an ``echo:`` and no ``reply`` was given."""
@@ -68,11 +72,21 @@ class DecodeCall:
         return tuple(f.slot for f in self.feeds)
 
 
+@attrs.frozen
+class Begin:
+    """One :meth:`FakeEngine.begin` call: the slot, the cells it kept and where they came from."""
+
+    slot: int
+    keep: int
+    source: int | None
+
+
 @attrs.define(eq=False)
 class _SlotState:
     kv: list[int] = attrs.Factory(list)
     pieces: list[bytes] | None = None
     samples: int = 0
+    begun: bool = True
 
 
 def _last_user_text(prompt: bytes) -> str:
@@ -98,8 +112,9 @@ class FakeEngine:
         n_batch: most tokens per decode call.
         piece_bytes: bytes per reply token (>= 1).
         step_seconds: blocking sleep in every decode call (seconds).
-        prefill_seconds: blocking sleep once per prompt, in the decode call
-            that feeds its first chunk (seconds).
+        prefill_seconds: blocking sleep once per prompt fed from position 0,
+            in the decode call that feeds its first chunk (seconds); a prompt
+            whose prefix came from the cache skips it.
         fail_after_tokens: a slot's sample number ``fail_after_tokens + 1``
             raises :class:`EngineError` naming that slot (nothing in the batch
             is applied). None: never.
@@ -148,7 +163,10 @@ class FakeEngine:
         self.crash_after_steps = crash_after_steps
         self.reply = reply
         self.tokenize_hook = tokenize_hook
+        self.prefix_cache = True
         self.log: list[DecodeCall] = []
+        self.begins: list[Begin] = []
+        self.prefilled: list[int] = [0] * n_slots
         self.closed = False
         self._lock = threading.Lock()
         self._slots: list[_SlotState | None] = [None] * n_slots
@@ -195,12 +213,24 @@ class FakeEngine:
 
     # -- slots ---------------------------------------------------------------
 
-    def begin(self, slot: int, sampling: SamplingParams) -> None:
-        """Start a fresh sequence in ``slot`` (empty KV cells)."""
+    def begin(self, slot: int, sampling: SamplingParams, keep: int = 0, source: int | None = None) -> None:
+        """Start a sequence in ``slot`` holding the first ``keep`` cells of its own, or of ``source``'s, KV cells.
+
+        Raises:
+            ValueError: a slot out of range, or fewer than ``keep`` cells
+                there (nothing changes).
+        """
         with self._lock:
             self._check_open()
             self._check_slot(slot)
-            self._slots[slot] = _SlotState()
+            origin = self._slots[slot if source is None else source]
+            if source is not None:
+                self._check_slot(source)
+            cells = [] if origin is None else origin.kv
+            if keep > len(cells):
+                raise ValueError(f"slot {slot}: cannot keep {keep} cells of {len(cells)}")
+            self._slots[slot] = _SlotState(cells[:keep])
+            self.begins.append(Begin(slot, keep, source))
 
     def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
         """Apply one batch; one :class:`Sampled` per feed with ``sample``, in feed order.
@@ -243,7 +273,7 @@ class FakeEngine:
                 raise ValueError(f"slot {f.slot} fed twice in one decode")
             seen.add(f.slot)
             state = self._slots[f.slot]
-            if state is None:
+            if state is None or not state.begun:
                 raise ValueError(f"slot {f.slot} fed without begin()")
             if f.pos != len(state.kv):
                 raise ValueError(
@@ -284,6 +314,8 @@ class FakeEngine:
         for f in feeds:
             state = self._slots[f.slot]
             assert state is not None
+            if state.pieces is None:  # its prompt is not complete yet
+                self.prefilled[f.slot] += len(f.tokens)
             state.kv.extend(f.tokens)
         result = []
         for f, pieces, piece, eog in planned:
@@ -295,12 +327,16 @@ class FakeEngine:
             result.append(Sampled(f.slot, token, piece, eog))
         return result
 
-    def release(self, slot: int) -> None:
-        """Remove the slot's KV cells and forget its reply. Idempotent."""
+    def release(self, slot: int, keep: int = 0) -> None:
+        """Keep the slot's first ``keep`` KV cells (0: none), remove the rest, forget its reply. Idempotent."""
         with self._lock:
             self._check_open()
             self._check_slot(slot)
-            self._slots[slot] = None
+            state = self._slots[slot]
+            if state is None or keep == 0:
+                self._slots[slot] = None
+            else:
+                self._slots[slot] = _SlotState(state.kv[:keep], begun=False)
 
     def kv_cells_used(self, slot: int | None = None) -> int:
         """Tokens held by ``slot`` (by every slot when None)."""

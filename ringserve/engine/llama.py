@@ -68,6 +68,12 @@ def _init_backend() -> None:
         _backend_ready = True
 
 
+def _call_if_bound(name: str, *args: object) -> object:
+    """``llama_cpp.NAME(*args)``, or None when this llama-cpp-python does not bind it."""
+    fn = getattr(lc, name, None)
+    return None if fn is None else fn(*args)
+
+
 class ChatTemplateError(ModelFileError):
     """The GGUF's chat template is one llama.cpp cannot apply (one line, names the path)."""
 
@@ -94,6 +100,13 @@ class LlamaEngine:
         use_extra_bufts: let llama.cpp use extra CPU buffer types (weight
             repacking, AMX). Off by default: with a native build on AMX CPUs
             ``ggml_backend_amx_mul_mat`` crashes on multi-token batches.
+        flash_attn: flash attention on (True), off (False, the default) or
+            llama.cpp's choice (None: on where the backend supports it, CPUs
+            included). With it on, a token's attention is summed in an order
+            that depends on how many tokens of its sequence share the batch, so
+            greedy output after a prompt-prefix cache hit (the rest of the
+            prompt fed in other batch shapes) can differ from a full
+            prefill's; off, it does not.
         model_id: name reported to clients; default the file's stem.
 
     Attributes:
@@ -101,6 +114,12 @@ class LlamaEngine:
             (the :class:`~ringserve.engine.protocol.Engine` attributes).
         n_ctx_seq: KV cells llama.cpp actually gave each sequence
             (``llama_n_ctx_seq``, >= ``n_ctx_slot``).
+        prefix_cache: whether a slot may keep a prefix of its cells and copy
+            one from another slot: False for recurrent and hybrid models and
+            for sliding-window attention, whose memory cannot drop a
+            sequence's tail or has already dropped its head
+            (``llama_model_is_recurrent``, ``llama_model_is_hybrid``,
+            ``llama_model_n_swa``).
         n_vocab: tokens in the vocabulary.
         max_token_bytes: the longest piece in the vocabulary (bytes): plain
             text of N bytes is at least ``N / max_token_bytes`` tokens, as a
@@ -129,6 +148,7 @@ class LlamaEngine:
         n_gpu_layers: int = 0,
         n_threads: int = 0,
         use_extra_bufts: bool = False,
+        flash_attn: bool | None = False,
         model_id: str | None = None,
     ) -> None:
         self._model = None
@@ -179,6 +199,10 @@ class LlamaEngine:
             cparams.n_threads = self.n_threads
             cparams.n_threads_batch = self.n_threads
             cparams.no_perf = True
+            if flash_attn is not None:
+                cparams.flash_attn_type = (
+                    lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+                )
             if hasattr(cparams, "kv_unified"):
                 cparams.kv_unified = False
             self._ctx = lc.llama_init_from_model(self._model, cparams)
@@ -187,6 +211,11 @@ class LlamaEngine:
                     f"llama.cpp could not create a context of {n_slots} x {n_ctx_slot} tokens"
                 )
             self._mem = lc.llama_get_memory(self._ctx)
+            self.prefix_cache = not (
+                lc.llama_model_is_recurrent(self._model)
+                or _call_if_bound("llama_model_is_hybrid", self._model)
+                or _call_if_bound("llama_model_n_swa", self._model)
+            )
             self.n_ctx_seq = lc.llama_n_ctx_seq(self._ctx)
             if self.n_ctx_seq < n_ctx_slot:
                 raise EngineError(
@@ -385,8 +414,17 @@ class LlamaEngine:
 
     # -- slots --------------------------------------------------------------
 
-    def begin(self, slot: int, sampling: SamplingParams) -> None:
-        """Prepare ``slot`` for a new sequence: empty its KV cells and build its sampler chain.
+    def begin(self, slot: int, sampling: SamplingParams, keep: int = 0, source: int | None = None) -> None:
+        """Prepare ``slot`` for a new sequence: set up its KV cells and build its sampler chain.
+
+        The slot keeps the first ``keep`` cells of its own sequence, or of a
+        copy of ``source``'s (``llama_memory_seq_cp(mem, source, slot, -1,
+        -1)``: with one KV stream per sequence llama.cpp copies whole streams,
+        so the copy is whole and its tail is then cut), and every later cell
+        is removed (``llama_memory_seq_rm(mem, slot, keep, -1)``). The copy of
+        the buffer happens at the start of the next ``llama_decode``, before
+        that batch writes any cell, so ``source`` may be decoding in the same
+        batch.
 
         Temperature 0 gives a greedy chain. Otherwise the chain is top-k (if
         ``top_k > 0``), top-p (if ``top_p < 1``), min-p (if ``min_p > 0``),
@@ -395,9 +433,25 @@ class LlamaEngine:
         chain of the slot is freed.
 
         Raises:
-            ValueError: ``slot`` is not in ``0 .. n_slots-1``.
+            ValueError: ``slot`` or ``source`` is not in ``0 .. n_slots-1``,
+                ``keep > 0`` or a ``source`` without :attr:`prefix_cache`, or
+                fewer than ``keep`` cells (from position 0) there to keep;
+                nothing changed.
+            EngineError: llama.cpp refused to cut the sequence; the slot is
+                then empty.
         """
-        self.release(slot)  # empty KV cells, old chain freed
+        self._check_open()
+        self._check_slot(slot)
+        origin = slot if source is None else source
+        self._check_slot(origin)
+        if (keep or source is not None) and not self.prefix_cache:
+            raise ValueError("this model's memory cannot keep or copy a prefix of a sequence")
+        if keep < 0 or (keep and not self._holds_prefix(origin, keep)):
+            raise ValueError(f"slot {origin} does not hold {keep} cells from position 0")
+        if origin != slot:
+            lc.llama_memory_seq_rm(self._mem, slot, -1, -1)
+            lc.llama_memory_seq_cp(self._mem, origin, slot, -1, -1)
+        self.release(slot, keep)  # cells from keep on removed, old chain freed
         params = lc.llama_sampler_chain_default_params()
         params.no_perf = True
         chain = lc.llama_sampler_chain_init(params)
@@ -505,21 +559,33 @@ class LlamaEngine:
             result.append(Sampled(slot, token, piece, eog))
         return result
 
-    def release(self, slot: int) -> None:
-        """Remove the slot's KV cells and free its sampler chain.
+    def release(self, slot: int, keep: int = 0) -> None:
+        """Free the slot's sampler chain and remove its KV cells from position ``keep`` on.
 
-        Calls ``llama_memory_seq_rm(mem, slot, -1, -1)``, which never fails
-        for a whole sequence.
+        Calls ``llama_memory_seq_rm(mem, slot, -1, -1)`` for ``keep`` 0, which
+        never fails for a whole sequence, else ``llama_memory_seq_rm(mem,
+        slot, keep, -1)``, which keeps the prefix for a later :meth:`begin`.
 
         Idempotent; a released slot can be begun again.
 
         Raises:
-            ValueError: ``slot`` is not in ``0 .. n_slots-1``.
+            ValueError: ``slot`` is not in ``0 .. n_slots-1``, or ``keep > 0``
+                without :attr:`prefix_cache`.
+            EngineError: llama.cpp refused to cut the sequence; it is then
+                removed whole.
         """
         self._check_open()
         self._check_slot(slot)
-        lc.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        if keep and not self.prefix_cache:
+            raise ValueError("this model's memory cannot keep a prefix of a sequence")
         self._free_chain(slot)
+        if not lc.llama_memory_seq_rm(self._mem, slot, keep or -1, -1):
+            lc.llama_memory_seq_rm(self._mem, slot, -1, -1)
+            raise EngineError(f"llama.cpp could not cut slot {slot} at position {keep}", [slot])
+
+    def _holds_prefix(self, slot: int, n: int) -> bool:
+        """Whether ``slot`` holds cells at every position ``0 .. n-1``."""
+        return lc.llama_memory_seq_pos_min(self._mem, slot) == 0 and lc.llama_memory_seq_pos_max(self._mem, slot) >= n - 1
 
     def kv_cells_used(self, slot: int | None = None) -> int:
         """KV cells holding tokens of ``slot``, or of every slot when None.

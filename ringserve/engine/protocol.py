@@ -14,9 +14,13 @@ touch nothing but the vocabulary and the chat template (llama.cpp's
 server tokenizes on HTTP threads while its main loop decodes).
 
 Slots are integers ``0 .. n_slots-1`` and double as llama.cpp sequence ids.
-A slot's life on the engine side: ``begin`` (fresh sampler, empty KV) → one or
-more ``decode`` calls that feed its prompt chunks and then one token per step
-→ ``release`` (KV cells removed with ``llama_memory_seq_rm``, sampler freed).
+A slot's life on the engine side: ``begin`` (fresh sampler; KV cells removed
+except a reused prefix of ``keep`` cells, its own or copied from another slot)
+→ one or more ``decode`` calls that feed the rest of its prompt in chunks and
+then one token per step → ``release`` (sampler freed, KV cells removed with
+``llama_memory_seq_rm`` except the first ``keep``, which stay as the slot's
+prompt-prefix cache entry). With ``keep`` always 0 (the runner's prefix cache
+off, or an engine whose ``prefix_cache`` is False) every sequence starts empty.
 """
 
 from __future__ import annotations
@@ -84,12 +88,33 @@ class Engine(Protocol):
 
     Message text of more than ``n_ctx_slot * max_token_bytes`` bytes cannot fit
     a slot, so the runner refuses it without tokenizing it."""
+    prefix_cache: bool
+    """Whether ``begin`` and ``release`` may keep a prefix of a slot's cells (``keep > 0``)
+    and ``begin`` may copy one from another slot; False for models whose memory cannot
+    drop a sequence's tail (recurrent, hybrid or sliding-window attention)."""
 
     def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         """Render ``messages`` with the model's chat template (generation prompt added) and tokenize."""
 
-    def begin(self, slot: int, sampling: SamplingParams) -> None:
-        """Prepare ``slot`` for a new sequence: empty its KV cells, build its sampler chain."""
+    def begin(self, slot: int, sampling: SamplingParams, keep: int = 0, source: int | None = None) -> None:
+        """Prepare ``slot`` for a new sequence: build its sampler chain and set up its KV cells.
+
+        Args:
+            slot: the slot.
+            sampling: the sampler settings.
+            keep: cells (tokens at positions ``0 .. keep-1``) the new
+                sequence reuses; every other cell of the slot is removed
+                (``llama_memory_seq_rm(mem, slot, keep, -1)``), so the next
+                feed is at position ``keep``.
+            source: when given, the slot's cells are first replaced by a copy
+                of ``source``'s (``llama_memory_seq_cp``), of which the first
+                ``keep`` stay; ``source`` itself is unchanged.
+
+        Raises:
+            ValueError: a slot out of range, ``keep > 0`` on an engine without
+                ``prefix_cache``, or fewer than ``keep`` cells there to keep.
+            EngineError: llama.cpp refused to remove or copy the cells.
+        """
 
     def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
         """Decode one batch holding every feed; return one :class:`Sampled` per feed with ``sample``.
@@ -99,8 +124,13 @@ class Engine(Protocol):
             EngineError: any other decode failure.
         """
 
-    def release(self, slot: int) -> None:
-        """Remove the slot's KV cells (``llama_memory_seq_rm(mem, slot, -1, -1)``) and free its sampler."""
+    def release(self, slot: int, keep: int = 0) -> None:
+        """Free the slot's sampler and remove its KV cells from position ``keep`` on.
+
+        ``keep`` 0 removes them all (``llama_memory_seq_rm(mem, slot, -1, -1)``);
+        otherwise the first ``keep`` cells stay for a later :meth:`begin`.
+        Idempotent.
+        """
 
     def kv_cells_used(self, slot: int | None = None) -> int:
         """KV cells holding tokens of ``slot`` (of every slot when None)."""

@@ -10,13 +10,16 @@ never abandoned, cancellation takes effect between steps.
 One step of the loop:
 
 1. Slots of requests that ended (finished, failed or cancelled) are released
-   on the worker thread (``engine.release``: KV cells removed, sampler
-   freed), and only then become free for admission.
+   on the worker thread (``engine.release``: sampler freed, KV cells removed
+   except those the prompt-prefix cache keeps), and only then become free
+   for admission.
 2. :meth:`Scheduler.plan <ringserve.core.scheduler.Scheduler.plan>` admits
-   queued requests and builds one batch: one token per decoding slot plus
-   prompt chunks for prefilling slots.
-3. On the worker thread: ``engine.begin`` for the admitted slots, then one
-   ``engine.decode`` for the batch.
+   queued requests, each into the slot whose cached cells share the longest
+   prefix with its prompt (``[engine] prefix_cache``), and builds one batch:
+   one token per decoding slot plus prompt chunks (after the reused prefix)
+   for prefilling slots.
+3. On the worker thread: ``engine.begin`` for the admitted slots (keeping or
+   copying the reused cells), then one ``engine.decode`` for the batch.
 4. Back on the Trio thread, each sampled token is counted, detokenized (one
    :class:`~ringserve.core.detokenizer.Detokenizer` per request), run through
    the request's :class:`~ringserve.core.stop.StopMatcher`, and the result is
@@ -94,9 +97,20 @@ class RunnerStatistics:
         slots_total: slots decoded together.
         slots_busy: slots holding a request or still being released.
         queue_depth: requests waiting for a slot, per priority.
-        kv_cells_used: KV cells in use over all slots, as of the last engine
-            call (tokens).
+        kv_cells_used: KV cells in use by requests over all slots, as of the
+            last engine call (tokens); the cells that free slots keep for the
+            prefix cache are not counted (``prefix_cache_cells``).
         kv_cells_total: ``slots_total * n_ctx_slot`` (tokens).
+        prefix_cache: the prompt-prefix cache is on (the config asks for it
+            and the engine supports it).
+        prefix_cache_cells: KV cells (tokens) that free slots keep as cache
+            entries.
+        prefix_cache_lookup_tokens_total: prompt tokens of requests admitted
+            with the cache on.
+        prefix_cache_hit_tokens_total: of those, tokens whose cells were
+            reused instead of prefilled.
+        prompt_tokens_prefilled_total: prompt tokens fed to the engine in
+            decoded batches (what was not reused).
         steps: decode calls that succeeded.
         failed_steps: decode calls that raised.
         last_step_seconds: wall time of the last decode call (seconds).
@@ -121,6 +135,11 @@ class RunnerStatistics:
     queue_depth: dict[int, int]
     kv_cells_used: int
     kv_cells_total: int
+    prefix_cache: bool
+    prefix_cache_cells: int
+    prefix_cache_lookup_tokens_total: int
+    prefix_cache_hit_tokens_total: int
+    prompt_tokens_prefilled_total: int
     steps: int
     failed_steps: int
     last_step_seconds: float
@@ -172,11 +191,12 @@ class Generation:
 
     @property
     def usage(self) -> Usage:
-        """Live token counts: prompt tokens, and tokens sampled so far (EOG counted).
+        """Live token counts: prompt tokens, tokens sampled so far (EOG counted), and
+        prompt tokens reused from the prefix cache (0 until admitted).
 
         Valid at any time, including after a cancel (it then stays as it was).
         """
-        return Usage(len(self.prepared.prompt_tokens), self._entry.generated)
+        return Usage(len(self.prepared.prompt_tokens), self._entry.generated, self._entry.cached)
 
     @property
     def state(self) -> SlotState:
@@ -238,7 +258,8 @@ class Runner:
     slots, batches of at most ``min(config.n_batch, engine.n_batch)`` tokens,
     prompt chunks of at most ``config.prefill_chunk`` tokens per slot and
     step, and up to ``config.queue_size`` requests waiting beyond the free
-    slots. The context per slot is ``engine.n_ctx_slot``.
+    slots. The context per slot is ``engine.n_ctx_slot``. The prompt-prefix
+    cache is on when ``config.prefix_cache`` and ``engine.prefix_cache`` are.
 
     Args:
         engine: the backend; the runner calls it only from its worker thread.
@@ -269,6 +290,8 @@ class Runner:
             n_batch=n_batch,
             prefill_chunk=min(config.prefill_chunk, n_batch),
             queue_size=config.queue_size,
+            prefix_cache=config.prefix_cache and engine.prefix_cache,
+            cache_output=config.prefix_cache_output,
         )
         self._limiter = trio.CapacityLimiter(1)  # decode, begin, release: one engine call at a time
         self._tokenize_limiter = trio.CapacityLimiter(1)  # tokenize_chat, beside a decode step
@@ -286,6 +309,7 @@ class Runner:
         self._last_step_tokens = 0
         self._step_tokens_total = 0
         self._prompt_tokens_total = 0
+        self._prompt_prefilled_total = 0
         self._generated_total = 0
         self._cancels = 0
         self._tokens_after_cancel = 0
@@ -455,8 +479,13 @@ class Runner:
             slots_total=s.slots_total,
             slots_busy=s.slots_busy,
             queue_depth=dict(s.queue_depth),
-            kv_cells_used=self._kv_used,
+            kv_cells_used=max(0, self._kv_used - s.cached_cells),
             kv_cells_total=s.slots_total * self.n_ctx_slot,
+            prefix_cache=self._scheduler.prefix_cache,
+            prefix_cache_cells=s.cached_cells,
+            prefix_cache_lookup_tokens_total=s.prefix_lookup_tokens,
+            prefix_cache_hit_tokens_total=s.prefix_hit_tokens,
+            prompt_tokens_prefilled_total=self._prompt_prefilled_total,
             steps=self._steps,
             failed_steps=self._failed_steps,
             last_step_seconds=self._last_step_seconds,
@@ -477,7 +506,9 @@ class Runner:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the owner loop until cancelled; start it in the server's nursery.
 
-        Calls ``task_status.started()`` once requests can be submitted. A
+        First empties every slot's KV cells (cells an earlier runner left
+        there are no cache entry of this one). Calls ``task_status.started()``
+        once requests can be submitted. A
         crash inside ``engine.decode`` fails the generations it affects
         (:class:`Failure` ``api_error``, retryable) and the loop goes on. If
         the loop itself ends, by cancellation (``unavailable``) or by a bug
@@ -491,6 +522,12 @@ class Runner:
         if self._started:
             raise RuntimeError("Runner.run() may be called only once")
         self._started = True
+        # The scheduler knows of no cache entry yet: empty every slot the engine may still hold.
+        everything = [(slot, 0) for slot in range(self._scheduler.n_slots)]
+        kv, _ = await trio.to_thread.run_sync(
+            self._release_sync, everything, limiter=self._limiter, abandon_on_cancel=False
+        )
+        self._kv_used = kv or 0
         self._running = True
         try:
             task_status.started()
@@ -524,14 +561,14 @@ class Runner:
         ended = self._scheduler.take_releases()
         if not ended:
             return
-        slots = [e.slot for e in ended if e.slot is not None]
-        kv = await trio.to_thread.run_sync(
+        slots = [(e.slot, len(e.kept)) for e in ended if e.slot is not None]
+        kv, lost = await trio.to_thread.run_sync(
             self._release_sync, slots, limiter=self._limiter, abandon_on_cancel=False
         )
         now = trio.current_time()
         if kv is not None:
             self._kv_used = kv
-        self._scheduler.released(ended)
+        self._scheduler.released(ended, lost)
         for entry in ended:
             gen = entry.tag
             if isinstance(gen, Generation) and gen._cancel_time is not None:
@@ -542,15 +579,18 @@ class Runner:
                 if self._on_cancel_freed is not None:
                     self._on_cancel_freed(took)
 
-    def _release_sync(self, slots: Sequence[int]) -> int | None:
-        """Worker thread: ``engine.release`` each slot; return KV cells in use."""
-        for slot in slots:
+    def _release_sync(self, slots: Sequence[tuple[int, int]]) -> tuple[int | None, list[int]]:
+        """Worker thread: ``engine.release`` each (slot, cells to keep); return KV cells in use
+        and the slots whose release failed (their cells are not reused)."""
+        lost = []
+        for slot, keep in slots:
             try:
-                self._engine.release(slot)
+                self._engine.release(slot, keep)
             except Exception:
-                # begin() empties the slot again before its next use.
+                # begin() with nothing kept empties the slot again before its next use.
                 log.exception("engine.release(%d) failed", slot)
-        return self._kv_cells_sync()
+                lost.append(slot)
+        return self._kv_cells_sync(), lost
 
     def _kv_cells_sync(self) -> int | None:
         try:
@@ -559,17 +599,18 @@ class Runner:
             return None
 
     def _step_sync(
-        self, begins: Sequence[tuple[int, SamplingParams]], feeds: Sequence[SlotFeed]
+        self, begins: Sequence[tuple[int, SamplingParams, int, int | None]], feeds: Sequence[SlotFeed]
     ) -> _StepOutcome:
-        """Worker thread: begin the admitted slots, then decode the batch once.
+        """Worker thread: begin the admitted slots (slot, sampling, cells kept, copied from), then
+        decode the batch once.
 
         Exceptions come back in the outcome instead of being raised, so the
         owner loop sees which call failed.
         """
         begin_errors: dict[int, Exception] = {}
-        for slot, sampling in begins:
+        for slot, sampling, keep, source in begins:
             try:
-                self._engine.begin(slot, sampling)
+                self._engine.begin(slot, sampling, keep, source)
             except Exception as exc:
                 begin_errors[slot] = exc
         if begin_errors:
@@ -592,7 +633,7 @@ class Runner:
         for entry in plan.admitted:
             gen = entry.tag
             assert isinstance(gen, Generation) and entry.slot is not None
-            begins.append((entry.slot, gen.prepared.request.sampling))
+            begins.append((entry.slot, gen.prepared.request.sampling, entry.cached, entry.source))
             self._prompt_tokens_total += len(entry.prompt)
         outcome = await trio.to_thread.run_sync(
             self._step_sync, begins, plan.feeds, limiter=self._limiter, abandon_on_cancel=False
@@ -622,6 +663,7 @@ class Runner:
         n = plan.n_tokens
         self._last_step_tokens = n
         self._step_tokens_total += n
+        self._prompt_prefilled_total += plan.prompt_tokens
         self._scheduler.commit(plan)
         for sampled in outcome.sampled:
             entry = plan.owner(sampled.slot)
@@ -656,6 +698,7 @@ class Runner:
         # every active slot is unknown, so all of them fail and are released.
         log.error("engine.decode crashed", exc_info=error)
         message = f"internal error while generating ({type(error).__name__})"
+        self._scheduler.forget_cache()
         for entry in self._scheduler.active():
             self._fail(entry, "api_error", message, retryable=True)
 
@@ -707,7 +750,8 @@ class Runner:
         """Emit the terminal event, close the channel and let the slot drain."""
         entry = gen._entry
         if entry.live:
-            self._scheduler.finish(entry)
+            # A failed request's cells are not reused: what the engine holds for it is unknown.
+            self._scheduler.finish(entry, keep_cells=isinstance(event, Finish))
         elif entry.state is SlotState.QUEUED:
             self._scheduler.cancel(entry)  # leaves the queue; only on shutdown
         gen._outcome = event

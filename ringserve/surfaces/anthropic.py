@@ -112,6 +112,16 @@ def _error_object(kind_name: str, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind_name, "message": message}}
 
 
+def _usage(usage: Usage) -> dict[str, int]:
+    """Anthropic ``usage``: ``input_tokens`` is the uncached part of the prompt and
+    ``cache_read_input_tokens`` the part read from the prefix cache (their sum is the prompt)."""
+    return {
+        "input_tokens": usage.input_tokens - usage.cached_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "output_tokens": usage.output_tokens,
+    }
+
+
 class AnthropicRenderer:
     """Renders one message's events in Anthropic's streaming order (see module doc)."""
 
@@ -128,7 +138,7 @@ class AnthropicRenderer:
             "model": self._model,
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
+            "usage": _usage(usage),
         }
         return [
             WireEvent(dumps({"type": "message_start", "message": message}), "message_start"),
@@ -148,10 +158,9 @@ class AnthropicRenderer:
             "stop_sequence": finish.stop_sequence,
             **cancelled_fields(finish.stop_reason is StopReason.CANCELLED),
         }
-        usage = {"input_tokens": finish.usage.input_tokens, "output_tokens": finish.usage.output_tokens}
         return [
             WireEvent(dumps({"type": "content_block_stop", "index": 0}), "content_block_stop"),
-            WireEvent(dumps({"type": "message_delta", "delta": delta, "usage": usage}), "message_delta"),
+            WireEvent(dumps({"type": "message_delta", "delta": delta, "usage": _usage(finish.usage)}), "message_delta"),
             WireEvent(dumps({"type": "message_stop"}), "message_stop"),
         ]
 
@@ -230,7 +239,7 @@ class AnthropicSurface:
             "stop_reason": result.stop_reason,
             "stop_sequence": result.stop_sequence,
             **cancelled_fields(result.cancelled),
-            "usage": {"input_tokens": result.usage.input_tokens, "output_tokens": result.usage.output_tokens},
+            "usage": _usage(result.usage),
         }
 
     def stop_reason(self, reason: StopReason) -> str:

@@ -135,11 +135,14 @@ def _error_object(kind: ErrorKind, message: str, param: str | None) -> dict[str,
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def _usage(usage: Usage) -> dict[str, int]:
+def _usage(usage: Usage) -> dict[str, Any]:
+    """OpenAI ``usage``: ``prompt_tokens`` counts the whole prompt, of which
+    ``prompt_tokens_details.cached_tokens`` came from the prefix cache."""
     return {
         "prompt_tokens": usage.input_tokens,
         "completion_tokens": usage.output_tokens,
         "total_tokens": usage.input_tokens + usage.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
 
