@@ -299,7 +299,7 @@ def create_app(state: ServerState) -> RingserveQuart:
         if msg.status not in ("complete", "cancelled"):
             raise RingserveError(ErrorKind.CONFLICT, f"message {msg.id} is {msg.status}")
         result = MessageResult(msg.id, msg.model, msg.created, msg.text, msg.stop_reason, msg.stop_sequence,
-                               Usage(msg.input_tokens, msg.output_tokens))
+                               Usage(msg.input_tokens, msg.output_tokens), cancelled=msg.status == "cancelled")
         return _json(surface.message_json(result), headers={"X-Message-Id": msg.id})
 
     def surface_of(message_id: str) -> Surface:

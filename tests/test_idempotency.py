@@ -175,9 +175,10 @@ async def test_failed_messages_are_generated_again_and_cancelled_ones_returned_a
             if stream:
                 resp, events, _ = await sse_events(client, "POST", path, json=body, headers=headers)
                 assert resp.headers["x-message-id"] == cancelled and events[-1].event == "message_stop"
-                assert json.loads(events[-2].data)["delta"]["stop_reason"] == "cancelled"
+                delta = json.loads(events[-2].data)["delta"]
+                assert delta["stop_reason"] == "end_turn" and delta["ringserve_cancelled"] is True
             else:
                 resp = await client.post(path, json=body, headers=headers)
                 assert resp.status_code == 200 and resp.json()["id"] == cancelled
-                assert resp.json()["stop_reason"] == "cancelled"
+                assert resp.json()["stop_reason"] == "end_turn" and resp.json()["ringserve_cancelled"] is True
             assert state.hub.runner.statistics().prompt_tokens_total == prompt_tokens
