@@ -29,9 +29,12 @@ REQUEST = {"max_tokens": 8, "messages": [{"role": "user", "content": "Name three
 #: fraction of one on a fast CPU (not asserted; tests/test_conformance.py pins prefill silences on
 #: the fake engine). Longer prompts take minutes there.
 LONG_REQUEST = {**REQUEST, "messages": [{"role": "user", "content": "Summarise: " + "The cat sat on the mat. " * 40}]}
-#: What holds the only slot (cancelled once a waiting stream has had a ping).
-BLOCKER = {"model": "any", "max_tokens": 2000, "messages": [{"role": "user", "content": "Count to one thousand."}],
-           "temperature": 0}
+#: What holds the only slot (cancelled once a waiting stream has had a ping). The reply is a
+#: continued count, which the model carries on greedily for far longer than a heartbeat interval
+#: (a plain "Count to one thousand." ends after a few numbers on a fast machine, before any ping).
+BLOCKER = {"model": "any", "max_tokens": 2000, "temperature": 0, "messages": [
+    {"role": "user", "content": "Count from 1 to 1000, separated by commas."},
+    {"role": "assistant", "content": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,"}]}
 
 
 def _server(tmp_path_factory: pytest.TempPathFactory, name: str, extra: str = "") -> ServerProcess:
