@@ -45,6 +45,7 @@ import platformdirs
 import trio
 
 from ringserve.config import StoreConfig
+from ringserve.core.errors import ErrorKind, RingserveError
 
 log = logging.getLogger("ringserve.store")
 
@@ -96,6 +97,14 @@ PRAGMA user_version = {SCHEMA_VERSION};
 
 class StoreError(Exception):
     """The store file cannot be created, opened or written; the message is one line naming the path."""
+
+
+def store_failed(exc: sqlite3.Error) -> RingserveError:
+    """The error a request gets when the store fails to read or write at run time (a file damaged
+    after the start, a full disk): 503 with ``Retry-After`` naming SQLite's reason, never a 500
+    and never a 404 that calls a stored message unknown."""
+    return RingserveError(ErrorKind.UNAVAILABLE, f"the message store failed ({exc}); the server log has the details",
+                          retry_after=1, retryable=True)
 
 
 @attrs.frozen
