@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ringserve.auth import AuthSetupError
     from ringserve.engine.modelfile import ModelFileError, check_model_file, default_model_path
+    from ringserve.engine.protocol import EngineError
     from ringserve.messages import StoreError
     from ringserve.server import run_process
 
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return run_process(config)  # 0 after a drain, 1 if a second signal cut it short
-    except (AuthSetupError, StoreError) as exc:  # a non-loopback host with no keys, a malformed key, a bad store file
+    except (AuthSetupError, StoreError, EngineError, ModelFileError) as exc:
+        # a non-loopback host with no keys, a malformed key, a bad store file, a model or context that did not load
         print(f"ringserve: {exc}", file=sys.stderr)
         return 2
 

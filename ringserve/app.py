@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -32,7 +33,7 @@ from ringserve.connections import SendWatchdog
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import Usage
 from ringserve.core.limits import ReaderGate, check_request
-from ringserve.messages import FINAL_STATUSES, StoredMessage
+from ringserve.messages import FINAL_STATUSES, StoredMessage, store_failed
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ringserve.metrics import Metrics, error_type
 from ringserve.stream.hub import CancelReason, Hub, LiveMessage, StreamEnded, request_hash
@@ -483,6 +484,11 @@ def create_app(state: ServerState) -> RingserveQuart:
         resp = _error_response(request_surface(), RingserveError(kind, message))
         resp.status_code = exc.code or 500
         return resp
+
+    @app.errorhandler(sqlite3.DatabaseError)
+    async def store_error(exc: sqlite3.DatabaseError) -> Response:
+        log.exception("message store failed on %s %s", request.method, request.path)
+        return _error_response(request_surface(), store_failed(exc))
 
     @app.errorhandler(Exception)
     async def internal_error(exc: Exception) -> Response:

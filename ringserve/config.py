@@ -35,6 +35,36 @@ def _non_negative(_inst: object, attribute: attrs.Attribute, value: float) -> No
         raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
 
 
+def _one_of(*allowed: str) -> Any:
+    """A validator: the value is one of ``allowed`` (a one-line message naming key, value and choices)."""
+
+    def check(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+        if value not in allowed:
+            choices = ", ".join(repr(a) for a in allowed)
+            raise ValueError(f"{attribute.name} must be one of {choices}, got {value!r}")
+
+    return check
+
+
+#: What a TOML value of each annotated type must be, checked before any range validator runs.
+_TYPE_CHECKS: dict[str, tuple[str, Any]] = {
+    "int": ("an integer", lambda x: isinstance(x, int) and not isinstance(x, bool)),
+    "float": ("a number", lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)),
+    "str": ("a string", lambda x: isinstance(x, str)),
+    "bool": ("true or false", lambda x: isinstance(x, bool)),
+    "tuple[str, ...]": ("a list of strings", lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x)),
+}
+
+
+def _check_types(table: str, section: type, values: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming ``[table] key``, the value and the type wanted, for a value of the wrong type."""
+    for field in attrs.fields(section):
+        if field.name in values:
+            wanted, ok = _TYPE_CHECKS[field.type]
+            if not ok(values[field.name]):
+                raise ValueError(f"[{table}] {field.name} must be {wanted}, got {values[field.name]!r}")
+
+
 @attrs.frozen
 class ServerConfig:
     """HTTP listener and connection behaviour (times in seconds).
@@ -78,7 +108,7 @@ class ModelConfig:
     n_gpu_layers: int = attrs.field(default=0, validator=v.ge(-1))
     n_threads: int = attrs.field(default=0, validator=_non_negative)
     use_extra_bufts: bool = False
-    flash_attn: str = attrs.field(default="off", validator=v.in_(("auto", "on", "off")))
+    flash_attn: str = attrs.field(default="off", validator=_one_of("auto", "on", "off"))
     strict_model_name: bool = False
     name: str = ""
 
@@ -127,7 +157,7 @@ class StreamConfig:
     ring_max_bytes: int = attrs.field(default=4 * 1024 * 1024, validator=_positive)
     memory_cap_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_positive)
     ttl_seconds: float = attrs.field(default=60.0, validator=_non_negative)
-    backend: str = attrs.field(default="memory", validator=v.in_(LOG_BACKENDS))
+    backend: str = attrs.field(default="memory", validator=_one_of(*LOG_BACKENDS))
     redis_url: str = attrs.field(default="redis://127.0.0.1:6379/0", validator=_redis_url)
 
     def redis_url_from(self, environ: Mapping[str, str]) -> str:
@@ -145,8 +175,8 @@ class StreamConfig:
 class PolicyConfig:
     """What happens to a generation when its last reader leaves, per surface."""
 
-    anthropic: str = attrs.field(default="abort", validator=v.in_(DISCONNECT_POLICIES))
-    openai: str = attrs.field(default="abort", validator=v.in_(DISCONNECT_POLICIES))
+    anthropic: str = attrs.field(default="abort", validator=_one_of(*DISCONNECT_POLICIES))
+    openai: str = attrs.field(default="abort", validator=_one_of(*DISCONNECT_POLICIES))
     grace_seconds: float = attrs.field(default=0.0, validator=_non_negative)
 
 
@@ -264,7 +294,8 @@ class Config:
         """Build from a parsed TOML document.
 
         Raises:
-            ValueError: unknown table or key, or a value out of range.
+            ValueError: unknown table or key, a value of the wrong type, or a
+                value out of range; one line naming the table, the key and the value.
         """
         kwargs = {}
         for name, value in data.items():
@@ -277,10 +308,11 @@ class Config:
             unknown = sorted(set(value) - known)
             if unknown:
                 raise ValueError(f"unknown key(s) in [{name}]: {', '.join(unknown)}")
+            _check_types(name, section, value)
             try:
                 kwargs[name] = section(**value)
             except (TypeError, ValueError) as exc:
-                raise ValueError(f"[{name}]: {exc}") from None
+                raise ValueError(f"[{name}] {exc}") from None
         return cls(**kwargs)
 
     @classmethod

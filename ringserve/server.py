@@ -15,7 +15,8 @@ from ringserve.app import SURFACES, ServerState, create_app
 from ringserve.auth import Authenticator, check_bind
 from ringserve.config import Config
 from ringserve.connections import HypercornConfig, isolate_connection_faults
-from ringserve.engine.protocol import Engine
+from ringserve.engine.modelfile import ModelFileError
+from ringserve.engine.protocol import Engine, EngineError
 from ringserve.engine.runner import Runner
 from ringserve.core.events import Failure, Usage
 from ringserve.core.ringlog import format_event_id
@@ -32,22 +33,28 @@ def load_llama_engine(config: Config) -> Engine:
 
     Raises:
         ModelFileError: the file is missing, unreadable or not GGUF (one-line message).
+        EngineError: ``ctx_per_slot`` is above the model's trained context, or
+            llama.cpp could not create the context (one line naming the settings).
     """
     from ringserve.engine.llama import LlamaEngine
     from ringserve.engine.modelfile import check_model_file, default_model_path
 
     path = check_model_file(config.model.path or default_model_path())
-    return LlamaEngine(
-        path,
-        n_slots=config.engine.slots,
-        n_ctx_slot=config.engine.ctx_per_slot,
-        n_batch=config.engine.n_batch,
-        n_gpu_layers=config.model.n_gpu_layers,
-        n_threads=config.model.n_threads,
-        use_extra_bufts=config.model.use_extra_bufts,
-        flash_attn={"auto": None, "on": True, "off": False}[config.model.flash_attn],
-        model_id=config.model.name or None,
-    )
+    engine = config.engine
+    try:
+        return LlamaEngine(
+            path,
+            n_slots=config.engine.slots,
+            n_ctx_slot=config.engine.ctx_per_slot,
+            n_batch=config.engine.n_batch,
+            n_gpu_layers=config.model.n_gpu_layers,
+            n_threads=config.model.n_threads,
+            use_extra_bufts=config.model.use_extra_bufts,
+            flash_attn={"auto": None, "on": True, "off": False}[config.model.flash_attn],
+            model_id=config.model.name or None,
+        )
+    except EngineError as exc:  # name the settings behind the engine's sizes
+        raise EngineError(f"[engine] slots = {engine.slots}, ctx_per_slot = {engine.ctx_per_slot}: {exc}") from None
 
 
 def make_log_store(config: Config) -> LogStore:
@@ -250,9 +257,25 @@ def run_process(config: Config, engine_factory: Callable[[Config], Engine] = loa
     frozen (``gc.freeze``): the interpreter's final garbage collection then
     skips them, which took 0.3-0.7 s of the drain's bound on a loaded 2-core
     machine. (The store is closed and the logs are flushed already.)
+
+    Raises:
+        EngineError, ModelFileError: the model could not be loaded, or a
+            context of ``[engine] slots`` x ``ctx_per_slot`` not created
+            (unwrapped from the nursery's exception group), besides what
+            :func:`serve` raises.
     """
     try:
         return trio.run(serve, config, engine_factory)
+    except BaseExceptionGroup as group:
+        # The model loads inside serve's nursery, which wraps its failure in a group;
+        # raise it bare so the command line prints its one line (and exits 2).
+        failed, rest = group.split((EngineError, ModelFileError))
+        if failed is None or rest is not None:
+            raise
+        leaf: BaseException = failed
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        raise leaf from None
     finally:
         gc.freeze()
 

@@ -3,6 +3,12 @@
 import subprocess
 import sys
 
+import pytest
+
+from ringserve.config import Config
+from ringserve.engine.protocol import Engine, EngineError
+from ringserve.server import run_process
+
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ringserve", *args], capture_output=True, text=True, timeout=60)
@@ -31,3 +37,27 @@ def test_bad_config_is_one_line(tmp_path):
     result = run("serve", "--config", str(cfg))
     assert result.returncode == 2
     assert "slots" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.model
+def test_ctx_per_slot_above_the_trained_context_is_one_line(tmp_path):
+    """Refused before llama.cpp allocates 4 x 99999999 KV cells: exit 2, one line with setting and limit."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[server]\nport = 0\n[store]\npath = ":memory:"\n[engine]\nctx_per_slot = 99999999\n')
+    result = run("serve", "--config", str(cfg), "--log-level", "ERROR")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "ctx_per_slot = 99999999" in lines[0] and "trained context of 8192 tokens" in lines[0]
+
+
+def test_an_engine_that_fails_to_load_is_raised_bare(tmp_path):
+    """The model loads inside serve's nursery; its one-line error leaves run_process unwrapped from the group."""
+    config = Config().replace("server", port=0).replace("store", path=":memory:")
+
+    def factory(_config: Config) -> Engine:
+        raise EngineError("llama.cpp could not create a context of 4 x 99999 tokens")
+
+    with pytest.raises(EngineError, match="could not create a context"):
+        run_process(config, factory)

@@ -49,3 +49,23 @@ def test_command_line_overrides(tmp_path):
     assert (config.server.host, config.server.port) == ("127.0.0.2", 9000)
     assert config.model.path == "/m.gguf"
     assert config.engine.slots == 8
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ('[server]\nport = "abc"\n', "[server] port must be an integer, got 'abc'"),
+        ('[stream]\nbackend = "mongo"\n', "[stream] backend must be one of 'memory', 'redis', got 'mongo'"),
+        ('[policy]\nanthropic = "maybe"\n', "[policy] anthropic must be one of 'abort', 'continue', got 'maybe'"),
+        ("[engine]\nprefix_cache = 1\n", "[engine] prefix_cache must be true or false, got 1"),
+        ("[store]\nmax_age_seconds = true\n", "[store] max_age_seconds must be a number, got True"),
+        ('[auth]\napi_keys = "sk-1"\n', "[auth] api_keys must be a list of strings, got 'sk-1'"),
+    ],
+)
+def test_a_wrong_type_or_choice_is_one_clear_line(tmp_path, text, line):
+    """Table, key, bad value and what is allowed; no Python internals (a TypeError's text, an attrs repr)."""
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        Config.from_toml(path)
+    assert str(info.value) == line

@@ -219,3 +219,22 @@ def test_a_bad_file_is_one_line_naming_it(tmp_path, kind):
         MessageStore(str(path))
     message = str(info.value)
     assert str(path) in message and "\n" not in message
+
+
+def test_a_damaged_store_file_stops_the_open(tmp_path):
+    """Pages 3 and later overwritten: the header still reads, so only a check at open finds it."""
+    path = tmp_path / "s.sqlite3"
+    store = MessageStore(str(path))
+    for i in range(200):
+        store.insert(row(i, text="x" * 500))
+    store.close()
+    page = 4096
+    with path.open("r+b") as f:
+        assert os.fstat(f.fileno()).st_size > 8 * page
+        f.seek(2 * page)
+        f.write(b"\xa5" * (4 * page))
+    with pytest.raises(StoreError) as info:
+        MessageStore(str(path))
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message
+    assert "damaged" in message or "malformed" in message

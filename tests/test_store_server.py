@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import httpx
 import pytest
 import trio
 
-from ringserve.messages import MessageStore
+from ringserve.messages import MessageStore, StoredMessage
 from tests.conftest import fake_config, running_server
 from tests.helpers import sse_events
 
@@ -201,3 +202,42 @@ def test_a_read_only_store_file_is_one_line_at_start(tmp_path):
         subprocess.run(undo, check=True)
     _assert_one_line(result, store)
     assert "readonly" in result.stderr or "read-only" in result.stderr
+
+
+def test_a_store_file_damaged_past_its_header_is_one_line_at_start(tmp_path):
+    """The header reads and the server used to start, then answer every POST with a 500."""
+    store = tmp_path / "damaged.sqlite3"
+    db = MessageStore(str(store))
+    for i in range(200):
+        db.insert(StoredMessage(id=f"msg_{i}", surface="anthropic", model="fake", created=0, status="complete",
+                                request="{}", request_hash="h", idempotency_key=None, text="x" * 500))
+    db.close()
+    with store.open("r+b") as f:
+        f.seek(2 * 4096)  # pages 3 and later
+        f.write(b"\xa5" * (4 * 4096))
+    result = _cli(_config_for(tmp_path, store))
+    _assert_one_line(result, store)
+    assert "damaged" in result.stderr
+
+
+def _malformed(*_args, **_kwargs):
+    raise sqlite3.DatabaseError("database disk image is malformed")
+
+
+async def test_a_store_that_fails_at_run_time_answers_503_not_500_or_404(tmp_path):
+    """Damaged after the start: each surface's 503 with Retry-After naming SQLite's reason."""
+    async with running_server(fake_config(tmp_path)) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        kept = (await client.post("/v1/messages", json=anthropic("hi"))).json()["id"]
+        await wait_until(lambda: _true(state.hub.live(kept) is None))
+        store = state.hub.store
+        store.insert = store.get = store.by_idempotency_key = _malformed
+        for path, body in (("/v1/messages", anthropic("hi")), ("/v1/chat/completions", openai("hi"))):
+            for extra in ({}, {"stream": True}):
+                resp = await client.post(path, json={**body, **extra})
+                assert resp.status_code == 503, resp.text
+                assert resp.headers["retry-after"] == "1"
+                message = resp.json()["error"]["message"]
+                assert "message store failed" in message and "malformed" in message
+        resp = await client.get(f"/v1/messages/{kept}")
+        assert resp.status_code == 503 and "malformed" in resp.json()["error"]["message"], resp.text

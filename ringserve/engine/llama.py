@@ -114,6 +114,8 @@ class LlamaEngine:
             (the :class:`~ringserve.engine.protocol.Engine` attributes).
         n_ctx_seq: KV cells llama.cpp actually gave each sequence
             (``llama_n_ctx_seq``, >= ``n_ctx_slot``).
+        n_ctx_train: the context the model was trained with (tokens,
+            ``llama_model_n_ctx_train``, the GGUF's ``<arch>.context_length``).
         prefix_cache: whether a slot may keep a prefix of its cells and copy
             one from another slot: False for recurrent and hybrid models and
             for sliding-window attention, whose memory cannot drop a
@@ -135,7 +137,9 @@ class LlamaEngine:
         ChatTemplateError: the model's chat template is not one llama.cpp
             supports.
         ValueError: a size argument is out of range.
-        EngineError: llama.cpp could not create the context or the batch.
+        EngineError: ``n_ctx_slot`` is above ``n_ctx_train`` (refused, as
+            a context past it gives garbage and may not fit in memory), or
+            llama.cpp could not create the context or the batch.
     """
 
     def __init__(
@@ -190,6 +194,13 @@ class LlamaEngine:
             self._bos = lc.llama_vocab_bos(self._vocab)
             self.max_token_bytes = self._longest_piece()
             self._template = self._resolve_template()
+            self.n_ctx_train = lc.llama_model_n_ctx_train(self._model)
+            if n_ctx_slot > self.n_ctx_train > 0:
+                # Refused before llama.cpp allocates n_slots * n_ctx_slot KV cells (GBs for a typo).
+                raise EngineError(
+                    f"n_ctx_slot={n_ctx_slot} is above the model's trained context of "
+                    f"{self.n_ctx_train} tokens (n_ctx_train of {path})"
+                )
 
             cparams = lc.llama_context_default_params()
             cparams.n_ctx = n_slots * n_ctx_slot

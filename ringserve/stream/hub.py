@@ -35,7 +35,7 @@ from ringserve.core.events import Failure, Finish, StopReason, TextDelta, Usage
 from ringserve.core.ringlog import Gap, LogState, format_event_id, parse_event_id
 from ringserve.core.sse import encode_event
 from ringserve.engine.runner import Runner
-from ringserve.messages import MessageStore, StoredMessage
+from ringserve.messages import MessageStore, StoredMessage, store_failed
 from ringserve.metrics import Metrics, StreamTimer
 from ringserve.stream.logs import LogStore, MessageLog
 from ringserve.stream.reader import tail
@@ -467,8 +467,8 @@ class Hub:
             return msg
         try:
             stored = self.store.get(message_id)
-        except sqlite3.Error:
-            stored = None
+        except sqlite3.DatabaseError as exc:
+            raise store_failed(exc) from None
         if stored is None:
             raise RingserveError(
                 ErrorKind.NOT_FOUND,
