@@ -226,7 +226,7 @@ async def test_resume_answers_for_bad_ids_unknown_and_expired(tmp_path):
         # id older than what the ring still holds (8 entries, the message has many more)
         gap = await client.get(f"/v1/messages/{mid}/stream", headers={"Last-Event-ID": f"{mid}:0"})
         assert gap.status_code == 410 and gap.json()["error"]["type"] == "not_found_error"
-        for bad in ("garbage", f"{mid}:x", "msg_other:3", f"{mid}:99999"):
+        for bad in ("garbage", f"{mid}:x", "msg_other:3", f"{mid}:99999", f"{mid}:01", f"{mid}:+1"):
             resp = await client.get(f"/v1/messages/{mid}/stream", headers={"Last-Event-ID": bad})
             assert resp.status_code == 400, bad
             assert resp.json()["error"]["type"] == "invalid_request_error"
