@@ -32,6 +32,7 @@ from ringserve.connections import SendWatchdog
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import Usage
 from ringserve.core.limits import ReaderGate, check_request
+from ringserve.core.prefer import parse_prefer
 from ringserve.messages import FINAL_STATUSES, StoredMessage
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ringserve.metrics import Metrics, error_type
@@ -256,8 +257,7 @@ def create_app(state: ServerState) -> RingserveQuart:
             check_request(parsed.request, max_messages=limits.max_messages, max_text_chars=limits.max_message_chars)
             if config.model.strict_model_name and parsed.model and parsed.model != state.model_id:
                 raise RingserveError(ErrorKind.NOT_FOUND, f"model {parsed.model[:100]!r} is not served here", param="model")
-            prefer = {p.strip().split("=")[0].lower() for p in request.headers.get("Prefer", "").split(",")}
-            respond_async = "respond-async" in prefer  # RFC 7240
+            respond_async = "respond-async" in parse_prefer(",".join(request.headers.getlist("Prefer")))
             policy = hub.policy_for(
                 surface, respond_async=respond_async, override=request.headers.get("Ringserve-Disconnect-Policy")
             )
@@ -274,7 +274,8 @@ def create_app(state: ServerState) -> RingserveQuart:
             if respond_async:
                 location = f"/v1/messages/{msg.id}"
                 payload = {"id": msg.id, "status": msg.status, "url": location, **stream_token_json(msg.id)}
-                return _json(payload, 202, {"Location": location, "Preference-Applied": "respond-async"})
+                headers = {"Location": location, "Preference-Applied": "respond-async", "X-Message-Id": msg.id}
+                return _json(payload, 202, headers)
             if isinstance(msg, StoredMessage):  # an idempotent retry of a finished message
                 if parsed.stream:
                     log_, after = await hub.open_log(msg.id, None)  # GONE once the log expired
