@@ -342,14 +342,17 @@ def create_app(state: ServerState) -> RingserveQuart:
         auth = state.auth
         if not auth.enabled or not request.path.startswith("/v1/") or auth.request_key_ok(request.headers):
             return None
-        if request.endpoint == "resume_stream" and auth.token_ok(
-            request.args.get("stream_token"), request.view_args["message_id"]
-        ):
-            return None
-        resp = _error_response(request_surface(), RingserveError(
-            ErrorKind.AUTHENTICATION,
-            "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)",
-        ))
+        message = "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"
+        token = request.args.get("stream_token")
+        if request.endpoint == "resume_stream" and token is not None:
+            message_id = request.view_args["message_id"]
+            if auth.token_ok(token, message_id):
+                return None
+            message = (
+                f"the stream token is invalid, expired or for another message; get a new one with"
+                f" POST /v1/messages/{message_id}/stream_token (with the API key), or send the API key"
+            )
+        resp = _error_response(request_surface(), RingserveError(ErrorKind.AUTHENTICATION, message))
         resp.headers["WWW-Authenticate"] = 'Bearer realm="ringserve"'
         return resp
 
