@@ -189,9 +189,10 @@ class AnthropicSurface:
         Fields as :data:`REQUEST_FIELDS` lists them: ``model``,
         ``max_tokens`` (required, 1 to 1,000,000; more than the context leaves
         is served until the context is full), ``messages`` (user, assistant
-        and system turns; string content or text blocks), ``system`` (string
-        or text blocks), ``temperature`` (0–1), ``top_p``, ``top_k``,
-        ``stop_sequences``, ``stream``; and, as llama.cpp's server does,
+        and system turns; string content or a non-empty list of text blocks,
+        checked against :data:`TEXT_BLOCK_FIELDS`), ``system`` (string or text
+        blocks), ``temperature`` (0–1), ``top_p``, ``top_k``,
+        ``stop_sequences`` (a list of non-empty strings), ``stream``; and, as llama.cpp's server does,
         ``min_p`` and ``seed``. Bookkeeping fields (``metadata``, ...) are
         accepted and ignored; fields that would change the answer and are
         not implemented (``tools``, ``thinking``, image or document blocks,

@@ -204,11 +204,15 @@ class OpenAISurface:
         """Validate a Chat Completions request body.
 
         Fields as :data:`REQUEST_FIELDS` lists them: ``model``, ``messages``
-        (roles system/developer/user/assistant; string or text-part content),
+        (roles system/developer/user/assistant; string or text-part content,
+        parts checked against :data:`TEXT_PART_FIELDS`),
         ``max_completion_tokens`` / ``max_tokens`` (1 to 1,000,000; absent or
-        more than the context leaves: until the context is full),
-        ``temperature`` (0–2), ``top_p``, ``stop`` (string or list), ``seed``,
-        ``stream``, ``stream_options.include_usage``; and, as llama.cpp's
+        more than the context leaves: until the context is full; both given
+        and different is a 400, as the SDK documents ``max_tokens`` as the
+        deprecated spelling), ``temperature`` (0–2), ``top_p``, ``stop``
+        (a non-empty string or a list of them), ``seed``, ``stream``,
+        ``stream_options`` (only with ``stream: true``, as the SDK documents;
+        :data:`STREAM_OPTIONS_FIELDS`); and, as llama.cpp's
         server does, ``top_k`` and ``min_p``. Bookkeeping fields (``user``,
         ``metadata``, ``store``, ...) are accepted and ignored; fields that
         would change the answer and are not implemented (``tools``,
