@@ -33,6 +33,7 @@ from ringserve.connections import SendWatchdog
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import Usage
 from ringserve.core.limits import ReaderGate, check_request
+from ringserve.core.prefer import parse_prefer
 from ringserve.messages import FINAL_STATUSES, StoredMessage, store_failed
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ringserve.metrics import Metrics, error_type
@@ -257,8 +258,7 @@ def create_app(state: ServerState) -> RingserveQuart:
             check_request(parsed.request, max_messages=limits.max_messages, max_text_chars=limits.max_message_chars)
             if config.model.strict_model_name and parsed.model and parsed.model != state.model_id:
                 raise RingserveError(ErrorKind.NOT_FOUND, f"model {parsed.model[:100]!r} is not served here", param="model")
-            prefer = {p.strip().split("=")[0].lower() for p in request.headers.get("Prefer", "").split(",")}
-            respond_async = "respond-async" in prefer  # RFC 7240
+            respond_async = "respond-async" in parse_prefer(",".join(request.headers.getlist("Prefer")))
             policy = hub.policy_for(
                 surface, respond_async=respond_async, override=request.headers.get("Ringserve-Disconnect-Policy")
             )
@@ -275,7 +275,8 @@ def create_app(state: ServerState) -> RingserveQuart:
             if respond_async:
                 location = f"/v1/messages/{msg.id}"
                 payload = {"id": msg.id, "status": msg.status, "url": location, **stream_token_json(msg.id)}
-                return _json(payload, 202, {"Location": location, "Preference-Applied": "respond-async"})
+                headers = {"Location": location, "Preference-Applied": "respond-async", "X-Message-Id": msg.id}
+                return _json(payload, 202, headers)
             if isinstance(msg, StoredMessage):  # an idempotent retry of a finished message
                 if parsed.stream:
                     log_, after = await hub.open_log(msg.id, None)  # GONE once the log expired
@@ -342,14 +343,17 @@ def create_app(state: ServerState) -> RingserveQuart:
         auth = state.auth
         if not auth.enabled or not request.path.startswith("/v1/") or auth.request_key_ok(request.headers):
             return None
-        if request.endpoint == "resume_stream" and auth.token_ok(
-            request.args.get("stream_token"), request.view_args["message_id"]
-        ):
-            return None
-        resp = _error_response(request_surface(), RingserveError(
-            ErrorKind.AUTHENTICATION,
-            "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)",
-        ))
+        message = "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"
+        token = request.args.get("stream_token")
+        if request.endpoint == "resume_stream" and token is not None:
+            message_id = request.view_args["message_id"]
+            if auth.token_ok(token, message_id):
+                return None
+            message = (
+                f"the stream token is invalid, expired or for another message; get a new one with"
+                f" POST /v1/messages/{message_id}/stream_token (with the API key), or send the API key"
+            )
+        resp = _error_response(request_surface(), RingserveError(ErrorKind.AUTHENTICATION, message))
         resp.headers["WWW-Authenticate"] = 'Bearer realm="ringserve"'
         return resp
 

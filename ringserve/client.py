@@ -63,6 +63,7 @@ import math
 import random
 import time
 import uuid
+from urllib.parse import quote
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any, Self, TypeVar
@@ -408,6 +409,12 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
         return None
 
 
+def message_path(message_id: str, tail: str = "") -> str:
+    """``/v1/messages/{id}`` plus ``tail`` (``"/stream"``, ``"/cancel"``), the id percent-escaped as one
+    path segment (RFC 3986 §3.3), so that an id with ``/``, ``..`` or spaces cannot name another route."""
+    return f"/v1/messages/{quote(message_id, safe='')}{tail}"
+
+
 def _auth_headers(api_key: str | None) -> dict[str, str]:
     # Both spellings: the Anthropic SDK sends x-api-key, the OpenAI SDK a bearer token.
     return {} if api_key is None else {"Authorization": f"Bearer {api_key}", "x-api-key": api_key}
@@ -529,11 +536,11 @@ class ResumeState:
                        "Ringserve-Disconnect-Policy": "continue"}
             return Request("POST", self.wire.path, headers, self.create_body)
         if self._fetch:
-            return Request("GET", f"/v1/messages/{self.message_id}", {"Accept": "application/json", **self.auth})
+            return Request("GET", message_path(self.message_id), {"Accept": "application/json", **self.auth})
         headers = {**accept, **self.auth}
         if self.last_seq is not None:
             headers["Last-Event-ID"] = self.last_event_id
-        return Request("GET", f"/v1/messages/{self.message_id}/stream", headers)
+        return Request("GET", message_path(self.message_id, "/stream"), headers)
 
     # -- what the shell reports --------------------------------------------------------------
 
@@ -935,7 +942,7 @@ class Client:
         Raises:
             APIError: an error answer.
         """
-        return self._json(self.http.get(f"/v1/messages/{message_id}", headers=_auth_headers(self._settings.api_key),
+        return self._json(self.http.get(message_path(message_id), headers=_auth_headers(self._settings.api_key),
                                         timeout=self._settings.connect_timeout))
 
     def cancel(self, message_id: str, *, timeout: float | None = None) -> dict[str, Any]:
@@ -944,7 +951,7 @@ class Client:
         Raises:
             APIError: an error answer.
         """
-        return self._json(self.http.post(f"/v1/messages/{message_id}/cancel",
+        return self._json(self.http.post(message_path(message_id, "/cancel"),
                                          headers=_auth_headers(self._settings.api_key),
                                          timeout=timeout or self._settings.connect_timeout))
 
@@ -1092,13 +1099,13 @@ class AsyncClient:
 
     async def get_message(self, message_id: str) -> dict[str, Any]:
         """``GET /v1/messages/{id}``; see :meth:`Client.get_message`."""
-        return Client._json(await self.http.get(f"/v1/messages/{message_id}",
+        return Client._json(await self.http.get(message_path(message_id),
                                                 headers=_auth_headers(self._settings.api_key),
                                                 timeout=self._settings.connect_timeout))
 
     async def cancel(self, message_id: str, *, timeout: float | None = None) -> dict[str, Any]:
         """``POST /v1/messages/{id}/cancel``; see :meth:`Client.cancel`."""
-        return Client._json(await self.http.post(f"/v1/messages/{message_id}/cancel",
+        return Client._json(await self.http.post(message_path(message_id, "/cancel"),
                                                  headers=_auth_headers(self._settings.api_key),
                                                  timeout=timeout or self._settings.connect_timeout))
 

@@ -247,7 +247,10 @@ async def serve(
 
 
 def _limit(value: float, unit: str) -> str:
-    return f"{value:g}{unit}" if value else "without limit"
+    """A configured limit for the startup log: ``1073741824 bytes``, ``0.5s``; 0 is ``without limit``."""
+    if not value:
+        return "without limit"
+    return f"{int(value) if float(value).is_integer() else value}{unit}"
 
 
 def run_process(config: Config, engine_factory: Callable[[Config], Engine] = load_llama_engine) -> int:

@@ -38,10 +38,11 @@ async def wait_until(predicate, timeout: float = 5.0) -> None:
             await trio.sleep(0.005)
 
 
-def assert_401(resp: httpx.Response, surface: str) -> None:
+def assert_401(resp: httpx.Response, surface: str, says: str = "a valid API key is required") -> None:
     assert resp.status_code == 401, resp.text
     assert resp.headers["www-authenticate"].startswith("Bearer")
     body = resp.json()
+    assert says in body["error"]["message"]
     if surface == "anthropic":
         assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
     else:
@@ -232,13 +233,16 @@ async def test_stream_token_route_and_refusals(keyed):
     token = issued.json()["stream_token"]
     assert issued.json()["stream_url"] == f"/v1/messages/{a}/stream?stream_token={token}"
     assert (await read_stream(client, f"/v1/messages/{a}/stream", params={"stream_token": token}))[0] == 200
-    # another message's token, an expired one, a forged one, none at all
-    assert_401(await client.get(f"/v1/messages/{b}/stream", params={"stream_token": token}), "openai")
+    # another message's token, an expired one, a forged one: the answer says how to get a new token
+    renew = "the stream token is invalid, expired or for another message"
+    resp = await client.get(f"/v1/messages/{b}/stream", params={"stream_token": token})
+    assert_401(resp, "openai", says=renew)
+    assert f"POST /v1/messages/{b}/stream_token" in resp.json()["error"]["message"]
     expired, _ = state.auth.issue(a, now=0.0)
-    assert_401(await client.get(f"/v1/messages/{a}/stream", params={"stream_token": expired}), "anthropic")
+    assert_401(await client.get(f"/v1/messages/{a}/stream", params={"stream_token": expired}), "anthropic", renew)
     forged = token.split(".")[0] + "." + "A" * 43
-    assert_401(await client.get(f"/v1/messages/{a}/stream", params={"stream_token": forged}), "anthropic")
-    assert_401(await client.get(f"/v1/messages/{a}/stream", params={"stream_token": "0" + token}), "anthropic")
+    assert_401(await client.get(f"/v1/messages/{a}/stream", params={"stream_token": forged}), "anthropic", renew)
+    assert_401(await client.get(f"/v1/messages/{a}/stream", params={"stream_token": "0" + token}), "anthropic", renew)
     assert_401(await client.get(f"/v1/messages/{a}/stream"), "anthropic")
     # a token opens only the stream route, not the message itself or its cancel
     assert_401(await client.get(f"/v1/messages/{a}", params={"stream_token": token}), "anthropic")

@@ -34,6 +34,7 @@ from ringserve.client import (
     RequestTimeout,
     ResumeState,
     StreamError,
+    message_path,
 )
 from tests.helpers import ANTHROPIC_BODY
 from tests.proxy import Cut, forget_last_event_id, random_cuts, server_behind_proxy
@@ -257,6 +258,21 @@ async def test_an_http_error_raises_without_retrying(tmp_path: Path) -> None:
                 await stream.final_message()
     assert caught.value.status == 400 and caught.value.type == "invalid_request_error"
     assert stream.reconnects == 0
+
+
+def test_a_message_id_is_one_escaped_path_segment() -> None:
+    """An id with ``/``, ``..`` or spaces cannot name another route (``ringserve tail "bad id/../x"``)."""
+    seen: list[bytes] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.raw_path)
+        return httpx.Response(200, json={"id": "x", "status": "complete"})
+
+    with Client("http://ringserve.test", transport=httpx.MockTransport(answer)) as client:
+        client.get_message("bad id/../x")
+        client.cancel("bad id/../x")
+    assert seen == [b"/v1/messages/bad%20id%2F..%2Fx", b"/v1/messages/bad%20id%2F..%2Fx/cancel"]
+    assert message_path("a/b", "/stream") == "/v1/messages/a%2Fb/stream"  # what tail and follow ask for
 
 
 async def test_openai_stream_without_usage_reads_it_from_the_message(tmp_path: Path) -> None:

@@ -226,6 +226,81 @@ async def test_openai_harmless_fields_and_neutral_values_are_accepted(fake_serve
     assert resp.status_code == 200, resp.text
 
 
+# -- the fields of content blocks, stream_options, and the shapes both APIs refuse -------------
+
+
+def test_every_sdk_block_and_stream_options_field_is_decided():
+    """The block/part and ``stream_options`` tables cover their SDK TypedDicts, like the request tables."""
+    from anthropic.types import TextBlockParam
+    from openai.types.chat import ChatCompletionContentPartTextParam, ChatCompletionStreamOptionsParam
+
+    for table, td in [
+        (anthropic_surface.TEXT_BLOCK_FIELDS, TextBlockParam),
+        (openai_surface.TEXT_PART_FIELDS, ChatCompletionContentPartTextParam),
+        (openai_surface.STREAM_OPTIONS_FIELDS, ChatCompletionStreamOptionsParam),
+    ]:
+        decided = table.supported | table.ignored | set(table.refused)
+        assert td.__required_keys__ | td.__optional_keys__ <= decided, td.__name__
+
+
+@pytest.mark.parametrize(
+    ("change", "name"),
+    [
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "foo": 1}]}]},
+         "messages[0].content[0].foo"),
+        ({"system": [{"type": "text", "text": "hi", "foo": 1}]}, "system[0].foo"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "citations": [{"type": "x"}]}]}]},
+         "messages[0].content[0].citations"),
+        ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+        ({"stop_sequences": [""]}, "stop_sequences"),
+        ({"stop_sequences": ["ok", ""]}, "stop_sequences"),
+        ({"stop_sequences": "e"}, "stop_sequences"),
+    ],
+)
+async def test_anthropic_bad_blocks_and_stops_are_400(fake_server, change, name):
+    _state, client = fake_server
+    resp = await client.post("/v1/messages", json={**ANTHROPIC_BODY, **change})
+    assert_anthropic_400(resp, name)
+
+
+async def test_anthropic_neutral_citations_are_accepted(fake_server):
+    _state, client = fake_server
+    for citations in (None, []):
+        block = {"type": "text", "text": "echo:same answer", "citations": citations, "cache_control": None}
+        resp = await client.post("/v1/messages", json={**ANTHROPIC_BODY, "messages": [{"role": "user", "content": [block]}]})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["content"] == [{"type": "text", "text": "same answer"}]
+
+
+@pytest.mark.parametrize(
+    ("change", "name", "param"),
+    [
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "foo": 1}]}]},
+         "messages[0].content[0].foo", "messages[0].content"),
+        ({"stream": True, "stream_options": {"foo": 1}}, "stream_options.foo", "stream_options"),
+        ({"stream_options": {"include_usage": True}}, "only allowed when stream is true", "stream_options"),
+        ({"stream": False, "stream_options": {}}, "only allowed when stream is true", "stream_options"),
+        ({"stop": ""}, "stop", "stop"),
+        ({"stop": [""]}, "stop", "stop"),
+        ({"max_tokens": 3, "max_completion_tokens": 5}, "max_completion_tokens", "max_tokens"),
+    ],
+)
+async def test_openai_bad_parts_and_options_are_400(fake_server, change, name, param):
+    _state, client = fake_server
+    resp = await client.post("/v1/chat/completions", json={**OPENAI_BODY, **change})
+    assert_openai_400(resp, name, param)
+
+
+async def test_openai_include_obfuscation_and_equal_max_tokens_are_accepted(fake_server):
+    _state, client = fake_server
+    body = {**OPENAI_BODY, "messages": ECHO, "stream": True, "max_tokens": 5, "max_completion_tokens": 5,
+            "stream_options": {"include_obfuscation": True, "include_usage": True}, "stop": "zzz"}
+    resp, events, _raw = await sse_events(client, "POST", "/v1/chat/completions", json=body)
+    assert resp.status_code == 200
+    assert openai_text(events) == "same answer"
+    assert json.loads(events[-2].data)["usage"]["completion_tokens"] > 0
+
+
 # -- max_tokens beyond the context (issue 22) --------------------------------------------------
 
 CTX = 64

@@ -485,3 +485,13 @@ def test_rendered_streams_parse_back_to_the_same_events(texts, mid, stop, messag
                    if d and d.get("choices") and "content" in d["choices"][0]["delta"]]
             assert (decoded[-1]["error"]["message"] == message) if fail else decoded[-1] is None
         assert got == texts
+
+
+async def test_the_startup_log_writes_integer_limits_as_integers(tmp_path, caplog):
+    """``up to 1073741824 bytes``, not ``1.07374e+09 bytes`` (a rounded figure of the configured one)."""
+    config = fake_config(tmp_path, store={"max_bytes": 2**30, "max_age_seconds": 86400.5})
+    with caplog.at_level("INFO", logger="ringserve"):
+        async with running_server(config):
+            pass
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("message store:"))
+    assert "kept 86400.5s, up to 1073741824 bytes" in line, line

@@ -191,6 +191,19 @@ async def test_explicit_cancel_ends_every_reader_with_a_terminal_event(tmp_path)
         assert 0 < usage["output_tokens"] < 200
 
 
+@pytest.mark.parametrize("prefer", ["respond-async; wait=5", "wait=5, Respond-Async", "return=minimal; a=\"x, y\""])
+async def test_prefer_respond_async_with_parameters_answers_202_with_the_message_id(tmp_path, prefer):
+    """RFC 7240 preferences may carry ``;`` parameters and come in any order (``core/prefer.py``)."""
+    async with running_server(fake_config(tmp_path)) as state, httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        resp = await client.post("/v1/messages", json=body_for("/v1/messages", "echo:hi"), headers={"Prefer": prefer})
+        if "respond-async" not in prefer.lower():
+            assert resp.status_code == 200 and "preference-applied" not in resp.headers
+            return
+        assert resp.status_code == 202, resp.text
+        assert resp.headers["preference-applied"] == "respond-async"
+        assert resp.headers["x-message-id"] == resp.json()["id"]
+
+
 async def test_idempotent_retry_returns_the_same_message(tmp_path):
     async with running_server(fake_config(tmp_path), step_seconds=0.001) as state, \
             httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
@@ -226,7 +239,7 @@ async def test_resume_answers_for_bad_ids_unknown_and_expired(tmp_path):
         # id older than what the ring still holds (8 entries, the message has many more)
         gap = await client.get(f"/v1/messages/{mid}/stream", headers={"Last-Event-ID": f"{mid}:0"})
         assert gap.status_code == 410 and gap.json()["error"]["type"] == "not_found_error"
-        for bad in ("garbage", f"{mid}:x", "msg_other:3", f"{mid}:99999"):
+        for bad in ("garbage", f"{mid}:x", "msg_other:3", f"{mid}:99999", f"{mid}:01", f"{mid}:+1"):
             resp = await client.get(f"/v1/messages/{mid}/stream", headers={"Last-Event-ID": bad})
             assert resp.status_code == 400, bad
             assert resp.json()["error"]["type"] == "invalid_request_error"

@@ -134,7 +134,9 @@ def test_event_ids() -> None:
     assert format_event_id("msg_1", 41) == "msg_1:41"
     assert parse_event_id("msg_1:41", "msg_1") == 41
     assert parse_event_id("a:b:7", "a:b") == 7
-    for bad in ("msg_1", "msg_1:", "msg_1:-1", "msg_1:+3", "msg_1:4x", "msg_1:١"):
+    assert parse_event_id("msg_1:0", "msg_1") == 0
+    for bad in ("msg_1", "msg_1:", "msg_1:-1", "msg_1:+3", "msg_1:4x", "msg_1:١",
+                "msg_1:01", "msg_1:00", "msg_1: 1", "msg_1:1 1", "msg_1:1_0"):
         with pytest.raises(ValueError, match="malformed"):
             parse_event_id(bad, "msg_1")
     with pytest.raises(ValueError, match="another|does not belong"):

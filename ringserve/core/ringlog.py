@@ -313,7 +313,7 @@ class RingLog:
 
 # -- event ids ------------------------------------------------------------------
 
-_SEQ = re.compile(r"[0-9]{1,19}")
+_SEQ = re.compile(r"0|[1-9][0-9]{0,18}")
 
 
 def format_event_id(message_id: str, seq: int) -> str:
@@ -325,7 +325,9 @@ def parse_event_id(value: str, message_id: str) -> int:
     """The sequence number in a ``Last-Event-ID`` for ``message_id``.
 
     The id is ``<message_id>:<seq>`` (split at the last colon, so message ids
-    may contain colons); ``seq`` is ASCII digits only.
+    may contain colons); ``seq`` is spelled as :func:`format_event_id` writes
+    it: ASCII decimal digits, no leading zero, sign or space, so that each seq
+    has one id (``msg_1:01`` is malformed, not seq 1).
 
     Returns:
         The sequence number, to pass as ``after`` to ``read_from``/``tail``.

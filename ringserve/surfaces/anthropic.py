@@ -105,6 +105,14 @@ REQUEST_FIELDS = FieldTable(
 #: The fields of one message (``MessageParam``: user, assistant and system messages).
 MESSAGE_FIELDS = FieldTable(supported=frozenset({"role", "content"}), ignored=frozenset(), refused={})
 
+#: The fields of one text block of a message's or the system prompt's content (``TextBlockParam``).
+TEXT_BLOCK_FIELDS = FieldTable(
+    supported=frozenset({"type", "text"}),
+    # a caching hint: the prefix cache is automatic
+    ignored=frozenset({"cache_control"}),
+    refused={"citations": Refused("citations are not implemented", neutral=([],))},
+)
+
 ROLES = ("user", "assistant", "system")
 
 
@@ -181,9 +189,10 @@ class AnthropicSurface:
         Fields as :data:`REQUEST_FIELDS` lists them: ``model``,
         ``max_tokens`` (required, 1 to 1,000,000; more than the context leaves
         is served until the context is full), ``messages`` (user, assistant
-        and system turns; string content or text blocks), ``system`` (string
-        or text blocks), ``temperature`` (0–1), ``top_p``, ``top_k``,
-        ``stop_sequences``, ``stream``; and, as llama.cpp's server does,
+        and system turns; string content or a non-empty list of text blocks,
+        checked against :data:`TEXT_BLOCK_FIELDS`), ``system`` (string or text
+        blocks), ``temperature`` (0–1), ``top_p``, ``top_k``,
+        ``stop_sequences`` (a list of non-empty strings), ``stream``; and, as llama.cpp's server does,
         ``min_p`` and ``seed``. Bookkeeping fields (``metadata``, ...) are
         accepted and ignored; fields that would change the answer and are
         not implemented (``tools``, ``thinking``, image or document blocks,
@@ -201,7 +210,7 @@ class AnthropicSurface:
             raise invalid("max_tokens: field required", param="max_tokens")
         messages: list[ChatMessage] = []
         if "system" in body and body["system"] is not None:
-            messages.append(ChatMessage("system", text_content(body["system"], "system")))
+            messages.append(ChatMessage("system", text_content(body["system"], "system", TEXT_BLOCK_FIELDS)))
         raw = body.get("messages")
         if not isinstance(raw, list) or not raw:
             raise invalid("messages: must be a non-empty list", param="messages")
@@ -212,7 +221,8 @@ class AnthropicSurface:
             role = m.get("role")
             if role not in ROLES:
                 raise invalid(f"messages[{i}].role: must be one of {', '.join(ROLES)}", param="messages")
-            messages.append(ChatMessage(role, text_content(m.get("content"), f"messages[{i}].content")))
+            messages.append(ChatMessage(role, text_content(
+                m.get("content"), f"messages[{i}].content", TEXT_BLOCK_FIELDS, allow_empty=False)))
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise invalid("metadata: must be an object", param="metadata")
@@ -221,7 +231,7 @@ class AnthropicSurface:
             messages=tuple(messages),
             max_tokens=max_tokens,
             sampling=sampling,
-            stop=stop_list(body.get("stop_sequences"), "stop_sequences"),
+            stop=stop_list(body.get("stop_sequences"), "stop_sequences", allow_string=False),
         )
         return ParsedRequest(request=request, stream=get_bool(body, "stream"), model=model)
 

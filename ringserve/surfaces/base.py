@@ -227,16 +227,20 @@ def get_str(body: dict[str, Any], key: str, *, required: bool = False, default: 
     return value
 
 
-def text_content(value: Any, where: str) -> str:
+def text_content(value: Any, where: str, block_fields: FieldTable, *, allow_empty: bool = True) -> str:
     """Message content: a string, or a list of ``{"type": "text", "text": ...}`` blocks joined.
 
-    Other keys of a text block (``cache_control``) are ignored. A block of any
-    other type (``image``, ``document``, ``image_url``, ``tool_result``, ...)
-    is a 400 naming the type, ``param`` ``where``'s first part.
+    The other keys of a text block are checked against ``block_fields`` (the
+    surface's table for one block or part). A block of any other type
+    (``image``, ``document``, ``image_url``, ``tool_result``, ...) is a 400
+    naming the type; so is an empty list unless ``allow_empty`` (the
+    Anthropic API refuses ``content: []``). ``param`` is ``where``'s first part.
     """
     if isinstance(value, str):
         return value
     if isinstance(value, list):
+        if not value and not allow_empty:
+            raise invalid(f"{where}: must not be an empty list", param=where)
         parts = []
         for i, block in enumerate(value):
             if not isinstance(block, dict):
@@ -247,6 +251,7 @@ def text_content(value: Any, where: str) -> str:
                     " by ringserve (only text)",
                     param=where,
                 )
+            block_fields.check(block, f"{where}[{i}]", param=where)
             text = block.get("text")
             if not isinstance(text, str):
                 raise invalid(f"{where}[{i}].text: must be a string", param=where)
@@ -255,19 +260,26 @@ def text_content(value: Any, where: str) -> str:
     raise invalid(f"{where}: must be a string or a list of text blocks", param=where)
 
 
-def stop_list(value: Any, key: str, *, max_items: int = 16, max_len: int = 256) -> tuple[str, ...]:
+def stop_list(
+    value: Any, key: str, *, allow_string: bool, max_items: int = 16, max_len: int = 256
+) -> tuple[str, ...]:
+    """Stop sequences: a list of non-empty strings, or one string where ``allow_string``
+    (OpenAI's ``stop``; Anthropic's ``stop_sequences`` is a list). An empty string is a 400:
+    it would stop before the first token on some servers and be dropped on others."""
     if value is None:
         return ()
-    if isinstance(value, str):
+    if isinstance(value, str) and allow_string:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise invalid(f"{key}: must be a string or a list of strings", param=key)
+        kind = "a string or a list of strings" if allow_string else "a list of strings"
+        raise invalid(f"{key}: must be {kind}", param=key)
     if len(value) > max_items:
         raise invalid(f"{key}: at most {max_items} stop sequences", param=key)
+    if any(not s for s in value):
+        raise invalid(f"{key}: a stop sequence must not be empty", param=key)
     if any(len(s) > max_len for s in value):
         raise invalid(f"{key}: each stop sequence has at most {max_len} characters", param=key)
-    return tuple(s for s in value if s)
-
+    return tuple(value)
 
 
 def sampling_params(body: dict[str, Any], *, max_temperature: float) -> SamplingParams:

@@ -129,6 +129,22 @@ MESSAGE_FIELDS = FieldTable(
     },
 )
 
+#: The fields of one text part of a message's content (``ChatCompletionContentPartTextParam``).
+TEXT_PART_FIELDS = FieldTable(
+    supported=frozenset({"type", "text"}),
+    # a caching hint: the prefix cache is automatic
+    ignored=frozenset({"prompt_cache_breakpoint"}),
+    refused={},
+)
+
+#: The fields of ``stream_options`` (``ChatCompletionStreamOptionsParam``).
+STREAM_OPTIONS_FIELDS = FieldTable(
+    supported=frozenset({"include_usage"}),
+    # a side-channel padding of OpenAI's chunks; ringserve sends none, which cannot change the text
+    ignored=frozenset({"include_obfuscation"}),
+    refused={},
+)
+
 
 def _error_object(kind: ErrorKind, message: str, param: str | None) -> dict[str, Any]:
     type_, code = ERROR_TYPES[kind]
@@ -188,11 +204,15 @@ class OpenAISurface:
         """Validate a Chat Completions request body.
 
         Fields as :data:`REQUEST_FIELDS` lists them: ``model``, ``messages``
-        (roles system/developer/user/assistant; string or text-part content),
+        (roles system/developer/user/assistant; string or text-part content,
+        parts checked against :data:`TEXT_PART_FIELDS`),
         ``max_completion_tokens`` / ``max_tokens`` (1 to 1,000,000; absent or
-        more than the context leaves: until the context is full),
-        ``temperature`` (0–2), ``top_p``, ``stop`` (string or list), ``seed``,
-        ``stream``, ``stream_options.include_usage``; and, as llama.cpp's
+        more than the context leaves: until the context is full; both given
+        and different is a 400, as the SDK documents ``max_tokens`` as the
+        deprecated spelling), ``temperature`` (0–2), ``top_p``, ``stop``
+        (a non-empty string or a list of them), ``seed``, ``stream``,
+        ``stream_options`` (only with ``stream: true``, as the SDK documents;
+        :data:`STREAM_OPTIONS_FIELDS`); and, as llama.cpp's
         server does, ``top_k`` and ``min_p``. Bookkeeping fields (``user``,
         ``metadata``, ``store``, ...) are accepted and ignored; fields that
         would change the answer and are not implemented (``tools``,
@@ -223,22 +243,33 @@ class OpenAISurface:
             content = m.get("content")
             if content is None and role == "assistant":
                 content = ""
-            messages.append(ChatMessage(role, text_content(content, f"messages[{i}].content")))
+            messages.append(ChatMessage(role, text_content(content, f"messages[{i}].content", TEXT_PART_FIELDS)))
         max_tokens = get_int(body, "max_completion_tokens", lo=1, hi=MAX_TOKENS_LIMIT)
+        legacy_max = get_int(body, "max_tokens", lo=1, hi=MAX_TOKENS_LIMIT)
+        if max_tokens is not None and legacy_max is not None and max_tokens != legacy_max:
+            raise invalid(
+                f"max_tokens ({legacy_max}) and max_completion_tokens ({max_tokens}) differ: send only"
+                " max_completion_tokens (max_tokens is deprecated in its favour)",
+                param="max_tokens",
+            )
         if max_tokens is None:
-            max_tokens = get_int(body, "max_tokens", lo=1, hi=MAX_TOKENS_LIMIT)
+            max_tokens = legacy_max
         sampling = sampling_params(body, max_temperature=2.0)
+        stream = get_bool(body, "stream")
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
             raise invalid("stream_options: must be an object", param="stream_options")
+        if options is not None and not stream:
+            raise invalid("stream_options: only allowed when stream is true", param="stream_options")
+        STREAM_OPTIONS_FIELDS.check(options or {}, "stream_options", param="stream_options")
         include_usage = get_bool(options or {}, "include_usage")
         request = GenerationRequest(
             messages=tuple(messages),
             max_tokens=max_tokens,
             sampling=sampling,
-            stop=stop_list(body.get("stop"), "stop"),
+            stop=stop_list(body.get("stop"), "stop", allow_string=True),
         )
-        return ParsedRequest(request=request, stream=get_bool(body, "stream"), model=model, include_usage=include_usage)
+        return ParsedRequest(request=request, stream=stream, model=model, include_usage=include_usage)
 
     def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> OpenAIRenderer:
         return OpenAIRenderer(message_id, model, created, include_usage)
