@@ -34,7 +34,7 @@ from ringserve.core.events import Usage
 from ringserve.core.limits import ReaderGate, check_request
 from ringserve.messages import FINAL_STATUSES, StoredMessage
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ringserve.metrics import Metrics, error_type
+from ringserve.metrics import Metrics
 from ringserve.stream.hub import CancelReason, Hub, LiveMessage, StreamEnded, request_hash
 from ringserve.stream.logs import store_unavailable
 from ringserve.stream.reader import ReaderLagged
@@ -94,8 +94,8 @@ class ClosingHTTPConnection(TrioASGIHTTPConnection):
         finally:
             for fn in reversed(cleanups):
                 fn()
-            if record.error_type is not None:
-                self.app.ringserve_state.metrics.error(record.error_type, "http")
+            if record.error_kind is not None:
+                self.app.ringserve_state.metrics.error(record.error_kind, "http")
             record.emit()
 
     async def handle_request(self, nursery: trio.Nursery, request: Any, send: Any) -> None:
@@ -153,7 +153,7 @@ class ServerState:
 
 def _error_response(surface: Surface, error: RingserveError) -> Response:
     """The surface's error JSON with the error's status; noted for the access log and metrics."""
-    request.scope[_ACCESS].error_type = error_type(error.kind)
+    request.scope[_ACCESS].error_kind = error.kind
     status = getattr(surface, "error_status", lambda e: e.status)(error)
     resp = Response(dumps(surface.error_json(error)), status, content_type="application/json")
     if error.retry_after is not None:

@@ -79,7 +79,7 @@ def _owner_lost_entries(stored: StoredMessage, seq: int) -> list[bytes]:
     """The retryable in-band error that ends a stream whose owning replica died, from entry ``seq`` on."""
     from ringserve.stream.redis_logs import OWNER_LOST_MESSAGE
 
-    failure = Failure("unavailable", OWNER_LOST_MESSAGE, Usage(stored.input_tokens, stored.output_tokens), True)
+    failure = Failure(ErrorKind.UNAVAILABLE, OWNER_LOST_MESSAGE, Usage(stored.input_tokens, stored.output_tokens), True)
     events = SURFACES[stored.surface].renderer(stored.id, stored.model, stored.created, False).fail(failure)
     return [encode_event(ev.data, event=ev.event, id=format_event_id(stored.id, seq + i)) for i, ev in enumerate(events)]
 

@@ -12,6 +12,8 @@ import enum
 
 import attrs
 
+from ringserve.core.errors import ErrorKind
+
 
 def _non_negative(_inst: object, attribute: attrs.Attribute, value: float) -> None:
     if value < 0:
@@ -119,12 +121,11 @@ class Finish:
 class Failure:
     """Terminal event of a generation that failed mid-stream.
 
-    ``kind`` is an :class:`ringserve.core.errors.ErrorKind` value name such as
-    ``"api_error"`` or ``"overloaded"``; ``retryable`` tells a client whether
-    the same request may succeed later.
+    ``kind`` is what went wrong, surface-neutral (each surface spells it);
+    ``retryable`` tells a client whether the same request may succeed later.
     """
 
-    kind: str
+    kind: ErrorKind
     message: str
     usage: Usage
     retryable: bool = False

@@ -23,7 +23,7 @@ import secrets
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, assert_never
 
 import attrs
 import trio
@@ -31,16 +31,16 @@ import trio
 from ringserve.config import DISCONNECT_POLICIES, Config
 from ringserve.core.coalesce import Coalescer
 from ringserve.core.errors import ErrorKind, RingserveError
-from ringserve.core.events import Failure, Finish, StopReason, TextDelta, Usage
+from ringserve.core.events import Failure, Finish, GenerationEvent, StopReason, TextDelta, Usage
 from ringserve.core.ringlog import Gap, LogState, format_event_id, parse_event_id
 from ringserve.core.sse import encode_event
-from ringserve.engine.runner import Runner
+from ringserve.engine.runner import Generation, Runner
 from ringserve.messages import MessageStore, StoredMessage
 from ringserve.metrics import Metrics, StreamTimer
 from ringserve.stream.logs import LogStore, MessageLog
 from ringserve.stream.reader import tail
 from ringserve.stream.safety import SafetyStage
-from ringserve.surfaces.base import MessageResult, ParsedRequest, Renderer, Surface, WireEvent
+from ringserve.surfaces.base import MessageResult, ParsedRequest, Renderer, Surface, WireEvent, render
 
 _NOT_YET = object()
 
@@ -309,27 +309,34 @@ class Hub:
                 self._release(msg, renderer, coalescer.due(trio.current_time()))
                 continue
             if event is None:
-                event = Failure("api_error", "generation ended without a result", gen.usage, True)
+                event = Failure(ErrorKind.API_ERROR, "generation ended without a result", gen.usage, True)
             # The safety stage runs outside the flush deadline's scope, which must not cut a check short.
             for screened in [event] if gate is None else await gate.screen(event, gen.usage):
                 if self._on_event(msg, gen, renderer, coalescer, screened):
                     return  # leaving the runner's submit block cancels a refused generation
 
-    def _on_event(self, msg: LiveMessage, gen: Any, renderer: Renderer, coalescer: Coalescer, event: Any) -> bool:
+    def _on_event(
+        self, msg: LiveMessage, gen: Generation, renderer: Renderer, coalescer: Coalescer, event: GenerationEvent
+    ) -> bool:
         """Hand one (screened) event to the coalescer and the log; True once it was the terminal one."""
-        if isinstance(event, TextDelta):
-            if msg.status == "queued":
-                msg.status = "generating"
-                self.store.update(msg.id, status="generating")
-            msg.usage = gen.usage
-            self._release(msg, renderer, coalescer.add(event.text, event.tokens, trio.current_time()))
-            return False
-        self._release(msg, renderer, coalescer.flush())
-        if isinstance(event, Finish):
-            self._finish(msg, renderer, event)
-        else:
-            self._fail(msg, renderer, event)
-        return True
+        match event:
+            case TextDelta():
+                if msg.status == "queued":
+                    msg.status = "generating"
+                    self.store.update(msg.id, status="generating")
+                msg.usage = gen.usage
+                self._release(msg, renderer, coalescer.add(event.text, event.tokens, trio.current_time()))
+                return False
+            case Finish():
+                self._release(msg, renderer, coalescer.flush())
+                self._finish(msg, renderer, event)
+                return True
+            case Failure():
+                self._release(msg, renderer, coalescer.flush())
+                self._fail(msg, renderer, event)
+                return True
+            case _:
+                assert_never(event)
 
     # -- writing the log -----------------------------------------------------------------
 
@@ -342,7 +349,7 @@ class Hub:
     def _release(self, msg: LiveMessage, renderer: Renderer, text: str | None) -> None:
         if text:
             msg.parts.append(text)
-            self._append(msg, renderer.delta(text))
+            self._append(msg, render(renderer, TextDelta(text)))
             now = trio.current_time()
             self.metrics.text_released(msg.timer, now)
             if now - msg.persisted_at >= PERSIST_EVERY:  # so a crash loses at most that much text
@@ -354,7 +361,7 @@ class Hub:
         msg.stop_reason = msg.surface.stop_reason(finish.stop_reason)
         msg.stop_sequence = finish.stop_sequence
         msg.status = "cancelled" if finish.stop_reason is StopReason.CANCELLED else "complete"
-        self._append(msg, renderer.finish(finish))
+        self._append(msg, render(renderer, finish))
         self._close(msg, LogState.FINISHED)
         self.metrics.finished(msg.timer, trio.current_time(), finish)
 
@@ -362,19 +369,19 @@ class Hub:
         msg.usage = failure.usage
         msg.status = status
         msg.error = failure.message
-        self._append(msg, renderer.fail(failure))
+        self._append(msg, render(renderer, failure))
         self._close(msg, LogState.FAILED)
         self.metrics.error(failure.kind, "generation")
 
     def _end_interrupted(self, msg: LiveMessage, renderer: Renderer) -> None:
         """Terminal events for a producer that was cancelled (synchronous: runs while cancelled)."""
         if msg.cancel_reason == CancelReason.DRAIN:
-            failure = Failure("unavailable", "the server is shutting down; retry the request", msg.usage, True)
+            failure = Failure(ErrorKind.UNAVAILABLE, "the server is shutting down; retry the request", msg.usage, True)
             self._fail(msg, renderer, failure, status="interrupted")
         elif msg.cancel_reason is not None:
             self._finish(msg, renderer, Finish(StopReason.CANCELLED, msg.usage))
         else:
-            self._fail(msg, renderer, Failure("api_error", "generation stopped unexpectedly", msg.usage, True))
+            self._fail(msg, renderer, Failure(ErrorKind.API_ERROR, "generation stopped unexpectedly", msg.usage, True))
 
     def _close(self, msg: LiveMessage, state: LogState) -> None:
         msg.log.close(state)

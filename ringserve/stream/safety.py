@@ -30,11 +30,12 @@ a retryable in-band ``api_error``; in both cases no unchecked text is sent.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, assert_never
 
 import attrs
 import trio
 
+from ringserve.core.errors import ErrorKind
 from ringserve.core.events import Failure, Finish, GenerationEvent, StopReason, TextDelta, Usage
 from ringserve.core.safety import Check, Checker, CheckFunction, HoldBack, PatternChecker, Verdict, load_checker
 
@@ -181,10 +182,16 @@ class SafetyGate:
         Cancellation: a cancelled check releases nothing; the gate is then
         unusable, as its producer is ending.
         """
-        if isinstance(event, Failure):
-            return [event]
         holdback = self._holdback
-        check = holdback.push(event.text, event.tokens) if isinstance(event, TextDelta) else holdback.end()
+        match event:
+            case TextDelta():
+                check = holdback.push(event.text, event.tokens)
+            case Finish():
+                check = holdback.end()
+            case Failure():
+                return [event]
+            case _:
+                assert_never(event)
         released = ""
         if check is not None:
             try:
@@ -192,7 +199,7 @@ class SafetyGate:
             except Exception as exc:
                 log.exception("the safety check of message %s failed", self.message_id)
                 message = f"the safety check failed ({type(exc).__name__}); no unchecked text was sent"
-                return [Failure("api_error", message, usage, retryable=True)]
+                return [Failure(ErrorKind.API_ERROR, message, usage, retryable=True)]
             released = holdback.resolve(check, verdict)
             if not verdict.allowed:
                 log.info("safety stage refused message %s: %s", self.message_id, verdict.reason)

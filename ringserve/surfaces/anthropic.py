@@ -156,8 +156,7 @@ class AnthropicRenderer:
         ]
 
     def fail(self, failure: Failure) -> list[WireEvent]:
-        kind = ErrorKind.from_name(failure.kind)
-        return [WireEvent(dumps(_error_object(ERROR_TYPES[kind], failure.message)), "error")]
+        return [WireEvent(dumps(_error_object(ERROR_TYPES[failure.kind], failure.message)), "error")]
 
 
 class AnthropicSurface:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 import attrs
 
 from ringserve.core.errors import RingserveError, invalid
-from ringserve.core.events import Failure, Finish, GenerationRequest, SamplingParams, Usage
+from ringserve.core.events import Failure, Finish, GenerationEvent, GenerationRequest, SamplingParams, TextDelta, Usage
 
 
 def dumps(obj: Any) -> str:
@@ -91,6 +91,20 @@ class Renderer(Protocol):
     def finish(self, finish: Finish) -> list[WireEvent]: ...
 
     def fail(self, failure: Failure) -> list[WireEvent]: ...
+
+
+def render(renderer: Renderer, event: GenerationEvent) -> list[WireEvent]:
+    """The wire events of one generation event (after ``renderer.start``): the one exhaustive
+    dispatch from event kinds to renderer methods, so a new kind is a type error here."""
+    match event:
+        case TextDelta():
+            return renderer.delta(event.text)
+        case Finish():
+            return renderer.finish(event)
+        case Failure():
+            return renderer.fail(event)
+        case _:
+            assert_never(event)
 
 
 class Surface(Protocol):

@@ -172,7 +172,7 @@ class OpenAIRenderer:
         return events
 
     def fail(self, failure: Failure) -> list[WireEvent]:
-        return [WireEvent(dumps(_error_object(ErrorKind.from_name(failure.kind), failure.message, None)))]
+        return [WireEvent(dumps(_error_object(failure.kind, failure.message, None)))]
 
 
 class OpenAISurface:
