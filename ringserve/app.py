@@ -32,10 +32,11 @@ from ringserve.connections import SendWatchdog
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import Usage
 from ringserve.core.limits import ReaderGate, check_request
-from ringserve.messages import FINAL_STATUSES, StoredMessage
+from ringserve.core.status import FINAL_STATUSES, CancelReason, MessageStatus
+from ringserve.messages import StoredMessage
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ringserve.metrics import Metrics
-from ringserve.stream.hub import CancelReason, Hub, LiveMessage, StreamEnded, request_hash
+from ringserve.stream.hub import Hub, LiveMessage, StreamEnded, request_hash
 from ringserve.stream.logs import store_unavailable
 from ringserve.stream.reader import ReaderLagged
 from ringserve.surfaces.anthropic import AnthropicSurface
@@ -171,20 +172,20 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 def message_status_json(msg: LiveMessage | StoredMessage) -> dict[str, Any]:
     """``GET /v1/messages/{id}``: the message's status, text (so far), stop reason and usage."""
     if isinstance(msg, LiveMessage):
-        text, usage, surface = "".join(msg.parts), msg.usage, msg.surface.name
+        text, usage, surface = "".join(msg.parts), msg.usage, msg.surface
         input_tokens, output_tokens = usage.input_tokens, usage.output_tokens
     else:
-        text, surface = msg.text, msg.surface
+        text, surface = msg.text, SURFACES[msg.surface]
         input_tokens, output_tokens = msg.input_tokens, msg.output_tokens
     return {
         "id": msg.id,
         "object": "ringserve.message",
-        "surface": surface,
+        "surface": surface.name,
         "model": msg.model,
         "created": msg.created,
-        "status": msg.status,
+        "status": msg.status.value,
         "text": text,
-        "stop_reason": msg.stop_reason,
+        "stop_reason": None if msg.stop_reason is None else surface.stop_reason(msg.stop_reason),
         "stop_sequence": msg.stop_sequence,
         "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
         "error": msg.error,
@@ -273,7 +274,7 @@ def create_app(state: ServerState) -> RingserveQuart:
             request.scope[_ACCESS].message_id = msg.id
             if respond_async:
                 location = f"/v1/messages/{msg.id}"
-                payload = {"id": msg.id, "status": msg.status, "url": location, **stream_token_json(msg.id)}
+                payload = {"id": msg.id, "status": msg.status.value, "url": location, **stream_token_json(msg.id)}
                 return _json(payload, 202, {"Location": location, "Preference-Applied": "respond-async"})
             if isinstance(msg, StoredMessage):  # an idempotent retry of a finished message
                 if parsed.stream:
@@ -289,15 +290,15 @@ def create_app(state: ServerState) -> RingserveQuart:
             return _error_response(surface, exc)
 
     def finished_answer(surface: Surface, msg: LiveMessage) -> Response:
-        if msg.status in ("failed", "interrupted"):  # interrupted: ended by the drain
-            kind = ErrorKind.UNAVAILABLE if msg.cancel_reason == CancelReason.DRAIN else ErrorKind.API_ERROR
+        if msg.status in (MessageStatus.FAILED, MessageStatus.INTERRUPTED):  # interrupted: ended by the drain
+            kind = ErrorKind.UNAVAILABLE if msg.cancel_reason is CancelReason.DRAIN else ErrorKind.API_ERROR
             return _error_response(surface, RingserveError(kind, msg.error or "generation failed", retryable=True))
         return _json(surface.message_json(msg.result()), headers={"X-Message-Id": msg.id})
 
     def stored_answer(surface: Surface, msg: StoredMessage) -> Response:
         """A finished message as its surface's JSON (``Hub.create`` generates failed ones again)."""
-        if msg.status not in ("complete", "cancelled"):
-            raise RingserveError(ErrorKind.CONFLICT, f"message {msg.id} is {msg.status}")
+        if msg.status not in (MessageStatus.COMPLETE, MessageStatus.CANCELLED):
+            raise RingserveError(ErrorKind.CONFLICT, f"message {msg.id} is {msg.status.value}")
         result = MessageResult(msg.id, msg.model, msg.created, msg.text, msg.stop_reason, msg.stop_sequence,
                                Usage(msg.input_tokens, msg.output_tokens))
         return _json(surface.message_json(result), headers={"X-Message-Id": msg.id})

@@ -16,9 +16,9 @@ from typing import Any
 import attrs
 from attrs import validators as v
 
+from ringserve.core.status import Policy
 from ringserve.core.safety import compile_patterns, load_checker
 
-DISCONNECT_POLICIES = ("abort", "continue")
 LOG_BACKENDS = ("memory", "redis")
 
 #: Environment variable that, when set, replaces ``[stream] redis_url``.
@@ -124,12 +124,17 @@ class StreamConfig:
         return url
 
 
+def _policy(value: object) -> object:
+    """The :class:`Policy` spelled ``value``; anything else is left for the validator, which names the key."""
+    return Policy(value) if value in tuple(Policy) else value
+
+
 @attrs.frozen
 class PolicyConfig:
     """What happens to a generation when its last reader leaves, per surface."""
 
-    anthropic: str = attrs.field(default="abort", validator=v.in_(DISCONNECT_POLICIES))
-    openai: str = attrs.field(default="abort", validator=v.in_(DISCONNECT_POLICIES))
+    anthropic: Policy = attrs.field(default=Policy.ABORT, converter=_policy, validator=v.in_(tuple(Policy)))
+    openai: Policy = attrs.field(default=Policy.ABORT, converter=_policy, validator=v.in_(tuple(Policy)))
     grace_seconds: float = attrs.field(default=0.0, validator=_non_negative)
 
 

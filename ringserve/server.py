@@ -17,11 +17,13 @@ from ringserve.config import Config
 from ringserve.connections import HypercornConfig, isolate_connection_faults
 from ringserve.engine.protocol import Engine
 from ringserve.engine.runner import Runner
+from ringserve.core.errors import ErrorKind
 from ringserve.core.events import Failure, Usage
 from ringserve.core.ringlog import format_event_id
 from ringserve.core.sse import encode_event
 from ringserve.messages import MessageStore, StoredMessage, run_retention
-from ringserve.stream.hub import CancelReason, Hub
+from ringserve.core.status import CancelReason
+from ringserve.stream.hub import Hub
 from ringserve.stream.logs import LogStore, MemoryLogStore
 
 log = logging.getLogger("ringserve")

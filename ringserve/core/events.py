@@ -20,8 +20,8 @@ def _non_negative(_inst: object, attribute: attrs.Attribute, value: float) -> No
         raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
 
 
-class StopReason(enum.Enum):
-    """Why a generation ended; surfaces spell it in their own words.
+class StopReason(enum.StrEnum):
+    """Why a generation ended; surfaces spell it in their own words (the store keeps the value).
 
     ``END`` is an end-of-generation token (Anthropic ``end_turn``, OpenAI
     ``stop``); ``MAX_TOKENS`` is the token budget (``max_tokens`` /

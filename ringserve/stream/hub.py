@@ -28,12 +28,13 @@ from typing import Any, assert_never
 import attrs
 import trio
 
-from ringserve.config import DISCONNECT_POLICIES, Config
+from ringserve.config import Config
 from ringserve.core.coalesce import Coalescer
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import Failure, Finish, GenerationEvent, StopReason, TextDelta, Usage
 from ringserve.core.ringlog import Gap, LogState, format_event_id, parse_event_id
 from ringserve.core.sse import encode_event
+from ringserve.core.status import CancelReason, MessageStatus, Policy, advance
 from ringserve.engine.runner import Generation, Runner
 from ringserve.messages import MessageStore, StoredMessage
 from ringserve.metrics import Metrics, StreamTimer
@@ -50,15 +51,7 @@ PERSIST_EVERY = 1.0
 CANCEL_WAIT_SECONDS = 10.0
 
 #: Stored statuses that an idempotent retry generates again instead of returning.
-REGENERATED_STATUSES = frozenset({"failed", "interrupted"})
-
-
-class CancelReason:
-    """Why a producer's cancel scope was cancelled."""
-
-    CLIENT_GONE = "client_gone"
-    REQUESTED = "requested"
-    DRAIN = "drain"
+REGENERATED_STATUSES = frozenset({MessageStatus.FAILED, MessageStatus.INTERRUPTED})
 
 
 @attrs.define(eq=False)
@@ -66,7 +59,7 @@ class LiveMessage:
     """A message whose producer is running or whose log is still held.
 
     ``parts`` is the text released to readers so far; ``status`` follows
-    ``messages.STATUSES``; ``started`` is set once its log exists (or its
+    ``core/status.py``'s ``TRANSITIONS``; ``started`` is set once its log exists (or its
     creation failed, with the error in ``start_error`` when it was a
     :class:`RingserveError`); ``done`` once the terminal event is in the log,
     when the message leaves the hub and the store answers for it.
@@ -79,19 +72,19 @@ class LiveMessage:
     model: str
     created: int
     include_usage: bool
-    policy: str
+    policy: Policy
     request_hash: str
     idempotency_key: str | None = None
     replaces: str | None = None
     start_error: RingserveError | None = None
     log: MessageLog | None = None
-    status: str = "queued"
+    status: MessageStatus = MessageStatus.QUEUED
     parts: list[str] = attrs.Factory(list)
     usage: Usage = Usage(0, 0)
-    stop_reason: str | None = None
+    stop_reason: StopReason | None = None
     stop_sequence: str | None = None
     error: str | None = None
-    cancel_reason: str | None = None
+    cancel_reason: CancelReason | None = None
     persisted_at: float = 0.0
     cancel_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     timer: StreamTimer = attrs.Factory(lambda: StreamTimer(trio.current_time()))
@@ -107,7 +100,7 @@ class LiveMessage:
             stop_reason=self.stop_reason,
             stop_sequence=self.stop_sequence,
             usage=self.usage,
-            cancelled=self.status == "cancelled",
+            cancelled=self.status is MessageStatus.CANCELLED,
         )
 
 
@@ -179,7 +172,7 @@ class Hub:
         *,
         body_hash: str,
         request_json: str,
-        policy: str,
+        policy: Policy,
         idempotency_key: str | None = None,
     ) -> tuple[LiveMessage | StoredMessage, bool]:
         """Start a generation, or find the one an ``Idempotency-Key`` already started.
@@ -241,7 +234,7 @@ class Hub:
                 surface=surface.name,
                 model=model,
                 created=msg.created,
-                status="queued",
+                status=MessageStatus.QUEUED,
                 request=request_json,
                 request_hash=body_hash,
                 idempotency_key=idempotency_key,
@@ -321,9 +314,9 @@ class Hub:
         """Hand one (screened) event to the coalescer and the log; True once it was the terminal one."""
         match event:
             case TextDelta():
-                if msg.status == "queued":
-                    msg.status = "generating"
-                    self.store.update(msg.id, status="generating")
+                if msg.status is MessageStatus.QUEUED:
+                    msg.status = advance(msg.status, MessageStatus.GENERATING)
+                    self.store.update(msg.id, status=msg.status)
                 msg.usage = gen.usage
                 self._release(msg, renderer, coalescer.add(event.text, event.tokens, trio.current_time()))
                 return False
@@ -358,16 +351,19 @@ class Hub:
 
     def _finish(self, msg: LiveMessage, renderer: Renderer, finish: Finish) -> None:
         msg.usage = finish.usage
-        msg.stop_reason = msg.surface.stop_reason(finish.stop_reason)
+        msg.stop_reason = finish.stop_reason
         msg.stop_sequence = finish.stop_sequence
-        msg.status = "cancelled" if finish.stop_reason is StopReason.CANCELLED else "complete"
+        cancelled = finish.stop_reason is StopReason.CANCELLED
+        msg.status = advance(msg.status, MessageStatus.CANCELLED if cancelled else MessageStatus.COMPLETE)
         self._append(msg, render(renderer, finish))
         self._close(msg, LogState.FINISHED)
         self.metrics.finished(msg.timer, trio.current_time(), finish)
 
-    def _fail(self, msg: LiveMessage, renderer: Renderer, failure: Failure, status: str = "failed") -> None:
+    def _fail(
+        self, msg: LiveMessage, renderer: Renderer, failure: Failure, status: MessageStatus = MessageStatus.FAILED
+    ) -> None:
         msg.usage = failure.usage
-        msg.status = status
+        msg.status = advance(msg.status, status)
         msg.error = failure.message
         self._append(msg, render(renderer, failure))
         self._close(msg, LogState.FAILED)
@@ -375,9 +371,9 @@ class Hub:
 
     def _end_interrupted(self, msg: LiveMessage, renderer: Renderer) -> None:
         """Terminal events for a producer that was cancelled (synchronous: runs while cancelled)."""
-        if msg.cancel_reason == CancelReason.DRAIN:
+        if msg.cancel_reason is CancelReason.DRAIN:
             failure = Failure(ErrorKind.UNAVAILABLE, "the server is shutting down; retry the request", msg.usage, True)
-            self._fail(msg, renderer, failure, status="interrupted")
+            self._fail(msg, renderer, failure, status=MessageStatus.INTERRUPTED)
         elif msg.cancel_reason is not None:
             self._finish(msg, renderer, Finish(StopReason.CANCELLED, msg.usage))
         else:
@@ -404,7 +400,7 @@ class Hub:
     # -- policy and cancel ---------------------------------------------------------------
 
     def _on_idle(self, msg: LiveMessage) -> None:
-        if msg.done.is_set() or msg.policy != "abort":
+        if msg.done.is_set() or msg.policy is not Policy.ABORT:
             return
         grace = self.config.policy.grace_seconds
         if grace <= 0:
@@ -417,7 +413,7 @@ class Hub:
         if msg.log.readers == 0:
             self.cancel(msg, CancelReason.CLIENT_GONE)
 
-    def policy_for(self, surface: Surface, *, respond_async: bool, override: str | None) -> str:
+    def policy_for(self, surface: Surface, *, respond_async: bool, override: str | None) -> Policy:
         """The disconnect policy of a new message.
 
         ``Prefer: respond-async`` means ``continue`` (nobody is reading yet); a
@@ -428,12 +424,13 @@ class Hub:
             RingserveError: ``INVALID_REQUEST`` for an override other than ``abort``/``continue``.
         """
         if override is not None:
-            if override not in DISCONNECT_POLICIES:
+            if override not in tuple(Policy):
                 raise RingserveError(ErrorKind.INVALID_REQUEST, "Ringserve-Disconnect-Policy must be 'abort' or 'continue'")
-            return override
-        return "continue" if respond_async else getattr(self.config.policy, surface.name)
+            return Policy(override)
+        policy: Policy = Policy.CONTINUE if respond_async else getattr(self.config.policy, surface.name)
+        return policy
 
-    def cancel(self, msg: LiveMessage, reason: str) -> None:
+    def cancel(self, msg: LiveMessage, reason: CancelReason) -> None:
         """Cancel a live generation (idempotent); its readers get a terminal event."""
         if not msg.done.is_set() and msg.cancel_reason is None:
             msg.cancel_reason = reason
@@ -443,7 +440,7 @@ class Hub:
         """Refuse new generations from now on."""
         self.draining = True
 
-    def cancel_all(self, reason: str) -> None:
+    def cancel_all(self, reason: CancelReason) -> None:
         for msg in list(self._live.values()):
             self.cancel(msg, reason)
 

@@ -226,7 +226,7 @@ class AnthropicSurface:
             "role": "assistant",
             "content": [{"type": "text", "text": result.text}],
             "model": result.model,
-            "stop_reason": result.stop_reason,
+            "stop_reason": None if result.stop_reason is None else STOP_REASONS[result.stop_reason],
             "stop_sequence": result.stop_sequence,
             **cancelled_fields(result.cancelled),
             "usage": {"input_tokens": result.usage.input_tokens, "output_tokens": result.usage.output_tokens},

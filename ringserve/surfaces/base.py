@@ -14,7 +14,16 @@ from typing import Any, Protocol, assert_never
 import attrs
 
 from ringserve.core.errors import RingserveError, invalid
-from ringserve.core.events import Failure, Finish, GenerationEvent, GenerationRequest, SamplingParams, TextDelta, Usage
+from ringserve.core.events import (
+    Failure,
+    Finish,
+    GenerationEvent,
+    GenerationRequest,
+    SamplingParams,
+    StopReason,
+    TextDelta,
+    Usage,
+)
 
 
 def dumps(obj: Any) -> str:
@@ -63,15 +72,15 @@ def cancelled_fields(cancelled: bool) -> dict[str, bool]:
 class MessageResult:
     """A finished (or cancelled, or failed) message as the non-stream answer needs it.
 
-    ``stop_reason`` is in the surface's spelling; ``cancelled`` marks a message ended by a cancel
-    (its stop reason is then the surface's plain end of turn).
+    ``stop_reason`` is surface-neutral (the surface spells it); ``cancelled`` marks a message ended
+    by a cancel (its stop reason is then spelled as the surface's plain end of turn).
     """
 
     message_id: str
     model: str
     created: int
     text: str
-    stop_reason: str | None
+    stop_reason: StopReason | None
     stop_sequence: str | None
     usage: Usage
     cancelled: bool = False
@@ -118,6 +127,8 @@ class Surface(Protocol):
     def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> Renderer: ...
 
     def message_json(self, result: MessageResult) -> dict[str, Any]: ...
+
+    def stop_reason(self, reason: StopReason) -> str: ...
 
     def error_json(self, error: RingserveError) -> dict[str, Any]: ...
 

@@ -252,7 +252,7 @@ class OpenAISurface:
                     "index": 0,
                     "message": {"role": "assistant", "content": result.text, "refusal": None},
                     "logprobs": None,
-                    "finish_reason": result.stop_reason,
+                    "finish_reason": None if result.stop_reason is None else FINISH_REASONS[result.stop_reason],
                     **cancelled_fields(result.cancelled),
                 }
             ],
