@@ -9,13 +9,14 @@ attrs value, so tests can assert ``events == [...]``.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import attrs
 
 from ringserve.core.errors import ErrorKind
 
 
-def _non_negative(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+def _non_negative(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if value < 0:
         raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
 

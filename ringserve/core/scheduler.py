@@ -251,7 +251,7 @@ class SchedulerStatistics:
     decoding: int
 
 
-def _positive(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+def _positive(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise ValueError(f"{attribute.name} must be >= 1, got {value!r}")
 
@@ -283,7 +283,7 @@ class Scheduler:
     _draining: list[Entry] = attrs.field(init=False, factory=list)
     _handed_out: set[int] = attrs.field(init=False, factory=set)
     _admit_order: list[Entry] = attrs.field(init=False, factory=list)
-    _ids: itertools.count = attrs.field(init=False, factory=itertools.count)
+    _ids: itertools.count[int] = attrs.field(init=False, factory=itertools.count)
 
     def __attrs_post_init__(self) -> None:
         if self.n_batch < self.n_slots:

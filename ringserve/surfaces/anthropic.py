@@ -120,7 +120,7 @@ class AnthropicRenderer:
         self._model = model
 
     def start(self, usage: Usage) -> list[WireEvent]:
-        message = {
+        message: dict[str, Any] = {
             "id": self._message_id,
             "type": "message",
             "role": "assistant",

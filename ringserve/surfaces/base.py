@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Protocol, assert_never
+from typing import Any, Protocol, assert_never, overload
 
 import attrs
 
@@ -210,7 +210,20 @@ def require_object(body: Any) -> dict[str, Any]:
     return body
 
 
+@overload
+def get_int(body: dict[str, Any], key: str, *, lo: int, hi: int, default: int) -> int: ...
+
+
+@overload
+def get_int(body: dict[str, Any], key: str, *, lo: int, hi: int, default: None = None) -> int | None: ...
+
+
 def get_int(body: dict[str, Any], key: str, *, lo: int, hi: int, default: int | None = None) -> int | None:
+    """``body[key]``, an integer in ``lo..hi``; ``default`` when absent or null.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` naming ``key``.
+    """
     value = body.get(key, default)
     if value is None:
         return default
