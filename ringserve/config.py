@@ -126,7 +126,7 @@ class StreamConfig:
 
 def _policy(value: object) -> object:
     """The :class:`Policy` spelled ``value``; anything else is left for the validator, which names the key."""
-    return Policy(value) if value in tuple(Policy) else value
+    return Policy(value) if isinstance(value, str) and value in tuple(Policy) else value
 
 
 @attrs.frozen

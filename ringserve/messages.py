@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Self
 
 import attrs
 import platformdirs
@@ -202,7 +203,7 @@ class MessageStore:
             raise StoreError(f"cannot use the message store {path}: {reason}") from None
 
     @classmethod
-    def from_config(cls, config: StoreConfig, *, clock: Callable[[], float] = time.time) -> MessageStore:
+    def from_config(cls, config: StoreConfig, *, clock: Callable[[], float] = time.time) -> Self:
         """Open ``config.path``, or :func:`default_store_path` (its directory made 0700) when empty.
 
         Raises:
@@ -265,8 +266,8 @@ class MessageStore:
         unknown = set(fields) - set(_COLUMNS)
         if unknown:
             raise ValueError(f"unknown column(s): {sorted(unknown)}")
-        if "status" in fields:
-            fields["status"] = MessageStatus(fields["status"])  # ValueError for an unknown status
+        if "status" in fields and fields["status"] not in tuple(MessageStatus):
+            raise ValueError(f"unknown status {fields['status']!r}")
         if "request" in fields and not self.keep_prompts:
             fields["request"] = ""
         sets = ",".join(f"{k}=?" for k in fields)

@@ -129,7 +129,7 @@ class Metrics:
 
     def text_released(self, timer: StreamTimer, now: float) -> None:
         """A generation appended text to its log at ``now``: TTFT once, then the gap."""
-        if timer.first is None:
+        if timer.last is None:  # first and last are set together
             timer.first = now
             self.ttft.observe(now - timer.started)
         else:

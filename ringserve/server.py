@@ -9,6 +9,7 @@ import signal
 from collections.abc import Callable
 
 import hypercorn.trio
+from hypercorn.typing import ASGIFramework
 import trio
 
 from ringserve.app import SURFACES, ServerState, create_app
@@ -72,9 +73,20 @@ def make_log_store(config: Config) -> LogStore:
 
 
 def _mirrored_store(config: Config, logs: LogStore) -> MessageStore:
-    from ringserve.stream.redis_logs import MirroredMessageStore
+    from ringserve.stream.redis_logs import MirroredMessageStore, RedisLogStore
 
+    assert isinstance(logs, RedisLogStore), "only the Redis backend shares message state"
     return MirroredMessageStore.from_config(config.store).mirror_to(logs)
+
+
+def _relay_to(hub: Hub, logs: LogStore) -> None:
+    """Point the Redis backend's relays at ``hub``: cancels that other replicas ask for, and the
+    in-band error that ends a stream whose owner died."""
+    from ringserve.stream.redis_logs import RedisLogStore
+
+    assert isinstance(logs, RedisLogStore), "only the Redis backend relays between replicas"
+    logs.on_cancel = lambda message_id: _cancel_live(hub, message_id)
+    logs.on_owner_lost = _owner_lost_entries
 
 
 def _owner_lost_entries(stored: StoredMessage, seq: int) -> list[bytes]:
@@ -209,8 +221,7 @@ async def serve(
             hub = Hub(config, runner, logs, store, nursery, metrics=state.metrics)
             state.metrics.watch(hub)
             if not isinstance(logs, MemoryLogStore):  # a cancel another replica relays; an owner that died
-                logs.on_cancel = lambda message_id: _cancel_live(hub, message_id)
-                logs.on_owner_lost = _owner_lost_entries
+                _relay_to(hub, logs)
             state.model_id = runner.model_id
             state.hub = hub
             log.info(
@@ -259,7 +270,12 @@ def run_process(config: Config, engine_factory: Callable[[Config], Engine] = loa
 
 
 async def _serve_http(
-    app: object, hc: HypercornConfig, stop: trio.Event, done: trio.Event, *, task_status: trio.TaskStatus
+    app: ASGIFramework,
+    hc: HypercornConfig,
+    stop: trio.Event,
+    done: trio.Event,
+    *,
+    task_status: trio.TaskStatus[list[str]],
 ) -> None:
     try:
         await hypercorn.trio.serve(app, hc, shutdown_trigger=stop.wait, task_status=task_status)

@@ -91,6 +91,12 @@ class LiveMessage:
     started: trio.Event = attrs.Factory(trio.Event)
     done: trio.Event = attrs.Factory(trio.Event)
 
+    @property
+    def open_log(self) -> MessageLog:
+        """``log``, which exists from the moment the message is registered (the producer's start)."""
+        assert self.log is not None, f"message {self.id} has no log yet"
+        return self.log
+
     def result(self) -> MessageResult:
         return MessageResult(
             message_id=self.id,
@@ -334,7 +340,7 @@ class Hub:
     # -- writing the log -----------------------------------------------------------------
 
     def _append(self, msg: LiveMessage, events: list[WireEvent], retry: int | None = None) -> None:
-        log = msg.log
+        log = msg.open_log
         for ev in events:
             log.append(encode_event(ev.data, event=ev.event, id=format_event_id(msg.id, log.next_seq), retry=retry))
             retry = None
@@ -380,7 +386,8 @@ class Hub:
             self._fail(msg, renderer, Failure(ErrorKind.API_ERROR, "generation stopped unexpectedly", msg.usage, True))
 
     def _close(self, msg: LiveMessage, state: LogState) -> None:
-        msg.log.close(state)
+        log = msg.open_log
+        log.close(state)
         self.store.update(
             msg.id,
             status=msg.status,
@@ -390,7 +397,7 @@ class Hub:
             output_tokens=msg.usage.output_tokens,
             input_tokens=msg.usage.input_tokens,
             error=msg.error,
-            final_seq=msg.log.next_seq - 1,
+            final_seq=log.next_seq - 1,
         )
         del self._live[msg.id]
         if msg.idempotency_key is not None:
@@ -410,7 +417,7 @@ class Hub:
 
     async def _abort_after_grace(self, msg: LiveMessage, grace: float) -> None:
         await trio.sleep(grace)
-        if msg.log.readers == 0:
+        if msg.open_log.readers == 0:
             self.cancel(msg, CancelReason.CLIENT_GONE)
 
     def policy_for(self, surface: Surface, *, respond_async: bool, override: str | None) -> Policy:

@@ -30,6 +30,7 @@ a retryable in-band ``api_error``; in both cases no unchecked text is sent.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol, assert_never
 
 import attrs
@@ -88,6 +89,10 @@ class ThreadedChecker:
         )
 
 
+def _checkers(checkers: Iterable[AsyncChecker]) -> tuple[AsyncChecker, ...]:
+    return tuple(checkers)
+
+
 @attrs.frozen
 class SafetyStage:
     """The server's safety stage: the window size and the checkers, shared by every message.
@@ -99,7 +104,7 @@ class SafetyStage:
     """
 
     window_tokens: int = attrs.field(validator=attrs.validators.ge(1))
-    checkers: tuple[AsyncChecker, ...] = attrs.field(converter=tuple)
+    checkers: tuple[AsyncChecker, ...] = attrs.field(converter=_checkers)
 
     @classmethod
     def from_config(cls, config: SafetyConfig, *, max_threads: int) -> SafetyStage | None:
