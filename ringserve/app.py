@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import trio
@@ -78,10 +78,11 @@ class ClosingHTTPConnection(TrioASGIHTTPConnection):
     """
 
     async def __call__(self, receive: Any, send: Any) -> None:
-        cleanups: list[Callable[[], None]] = self.scope.setdefault(_CLEANUPS, [])
-        record = self.scope[_ACCESS] = AccessRecord.from_scope(self.scope)
+        scope = _extensions(self.scope)
+        cleanups: list[Callable[[], None]] = scope.setdefault(_CLEANUPS, [])
+        record = scope[_ACCESS] = AccessRecord.from_scope(scope)
 
-        async def send_counted(message: dict[str, Any]) -> None:
+        async def send_counted(message: Any) -> None:  # an ASGI event, read and rebuilt as a dict
             if message["type"] == "http.response.start":
                 record.status = message["status"]
                 headers = [*message.get("headers", ()), (b"x-request-id", record.request_id.encode("ascii"))]
@@ -96,15 +97,21 @@ class ClosingHTTPConnection(TrioASGIHTTPConnection):
             for fn in reversed(cleanups):
                 fn()
             if record.error_kind is not None:
-                self.app.ringserve_state.metrics.error(record.error_kind, "http")
+                self._state.metrics.error(record.error_kind, "http")
             record.emit()
 
-    async def handle_request(self, nursery: trio.Nursery, request: Any, send: Any) -> None:
-        watch = self.app.ringserve_state.watchdog.watch
+    @property
+    def _state(self) -> ServerState:
+        app: RingserveQuart = self.app  # type: ignore[assignment]  # quart types its app as Quart
+        return app.ringserve_state
 
-        async def send_watched(message: dict[str, Any]) -> None:
+    # quart_trio's handle_request adds the nursery to quart's signature, hence the ignore.
+    async def handle_request(self, nursery: trio.Nursery, request: Any, send: Any) -> None:  # type: ignore[override]
+        watch = self._state.watchdog.watch
+
+        async def send_watched(message: Any) -> None:  # an ASGI event
             # Every write is timed: a peer that stops reading is dropped (connections.py).
-            with watch(self.scope, nursery.cancel_scope):
+            with watch(_extensions(self.scope), nursery.cancel_scope):
                 if message["type"] == "http.response.body" and not message.get("more_body", False):
                     with trio.CancelScope(shield=True):
                         await send(message)
@@ -152,9 +159,21 @@ class ServerState:
     )
 
 
+def _extensions(scope: object) -> dict[str, Any]:
+    """An ASGI scope as the dict it is: ringserve keeps its own keys in it (:data:`_ACCESS`,
+    :data:`_CLEANUPS`; the ASGI spec allows extension keys), which hypercorn's TypedDicts do not list."""
+    return cast(dict[str, Any], scope)
+
+
+def _access() -> AccessRecord:
+    """This request's access-log record."""
+    record: AccessRecord = _extensions(request.scope)[_ACCESS]
+    return record
+
+
 def _error_response(surface: Surface, error: RingserveError) -> Response:
     """The surface's error JSON with the error's status; noted for the access log and metrics."""
-    request.scope[_ACCESS].error_kind = error.kind
+    _access().error_kind = error.kind
     status = getattr(surface, "error_status", lambda e: e.status)(error)
     resp = Response(dumps(surface.error_json(error)), status, content_type="application/json")
     if error.retry_after is not None:
@@ -222,7 +241,7 @@ def create_app(state: ServerState) -> RingserveQuart:
                 if truncated is not None:
                     state.metrics.stream_truncated(truncated)
 
-        request.scope.setdefault(_CLEANUPS, []).append(release)
+        _extensions(request.scope).setdefault(_CLEANUPS, []).append(release)
 
         async def body() -> AsyncIterator[bytes]:
             nonlocal truncated
@@ -247,7 +266,7 @@ def create_app(state: ServerState) -> RingserveQuart:
             hub = hub_or_unavailable()
             if not hub.logs.available:
                 raise store_unavailable()
-            raw = await request.get_data()
+            raw = await request.get_data(cache=True, as_text=False, parse_form_data=False)
             try:
                 body = json.loads(raw)
             except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
@@ -271,7 +290,7 @@ def create_app(state: ServerState) -> RingserveQuart:
                 policy=policy,
                 idempotency_key=request.headers.get("Idempotency-Key"),
             )
-            request.scope[_ACCESS].message_id = msg.id
+            _access().message_id = msg.id
             if respond_async:
                 location = f"/v1/messages/{msg.id}"
                 payload = {"id": msg.id, "status": msg.status.value, "url": location, **stream_token_json(msg.id)}
@@ -283,7 +302,7 @@ def create_app(state: ServerState) -> RingserveQuart:
                 return stored_answer(surface, msg)
             if parsed.stream:
                 return sse_response(hub, msg.log, None, {"X-Message-Id": msg.id})
-            with msg.log.reader():
+            with msg.open_log.reader():
                 await msg.done.wait()
             return finished_answer(surface, msg)
         except RingserveError as exc:
@@ -320,7 +339,7 @@ def create_app(state: ServerState) -> RingserveQuart:
     def admit_reader(message_readers: int = 0) -> None:
         """Count this request as a reader of its client until it ends (429 over the limits)."""
         leave = state.gate.enter(request.remote_addr or "", message_readers)
-        request.scope.setdefault(_CLEANUPS, []).append(leave)
+        _extensions(request.scope).setdefault(_CLEANUPS, []).append(leave)
 
     def stream_token_json(message_id: str) -> dict[str, Any]:
         token, expires = state.auth.issue(message_id)
@@ -338,13 +357,13 @@ def create_app(state: ServerState) -> RingserveQuart:
         message. /health, /ready and /metrics stay open.
         """
         if request.url_rule is not None:
-            request.scope[_ACCESS].route = request.url_rule.rule
+            _access().route = request.url_rule.rule
         auth = state.auth
         if not auth.enabled or not request.path.startswith("/v1/") or auth.request_key_ok(request.headers):
             return None
-        if request.endpoint == "resume_stream" and auth.token_ok(
-            request.args.get("stream_token"), request.view_args["message_id"]
-        ):
+        view_args = request.view_args or {}  # None only when no route matched
+        token = request.args.get("stream_token")
+        if request.endpoint == "resume_stream" and auth.token_ok(token, view_args["message_id"]):
             return None
         resp = _error_response(request_surface(), RingserveError(
             ErrorKind.AUTHENTICATION,
@@ -370,7 +389,7 @@ def create_app(state: ServerState) -> RingserveQuart:
 
     @app.get("/v1/messages/<message_id>/stream")
     async def resume_stream(message_id: str) -> Response:
-        record = request.scope[_ACCESS]
+        record = _access()
         record.message_id, record.resume = message_id, True
         try:
             hub = hub_or_unavailable()
@@ -391,7 +410,7 @@ def create_app(state: ServerState) -> RingserveQuart:
     @app.post("/v1/messages/<message_id>/stream_token")
     async def issue_stream_token(message_id: str) -> Response:
         """A short-lived token that lets ``GET .../stream?stream_token=`` read this one message."""
-        request.scope[_ACCESS].message_id = message_id
+        _access().message_id = message_id
         try:
             await hub_or_unavailable().find(message_id)
         except RingserveError as exc:

@@ -63,7 +63,7 @@ import math
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any, Self, TypeVar
 
@@ -365,7 +365,7 @@ class _OpenAIWire:
         return text
 
 
-WIRES = {"anthropic": _AnthropicWire(), "openai": _OpenAIWire()}
+WIRES: dict[str, _AnthropicWire | _OpenAIWire] = {"anthropic": _AnthropicWire(), "openai": _OpenAIWire()}
 
 
 def _wire(surface: str) -> _AnthropicWire | _OpenAIWire:
@@ -527,8 +527,8 @@ class ResumeState:
         if self._fetch:
             return Request("GET", f"/v1/messages/{self.message_id}", {"Accept": "application/json", **self.auth})
         headers = {**accept, **self.auth}
-        if self.last_seq is not None:
-            headers["Last-Event-ID"] = self.last_event_id
+        if (last_event_id := self.last_event_id) is not None:
+            headers["Last-Event-ID"] = last_event_id
         return Request("GET", f"/v1/messages/{self.message_id}/stream", headers)
 
     # -- what the shell reports --------------------------------------------------------------
@@ -708,9 +708,8 @@ class ResumeState:
 
 def _timeouts(state: ResumeState, now: float, connect: float, idle: float | None) -> httpx.Timeout:
     """Per-request httpx timeouts: ``connect``/``idle`` seconds, none past the overall deadline."""
-    left = state.remaining(now)
-    if math.isinf(left):
-        left = None
+    remaining = state.remaining(now)
+    left = None if math.isinf(remaining) else remaining
 
     def cap(seconds: float | None) -> float | None:
         return left if seconds is None else seconds if left is None else min(seconds, left)
@@ -755,6 +754,8 @@ class _StreamView:
     """What both stream shells show of their :class:`ResumeState`."""
 
     _state: ResumeState
+    _owned: bool  # this stream created the message
+    _cancelled: bool
 
     @property
     def message_id(self) -> str | None:
@@ -771,11 +772,13 @@ class _StreamView:
         """Requests made after the first one."""
         return self._state.reconnects
 
-    def _cancel_on_close(self) -> bool:
+    def _cancel_on_close(self) -> str | None:
+        """The id of the message to cancel as this stream closes, if any."""
         state = self._state
         # After a StreamError the server's generation is over; after any other error it may still run.
-        return (self._owned and not self._cancelled and state.message_id is not None
-                and state.final is None and not isinstance(state.error, StreamError))
+        if self._owned and not self._cancelled and state.final is None and not isinstance(state.error, StreamError):
+            return state.message_id
+        return None
 
 
 # -- the sync shell ----------------------------------------------------------------------------
@@ -827,9 +830,9 @@ class MessageStream(_StreamView):
     def close(self) -> None:
         """Stop reading; cancel the generation if this stream created it and it is unfinished (best effort)."""
         self._events.close()
-        if self._cancel_on_close():
+        if (message_id := self._cancel_on_close()) is not None:
             try:
-                self._client.cancel(self.message_id, timeout=CANCEL_TIMEOUT)
+                self._client.cancel(message_id, timeout=CANCEL_TIMEOUT)
             except (httpx.HTTPError, ClientError):
                 pass
 
@@ -839,7 +842,7 @@ class MessageStream(_StreamView):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _run(self) -> Iterator[StreamEvent]:
+    def _run(self) -> Generator[StreamEvent, None, None]:
         state, client = self._state, self._client
         while True:
             request = state.next_request()
@@ -1017,10 +1020,10 @@ class AsyncMessageStream(_StreamView):
         """Stop reading; cancel the generation if this stream created it and it is unfinished (best effort)."""
         with trio.CancelScope(shield=True):
             await self._events.aclose()
-            if self._cancel_on_close():
+            if (message_id := self._cancel_on_close()) is not None:
                 with trio.move_on_after(CANCEL_TIMEOUT):
                     try:
-                        await self._client.cancel(self.message_id, timeout=CANCEL_TIMEOUT)
+                        await self._client.cancel(message_id, timeout=CANCEL_TIMEOUT)
                     except (httpx.HTTPError, ClientError):
                         pass
 
@@ -1030,7 +1033,7 @@ class AsyncMessageStream(_StreamView):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    async def _run(self) -> AsyncIterator[StreamEvent]:
+    async def _run(self) -> AsyncGenerator[StreamEvent, None]:
         state, client = self._state, self._client
         while True:
             request = state.next_request()

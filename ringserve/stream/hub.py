@@ -22,7 +22,7 @@ import hashlib
 import secrets
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, assert_never
 
 import attrs
@@ -554,7 +554,7 @@ class Hub:
 
     def stream(
         self, log: MessageLog, after: int | None, on_heartbeat: Callable[[], None] | None = None
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """The SSE bytes of ``log`` after ``after``: replay, then live, with heartbeats.
 
         A connection that reaches ``server.max_stream_seconds`` ends with a
