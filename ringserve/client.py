@@ -73,6 +73,7 @@ import httpx_sse
 import trio
 
 from ringserve.core.ringlog import parse_event_id
+from ringserve.core.status import MessageStatus, Policy
 from ringserve.surfaces.base import CANCELLED_KEY
 from ringserve.surfaces.openai import OpenAISurface
 
@@ -98,9 +99,6 @@ DEFAULT_URL = "http://127.0.0.1:8080"
 
 #: Statuses a retry can fix (the server answers 503/529 with ``Retry-After`` when loading or full).
 RETRYABLE_STATUS = frozenset({408, 429, 502, 503, 504, 529})
-
-#: ``GET /v1/messages/{id}`` statuses of a message still being written.
-_UNFINISHED = frozenset({"queued", "generating"})
 
 
 # -- values ----------------------------------------------------------------------------------
@@ -522,7 +520,7 @@ class ResumeState:
         if self.message_id is None:
             assert self.create_body is not None
             headers = {**accept, **self.auth, "Idempotency-Key": self.idempotency_key,
-                       "Ringserve-Disconnect-Policy": "continue"}
+                       "Ringserve-Disconnect-Policy": Policy.CONTINUE.value}
             return Request("POST", self.wire.path, headers, self.create_body)
         if self._fetch:
             return Request("GET", f"/v1/messages/{self.message_id}", {"Accept": "application/json", **self.auth})
@@ -681,20 +679,22 @@ class ResumeState:
             self._parts.append(rest)
             self._progress = True
             events.append(StreamEvent(None, "fallback", message, rest))
-        status = message.get("status")
-        if status in _UNFINISHED:
-            self._poll = True
-        elif status == "failed":
-            raise self._failed(StreamError("api_error", message.get("error") or "generation failed"))
-        elif status == "interrupted":
-            raise self._failed(StreamError("interrupted", "the server stopped before the message was finished"))
-        else:
-            usage = message.get("usage") or {}
-            self.final = FinalMessage(
-                self.message_id or "", self.text, message.get("stop_reason"), message.get("stop_sequence"),
-                Usage(usage.get("input_tokens", 0), usage.get("output_tokens", 0)),
-                message.get("model") or self._reading.model, status == "cancelled",
-            )
+        spelled = message.get("status")
+        status = MessageStatus(spelled) if spelled in tuple(MessageStatus) else None
+        match status:
+            case MessageStatus.QUEUED | MessageStatus.GENERATING:  # still being written
+                self._poll = True
+            case MessageStatus.FAILED:
+                raise self._failed(StreamError("api_error", message.get("error") or "generation failed"))
+            case MessageStatus.INTERRUPTED:
+                raise self._failed(StreamError("interrupted", "the server stopped before the message was finished"))
+            case _:  # complete or cancelled (or a status this client does not know)
+                usage = message.get("usage") or {}
+                self.final = FinalMessage(
+                    self.message_id or "", self.text, message.get("stop_reason"), message.get("stop_sequence"),
+                    Usage(usage.get("input_tokens", 0), usage.get("output_tokens", 0)),
+                    message.get("model") or self._reading.model, status is MessageStatus.CANCELLED,
+                )
         return events
 
     def _about(self) -> str:
