@@ -101,11 +101,14 @@ class StreamConfig:
     ``backend`` ``"memory"`` keeps each log in this process; ``"redis"`` keeps
     it in a Redis stream at ``redis_url`` too (``stream/redis_logs.py``), so
     any replica resumes any stream. :meth:`redis_url_from` applies the
-    ``RINGSERVE_REDIS_URL`` environment variable.
+    ``RINGSERVE_REDIS_URL`` environment variable. ``persist_seconds`` is how
+    often a generating message's text so far is written to the store (and the
+    Redis status hash): the most text a crash loses, in seconds of generation.
     """
 
     flush_ms: float = attrs.field(default=25.0, validator=_non_negative)
     flush_tokens: int = attrs.field(default=16, validator=v.ge(1))
+    persist_seconds: float = attrs.field(default=1.0, validator=_positive)
     ring_max_entries: int = attrs.field(default=8192, validator=v.ge(8))
     ring_max_bytes: int = attrs.field(default=4 * 1024 * 1024, validator=_positive)
     memory_cap_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_positive)

@@ -2,7 +2,7 @@
 
 Holds each message's request (unless ``[store] keep_prompts = false``),
 status, final text, stop reason, usage and idempotency key. Writes happen at
-creation, on status changes, every ``PERSIST_EVERY`` second of a generation
+creation, on status changes, every ``[stream] persist_seconds`` of a generation
 and at its end — never per token — so they run on the Trio thread: with WAL
 and ``synchronous=NORMAL`` each is well under a millisecond.
 

@@ -45,8 +45,6 @@ from ringserve.surfaces.base import MessageResult, ParsedRequest, Renderer, Surf
 
 _NOT_YET = object()
 
-#: Seconds between writes of a generating message's text so far to the store.
-PERSIST_EVERY = 1.0
 #: Seconds a cancel sent to another replica waits for that replica to end the message.
 CANCEL_WAIT_SECONDS = 10.0
 
@@ -351,7 +349,7 @@ class Hub:
             self._append(msg, render(renderer, TextDelta(text)))
             now = trio.current_time()
             self.metrics.text_released(msg.timer, now)
-            if now - msg.persisted_at >= PERSIST_EVERY:  # so a crash loses at most that much text
+            if now - msg.persisted_at >= self.config.stream.persist_seconds:  # a crash loses at most that much
                 msg.persisted_at = now
                 self.store.update(msg.id, text="".join(msg.parts), output_tokens=msg.usage.output_tokens)
 

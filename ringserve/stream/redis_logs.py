@@ -609,7 +609,7 @@ class MirroredMessageStore(MessageStore):
     ``HSET`` of the fields written (with ``owner``, this replica) on that
     store's next pipelined flush, so that :meth:`RedisLogStore.find_message`
     on any replica reads the status, the text so far and the usage (as fresh
-    as ``hub.PERSIST_EVERY``).
+    as ``[stream] persist_seconds``).
     """
 
     _logs: RedisLogStore | None = None
