@@ -30,6 +30,8 @@ from urllib.parse import parse_qsl, urlencode
 
 import attrs
 
+from ringserve.core.errors import ErrorKind
+
 __all__ = ["SCOPE_KEY", "AccessRecord", "redact_query", "request_id_from"]
 
 log = logging.getLogger("ringserve.access")
@@ -89,7 +91,7 @@ class AccessRecord:
         bytes: response body bytes sent so far.
         message_id: the message the request created or read, if any.
         resume: whether the request read a stream through the resume route.
-        error_type: the error kind answered (``ErrorKind`` name, lower case).
+        error_kind: the error kind answered (logged as ``error_type``, ``ErrorKind.label``).
     """
 
     request_id: str
@@ -103,7 +105,7 @@ class AccessRecord:
     bytes: int = 0
     message_id: str | None = None
     resume: bool = False
-    error_type: str | None = None
+    error_kind: ErrorKind | None = None
 
     @classmethod
     def from_scope(cls, scope: dict) -> AccessRecord:
@@ -131,7 +133,7 @@ class AccessRecord:
             "bytes": self.bytes,
             "resume": self.resume,
             "message_id": self.message_id,
-            "error_type": self.error_type,
+            "error_type": None if self.error_kind is None else self.error_kind.label,
             "client": self.client,
         }
 

@@ -15,7 +15,7 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import trio
@@ -34,10 +34,11 @@ from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import Usage
 from ringserve.core.limits import ReaderGate, check_request
 from ringserve.core.prefer import parse_prefer
-from ringserve.messages import FINAL_STATUSES, StoredMessage, store_failed
+from ringserve.core.status import FINAL_STATUSES, CancelReason, MessageStatus
+from ringserve.messages import StoredMessage, store_failed
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ringserve.metrics import Metrics, error_type
-from ringserve.stream.hub import CancelReason, Hub, LiveMessage, StreamEnded, request_hash
+from ringserve.metrics import Metrics
+from ringserve.stream.hub import Hub, LiveMessage, StreamEnded, request_hash
 from ringserve.stream.logs import store_unavailable
 from ringserve.stream.reader import ReaderLagged
 from ringserve.surfaces.anthropic import AnthropicSurface
@@ -79,10 +80,11 @@ class ClosingHTTPConnection(TrioASGIHTTPConnection):
     """
 
     async def __call__(self, receive: Any, send: Any) -> None:
-        cleanups: list[Callable[[], None]] = self.scope.setdefault(_CLEANUPS, [])
-        record = self.scope[_ACCESS] = AccessRecord.from_scope(self.scope)
+        scope = _extensions(self.scope)
+        cleanups: list[Callable[[], None]] = scope.setdefault(_CLEANUPS, [])
+        record = scope[_ACCESS] = AccessRecord.from_scope(scope)
 
-        async def send_counted(message: dict[str, Any]) -> None:
+        async def send_counted(message: Any) -> None:  # an ASGI event, read and rebuilt as a dict
             if message["type"] == "http.response.start":
                 record.status = message["status"]
                 headers = [*message.get("headers", ()), (b"x-request-id", record.request_id.encode("ascii"))]
@@ -96,16 +98,22 @@ class ClosingHTTPConnection(TrioASGIHTTPConnection):
         finally:
             for fn in reversed(cleanups):
                 fn()
-            if record.error_type is not None:
-                self.app.ringserve_state.metrics.error(record.error_type, "http")
+            if record.error_kind is not None:
+                self._state.metrics.error(record.error_kind, "http")
             record.emit()
 
-    async def handle_request(self, nursery: trio.Nursery, request: Any, send: Any) -> None:
-        watch = self.app.ringserve_state.watchdog.watch
+    @property
+    def _state(self) -> ServerState:
+        app: RingserveQuart = self.app  # type: ignore[assignment]  # quart types its app as Quart
+        return app.ringserve_state
 
-        async def send_watched(message: dict[str, Any]) -> None:
+    # quart_trio's handle_request adds the nursery to quart's signature, hence the ignore.
+    async def handle_request(self, nursery: trio.Nursery, request: Any, send: Any) -> None:  # type: ignore[override]
+        watch = self._state.watchdog.watch
+
+        async def send_watched(message: Any) -> None:  # an ASGI event
             # Every write is timed: a peer that stops reading is dropped (connections.py).
-            with watch(self.scope, nursery.cancel_scope):
+            with watch(_extensions(self.scope), nursery.cancel_scope):
                 if message["type"] == "http.response.body" and not message.get("more_body", False):
                     with trio.CancelScope(shield=True):
                         await send(message)
@@ -153,9 +161,21 @@ class ServerState:
     )
 
 
+def _extensions(scope: object) -> dict[str, Any]:
+    """An ASGI scope as the dict it is: ringserve keeps its own keys in it (:data:`_ACCESS`,
+    :data:`_CLEANUPS`; the ASGI spec allows extension keys), which hypercorn's TypedDicts do not list."""
+    return cast(dict[str, Any], scope)
+
+
+def _access() -> AccessRecord:
+    """This request's access-log record."""
+    record: AccessRecord = _extensions(request.scope)[_ACCESS]
+    return record
+
+
 def _error_response(surface: Surface, error: RingserveError) -> Response:
     """The surface's error JSON with the error's status; noted for the access log and metrics."""
-    request.scope[_ACCESS].error_type = error_type(error.kind)
+    _access().error_kind = error.kind
     status = getattr(surface, "error_status", lambda e: e.status)(error)
     resp = Response(dumps(surface.error_json(error)), status, content_type="application/json")
     if error.retry_after is not None:
@@ -173,20 +193,20 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 def message_status_json(msg: LiveMessage | StoredMessage) -> dict[str, Any]:
     """``GET /v1/messages/{id}``: the message's status, text (so far), stop reason and usage."""
     if isinstance(msg, LiveMessage):
-        text, usage, surface = "".join(msg.parts), msg.usage, msg.surface.name
+        text, usage, surface = "".join(msg.parts), msg.usage, msg.surface
         input_tokens, output_tokens = usage.input_tokens, usage.output_tokens
     else:
-        text, surface = msg.text, msg.surface
+        text, surface = msg.text, SURFACES[msg.surface]
         input_tokens, output_tokens = msg.input_tokens, msg.output_tokens
     return {
         "id": msg.id,
         "object": "ringserve.message",
-        "surface": surface,
+        "surface": surface.name,
         "model": msg.model,
         "created": msg.created,
-        "status": msg.status,
+        "status": msg.status.value,
         "text": text,
-        "stop_reason": msg.stop_reason,
+        "stop_reason": None if msg.stop_reason is None else surface.stop_reason(msg.stop_reason),
         "stop_sequence": msg.stop_sequence,
         "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
         "error": msg.error,
@@ -223,7 +243,7 @@ def create_app(state: ServerState) -> RingserveQuart:
                 if truncated is not None:
                     state.metrics.stream_truncated(truncated)
 
-        request.scope.setdefault(_CLEANUPS, []).append(release)
+        _extensions(request.scope).setdefault(_CLEANUPS, []).append(release)
 
         async def body() -> AsyncIterator[bytes]:
             nonlocal truncated
@@ -248,7 +268,7 @@ def create_app(state: ServerState) -> RingserveQuart:
             hub = hub_or_unavailable()
             if not hub.logs.available:
                 raise store_unavailable()
-            raw = await request.get_data()
+            raw = await request.get_data(cache=True, as_text=False, parse_form_data=False)
             try:
                 body = json.loads(raw)
             except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
@@ -271,10 +291,10 @@ def create_app(state: ServerState) -> RingserveQuart:
                 policy=policy,
                 idempotency_key=request.headers.get("Idempotency-Key"),
             )
-            request.scope[_ACCESS].message_id = msg.id
+            _access().message_id = msg.id
             if respond_async:
                 location = f"/v1/messages/{msg.id}"
-                payload = {"id": msg.id, "status": msg.status, "url": location, **stream_token_json(msg.id)}
+                payload = {"id": msg.id, "status": msg.status.value, "url": location, **stream_token_json(msg.id)}
                 headers = {"Location": location, "Preference-Applied": "respond-async", "X-Message-Id": msg.id}
                 return _json(payload, 202, headers)
             if isinstance(msg, StoredMessage):  # an idempotent retry of a finished message
@@ -284,24 +304,24 @@ def create_app(state: ServerState) -> RingserveQuart:
                 return stored_answer(surface, msg)
             if parsed.stream:
                 return sse_response(hub, msg.log, None, {"X-Message-Id": msg.id})
-            with msg.log.reader():
+            with msg.open_log.reader():
                 await msg.done.wait()
             return finished_answer(surface, msg)
         except RingserveError as exc:
             return _error_response(surface, exc)
 
     def finished_answer(surface: Surface, msg: LiveMessage) -> Response:
-        if msg.status in ("failed", "interrupted"):  # interrupted: ended by the drain
-            kind = ErrorKind.UNAVAILABLE if msg.cancel_reason == CancelReason.DRAIN else ErrorKind.API_ERROR
+        if msg.status in (MessageStatus.FAILED, MessageStatus.INTERRUPTED):  # interrupted: ended by the drain
+            kind = ErrorKind.UNAVAILABLE if msg.cancel_reason is CancelReason.DRAIN else ErrorKind.API_ERROR
             return _error_response(surface, RingserveError(kind, msg.error or "generation failed", retryable=True))
         return _json(surface.message_json(msg.result()), headers={"X-Message-Id": msg.id})
 
     def stored_answer(surface: Surface, msg: StoredMessage) -> Response:
         """A finished message as its surface's JSON (``Hub.create`` generates failed ones again)."""
-        if msg.status not in ("complete", "cancelled"):
-            raise RingserveError(ErrorKind.CONFLICT, f"message {msg.id} is {msg.status}")
+        if msg.status not in (MessageStatus.COMPLETE, MessageStatus.CANCELLED):
+            raise RingserveError(ErrorKind.CONFLICT, f"message {msg.id} is {msg.status.value}")
         result = MessageResult(msg.id, msg.model, msg.created, msg.text, msg.stop_reason, msg.stop_sequence,
-                               Usage(msg.input_tokens, msg.output_tokens), cancelled=msg.status == "cancelled")
+                               Usage(msg.input_tokens, msg.output_tokens), cancelled=msg.status is MessageStatus.CANCELLED)
         return _json(surface.message_json(result), headers={"X-Message-Id": msg.id})
 
     def surface_of(message_id: str) -> Surface:
@@ -321,7 +341,7 @@ def create_app(state: ServerState) -> RingserveQuart:
     def admit_reader(message_readers: int = 0) -> None:
         """Count this request as a reader of its client until it ends (429 over the limits)."""
         leave = state.gate.enter(request.remote_addr or "", message_readers)
-        request.scope.setdefault(_CLEANUPS, []).append(leave)
+        _extensions(request.scope).setdefault(_CLEANUPS, []).append(leave)
 
     def stream_token_json(message_id: str) -> dict[str, Any]:
         token, expires = state.auth.issue(message_id)
@@ -339,14 +359,14 @@ def create_app(state: ServerState) -> RingserveQuart:
         message. /health, /ready and /metrics stay open.
         """
         if request.url_rule is not None:
-            request.scope[_ACCESS].route = request.url_rule.rule
+            _access().route = request.url_rule.rule
         auth = state.auth
         if not auth.enabled or not request.path.startswith("/v1/") or auth.request_key_ok(request.headers):
             return None
         message = "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"
         token = request.args.get("stream_token")
         if request.endpoint == "resume_stream" and token is not None:
-            message_id = request.view_args["message_id"]
+            message_id = (request.view_args or {})["message_id"]  # None only when no route matched
             if auth.token_ok(token, message_id):
                 return None
             message = (
@@ -374,7 +394,7 @@ def create_app(state: ServerState) -> RingserveQuart:
 
     @app.get("/v1/messages/<message_id>/stream")
     async def resume_stream(message_id: str) -> Response:
-        record = request.scope[_ACCESS]
+        record = _access()
         record.message_id, record.resume = message_id, True
         try:
             hub = hub_or_unavailable()
@@ -395,7 +415,7 @@ def create_app(state: ServerState) -> RingserveQuart:
     @app.post("/v1/messages/<message_id>/stream_token")
     async def issue_stream_token(message_id: str) -> Response:
         """A short-lived token that lets ``GET .../stream?stream_token=`` read this one message."""
-        request.scope[_ACCESS].message_id = message_id
+        _access().message_id = message_id
         try:
             await hub_or_unavailable().find(message_id)
         except RingserveError as exc:

@@ -33,6 +33,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import attrs
 
@@ -69,6 +70,12 @@ def _check_key(key: str) -> str:
 
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+class HeaderLookup(Protocol):
+    """Request headers, looked up by name (werkzeug's case-insensitive ``Headers``, or a mapping)."""
+
+    def get(self, key: str) -> str | None: ...
 
 
 @attrs.define(eq=False, repr=False)
@@ -133,7 +140,7 @@ class Authenticator:
             ok |= hmac.compare_digest(candidate, digest)
         return ok
 
-    def request_key_ok(self, headers: Mapping[str, str]) -> bool:
+    def request_key_ok(self, headers: HeaderLookup) -> bool:
         """Whether a request's ``Authorization: Bearer`` or ``x-api-key`` holds a valid key.
 
         The scheme ``Bearer`` is case-insensitive (RFC 9110, section 11.1);

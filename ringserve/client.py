@@ -63,9 +63,9 @@ import math
 import random
 import time
 import uuid
-from urllib.parse import quote
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import aclosing
+from urllib.parse import quote
 from typing import Any, Self, TypeVar
 
 import attrs
@@ -74,6 +74,7 @@ import httpx_sse
 import trio
 
 from ringserve.core.ringlog import parse_event_id
+from ringserve.core.status import MessageStatus, Policy
 from ringserve.surfaces.base import CANCELLED_KEY
 from ringserve.surfaces.openai import OpenAISurface
 
@@ -99,9 +100,6 @@ DEFAULT_URL = "http://127.0.0.1:8080"
 
 #: Statuses a retry can fix (the server answers 503/529 with ``Retry-After`` when loading or full).
 RETRYABLE_STATUS = frozenset({408, 429, 502, 503, 504, 529})
-
-#: ``GET /v1/messages/{id}`` statuses of a message still being written.
-_UNFINISHED = frozenset({"queued", "generating"})
 
 
 # -- values ----------------------------------------------------------------------------------
@@ -370,7 +368,7 @@ class _OpenAIWire:
         return text
 
 
-WIRES = {"anthropic": _AnthropicWire(), "openai": _OpenAIWire()}
+WIRES: dict[str, _AnthropicWire | _OpenAIWire] = {"anthropic": _AnthropicWire(), "openai": _OpenAIWire()}
 
 
 def _wire(surface: str) -> _AnthropicWire | _OpenAIWire:
@@ -533,13 +531,13 @@ class ResumeState:
         if self.message_id is None:
             assert self.create_body is not None
             headers = {**accept, **self.auth, "Idempotency-Key": self.idempotency_key,
-                       "Ringserve-Disconnect-Policy": "continue"}
+                       "Ringserve-Disconnect-Policy": Policy.CONTINUE.value}
             return Request("POST", self.wire.path, headers, self.create_body)
         if self._fetch:
             return Request("GET", message_path(self.message_id), {"Accept": "application/json", **self.auth})
         headers = {**accept, **self.auth}
-        if self.last_seq is not None:
-            headers["Last-Event-ID"] = self.last_event_id
+        if (last_event_id := self.last_event_id) is not None:
+            headers["Last-Event-ID"] = last_event_id
         return Request("GET", message_path(self.message_id, "/stream"), headers)
 
     # -- what the shell reports --------------------------------------------------------------
@@ -692,20 +690,22 @@ class ResumeState:
             self._parts.append(rest)
             self._progress = True
             events.append(StreamEvent(None, "fallback", message, rest))
-        status = message.get("status")
-        if status in _UNFINISHED:
-            self._poll = True
-        elif status == "failed":
-            raise self._failed(StreamError("api_error", message.get("error") or "generation failed"))
-        elif status == "interrupted":
-            raise self._failed(StreamError("interrupted", "the server stopped before the message was finished"))
-        else:
-            usage = message.get("usage") or {}
-            self.final = FinalMessage(
-                self.message_id or "", self.text, message.get("stop_reason"), message.get("stop_sequence"),
-                Usage(usage.get("input_tokens", 0), usage.get("output_tokens", 0)),
-                message.get("model") or self._reading.model, status == "cancelled",
-            )
+        spelled = message.get("status")
+        status = MessageStatus(spelled) if spelled in tuple(MessageStatus) else None
+        match status:
+            case MessageStatus.QUEUED | MessageStatus.GENERATING:  # still being written
+                self._poll = True
+            case MessageStatus.FAILED:
+                raise self._failed(StreamError("api_error", message.get("error") or "generation failed"))
+            case MessageStatus.INTERRUPTED:
+                raise self._failed(StreamError("interrupted", "the server stopped before the message was finished"))
+            case _:  # complete or cancelled (or a status this client does not know)
+                usage = message.get("usage") or {}
+                self.final = FinalMessage(
+                    self.message_id or "", self.text, message.get("stop_reason"), message.get("stop_sequence"),
+                    Usage(usage.get("input_tokens", 0), usage.get("output_tokens", 0)),
+                    message.get("model") or self._reading.model, status is MessageStatus.CANCELLED,
+                )
         return events
 
     def _about(self) -> str:
@@ -719,9 +719,8 @@ class ResumeState:
 
 def _timeouts(state: ResumeState, now: float, connect: float, idle: float | None) -> httpx.Timeout:
     """Per-request httpx timeouts: ``connect``/``idle`` seconds, none past the overall deadline."""
-    left = state.remaining(now)
-    if math.isinf(left):
-        left = None
+    remaining = state.remaining(now)
+    left = None if math.isinf(remaining) else remaining
 
     def cap(seconds: float | None) -> float | None:
         return left if seconds is None else seconds if left is None else min(seconds, left)
@@ -766,6 +765,8 @@ class _StreamView:
     """What both stream shells show of their :class:`ResumeState`."""
 
     _state: ResumeState
+    _owned: bool  # this stream created the message
+    _cancelled: bool
 
     @property
     def message_id(self) -> str | None:
@@ -782,11 +783,13 @@ class _StreamView:
         """Requests made after the first one."""
         return self._state.reconnects
 
-    def _cancel_on_close(self) -> bool:
+    def _cancel_on_close(self) -> str | None:
+        """The id of the message to cancel as this stream closes, if any."""
         state = self._state
         # After a StreamError the server's generation is over; after any other error it may still run.
-        return (self._owned and not self._cancelled and state.message_id is not None
-                and state.final is None and not isinstance(state.error, StreamError))
+        if self._owned and not self._cancelled and state.final is None and not isinstance(state.error, StreamError):
+            return state.message_id
+        return None
 
 
 # -- the sync shell ----------------------------------------------------------------------------
@@ -838,9 +841,9 @@ class MessageStream(_StreamView):
     def close(self) -> None:
         """Stop reading; cancel the generation if this stream created it and it is unfinished (best effort)."""
         self._events.close()
-        if self._cancel_on_close():
+        if (message_id := self._cancel_on_close()) is not None:
             try:
-                self._client.cancel(self.message_id, timeout=CANCEL_TIMEOUT)
+                self._client.cancel(message_id, timeout=CANCEL_TIMEOUT)
             except (httpx.HTTPError, ClientError):
                 pass
 
@@ -850,7 +853,7 @@ class MessageStream(_StreamView):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _run(self) -> Iterator[StreamEvent]:
+    def _run(self) -> Generator[StreamEvent, None, None]:
         state, client = self._state, self._client
         while True:
             request = state.next_request()
@@ -1028,10 +1031,10 @@ class AsyncMessageStream(_StreamView):
         """Stop reading; cancel the generation if this stream created it and it is unfinished (best effort)."""
         with trio.CancelScope(shield=True):
             await self._events.aclose()
-            if self._cancel_on_close():
+            if (message_id := self._cancel_on_close()) is not None:
                 with trio.move_on_after(CANCEL_TIMEOUT):
                     try:
-                        await self._client.cancel(self.message_id, timeout=CANCEL_TIMEOUT)
+                        await self._client.cancel(message_id, timeout=CANCEL_TIMEOUT)
                     except (httpx.HTTPError, ClientError):
                         pass
 
@@ -1041,7 +1044,7 @@ class AsyncMessageStream(_StreamView):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    async def _run(self) -> AsyncIterator[StreamEvent]:
+    async def _run(self) -> AsyncGenerator[StreamEvent, None]:
         state, client = self._state, self._client
         while True:
             request = state.next_request()

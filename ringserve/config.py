@@ -16,9 +16,9 @@ from typing import Any
 import attrs
 from attrs import validators as v
 
+from ringserve.core.status import Policy
 from ringserve.core.safety import compile_patterns, load_checker
 
-DISCONNECT_POLICIES = ("abort", "continue")
 LOG_BACKENDS = ("memory", "redis")
 
 #: Environment variable that, when set, replaces ``[stream] redis_url``.
@@ -148,11 +148,14 @@ class StreamConfig:
     ``backend`` ``"memory"`` keeps each log in this process; ``"redis"`` keeps
     it in a Redis stream at ``redis_url`` too (``stream/redis_logs.py``), so
     any replica resumes any stream. :meth:`redis_url_from` applies the
-    ``RINGSERVE_REDIS_URL`` environment variable.
+    ``RINGSERVE_REDIS_URL`` environment variable. ``persist_seconds`` is how
+    often a generating message's text so far is written to the store (and the
+    Redis status hash): the most text a crash loses, in seconds of generation.
     """
 
     flush_ms: float = attrs.field(default=25.0, validator=_non_negative)
     flush_tokens: int = attrs.field(default=16, validator=v.ge(1))
+    persist_seconds: float = attrs.field(default=1.0, validator=_positive)
     ring_max_entries: int = attrs.field(default=8192, validator=v.ge(8))
     ring_max_bytes: int = attrs.field(default=4 * 1024 * 1024, validator=_positive)
     memory_cap_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_positive)
@@ -171,12 +174,17 @@ class StreamConfig:
         return url
 
 
+def _policy(value: object) -> object:
+    """The :class:`Policy` spelled ``value``; anything else is left for the validator, which names the key."""
+    return Policy(value) if isinstance(value, str) and value in tuple(Policy) else value
+
+
 @attrs.frozen
 class PolicyConfig:
     """What happens to a generation when its last reader leaves, per surface."""
 
-    anthropic: str = attrs.field(default="abort", validator=_one_of(*DISCONNECT_POLICIES))
-    openai: str = attrs.field(default="abort", validator=_one_of(*DISCONNECT_POLICIES))
+    anthropic: Policy = attrs.field(default=Policy.ABORT, converter=_policy, validator=_one_of(*(p.value for p in Policy)))
+    openai: Policy = attrs.field(default=Policy.ABORT, converter=_policy, validator=_one_of(*(p.value for p in Policy)))
     grace_seconds: float = attrs.field(default=0.0, validator=_non_negative)
 
 

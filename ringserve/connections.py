@@ -47,7 +47,7 @@ import socket
 import struct
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import h11
@@ -440,7 +440,8 @@ class _H2Protocol(hypercorn.protocol.h2.H2Protocol):
         stream = self.streams.get(request.stream_id)
         if isinstance(stream, hypercorn.protocol.http_stream.HTTPStream):
             # The app has not run yet: it was only scheduled, and holds this same scope dict.
-            stream.scope[RESET_STREAM] = partial(self.task_group.spawn, self._reset_stream, request.stream_id)
+            scope = cast(dict[str, Any], stream.scope)  # RESET_STREAM is an ASGI extension key
+            scope[RESET_STREAM] = partial(self.task_group.spawn, self._reset_stream, request.stream_id)
 
     async def _reset_stream(self, stream_id: int) -> None:
         """``RST_STREAM`` (``CANCEL``) for ``stream_id``; then as for one from the client: the
@@ -490,7 +491,7 @@ class _TCPServer(hypercorn.trio.tcp_server.TCPServer):
         return getattr(self.stream, "transport_stream", self.stream).socket
 
     async def run(self) -> None:
-        connections = getattr(self.config, "connections", set())
+        connections: set[_TCPServer] = getattr(self.config, "connections", set())
         connections.add(self)
         try:
             await super().run()
@@ -509,7 +510,8 @@ class _TCPServer(hypercorn.trio.tcp_server.TCPServer):
 def isolate_connection_faults() -> None:
     """Install :class:`_StreamBuffer`, :class:`_H2Protocol`, :class:`_H11Protocol` and
     :class:`_TCPServer` into hypercorn (idempotent)."""
-    hypercorn.protocol.h2.StreamBuffer = _StreamBuffer
-    hypercorn.protocol.H2Protocol = _H2Protocol
-    hypercorn.protocol.H11Protocol = _H11Protocol
-    hypercorn.trio.run.TCPServer = _TCPServer
+    # hypercorn has no hook for these classes: they are replaced in its modules (hence the ignores).
+    hypercorn.protocol.h2.StreamBuffer = _StreamBuffer  # type: ignore[misc]
+    hypercorn.protocol.H2Protocol = _H2Protocol  # type: ignore[misc]
+    hypercorn.protocol.H11Protocol = _H11Protocol  # type: ignore[misc]
+    hypercorn.trio.run.TCPServer = _TCPServer  # type: ignore[misc]

@@ -2,7 +2,7 @@
 
 Holds each message's request (unless ``[store] keep_prompts = false``),
 status, final text, stop reason, usage and idempotency key. Writes happen at
-creation, on status changes, every ``PERSIST_EVERY`` second of a generation
+creation, on status changes, every ``[stream] persist_seconds`` of a generation
 and at its end — never per token — so they run on the Trio thread: with WAL
 and ``synchronous=NORMAL`` each is well under a millisecond.
 
@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Self
 
 import attrs
 import platformdirs
@@ -46,15 +47,15 @@ import trio
 
 from ringserve.config import StoreConfig
 from ringserve.core.errors import ErrorKind, RingserveError
+from ringserve.core.events import StopReason
+from ringserve.core.status import FINAL_STATUSES, MessageStatus
 
 log = logging.getLogger("ringserve.store")
 
-STATUSES = ("queued", "generating", "complete", "cancelled", "failed", "interrupted")
-FINAL_STATUSES = frozenset({"complete", "cancelled", "failed", "interrupted"})
 
 #: ``PRAGMA user_version`` of the files this code writes (written at every open, which
 #: proves the file writable).
-SCHEMA_VERSION = 2  # 2: final_seq
+SCHEMA_VERSION = 3  # 2: final_seq; 3: stop_reason holds StopReason values, not a surface's spelling
 
 #: Most rows, and seconds, of one sweep transaction; the sweep yields to the event loop between
 #: batches. Deleting a finished message with a 64 KiB answer takes about 0.2 ms (2 busy cores).
@@ -68,7 +69,7 @@ VACUUM_STEP_PAGES = 32
 #: Largest size in bytes the WAL file keeps after a checkpoint (``PRAGMA journal_size_limit``).
 WAL_SIZE_LIMIT = 4 * 1024 * 1024
 
-_FINAL = ",".join(f"'{s}'" for s in sorted(FINAL_STATUSES))
+_FINAL = ",".join(f"'{s.value}'" for s in sorted(FINAL_STATUSES))
 
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS messages (
@@ -95,6 +96,21 @@ PRAGMA user_version = {SCHEMA_VERSION};
 """
 
 
+#: Schema 3: the surfaces' spellings that versions 1 and 2 stored, as StopReason values (OpenAI's
+#: ``stop`` is a stop string when one is stored; its ``length`` is read as ``max_tokens``).
+_STOP_REASONS_V3 = """
+UPDATE messages SET stop_reason = CASE
+    WHEN stop_reason = 'end_turn' THEN 'end'
+    WHEN stop_reason = 'stop' AND stop_sequence IS NOT NULL THEN 'stop_sequence'
+    WHEN stop_reason = 'stop' THEN 'end'
+    WHEN stop_reason = 'length' THEN 'max_tokens'
+    WHEN stop_reason = 'model_context_window_exceeded' THEN 'context_full'
+    WHEN stop_reason = 'content_filter' THEN 'refusal'
+    ELSE stop_reason END
+WHERE stop_reason IS NOT NULL
+"""
+
+
 class StoreError(Exception):
     """The store file cannot be created, opened or written; the message is one line naming the path."""
 
@@ -109,7 +125,7 @@ def store_failed(exc: sqlite3.Error) -> RingserveError:
 
 @attrs.frozen
 class StoredMessage:
-    """One row of the store. ``stop_reason`` is spelled in the message's surface.
+    """One row of the store. ``stop_reason`` is surface-neutral; the surface spells it when answering.
 
     ``request`` is the request body as received, or ``""`` when the store was
     opened with ``keep_prompts=False`` (``request_hash`` is always kept).
@@ -122,12 +138,12 @@ class StoredMessage:
     surface: str
     model: str
     created: int
-    status: str = attrs.field(validator=attrs.validators.in_(STATUSES))
+    status: MessageStatus = attrs.field(converter=MessageStatus)
     request: str
     request_hash: str
     idempotency_key: str | None = None
     text: str = ""
-    stop_reason: str | None = None
+    stop_reason: StopReason | None = attrs.field(default=None, converter=attrs.converters.optional(StopReason))
     stop_sequence: str | None = None
     input_tokens: int = 0
     output_tokens: int = 0
@@ -197,7 +213,7 @@ class MessageStore:
             raise StoreError(f"cannot use the message store {path}: {reason}") from None
 
     @classmethod
-    def from_config(cls, config: StoreConfig, *, clock: Callable[[], float] = time.time) -> MessageStore:
+    def from_config(cls, config: StoreConfig, *, clock: Callable[[], float] = time.time) -> Self:
         """Open ``config.path``, or :func:`default_store_path` (its directory made 0700) when empty.
 
         Raises:
@@ -234,6 +250,8 @@ class MessageStore:
         columns = {row[1] for row in db.execute("PRAGMA table_info(messages)")}
         if columns and "final_seq" not in columns:  # a file of schema version 1
             db.execute("ALTER TABLE messages ADD COLUMN final_seq INTEGER")
+        if columns and self._pragma("user_version") < 3:
+            db.execute(_STOP_REASONS_V3)
         db.executescript(_SCHEMA)
 
     def mark_interrupted(self) -> int:
@@ -242,8 +260,8 @@ class MessageStore:
         Reads only those rows (a partial index), whatever the store's size.
         """
         cur = self._db.execute(
-            "UPDATE messages SET status='interrupted', updated=? WHERE status IN ('queued','generating')",
-            (self.clock(),),
+            "UPDATE messages SET status=?, updated=? WHERE status IN ('queued','generating')",
+            (MessageStatus.INTERRUPTED.value, self.clock()),
         )
         return cur.rowcount
 
@@ -264,7 +282,7 @@ class MessageStore:
         unknown = set(fields) - set(_COLUMNS)
         if unknown:
             raise ValueError(f"unknown column(s): {sorted(unknown)}")
-        if "status" in fields and fields["status"] not in STATUSES:
+        if "status" in fields and fields["status"] not in tuple(MessageStatus):
             raise ValueError(f"unknown status {fields['status']!r}")
         if "request" in fields and not self.keep_prompts:
             fields["request"] = ""

@@ -36,7 +36,7 @@ from ringserve.core.events import Finish, StopReason
 if TYPE_CHECKING:
     from ringserve.stream.hub import Hub
 
-__all__ = ["CONTENT_TYPE", "Metrics", "StreamTimer", "error_type"]
+__all__ = ["CONTENT_TYPE", "Metrics", "StreamTimer"]
 
 #: The ``Content-Type`` of :meth:`Metrics.render` (Prometheus text format 0.0.4).
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -49,18 +49,6 @@ GAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 #: Seconds; within one decode step is the goal (C1).
 FREE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-
-
-def error_type(kind: str | ErrorKind) -> str:
-    """The ``type`` label of an error: its ``ErrorKind`` name in lower case.
-
-    A string is read as an ``ErrorKind`` name, as ``Failure.kind`` holds
-    (``"overloaded"``; an unknown one is ``api_error``), so HTTP and in-band
-    errors share labels.
-    """
-    if isinstance(kind, str):
-        kind = ErrorKind.from_name(kind)
-    return kind.name.lower()
 
 
 @attrs.define
@@ -141,7 +129,7 @@ class Metrics:
 
     def text_released(self, timer: StreamTimer, now: float) -> None:
         """A generation appended text to its log at ``now``: TTFT once, then the gap."""
-        if timer.first is None:
+        if timer.last is None:  # first and last are set together
             timer.first = now
             self.ttft.observe(now - timer.started)
         else:
@@ -162,11 +150,11 @@ class Metrics:
         """The runner removed a cancelled generation's KV cells ``seconds`` after the cancel."""
         self.cancel_to_free.observe(seconds)
 
-    def error(self, kind: str | ErrorKind, stage: str) -> None:
+    def error(self, kind: ErrorKind, stage: str) -> None:
         """An error happened: ``stage`` is ``http`` (an error status answered) or ``generation``
         (a started generation failed; its log ends in an in-band error event). A non-stream request
         whose generation fails counts once in each."""
-        self.errors.labels(type=error_type(kind), stage=stage).inc()
+        self.errors.labels(type=kind.label, stage=stage).inc()  # HTTP and in-band errors share labels
 
     # -- events: readers (app) ------------------------------------------------------------
 

@@ -9,6 +9,7 @@ import signal
 from collections.abc import Callable
 
 import hypercorn.trio
+from hypercorn.typing import ASGIFramework
 import trio
 
 from ringserve.app import SURFACES, ServerState, create_app
@@ -18,11 +19,13 @@ from ringserve.connections import HypercornConfig, isolate_connection_faults
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.protocol import Engine, EngineError
 from ringserve.engine.runner import Runner
+from ringserve.core.errors import ErrorKind
 from ringserve.core.events import Failure, Usage
 from ringserve.core.ringlog import format_event_id
 from ringserve.core.sse import encode_event
 from ringserve.messages import MessageStore, StoredMessage, run_retention
-from ringserve.stream.hub import CancelReason, Hub
+from ringserve.core.status import CancelReason
+from ringserve.stream.hub import Hub
 from ringserve.stream.logs import LogStore, MemoryLogStore
 
 log = logging.getLogger("ringserve")
@@ -78,16 +81,27 @@ def make_log_store(config: Config) -> LogStore:
 
 
 def _mirrored_store(config: Config, logs: LogStore) -> MessageStore:
-    from ringserve.stream.redis_logs import MirroredMessageStore
+    from ringserve.stream.redis_logs import MirroredMessageStore, RedisLogStore
 
+    assert isinstance(logs, RedisLogStore), "only the Redis backend shares message state"
     return MirroredMessageStore.from_config(config.store).mirror_to(logs)
+
+
+def _relay_to(hub: Hub, logs: LogStore) -> None:
+    """Point the Redis backend's relays at ``hub``: cancels that other replicas ask for, and the
+    in-band error that ends a stream whose owner died."""
+    from ringserve.stream.redis_logs import RedisLogStore
+
+    assert isinstance(logs, RedisLogStore), "only the Redis backend relays between replicas"
+    logs.on_cancel = lambda message_id: _cancel_live(hub, message_id)
+    logs.on_owner_lost = _owner_lost_entries
 
 
 def _owner_lost_entries(stored: StoredMessage, seq: int) -> list[bytes]:
     """The retryable in-band error that ends a stream whose owning replica died, from entry ``seq`` on."""
     from ringserve.stream.redis_logs import OWNER_LOST_MESSAGE
 
-    failure = Failure("unavailable", OWNER_LOST_MESSAGE, Usage(stored.input_tokens, stored.output_tokens), True)
+    failure = Failure(ErrorKind.UNAVAILABLE, OWNER_LOST_MESSAGE, Usage(stored.input_tokens, stored.output_tokens), True)
     events = SURFACES[stored.surface].renderer(stored.id, stored.model, stored.created, False).fail(failure)
     return [encode_event(ev.data, event=ev.event, id=format_event_id(stored.id, seq + i)) for i, ev in enumerate(events)]
 
@@ -215,8 +229,7 @@ async def serve(
             hub = Hub(config, runner, logs, store, nursery, metrics=state.metrics)
             state.metrics.watch(hub)
             if not isinstance(logs, MemoryLogStore):  # a cancel another replica relays; an owner that died
-                logs.on_cancel = lambda message_id: _cancel_live(hub, message_id)
-                logs.on_owner_lost = _owner_lost_entries
+                _relay_to(hub, logs)
             state.model_id = runner.model_id
             state.hub = hub
             log.info(
@@ -284,7 +297,12 @@ def run_process(config: Config, engine_factory: Callable[[Config], Engine] = loa
 
 
 async def _serve_http(
-    app: object, hc: HypercornConfig, stop: trio.Event, done: trio.Event, *, task_status: trio.TaskStatus
+    app: ASGIFramework,
+    hc: HypercornConfig,
+    stop: trio.Event,
+    done: trio.Event,
+    *,
+    task_status: trio.TaskStatus[list[str]],
 ) -> None:
     try:
         await hypercorn.trio.serve(app, hc, shutdown_trigger=stop.wait, task_status=task_status)

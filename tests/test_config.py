@@ -21,6 +21,7 @@ def test_default_toml_matches_the_defaults():
         ("[engine]\nslots = 0\n", "slots"),
         ("[server]\nheartbeat_interval = 0.5\n", "heartbeat_interval"),
         ("[stream]\nring_max_bytes = 0\n", "ring_max_bytes"),
+        ("[stream]\npersist_seconds = 0\n", "persist_seconds"),
         ("[policy]\nopenai = 'sometimes'\n", "openai"),
         ("[nope]\n", "[nope]"),
         ("[engine]\nslot = 3\n", "slot"),

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ringserve.app import create_app
+from ringserve.core.errors import ErrorKind
 from ringserve.core.events import Failure, Finish, StopReason, Usage
 from ringserve.core.ringlog import format_event_id, parse_event_id
 from ringserve.core.sse import SSEParser, encode_event
@@ -461,7 +462,7 @@ def test_rendered_streams_parse_back_to_the_same_events(texts, mid, stop, messag
         wire = [*renderer.start(Usage(3, 0))]
         for text in texts:
             wire += renderer.delta(text)
-        wire += renderer.fail(Failure("overloaded", message, usage)) if fail else renderer.finish(
+        wire += renderer.fail(Failure(ErrorKind.OVERLOADED, message, usage)) if fail else renderer.finish(
             Finish(StopReason.STOP_SEQUENCE if stop else StopReason.END, usage, stop))
         stream = b"".join(encode_event(ev.data, event=ev.event, id=format_event_id(mid, i))
                           for i, ev in enumerate(wire))

@@ -290,7 +290,7 @@ async def test_idempotent_stream_retry_replays_the_log(tmp_path):
 
 
 async def test_text_so_far_is_persisted_while_generating(tmp_path):
-    """A crash loses at most PERSIST_EVERY seconds of text: the store has the text so far."""
+    """A crash loses at most ``[stream] persist_seconds`` of text: the store has the text so far."""
     config = fake_config(tmp_path)
     async with running_server(config, step_seconds=0.01) as state, \
             httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:

@@ -605,7 +605,7 @@ async def test_engine_error_fails_only_its_generation_and_the_batch_is_retried()
     _, text_a, last_a, gen_a = results["a"]
     assert text_a == "aaaaa"
     assert isinstance(last_a, Failure)
-    assert (last_a.kind, last_a.retryable) == ("api_error", True)
+    assert (last_a.kind, last_a.retryable) == (ErrorKind.API_ERROR, True)
     assert last_a.usage.output_tokens == 5 == gen_a.usage.output_tokens
 
     (text_b, last_b), gen_b = results["b"]
@@ -641,7 +641,7 @@ async def test_kv_cache_full_is_overloaded_for_that_slot():
     failures = [r for r in results.values() if isinstance(r[2], Failure)]
     finishes = [r for r in results.values() if isinstance(r[2], Finish)]
     assert len(failures) == 1 and len(finishes) == 1
-    assert failures[0][2].kind == "overloaded" and failures[0][2].retryable
+    assert failures[0][2].kind is ErrorKind.OVERLOADED and failures[0][2].retryable
     assert finishes[0][1] == "k" * 10
 
 
@@ -664,7 +664,7 @@ async def test_decode_crash_fails_every_active_generation_and_serving_goes_on():
     assert len(results) == 2
     for _, _, last_event, gen in results:
         assert isinstance(last_event, Failure)
-        assert (last_event.kind, last_event.retryable) == ("api_error", True)
+        assert (last_event.kind, last_event.retryable) == (ErrorKind.API_ERROR, True)
         assert last_event.usage == gen.usage and gen.usage.output_tokens <= 3
     # they failed at the crashed call itself (call 4), not after more steps
     assert calls_after_failure == 4 and engine.log[3].error == "RuntimeError"
@@ -705,7 +705,7 @@ async def test_crash_in_the_loop_itself_fails_waiting_consumers():
     assert len(results) == 3
     for text, last in results:
         assert text == "" and isinstance(last, Failure)
-        assert last.kind == "api_error" and last.retryable
+        assert last.kind is ErrorKind.API_ERROR and last.retryable
     assert not runner.running
     with pytest.raises(RingserveError) as err:
         async with runner.submit(p):
@@ -740,7 +740,7 @@ async def test_shutdown_fails_active_and_queued_generations_as_unavailable():
                 inner.cancel_scope.cancel()
     assert len(results) == 2
     for _, last in results:
-        assert isinstance(last, Failure) and last.kind == "unavailable" and last.retryable
+        assert isinstance(last, Failure) and last.kind is ErrorKind.UNAVAILABLE and last.retryable
 
 
 # -- statistics ----------------------------------------------------------------

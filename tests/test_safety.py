@@ -25,6 +25,7 @@ import pytest
 import trio
 
 from ringserve.config import Config, EngineConfig, SafetyConfig
+from ringserve.core.errors import ErrorKind
 from ringserve.core.events import (
     ChatMessage,
     Failure,
@@ -320,7 +321,7 @@ async def test_gate_refuses_mid_stream_and_at_finish():
 async def test_gate_passes_failures_and_finishes_with_nothing_held():
     gate = pattern_stage(3, "bad").gate("m")
     await gate.screen(TextDelta("held", 1), USAGE)
-    failure = Failure("api_error", "boom", USAGE, True)
+    failure = Failure(ErrorKind.API_ERROR, "boom", USAGE, True)
     assert await gate.screen(failure, USAGE) == [failure]  # the unchecked window is dropped
     finish = Finish(StopReason.END, USAGE)
     assert await pattern_stage(3, "bad").gate("m").screen(finish, USAGE) == [finish]
@@ -331,7 +332,7 @@ async def test_a_failing_checker_fails_closed(fn):
     gate = SafetyStage(1, [ThreadedChecker(fn, max_threads=1)]).gate("m")
     assert await gate.screen(TextDelta("a", 1), USAGE) == [TextDelta("", 1)]
     [failure] = await gate.screen(TextDelta("b", 1), USAGE)
-    assert isinstance(failure, Failure) and failure.kind == "api_error" and failure.retryable
+    assert isinstance(failure, Failure) and failure.kind is ErrorKind.API_ERROR and failure.retryable
     assert "safety check failed" in failure.message
 
 

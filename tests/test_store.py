@@ -9,6 +9,8 @@ import stat
 import pytest
 
 from ringserve.config import StoreConfig
+from ringserve.core.events import StopReason
+from ringserve.core.status import MessageStatus
 from ringserve.messages import (
     SWEEP_BATCH_ROWS,
     MessageStore,
@@ -144,6 +146,27 @@ def test_an_older_file_is_converted_to_incremental_vacuum(tmp_path):
     assert store._db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2  # INCREMENTAL
     assert store.get("msg_old").text == "kept"
     assert store.sweep(10.0, max_age=1, max_bytes=0) == 1
+
+
+def test_stop_reasons_spelled_by_a_surface_are_read_back_as_stop_reasons(tmp_path):
+    """Schema 2 kept the surface's spelling; schema 3 keeps the StopReason and the surface spells it late."""
+    path = tmp_path / "v2.sqlite3"
+    MessageStore(str(path)).close()
+    old = sqlite3.connect(path, isolation_level=None)
+    spelled = [("end_turn", None), ("stop", None), ("stop", "###"), ("length", None), ("max_tokens", None),
+               ("model_context_window_exceeded", None), ("content_filter", None), ("refusal", None), (None, None)]
+    for i, (reason, sequence) in enumerate(spelled):
+        old.execute("INSERT INTO messages (id, surface, model, created, status, request, request_hash, stop_reason,"
+                    " stop_sequence, updated) VALUES (?, 'openai', 'fake', 0, 'complete', '{}', 'h', ?, ?, 0)",
+                    (f"m{i}", reason, sequence))
+    old.execute("PRAGMA user_version = 2")
+    old.close()
+    store = MessageStore(str(path))
+    assert [store.get(f"m{i}").stop_reason for i in range(len(spelled))] == [
+        StopReason.END, StopReason.END, StopReason.STOP_SEQUENCE, StopReason.MAX_TOKENS, StopReason.MAX_TOKENS,
+        StopReason.CONTEXT_FULL, StopReason.REFUSAL, StopReason.REFUSAL, None,
+    ]
+    assert store.get("m0").status is MessageStatus.COMPLETE
 
 
 def test_no_operation_scans_the_table(tmp_path):

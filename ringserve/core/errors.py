@@ -32,10 +32,10 @@ class ErrorKind(enum.Enum):
         """The server is busy, not the request wrong: answered with ``Retry-After``."""
         return self in (ErrorKind.RATE_LIMIT, ErrorKind.OVERLOADED, ErrorKind.UNAVAILABLE)
 
-    @classmethod
-    def from_name(cls, name: str) -> ErrorKind:
-        """The kind named ``name`` (case-insensitive, e.g. ``"api_error"``); API_ERROR if unknown."""
-        return cls.__members__.get(name.upper(), cls.API_ERROR)
+    @property
+    def label(self) -> str:
+        """The name in lower case (``"api_error"``): the ``type`` label of metrics and the access log."""
+        return self.name.lower()
 
 
 #: Seconds suggested by an overload error that names no better value.

@@ -9,17 +9,20 @@ attrs value, so tests can assert ``events == [...]``.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import attrs
 
+from ringserve.core.errors import ErrorKind
 
-def _non_negative(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+
+def _non_negative(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if value < 0:
         raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
 
 
-class StopReason(enum.Enum):
-    """Why a generation ended; surfaces spell it in their own words.
+class StopReason(enum.StrEnum):
+    """Why a generation ended; surfaces spell it in their own words (the store keeps the value).
 
     ``END`` is an end-of-generation token (Anthropic ``end_turn``, OpenAI
     ``stop``); ``MAX_TOKENS`` is the token budget (``max_tokens`` /
@@ -125,12 +128,11 @@ class Finish:
 class Failure:
     """Terminal event of a generation that failed mid-stream.
 
-    ``kind`` is an :class:`ringserve.core.errors.ErrorKind` value name such as
-    ``"api_error"`` or ``"overloaded"``; ``retryable`` tells a client whether
-    the same request may succeed later.
+    ``kind`` is what went wrong, surface-neutral (each surface spells it);
+    ``retryable`` tells a client whether the same request may succeed later.
     """
 
-    kind: str
+    kind: ErrorKind
     message: str
     usage: Usage
     retryable: bool = False

@@ -108,7 +108,7 @@ class LogStateError(Exception):
         self.target = target
 
 
-def _at_least_one(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+def _at_least_one(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise ValueError(f"{attribute.name} must be >= 1, got {value!r}")
 

@@ -262,7 +262,7 @@ def choose_slot(
     limit = len(prompt) - 1
     if limit < 0:
         raise ValueError("the prompt must hold at least one token")
-    candidates = {c.slot: c.tokens for c in free}
+    candidates: dict[int, Sequence[int]] = {c.slot: c.tokens for c in free}
     candidates.update(sources or {})
     best_source, best_copy = None, 0
     for slot, tokens in sorted(candidates.items()):
@@ -449,7 +449,7 @@ class SchedulerStatistics:
     prefix_hit_tokens: int = 0
 
 
-def _positive(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+def _positive(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise ValueError(f"{attribute.name} must be >= 1, got {value!r}")
 
@@ -493,9 +493,9 @@ class Scheduler:
     _draining: list[Entry] = attrs.field(init=False, factory=list)
     _handed_out: set[int] = attrs.field(init=False, factory=set)
     _admit_order: list[Entry] = attrs.field(init=False, factory=list)
-    _ids: itertools.count = attrs.field(init=False, factory=itertools.count)
+    _ids: itertools.count[int] = attrs.field(init=False, factory=itertools.count)
     _cache: dict[int, SlotCache] = attrs.field(init=False, factory=dict)
-    _ticks: itertools.count = attrs.field(init=False, factory=itertools.count)
+    _ticks: itertools.count[int] = attrs.field(init=False, factory=itertools.count)
     _lookup_tokens: int = attrs.field(init=False, default=0)
     _hit_tokens: int = attrs.field(init=False, default=0)
 

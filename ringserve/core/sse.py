@@ -278,7 +278,7 @@ class SSEParser:
             return []
         buf += data
         lines = buf.splitlines(keepends=True)  # bytes split on CR, LF, CRLF only
-        tail = lines[-1]
+        tail: bytes | bytearray = lines[-1]
         if tail.endswith((b"\n", b"\r")):
             tail = b""
             if lines[-1].endswith(b"\r"):

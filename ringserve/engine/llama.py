@@ -30,6 +30,7 @@ import secrets
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import llama_cpp as lc
 
@@ -76,6 +77,11 @@ def _call_if_bound(name: str, *args: object) -> object:
 
 class ChatTemplateError(ModelFileError):
     """The GGUF's chat template is one llama.cpp cannot apply (one line, names the path)."""
+
+
+def _address(pointer: Any) -> int:
+    """The address a ctypes pointer field points at (``llama_cpp`` types those fields as arrays)."""
+    return ctypes.addressof(pointer.contents)
 
 
 class LlamaEngine:
@@ -239,10 +245,10 @@ class LlamaEngine:
             # decode() fill whole runs with slice assignment.
             self._batch = lc.llama_batch_init(n_batch, 0, 1)
             b = self._batch
-            self._tok = (lc.llama_token * n_batch).from_address(ctypes.addressof(b.token.contents))
-            self._pos = (lc.llama_pos * n_batch).from_address(ctypes.addressof(b.pos.contents))
-            self._out = (ctypes.c_int8 * n_batch).from_address(ctypes.addressof(b.logits.contents))
-            n_seq = (ctypes.c_int32 * n_batch).from_address(ctypes.addressof(b.n_seq_id.contents))
+            self._tok = (lc.llama_token * n_batch).from_address(_address(b.token))
+            self._pos = (lc.llama_pos * n_batch).from_address(_address(b.pos))
+            self._out = (ctypes.c_int8 * n_batch).from_address(_address(b.logits))
+            n_seq = (ctypes.c_int32 * n_batch).from_address(_address(b.n_seq_id))
             n_seq[:] = [1] * n_batch
             self._seq = [b.seq_id[i] for i in range(n_batch)]
             self._out_addr = ctypes.addressof(self._out)
@@ -537,8 +543,8 @@ class LlamaEngine:
             if f.pos + k > self.n_ctx_slot:
                 full.append(slot)
             end = n + k
-            tok[n:end] = f.tokens
-            pos[n:end] = range(f.pos, f.pos + k)
+            tok[n:end] = f.tokens  # type: ignore[call-overload]  # ctypes stubs: any sequence fills a slice
+            pos[n:end] = range(f.pos, f.pos + k)  # type: ignore[call-overload]
             for i in range(n, end):
                 seq[i][0] = slot
             if f.sample:
@@ -551,6 +557,7 @@ class LlamaEngine:
         for _, i in sample_at:
             out[i] = 1
         batch = self._batch
+        assert batch is not None, "decode() after close()"
         batch.n_tokens = n
 
         rc = lc.llama_decode(self._ctx, batch)

@@ -62,11 +62,11 @@ def default_model_path() -> Path:
     if not candidates:
         candidates = [f for f in files if f.name.endswith(".gguf")]
     if not candidates:
-        where = dist.locate_file("")
+        where = Path(str(dist.locate_file("")))
         raise ModelFileError(
             f"no {BUNDLED_FILE} listed in {BUNDLED_DISTRIBUTION} installed at {where}", where
         )
-    return Path(dist.locate_file(candidates[0])).absolute()
+    return Path(str(dist.locate_file(candidates[0]))).absolute()
 
 
 def check_model_file(path: str | Path) -> Path:

@@ -42,6 +42,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import assert_never
 
 import attrs
 import trio
@@ -232,10 +233,13 @@ class Generation:
         parts = []
         terminal: Finish | Failure | None = None
         async for event in self:
-            if isinstance(event, TextDelta):
-                parts.append(event.text)
-            else:
-                terminal = event
+            match event:
+                case TextDelta():
+                    parts.append(event.text)
+                case Finish() | Failure():
+                    terminal = event
+                case _:
+                    assert_never(event)
         assert terminal is not None, "a generation always ends with Finish or Failure"
         return "".join(parts), terminal
 
@@ -548,10 +552,10 @@ class Runner:
             self._running = False
             self._closed = True
             if isinstance(exc, trio.Cancelled):
-                kind, message = "unavailable", "the server is shutting down"
+                kind, message = ErrorKind.UNAVAILABLE, "the server is shutting down"
             else:
                 log.exception("the generation loop crashed")
-                kind, message = "api_error", f"internal error in the generation loop ({type(exc).__name__})"
+                kind, message = ErrorKind.API_ERROR, f"internal error in the generation loop ({type(exc).__name__})"
             self._fail_everything(kind, message)
             self._idle.set()
             raise
@@ -646,7 +650,7 @@ class Runner:
             for slot, exc in outcome.begin_errors.items():
                 entry = admitted[slot]
                 log.error("engine.begin(%d) failed: %r", slot, exc)
-                self._fail(entry, "api_error", f"the engine could not start: {exc}", retryable=True)
+                self._fail(entry, ErrorKind.API_ERROR, f"the engine could not start: {exc}", retryable=True)
             return
 
         if outcome.error is not None:
@@ -685,10 +689,10 @@ class Runner:
         if isinstance(error, EngineError):
             affected = set(error.slots) & fed or fed
             if isinstance(error, KVCacheFull):
-                kind = "overloaded"
+                kind = ErrorKind.OVERLOADED
                 message = f"no room left in the KV cache: {error}"
             else:
-                kind = "api_error"
+                kind = ErrorKind.API_ERROR
                 message = f"the engine failed: {error}"
             log.warning("decode failed for slots %s: %s", sorted(affected), error)
             for slot in sorted(affected):
@@ -700,7 +704,7 @@ class Runner:
         message = f"internal error while generating ({type(error).__name__})"
         self._scheduler.forget_cache()
         for entry in self._scheduler.active():
-            self._fail(entry, "api_error", message, retryable=True)
+            self._fail(entry, ErrorKind.API_ERROR, message, retryable=True)
 
     # -- turning tokens into events ----------------------------------------
 
@@ -739,7 +743,7 @@ class Runner:
                 self._emit_text(gen, text)
         self._end(gen, Finish(reason, gen.usage, stop))
 
-    def _fail(self, entry: Entry, kind: str, message: str, *, retryable: bool) -> None:
+    def _fail(self, entry: Entry, kind: ErrorKind, message: str, *, retryable: bool) -> None:
         gen = entry.tag
         assert isinstance(gen, Generation)
         if entry.done:
@@ -768,7 +772,7 @@ class Runner:
         except trio.WouldBlock:  # pragma: no cover - the buffer is sized to never fill
             raise RuntimeError("generation event buffer full") from None
 
-    def _fail_everything(self, kind: str, message: str) -> None:
+    def _fail_everything(self, kind: ErrorKind, message: str) -> None:
         """The loop is ending: every queued or active generation gets a Failure."""
         for entry in (*self._scheduler.active(), *self._scheduler.queued()):
             gen = entry.tag

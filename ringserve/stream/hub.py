@@ -22,43 +22,34 @@ import hashlib
 import secrets
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, assert_never
 
 import attrs
 import trio
 
-from ringserve.config import DISCONNECT_POLICIES, Config
+from ringserve.config import Config
 from ringserve.core.coalesce import Coalescer
 from ringserve.core.errors import ErrorKind, RingserveError
-from ringserve.core.events import Failure, Finish, StopReason, TextDelta, Usage
+from ringserve.core.events import Failure, Finish, GenerationEvent, StopReason, TextDelta, Usage
 from ringserve.core.ringlog import Gap, LogState, format_event_id, parse_event_id
 from ringserve.core.sse import encode_event
-from ringserve.engine.runner import Runner
+from ringserve.core.status import CancelReason, MessageStatus, Policy, advance
+from ringserve.engine.runner import Generation, Runner
 from ringserve.messages import MessageStore, StoredMessage, store_failed
 from ringserve.metrics import Metrics, StreamTimer
 from ringserve.stream.logs import LogStore, MessageLog
 from ringserve.stream.reader import tail
 from ringserve.stream.safety import SafetyStage
-from ringserve.surfaces.base import MessageResult, ParsedRequest, Renderer, Surface, WireEvent
+from ringserve.surfaces.base import MessageResult, ParsedRequest, Renderer, Surface, WireEvent, render
 
 _NOT_YET = object()
 
-#: Seconds between writes of a generating message's text so far to the store.
-PERSIST_EVERY = 1.0
 #: Seconds a cancel sent to another replica waits for that replica to end the message.
 CANCEL_WAIT_SECONDS = 10.0
 
 #: Stored statuses that an idempotent retry generates again instead of returning.
-REGENERATED_STATUSES = frozenset({"failed", "interrupted"})
-
-
-class CancelReason:
-    """Why a producer's cancel scope was cancelled."""
-
-    CLIENT_GONE = "client_gone"
-    REQUESTED = "requested"
-    DRAIN = "drain"
+REGENERATED_STATUSES = frozenset({MessageStatus.FAILED, MessageStatus.INTERRUPTED})
 
 
 @attrs.define(eq=False)
@@ -66,7 +57,7 @@ class LiveMessage:
     """A message whose producer is running or whose log is still held.
 
     ``parts`` is the text released to readers so far; ``status`` follows
-    ``messages.STATUSES``; ``started`` is set once its log exists (or its
+    ``core/status.py``'s ``TRANSITIONS``; ``started`` is set once its log exists (or its
     creation failed, with the error in ``start_error`` when it was a
     :class:`RingserveError`); ``done`` once the terminal event is in the log,
     when the message leaves the hub and the store answers for it.
@@ -79,24 +70,30 @@ class LiveMessage:
     model: str
     created: int
     include_usage: bool
-    policy: str
+    policy: Policy
     request_hash: str
     idempotency_key: str | None = None
     replaces: str | None = None
     start_error: RingserveError | None = None
     log: MessageLog | None = None
-    status: str = "queued"
+    status: MessageStatus = MessageStatus.QUEUED
     parts: list[str] = attrs.Factory(list)
     usage: Usage = Usage(0, 0)
-    stop_reason: str | None = None
+    stop_reason: StopReason | None = None
     stop_sequence: str | None = None
     error: str | None = None
-    cancel_reason: str | None = None
+    cancel_reason: CancelReason | None = None
     persisted_at: float = 0.0
     cancel_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     timer: StreamTimer = attrs.Factory(lambda: StreamTimer(trio.current_time()))
     started: trio.Event = attrs.Factory(trio.Event)
     done: trio.Event = attrs.Factory(trio.Event)
+
+    @property
+    def open_log(self) -> MessageLog:
+        """``log``, which exists from the moment the message is registered (the producer's start)."""
+        assert self.log is not None, f"message {self.id} has no log yet"
+        return self.log
 
     def result(self) -> MessageResult:
         return MessageResult(
@@ -107,7 +104,7 @@ class LiveMessage:
             stop_reason=self.stop_reason,
             stop_sequence=self.stop_sequence,
             usage=self.usage,
-            cancelled=self.status == "cancelled",
+            cancelled=self.status is MessageStatus.CANCELLED,
         )
 
 
@@ -179,7 +176,7 @@ class Hub:
         *,
         body_hash: str,
         request_json: str,
-        policy: str,
+        policy: Policy,
         idempotency_key: str | None = None,
     ) -> tuple[LiveMessage | StoredMessage, bool]:
         """Start a generation, or find the one an ``Idempotency-Key`` already started.
@@ -241,7 +238,7 @@ class Hub:
                 surface=surface.name,
                 model=model,
                 created=msg.created,
-                status="queued",
+                status=MessageStatus.QUEUED,
                 request=request_json,
                 request_hash=body_hash,
                 idempotency_key=idempotency_key,
@@ -309,32 +306,39 @@ class Hub:
                 self._release(msg, renderer, coalescer.due(trio.current_time()))
                 continue
             if event is None:
-                event = Failure("api_error", "generation ended without a result", gen.usage, True)
+                event = Failure(ErrorKind.API_ERROR, "generation ended without a result", gen.usage, True)
             # The safety stage runs outside the flush deadline's scope, which must not cut a check short.
             for screened in [event] if gate is None else await gate.screen(event, gen.usage):
                 if self._on_event(msg, gen, renderer, coalescer, screened):
                     return  # leaving the runner's submit block cancels a refused generation
 
-    def _on_event(self, msg: LiveMessage, gen: Any, renderer: Renderer, coalescer: Coalescer, event: Any) -> bool:
+    def _on_event(
+        self, msg: LiveMessage, gen: Generation, renderer: Renderer, coalescer: Coalescer, event: GenerationEvent
+    ) -> bool:
         """Hand one (screened) event to the coalescer and the log; True once it was the terminal one."""
-        if isinstance(event, TextDelta):
-            if msg.status == "queued":
-                msg.status = "generating"
-                self.store.update(msg.id, status="generating")
-            msg.usage = gen.usage
-            self._release(msg, renderer, coalescer.add(event.text, event.tokens, trio.current_time()))
-            return False
-        self._release(msg, renderer, coalescer.flush())
-        if isinstance(event, Finish):
-            self._finish(msg, renderer, event)
-        else:
-            self._fail(msg, renderer, event)
-        return True
+        match event:
+            case TextDelta():
+                if msg.status is MessageStatus.QUEUED:
+                    msg.status = advance(msg.status, MessageStatus.GENERATING)
+                    self.store.update(msg.id, status=msg.status)
+                msg.usage = gen.usage
+                self._release(msg, renderer, coalescer.add(event.text, event.tokens, trio.current_time()))
+                return False
+            case Finish():
+                self._release(msg, renderer, coalescer.flush())
+                self._finish(msg, renderer, event)
+                return True
+            case Failure():
+                self._release(msg, renderer, coalescer.flush())
+                self._fail(msg, renderer, event)
+                return True
+            case _:
+                assert_never(event)
 
     # -- writing the log -----------------------------------------------------------------
 
     def _append(self, msg: LiveMessage, events: list[WireEvent], retry: int | None = None) -> None:
-        log = msg.log
+        log = msg.open_log
         for ev in events:
             log.append(encode_event(ev.data, event=ev.event, id=format_event_id(msg.id, log.next_seq), retry=retry))
             retry = None
@@ -342,42 +346,46 @@ class Hub:
     def _release(self, msg: LiveMessage, renderer: Renderer, text: str | None) -> None:
         if text:
             msg.parts.append(text)
-            self._append(msg, renderer.delta(text))
+            self._append(msg, render(renderer, TextDelta(text)))
             now = trio.current_time()
             self.metrics.text_released(msg.timer, now)
-            if now - msg.persisted_at >= PERSIST_EVERY:  # so a crash loses at most that much text
+            if now - msg.persisted_at >= self.config.stream.persist_seconds:  # a crash loses at most that much
                 msg.persisted_at = now
                 self.store.update(msg.id, text="".join(msg.parts), output_tokens=msg.usage.output_tokens)
 
     def _finish(self, msg: LiveMessage, renderer: Renderer, finish: Finish) -> None:
         msg.usage = finish.usage
-        msg.stop_reason = msg.surface.stop_reason(finish.stop_reason)
+        msg.stop_reason = finish.stop_reason
         msg.stop_sequence = finish.stop_sequence
-        msg.status = "cancelled" if finish.stop_reason is StopReason.CANCELLED else "complete"
-        self._append(msg, renderer.finish(finish))
+        cancelled = finish.stop_reason is StopReason.CANCELLED
+        msg.status = advance(msg.status, MessageStatus.CANCELLED if cancelled else MessageStatus.COMPLETE)
+        self._append(msg, render(renderer, finish))
         self._close(msg, LogState.FINISHED)
         self.metrics.finished(msg.timer, trio.current_time(), finish)
 
-    def _fail(self, msg: LiveMessage, renderer: Renderer, failure: Failure, status: str = "failed") -> None:
+    def _fail(
+        self, msg: LiveMessage, renderer: Renderer, failure: Failure, status: MessageStatus = MessageStatus.FAILED
+    ) -> None:
         msg.usage = failure.usage
-        msg.status = status
+        msg.status = advance(msg.status, status)
         msg.error = failure.message
-        self._append(msg, renderer.fail(failure))
+        self._append(msg, render(renderer, failure))
         self._close(msg, LogState.FAILED)
         self.metrics.error(failure.kind, "generation")
 
     def _end_interrupted(self, msg: LiveMessage, renderer: Renderer) -> None:
         """Terminal events for a producer that was cancelled (synchronous: runs while cancelled)."""
-        if msg.cancel_reason == CancelReason.DRAIN:
-            failure = Failure("unavailable", "the server is shutting down; retry the request", msg.usage, True)
-            self._fail(msg, renderer, failure, status="interrupted")
+        if msg.cancel_reason is CancelReason.DRAIN:
+            failure = Failure(ErrorKind.UNAVAILABLE, "the server is shutting down; retry the request", msg.usage, True)
+            self._fail(msg, renderer, failure, status=MessageStatus.INTERRUPTED)
         elif msg.cancel_reason is not None:
             self._finish(msg, renderer, Finish(StopReason.CANCELLED, msg.usage))
         else:
-            self._fail(msg, renderer, Failure("api_error", "generation stopped unexpectedly", msg.usage, True))
+            self._fail(msg, renderer, Failure(ErrorKind.API_ERROR, "generation stopped unexpectedly", msg.usage, True))
 
     def _close(self, msg: LiveMessage, state: LogState) -> None:
-        msg.log.close(state)
+        log = msg.open_log
+        log.close(state)
         self.store.update(
             msg.id,
             status=msg.status,
@@ -387,7 +395,7 @@ class Hub:
             output_tokens=msg.usage.output_tokens,
             input_tokens=msg.usage.input_tokens,
             error=msg.error,
-            final_seq=msg.log.next_seq - 1,
+            final_seq=log.next_seq - 1,
         )
         del self._live[msg.id]
         if msg.idempotency_key is not None:
@@ -397,7 +405,7 @@ class Hub:
     # -- policy and cancel ---------------------------------------------------------------
 
     def _on_idle(self, msg: LiveMessage) -> None:
-        if msg.done.is_set() or msg.policy != "abort":
+        if msg.done.is_set() or msg.policy is not Policy.ABORT:
             return
         grace = self.config.policy.grace_seconds
         if grace <= 0:
@@ -407,10 +415,10 @@ class Hub:
 
     async def _abort_after_grace(self, msg: LiveMessage, grace: float) -> None:
         await trio.sleep(grace)
-        if msg.log.readers == 0:
+        if msg.open_log.readers == 0:
             self.cancel(msg, CancelReason.CLIENT_GONE)
 
-    def policy_for(self, surface: Surface, *, respond_async: bool, override: str | None) -> str:
+    def policy_for(self, surface: Surface, *, respond_async: bool, override: str | None) -> Policy:
         """The disconnect policy of a new message.
 
         ``Prefer: respond-async`` means ``continue`` (nobody is reading yet); a
@@ -421,12 +429,13 @@ class Hub:
             RingserveError: ``INVALID_REQUEST`` for an override other than ``abort``/``continue``.
         """
         if override is not None:
-            if override not in DISCONNECT_POLICIES:
+            if override not in tuple(Policy):
                 raise RingserveError(ErrorKind.INVALID_REQUEST, "Ringserve-Disconnect-Policy must be 'abort' or 'continue'")
-            return override
-        return "continue" if respond_async else getattr(self.config.policy, surface.name)
+            return Policy(override)
+        policy: Policy = Policy.CONTINUE if respond_async else getattr(self.config.policy, surface.name)
+        return policy
 
-    def cancel(self, msg: LiveMessage, reason: str) -> None:
+    def cancel(self, msg: LiveMessage, reason: CancelReason) -> None:
         """Cancel a live generation (idempotent); its readers get a terminal event."""
         if not msg.done.is_set() and msg.cancel_reason is None:
             msg.cancel_reason = reason
@@ -436,7 +445,7 @@ class Hub:
         """Refuse new generations from now on."""
         self.draining = True
 
-    def cancel_all(self, reason: str) -> None:
+    def cancel_all(self, reason: CancelReason) -> None:
         for msg in list(self._live.values()):
             self.cancel(msg, reason)
 
@@ -543,7 +552,7 @@ class Hub:
 
     def stream(
         self, log: MessageLog, after: int | None, on_heartbeat: Callable[[], None] | None = None
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """The SSE bytes of ``log`` after ``after``: replay, then live, with heartbeats.
 
         A connection that reaches ``server.max_stream_seconds`` ends with a

@@ -42,7 +42,7 @@ generator that is dropped unfinished is otherwise only finalized by the GC.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import trio
 
@@ -84,7 +84,7 @@ async def tail(
     max_seconds: float = 0.0,
     on_reconnect: Callable[[], None] | None = None,
     batch: int = DEFAULT_BATCH,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """Yield a log's SSE bytes after ``after``: replay, then live, then end.
 
     Yields, in order:

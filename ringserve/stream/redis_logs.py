@@ -275,8 +275,8 @@ class RedisLogStore:
     _nursery: trio.Nursery | None = attrs.field(default=None, init=False)
     _down_since: float | None = attrs.field(default=None, init=False)
     _pump_blocked: bool = attrs.field(default=False, init=False)
-    _client: coredis.Redis = attrs.field(init=False)
-    _pump_client: coredis.Redis = attrs.field(init=False)
+    _client: coredis.Redis[bytes] = attrs.field(init=False)
+    _pump_client: coredis.Redis[bytes] = attrs.field(init=False)
     round_trips_total: int = attrs.field(default=0, init=False)
     #: Called with a message id when any replica asks for its cancel (the server points it at the hub).
     on_cancel: Callable[[str], None] | None = attrs.field(default=None, init=False)
@@ -344,6 +344,7 @@ class RedisLogStore:
                 self._owners[message_id] = json.loads(owner)
             self._remote[message_id] = copy
             if self._pump_blocked:  # else its next XREAD has the new stream already
+                assert self._nursery is not None, "remote copies are made only while run() runs"
                 self._nursery.start_soon(self._wake_pump)  # not awaited: the caller enters its reader first
         return copy
 
@@ -504,7 +505,7 @@ class RedisLogStore:
 
     async def _last_id(self, key: str) -> str:
         last = await self._client.xrevrange(key, "+", "-", count=1)
-        return last[0].identifier.decode() if last else "0-0"
+        return last[0].identifier.decode() if last else "0-0"  # type: ignore[union-attr]  # coredis stubs: bytes
 
     def _prune(self) -> None:
         """Stop tailing ended copies and copies nobody here reads.
@@ -572,22 +573,24 @@ class RedisLogStore:
                 continue
             self._pump_blocked = False
             self._came_up()
+            # coredis types ids and fields as str | bytes whatever the client; ours (no
+            # decode_responses) gets bytes: the ignores below are for that gap in its stubs.
             for key, entries in (got or {}).items():
                 name = key.decode()
                 if name == self._wake_key:
-                    wake_last = entries[-1].identifier.decode()
+                    wake_last = entries[-1].identifier.decode()  # type: ignore[union-attr]
                     continue
                 if name == READERS_STREAM:
-                    readers_last = entries[-1].identifier.decode()
+                    readers_last = entries[-1].identifier.decode()  # type: ignore[union-attr]
                     for entry in entries:
-                        owned = self.local.get(entry.field_values[b"id"].decode())
+                        owned = self.local.get(entry.field_values[b"id"].decode())  # type: ignore[union-attr]
                         if owned is not None:
                             owned.remote_readers_changed(int(entry.field_values[b"d"]))
                     continue
                 if name == CANCEL_STREAM:
-                    cancel_last = entries[-1].identifier.decode()
+                    cancel_last = entries[-1].identifier.decode()  # type: ignore[union-attr]
                     for entry in entries:
-                        message_id = entry.field_values[b"id"].decode()
+                        message_id = entry.field_values[b"id"].decode()  # type: ignore[union-attr]
                         if self.on_cancel is not None and self.local.get(message_id) is not None:
                             self.on_cancel(message_id)
                     continue
@@ -595,7 +598,7 @@ class RedisLogStore:
                 if copy is None:
                     continue
                 for entry in entries:
-                    _deliver(copy, entry.identifier, dict(entry.field_values))
+                    _deliver(copy, entry.identifier, dict(entry.field_values))  # type: ignore[arg-type]
 
 
 class MirroredMessageStore(MessageStore):
@@ -606,7 +609,7 @@ class MirroredMessageStore(MessageStore):
     ``HSET`` of the fields written (with ``owner``, this replica) on that
     store's next pipelined flush, so that :meth:`RedisLogStore.find_message`
     on any replica reads the status, the text so far and the usage (as fresh
-    as ``hub.PERSIST_EVERY``).
+    as ``[stream] persist_seconds``).
     """
 
     _logs: RedisLogStore | None = None

@@ -30,11 +30,13 @@ a retryable in-band ``api_error``; in both cases no unchecked text is sent.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol, assert_never
 
 import attrs
 import trio
 
+from ringserve.core.errors import ErrorKind
 from ringserve.core.events import Failure, Finish, GenerationEvent, StopReason, TextDelta, Usage
 from ringserve.core.safety import Check, Checker, CheckFunction, HoldBack, PatternChecker, Verdict, load_checker
 
@@ -87,6 +89,10 @@ class ThreadedChecker:
         )
 
 
+def _checkers(checkers: Iterable[AsyncChecker]) -> tuple[AsyncChecker, ...]:
+    return tuple(checkers)
+
+
 @attrs.frozen
 class SafetyStage:
     """The server's safety stage: the window size and the checkers, shared by every message.
@@ -98,7 +104,7 @@ class SafetyStage:
     """
 
     window_tokens: int = attrs.field(validator=attrs.validators.ge(1))
-    checkers: tuple[AsyncChecker, ...] = attrs.field(converter=tuple)
+    checkers: tuple[AsyncChecker, ...] = attrs.field(converter=_checkers)
 
     @classmethod
     def from_config(cls, config: SafetyConfig, *, max_threads: int) -> SafetyStage | None:
@@ -181,10 +187,16 @@ class SafetyGate:
         Cancellation: a cancelled check releases nothing; the gate is then
         unusable, as its producer is ending.
         """
-        if isinstance(event, Failure):
-            return [event]
         holdback = self._holdback
-        check = holdback.push(event.text, event.tokens) if isinstance(event, TextDelta) else holdback.end()
+        match event:
+            case TextDelta():
+                check = holdback.push(event.text, event.tokens)
+            case Finish():
+                check = holdback.end()
+            case Failure():
+                return [event]
+            case _:
+                assert_never(event)
         released = ""
         if check is not None:
             try:
@@ -192,7 +204,7 @@ class SafetyGate:
             except Exception as exc:
                 log.exception("the safety check of message %s failed", self.message_id)
                 message = f"the safety check failed ({type(exc).__name__}); no unchecked text was sent"
-                return [Failure("api_error", message, usage, retryable=True)]
+                return [Failure(ErrorKind.API_ERROR, message, usage, retryable=True)]
             released = holdback.resolve(check, verdict)
             if not verdict.allowed:
                 log.info("safety stage refused message %s: %s", self.message_id, verdict.reason)

@@ -138,7 +138,7 @@ class AnthropicRenderer:
         self._model = model
 
     def start(self, usage: Usage) -> list[WireEvent]:
-        message = {
+        message: dict[str, Any] = {
             "id": self._message_id,
             "type": "message",
             "role": "assistant",
@@ -173,8 +173,7 @@ class AnthropicRenderer:
         ]
 
     def fail(self, failure: Failure) -> list[WireEvent]:
-        kind = ErrorKind.from_name(failure.kind)
-        return [WireEvent(dumps(_error_object(ERROR_TYPES[kind], failure.message)), "error")]
+        return [WireEvent(dumps(_error_object(ERROR_TYPES[failure.kind], failure.message)), "error")]
 
 
 class AnthropicSurface:
@@ -246,7 +245,7 @@ class AnthropicSurface:
             "role": "assistant",
             "content": [{"type": "text", "text": result.text}],
             "model": result.model,
-            "stop_reason": result.stop_reason,
+            "stop_reason": None if result.stop_reason is None else STOP_REASONS[result.stop_reason],
             "stop_sequence": result.stop_sequence,
             **cancelled_fields(result.cancelled),
             "usage": _usage(result.usage),

@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never, overload
 
 import attrs
 
 from ringserve.core.errors import RingserveError, invalid
-from ringserve.core.events import Failure, Finish, GenerationRequest, SamplingParams, Usage
+from ringserve.core.events import (
+    Failure,
+    Finish,
+    GenerationEvent,
+    GenerationRequest,
+    SamplingParams,
+    StopReason,
+    TextDelta,
+    Usage,
+)
 
 
 def dumps(obj: Any) -> str:
@@ -63,15 +72,15 @@ def cancelled_fields(cancelled: bool) -> dict[str, bool]:
 class MessageResult:
     """A finished (or cancelled, or failed) message as the non-stream answer needs it.
 
-    ``stop_reason`` is in the surface's spelling; ``cancelled`` marks a message ended by a cancel
-    (its stop reason is then the surface's plain end of turn).
+    ``stop_reason`` is surface-neutral (the surface spells it); ``cancelled`` marks a message ended
+    by a cancel (its stop reason is then spelled as the surface's plain end of turn).
     """
 
     message_id: str
     model: str
     created: int
     text: str
-    stop_reason: str | None
+    stop_reason: StopReason | None
     stop_sequence: str | None
     usage: Usage
     cancelled: bool = False
@@ -93,6 +102,20 @@ class Renderer(Protocol):
     def fail(self, failure: Failure) -> list[WireEvent]: ...
 
 
+def render(renderer: Renderer, event: GenerationEvent) -> list[WireEvent]:
+    """The wire events of one generation event (after ``renderer.start``): the one exhaustive
+    dispatch from event kinds to renderer methods, so a new kind is a type error here."""
+    match event:
+        case TextDelta():
+            return renderer.delta(event.text)
+        case Finish():
+            return renderer.finish(event)
+        case Failure():
+            return renderer.fail(event)
+        case _:
+            assert_never(event)
+
+
 class Surface(Protocol):
     """One API dialect (Anthropic Messages or OpenAI Chat Completions)."""
 
@@ -104,6 +127,8 @@ class Surface(Protocol):
     def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> Renderer: ...
 
     def message_json(self, result: MessageResult) -> dict[str, Any]: ...
+
+    def stop_reason(self, reason: StopReason) -> str: ...
 
     def error_json(self, error: RingserveError) -> dict[str, Any]: ...
 
@@ -185,7 +210,20 @@ def require_object(body: Any) -> dict[str, Any]:
     return body
 
 
+@overload
+def get_int(body: dict[str, Any], key: str, *, lo: int, hi: int, default: int) -> int: ...
+
+
+@overload
+def get_int(body: dict[str, Any], key: str, *, lo: int, hi: int, default: None = None) -> int | None: ...
+
+
 def get_int(body: dict[str, Any], key: str, *, lo: int, hi: int, default: int | None = None) -> int | None:
+    """``body[key]``, an integer in ``lo..hi``; ``default`` when absent or null.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` naming ``key``.
+    """
     value = body.get(key, default)
     if value is None:
         return default

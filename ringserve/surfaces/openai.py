@@ -191,7 +191,7 @@ class OpenAIRenderer:
         return events
 
     def fail(self, failure: Failure) -> list[WireEvent]:
-        return [WireEvent(dumps(_error_object(ErrorKind.from_name(failure.kind), failure.message, None)))]
+        return [WireEvent(dumps(_error_object(failure.kind, failure.message, None)))]
 
 
 class OpenAISurface:
@@ -286,7 +286,7 @@ class OpenAISurface:
                     "index": 0,
                     "message": {"role": "assistant", "content": result.text, "refusal": None},
                     "logprobs": None,
-                    "finish_reason": result.stop_reason,
+                    "finish_reason": None if result.stop_reason is None else FINISH_REASONS[result.stop_reason],
                     **cancelled_fields(result.cancelled),
                 }
             ],
