@@ -270,3 +270,33 @@ async def test_a_resume_elsewhere_before_the_first_flush_still_finds_the_stream(
         owned.append(b"data: 0\n\n")  # queued; the flusher has not sent it yet
         copy = await b.find("m1")
         assert copy is not None and [e.data for e in copy.read_from(None)] == [b"data: 0\n\n"]
+
+
+async def test_the_pump_recovers_after_redis_restarts_once_its_read_failed(tmp_path, redis_server):
+    # Redis comes back only after the pump's XREAD has failed (the tester's kill, ~3 s, restart): a
+    # failed read can leave coredis's connection busy for good, and the pump must not reuse it.
+    from tests.redis_server import RedisServer
+
+    async with stores(redis_server.url) as (a, b):
+        owned = a.create("before")
+        owned.append(b"data: 0\n\n")
+        copy = await b.find("before")
+        with copy.reader():
+            await until(lambda: _is(b._pump_blocked))  # blocked in XREAD when Redis goes
+            redis_server.stop()
+            await until(lambda: _is(not b._pump_blocked and not a.available and not b.available))  # the read failed
+        restarted = RedisServer(tmp_path, port=redis_server.port)
+        try:
+            await until(lambda: _is(a.available and b.available), timeout=15)
+            owned = a.create("after")
+            owned.append(b"data: 1\n\n")
+            copy = await b.find("after")
+            assert copy is not None
+            with copy.reader():
+                owned.append(b"data: 2\n\n")
+                owned.close(LogState.FINISHED)
+                with trio.fail_after(10):
+                    got = await read_all(copy)  # tailed by b's pump
+            assert got == [b"data: 1\n\n", b"data: 2\n\n"]
+        finally:
+            restarted.stop()

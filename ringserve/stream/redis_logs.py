@@ -28,10 +28,13 @@ Who holds what (one replica = one ringserve process):
 
 Connections: :data:`WRITER_CONNECTIONS` for appends and loads plus one for the
 pump, whatever the number of readers or messages. A blocking ``XREAD`` is
-never cancelled (a cancelled one leaves coredis's connection busy until the
-block ends): the pump is woken for a new stream by an ``XADD`` to its own
-wake stream, ``ringserve:wake:{replica}``, and blocks at most
-:data:`PUMP_BLOCK_MS`.
+never cancelled during normal running (a cancelled one leaves coredis's
+connection busy until the block ends): the pump is woken for a new stream by
+an ``XADD`` to its own wake stream, ``ringserve:wake:{replica}``, and blocks at
+most :data:`PUMP_BLOCK_MS`. A read that fails (Redis gone, or stalled and
+cancelled) may leave that connection busy for good, so the pump then drops its
+client and retries on a fresh one, waiting :data:`RETRY_SECONDS` doubling up
+to :data:`MAX_RETRY_SECONDS` between tries while Redis stays down.
 
 Client: coredis (``pip install 'ringserve[redis]'``), which runs on Trio
 through anyio; redis-py's asyncio client does not.
@@ -145,8 +148,12 @@ STALL_SECONDS = 2.0
 PUMP_BATCH = 256
 #: Connections of the writer pool (appends, loads, wake-ups); the pump has one more of its own.
 WRITER_CONNECTIONS = 4
-#: Seconds the flusher and the pump wait before retrying after Redis failed.
+#: Seconds the flusher and the pump wait before retrying after Redis failed (the pump doubles it
+#: at each failure in a row, up to :data:`MAX_RETRY_SECONDS`).
 RETRY_SECONDS = 0.5
+#: The longest the pump waits between two tries while Redis stays down: it is back within about
+#: this much of Redis.
+MAX_RETRY_SECONDS = 4.0
 #: Seconds, beyond two flush intervals, that :meth:`RedisLogStore.find` waits before looking again
 #: for a stream it did not find: a client may resume elsewhere before its message's first flush.
 MISS_RETRY_SECONDS = 0.05
@@ -199,6 +206,16 @@ class _Status:
     fields: dict[str, str]  # StoredMessage field -> JSON
 
 
+@attrs.define
+class _PumpCursors:
+    """Where the pump is in the streams every replica reads (entry ids), kept across its clients."""
+
+    cancel: str
+    readers: str
+    wake: str = "0-0"
+    read: bool = False  # an XREAD succeeded on the current client
+
+
 @attrs.define(eq=False)
 class _Writer:
     """The owned logs' :class:`~ringserve.stream.logs.LogMirror`: queues each append and close."""
@@ -235,7 +252,7 @@ def _unavailable_if_down() -> Iterator[None]:
     try:
         yield
     except _REDIS_ERRORS as exc:
-        log.warning("redis: %s", exc)
+        log.warning("redis: %r", exc)
         raise store_unavailable() from None
 
 
@@ -276,7 +293,6 @@ class RedisLogStore:
     _down_since: float | None = attrs.field(default=None, init=False)
     _pump_blocked: bool = attrs.field(default=False, init=False)
     _client: coredis.Redis[bytes] = attrs.field(init=False)
-    _pump_client: coredis.Redis[bytes] = attrs.field(init=False)
     round_trips_total: int = attrs.field(default=0, init=False)
     #: Called with a message id when any replica asks for its cancel (the server points it at the hub).
     on_cancel: Callable[[str], None] | None = attrs.field(default=None, init=False)
@@ -288,7 +304,6 @@ class RedisLogStore:
     def __attrs_post_init__(self) -> None:
         self.local = MemoryLogStore(self.config, self.clock)
         self._client = coredis.Redis.from_url(self.url, max_connections=WRITER_CONNECTIONS)
-        self._pump_client = coredis.Redis.from_url(self.url, max_connections=1)
 
     @property
     def _wake_key(self) -> str:
@@ -400,7 +415,7 @@ class RedisLogStore:
     def _went_down(self, what: str, exc: BaseException) -> None:
         if self._down_since is None:
             self._down_since = self.clock()
-            log.warning("redis: %s failed, the Redis log backend is unavailable: %s", what, exc)
+            log.warning("redis: %s failed, the Redis log backend is unavailable: %r", what, exc)
             # Remote copies cannot go on: end them (no terminal event, so their clients resume,
             # and get 503 until Redis is back).
             for copy in self._remote.values():
@@ -425,7 +440,7 @@ class RedisLogStore:
         Raises:
             coredis.exceptions.RedisError, OSError: Redis is unreachable at start.
         """
-        async with self._client, self._pump_client:
+        async with self._client:
             await self._client.delete([self._wake_key])
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -542,10 +557,28 @@ class RedisLogStore:
                                 args=[f"{copy.next_seq}-0", ttl, *entries, error])
 
     async def _pump_loop(self) -> None:
-        wake_last = "0-0"
+        """Run :meth:`_pump` on a client of its own; after each failure, a fresh client, with backoff."""
         # Requests and reader counts from before this replica started are about others' messages.
-        cancel_last = await self._last_id(CANCEL_STREAM)
-        readers_last = await self._last_id(READERS_STREAM)
+        cursors = _PumpCursors(cancel=await self._last_id(CANCEL_STREAM), readers=await self._last_id(READERS_STREAM))
+        delay = RETRY_SECONDS
+        while True:
+            cursors.read = False
+            async with coredis.Redis.from_url(self.url, max_connections=1) as client:  # connects at its first read
+                try:
+                    await self._pump(client, cursors)
+                except (*_REDIS_ERRORS, trio.TooSlowError) as exc:  # caught here: the client's exit would group it
+                    self._pump_blocked = False
+                    self._went_down("the pump's read", exc)
+            delay = RETRY_SECONDS if cursors.read else min(2 * delay, MAX_RETRY_SECONDS)
+            await trio.sleep(delay)
+
+    async def _pump(self, client: coredis.Redis[bytes], cursors: _PumpCursors) -> None:
+        """Renew the lease and tail every stream read here, until a Redis call fails (raised).
+
+        Raises:
+            coredis.exceptions.RedisError, OSError, anyio resource errors, trio.TooSlowError: the
+            read failed or stalled; ``client``'s connection may be unusable from then on.
+        """
         lease_at = -math.inf
         while True:
             self._prune()
@@ -557,38 +590,33 @@ class RedisLogStore:
                 except (*_REDIS_ERRORS, trio.TooSlowError) as exc:
                     self._went_down("the lease", exc)
             streams = {stream_key(mid): f"{copy.next_seq}-0" for mid, copy in self._remote.items()}
-            streams[self._wake_key] = wake_last
-            streams[CANCEL_STREAM] = cancel_last
-            streams[READERS_STREAM] = readers_last
+            streams[self._wake_key] = cursors.wake
+            streams[CANCEL_STREAM] = cursors.cancel
+            streams[READERS_STREAM] = cursors.readers
             self._pump_blocked = True
-            try:
-                # A connection whose peer vanished may never answer: past the block time and
-                # STALL_SECONDS more, the read counts as failed.
-                with trio.fail_after(PUMP_BLOCK_MS / 1000 + STALL_SECONDS):
-                    got = await self._pump_client.xread(streams, count=PUMP_BATCH, block=PUMP_BLOCK_MS)
-            except (*_REDIS_ERRORS, trio.TooSlowError) as exc:
-                self._pump_blocked = False
-                self._went_down("the pump's read", exc)
-                await trio.sleep(RETRY_SECONDS)
-                continue
+            # A connection whose peer vanished may never answer: past the block time and
+            # STALL_SECONDS more, the read counts as failed.
+            with trio.fail_after(PUMP_BLOCK_MS / 1000 + STALL_SECONDS):
+                got = await client.xread(streams, count=PUMP_BATCH, block=PUMP_BLOCK_MS)
             self._pump_blocked = False
+            cursors.read = True
             self._came_up()
             # coredis types ids and fields as str | bytes whatever the client; ours (no
             # decode_responses) gets bytes: the ignores below are for that gap in its stubs.
             for key, entries in (got or {}).items():
                 name = key.decode()
                 if name == self._wake_key:
-                    wake_last = entries[-1].identifier.decode()  # type: ignore[union-attr]
+                    cursors.wake = entries[-1].identifier.decode()  # type: ignore[union-attr]
                     continue
                 if name == READERS_STREAM:
-                    readers_last = entries[-1].identifier.decode()  # type: ignore[union-attr]
+                    cursors.readers = entries[-1].identifier.decode()  # type: ignore[union-attr]
                     for entry in entries:
                         owned = self.local.get(entry.field_values[b"id"].decode())  # type: ignore[union-attr]
                         if owned is not None:
                             owned.remote_readers_changed(int(entry.field_values[b"d"]))
                     continue
                 if name == CANCEL_STREAM:
-                    cancel_last = entries[-1].identifier.decode()  # type: ignore[union-attr]
+                    cursors.cancel = entries[-1].identifier.decode()  # type: ignore[union-attr]
                     for entry in entries:
                         message_id = entry.field_values[b"id"].decode()  # type: ignore[union-attr]
                         if self.on_cancel is not None and self.local.get(message_id) is not None:
