@@ -53,6 +53,7 @@ _TYPE_CHECKS: dict[str, tuple[str, Any]] = {
     "str": ("a string", lambda x: isinstance(x, str)),
     "bool": ("true or false", lambda x: isinstance(x, bool)),
     "tuple[str, ...]": ("a list of strings", lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x)),
+    "Policy": ("a string", lambda x: isinstance(x, str)),  # which strings: the field's validator
 }
 
 

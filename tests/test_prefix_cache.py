@@ -12,6 +12,7 @@ import json
 import httpx
 import pytest
 
+from ringserve.core.errors import ErrorKind
 from ringserve.core.events import ChatMessage, Finish, GenerationRequest, SamplingParams, StopReason, TextDelta
 from ringserve.engine.fake import Begin, FakeEngine
 from ringserve.engine.runner import Runner
@@ -145,7 +146,7 @@ async def test_a_failed_generation_leaves_nothing_to_reuse():
         assert runner.statistics().prefix_cache_cells == 0
         engine.fail_after_tokens = None
         text, last2, _ = await turn(runner, messages)
-    assert last1.kind == "api_error"
+    assert last1.kind is ErrorKind.API_ERROR
     assert text == "f answer 0" and last2.usage.cached_tokens == 0
 
 
