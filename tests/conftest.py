@@ -106,7 +106,10 @@ def model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     """One real-model server for the session (4 slots, 1024-token context per slot)."""
     cfg = tmp_path_factory.mktemp("model") / "config.toml"
     store = cfg.parent / "store.sqlite3"
-    cfg.write_text(f'[engine]\nslots = 4\nctx_per_slot = 4608\n[store]\npath = "{store}"\n')
+    # Without the prompt-prefix cache: these tests compare greedy replies to repeated prompts, and a
+    # cached prompt re-decodes its last token in a one-token batch, whose logits can round
+    # differently (README "Prompt-prefix cache"); tests/test_prefix_cache.py tests the cache.
+    cfg.write_text(f'[engine]\nslots = 4\nctx_per_slot = 4608\nprefix_cache = false\n[store]\npath = "{store}"\n')
     server = ServerProcess(["--config", str(cfg)])
     yield server
     server.stop()

@@ -11,6 +11,7 @@ import json
 
 import httpx
 import pytest
+import trio
 
 from ringserve.core.errors import ErrorKind
 from ringserve.core.events import ChatMessage, Finish, GenerationRequest, SamplingParams, StopReason, TextDelta
@@ -176,6 +177,10 @@ async def test_surfaces_report_cached_tokens_in_their_own_fields(tmp_path):
             body = {**ANTHROPIC_BODY, "system": SYSTEM, "messages": messages[1:]}
             full = (await client.post("/v1/messages", json=body)).json()
             _, events, _ = await sse_events(client, "POST", "/v1/messages", json={**body, "stream": True})
+            # the terminal event is in the log before the runner's next step releases the slot
+            with trio.fail_after(10):
+                while state.hub.runner.statistics().slots_busy:
+                    await trio.sleep(0.01)
             metrics = (await client.get("/metrics")).text
     n = first["usage"]["prompt_tokens"]
     assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
