@@ -32,7 +32,7 @@ from ringserve.config import Config
 from ringserve.core.coalesce import Coalescer
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import Failure, Finish, GenerationEvent, StopReason, TextDelta, Usage
-from ringserve.core.ringlog import Entry, Gap, LogState, format_event_id, parse_event_id
+from ringserve.core.ringlog import Gap, LogState, format_event_id, parse_event_id
 from ringserve.core.sse import encode_event
 from ringserve.core.status import CancelReason, MessageStatus, Policy, advance
 from ringserve.engine.runner import Generation, Runner
@@ -131,11 +131,6 @@ class StreamEnded(Exception):
     connection for good), where a 200 with an empty body would make it
     reconnect forever.
     """
-
-
-#: Seconds a resume with an event id past the end of a live log waits for it (:meth:`Hub._catch_up`):
-#: many flush intervals of another replica's pipelined appends, and short enough for a 400.
-CATCH_UP_SECONDS = 1.0
 
 
 class Hub:
@@ -544,7 +539,9 @@ class Hub:
         try:
             check = log.read_from(after, limit=0)
         except ValueError:
-            check = await self._catch_up(log, after)
+            raise RingserveError(
+                ErrorKind.INVALID_REQUEST, "Last-Event-ID names an event that was never sent", param="Last-Event-ID"
+            ) from None
         if isinstance(check, Gap):
             raise RingserveError(
                 ErrorKind.GONE,
@@ -552,26 +549,6 @@ class Hub:
                 f" the ring; GET /v1/messages/{message_id} has the text",
             )
         return log, after
-
-    async def _catch_up(self, log: MessageLog, after: int | None) -> list[Entry] | Gap:
-        """``log.read_from(after)`` for an id past what ``log`` holds yet, after waiting for it.
-
-        With the Redis backend a client can hold an event id from the owning replica that this
-        replica's copy has not received yet (the owner's flush is under way), so a live log gets
-        :data:`CATCH_UP_SECONDS` to reach it; a closed log, or one that does not, never sent it.
-
-        Raises:
-            RingserveError: ``INVALID_REQUEST`` when the id is still past the log's end.
-        """
-        with trio.move_on_after(CATCH_UP_SECONDS):
-            while not log.closed and after is not None and log.next_seq <= after:
-                await log.wait_for_entries(log.next_seq - 1 if log.next_seq else None)
-        try:
-            return log.read_from(after, limit=0)
-        except ValueError:
-            raise RingserveError(
-                ErrorKind.INVALID_REQUEST, "Last-Event-ID names an event that was never sent", param="Last-Event-ID"
-            ) from None
 
     def stream(
         self, log: MessageLog, after: int | None, on_heartbeat: Callable[[], None] | None = None
