@@ -42,12 +42,93 @@ class StopReason(enum.StrEnum):
     REFUSAL = "refusal"
 
 
+class BlockKind(enum.StrEnum):
+    """The kind of one content block of a message.
+
+    ``TEXT`` deltas are text; ``TOOL_CALL`` deltas are fragments of the call's
+    arguments, JSON text (their concatenation is one JSON object);
+    ``REASONING`` is reserved for reasoning text (nothing emits it yet).
+    """
+
+    TEXT = "text"
+    TOOL_CALL = "tool_call"
+    REASONING = "reasoning"
+
+
+@attrs.frozen
+class ToolCall:
+    """A tool call of an earlier assistant turn (conversation history).
+
+    ``call_id`` is the id as the client sent it (``toolu_...``, ``call_...``);
+    ``arguments`` is JSON text of an object.
+    """
+
+    call_id: str
+    name: str
+    arguments: str
+
+
 @attrs.frozen
 class ChatMessage:
-    """One chat turn. ``role`` is ``system``, ``user`` or ``assistant``."""
+    """One chat turn. ``role`` is ``system``, ``user``, ``assistant`` or ``tool``.
 
-    role: str = attrs.field(validator=attrs.validators.in_(("system", "user", "assistant")))
+    ``tool_calls`` are an assistant turn's calls (after its ``content``);
+    a ``tool`` turn is the result of the call ``tool_call_id`` (its
+    ``content``), ``is_error`` when the tool failed.
+    """
+
+    role: str = attrs.field(validator=attrs.validators.in_(("system", "user", "assistant", "tool")))
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    is_error: bool = False
+
+
+@attrs.frozen
+class ToolSpec:
+    """A tool the model may call: ``parameters`` is the JSON text of its arguments' JSON schema
+    (an object schema); ``strict`` asks for arguments decoded under that schema's grammar."""
+
+    name: str
+    description: str
+    parameters: str
+    strict: bool = False
+
+
+class ToolChoiceMode(enum.StrEnum):
+    """``AUTO``: the model decides; ``NONE``: no tool call; ``REQUIRED``: at least one call of
+    any tool (Anthropic ``any``, OpenAI ``required``); ``NAMED``: a call of one named tool."""
+
+    AUTO = "auto"
+    NONE = "none"
+    REQUIRED = "required"
+    NAMED = "named"
+
+
+@attrs.frozen
+class ToolChoice:
+    """How the model may use the request's tools; ``name`` is the tool of ``NAMED``."""
+
+    mode: ToolChoiceMode = ToolChoiceMode.AUTO
+    name: str = ""
+    parallel: bool = True
+
+
+class OutputKind(enum.StrEnum):
+    """The form of a text answer: free ``TEXT``, any ``JSON_OBJECT``, or ``JSON_SCHEMA``."""
+
+    TEXT = "text"
+    JSON_OBJECT = "json_object"
+    JSON_SCHEMA = "json_schema"
+
+
+@attrs.frozen
+class OutputFormat:
+    """Structured output: the answer's text is decoded under a grammar; ``schema`` is the
+    JSON text of the schema for ``JSON_SCHEMA`` (empty otherwise)."""
+
+    kind: OutputKind = OutputKind.TEXT
+    schema: str = ""
 
 
 @attrs.frozen
@@ -80,6 +161,9 @@ class GenerationRequest:
         stop: stop strings; the first one matched ends the generation and is
             not emitted.
         priority: admission priority, smaller is served first (0 default).
+        tools: the tools the model may call (names unique).
+        tool_choice: how it may call them (ignored when ``tools`` is empty).
+        output: the form of the text answer (structured output).
     """
 
     messages: tuple[ChatMessage, ...]
@@ -87,6 +171,9 @@ class GenerationRequest:
     sampling: SamplingParams = attrs.Factory(SamplingParams)
     stop: tuple[str, ...] = ()
     priority: int = 0
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: ToolChoice = ToolChoice()
+    output: OutputFormat = OutputFormat()
 
 
 @attrs.frozen
@@ -113,6 +200,63 @@ class TextDelta:
 
     text: str
     tokens: int = 0
+
+
+@attrs.frozen
+class BlockStart:
+    """A content block begins. ``index`` counts the message's blocks from 0.
+
+    For ``TOOL_CALL``: ``name`` is the tool and ``call_id`` a surface-neutral
+    id (24 hex characters) that each surface spells (``toolu_<id>``,
+    ``call_<id>``).
+
+    Order every consumer may rely on: blocks are sequential, one open at a
+    time (``BlockStart(i)``, ``BlockDelta(i)``..., ``BlockStop(i)`` for i = 0,
+    1, ...), then exactly one :class:`Finish` or :class:`Failure`. Before a
+    ``Finish`` every block is stopped and there is at least one block (an
+    empty text block when nothing was generated); a ``Failure`` may come while
+    a block is open.
+    """
+
+    index: int
+    kind: BlockKind
+    name: str = ""
+    call_id: str = ""
+
+
+@attrs.frozen
+class BlockDelta:
+    """More of block ``index``: text, or a fragment of a tool call's arguments.
+
+    Text is whole UTF-8 characters, never a stop string. ``tokens`` is the
+    number of sampled tokens decoded since the previous delta (it can be 0
+    when held-back text is released late).
+    """
+
+    index: int
+    text: str
+    tokens: int = 0
+
+
+@attrs.frozen
+class BlockStop:
+    """Block ``index`` is complete."""
+
+    index: int
+
+
+@attrs.frozen
+class ContentBlock:
+    """A whole content block (non-stream answers, the store, ``GET``).
+
+    ``text`` is the text, or a tool call's arguments (JSON text); ``name``
+    and ``call_id`` as in :class:`BlockStart`.
+    """
+
+    kind: BlockKind
+    text: str = ""
+    name: str = ""
+    call_id: str = ""
 
 
 @attrs.frozen
