@@ -1,21 +1,23 @@
 """The HTTP shell: quart-trio routes over the hub, the runner and the surfaces.
 
-Handlers parse, submit and stream; policy lives in ``stream/hub.py`` and
-``engine/runner.py``. Errors found before the first byte are answered with an
+Handlers only map decisions to responses: what a generation request gets is
+decided by ``stream/admission.py`` (plain functions of values), the hub and
+``engine/runner.py`` hold the rest of the policy, and every JSON body is
+spelled under ``surfaces/`` (ringserve's own in ``surfaces/ringserve.py``); the
+surface of a request is looked up once (``surfaces/registry.py``). Errors found before the first byte are answered with an
 HTTP status and the surface's own error JSON; once a stream has started, errors
 are in-band events written by the producer.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any, cast
+from typing import Any, assert_never, cast
 
 import attrs
 import trio
@@ -30,26 +32,37 @@ from ringserve.accesslog import AccessRecord
 from ringserve.auth import Authenticator
 from ringserve.config import Config
 from ringserve.connections import SendWatchdog
+from ringserve.core import health as core_health
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import Usage
-from ringserve.core.limits import ReaderGate, check_request
-from ringserve.core.prefer import parse_prefer
-from ringserve.core.status import FINAL_STATUSES, CancelReason, MessageStatus
+from ringserve.core.limits import ReaderGate
+from ringserve.core.status import FINAL_STATUSES, CancelReason
 from ringserve.messages import StoredMessage, store_failed
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ringserve.metrics import Metrics
-from ringserve.stream.hub import Hub, LiveMessage, StreamEnded, request_hash
+from ringserve.stream.admission import (
+    RESPOND_ASYNC,
+    Accepted,
+    Answer,
+    Decision,
+    ReplayStored,
+    RequestHeaders,
+    Refuse,
+    StreamLive,
+    WaitLive,
+    admit,
+    answer,
+    finished,
+)
+from ringserve.stream.hub import Hub, LiveMessage, StreamEnded
 from ringserve.stream.logs import store_unavailable
 from ringserve.stream.reader import ReaderLagged
-from ringserve.surfaces.anthropic import AnthropicSurface
-from ringserve.surfaces.base import MessageResult, Surface, dumps
-from ringserve.surfaces.openai import OpenAISurface
+from ringserve.surfaces import ringserve as ringserve_json
+from ringserve.surfaces.base import Surface, dumps
+from ringserve.surfaces.registry import SURFACES
+from ringserve.surfaces.ringserve import MessageStatusView, ModelInfo, StreamToken, message_url
 
 log = logging.getLogger("ringserve")
-
-ANTHROPIC = AnthropicSurface()
-OPENAI = OpenAISurface()
-SURFACES: dict[str, Surface] = {s.name: s for s in (ANTHROPIC, OPENAI)}
 
 #: Response headers of every event stream (C9): no proxy buffering, no caching.
 SSE_HEADERS = {
@@ -58,6 +71,7 @@ SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 _CLEANUPS = "ringserve.cleanups"
+_SURFACE = "ringserve.surface"  # the request's surface, once looked up (request_surface)
 
 
 class ClosingHTTPConnection(TrioASGIHTTPConnection):
@@ -176,8 +190,7 @@ def _access() -> AccessRecord:
 def _error_response(surface: Surface, error: RingserveError) -> Response:
     """The surface's error JSON with the error's status; noted for the access log and metrics."""
     _access().error_kind = error.kind
-    status = getattr(surface, "error_status", lambda e: e.status)(error)
-    resp = Response(dumps(surface.error_json(error)), status, content_type="application/json")
+    resp = Response(dumps(surface.error_json(error)), surface.error_status(error), content_type="application/json")
     if error.retry_after is not None:
         # Retry-After is whole seconds (RFC 9110, section 10.2.3), rounded up so that no client
         # comes back early; both SDKs read the exact value from retry-after-ms first.
@@ -192,26 +205,40 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 
 def message_status_json(msg: LiveMessage | StoredMessage) -> dict[str, Any]:
     """``GET /v1/messages/{id}``: the message's status, text (so far), stop reason and usage."""
-    if isinstance(msg, LiveMessage):
-        text, usage, surface = "".join(msg.parts), msg.usage, msg.surface
-        input_tokens, output_tokens = usage.input_tokens, usage.output_tokens
-    else:
-        text, surface = msg.text, SURFACES[msg.surface]
-        input_tokens, output_tokens = msg.input_tokens, msg.output_tokens
-    return {
-        "id": msg.id,
-        "object": "ringserve.message",
-        "surface": surface.name,
-        "model": msg.model,
-        "created": msg.created,
-        "status": msg.status.value,
-        "text": text,
-        "stop_reason": None if msg.stop_reason is None else surface.stop_reason(msg.stop_reason),
-        "stop_sequence": msg.stop_sequence,
-        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
-        "error": msg.error,
-        "stream_url": f"/v1/messages/{msg.id}/stream",
-    }
+    match msg:
+        case LiveMessage():
+            view = MessageStatusView(msg.id, msg.surface, msg.model, msg.created, msg.status, "".join(msg.parts),
+                                     msg.stop_reason, msg.stop_sequence, msg.usage, msg.error)
+        case StoredMessage():
+            view = MessageStatusView(msg.id, SURFACES.by_name(msg.surface), msg.model, msg.created, msg.status,
+                                     msg.text, msg.stop_reason, msg.stop_sequence,
+                                     Usage(msg.input_tokens, msg.output_tokens), msg.error)
+        case _:
+            assert_never(msg)
+    return ringserve_json.message_status_json(view)
+
+
+def _request_headers() -> RequestHeaders:
+    """The headers that steer a generation request, as values."""
+    headers = request.headers
+    return RequestHeaders(
+        prefer=tuple(headers.getlist("Prefer")),
+        idempotency_key=headers.get("Idempotency-Key"),
+        disconnect_policy=headers.get("Ringserve-Disconnect-Policy"),
+    )
+
+
+def request_surface() -> Surface:
+    """The surface whose error shape answers this request (``Surfaces.for_request``), looked up
+    once per request and kept in its scope."""
+    scope = _extensions(request.scope)
+    surface: Surface | None = scope.get(_SURFACE)
+    if surface is None:
+        message_id = (request.view_args or {}).get("message_id")
+        surface = scope[_SURFACE] = SURFACES.for_request(
+            request.path, {name.lower() for name in request.headers.keys()}, message_id
+        )
+    return surface
 
 
 def create_app(state: ServerState) -> RingserveQuart:
@@ -264,92 +291,62 @@ def create_app(state: ServerState) -> RingserveQuart:
         return resp
 
     async def generate(surface: Surface) -> Response:
+        """``POST`` on a generation route: :func:`admit`, ``Hub.create``, then :func:`respond`."""
         try:
             hub = hub_or_unavailable()
             if not hub.logs.available:
                 raise store_unavailable()
             raw = await request.get_data(cache=True, as_text=False, parse_form_data=False)
-            try:
-                body = json.loads(raw)
-            except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-                raise RingserveError(ErrorKind.INVALID_REQUEST, f"request body is not valid JSON: {exc}") from None
-            parsed = surface.parse_request(body)
-            limits = config.limits
-            check_request(parsed.request, max_messages=limits.max_messages, max_text_chars=limits.max_message_chars)
-            if config.model.strict_model_name and parsed.model and parsed.model != state.model_id:
-                raise RingserveError(ErrorKind.NOT_FOUND, f"model {parsed.model[:100]!r} is not served here", param="model")
-            respond_async = "respond-async" in parse_prefer(",".join(request.headers.getlist("Prefer")))
-            policy = hub.policy_for(
-                surface, respond_async=respond_async, override=request.headers.get("Ringserve-Disconnect-Policy")
-            )
+            start = admit(surface, raw, _request_headers(), config, state.model_id)
+            if isinstance(start, Refuse):
+                return _error_response(surface, start.error)
             admit_reader()
             msg, _created = await hub.create(
                 surface,
-                parsed,
-                body_hash=request_hash(raw),
-                request_json=raw.decode("utf-8", "replace"),
-                policy=policy,
-                idempotency_key=request.headers.get("Idempotency-Key"),
+                start.parsed,
+                body_hash=start.body_hash,
+                request_json=start.request_json,
+                policy=start.policy,
+                idempotency_key=start.idempotency_key,
             )
-            _access().message_id = msg.id
-            if respond_async:
-                location = f"/v1/messages/{msg.id}"
-                payload = {"id": msg.id, "status": msg.status.value, "url": location, **stream_token_json(msg.id)}
-                headers = {"Location": location, "Preference-Applied": "respond-async", "X-Message-Id": msg.id}
-                return _json(payload, 202, headers)
-            if isinstance(msg, StoredMessage):  # an idempotent retry of a finished message
-                if parsed.stream:
-                    log_, after = await hub.open_log(msg.id, None)  # GONE once the log expired
-                    return sse_response(hub, log_, after, {"X-Message-Id": msg.id})
-                return stored_answer(surface, msg)
-            if parsed.stream:
-                return sse_response(hub, msg.log, None, {"X-Message-Id": msg.id})
-            with msg.open_log.reader():
-                await msg.done.wait()
-            return finished_answer(surface, msg)
         except RingserveError as exc:
             return _error_response(surface, exc)
+        _access().message_id = msg.id
+        return await respond(hub, surface, answer(start, msg))
 
-    def finished_answer(surface: Surface, msg: LiveMessage) -> Response:
-        if msg.status in (MessageStatus.FAILED, MessageStatus.INTERRUPTED):  # interrupted: ended by the drain
-            kind = ErrorKind.UNAVAILABLE if msg.cancel_reason is CancelReason.DRAIN else ErrorKind.API_ERROR
-            return _error_response(surface, RingserveError(kind, msg.error or "generation failed", retryable=True))
-        return _json(surface.message_json(msg.result()), headers={"X-Message-Id": msg.id})
-
-    def stored_answer(surface: Surface, msg: StoredMessage) -> Response:
-        """A finished message as its surface's JSON (``Hub.create`` generates failed ones again)."""
-        if msg.status not in (MessageStatus.COMPLETE, MessageStatus.CANCELLED):
-            raise RingserveError(ErrorKind.CONFLICT, f"message {msg.id} is {msg.status.value}")
-        result = MessageResult(msg.id, msg.model, msg.created, msg.text, msg.stop_reason, msg.stop_sequence,
-                               Usage(msg.input_tokens, msg.output_tokens), cancelled=msg.status is MessageStatus.CANCELLED)
-        return _json(surface.message_json(result), headers={"X-Message-Id": msg.id})
-
-    def surface_of(message_id: str) -> Surface:
-        return OPENAI if message_id.startswith(OPENAI.id_prefix) else ANTHROPIC
-
-    def request_surface() -> Surface:
-        """The surface whose error shape answers this request: by message id; else Anthropic under
-        /v1/messages or with the Anthropic SDK's ``anthropic-version`` header (/v1/models is read by
-        both SDKs); else OpenAI (also outside /v1, like hypercorn's own 400s: connections.py)."""
-        message_id = (request.view_args or {}).get("message_id")
-        if message_id is not None:
-            return surface_of(message_id)
-        if request.path.startswith("/v1/messages") or "anthropic-version" in request.headers:
-            return ANTHROPIC
-        return OPENAI
+    async def respond(hub: Hub, surface: Surface, decision: Decision) -> Response:
+        """The response to a started request's :data:`Decision` (the one map from decisions)."""
+        match decision:
+            case Refuse():
+                return _error_response(surface, decision.error)
+            case Accepted(message=msg):
+                headers = {"Location": message_url(msg.id), "Preference-Applied": RESPOND_ASYNC, "X-Message-Id": msg.id}
+                return _json(ringserve_json.accepted_json(msg.status, stream_token(msg.id)), 202, headers)
+            case StreamLive(message=msg):
+                return sse_response(hub, msg.open_log, None, {"X-Message-Id": msg.id})
+            case ReplayStored(message=stored):
+                try:
+                    log_, after = await hub.open_log(stored.id, None)  # GONE once the log expired
+                except RingserveError as exc:
+                    return _error_response(surface, exc)
+                return sse_response(hub, log_, after, {"X-Message-Id": stored.id})
+            case WaitLive(message=msg):
+                with msg.open_log.reader():  # a reader, so that the abort policy does not fire
+                    await msg.done.wait()
+                return await respond(hub, surface, finished(msg))
+            case Answer(result=result):
+                return _json(surface.message_json(result), headers={"X-Message-Id": result.message_id})
+            case _:
+                assert_never(decision)
 
     def admit_reader(message_readers: int = 0) -> None:
         """Count this request as a reader of its client until it ends (429 over the limits)."""
         leave = state.gate.enter(request.remote_addr or "", message_readers)
         _extensions(request.scope).setdefault(_CLEANUPS, []).append(leave)
 
-    def stream_token_json(message_id: str) -> dict[str, Any]:
+    def stream_token(message_id: str) -> StreamToken:
         token, expires = state.auth.issue(message_id)
-        return {
-            "stream_token": token,
-            "stream_token_expires_at": expires,
-            "stream_url": f"/v1/messages/{message_id}/stream?stream_token={token}",
-        }
+        return StreamToken(message_id, token, expires)
 
     @app.before_request
     async def authenticate() -> Response | None:
@@ -377,20 +374,18 @@ def create_app(state: ServerState) -> RingserveQuart:
         resp.headers["WWW-Authenticate"] = 'Bearer realm="ringserve"'
         return resp
 
-    @app.post("/v1/messages")
-    async def anthropic_messages() -> Response:
-        return await generate(ANTHROPIC)
+    for path, surface in SURFACES.routes.items():
+        async def generate_route(surface: Surface = surface) -> Response:
+            return await generate(surface)
 
-    @app.post("/v1/chat/completions")
-    async def openai_chat_completions() -> Response:
-        return await generate(OPENAI)
+        app.add_url_rule(path, f"generate_{surface.name}", generate_route, methods=["POST"])
 
     @app.get("/v1/messages/<message_id>")
     async def get_message(message_id: str) -> Response:
         try:
             return _json(message_status_json(await hub_or_unavailable().find(message_id)))
         except RingserveError as exc:
-            return _error_response(surface_of(message_id), exc)
+            return _error_response(request_surface(), exc)
 
     @app.get("/v1/messages/<message_id>/stream")
     async def resume_stream(message_id: str) -> Response:
@@ -408,7 +403,7 @@ def create_app(state: ServerState) -> RingserveQuart:
             return Response(b"", 204, headers={"X-Message-Id": message_id})
         except RingserveError as exc:
             state.metrics.resumed("expired" if exc.kind is ErrorKind.GONE else "rejected")
-            return _error_response(surface_of(message_id), exc)
+            return _error_response(request_surface(), exc)
         state.metrics.resumed("ok")
         return sse_response(hub, log_, after, {"X-Message-Id": message_id})
 
@@ -419,8 +414,8 @@ def create_app(state: ServerState) -> RingserveQuart:
         try:
             await hub_or_unavailable().find(message_id)
         except RingserveError as exc:
-            return _error_response(surface_of(message_id), exc)
-        return _json({"id": message_id, **stream_token_json(message_id)})
+            return _error_response(request_surface(), exc)
+        return _json(ringserve_json.stream_token_json(stream_token(message_id)))
 
     @app.post("/v1/messages/<message_id>/cancel")
     async def cancel_message(message_id: str) -> Response:
@@ -434,26 +429,13 @@ def create_app(state: ServerState) -> RingserveQuart:
                 msg = await hub.cancel_elsewhere(msg)
             return _json(message_status_json(msg))
         except RingserveError as exc:
-            return _error_response(surface_of(message_id), exc)
-
-    def model_json() -> dict[str, Any]:
-        """The served model in a shape both SDKs read (OpenAI ``Model``, Anthropic ``ModelInfo``)."""
-        return {
-            "id": state.model_id,
-            "object": "model",
-            "type": "model",
-            "created": int(state.started),
-            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.started)),
-            "display_name": state.model_id,
-            "owned_by": "ringserve",
-        }
+            return _error_response(request_surface(), exc)
 
     @app.get("/v1/models")
     async def models() -> Response:
         if state.hub is None:
             return _error_response(request_surface(), RingserveError(ErrorKind.UNAVAILABLE, "the model is still loading"))
-        return _json({"object": "list", "data": [model_json()], "has_more": False,
-                      "first_id": state.model_id, "last_id": state.model_id})
+        return _json(ringserve_json.models_json(ModelInfo(state.model_id, state.started)))
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
@@ -462,7 +444,7 @@ def create_app(state: ServerState) -> RingserveQuart:
             return _error_response(request_surface(), RingserveError(ErrorKind.UNAVAILABLE, "the model is still loading"))
         if model_id != state.model_id and config.model.strict_model_name:
             return _error_response(request_surface(), RingserveError(ErrorKind.NOT_FOUND, f"no model {model_id[:100]!r}"))
-        return _json(model_json())
+        return _json(ringserve_json.model_json(ModelInfo(state.model_id, state.started)))
 
     @app.get("/")
     async def playground() -> Response:
@@ -476,22 +458,24 @@ def create_app(state: ServerState) -> RingserveQuart:
         For an orchestrator's liveness probe give it a start-up delay or a
         startup probe covering the model load; use ``/ready`` for traffic.
         """
-        if state.hub is None:
-            return _json({"status": "loading", "model": None}, 503)
-        return _json({"status": "draining" if state.hub.draining else "ok", "model": state.model_id})
+        hub = state.hub
+        status = core_health.health(loaded=hub is not None, draining=hub is not None and hub.draining)
+        body = ringserve_json.health_json(status, None if hub is None else state.model_id)
+        return _json(body, 503 if status is core_health.Health.LOADING else 200)
 
     @app.get("/ready")
     async def ready() -> Response:
         """Readiness: 200 once the model is loaded and the decode loop runs; 503 before, while
         draining, and while the Redis log backend cannot reach Redis."""
         hub = state.hub
-        if hub is None:
-            return _json({"status": "loading"}, 503)
-        if hub.draining or not hub.runner.running:
-            return _json({"status": "draining" if hub.draining else "stopped"}, 503)
-        if not hub.logs.available:
-            return _json({"status": "log store unavailable"}, 503)
-        return _json({"status": "ready", "model": state.model_id})
+        status = core_health.readiness(
+            loaded=hub is not None,
+            draining=hub is not None and hub.draining,
+            running=hub is not None and hub.runner.running,
+            store_available=hub is not None and hub.logs.available,
+        )
+        return _json(ringserve_json.ready_json(status, state.model_id),
+                     200 if status is core_health.Readiness.READY else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
