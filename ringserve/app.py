@@ -206,14 +206,16 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 
 
 def message_status_json(msg: LiveMessage | StoredMessage) -> dict[str, Any]:
-    """``GET /v1/messages/{id}``: the message's status, text (so far), stop reason and usage."""
+    """``GET /v1/messages/{id}``: the message's status, text and content blocks (so far, in its
+    surface's shape), stop reason and usage (``surfaces/ringserve.py``)."""
     match msg:
         case LiveMessage():
-            view = MessageStatusView(msg.id, msg.surface, msg.model, msg.created, msg.status, "".join(msg.parts),
-                                     msg.stop_reason, msg.stop_sequence, msg.usage, msg.error)
+            snap = msg.snapshot()
+            view = MessageStatusView(msg.id, msg.surface, msg.model, msg.created, msg.status, snap.content,
+                                     snap.stop_reason, snap.stop_sequence, snap.usage, snap.error)
         case StoredMessage():
             view = MessageStatusView(msg.id, SURFACES.by_name(msg.surface), msg.model, msg.created, msg.status,
-                                     msg.text, msg.stop_reason, msg.stop_sequence,
+                                     msg.blocks, msg.stop_reason, msg.stop_sequence,
                                      Usage(msg.input_tokens, msg.output_tokens), msg.error)
         case _:
             assert_never(msg)

@@ -11,7 +11,8 @@ import pytest
 
 from ringserve.config import Config, LimitsConfig, ModelConfig, PolicyConfig
 from ringserve.core.errors import ErrorKind, RingserveError
-from ringserve.core.events import StopReason, Usage
+from ringserve.core.events import BlockDelta, BlockKind, BlockStart, BlockStop, ContentBlock, Failure, Finish, StopReason, Usage
+from ringserve.core.producer import Producer
 from ringserve.core.status import CancelReason, MessageStatus, Policy
 from ringserve.messages import StoredMessage
 from ringserve.metrics import StreamTimer
@@ -55,9 +56,23 @@ def refused(body: Any = ANTHROPIC_BODY, headers: RequestHeaders = RequestHeaders
     return decision.error
 
 
-def live(status: MessageStatus = MessageStatus.GENERATING, **fields: Any) -> LiveMessage:
-    return LiveMessage(id="msg_1", surface=ANTHROPIC, model=SERVED, created=1700000000, include_usage=False,
-                       policy=Policy.ABORT, request_hash="h", status=status, timer=StreamTimer(0.0), **fields)
+def live(*events: Any, **fields: Any) -> LiveMessage:
+    """A live message whose producer has taken ``events`` (a ``CancelReason`` stands for a cancel
+    from outside)."""
+    msg = LiveMessage(id="msg_1", surface=ANTHROPIC, model=SERVED, created=1700000000, include_usage=False,
+                      policy=Policy.ABORT, request_hash="h", timer=StreamTimer(0.0), **fields)
+    producer = msg.producer = Producer("msg_1", ANTHROPIC.renderer("msg_1", SERVED, 1700000000, False), Usage(3, 0),
+                                       flush_seconds=0.0, flush_tokens=1, persist_seconds=1.0)
+    producer.start()
+    for event in events:
+        if isinstance(event, CancelReason):
+            producer.interrupted(event, Usage(3, 1), 0.0)
+        else:
+            producer.event(event, Usage(3, 1), 0.0)
+    return msg
+
+
+TEXT = (BlockStart(0, BlockKind.TEXT), BlockDelta(0, "he", 1), BlockDelta(0, "llo", 1), BlockStop(0))
 
 
 def stored(status: MessageStatus, **fields: Any) -> StoredMessage:
@@ -149,13 +164,13 @@ def started(*, stream: bool, respond_async: bool = False) -> Start:
 
 
 def test_respond_async_is_accepted_whatever_the_message() -> None:
-    for message in (live(), stored(MessageStatus.COMPLETE), stored(MessageStatus.GENERATING)):
+    for message in (live(*TEXT), stored(MessageStatus.COMPLETE), stored(MessageStatus.GENERATING)):
         for stream in (False, True):
             assert answer(started(stream=stream, respond_async=True), message) == Accepted(message)
 
 
 def test_a_live_message_is_streamed_or_waited_for() -> None:
-    message = live()
+    message = live(*TEXT)
     assert answer(started(stream=True), message) == StreamLive(message)
     assert answer(started(stream=False), message) == WaitLive(message)
 
@@ -172,7 +187,8 @@ def test_a_retry_of_a_finished_message_gets_the_stored_answer() -> None:
     decision = answer(started(stream=False), message)
     assert isinstance(decision, Answer)
     result = decision.result
-    assert (result.message_id, result.model, result.created, result.text) == ("msg_2", SERVED, 1700000001, "hi")
+    assert (result.message_id, result.model, result.created) == ("msg_2", SERVED, 1700000001)
+    assert result.content == (ContentBlock(BlockKind.TEXT, "hi"),)  # a row from before schema 4: its text
     assert (result.stop_reason, result.stop_sequence, result.usage) == (StopReason.STOP_SEQUENCE, "\n", Usage(5, 2))
     assert not result.cancelled
     assert stored_result(stored(MessageStatus.CANCELLED)).cancelled
@@ -190,20 +206,20 @@ def test_a_retry_of_a_message_still_generating_elsewhere_is_a_conflict() -> None
 
 
 def test_a_finished_live_message_is_answered() -> None:
-    message = live(MessageStatus.COMPLETE, stop_reason=StopReason.END, usage=Usage(3, 4))
-    message.parts.extend(["he", "llo"])
-    decision = finished(message)
+    decision = finished(live(*TEXT, Finish(StopReason.END, Usage(3, 4))))
     assert isinstance(decision, Answer)
-    assert (decision.result.text, decision.result.usage, decision.result.cancelled) == ("hello", Usage(3, 4), False)
-    cancelled = finished(live(MessageStatus.CANCELLED, stop_reason=StopReason.CANCELLED))
-    assert isinstance(cancelled, Answer) and cancelled.result.cancelled
+    result = decision.result
+    assert (result.text, result.stop_reason, result.usage, result.cancelled) == ("hello", StopReason.END, Usage(3, 4), False)
+    cancelled = finished(live(*TEXT, CancelReason.REQUESTED))
+    assert isinstance(cancelled, Answer) and cancelled.result.cancelled and cancelled.result.text == "hello"
 
 
 def test_a_failed_or_interrupted_live_message_is_a_retryable_error() -> None:
     cases = [
-        (live(MessageStatus.FAILED, error="boom"), ErrorKind.API_ERROR, "boom"),
-        (live(MessageStatus.FAILED), ErrorKind.API_ERROR, "generation failed"),
-        (live(MessageStatus.INTERRUPTED, error="bye", cancel_reason=CancelReason.DRAIN), ErrorKind.UNAVAILABLE, "bye"),
+        (live(*TEXT, Failure(ErrorKind.API_ERROR, "boom", Usage(3, 1), True)), ErrorKind.API_ERROR, "boom"),
+        (live(Failure(ErrorKind.OVERLOADED, "", Usage(3, 0), True)), ErrorKind.API_ERROR, "generation failed"),
+        (live(*TEXT, CancelReason.DRAIN, cancel_reason=CancelReason.DRAIN), ErrorKind.UNAVAILABLE,
+         "the server is shutting down; retry the request"),
     ]
     for message, kind, text in cases:
         decision = finished(message)

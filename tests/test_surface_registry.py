@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from ringserve.core.events import StopReason, Usage
+from ringserve.core.events import BlockKind, ContentBlock, StopReason, Usage
 from ringserve.core.health import Health, Readiness, health, readiness
 from ringserve.core.status import MessageStatus
 from ringserve.surfaces import ringserve as wire
@@ -77,17 +77,20 @@ def test_ids_and_names_must_not_overlap() -> None:
 # -- ringserve's own JSON ---------------------------------------------------------------------
 
 
-def test_message_status_json_spells_the_stop_reason_in_the_message_surface() -> None:
-    view = wire.MessageStatusView("chatcmpl-1", OPENAI, "m", 17, MessageStatus.COMPLETE, "hi", StopReason.MAX_TOKENS,
+def test_message_status_json_spells_content_and_stop_reason_in_the_message_surface() -> None:
+    blocks = (ContentBlock(BlockKind.TEXT, "h"), ContentBlock(BlockKind.TEXT, "i"))
+    view = wire.MessageStatusView("chatcmpl-1", OPENAI, "m", 17, MessageStatus.COMPLETE, blocks, StopReason.MAX_TOKENS,
                                   None, Usage(3, 2), None)
     assert wire.message_status_json(view) == {
         "id": "chatcmpl-1", "object": "ringserve.message", "surface": "openai", "model": "m", "created": 17,
-        "status": "complete", "text": "hi", "stop_reason": "length", "stop_sequence": None,
-        "usage": {"input_tokens": 3, "output_tokens": 2}, "error": None,
-        "stream_url": "/v1/messages/chatcmpl-1/stream",
+        "status": "complete", "text": "hi", "content": {"role": "assistant", "content": "hi", "refusal": None},
+        "stop_reason": "length", "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 2},
+        "error": None, "stream_url": "/v1/messages/chatcmpl-1/stream",
     }
     queued = attrs.evolve(view, surface=ANTHROPIC, status=MessageStatus.QUEUED, stop_reason=None)
-    assert wire.message_status_json(queued)["stop_reason"] is None
+    body = wire.message_status_json(queued)
+    assert body["stop_reason"] is None
+    assert body["content"] == [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
 
 
 def test_the_202_body_and_the_stream_token_body() -> None:

@@ -220,7 +220,7 @@ def finished(message: LiveMessage) -> Answer | Refuse:
     """
     if message.status in (MessageStatus.FAILED, MessageStatus.INTERRUPTED):
         kind = ErrorKind.UNAVAILABLE if message.cancel_reason is CancelReason.DRAIN else ErrorKind.API_ERROR
-        return Refuse(RingserveError(kind, message.error or "generation failed", retryable=True))
+        return Refuse(RingserveError(kind, message.snapshot().error or "generation failed", retryable=True))
     return Answer(message.result())
 
 
@@ -230,7 +230,7 @@ def stored_result(message: StoredMessage) -> MessageResult:
         message_id=message.id,
         model=message.model,
         created=message.created,
-        text=message.text,
+        content=message.blocks,
         stop_reason=message.stop_reason,
         stop_sequence=message.stop_sequence,
         usage=Usage(message.input_tokens, message.output_tokens),

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from ringserve.core.events import StopReason, Usage
+from ringserve.core.events import BlockKind, ContentBlock, StopReason, Usage
 from ringserve.core.health import Health, Readiness
 from ringserve.core.status import MessageStatus
 from ringserve.surfaces.base import Surface
@@ -38,8 +38,8 @@ def stream_url(message_id: str) -> str:
 class MessageStatusView:
     """A message, live or stored, as ``GET /v1/messages/{id}`` shows it.
 
-    ``text`` is the text released so far; ``stop_reason`` is surface-neutral and spelled by
-    ``surface``, the surface that made the message.
+    ``content`` is its content blocks released so far; ``stop_reason`` is surface-neutral; both
+    are spelled by ``surface``, the surface that made the message.
     """
 
     id: str
@@ -47,7 +47,7 @@ class MessageStatusView:
     model: str
     created: int
     status: MessageStatus
-    text: str
+    content: tuple[ContentBlock, ...]
     stop_reason: StopReason | None
     stop_sequence: str | None
     usage: Usage
@@ -55,7 +55,8 @@ class MessageStatusView:
 
 
 def message_status_json(view: MessageStatusView) -> dict[str, Any]:
-    """``GET /v1/messages/{id}`` (and the cancel answer): status, text so far, stop reason, usage."""
+    """``GET /v1/messages/{id}`` (and the cancel answer): status, the text and content blocks so far
+    (``content`` in the message's surface's shape), stop reason, usage."""
     surface = view.surface
     return {
         "id": view.id,
@@ -64,7 +65,8 @@ def message_status_json(view: MessageStatusView) -> dict[str, Any]:
         "model": view.model,
         "created": view.created,
         "status": view.status.value,
-        "text": view.text,
+        "text": "".join(b.text for b in view.content if b.kind is BlockKind.TEXT),
+        "content": surface.content_json(view.content),
         "stop_reason": None if view.stop_reason is None else surface.stop_reason(view.stop_reason),
         "stop_sequence": view.stop_sequence,
         "usage": {"input_tokens": view.usage.input_tokens, "output_tokens": view.usage.output_tokens},
