@@ -38,18 +38,20 @@ from ringserve.core.status import FINAL_STATUSES, CancelReason, MessageStatus
 from ringserve.messages import StoredMessage, store_failed
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ringserve.metrics import Metrics
+from ringserve.responses_routes import RouteKit, register_responses
 from ringserve.stream.hub import Hub, LiveMessage, StreamEnded, request_hash
 from ringserve.stream.logs import store_unavailable
 from ringserve.stream.reader import ReaderLagged
 from ringserve.surfaces.anthropic import AnthropicSurface
 from ringserve.surfaces.base import MessageResult, Surface, dumps
 from ringserve.surfaces.openai import OpenAISurface
+from ringserve.surfaces.responses import RESPONSES
 
 log = logging.getLogger("ringserve")
 
 ANTHROPIC = AnthropicSurface()
 OPENAI = OpenAISurface()
-SURFACES: dict[str, Surface] = {s.name: s for s in (ANTHROPIC, OPENAI)}
+SURFACES: dict[str, Surface] = {s.name: s for s in (ANTHROPIC, OPENAI, RESPONSES)}
 
 #: Response headers of every event stream (C9): no proxy buffering, no caching.
 SSE_HEADERS = {
@@ -365,8 +367,9 @@ def create_app(state: ServerState) -> RingserveQuart:
             return None
         message = "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"
         token = request.args.get("stream_token")
-        if request.endpoint == "resume_stream" and token is not None:
-            message_id = (request.view_args or {})["message_id"]  # None only when no route matched
+        if request.endpoint in ("resume_stream", "retrieve_response") and token is not None:
+            view_args = request.view_args or {}  # None only when no route matched
+            message_id = view_args.get("message_id") or view_args["response_id"]
             if auth.token_ok(token, message_id):
                 return None
             message = (
@@ -435,6 +438,13 @@ def create_app(state: ServerState) -> RingserveQuart:
             return _json(message_status_json(msg))
         except RingserveError as exc:
             return _error_response(surface_of(message_id), exc)
+
+    register_responses(app, RouteKit(
+        config=config, hub=hub_or_unavailable, sse_response=sse_response, admit_reader=admit_reader,
+        error_response=_error_response, json_response=_json,
+        note_message=lambda message_id: setattr(_access(), "message_id", message_id),
+        on_request_end=lambda fn: _extensions(request.scope).setdefault(_CLEANUPS, []).append(fn),
+    ))
 
     def model_json() -> dict[str, Any]:
         """The served model in a shape both SDKs read (OpenAI ``Model``, Anthropic ``ModelInfo``)."""

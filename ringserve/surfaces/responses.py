@@ -327,6 +327,28 @@ def parse_create(body: Any) -> ResponseCreate:
     )
 
 
+#: The fields of ``openai.types.responses.InputTokenCountParams`` (``POST /v1/responses/input_tokens``):
+#: each is decided by :data:`REQUEST_FIELDS`, but for ``personality``.
+COUNT_FIELDS = frozenset({"conversation", "input", "instructions", "model", "parallel_tool_calls", "personality",
+                          "previous_response_id", "reasoning", "text", "tool_choice", "tools", "truncation"})
+
+
+def parse_count(body: Any) -> ResponseCreate:
+    """Validate a ``POST /v1/responses/input_tokens`` body: the fields of :data:`COUNT_FIELDS`, as
+    :func:`parse_create` reads them (``personality``, a style preset, is refused).
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` naming the offending field.
+    """
+    body = require_object(body)
+    for key in body:
+        if key not in COUNT_FIELDS:
+            raise invalid(f"{key}: unknown field", param=key)
+    if body.get("personality") is not None:
+        raise invalid("personality: not supported by ringserve (style presets are not implemented)", param="personality")
+    return parse_create({k: v for k, v in body.items() if k != "personality"})
+
+
 def stored_create(request_json: str) -> ResponseCreate | None:
     """The parsed request of a stored response, or None when the store kept no prompt
     (``[store] keep_prompts = false``) or its body no longer parses."""
