@@ -109,17 +109,13 @@ def response_object(msg: LiveMessage | StoredMessage) -> dict[str, Any]:
     """The Response object of a live or stored message (usage once it ended)."""
     options = _options(msg)
     if isinstance(msg, LiveMessage):
-        text = "".join(msg.parts) if msg.parts else None
-        usage: Usage | None = msg.usage
-        error = msg.error
+        snap = msg.snapshot()
+        blocks, usage, stop_reason, error = snap.content, snap.usage, snap.stop_reason, snap.error
     else:
-        text, usage, error = msg.text, Usage(msg.input_tokens, msg.output_tokens), msg.error
-    outcome = status_outcome(msg.status, msg.stop_reason, error, options.background)
-    ended = msg.status in FINAL_STATUSES
-    if ended and text is None:
-        text = ""  # every ended response has its message item
+        blocks, usage, stop_reason, error = msg.blocks, Usage(msg.input_tokens, msg.output_tokens), msg.stop_reason, msg.error
+    outcome = status_outcome(msg.status, stop_reason, error, options.background)
     return response_json(msg.id, model=msg.model, created=msg.created, options=options, outcome=outcome,
-                         text=text, usage=usage if ended else None)
+                         blocks=blocks, usage=usage if msg.status in FINAL_STATUSES else None)
 
 
 def _history(hub: Hub, previous_id: str) -> tuple[ChatMessage, ...]:
@@ -242,7 +238,7 @@ def register_responses(app: Any, kit: RouteKit) -> None:
                 await msg.done.wait()
             if msg.status in (MessageStatus.FAILED, MessageStatus.INTERRUPTED):  # as on the other surfaces
                 kind = ErrorKind.UNAVAILABLE if msg.cancel_reason is CancelReason.DRAIN else ErrorKind.API_ERROR
-                return error(RingserveError(kind, msg.error or "generation failed", retryable=True))
+                return error(RingserveError(kind, msg.snapshot().error or "generation failed", retryable=True))
             return kit.json_response(response_object(msg), 200, headers)
         except RingserveError as exc:
             return error(exc)

@@ -278,7 +278,8 @@ async def test_cancel_ends_every_reader_frees_the_slot_and_is_idempotent(slow_se
     async with trio.open_nursery() as nursery:
         nursery.start_soon(reader)
         nursery.start_soon(reader)
-        await wait_until(lambda: (live := state.hub.live(rid)) is not None and len(live.parts) > 3
+        await wait_until(lambda: (live := state.hub.live(rid)) is not None and len(live.snapshot().content) == 1
+                         and len(live.snapshot().content[0].text) > 10
                          and live.open_log.readers >= 2)
         first = check_object(await client.post(f"/v1/responses/{rid}/cancel"))
     assert first["status"] == "cancelled" and first["output"][0]["status"] == "incomplete"
@@ -363,7 +364,7 @@ async def test_delete_of_a_running_response_cancels_it(slow_server):
     state, client = slow_server
     rid = check_object(await client.post("/v1/responses", json={"model": "any", "input": LONG_ECHO,
                                                                 "background": True}))["id"]
-    await wait_until(lambda: (live := state.hub.live(rid)) is not None and live.parts)
+    await wait_until(lambda: (live := state.hub.live(rid)) is not None and live.snapshot().content)
     resp = await client.delete(f"/v1/responses/{rid}")
     assert resp.status_code == 200 and resp.json() == {"id": rid, "object": "response.deleted", "deleted": True}
     assert state.hub.live(rid) is None and state.hub.store.get(rid) is None
@@ -455,3 +456,47 @@ async def wait_until_final(client: httpx.AsyncClient, response_id: str) -> dict[
         while (body := (await client.get(f"/v1/responses/{response_id}")).json())["status"] in ("queued", "in_progress"):
             await trio.sleep(0.01)
     return body
+
+
+# -- the renderer on plain values -----------------------------------------------------------------
+
+
+def _render(events: list[Any], options: responses_surface.ResponseOptions | None = None) -> list[dict[str, Any]]:
+    from ringserve.core.events import Usage
+    from ringserve.surfaces.base import render
+
+    renderer = responses_surface.ResponsesRenderer("resp_ab", "m", 1, options or responses_surface.ResponseOptions())
+    wire = renderer.start(Usage(3, 0))
+    for event in events:
+        wire += render(renderer, event)
+    out = []
+    for seq, w in enumerate(wire):
+        data = json.loads(w.data)
+        EVENT.validate_python(data, strict=True)
+        assert data["sequence_number"] == seq and data["type"] == w.event
+        out.append(data)
+    return out
+
+
+def test_renderer_items_per_block_and_the_last_items_status():
+    from ringserve.core.errors import ErrorKind
+    from ringserve.core.events import BlockDelta, BlockKind, BlockStart, BlockStop, Failure, Finish, StopReason, Usage
+
+    two = [BlockStart(0, BlockKind.TEXT), BlockDelta(0, "a"), BlockStop(0),
+           BlockStart(1, BlockKind.TEXT), BlockDelta(1, "b"), BlockStop(1)]
+    cut = _render([*two, Finish(StopReason.MAX_TOKENS, Usage(3, 2))])
+    done = [e for e in cut if e["type"] == "response.output_item.done"]
+    assert [(e["output_index"], e["item"]["status"]) for e in done] == [(0, "completed"), (1, "incomplete")]
+    final = cut[-1]["response"]
+    assert [i["id"] for i in final["output"]] == ["msg_ab", "msg_ab_1"]
+    assert [i["status"] for i in final["output"]] == ["completed", "incomplete"]
+    # a failure with a block open still closes its item before response.failed
+    failed = _render([BlockStart(0, BlockKind.TEXT), BlockDelta(0, "a"), Failure(ErrorKind.OVERLOADED, "x", Usage(3, 1))])
+    assert [e["type"] for e in failed[-4:]] == ["response.output_text.done", "response.content_part.done",
+                                                "response.output_item.done", "response.failed"]
+    assert failed[-1]["response"]["error"] == {"code": "rate_limit_exceeded", "message": "x"}
+    # a background response is queued first; an empty answer still has its (empty) item
+    empty = _render([BlockStart(0, BlockKind.TEXT), BlockStop(0), Finish(StopReason.END, Usage(3, 1))],
+                    responses_surface.ResponseOptions(background=True))
+    assert [e["type"] for e in empty[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert empty[0]["response"]["status"] == "queued" and empty[-1]["response"]["output"][0]["content"][0]["text"] == ""

@@ -44,7 +44,12 @@ import attrs
 
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
+    BlockDelta,
+    BlockKind,
+    BlockStart,
+    BlockStop,
     ChatMessage,
+    ContentBlock,
     Failure,
     Finish,
     GenerationRequest,
@@ -363,9 +368,10 @@ def stored_create(request_json: str) -> ResponseCreate | None:
 # -- the Response object ---------------------------------------------------------------------
 
 
-def item_id(response_id: str) -> str:
-    """The id of a response's message output item: ``msg_`` and the response id's own part."""
-    return "msg_" + response_id.removeprefix("resp_")
+def item_id(response_id: str, index: int = 0) -> str:
+    """The id of output item ``index`` (the message's content block ``index``): ``msg_`` and the
+    response id's own part, with ``_<index>`` after the first."""
+    return "msg_" + response_id.removeprefix("resp_") + (f"_{index}" if index else "")
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
@@ -385,10 +391,27 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _message_item(response_id: str, text: str | None, status: str) -> dict[str, Any]:
+def _text_only(kind: BlockKind) -> None:
+    """Text is the only block kind rendered until tool use lands (issue 14; tools are refused)."""
+    if kind is not BlockKind.TEXT:
+        raise NotImplementedError(f"Responses rendering of {kind.value} blocks")
+
+
+def _message_item(response_id: str, index: int, text: str | None, status: str) -> dict[str, Any]:
     """The assistant message output item (``ResponseOutputMessage``); ``text`` None: no part yet."""
     content = [] if text is None else [_text_part(text)]
-    return {"id": item_id(response_id), "type": "message", "role": "assistant", "status": status, "content": content}
+    return {"id": item_id(response_id, index), "type": "message", "role": "assistant", "status": status,
+            "content": content}
+
+
+def output_json(response_id: str, blocks: tuple[ContentBlock, ...], last_status: str) -> list[dict[str, Any]]:
+    """``Response.output``: one message item per text block; every item but the last is
+    ``completed``, the last one has ``last_status`` (the response's outcome)."""
+    items = []
+    for i, block in enumerate(blocks):
+        _text_only(block.kind)
+        items.append(_message_item(response_id, i, block.text, "completed" if i < len(blocks) - 1 else last_status))
+    return items
 
 
 @attrs.frozen
@@ -452,13 +475,13 @@ def response_json(
     created: int,
     options: ResponseOptions,
     outcome: Outcome,
-    text: str | None,
+    blocks: tuple[ContentBlock, ...],
     usage: Usage | None,
 ) -> dict[str, Any]:
     """The ``Response`` object (``openai.types.responses.Response``).
 
     Args:
-        text: the output text so far; None: no output item yet.
+        blocks: the content blocks so far (:func:`output_json`).
         usage: None until the response has ended.
     """
     return {
@@ -473,7 +496,7 @@ def response_json(
         "max_output_tokens": options.max_output_tokens,
         "metadata": options.metadata,
         "model": model,
-        "output": [] if text is None else [_message_item(response_id, text, outcome.item_status)],
+        "output": output_json(response_id, blocks, outcome.item_status),
         "parallel_tool_calls": True,
         "previous_response_id": options.previous_response_id,
         "temperature": options.temperature,
@@ -490,29 +513,33 @@ def response_json(
 
 
 class ResponsesRenderer:
-    """Renders one response's events as typed Responses stream events, counting their seqs."""
+    """Renders one response's events as typed Responses stream events, counting their seqs.
+
+    Each content block is an output item (``output_index`` = the block's index). A stopped block's
+    done events wait for what follows: the next block (the item is ``completed``) or the terminal
+    event (the item has the response's outcome: ``incomplete`` after a cut or a cancel).
+    """
 
     def __init__(self, response_id: str, model: str, created: int, options: ResponseOptions) -> None:
         self._id, self._model, self._created, self._options = response_id, model, created, options
         self._seq = 0
-        self._parts: list[str] = []
-        self._item: str | None = None  # "open": a block is streaming; "stopped": its done events are due
-        self._usage = Usage(0, 0)
+        self._items: list[list[str]] = []  # the text parts of each block's item
+        self._open: int | None = None  # a block started and not stopped
+        self._stopped: int | None = None  # a stopped block whose done events are due
 
     def _event(self, type_: str, **fields: Any) -> WireEvent:
         seq, self._seq = self._seq, self._seq + 1
         return WireEvent(dumps({"type": type_, "sequence_number": seq, **fields}), event=type_)
 
     def _response(self, outcome: Outcome, usage: Usage | None) -> dict[str, Any]:
-        text = None if self._item is None else "".join(self._parts)
+        blocks = tuple(ContentBlock(BlockKind.TEXT, "".join(parts)) for parts in self._items)
         return response_json(self._id, model=self._model, created=self._created, options=self._options,
-                             outcome=outcome, text=text, usage=usage)
+                             outcome=outcome, blocks=blocks, usage=usage)
 
-    def _where(self) -> dict[str, Any]:
-        return {"item_id": item_id(self._id), "output_index": 0, "content_index": 0}
+    def _where(self, index: int) -> dict[str, Any]:
+        return {"item_id": item_id(self._id, index), "output_index": index, "content_index": 0}
 
     def start(self, usage: Usage) -> list[WireEvent]:
-        self._usage = usage
         first = Outcome("queued" if self._options.background else "in_progress")
         events = [self._event("response.created", response=self._response(first, None))]
         if self._options.background:
@@ -520,36 +547,42 @@ class ResponsesRenderer:
         events.append(self._event("response.in_progress", response=self._response(Outcome("in_progress"), None)))
         return events
 
-    def _open(self) -> list[WireEvent]:
-        """The message item and its text part begin (at the first text)."""
-        self._item = "open"
+    def block_start(self, start: BlockStart) -> list[WireEvent]:
+        _text_only(start.kind)
+        events = self._close("completed")
+        self._items.append([])
+        self._open = start.index
         return [
-            self._event("response.output_item.added", output_index=0,
-                        item=_message_item(self._id, None, "in_progress")),
-            self._event("response.content_part.added", part=_text_part(""), **self._where()),
+            *events,
+            self._event("response.output_item.added", output_index=start.index,
+                        item=_message_item(self._id, start.index, None, "in_progress")),
+            self._event("response.content_part.added", part=_text_part(""), **self._where(start.index)),
         ]
 
-    def _done(self, item_status: str) -> list[WireEvent]:
-        """The text part and the message item end (the item with the response's outcome)."""
-        text = "".join(self._parts)
-        return [
-            self._event("response.output_text.done", text=text, logprobs=[], **self._where()),
-            self._event("response.content_part.done", part=_text_part(text), **self._where()),
-            self._event("response.output_item.done", output_index=0,
-                        item=_message_item(self._id, text, item_status)),
-        ]
+    def delta(self, delta: BlockDelta) -> list[WireEvent]:
+        self._items[delta.index].append(delta.text)
+        return [self._event("response.output_text.delta", delta=delta.text, logprobs=[], **self._where(delta.index))]
 
-    def delta(self, text: str) -> list[WireEvent]:
-        events = self._open() if self._item is None else []
-        self._parts.append(text)
-        events.append(self._event("response.output_text.delta", delta=text, logprobs=[], **self._where()))
-        return events
+    def block_stop(self, stop: BlockStop) -> list[WireEvent]:
+        self._open, self._stopped = None, stop.index
+        return []
+
+    def _close(self, item_status: str) -> list[WireEvent]:
+        """The done events of the block that is stopped (or, after a failure, still open)."""
+        index = self._stopped if self._stopped is not None else self._open
+        if index is None:
+            return []
+        self._open = self._stopped = None
+        text = "".join(self._items[index])
+        return [
+            self._event("response.output_text.done", text=text, logprobs=[], **self._where(index)),
+            self._event("response.content_part.done", part=_text_part(text), **self._where(index)),
+            self._event("response.output_item.done", output_index=index,
+                        item=_message_item(self._id, index, text, item_status)),
+        ]
 
     def _end(self, type_: str, outcome: Outcome, usage: Usage) -> list[WireEvent]:
-        events = self._open() if self._item is None else []
-        events += self._done(outcome.item_status)
-        events.append(self._event(type_, response=self._response(outcome, usage)))
-        return events
+        return [*self._close(outcome.item_status), self._event(type_, response=self._response(outcome, usage))]
 
     def finish(self, finish: Finish) -> list[WireEvent]:
         outcome = finish_outcome(finish.stop_reason)
@@ -586,7 +619,13 @@ class ResponsesSurface:
         """The Response object of a message that ended."""
         outcome = finish_outcome(StopReason.CANCELLED if result.cancelled else result.stop_reason or StopReason.END)
         return response_json(result.message_id, model=result.model, created=result.created, options=self.options,
-                             outcome=outcome, text=result.text, usage=result.usage)
+                             outcome=outcome, blocks=result.content, usage=result.usage)
+
+    def content_json(self, blocks: tuple[ContentBlock, ...]) -> list[dict[str, Any]]:
+        """The content parts of the message's output items (``GET /v1/messages/{id}``)."""
+        for block in blocks:
+            _text_only(block.kind)
+        return [_text_part(block.text) for block in blocks]
 
     def stop_reason(self, reason: StopReason) -> str:
         """The Chat Completions spelling (``GET /v1/messages/{id}`` shows it for every surface)."""
