@@ -28,8 +28,9 @@ own previous ones first, then its input turns and its output text; not its
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -169,8 +170,17 @@ def register_responses(app: Any, kit: RouteKit) -> None:
     """Add the Responses routes to the quart-trio ``app``."""
     config = kit.config
 
-    def error(exc: RingserveError) -> Response:
-        return kit.error_response(RESPONSES, exc)
+    def answering_errors(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+        """A route whose ``RingserveError`` is answered in OpenAI's error shape."""
+
+        @functools.wraps(handler)  # Quart names the endpoint after the function (``authenticate`` reads it)
+        async def route(*args: Any, **kwargs: Any) -> Response:
+            try:
+                return await handler(*args, **kwargs)
+            except RingserveError as exc:
+                return kit.error_response(RESPONSES, exc)
+
+        return route
 
     async def find(response_id: str) -> LiveMessage | StoredMessage:
         """The live or stored response (``NOT_FOUND`` for an id of another surface)."""
@@ -197,131 +207,119 @@ def register_responses(app: Any, kit: RouteKit) -> None:
             raise RingserveError(ErrorKind.NOT_FOUND, f"model {parsed.model[:100]!r} is not served here", param="model")
         return parsed
 
+    async def ended(hub: Hub, msg: LiveMessage | StoredMessage) -> LiveMessage | StoredMessage:
+        """``msg`` once it has ended: cancelled if it still runs here or on another replica."""
+        if isinstance(msg, LiveMessage):
+            hub.cancel(msg, CancelReason.REQUESTED)
+            await msg.done.wait()
+        elif msg.status not in FINAL_STATUSES:  # another replica generates it
+            msg = await hub.cancel_elsewhere(msg)
+        return msg
+
     def forget_unstored(hub: Hub, msg: LiveMessage) -> None:
         """``store: false``: delete the row once the response ended (else retention deletes it)."""
         if msg.done.is_set():
             hub.store.delete(msg.id)
 
     @app.post("/v1/responses")
+    @answering_errors
     async def create_response() -> Response:
-        try:
-            hub = kit.hub()
-            if not hub.logs.available:
-                raise store_unavailable()
-            raw, body = await parsed_body()
-            create = parse_create(body)
-            parsed = generation(hub, create)
-            options = create.options
-            override = request.headers.get("Ringserve-Disconnect-Policy")
-            policy = Policy.CONTINUE if options.background and override is None else hub.policy_for(
-                _POLICY_SURFACE, respond_async=False, override=override)
-            kit.admit_reader()
-            msg, _created = await hub.create(
-                ResponsesSurface(options), parsed, body_hash=request_hash(raw),
-                request_json=raw.decode("utf-8", "replace"), policy=policy,
-                idempotency_key=request.headers.get("Idempotency-Key"),
-            )
-            kit.note_message(msg.id)
-            headers = {"X-Message-Id": msg.id}
-            if isinstance(msg, StoredMessage):  # an idempotent retry of a finished response
-                if parsed.stream:
-                    log_, after = await hub.open_log(msg.id, None)  # GONE once the log expired
-                    return kit.sse_response(hub, log_, after, headers)
-                return kit.json_response(response_object(msg), 200, headers)
-            if not options.store:
-                kit.on_request_end(lambda: forget_unstored(hub, msg))
+        hub = kit.hub()
+        if not hub.logs.available:
+            raise store_unavailable()
+        raw, body = await parsed_body()
+        create = parse_create(body)
+        parsed = generation(hub, create)
+        options = create.options
+        override = request.headers.get("Ringserve-Disconnect-Policy")
+        policy = Policy.CONTINUE if options.background and override is None else hub.policy_for(
+            _POLICY_SURFACE, respond_async=False, override=override)
+        kit.admit_reader()
+        msg, _created = await hub.create(
+            ResponsesSurface(options), parsed, body_hash=request_hash(raw),
+            request_json=raw.decode("utf-8", "replace"), policy=policy,
+            idempotency_key=request.headers.get("Idempotency-Key"),
+        )
+        kit.note_message(msg.id)
+        headers = {"X-Message-Id": msg.id}
+        if isinstance(msg, StoredMessage):  # an idempotent retry of a finished response
             if parsed.stream:
-                return kit.sse_response(hub, msg.open_log, None, headers)
-            if options.background:
-                return kit.json_response(response_object(msg), 200, headers)
-            with msg.open_log.reader():
-                await msg.done.wait()
-            if msg.status in (MessageStatus.FAILED, MessageStatus.INTERRUPTED):  # as on the other surfaces
-                kind = ErrorKind.UNAVAILABLE if msg.cancel_reason is CancelReason.DRAIN else ErrorKind.API_ERROR
-                return error(RingserveError(kind, msg.snapshot().error or "generation failed", retryable=True))
+                log_, after = await hub.open_log(msg.id, None)  # GONE once the log expired
+                return kit.sse_response(hub, log_, after, headers)
             return kit.json_response(response_object(msg), 200, headers)
-        except RingserveError as exc:
-            return error(exc)
+        if not options.store:
+            kit.on_request_end(lambda: forget_unstored(hub, msg))
+        if parsed.stream:
+            return kit.sse_response(hub, msg.open_log, None, headers)
+        if options.background:
+            return kit.json_response(response_object(msg), 200, headers)
+        with msg.open_log.reader():
+            await msg.done.wait()
+        if msg.status in (MessageStatus.FAILED, MessageStatus.INTERRUPTED):  # as on the other surfaces
+            kind = ErrorKind.UNAVAILABLE if msg.cancel_reason is CancelReason.DRAIN else ErrorKind.API_ERROR
+            raise RingserveError(kind, msg.snapshot().error or "generation failed", retryable=True)
+        return kit.json_response(response_object(msg), 200, headers)
 
     @app.post("/v1/responses/input_tokens")
+    @answering_errors
     async def count_input_tokens() -> Response:
-        try:
-            hub = kit.hub()
-            _raw, body = await parsed_body()
-            parsed = generation(hub, parse_count(body))
-            prepared = await hub.runner.prepare(parsed.request)
-            return kit.json_response({"object": "response.input_tokens", "input_tokens": len(prepared.prompt_tokens)})
-        except RingserveError as exc:
-            return error(exc)
+        hub = kit.hub()
+        _raw, body = await parsed_body()
+        parsed = generation(hub, parse_count(body))
+        prepared = await hub.runner.prepare(parsed.request)
+        return kit.json_response({"object": "response.input_tokens", "input_tokens": len(prepared.prompt_tokens)})
 
     @app.get("/v1/responses/<response_id>")
+    @answering_errors
     async def retrieve_response(response_id: str) -> Response:
         kit.note_message(response_id)
+        hub = kit.hub()
+        stream = request.args.get("stream", "false")
+        if stream not in ("true", "false"):
+            raise invalid("stream: must be true or false", param="stream")
+        after_id = _starting_after(request.args.get("starting_after"), response_id)
+        msg = await find(response_id)
+        if stream == "false":
+            if after_id is not None:
+                raise invalid("starting_after: only allowed with stream=true", param="starting_after")
+            return kit.json_response(response_object(msg), 200)
+        last = request.headers.get("Last-Event-ID") or after_id
         try:
-            hub = kit.hub()
-            stream = request.args.get("stream", "false")
-            if stream not in ("true", "false"):
-                raise invalid("stream: must be true or false", param="stream")
-            after_id = _starting_after(request.args.get("starting_after"), response_id)
-            msg = await find(response_id)
-            if stream == "false":
-                if after_id is not None:
-                    raise invalid("starting_after: only allowed with stream=true", param="starting_after")
-                return kit.json_response(response_object(msg), 200)
-            last = request.headers.get("Last-Event-ID") or after_id
-            try:
-                log_, after = await hub.open_log(response_id, last)
-            except RingserveError as exc:
-                if exc.kind is ErrorKind.INVALID_REQUEST and last == after_id and after_id is not None:
-                    raise invalid(f"starting_after: no event {after_id.rsplit(':', 1)[1]} was sent in this stream",
-                                  param="starting_after") from None
-                if exc.kind is ErrorKind.GONE:
-                    raise RingserveError(ErrorKind.GONE, f"the event log of {response_id} has expired or left the"
-                                         f" ring; GET /v1/responses/{response_id} has the response") from None
-                raise
-            kit.admit_reader(log_.readers)
-            return kit.sse_response(hub, log_, after, {"X-Message-Id": response_id})
+            log_, after = await hub.open_log(response_id, last)
         except StreamEnded:  # after the terminal event: 204 makes an EventSource stop reconnecting
             return Response(b"", 204, headers={"X-Message-Id": response_id})
         except RingserveError as exc:
-            return error(exc)
+            if exc.kind is ErrorKind.INVALID_REQUEST and last == after_id and after_id is not None:
+                raise invalid(f"starting_after: no event {after_id.rsplit(':', 1)[1]} was sent in this stream",
+                              param="starting_after") from None
+            if exc.kind is ErrorKind.GONE:
+                raise RingserveError(ErrorKind.GONE, f"the event log of {response_id} has expired or left the"
+                                     f" ring; GET /v1/responses/{response_id} has the response") from None
+            raise
+        kit.admit_reader(log_.readers)
+        return kit.sse_response(hub, log_, after, {"X-Message-Id": response_id})
 
     @app.post("/v1/responses/<response_id>/cancel")
+    @answering_errors
     async def cancel_response(response_id: str) -> Response:
         kit.note_message(response_id)
-        try:
-            hub = kit.hub()
-            msg = await find(response_id)
-            if not _options(msg).background:
-                raise invalid(f"response {response_id} was not created with background: true; only background"
-                              " responses can be cancelled")
-            if isinstance(msg, LiveMessage):
-                hub.cancel(msg, CancelReason.REQUESTED)
-                await msg.done.wait()
-                return kit.json_response(response_object(msg), 200)
-            if msg.status not in FINAL_STATUSES:  # another replica generates it
-                msg = await hub.cancel_elsewhere(msg)
-            elif msg.status is not MessageStatus.CANCELLED:
-                status = response_object(msg)["status"]
-                raise invalid(f"response {response_id} is already {status}; only a queued or in-progress response"
-                              " can be cancelled")
-            return kit.json_response(response_object(msg), 200)
-        except RingserveError as exc:
-            return error(exc)
+        hub = kit.hub()
+        msg = await find(response_id)
+        if not _options(msg).background:
+            raise invalid(f"response {response_id} was not created with background: true; only background"
+                          " responses can be cancelled")
+        if isinstance(msg, StoredMessage) and msg.status is not MessageStatus.CANCELLED and msg.status.final:
+            status = response_object(msg)["status"]
+            raise invalid(f"response {response_id} is already {status}; only a queued or in-progress response"
+                          " can be cancelled")
+        return kit.json_response(response_object(await ended(hub, msg)), 200)
 
     @app.delete("/v1/responses/<response_id>")
+    @answering_errors
     async def delete_response(response_id: str) -> Response:
         kit.note_message(response_id)
-        try:
-            hub = kit.hub()
-            msg = await find(response_id)
-            if isinstance(msg, LiveMessage):
-                hub.cancel(msg, CancelReason.REQUESTED)
-                await msg.done.wait()
-            elif msg.status not in FINAL_STATUSES:
-                await hub.cancel_elsewhere(msg)
-            hub.store.delete(response_id)
-            hub.logs.forget(response_id)
-            return kit.json_response({"id": response_id, "object": "response.deleted", "deleted": True}, 200)
-        except RingserveError as exc:
-            return error(exc)
+        hub = kit.hub()
+        await ended(hub, await find(response_id))
+        hub.store.delete(response_id)
+        hub.logs.forget(response_id)
+        return kit.json_response({"id": response_id, "object": "response.deleted", "deleted": True}, 200)

@@ -25,6 +25,7 @@ from pydantic import TypeAdapter
 
 from ringserve.core.sse import SSEParser
 from ringserve.surfaces import responses as responses_surface
+from tests.conformance import stream_bytes
 from tests.conftest import fake_config, running_server
 
 EVENT = TypeAdapter(ResponseStreamEvent)
@@ -91,12 +92,20 @@ def sdk(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
-async def read(client: httpx.AsyncClient, method: str, url: str, **kwargs: Any) -> tuple[httpx.Response, bytes]:
-    raw = bytearray()
-    async with client.stream(method, url, **kwargs) as resp:
-        async for chunk in resp.aiter_raw():
-            raw += chunk
-    return resp, bytes(raw)
+def read_to_seq_10(client: openai.OpenAI, **create: Any) -> tuple[str, str]:
+    """Create a background response with ``stream``, read it to ``sequence_number`` 10 and close:
+    (its id, the text read)."""
+    stream = client.responses.create(background=True, stream=True, **create)
+    text, response_id = "", ""
+    for event in stream:
+        if event.type == "response.created":
+            response_id = event.response.id
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        if event.sequence_number == 10:
+            stream.close()
+            return response_id, text
+    raise AssertionError("the stream ended before seq 10")
 
 
 async def wait_until(predicate, timeout: float = 20.0) -> None:
@@ -157,7 +166,7 @@ async def test_stream_and_plain_give_the_same_text_and_usage(fake_server):
     assert [e.type for e in events[-4:]] == ["response.output_text.done", "response.content_part.done",
                                              "response.output_item.done", "response.completed"]
     # the raw bytes of the same stream, judged by the decoder and the strict types
-    _resp, raw = await read(client, "POST", "/v1/responses", json={**request, "stream": True})
+    _resp, raw = await stream_bytes(client, "POST", "/v1/responses", json={**request, "stream": True})
     seen = check_stream(raw)
     assert seen.text == text and seen.final["usage"]["output_tokens"] == usage.output_tokens
 
@@ -168,7 +177,7 @@ async def test_background_answers_at_once_and_retrieve_follows_it(slow_server):
                                                                     "background": True, "metadata": {"k": "v"}}))
     assert created["status"] in ("queued", "in_progress") and created["background"] is True
     assert created["usage"] is None and created["metadata"] == {"k": "v"}
-    _resp, raw = await read(client, "GET", f"/v1/responses/{created['id']}", params={"stream": "true"})
+    _resp, raw = await stream_bytes(client, "GET", f"/v1/responses/{created['id']}", params={"stream": "true"})
     seen = check_stream(raw)
     assert seen.types[:3] == ["response.created", "response.queued", "response.in_progress"]
     assert seen.final["status"] == "completed" and seen.text == LONG_ECHO.removeprefix("echo:")
@@ -182,21 +191,8 @@ async def test_background_stream_read_to_10_then_resume_after_10(slow_server):
     state, client = slow_server
     client_sdk = sdk(state.urls[0])
 
-    def first_part() -> tuple[str, str, int]:
-        stream = client_sdk.responses.create(model="any", input=LONG_ECHO, background=True, stream=True)
-        text, response_id = "", ""
-        for event in stream:
-            if event.type == "response.created":
-                response_id = event.response.id
-            if event.type == "response.output_text.delta":
-                text += event.delta
-            if event.sequence_number == 10:
-                stream.close()
-                return response_id, text, event.sequence_number
-        raise AssertionError("the stream ended before seq 10")
-
-    response_id, head, last = await trio.to_thread.run_sync(first_part)
-    assert last == 10 and head
+    response_id, head = await trio.to_thread.run_sync(lambda: read_to_seq_10(client_sdk, model="any", input=LONG_ECHO))
+    assert head
 
     def rest() -> tuple[list[int], str]:
         seqs, text = [], ""
@@ -219,7 +215,7 @@ async def test_background_stream_read_to_10_then_resume_after_10(slow_server):
     first_seq, text = await trio.to_thread.run_sync(helper)
     assert first_seq == 11 and text == final.output_text
     # the same resume, raw, with the event id instead of starting_after
-    _resp, raw = await read(client, "GET", f"/v1/responses/{response_id}", params={"stream": "true"},
+    _resp, raw = await stream_bytes(client, "GET", f"/v1/responses/{response_id}", params={"stream": "true"},
                             headers={"Last-Event-ID": f"{response_id}:10"})
     assert check_stream(raw, first=11).text == tail
 
@@ -243,7 +239,7 @@ async def test_curl_follows_a_background_response(slow_server):
 
 async def test_max_output_tokens_is_incomplete(fake_server):
     state, client = fake_server
-    _resp, raw = await read(client, "POST", "/v1/responses",
+    _resp, raw = await stream_bytes(client, "POST", "/v1/responses",
                             json={"model": "any", "input": "hello", "max_output_tokens": 3, "stream": True})
     seen = check_stream(raw)
     assert seen.types[-1] == "response.incomplete"
@@ -256,7 +252,7 @@ async def test_max_output_tokens_is_incomplete(fake_server):
 async def test_a_failed_generation_ends_with_response_failed(tmp_path):
     async with running_server(fake_config(tmp_path), fail_after_tokens=4) as state:
         async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
-            _resp, raw = await read(client, "POST", "/v1/responses",
+            _resp, raw = await stream_bytes(client, "POST", "/v1/responses",
                                     json={"model": "any", "input": "hello", "stream": True})
             seen = check_stream(raw)
             assert seen.types[-1] == "response.failed" and seen.final["status"] == "failed"
@@ -273,7 +269,7 @@ async def test_cancel_ends_every_reader_frees_the_slot_and_is_idempotent(slow_se
     raws: list[bytes] = []
 
     async def reader() -> None:
-        raws.append((await read(client, "GET", f"/v1/responses/{rid}", params={"stream": "true"}))[1])
+        raws.append((await stream_bytes(client, "GET", f"/v1/responses/{rid}", params={"stream": "true"}))[1])
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(reader)
@@ -386,7 +382,7 @@ async def test_stream_token_lets_an_eventsource_follow_a_response(tmp_path):
                                                                         "background": True}, headers=auth))["id"]
             check_error(await client.get(f"/v1/responses/{rid}", params={"stream": "true"}), 401)
             token = (await client.post(f"/v1/messages/{rid}/stream_token", headers=auth)).json()["stream_token"]
-            _resp, raw = await read(client, "GET", f"/v1/responses/{rid}",
+            _resp, raw = await stream_bytes(client, "GET", f"/v1/responses/{rid}",
                                     params={"stream": "true", "stream_token": token})
             assert check_stream(raw).final["status"] == "completed"
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.test_responses import check_stream
+from tests.test_responses import check_stream, read_to_seq_10
 
 pytestmark = pytest.mark.model
 
@@ -46,17 +46,7 @@ def test_stream_equals_plain_with_equal_usage(client):
 
 
 def test_background_stream_to_10_then_resume_and_the_helper(client, model_server):
-    stream = client.responses.create(input=STORY, max_output_tokens=64, background=True, stream=True, **GREEDY)
-    head, response_id = "", ""
-    for event in stream:
-        if event.type == "response.created":
-            response_id = event.response.id
-        if event.type == "response.output_text.delta":
-            head += event.delta
-        if event.sequence_number == 10:
-            break
-    stream.close()
-    assert response_id and event.sequence_number == 10
+    response_id, head = read_to_seq_10(client, input=STORY, max_output_tokens=64, **GREEDY)
     seqs, tail = [], ""
     for event in client.responses.retrieve(response_id, stream=True, starting_after=10):
         seqs.append(event.sequence_number)
