@@ -42,6 +42,7 @@ class Seen:
     types: list[str] = attrs.Factory(list)
     text: str = ""
     final: dict[str, Any] | None = None  # the terminal event's response
+    done_items: list[dict[str, Any]] = attrs.Factory(list)  # the items of response.output_item.done
 
 
 def check_stream(raw: bytes, *, first: int = 0, complete: bool = True) -> Seen:
@@ -62,7 +63,10 @@ def check_stream(raw: bytes, *, first: int = 0, complete: bool = True) -> Seen:
         seen.types.append(data["type"])
         if data["type"] == "response.output_text.delta":
             seen.text += data["delta"]
+        if data["type"] == "response.output_item.done":
+            seen.done_items.append(data["item"])
         if data["type"] in TERMINAL:
+            assert [item["status"] for item in data["response"]["output"]] == [i["status"] for i in seen.done_items]
             Response.model_validate(data["response"], strict=True)
             assert data["response"]["id"] == response_id
             seen.final = data["response"]
@@ -244,7 +248,8 @@ async def test_max_output_tokens_is_incomplete(fake_server):
     seen = check_stream(raw)
     assert seen.types[-1] == "response.incomplete"
     assert seen.final["status"] == "incomplete" and seen.final["incomplete_details"] == {"reason": "max_output_tokens"}
-    assert seen.final["output"][0]["status"] == "incomplete" and seen.final["usage"]["output_tokens"] == 3
+    assert seen.final["output"][0]["status"] == seen.done_items[0]["status"] == "incomplete"
+    assert seen.final["usage"]["output_tokens"] == 3
     stored = check_object(await client.get(f"/v1/responses/{seen.final['id']}"))
     assert stored["status"] == "incomplete" and stored["output"] == seen.final["output"]
 
