@@ -501,3 +501,19 @@ def test_renderer_items_per_block_and_the_last_items_status():
                     responses_surface.ResponseOptions(background=True))
     assert [e["type"] for e in empty[:3]] == ["response.created", "response.queued", "response.in_progress"]
     assert empty[0]["response"]["status"] == "queued" and empty[-1]["response"]["output"][0]["content"][0]["text"] == ""
+
+
+async def test_heartbeats_while_queued_are_comments_the_sdk_ignores(tmp_path):
+    """A stream queued behind another generation for longer than the heartbeat interval (issue 12)."""
+    config = fake_config(tmp_path, engine={"slots": 1}, server={"heartbeat_interval": 1.0})
+    ahead = "echo:" + "x" * 150  # 150 steps of 20 ms: 3 s ahead in the only slot
+    async with running_server(config, step_seconds=0.02, piece_bytes=1) as state:
+        async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+            check_object(await client.post("/v1/responses", json={"model": "any", "input": ahead, "background": True}))
+            _resp, raw = await stream_bytes(client, "POST", "/v1/responses",
+                                            json={"model": "any", "input": "echo:after", "stream": True})
+            assert b"\n: ping\n" in raw and check_stream(raw).text == "after"
+            check_object(await client.post("/v1/responses", json={"model": "any", "input": ahead, "background": True}))
+            events = await trio.to_thread.run_sync(lambda: list(sdk(state.urls[0]).responses.create(
+                model="any", input="echo:again", stream=True, background=True)))
+            assert events[-1].type == "response.completed" and events[-1].response.output_text == "again"
