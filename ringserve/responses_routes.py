@@ -305,7 +305,9 @@ def register_responses(app: Any, kit: RouteKit) -> None:
         kit.note_message(response_id)
         hub = kit.hub()
         msg = await find(response_id)
-        if not _options(msg).background:
+        # (a stored response whose request was not kept may have been a background one)
+        known = isinstance(msg, LiveMessage) or stored_create(msg.request) is not None
+        if known and not _options(msg).background:
             raise invalid(f"response {response_id} was not created with background: true; only background"
                           " responses can be cancelled")
         if isinstance(msg, StoredMessage) and msg.status is not MessageStatus.CANCELLED and msg.status.final:

@@ -517,3 +517,20 @@ async def test_heartbeats_while_queued_are_comments_the_sdk_ignores(tmp_path):
             events = await trio.to_thread.run_sync(lambda: list(sdk(state.urls[0]).responses.create(
                 model="any", input="echo:again", stream=True, background=True)))
             assert events[-1].type == "response.completed" and events[-1].response.output_text == "again"
+
+
+async def test_without_kept_prompts_objects_answer_and_previous_response_id_is_a_400(tmp_path):
+    async with running_server(fake_config(tmp_path, store={"keep_prompts": False}), step_seconds=0.005) as state:
+        async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+            first = check_object(await client.post("/v1/responses", json={"model": "any", "input": "hello",
+                                                                          "metadata": {"k": "v"}}))
+            assert first["metadata"] == {"k": "v"}  # live: from the request
+            stored = check_object(await client.get(f"/v1/responses/{first['id']}"))
+            assert stored["metadata"] == {} and stored["output"] == first["output"]  # stored: not kept
+            check_error(await client.post("/v1/responses", json={"model": "any", "input": "x",
+                                                                 "previous_response_id": first["id"]}), 400,
+                        "previous_response_id")
+            rid = check_object(await client.post("/v1/responses", json={"model": "any", "input": LONG_ECHO,
+                                                                        "background": True}))["id"]
+            assert check_object(await client.post(f"/v1/responses/{rid}/cancel"))["status"] == "cancelled"
+            assert check_object(await client.post(f"/v1/responses/{rid}/cancel"))["status"] == "cancelled"
