@@ -41,8 +41,9 @@ from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import ChatMessage, Usage
 from ringserve.core.limits import check_request
 from ringserve.core.ringlog import format_event_id
-from ringserve.core.status import FINAL_STATUSES, CancelReason, MessageStatus, Policy
+from ringserve.core.status import FINAL_STATUSES, CancelReason, MessageStatus
 from ringserve.messages import StoredMessage
+from ringserve.stream.admission import Refuse, disconnect_policy, finished
 from ringserve.stream.hub import Hub, LiveMessage, StreamEnded, request_hash
 from ringserve.stream.logs import store_unavailable
 from ringserve.surfaces.base import Surface
@@ -73,7 +74,7 @@ class RouteKit:
     Attributes:
         config: the server config.
         hub: the hub, or a 503 while the model loads.
-        sse_response: ``(hub, log, after, headers) -> Response``, one reader of ``log``.
+        sse_response: ``(hub, log, after, message_id) -> Response``, one reader of ``log``.
         admit_reader: count this request as a reader of its client (``message_readers``: the
             log's readers now); 429 over the limits.
         error_response: ``(surface, error) -> Response`` in the surface's error shape.
@@ -231,9 +232,8 @@ def register_responses(app: Any, kit: RouteKit) -> None:
         create = parse_create(body)
         parsed = generation(hub, create)
         options = create.options
-        override = request.headers.get("Ringserve-Disconnect-Policy")
-        policy = Policy.CONTINUE if options.background and override is None else hub.policy_for(
-            _POLICY_SURFACE, respond_async=False, override=override)
+        policy = disconnect_policy(config.policy, _POLICY_SURFACE, respond_async=options.background,
+                                   override=request.headers.get("Ringserve-Disconnect-Policy"))
         kit.admit_reader()
         msg, _created = await hub.create(
             ResponsesSurface(options), parsed, body_hash=request_hash(raw),
@@ -245,19 +245,19 @@ def register_responses(app: Any, kit: RouteKit) -> None:
         if isinstance(msg, StoredMessage):  # an idempotent retry of a finished response
             if parsed.stream:
                 log_, after = await hub.open_log(msg.id, None)  # GONE once the log expired
-                return kit.sse_response(hub, log_, after, headers)
+                return kit.sse_response(hub, log_, after, msg.id)
             return kit.json_response(response_object(msg), 200, headers)
         if not options.store:
             kit.on_request_end(lambda: forget_unstored(hub, msg))
         if parsed.stream:
-            return kit.sse_response(hub, msg.open_log, None, headers)
+            return kit.sse_response(hub, msg.open_log, None, msg.id)
         if options.background:
             return kit.json_response(response_object(msg), 200, headers)
-        with msg.open_log.reader():
+        with msg.open_log.reader():  # a reader, so that the abort policy does not fire
             await msg.done.wait()
-        if msg.status in (MessageStatus.FAILED, MessageStatus.INTERRUPTED):  # as on the other surfaces
-            kind = ErrorKind.UNAVAILABLE if msg.cancel_reason is CancelReason.DRAIN else ErrorKind.API_ERROR
-            raise RingserveError(kind, msg.snapshot().error or "generation failed", retryable=True)
+        ended = finished(msg)  # failed and interrupted are errors, as on the other surfaces
+        if isinstance(ended, Refuse):
+            raise ended.error
         return kit.json_response(response_object(msg), 200, headers)
 
     @app.post("/v1/responses/input_tokens")
@@ -297,7 +297,7 @@ def register_responses(app: Any, kit: RouteKit) -> None:
                                      f" ring; GET /v1/responses/{response_id} has the response") from None
             raise
         kit.admit_reader(log_.readers)
-        return kit.sse_response(hub, log_, after, {"X-Message-Id": response_id})
+        return kit.sse_response(hub, log_, after, response_id)
 
     @app.post("/v1/responses/<response_id>/cancel")
     @answering_errors
