@@ -525,7 +525,7 @@ class Hub:
             one that was never sent).
         """
         after = None if last_event_id is None else _resume_after(last_event_id, message_id)
-        log = await self.logs.find(message_id)
+        log = await self.logs.find(message_id, after)  # a replica's copy may first catch up to after
         if log is None:
             msg = self.lookup(message_id)  # raises NOT_FOUND for an unknown id
             if after is not None and isinstance(msg, StoredMessage) and msg.final_seq == after:

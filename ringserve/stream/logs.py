@@ -56,7 +56,9 @@ memory cap                     ``maxmemory`` with ``volatile-ttl`` eviction.
 ``get(id)`` / ``find(id)``     ``get`` answers from what this process holds, so
                                it stays sync; ``find`` (awaitable, used by
                                ``Hub.open_log``) also looks in Redis:
-                               ``XRANGE log:{id} - +`` (bounded by MAXLEN).
+                               ``XRANGE log:{id} - +`` (bounded by MAXLEN), and
+                               gives a copy behind a resume's event id a bounded
+                               time to catch up (:func:`wait_until_holds`).
 =============================  ===================================================
 """
 
@@ -83,7 +85,9 @@ __all__ = [
     "MemoryLogStore",
     "MemoryMessageLog",
     "MessageLog",
+    "holds",
     "store_unavailable",
+    "wait_until_holds",
 ]
 
 
@@ -137,7 +141,7 @@ class LogStore(Protocol):
 
     def get(self, message_id: str) -> MessageLog | None: ...
 
-    async def find(self, message_id: str) -> MessageLog | None: ...
+    async def find(self, message_id: str, after: int | None = None) -> MessageLog | None: ...
 
     async def find_message(self, message_id: str) -> StoredMessage | None: ...
 
@@ -350,6 +354,33 @@ class MemoryMessageLog:
                 self.on_idle()
 
 
+def holds(log: MessageLog, after: int | None) -> bool:
+    """Whether ``log`` has got as far as ``after`` (the last seq a reader saw), or never will.
+
+    False only while ``log`` is OPEN and ``after >= next_seq``: a copy of a log
+    written elsewhere may still receive that entry (its owner sent it to a
+    reader before the entry reached this copy).
+    """
+    return after is None or log.closed or after < log.next_seq
+
+
+async def wait_until_holds(log: MessageLog, after: int | None, seconds: float) -> bool:
+    """Park until :func:`holds` is true of ``log`` or ``seconds`` have passed; return :func:`holds`.
+
+    Returns at once (after a checkpoint) when it already holds. Woken by the
+    log's appends and close (``wait_for_entries``), so it never polls.
+
+    Cancellation: safe; the log is not changed by waiting.
+    """
+    if holds(log, after):
+        await trio.lowlevel.checkpoint()
+        return True
+    with trio.move_on_after(seconds):
+        while not holds(log, after):
+            await log.wait_for_entries(log.next_seq - 1 if log.next_seq else None)
+    return holds(log, after)
+
+
 @attrs.frozen
 class LogStoreStatistics:
     """A snapshot of the store, for ``metrics.py``.
@@ -455,8 +486,13 @@ class MemoryLogStore:
             return None
         return log
 
-    async def find(self, message_id: str) -> MemoryMessageLog | None:
-        """:meth:`get`, after a checkpoint: this store holds only this process's logs."""
+    async def find(self, message_id: str, after: int | None = None) -> MemoryMessageLog | None:
+        """:meth:`get`, after a checkpoint: this store holds only this process's logs.
+
+        ``after`` (the seq a resume names) is not waited for: a log written
+        here holds every entry ever sent of it, so one past its end was never
+        sent (``read_from`` raises ``ValueError`` at once).
+        """
         await trio.lowlevel.checkpoint()
         return self.get(message_id)
 

@@ -80,10 +80,18 @@ from coredis.tokens import PureToken
 from ringserve.config import StreamConfig
 from ringserve.core.ringlog import LogState, RingLog
 from ringserve.messages import MessageStore, StoredMessage
-from ringserve.stream.logs import LogStoreStatistics, MemoryLogStore, MemoryMessageLog, store_unavailable
+from ringserve.stream.logs import (
+    LogStoreStatistics,
+    MemoryLogStore,
+    MemoryMessageLog,
+    holds,
+    store_unavailable,
+    wait_until_holds,
+)
 
 __all__ = [
     "CANCEL_STREAM",
+    "CATCH_UP_SECONDS",
     "KEY_PREFIX",
     "LIVE_KEY_SECONDS",
     "MESSAGE_KEY_SECONDS",
@@ -157,6 +165,10 @@ MAX_RETRY_SECONDS = 4.0
 #: Seconds, beyond two flush intervals, that :meth:`RedisLogStore.find` waits before looking again
 #: for a stream it did not find: a client may resume elsewhere before its message's first flush.
 MISS_RETRY_SECONDS = 0.05
+#: Seconds, beyond two flush intervals, that :meth:`RedisLogStore.find` gives a copy of another
+#: replica's stream to reach the event id a resume names: the owner's flush round trip and this
+#: pump's read, with room for a loaded host. Only an id that was never sent waits it all out.
+CATCH_UP_SECONDS = 0.5
 #: The most queued writes held while Redis is unreachable (beyond, the oldest are dropped: a
 #: remote reader then sees a gap).
 MAX_PENDING_OPS = 100_000
@@ -300,6 +312,7 @@ class RedisLogStore:
     #: status and the seq of the first entry to write; returns those entries' SSE bytes.
     on_owner_lost: Callable[[StoredMessage, int], list[bytes]] | None = attrs.field(default=None, init=False)
     _owners: dict[str, str] = attrs.field(factory=dict, init=False)  # remote copy -> its owner replica
+    _waiting: dict[str, int] = attrs.field(factory=dict, init=False)  # remote copy -> finds waiting on it
 
     def __attrs_post_init__(self) -> None:
         self.local = MemoryLogStore(self.config, self.clock)
@@ -325,7 +338,7 @@ class RedisLogStore:
         """The log if this replica holds it (owned, or tailed for a reader here); no round trip."""
         return self.local.get(message_id) or self._remote.get(message_id)
 
-    async def find(self, message_id: str) -> MemoryMessageLog | None:
+    async def find(self, message_id: str, after: int | None = None) -> MemoryMessageLog | None:
         """The log, from this replica or from Redis (one ``XRANGE``); ``None`` if neither has it.
 
         A miss is looked up once more after two flush intervals and
@@ -334,12 +347,43 @@ class RedisLogStore:
         A remote log that is still open is tailed by the pump from then on,
         as long as it has readers on this replica.
 
+        Args:
+            message_id: the message.
+            after: the seq a resume names (``None``: from the start). The owner
+                sends an entry to its own readers before its flush brings it
+                here, so a client that moved may name one this replica's copy
+                has not got yet: an open copy that does not hold ``after`` is
+                given two flush intervals and :data:`CATCH_UP_SECONDS` to get
+                it (``logs.wait_until_holds``), and is returned whether it did
+                or not (an id still past its end was never sent: the caller's
+                400). The copy is kept from :meth:`_prune` while it waits, and
+                nothing is awaited between the wait and the return, so the
+                caller's reader enters before the pump looks again.
+
         Raises:
             RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable.
         """
         held = self.get(message_id)
-        if held is not None or self.local.evicted(message_id):
-            return held
+        if held is None and not self.local.evicted(message_id):
+            held = await self._copy(message_id)
+        if held is not None and self._remote.get(message_id) is held and not holds(held, after):
+            self._waiting[message_id] = self._waiting.get(message_id, 0) + 1
+            try:
+                await wait_until_holds(held, after, 2 * self._flush_interval + CATCH_UP_SECONDS)
+            finally:
+                self._waiting[message_id] -= 1
+                if not self._waiting[message_id]:
+                    del self._waiting[message_id]
+            if not self.available:  # the copy was ended by the outage, not by its owner
+                raise store_unavailable()
+        return held
+
+    async def _copy(self, message_id: str) -> MemoryMessageLog | None:
+        """A copy of the stream in Redis (tailed by the pump while open), or ``None`` if there is none.
+
+        Raises:
+            RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable.
+        """
         with _unavailable_if_down():
             entries, owner = await self._load(message_id)
             if not entries:  # maybe just created elsewhere, its first flush not yet in Redis
@@ -526,10 +570,11 @@ class RedisLogStore:
         """Stop tailing ended copies and copies nobody here reads.
 
         A fresh copy's first reader enters synchronously after :meth:`find`
-        returns (nothing awaits in between), before the pump runs again.
+        returns (nothing awaits in between), before the pump runs again; a
+        copy that a :meth:`find` is waiting on to catch up is kept.
         """
         for message_id, copy in list(self._remote.items()):
-            if copy.closed or copy.readers == 0:
+            if copy.closed or (copy.readers == 0 and message_id not in self._waiting):
                 del self._remote[message_id]
                 self._owners.pop(message_id, None)
 
