@@ -301,7 +301,7 @@ def create_app(state: ServerState) -> RingserveQuart:
                 if parsed.stream:
                     log_, after = await hub.open_log(msg.id, None)  # GONE once the log expired
                     return sse_response(hub, log_, after, {"X-Message-Id": msg.id})
-                return stored_answer(surface, msg)
+                return stored_answer(surface, await hub.settled(msg))  # generated elsewhere: wait for its end
             if parsed.stream:
                 return sse_response(hub, msg.log, None, {"X-Message-Id": msg.id})
             with msg.open_log.reader():

@@ -52,6 +52,10 @@ Protocol                       Redis
 ``evicted(id)``                a tombstone key ``gone:{id}`` with a longer TTL.
 ``find_message(id)``           ``HGETALL msg:{id}``: the status the owner wrote.
 ``request_cancel(id)``         ``XADD cancel * id <id>``, read by every pump.
+``claim_key(key, holder)``     ``SET idem:{key} [id, hash] NX EX`` in a script that
+                               also replaces the holder it is told to replace
+                               (compare and set); ``release_key`` deletes it if
+                               it still names the holder.
 memory cap                     ``maxmemory`` with ``volatile-ttl`` eviction.
 ``get(id)`` / ``find(id)``     ``get`` answers from what this process holds, so
                                it stays sync; ``find`` (awaitable, used by
@@ -79,6 +83,7 @@ from ringserve.core.ringlog import Entry, Gap, LogState, RingLog
 from ringserve.messages import StoredMessage
 
 __all__ = [
+    "KeyHolder",
     "LogMirror",
     "LogStore",
     "LogStoreStatistics",
@@ -133,6 +138,19 @@ class MessageLog(Protocol):
     def reader(self) -> contextlib.AbstractContextManager[None]: ...
 
 
+@attrs.frozen
+class KeyHolder:
+    """The message an ``Idempotency-Key`` names on every replica, and its request body's fingerprint.
+
+    Attributes:
+        message_id: the message.
+        request_hash: ``hub.request_hash`` of the request body (hex SHA-256).
+    """
+
+    message_id: str
+    request_hash: str
+
+
 @runtime_checkable
 class LogStore(Protocol):
     """Creates and finds message logs by message id; expires finished ones."""
@@ -146,6 +164,10 @@ class LogStore(Protocol):
     async def find_message(self, message_id: str) -> StoredMessage | None: ...
 
     async def request_cancel(self, message_id: str) -> None: ...
+
+    async def claim_key(self, key: str, holder: KeyHolder, *, replaces: str | None = None) -> KeyHolder | None: ...
+
+    async def release_key(self, key: str, holder: KeyHolder) -> None: ...
 
     @property
     def available(self) -> bool: ...
@@ -502,6 +524,14 @@ class MemoryLogStore:
 
     async def request_cancel(self, message_id: str) -> None:
         """Nothing to do: every message of a memory store is this process's (``Hub.cancel`` stops it)."""
+        await trio.lowlevel.checkpoint()
+
+    async def claim_key(self, key: str, holder: KeyHolder, *, replaces: str | None = None) -> None:
+        """Always ``None`` (the key is ``holder``'s): no other process takes keys (``Hub`` keeps its own)."""
+        await trio.lowlevel.checkpoint()
+
+    async def release_key(self, key: str, holder: KeyHolder) -> None:
+        """Nothing to do (see :meth:`claim_key`)."""
         await trio.lowlevel.checkpoint()
 
     @property

@@ -56,8 +56,11 @@ retryable in-band error (:attr:`RedisLogStore.on_owner_lost`) and the end into
 the stream, and ``interrupted`` into the status, in one Lua script that does
 nothing if the stream moved on meanwhile.
 
-Not (yet) shared across replicas: ``Idempotency-Key`` (looked up in the
-owner's SQLite only); see ``docs/scale-out.md``.
+Idempotency keys: :meth:`RedisLogStore.claim_key` makes a key name one
+message on every replica (``ringserve:idem:{key}``, set only if absent or
+still naming the message being replaced), so two first attempts on two
+replicas make one generation; ``Hub.create`` follows the key to the message
+it names.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ from ringserve.config import StreamConfig
 from ringserve.core.ringlog import LogState, RingLog
 from ringserve.messages import MessageStore, StoredMessage
 from ringserve.stream.logs import (
+    KeyHolder,
     LogStoreStatistics,
     MemoryLogStore,
     MemoryMessageLog,
@@ -92,6 +96,7 @@ from ringserve.stream.logs import (
 __all__ = [
     "CANCEL_STREAM",
     "CATCH_UP_SECONDS",
+    "IDEMPOTENCY_PREFIX",
     "KEY_PREFIX",
     "LIVE_KEY_SECONDS",
     "MESSAGE_KEY_SECONDS",
@@ -144,6 +149,23 @@ redis.call('XADD', KEYS[1], (seq + 1) .. '-0', 's', 'failed')
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('HSET', KEYS[2], 'status', '"interrupted"', 'error', ARGV[#ARGV])
 return 1
+"""
+#: Prefix of each ``Idempotency-Key``'s claim (the key as ``Hub.create`` spells it, with its surface):
+#: the JSON ``[message id, request hash]`` of the message it names on every replica.
+IDEMPOTENCY_PREFIX = "ringserve:idem:"
+#: Claims KEYS[1] for the holder ARGV[1] for ARGV[3] seconds unless it names another holder, one
+#: other than the message id ARGV[2] (the one being replaced; '' for none). Returns the holder it
+#: names instead, or nil once it names ARGV[1].
+_CLAIM = """
+local current = redis.call('GET', KEYS[1])
+if current and (ARGV[2] == '' or cjson.decode(current)[1] ~= ARGV[2]) then return current end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+return false
+"""
+#: Deletes KEYS[1] if it still names the holder ARGV[1].
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
 """
 #: The error of a message whose owner died mid-generation (in-band and in its status).
 OWNER_LOST_MESSAGE = "the replica generating this message stopped; retry the request"
@@ -266,6 +288,10 @@ def _unavailable_if_down() -> Iterator[None]:
     except _REDIS_ERRORS as exc:
         log.warning("redis: %r", exc)
         raise store_unavailable() from None
+
+
+def _holder_json(holder: KeyHolder) -> str:
+    return json.dumps([holder.message_id, holder.request_hash])
 
 
 def _deliver(log_: MemoryMessageLog, identifier: bytes, fields: dict[bytes, bytes]) -> None:
@@ -437,6 +463,37 @@ class RedisLogStore:
         with _unavailable_if_down():
             await self._client.xadd(CANCEL_STREAM, {b"id": message_id.encode()}, trim_strategy=PureToken.MAXLEN,
                                     threshold=CANCEL_STREAM_MAXLEN, trim_operator=PureToken.APPROXIMATELY)
+
+    async def claim_key(self, key: str, holder: KeyHolder, *, replaces: str | None = None) -> KeyHolder | None:
+        """Make ``key`` name ``holder`` on every replica unless it names another message (one script).
+
+        Args:
+            key: the ``Idempotency-Key`` (with its surface).
+            holder: this replica's new message.
+            replaces: the id of the message the key names now that ``holder``
+                takes it over (one that ended ``failed``/``interrupted``, or whose
+                attempt never started): replaced only if the key still names it.
+
+        Returns:
+            ``None`` once ``key`` names ``holder`` (for :data:`MESSAGE_KEY_SECONDS`,
+            as long as the status hashes live), else the holder it names.
+
+        Raises:
+            RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable.
+        """
+        with _unavailable_if_down():
+            current = await self._client.eval(_CLAIM, keys=[IDEMPOTENCY_PREFIX + key],
+                                              args=[_holder_json(holder), replaces or "", MESSAGE_KEY_SECONDS])
+        return None if current is None else KeyHolder(*json.loads(current))  # type: ignore[arg-type]  # bytes
+
+    async def release_key(self, key: str, holder: KeyHolder) -> None:
+        """Let ``key`` go if it still names ``holder`` (its attempt failed to start).
+
+        Never raises: a claim left behind (Redis unreachable) is taken over by the
+        next attempt once its message has not appeared for ``hub.KEY_WAIT_SECONDS``.
+        """
+        with contextlib.suppress(*_REDIS_ERRORS):
+            await self._client.eval(_RELEASE, keys=[IDEMPOTENCY_PREFIX + key], args=[_holder_json(holder)])
 
     def forget(self, message_id: str) -> None:
         """Drop a log from this replica now (its Redis key expires by itself)."""
