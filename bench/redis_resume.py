@@ -31,7 +31,6 @@ Writes ``bench/results/redis_resume.json`` and ``bench/results/redis_resume.png`
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -42,53 +41,13 @@ import httpx
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import (  # noqa: E402
-    RINGSERVE_READY,
-    ROOT,
-    ServerProcess,
-    figure,
-    fmt,
-    machine,
-    machine_line,
-    pct,
-    python,
-    ringserve_config,
-    save_figure,
-    table,
-    write_json,
-)
+from bench.common import ServerProcess, figure, fmt, machine, machine_line, pct, save_figure, table, write_json  # noqa: E402
 from bench.redis_append import start_redis  # noqa: E402
-from bench.resume import PIECE_BYTES, POSITIONS, read_stream, resume_points  # noqa: E402
+from bench.resume import POSITIONS, complete_message, read_stream, resume_points, start_server  # noqa: E402
 from ringserve.core.sse import SSEParser  # noqa: E402
 
 #: Where each measured resume goes: (backend, the replica asked, the replica that generated it).
 TARGETS = {"redis, on B (other replica)": ("b", "a"), "redis, on A (owner)": ("a", "a"), "memory, on M": ("m", "m")}
-
-
-def start_replica(tmp: Path, name: str, tokens: int, stream: dict[str, Any]) -> ServerProcess:
-    cfg = ringserve_config(tmp / f"{name}.toml", {
-        "server": {"port": 0},
-        "engine": {"slots": 1, "ctx_per_slot": tokens + 256},
-        "stream": {"ttl_seconds": 3600.0, **stream},
-        "store": {"path": str(tmp / f"{name}.sqlite3")},
-        "limits": {"max_readers_per_client": 0},
-    })
-    return ServerProcess(
-        [python(), str(ROOT / "bench" / "fake_server.py"), "--config", str(cfg),
-         "--fake", json.dumps({"piece_bytes": PIECE_BYTES}), "--reply-bytes", str(tokens * PIECE_BYTES)],
-        tmp / f"{name}.log",
-        ready_pattern=RINGSERVE_READY,
-    )
-
-
-def complete_message(client: httpx.Client, url: str, tokens: int) -> tuple[str, bytes]:
-    """Create a message on ``url`` and read it to its end: (id, the whole stream)."""
-    body = {"model": "fake", "max_tokens": tokens + 1, "stream": True, "messages": [{"role": "user", "content": "go"}]}
-    created = client.post(f"{url}/v1/chat/completions", json=body, headers={"Prefer": "respond-async"})
-    created.raise_for_status()
-    mid = created.json()["id"]
-    _, _, whole = read_stream(client, f"{url}/v1/messages/{mid}/stream")
-    return mid, whole
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -106,8 +65,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         redis, redis_url = start_redis(tmp_name)
         try:
             for name in ("a", "b"):
-                servers[name] = start_replica(tmp, name, args.tokens, {"backend": "redis", "redis_url": redis_url})
-            servers["m"] = start_replica(tmp, "m", args.tokens, {})
+                servers[name] = start_server(tmp, name, args.tokens, {"backend": "redis", "redis_url": redis_url})
+            servers["m"] = start_server(tmp, "m", args.tokens, {})
             with httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as client:
                 messages = {owner: complete_message(client, servers[owner].url, args.tokens) for owner in ("a", "m")}
                 points, sizes = {}, {}

@@ -20,9 +20,10 @@ import pytest
 import trio
 
 from ringserve.core.sse import SSEParser
+from tests.conftest import ServerProcess
 from tests.helpers import ANTHROPIC_BODY
 from tests.redis_server import RedisServer, free_port, needs_redis
-from tests.test_drain import FakeServerProcess
+from tests.test_drain import FakeServerProcess, _toml
 from tests.test_nginx import NGINX, documented_snippet, start_nginx
 
 pytest.importorskip("coredis", reason="the redis extra is not installed (pip install 'ringserve[redis]')")
@@ -86,9 +87,10 @@ def _last_event_id(block: bytes) -> dict[str, str]:
     return {"Last-Event-ID": f"{found[1].decode()}:{found[2].decode()}"}
 
 
-async def _start(client: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None) -> tuple[str, list[bytes]]:
+async def _start(client: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None,
+                 body: dict[str, Any] | None = None) -> tuple[str, list[bytes]]:
     """POST a long stream (policy continue) and drop it after its first event: (message id, [that event])."""
-    body = {**ANTHROPIC_BODY, "max_tokens": TOKENS + 10, "stream": True}
+    body = body or {**ANTHROPIC_BODY, "max_tokens": TOKENS + 10, "stream": True}
     async with client.stream("POST", f"{url}/v1/messages", json=body,
                              headers={"Ringserve-Disconnect-Policy": "continue", **(headers or {})}) as resp:
         assert resp.status_code == 200
@@ -312,3 +314,32 @@ async def test_idempotent_retries_through_b_follow_the_message_a_generates(tmp_p
             assert new_id != crashed_id and b"event: message_stop" in blocks[-1]
             again_id, again = await _post_stream(client, b.url, body, key)
             assert again_id == new_id and again == blocks  # the key names the new message now
+
+
+@pytest.mark.model
+async def test_a_real_model_stream_generated_on_a_resumes_on_b_byte_for_byte(tmp_path):
+    redis = RedisServer(tmp_path)
+    servers: list[ServerProcess] = []
+    try:
+        for name in ("a", "b"):
+            config = tmp_path / f"{name}.toml"
+            config.write_text(_toml({
+                "engine": {"slots": 1, "ctx_per_slot": 1024},
+                "stream": {"backend": "redis", "redis_url": redis.url, "flush_tokens": 1},
+                "store": {"path": str(tmp_path / f"{name}.sqlite3")},
+            }))
+            servers.append(ServerProcess(["--config", str(config)]))
+        a, b = servers
+        # 64 tokens: one event each, more than the 4 resumes below read (at most 8 events each)
+        body = {**ANTHROPIC_BODY, "max_tokens": 64, "temperature": 0, "stream": True,
+                "messages": [{"role": "user", "content": "Write a very long story about a dragon who learns to cook."}]}
+        async with httpx.AsyncClient(timeout=120) as client:
+            message_id, got = await _start(client, a.url, body=body)
+            await _drop_and_resume(client, message_id, got, [b.url, a.url, b.url, a.url], random.Random(19))
+            whole, _ = await _read_blocks(client, f"{b.url}/v1/messages/{message_id}/stream", {}, None)
+        _assert_whole(got, whole)
+        assert len(whole) > 10 and b"text_delta" in b"".join(whole)
+    finally:
+        for server in servers:
+            server.stop()
+        redis.stop()
