@@ -53,9 +53,11 @@ from ringserve.stream.admission import (
     Refuse,
     StreamLive,
     WaitLive,
+    WaitStored,
     admit,
     answer,
     finished,
+    stored_answer,
 )
 from ringserve.stream.hub import Hub, LiveMessage, StreamEnded
 from ringserve.stream.logs import MessageLog, store_unavailable
@@ -354,6 +356,12 @@ async def respond(hub: Hub, surface: Surface, decision: Decision) -> Response:
             except RingserveError as exc:
                 return _error_response(surface, exc)
             return _sse_response(hub, log_, after, stored.id)
+        case WaitStored(message=stored):
+            try:
+                stored = await hub.settled(stored)  # generated on another replica: wait for its end
+            except RingserveError as exc:
+                return _error_response(surface, exc)
+            return await respond(hub, surface, stored_answer(stored))
         case WaitLive(message=msg):
             with msg.open_log.reader():  # a reader, so that the abort policy does not fire
                 await msg.done.wait()
