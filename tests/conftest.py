@@ -6,7 +6,7 @@ import os
 import re
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -66,7 +66,14 @@ async def fake_server(tmp_path: Path) -> AsyncIterator[Any]:
 
 
 class ServerProcess:
-    """``python -m ringserve serve`` in a subprocess, on a free port, until stopped."""
+    """``python -m ringserve serve`` in a subprocess, on a free port, until stopped.
+
+    A thread reads the server's output for as long as it runs and keeps its lines in ``lines``: a
+    server whose log (its access log above all) is not read blocks on its stdout write once the pipe
+    holds 64 KiB.
+    """
+
+    READY = r"ready: .* at (http://\S+)"
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, command: list[str] | None = None) -> None:
         # ``command`` replaces ``python -m ringserve serve --port 0`` (tests/test_drain.py runs bench/fake_server.py with it).
@@ -78,17 +85,48 @@ class ServerProcess:
             env={**os.environ, **(env or {})},
         )
         self.lines: list[str] = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError("server exited:\n" + "".join(self.lines))
-            self.lines.append(line)
-            m = re.search(r"ready: .* at (http://\S+)", line)
-            if m:
-                self.url = m.group(1).rstrip(",")
-                return
-        raise RuntimeError("server did not become ready:\n" + "".join(self.lines))
+        self._ended = False  # the output reached EOF
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read_log, daemon=True)
+        self._reader.start()
+        ready = self._find(self.READY, 120)
+        if ready is None:
+            why = "exited" if self._ended else "did not become ready"
+            self.stop()
+            raise RuntimeError(f"server {why}:\n" + "".join(self.lines))
+        self.url = re.search(self.READY, ready).group(1).rstrip(",")
+
+    def _read_log(self) -> None:
+        for line in self.proc.stdout:
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+
+    def _find(self, pattern: str, timeout: float) -> str | None:
+        """The first log line matching ``pattern``, waiting up to ``timeout`` s for it; None if it
+        did not come in time or the output ended without it."""
+        regex = re.compile(pattern)
+        found: str | None = None
+        checked = 0
+
+        def seen() -> bool:
+            nonlocal found, checked
+            found = next((line for line in self.lines[checked:] if regex.search(line)), None)
+            checked = len(self.lines)
+            return found is not None or self._ended
+
+        with self._changed:
+            self._changed.wait_for(seen, timeout)
+        return found
+
+    def wait_for_log(self, pattern: str, timeout: float) -> str:
+        """The first log line matching ``pattern`` (blocking; run it in a thread from Trio)."""
+        found = self._find(pattern, timeout)
+        assert found is not None, f"no log line matches {pattern!r}:\n" + "".join(self.lines)
+        return found
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -97,6 +135,8 @@ class ServerProcess:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
+        self._reader.join(10)  # the rest of the output, up to EOF
         self.proc.stdout.close()
         return self.proc.returncode
 

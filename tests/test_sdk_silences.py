@@ -8,7 +8,6 @@ while queued. Each completes and its text equals the non-stream text at temperat
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -42,11 +41,7 @@ def _server(tmp_path_factory: pytest.TempPathFactory, name: str, extra: str = ""
     (d / "config.toml").write_text(
         f'[server]\nheartbeat_interval = 1.0\n[engine]\nslots = 1\nctx_per_slot = 4096\n'
         f'[store]\npath = "{d / "store.sqlite3"}"\n{extra}')
-    server = ServerProcess(["--config", str(d / "config.toml")])
-    # ServerProcess reads the log only until "ready"; these tests make hundreds of requests, whose
-    # access-log lines would fill the pipe and block the server's event loop on a write.
-    threading.Thread(target=server.proc.stdout.read, daemon=True).start()
-    return server
+    return ServerProcess(["--config", str(d / "config.toml")])
 
 
 @pytest.fixture(scope="module")
