@@ -21,9 +21,20 @@ from ringserve.engine.fake import FakeEngine
 from ringserve.server import serve
 
 
+#: llama.cpp threads of every real-model engine in the tests. Its threads meet at a barrier in every
+#: decode call, so on a loaded 2-core machine two of them stall each other (docs/benchmarks.md): the
+#: HTTP benchmark's one-stream smoke run measured 0.3 tokens/s with 2 threads, 2.2 with 1, at load
+#: average 11. One thread decodes the same tokens and never waits for another.
+MODEL_THREADS = 1
+#: The ``[model]`` table that says so, for the tests that write a config file.
+MODEL_TOML = f"[model]\nn_threads = {MODEL_THREADS}\n"
+
+
 def fake_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
-    """A test config: port 0, a store in ``tmp_path``, overrides per table."""
-    config = Config().replace("server", port=0).replace("store", path=str(tmp_path / "store.sqlite3"))
+    """A test config: port 0, a store in ``tmp_path``, :data:`MODEL_THREADS` for a real model,
+    overrides per table."""
+    config = (Config().replace("server", port=0).replace("store", path=str(tmp_path / "store.sqlite3"))
+              .replace("model", n_threads=MODEL_THREADS))
     for section, changes in sections.items():
         config = config.replace(section, **changes)
     return config
@@ -149,7 +160,7 @@ def model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     # Without the prompt-prefix cache: these tests compare greedy replies to repeated prompts, and a
     # cached prompt re-decodes its last token in a one-token batch, whose logits can round
     # differently (README "Prompt-prefix cache"); tests/test_prefix_cache.py tests the cache.
-    cfg.write_text(f'[engine]\nslots = 4\nctx_per_slot = 4608\nprefix_cache = false\n[store]\npath = "{store}"\n')
+    cfg.write_text(f'[engine]\nslots = 4\nctx_per_slot = 4608\nprefix_cache = false\n[store]\npath = "{store}"\n{MODEL_TOML}')
     server = ServerProcess(["--config", str(cfg)])
     yield server
     server.stop()

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conformance import sdk_answer, sdk_stream_text
-from tests.conftest import ServerProcess
+from tests.conftest import MODEL_TOML, ServerProcess
 
 pytestmark = pytest.mark.model
 
@@ -40,7 +40,7 @@ def _server(tmp_path_factory: pytest.TempPathFactory, name: str, extra: str = ""
     d = tmp_path_factory.mktemp(name)
     (d / "config.toml").write_text(
         f'[server]\nheartbeat_interval = 1.0\n[engine]\nslots = 1\nctx_per_slot = 4096\n'
-        f'[store]\npath = "{d / "store.sqlite3"}"\n{extra}')
+        f'[store]\npath = "{d / "store.sqlite3"}"\n{MODEL_TOML}{extra}')
     return ServerProcess(["--config", str(d / "config.toml")])
 
 
