@@ -17,11 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import MODEL_THREADS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_bench(name: str, tmp_path: Path, *args: str, timeout: float = 240) -> dict:
-    """Run ``bench/NAME.py ARGS``; return its JSON after checking the PNG exists too."""
+def run_bench(name: str, tmp_path: Path, *args: str, timeout: float = 240, stdout: list[str] | None = None) -> dict:
+    """Run ``bench/NAME.py ARGS``; return its JSON after checking the PNG exists too (and append what it
+    printed to ``stdout`` if given)."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / f"{name}.py"), *args],
         cwd=ROOT,
@@ -32,6 +35,8 @@ def run_bench(name: str, tmp_path: Path, *args: str, timeout: float = 240) -> di
         timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if stdout is not None:
+        stdout.append(proc.stdout)
     assert (tmp_path / f"{name}.png").stat().st_size > 0
     return json.loads((tmp_path / f"{name}.json").read_text())
 
@@ -61,7 +66,7 @@ def test_gateway_bench_holds_and_fans_out(tmp_path: Path) -> None:
 
 @pytest.mark.model
 def test_engine_bench_compares_both_sides(tmp_path: Path) -> None:
-    out = run_bench("engine", tmp_path, "--seqs", "1", "2", "--tokens", "8", "--bursts", "2")
+    out = run_bench("engine", tmp_path, "--seqs", "1", "2", "--tokens", "8", "--bursts", "2", "--threads", str(MODEL_THREADS))
     for n in ("1", "2"):
         summary = out["summary"][n]
         assert summary["raw"]["tokens_per_second"] > 0 and summary["ringserve"]["tokens_per_second"] > 0
@@ -84,14 +89,21 @@ def test_abort_bench_frees_every_cancel(tmp_path: Path) -> None:
 
 @pytest.mark.model
 def test_http_bench_runs_end_to_end(tmp_path: Path) -> None:
-    """The smallest run: ringserve only, one stream, one request, one round (the comparison with
-    llama_cpp.server, which starts a second model server, is opt-in: RINGSERVE_BENCH_BOTH=1)."""
+    """The smallest run: ringserve only, one stream, one request, one round, one llama.cpp thread (two
+    stall each other on a loaded machine: 3 minutes for this run at load average 11, against 35 s with
+    one). The comparison with llama_cpp.server, which starts a second model server, is opt-in:
+    RINGSERVE_BENCH_BOTH=1."""
+    printed: list[str] = []
     out = run_bench("http_streams", tmp_path, "--servers", "ringserve", "--streams", "1", "--tokens", "8",
-                    "--requests", "1", "--rounds", "1", "--slots", "1")
+                    "--requests", "1", "--rounds", "1", "--slots", "1", "--threads", str(MODEL_THREADS), stdout=printed)
     level = out["rounds"]["ringserve"]["1"][0]
     assert level["errors"] == [] and level["requests"] == 1
     assert level["tokens"] > 0 and level["ttft_p50"] > 0
-    assert out["summary"]["1"]["ratio_raw_loop"] > 0
+    ratio = out["summary"]["1"]["ratio_raw_loop"]
+    assert ratio > 0
+    # the ratio table is printed: one row for 1 stream, no llama_cpp.server ratios, the raw-loop ratio
+    head, row = printed[0].split("ringserve / llama_cpp.server and ringserve / raw loop", 1)[1].splitlines()[1:3]
+    assert "vs raw loop" in head and row.split()[:3] == ["1", "-", "-"] and row.split()[4] == f"{ratio:.2f}"
     assert out["rounds"]["llama_cpp.server"]["1"] == [] and out["summary"]["1"]["ratio_tokens_per_second"] is None
 
 
@@ -101,7 +113,7 @@ def test_http_bench_runs_end_to_end(tmp_path: Path) -> None:
                     reason="needs llama-cpp-python's server extra: pip install -e '.[bench]'")
 def test_http_bench_runs_both_servers(tmp_path: Path) -> None:
     out = run_bench("http_streams", tmp_path, "--streams", "1", "--tokens", "8", "--requests", "1",
-                    "--rounds", "1", "--slots", "1")
+                    "--rounds", "1", "--slots", "1", "--threads", str(MODEL_THREADS))
     for server in ("ringserve", "llama_cpp.server"):
         level = out["rounds"][server]["1"][0]
         assert level["errors"] == [] and level["requests"] == 1

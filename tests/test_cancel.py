@@ -50,13 +50,16 @@ async def test_stream_client_gone_frees_slot_within_one_step(real_server):
                 if events == 3:
                     break
         assert runner.statistics().slots_busy == 1
+        closed = trio.current_time()
     # leaving the block closed the connection
     await wait_until(lambda: runner.statistics().slots_busy == 0)
+    freed = trio.current_time()
     stats = runner.statistics()
     assert stats.cancels == 1
-    assert stats.tokens_after_cancel_total <= 1
+    assert stats.tokens_after_cancel_total <= 1  # within one step: at most the decode already in flight
     assert stats.kv_cells_used == 0
-    assert stats.last_cancel_to_free_seconds is not None and stats.last_cancel_to_free_seconds < 1.0
+    # the cancel-to-free time is measured, from the cancel (after the close) to the free (before we saw it)
+    assert stats.last_cancel_to_free_seconds is not None and 0 <= stats.last_cancel_to_free_seconds <= freed - closed
     decoded = stats.generated_tokens_total
     assert decoded < 100  # nowhere near max_tokens
     steps = stats.steps

@@ -11,7 +11,6 @@ import socket
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -39,7 +38,7 @@ def _toml(sections: dict[str, dict[str, Any]]) -> str:
 
 
 class FakeServerProcess(ServerProcess):
-    """``bench/fake_server.py`` with a config built from ``sections``; keeps reading its log."""
+    """``bench/fake_server.py`` with a config built from ``sections``."""
 
     def __init__(self, tmp_path: Path, sections: dict[str, dict[str, Any]], fake: dict[str, Any],
                  reply_bytes: int | None = None) -> None:
@@ -52,28 +51,6 @@ class FakeServerProcess(ServerProcess):
         if reply_bytes is not None:
             args += ["--reply-bytes", str(reply_bytes)]
         super().__init__(args, env={"PYTHONPATH": str(ROOT)}, command=[sys.executable, str(ROOT / "bench" / "fake_server.py")])
-        self._changed = threading.Condition()
-        threading.Thread(target=self._read_log, daemon=True).start()
-
-    def _read_log(self) -> None:
-        for line in self.proc.stdout:
-            with self._changed:
-                self.lines.append(line)
-                self._changed.notify_all()
-
-    def wait_for_log(self, pattern: str, timeout: float) -> str:
-        """The first log line matching ``pattern`` (blocking; run it in a thread from Trio)."""
-        with self._changed:
-            for _ in range(2):
-                found = next((line for line in self.lines if re.search(pattern, line)), None)
-                if found is not None or not self._changed.wait_for(
-                    lambda: any(re.search(pattern, line) for line in self.lines), timeout
-                ):
-                    break
-            if found is None:
-                found = next((line for line in self.lines if re.search(pattern, line)), None)
-        assert found is not None, f"no log line matches {pattern!r}:\n" + "".join(self.lines)
-        return found
 
     def signal(self, signum: int) -> float:
         """Send ``signum``; when (``time.monotonic()``)."""

@@ -12,6 +12,7 @@ import pytest
 from ringserve.core.events import ChatMessage, SamplingParams
 from ringserve.engine.modelfile import ModelFileError, default_model_path
 from ringserve.engine.protocol import EngineError, KVCacheFull, SlotFeed
+from tests.conftest import MODEL_THREADS
 
 llama = pytest.importorskip("ringserve.engine.llama")
 
@@ -26,7 +27,7 @@ N_BATCH = 256
 @pytest.fixture(scope="module")
 def engine():
     eng = llama.LlamaEngine(
-        default_model_path(), n_slots=N_SLOTS, n_ctx_slot=N_CTX_SLOT, n_batch=N_BATCH
+        default_model_path(), n_slots=N_SLOTS, n_ctx_slot=N_CTX_SLOT, n_batch=N_BATCH, n_threads=MODEL_THREADS
     )
     yield eng
     eng.close()

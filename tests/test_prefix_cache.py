@@ -17,7 +17,7 @@ from ringserve.core.errors import ErrorKind
 from ringserve.core.events import BlockDelta, ChatMessage, Finish, GenerationRequest, SamplingParams, StopReason
 from ringserve.engine.fake import Begin, FakeEngine
 from ringserve.engine.runner import Runner
-from tests.conftest import fake_config, running_server
+from tests.conftest import MODEL_THREADS, fake_config, running_server
 from tests.helpers import ANTHROPIC_BODY, OPENAI_BODY, sse_events
 from tests.test_runner import serving
 
@@ -214,7 +214,7 @@ def llama_engine():
     from ringserve.engine.modelfile import default_model_path
 
     # flash attention off (the default): see test_real_greedy_output_with_the_cache_equals_output_without
-    eng = llama.LlamaEngine(default_model_path(), n_slots=2, n_ctx_slot=1024, n_threads=1)
+    eng = llama.LlamaEngine(default_model_path(), n_slots=2, n_ctx_slot=1024, n_threads=MODEL_THREADS)
     yield eng
     eng.close()
 

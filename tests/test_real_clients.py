@@ -26,7 +26,7 @@ from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.anthropic import AnthropicProvider
 from pydantic_ai.providers.openai import OpenAIProvider
 
-from tests.conftest import ServerProcess
+from tests.conftest import MODEL_TOML, ServerProcess
 
 pytestmark = pytest.mark.model
 
@@ -38,7 +38,7 @@ GREEDY = {"temperature": 0}
 @pytest.fixture(scope="module")
 def small_ctx_server(tmp_path_factory: pytest.TempPathFactory):
     cfg = tmp_path_factory.mktemp("small_ctx") / "config.toml"
-    cfg.write_text(f'[engine]\nslots = 2\nctx_per_slot = {CTX}\n[store]\npath = "{cfg.parent / "s.sqlite3"}"\n')
+    cfg.write_text(f'[engine]\nslots = 2\nctx_per_slot = {CTX}\n[store]\npath = "{cfg.parent / "s.sqlite3"}"\n{MODEL_TOML}')
     server = ServerProcess(["--config", str(cfg)])
     yield server
     server.stop()

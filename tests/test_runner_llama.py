@@ -26,6 +26,7 @@ from ringserve.core.events import (
 )
 from ringserve.engine.modelfile import default_model_path
 from ringserve.engine.runner import Runner
+from tests.conftest import MODEL_THREADS
 
 llama = pytest.importorskip("ringserve.engine.llama")
 
@@ -45,7 +46,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = llama.LlamaEngine(default_model_path(), n_slots=N_SLOTS, n_ctx_slot=N_CTX_SLOT)
+    eng = llama.LlamaEngine(default_model_path(), n_slots=N_SLOTS, n_ctx_slot=N_CTX_SLOT, n_threads=MODEL_THREADS)
     yield eng
     eng.close()
 
@@ -90,7 +91,8 @@ async def run_one(runner: Runner, text: str, log: list | None = None, tag: int =
 
 
 async def test_four_concurrent_generations_start_before_any_finishes(engine):
-    """C8 on the real model; also measures aggregate tokens/s of 4 streams against 1."""
+    """C8 on the real model; also measures tokens per CPU second of 4 streams against 1 (the work
+    a token costs, which other load on the machine does not change, unlike tokens per wall second)."""
     order: list[tuple[str, int]] = []
     results = {}
 
@@ -99,31 +101,32 @@ async def test_four_concurrent_generations_start_before_any_finishes(engine):
 
     with trio.fail_after(GUARD):
         async with Served(engine) as runner:
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             await one(runner, 0)
-            solo_seconds = time.perf_counter() - t0
+            solo_cpu_seconds = time.process_time() - t0
             solo_tokens = results[0][2].usage.output_tokens
             order.clear()
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             async with trio.open_nursery() as nursery:
                 for i in range(4):
                     nursery.start_soon(one, runner, i)
-            four_seconds = time.perf_counter() - t0
+            four_cpu_seconds = time.process_time() - t0
             stats = runner.statistics()
     kinds = [k for k, _ in order]
     assert kinds.count("first") == 4
     assert max(i for i, k in enumerate(kinds) if k == "first") < kinds.index("end")
     four_tokens = sum(r[2].usage.output_tokens for r in results.values())
-    solo_rate = solo_tokens / solo_seconds
-    four_rate = four_tokens / four_seconds
+    solo_rate = solo_tokens / solo_cpu_seconds
+    four_rate = four_tokens / four_cpu_seconds
     print(
-        f"\n1 stream: {solo_rate:.0f} tok/s; 4 streams: {four_rate:.0f} tok/s aggregate"
+        f"\n1 stream: {solo_rate:.0f} tok/CPU s; 4 streams: {four_rate:.0f} tok/CPU s aggregate"
         f" ({four_rate / solo_rate:.2f}x); decode {stats.decode_seconds_total:.3f}s"
         f" over {stats.steps} steps"
     )
     for text, last, _ in results.values():
         assert text and isinstance(last, Finish)
-    # C8: batching pays. Measured 1.3-1.4x on 2 CPU cores; asserted only "higher".
+    # C8: batching pays: a token costs less work in a batch of four. (Wall-clock rates measured
+    # 1.3-1.4x on 2 idle CPU cores with 2 threads.) Asserted only "higher".
     assert four_rate > solo_rate
 
 

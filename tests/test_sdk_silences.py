@@ -8,7 +8,6 @@ while queued. Each completes and its text equals the non-stream text at temperat
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conformance import sdk_answer, sdk_stream_text
-from tests.conftest import ServerProcess
+from tests.conftest import MODEL_TOML, ServerProcess
 
 pytestmark = pytest.mark.model
 
@@ -41,12 +40,8 @@ def _server(tmp_path_factory: pytest.TempPathFactory, name: str, extra: str = ""
     d = tmp_path_factory.mktemp(name)
     (d / "config.toml").write_text(
         f'[server]\nheartbeat_interval = 1.0\n[engine]\nslots = 1\nctx_per_slot = 4096\n'
-        f'[store]\npath = "{d / "store.sqlite3"}"\n{extra}')
-    server = ServerProcess(["--config", str(d / "config.toml")])
-    # ServerProcess reads the log only until "ready"; these tests make hundreds of requests, whose
-    # access-log lines would fill the pipe and block the server's event loop on a write.
-    threading.Thread(target=server.proc.stdout.read, daemon=True).start()
-    return server
+        f'[store]\npath = "{d / "store.sqlite3"}"\n{MODEL_TOML}{extra}')
+    return ServerProcess(["--config", str(d / "config.toml")])
 
 
 @pytest.fixture(scope="module")

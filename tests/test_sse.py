@@ -298,7 +298,8 @@ def test_parser_empty_feed():
 # ---------------------------------------------------------------- properties
 
 ids = st.text().filter(lambda s: not any(c in s for c in "\r\n\0"))
-line_text = st.text(alphabet=st.sampled_from(list("ab :\r\n\0é你👍\ufeff")) | st.characters())
+# Text that encodes: no lone surrogates (st.characters() draws them; encode_event refuses them, tested above).
+line_text = st.text(alphabet=st.sampled_from(list("ab :\r\n\0é你👍\ufeff")) | st.characters(codec="utf-8"))
 datas = st.one_of(st.text(), line_text, st.sampled_from(["", "\n", "\r", "\r\n", "\n\n", "a\r\r\nb"]))
 retries = st.none() | st.integers(min_value=0, max_value=10**12)
 
@@ -395,7 +396,6 @@ def test_parser_matches_reference_on_raw_streams(pieces, cuts):
 # blocks and dispatches any blank line once one is set, even with an empty data buffer (the spec
 # dispatches nothing then). The OpenAI SDK parses every dispatched block as JSON, so an empty one
 # raises; the Anthropic SDK yields every named event but "ping".
-_SURROGATE = re.compile("[\ud800-\udfff]")  # encode_event refuses them (ValueError)
 SDK_DECODERS = {
     "openai": pytest.importorskip("openai._streaming").SSEDecoder,
     "anthropic": pytest.importorskip("anthropic._streaming").SSEDecoder,
@@ -405,8 +405,7 @@ SDK_DECODERS = {
 @SETTINGS
 @pytest.mark.parametrize("sdk", sorted(SDK_DECODERS))
 @given(
-    items=st.lists(st.one_of(events_args().filter(lambda a: not _SURROGATE.search(a[0])),
-                             st.just("ping"), st.just("reconnect")), max_size=8),
+    items=st.lists(st.one_of(events_args(), st.just("ping"), st.just("reconnect")), max_size=8),
     cuts=st.lists(st.integers(min_value=0), max_size=12),
 )
 def test_sdk_decoders_dispatch_exactly_the_encoded_events(sdk, items, cuts):
