@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--cancels", type=int, default=100, help="cancels per setting")
     ap.add_argument("--slots", type=int, default=4, help="engine slots (loaded: slots - 1 other streams)")
     ap.add_argument("--seed", type=int, default=1, help="seed of the chunks read before each close")
+    ap.add_argument("--threads", type=int, default=0, help="llama.cpp CPU threads (0: all cores)")
     args = ap.parse_args(argv)
     info = machine()
     print(f"abort on the real model: {args.cancels} cancels per setting, {args.slots} slots")
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             .replace("server", port=0)
             .replace("engine", slots=args.slots, ctx_per_slot=1024)
             .replace("store", path=str(Path(tmp) / "store.sqlite3"))
+            .replace("model", n_threads=args.threads)
         )
         if args.model is not None:
             config = config.replace("model", path=str(args.model))

@@ -79,7 +79,7 @@ def test_engine_bench_compares_both_sides(tmp_path: Path) -> None:
 
 @pytest.mark.model
 def test_abort_bench_frees_every_cancel(tmp_path: Path) -> None:
-    out = run_bench("abort", tmp_path, "--cancels", "3", "--slots", "2")
+    out = run_bench("abort", tmp_path, "--cancels", "3", "--slots", "2", "--threads", str(MODEL_THREADS))
     for setting in ("idle", "loaded"):
         s = out["summary"][setting]
         assert s["cancels"] == 3 and s["statuses"] == ["cancelled"]
