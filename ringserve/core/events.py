@@ -284,4 +284,4 @@ class Failure:
     retryable: bool = False
 
 
-GenerationEvent = TextDelta | Finish | Failure
+GenerationEvent = BlockStart | BlockDelta | BlockStop | Finish | Failure

@@ -22,7 +22,8 @@ One step of the loop:
    copying the reused cells), then one ``engine.decode`` for the batch.
 4. Back on the Trio thread, each sampled token is counted, detokenized (one
    :class:`~ringserve.core.detokenizer.Detokenizer` per request), run through
-   the request's :class:`~ringserve.core.stop.StopMatcher`, and the result is
+   the request's :class:`~ringserve.core.reply.ReplyStage` (tool-call parser,
+   stop strings, block numbering), and the block events it gives are
    pushed with ``send_nowait`` to that request's channel: generation never
    waits for a consumer. Each channel's buffer holds ``max_tokens + 2``
    events, more than a generation can produce, so it never fills.
@@ -32,8 +33,8 @@ cancellation set; it never polls.
 
 Consumers call :meth:`Runner.prepare` (tokenize, check that the prompt fits
 (case C4) and set the budget: ``max_tokens``, at most what the context leaves) and then ``async with runner.submit(prepared) as gen``: iterating
-``gen`` gives :class:`TextDelta` events and one terminal :class:`Finish` or
-:class:`Failure`. Leaving the block early cancels (cases C1/C2).
+``gen`` gives block events (:class:`BlockStart`, :class:`BlockDelta`,
+:class:`BlockStop`) and one terminal :class:`Finish` or :class:`Failure`. Leaving the block early cancels (cases C1/C2).
 """
 
 from __future__ import annotations
@@ -51,17 +52,24 @@ from ringserve.config import EngineConfig
 from ringserve.core.detokenizer import Detokenizer
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
+    BlockDelta,
+    BlockKind,
+    BlockStart,
+    BlockStop,
+    ContentBlock,
     Failure,
     Finish,
     GenerationEvent,
     GenerationRequest,
     SamplingParams,
     StopReason,
-    TextDelta,
+    ToolChoiceMode,
     Usage,
 )
+from ringserve.core.grammar import Constraint, constraint_for
+from ringserve.core.reply import ReplyStage
 from ringserve.core.scheduler import Entry, Plan, Scheduler, SlotState
-from ringserve.core.stop import StopMatcher
+from ringserve.core.toolcalls import ToolCallError
 from ringserve.engine.protocol import Engine, EngineError, KVCacheFull, Sampled, SlotFeed
 
 __all__ = ["Generation", "Prepared", "Runner", "RunnerStatistics"]
@@ -82,12 +90,15 @@ class Prepared:
         context_bound: the budget is the context's, not the caller's: using
             it up ends with :attr:`StopReason.CONTEXT_FULL` instead of
             :attr:`StopReason.MAX_TOKENS`.
+        constraint: the grammar the reply is decoded under
+            (:func:`~ringserve.core.grammar.constraint_for`), or None.
     """
 
     request: GenerationRequest
     prompt_tokens: tuple[int, ...]
     max_tokens: int
     context_bound: bool = False
+    constraint: Constraint | None = None
 
 
 @attrs.frozen
@@ -160,8 +171,8 @@ class RunnerStatistics:
 class Generation:
     """One submitted request: an async iterator of its events.
 
-    Yields :class:`TextDelta` events, then exactly one :class:`Finish` or
-    :class:`Failure`, then stops. Only the runner produces events; iterating
+    Yields block events in the order :class:`BlockStart` documents, then
+    exactly one :class:`Finish` or :class:`Failure`, then stops. Only the runner produces events; iterating
     never drives generation, and a slow consumer never slows it (events wait
     in the generation's buffer).
 
@@ -175,15 +186,21 @@ class Generation:
     _send: trio.MemorySendChannel[GenerationEvent]
     _receive: trio.MemoryReceiveChannel[GenerationEvent]
     _detokenizer: Detokenizer = attrs.field(factory=Detokenizer)
-    _stopper: StopMatcher = attrs.field(default=None)
-    _tokens_since_delta: int = 0
+    _stage: ReplyStage = attrs.field(default=None)
     _outcome: Finish | Failure | None = None
     _cancel_time: float | None = None
     tokens_after_cancel: int = 0
 
     def __attrs_post_init__(self) -> None:
-        if self._stopper is None:
-            self._stopper = StopMatcher(self.prepared.request.stop)
+        if self._stage is None:
+            request = self.prepared.request
+            choice = request.tool_choice
+            parsed = bool(request.tools) and choice.mode is not ToolChoiceMode.NONE
+            self._stage = ReplyStage(
+                request.stop,
+                frozenset(t.name for t in request.tools) if parsed else None,
+                parallel=choice.parallel and choice.mode is not ToolChoiceMode.NAMED,
+            )
 
     @property
     def id(self) -> int:
@@ -228,20 +245,30 @@ class Generation:
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
 
-    async def collect(self) -> tuple[str, Finish | Failure]:
-        """Read every remaining event; return the joined text and the terminal event."""
-        parts = []
+    async def collect(self) -> tuple[tuple[ContentBlock, ...], Finish | Failure]:
+        """Read every remaining event; return the message's blocks (whole) and the terminal event.
+
+        After a :class:`Failure` the block that was open is included as far as it got.
+        """
+        blocks: list[ContentBlock] = []
+        parts: list[str] = []
         terminal: Finish | Failure | None = None
         async for event in self:
             match event:
-                case TextDelta():
+                case BlockStart():
+                    blocks.append(ContentBlock(event.kind, "", event.name, event.call_id))
+                    parts = []
+                case BlockDelta():
                     parts.append(event.text)
+                    blocks[-1] = attrs.evolve(blocks[-1], text="".join(parts))
+                case BlockStop():
+                    pass
                 case Finish() | Failure():
                     terminal = event
                 case _:
                     assert_never(event)
         assert terminal is not None, "a generation always ends with Finish or Failure"
-        return "".join(parts), terminal
+        return tuple(blocks), terminal
 
 
 @attrs.frozen
@@ -371,6 +398,7 @@ class Runner:
                 numbers (tokens, or bytes when refused
                 before tokenizing). Nothing is enqueued.
         """
+        constraint = constraint_for(request)
         ctx = self.n_ctx_slot
         per_token = self._engine.max_token_bytes
         if per_token is not None:
@@ -385,6 +413,8 @@ class Runner:
             tokens = await trio.to_thread.run_sync(
                 self._engine.tokenize_chat,
                 request.messages,
+                request.tools,
+                request.tool_choice,
                 limiter=self._tokenize_limiter,
                 abandon_on_cancel=False,
             )
@@ -402,8 +432,8 @@ class Runner:
         room = ctx - n_prompt
         asked = request.max_tokens
         if asked is None or asked > room:
-            return Prepared(request, tuple(tokens), room, context_bound=True)
-        return Prepared(request, tuple(tokens), asked)
+            return Prepared(request, tuple(tokens), room, context_bound=True, constraint=constraint)
+        return Prepared(request, tuple(tokens), asked, constraint=constraint)
 
     @asynccontextmanager
     async def submit(self, prepared: Prepared) -> AsyncIterator[Generation]:
@@ -603,18 +633,20 @@ class Runner:
             return None
 
     def _step_sync(
-        self, begins: Sequence[tuple[int, SamplingParams, int, int | None]], feeds: Sequence[SlotFeed]
+        self,
+        begins: Sequence[tuple[int, SamplingParams, int, int | None, Constraint | None]],
+        feeds: Sequence[SlotFeed],
     ) -> _StepOutcome:
-        """Worker thread: begin the admitted slots (slot, sampling, cells kept, copied from), then
-        decode the batch once.
+        """Worker thread: begin the admitted slots (slot, sampling, cells kept, copied from,
+        grammar), then decode the batch once.
 
         Exceptions come back in the outcome instead of being raised, so the
         owner loop sees which call failed.
         """
         begin_errors: dict[int, Exception] = {}
-        for slot, sampling, keep, source in begins:
+        for slot, sampling, keep, source, constraint in begins:
             try:
-                self._engine.begin(slot, sampling, keep, source)
+                self._engine.begin(slot, sampling, keep, source, constraint)
             except Exception as exc:
                 begin_errors[slot] = exc
         if begin_errors:
@@ -637,7 +669,8 @@ class Runner:
         for entry in plan.admitted:
             gen = entry.tag
             assert isinstance(gen, Generation) and entry.slot is not None
-            begins.append((entry.slot, gen.prepared.request.sampling, entry.cached, entry.source))
+            prepared = gen.prepared
+            begins.append((entry.slot, prepared.request.sampling, entry.cached, entry.source, prepared.constraint))
             self._prompt_tokens_total += len(entry.prompt)
         outcome = await trio.to_thread.run_sync(
             self._step_sync, begins, plan.feeds, limiter=self._limiter, abandon_on_cancel=False
@@ -709,39 +742,43 @@ class Runner:
     # -- turning tokens into events ----------------------------------------
 
     def _on_token(self, gen: Generation, sampled: Sampled) -> None:
-        """Count, detokenize and stop-match one sampled token; emit what it releases."""
-        gen._tokens_since_delta += 1
+        """Count, detokenize and run one sampled token through the reply stage; emit what it releases."""
+        gen._stage.sampled()
         if sampled.eog:
             self._finish(gen, StopReason.END)
             return
         text = gen._detokenizer.feed(sampled.piece)
         if text:
-            match = gen._stopper.feed(text)
-            if match.text:
-                self._emit_text(gen, match.text)
-            if match.stop is not None:
-                self._finish(gen, StopReason.STOP_SEQUENCE, match.stop)
+            try:
+                events, end = gen._stage.feed(text)
+            except ToolCallError as exc:
+                self._fail(gen._entry, ErrorKind.API_ERROR, f"the model wrote a malformed tool call: {exc}", retryable=False)
+                return
+            for event in events:
+                self._emit(gen, event)
+            if end is not None:
+                self._end(gen, Finish(end.reason, gen.usage, end.stop))
                 return
         if gen._entry.budget_left <= 0:
             self._finish(gen, StopReason.CONTEXT_FULL if gen.prepared.context_bound else StopReason.MAX_TOKENS)
 
-    def _emit_text(self, gen: Generation, text: str) -> None:
-        self._emit(gen, TextDelta(text, gen._tokens_since_delta))
-        gen._tokens_since_delta = 0
+    def _finish(self, gen: Generation, reason: StopReason) -> None:
+        """End a generation normally: flush held text, stop the open block, emit Finish, free the slot.
 
-    def _finish(self, gen: Generation, reason: StopReason, stop: str | None = None) -> None:
-        """End a generation normally: flush held text, emit Finish, free the slot.
-
-        Held stop-sequence prefixes are released; the bytes of an incomplete
-        UTF-8 character are dropped (the usage still counts their tokens).
+        Held text (a possible stop string or ``<tool_call>`` prefix) is released; the bytes of an
+        incomplete UTF-8 character are dropped (the usage still counts their tokens). The stage
+        may turn ``END`` into ``TOOL_USE``, or fail the message (an end inside a tool call).
         """
-        if stop is None:
-            # A character whose last bytes were never sampled is dropped, not sent as U+FFFD.
-            gen._detokenizer.flush()
-            text = gen._stopper.flush()
-            if text:
-                self._emit_text(gen, text)
-        self._end(gen, Finish(reason, gen.usage, stop))
+        # A character whose last bytes were never sampled is dropped, not sent as U+FFFD.
+        gen._detokenizer.flush()
+        try:
+            events, end = gen._stage.finish(reason)
+        except ToolCallError as exc:
+            self._fail(gen._entry, ErrorKind.API_ERROR, f"the model wrote a malformed tool call: {exc}", retryable=False)
+            return
+        for event in events:
+            self._emit(gen, event)
+        self._end(gen, Finish(end.reason, gen.usage, end.stop))
 
     def _fail(self, entry: Entry, kind: ErrorKind, message: str, *, retryable: bool) -> None:
         gen = entry.tag
