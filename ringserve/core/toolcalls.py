@@ -204,7 +204,7 @@ class ToolCallParser:
     held text is shorter than ``<tool_call>`` or than a call's head).
     """
 
-    names: frozenset[str] = attrs.field(converter=frozenset)
+    names: frozenset[str]
     _state: int = attrs.field(init=False, default=_State.TEXT)
     _buf: str = attrs.field(init=False, default="")
     _args: list[str] = attrs.field(init=False, factory=list)
