@@ -4,8 +4,9 @@ One :class:`ReplyStage` per generation sits after the detokenizer. It runs the
 tool-call parser (:mod:`ringserve.core.toolcalls`) when the request's tools
 may be called, the stop-string matcher (:mod:`ringserve.core.stop`) on the
 text outside calls (a stop string inside a call's arguments is not a stop),
-and numbers the blocks: text opens a ``TEXT`` block, a call closes it and is a
-``TOOL_CALL`` block of its own (``BlockStart`` with the name and a fresh call
+and has a :class:`~ringserve.core.blocks.BlockSequencer` number the blocks:
+text opens a ``TEXT`` block, a call closes it and is a ``TOOL_CALL`` block of
+its own (``BlockStart`` with the name and a fresh call
 id, ``BlockDelta`` per arguments fragment, ``BlockStop`` when the call is
 complete), and text after a call opens a new ``TEXT`` block. The order is the
 one :class:`~ringserve.core.events.BlockStart` documents.
@@ -32,13 +33,12 @@ from typing import assert_never
 
 import attrs
 
-from ringserve.core.events import BlockDelta, BlockKind, BlockStart, BlockStop, StopReason
+from ringserve.core.blocks import BlockEvent, BlockSequencer
+from ringserve.core.events import BlockKind, StopReason
 from ringserve.core.stop import StopMatcher
 from ringserve.core.toolcalls import CallArgs, CallEnd, CallStart, Text, ToolCallError, ToolCallParser
 
-__all__ = ["BlockEvent", "End", "ReplyStage", "new_call_id"]
-
-BlockEvent = BlockStart | BlockDelta | BlockStop
+__all__ = ["End", "ReplyStage", "new_call_id"]
 
 
 def new_call_id() -> str:
@@ -72,8 +72,7 @@ class ReplyStage:
     new_id: Callable[[], str] = new_call_id
     _stopper: StopMatcher = attrs.field(init=False)
     _parser: ToolCallParser | None = attrs.field(init=False)
-    _index: int = attrs.field(init=False, default=-1)
-    _open: BlockKind | None = attrs.field(init=False, default=None)
+    _blocks: BlockSequencer = attrs.field(init=False, factory=BlockSequencer)
     _tokens: int = attrs.field(init=False, default=0)
     _calls: int = attrs.field(init=False, default=0)
     _end: End | None = attrs.field(init=False, default=None)
@@ -107,18 +106,18 @@ class ReplyStage:
                     self._text(out, piece.text)
                 case CallStart():
                     self._release_held(out)
-                    self._start(out, BlockKind.TOOL_CALL, piece.name, self.new_id())
+                    out += self._blocks.start(BlockKind.TOOL_CALL, name=piece.name, call_id=self.new_id())
                 case CallArgs():
-                    self._delta(out, piece.text)
+                    self._delta(out, BlockKind.TOOL_CALL, piece.text)
                 case CallEnd():
-                    self._stop(out)
+                    out += self._blocks.stop()
                     self._calls += 1
                     if not self.parallel:
                         self._end = End(StopReason.TOOL_USE)
                 case _:
                     assert_never(piece)
             if self._end is not None:
-                self._stop(out)
+                out += self._blocks.stop()
                 break
         return out, self._end
 
@@ -140,10 +139,7 @@ class ReplyStage:
         if self._end is None:
             self._release_held(out)
             self._end = End(StopReason.TOOL_USE if reason is StopReason.END and self._calls else reason)
-        self._stop(out)
-        if self._index < 0:
-            self._start(out, BlockKind.TEXT)
-            self._stop(out)
+        out += self._blocks.end()
         return out, self._end
 
     def _text(self, out: list[BlockEvent], text: str) -> None:
@@ -151,7 +147,7 @@ class ReplyStage:
             return
         match = self._stopper.feed(text)
         if match.text:
-            self._delta(out, match.text, BlockKind.TEXT)
+            self._delta(out, BlockKind.TEXT, match.text)
         if match.stop is not None:
             self._end = End(StopReason.STOP_SEQUENCE, match.stop)
 
@@ -159,23 +155,9 @@ class ReplyStage:
         """Text held back as a possible stop string is text: a call (or the end) follows it."""
         held = self._stopper.flush()
         if held:
-            self._delta(out, held, BlockKind.TEXT)
+            self._delta(out, BlockKind.TEXT, held)
         self._stopper = StopMatcher(self.stops)
 
-    def _delta(self, out: list[BlockEvent], text: str, kind: BlockKind | None = None) -> None:
-        if kind is not None and self._open is not kind:
-            self._stop(out)
-            self._start(out, kind)
-        out.append(BlockDelta(self._index, text, self._tokens))
+    def _delta(self, out: list[BlockEvent], kind: BlockKind, text: str) -> None:
+        out += self._blocks.delta(kind, text, self._tokens)
         self._tokens = 0
-
-    def _start(self, out: list[BlockEvent], kind: BlockKind, name: str = "", call_id: str = "") -> None:
-        self._stop(out)
-        self._index += 1
-        self._open = kind
-        out.append(BlockStart(self._index, kind, name, call_id))
-
-    def _stop(self, out: list[BlockEvent]) -> None:
-        if self._open is not None:
-            self._open = None
-            out.append(BlockStop(self._index))

@@ -25,8 +25,12 @@ One step of the loop:
    the request's :class:`~ringserve.core.reply.ReplyStage` (tool-call parser,
    stop strings, block numbering), and the block events it gives are
    pushed with ``send_nowait`` to that request's channel: generation never
-   waits for a consumer. Each channel's buffer holds ``max_tokens + 2``
-   events, more than a generation can produce, so it never fills.
+   waits for a consumer. Each channel's buffer holds ``4 * max_tokens + 4``
+   events, more than a generation can produce (per token at most a delta, a
+   block stop, a block start and a delta, as when a token ends a tool call's
+   arguments and starts the next text; a token holds fewer characters than
+   a call's wrapper, so it never closes one call and opens another), then the
+   closing events, so it never fills.
 
 With nothing to do the loop parks on a ``trio.Event`` that ``submit`` and
 cancellation set; it never polls.
@@ -34,7 +38,8 @@ cancellation set; it never polls.
 Consumers call :meth:`Runner.prepare` (tokenize, check that the prompt fits
 (case C4) and set the budget: ``max_tokens``, at most what the context leaves) and then ``async with runner.submit(prepared) as gen``: iterating
 ``gen`` gives block events (:class:`BlockStart`, :class:`BlockDelta`,
-:class:`BlockStop`) and one terminal :class:`Finish` or :class:`Failure`. Leaving the block early cancels (cases C1/C2).
+:class:`BlockStop`, in the order ``core/events.py`` guarantees) and one
+terminal :class:`Finish` or :class:`Failure`. Leaving the block early cancels (cases C1/C2).
 """
 
 from __future__ import annotations
@@ -53,7 +58,6 @@ from ringserve.core.detokenizer import Detokenizer
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
     BlockDelta,
-    BlockKind,
     BlockStart,
     BlockStop,
     ContentBlock,
@@ -246,21 +250,17 @@ class Generation:
             raise StopAsyncIteration from None
 
     async def collect(self) -> tuple[tuple[ContentBlock, ...], Finish | Failure]:
-        """Read every remaining event; return the message's blocks (whole) and the terminal event.
-
-        After a :class:`Failure` the block that was open is included as far as it got.
-        """
+        """Read every remaining event; return the content blocks and the terminal event."""
         blocks: list[ContentBlock] = []
-        parts: list[str] = []
+        parts: list[list[str]] = []
         terminal: Finish | Failure | None = None
         async for event in self:
             match event:
                 case BlockStart():
                     blocks.append(ContentBlock(event.kind, "", event.name, event.call_id))
-                    parts = []
+                    parts.append([])
                 case BlockDelta():
-                    parts.append(event.text)
-                    blocks[-1] = attrs.evolve(blocks[-1], text="".join(parts))
+                    parts[event.index].append(event.text)
                 case BlockStop():
                     pass
                 case Finish() | Failure():
@@ -268,7 +268,7 @@ class Generation:
                 case _:
                     assert_never(event)
         assert terminal is not None, "a generation always ends with Finish or Failure"
-        return tuple(blocks), terminal
+        return tuple(attrs.evolve(b, text="".join(p)) for b, p in zip(blocks, parts, strict=True)), terminal
 
 
 @attrs.frozen
@@ -473,7 +473,7 @@ class Runner:
         entry = self._scheduler.enqueue(
             prepared.prompt_tokens, prepared.max_tokens, priority=request.priority
         )
-        send, receive = trio.open_memory_channel[GenerationEvent](prepared.max_tokens + 2)
+        send, receive = trio.open_memory_channel[GenerationEvent](4 * prepared.max_tokens + 4)
         gen = Generation(prepared, entry, send, receive)
         entry.tag = gen
         self._poke()

@@ -14,7 +14,12 @@ from typing import Any
 
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
+    BlockDelta,
+    BlockKind,
+    BlockStart,
+    BlockStop,
     ChatMessage,
+    ContentBlock,
     Failure,
     Finish,
     GenerationRequest,
@@ -130,6 +135,18 @@ def _usage(usage: Usage) -> dict[str, int]:
     }
 
 
+def _text_only(kind: BlockKind) -> None:
+    """Text is the only block kind the surface renders until tool use lands (issue 14)."""
+    if kind is not BlockKind.TEXT:
+        raise NotImplementedError(f"Anthropic rendering of {kind.value} blocks")
+
+
+def _block_json(block: ContentBlock) -> dict[str, Any]:
+    """One block of a non-stream ``Message``'s ``content``."""
+    _text_only(block.kind)
+    return {"type": "text", "text": block.text}
+
+
 class AnthropicRenderer:
     """Renders one message's events in Anthropic's streaming order (see module doc)."""
 
@@ -148,17 +165,19 @@ class AnthropicRenderer:
             "stop_sequence": None,
             "usage": _usage(usage),
         }
-        return [
-            WireEvent(dumps({"type": "message_start", "message": message}), "message_start"),
-            WireEvent(
-                dumps({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-                "content_block_start",
-            ),
-        ]
+        return [WireEvent(dumps({"type": "message_start", "message": message}), "message_start")]
 
-    def delta(self, text: str) -> list[WireEvent]:
-        data = dumps({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})
-        return [WireEvent(data, "content_block_delta")]
+    def block_start(self, start: BlockStart) -> list[WireEvent]:
+        _text_only(start.kind)
+        block = {"type": "content_block_start", "index": start.index, "content_block": {"type": "text", "text": ""}}
+        return [WireEvent(dumps(block), "content_block_start")]
+
+    def delta(self, delta: BlockDelta) -> list[WireEvent]:
+        data = {"type": "content_block_delta", "index": delta.index, "delta": {"type": "text_delta", "text": delta.text}}
+        return [WireEvent(dumps(data), "content_block_delta")]
+
+    def block_stop(self, stop: BlockStop) -> list[WireEvent]:
+        return [WireEvent(dumps({"type": "content_block_stop", "index": stop.index}), "content_block_stop")]
 
     def finish(self, finish: Finish) -> list[WireEvent]:
         delta = {
@@ -167,7 +186,6 @@ class AnthropicRenderer:
             **cancelled_fields(finish.stop_reason is StopReason.CANCELLED),
         }
         return [
-            WireEvent(dumps({"type": "content_block_stop", "index": 0}), "content_block_stop"),
             WireEvent(dumps({"type": "message_delta", "delta": delta, "usage": _usage(finish.usage)}), "message_delta"),
             WireEvent(dumps({"type": "message_stop"}), "message_stop"),
         ]
@@ -243,13 +261,17 @@ class AnthropicSurface:
             "id": result.message_id,
             "type": "message",
             "role": "assistant",
-            "content": [{"type": "text", "text": result.text}],
+            "content": self.content_json(result.content),
             "model": result.model,
             "stop_reason": None if result.stop_reason is None else STOP_REASONS[result.stop_reason],
             "stop_sequence": result.stop_sequence,
             **cancelled_fields(result.cancelled),
             "usage": _usage(result.usage),
         }
+
+    def content_json(self, blocks: tuple[ContentBlock, ...]) -> list[dict[str, Any]]:
+        """The ``content`` list of a ``Message``."""
+        return [_block_json(b) for b in blocks]
 
     def stop_reason(self, reason: StopReason) -> str:
         return STOP_REASONS[reason]

@@ -14,7 +14,12 @@ from typing import Any
 
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
+    BlockDelta,
+    BlockKind,
+    BlockStart,
+    BlockStop,
     ChatMessage,
+    ContentBlock,
     Failure,
     Finish,
     GenerationRequest,
@@ -162,6 +167,12 @@ def _usage(usage: Usage) -> dict[str, Any]:
     }
 
 
+def _text_only(kind: BlockKind) -> None:
+    """Text is the only block kind the surface renders until tool use lands (issue 14)."""
+    if kind is not BlockKind.TEXT:
+        raise NotImplementedError(f"OpenAI rendering of {kind.value} blocks")
+
+
 class OpenAIRenderer:
     """Renders one completion's events as ``chat.completion.chunk`` data lines."""
 
@@ -180,8 +191,15 @@ class OpenAIRenderer:
     def start(self, usage: Usage) -> list[WireEvent]:
         return [self._chunk({"role": "assistant", "content": ""}, None)]
 
-    def delta(self, text: str) -> list[WireEvent]:
-        return [self._chunk({"content": text}, None)]
+    def block_start(self, start: BlockStart) -> list[WireEvent]:
+        _text_only(start.kind)
+        return []
+
+    def delta(self, delta: BlockDelta) -> list[WireEvent]:
+        return [self._chunk({"content": delta.text}, None)]
+
+    def block_stop(self, stop: BlockStop) -> list[WireEvent]:
+        return []
 
     def finish(self, finish: Finish) -> list[WireEvent]:
         events = [self._chunk({}, FINISH_REASONS[finish.stop_reason], finish.stop_reason is StopReason.CANCELLED)]
@@ -284,7 +302,7 @@ class OpenAISurface:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": result.text, "refusal": None},
+                    "message": self.content_json(result.content),
                     "logprobs": None,
                     "finish_reason": None if result.stop_reason is None else FINISH_REASONS[result.stop_reason],
                     **cancelled_fields(result.cancelled),
@@ -292,6 +310,12 @@ class OpenAISurface:
             ],
             "usage": _usage(result.usage),
         }
+
+    def content_json(self, blocks: tuple[ContentBlock, ...]) -> dict[str, Any]:
+        """The assistant ``message`` of a ``chat.completion`` choice."""
+        for b in blocks:
+            _text_only(b.kind)
+        return {"role": "assistant", "content": "".join(b.text for b in blocks), "refusal": None}
 
     def stop_reason(self, reason: StopReason) -> str:
         return FINISH_REASONS[reason]
