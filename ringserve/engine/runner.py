@@ -71,7 +71,8 @@ from ringserve.core.events import (
     Usage,
 )
 from ringserve.core.grammar import Constraint, constraint_for
-from ringserve.core.reply import ReplyStage
+from ringserve.core.blocks import BlockEvent
+from ringserve.core.reply import End, ReplyStage
 from ringserve.core.scheduler import Entry, Plan, Scheduler, SlotState
 from ringserve.core.toolcalls import ToolCallError
 from ringserve.engine.protocol import Engine, EngineError, KVCacheFull, Sampled, SlotFeed
@@ -748,17 +749,8 @@ class Runner:
             self._finish(gen, StopReason.END)
             return
         text = gen._detokenizer.feed(sampled.piece)
-        if text:
-            try:
-                events, end = gen._stage.feed(text)
-            except ToolCallError as exc:
-                self._fail(gen._entry, ErrorKind.API_ERROR, f"the model wrote a malformed tool call: {exc}", retryable=False)
-                return
-            for event in events:
-                self._emit(gen, event)
-            if end is not None:
-                self._end(gen, Finish(end.reason, gen.usage, end.stop))
-                return
+        if text and self._staged(gen, lambda: gen._stage.feed(text)):
+            return
         if gen._entry.budget_left <= 0:
             self._finish(gen, StopReason.CONTEXT_FULL if gen.prepared.context_bound else StopReason.MAX_TOKENS)
 
@@ -771,14 +763,25 @@ class Runner:
         """
         # A character whose last bytes were never sampled is dropped, not sent as U+FFFD.
         gen._detokenizer.flush()
+        self._staged(gen, lambda: gen._stage.finish(reason))
+
+    def _staged(self, gen: Generation, step: Callable[[], tuple[list[BlockEvent], End | None]]) -> bool:
+        """Run one reply-stage step; emit its events, and its end (``Finish``) if it has one.
+
+        A call the stage cannot read fails the message (``API_ERROR``, not retryable: the
+        arguments already streamed cannot be taken back). Returns whether the generation ended.
+        """
         try:
-            events, end = gen._stage.finish(reason)
+            events, end = step()
         except ToolCallError as exc:
             self._fail(gen._entry, ErrorKind.API_ERROR, f"the model wrote a malformed tool call: {exc}", retryable=False)
-            return
+            return True
         for event in events:
             self._emit(gen, event)
+        if end is None:
+            return False
         self._end(gen, Finish(end.reason, gen.usage, end.stop))
+        return True
 
     def _fail(self, entry: Entry, kind: ErrorKind, message: str, *, retryable: bool) -> None:
         gen = entry.tag
