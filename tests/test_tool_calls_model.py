@@ -5,15 +5,19 @@ One LlamaEngine (4 slots x 1024 cells) for the module; each test runs its own Ru
 
 from __future__ import annotations
 
+import ctypes
 import json
+import math
+import random
 from contextlib import asynccontextmanager
 
 import jsonschema
 import pytest
 import trio
 
-from bench.tool_calls import run_calls
+from bench.tool_calls import random_schema, run_calls
 from ringserve.config import EngineConfig
+from ringserve.core import grammar
 from ringserve.core.events import (
     BlockDelta,
     BlockKind,
@@ -26,13 +30,17 @@ from ringserve.core.events import (
     SamplingParams,
     StopReason,
     ToolChoice,
+    ToolCall,
     ToolChoiceMode,
     ToolSpec,
 )
 from ringserve.engine.modelfile import default_model_path
 from ringserve.engine.runner import Runner
 
+from tests.test_grammar import ENFORCED
+
 llama = pytest.importorskip("ringserve.engine.llama")
+lc = pytest.importorskip("llama_cpp")
 
 pytestmark = pytest.mark.model
 
@@ -118,3 +126,54 @@ async def test_ten_random_schema_calls_all_parse_and_validate(engine):
     async with served(engine) as runner:
         result = await run_calls(runner, 10, seed=1, max_tokens=256)
     assert result["ok"] == 10, result["failures"]
+
+
+def allowed(sampler, token: int) -> bool:
+    """Whether the grammar sampler lets ``token`` come next (llama_sampler_apply on one candidate)."""
+    data = (lc.llama_token_data * 1)(lc.llama_token_data(token, 0.0, 0.0))
+    candidates = lc.llama_token_data_array(data, 1, -1, False)
+    lc.llama_sampler_apply(sampler, ctypes.byref(candidates))
+    return data[0].logit != -math.inf
+
+
+def check_accepts_example(engine, constraint: grammar.Constraint, first_rejected: str, then: str = "") -> None:
+    """llama.cpp parses the grammar; it rejects ``first_rejected`` at the start, accepts the
+    example token by token, is complete only at its end, and then allows ``then`` too."""
+    vocab = engine._vocab  # the engine's llama_vocab: the grammar sampler needs it
+    sampler = lc.llama_sampler_init_grammar(vocab, constraint.grammar.encode(), b"root")
+    assert sampler, constraint.grammar
+    try:
+        assert not allowed(sampler, engine.tokenize(first_rejected)[0])
+        eos = lc.llama_vocab_eos(vocab)
+        for token in engine.tokenize(constraint.example):
+            assert not allowed(sampler, eos)  # not complete before the example is
+            assert allowed(sampler, token), (constraint.example, engine.token_piece(token))
+            lc.llama_sampler_accept(sampler, token)
+        assert allowed(sampler, eos)
+        if then:
+            assert allowed(sampler, engine.tokenize(then)[0])
+    finally:
+        lc.llama_sampler_free(sampler)
+
+
+@pytest.mark.parametrize("schema", ENFORCED + [random_schema(random.Random(i)) for i in range(20)])
+def test_llama_parses_each_grammar_and_it_accepts_the_example(engine, schema):
+    check_accepts_example(engine, grammar.output_grammar(json.dumps(schema), "o"), "[")
+
+
+def test_llama_parses_a_calls_grammar_of_two_tools(engine):
+    other = ToolSpec("record", "", json.dumps(random_schema(random.Random(7))))
+    check_accepts_example(engine, grammar.calls_grammar([WEATHER, other], True), "{", then="\n")
+
+
+def test_llama_tokenize_chat_renders_tool_turns(engine):
+    history = (
+        ChatMessage("user", "Weather in Paris?"),
+        ChatMessage("assistant", "", tool_calls=(ToolCall("toolu_1", "get_weather", '{"city": "Paris", "unit": "celsius"}'),)),
+        ChatMessage("tool", "18 C and sunny", tool_call_id="toolu_1"),
+    )
+    tokens = engine.tokenize_chat(history, (WEATHER,))
+    text = "".join(engine.token_piece(t).decode("utf-8", "replace") for t in tokens)
+    assert "You can call tools." in text and '"name": "get_weather"' in text
+    assert '<tool_response>\n{"call_id": "toolu_1", "name": "get_weather", "content": "18 C and sunny"}' in text
+    assert len(tokens) < len(engine.tokenize_chat(history, (WEATHER,), ToolChoice(ToolChoiceMode.AUTO))) + 1

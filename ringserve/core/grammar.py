@@ -443,9 +443,11 @@ def _calls_grammar(tools: tuple[ToolSpec, ...], parallel: bool) -> Constraint:
 
 
 def example_instance(schema: dict[str, Any], root: dict[str, Any] | None = None, depth: int = 0) -> Any:
-    """A value valid under a cleaned schema (from :func:`check_schema`'s rules): the first
-    alternative, the first enum value, every property down to depth 3 (only the required
-    ones below), the fewest array items allowed but 1, short strings."""
+    """A value valid under a cleaned schema (from :func:`check_schema`'s rules) whose JSON
+    text (``json.dumps``) the schema's grammar accepts: the first alternative, the first
+    enum value, every property down to depth 3 (only the required ones below; required
+    ones first, as the grammar orders them), the fewest array items allowed but 1, short
+    strings."""
     root = schema if root is None else root
     if "$ref" in schema:
         target: Any = root
@@ -461,14 +463,16 @@ def example_instance(schema: dict[str, Any], root: dict[str, Any] | None = None,
     typ = schema.get("type")
     if isinstance(typ, list):
         typ = typ[0]
+    elif typ is None and "format" in schema:
+        typ = "string"
+    elif typ is None and ("items" in schema or "prefixItems" in schema):
+        typ = "array"
     if "properties" in schema or typ in (None, "object"):
+        # The converter's order: the required properties, then the others, each in schema order.
         props = schema.get("properties", {})
-        required = set(schema.get("required", ()))
-        return {
-            k: example_instance(v, root, depth + 1)
-            for k, v in props.items()
-            if depth < 3 or k in required
-        }
+        required = [k for k in props if k in schema.get("required", ())]
+        optional = [k for k in props if k not in required] if depth < 3 else []
+        return {k: example_instance(props[k], root, depth + 1) for k in required + optional}
     match typ:
         case "array":
             items = schema.get("items", schema.get("prefixItems", {}))
