@@ -104,8 +104,9 @@ def request(rng: random.Random, max_tokens: int) -> tuple[GenerationRequest, dic
     return req, schema
 
 
-async def run_calls(runner: Runner, calls: int, seed: int, max_tokens: int) -> dict[str, Any]:
-    """Run ``calls`` forced calls on a running runner; return the counts and every failure."""
+async def run_calls(runner: Runner, calls: int, seed: int, max_tokens: int, *, progress: bool = False) -> dict[str, Any]:
+    """Run ``calls`` forced calls on a running runner; return the counts and every failure
+    (``progress``: a line per call on stderr)."""
     counts = {"calls": calls, "ok": 0, "unparsable": 0, "invalid": 0, "not_one_call": 0, "truncated": 0}
     failures: list[dict[str, Any]] = []
     tokens = 0
@@ -129,6 +130,8 @@ async def run_calls(runner: Runner, calls: int, seed: int, max_tokens: int) -> d
                 problem = "unparsable"
             except jsonschema.ValidationError:
                 problem = "invalid"
+        if progress:
+            print(f"call {i}: {problem or 'ok'} ({terminal.usage.output_tokens} tokens)", file=sys.stderr, flush=True)
         if problem is None:
             counts["ok"] += 1
         else:
@@ -147,12 +150,12 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     from ringserve.engine.llama import LlamaEngine  # the real model only here
     from ringserve.engine.modelfile import default_model_path
 
-    engine = LlamaEngine(args.model or default_model_path(), n_slots=args.slots, n_ctx_slot=1024)
+    engine = LlamaEngine(args.model or default_model_path(), n_slots=args.slots, n_ctx_slot=1024, n_batch=1024)
     try:
         runner = Runner(engine, EngineConfig(slots=args.slots, queue_size=args.calls))
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)
-            result = await run_calls(runner, args.calls, args.seed, args.max_tokens)
+            result = await run_calls(runner, args.calls, args.seed, args.max_tokens, progress=True)
             nursery.cancel_scope.cancel()
     finally:
         engine.close()

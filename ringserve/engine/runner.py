@@ -397,7 +397,15 @@ class Runner:
                 ``ValueError``) or fills the slot's context by itself (at
                 least 1 token must be left to generate). The message gives the
                 numbers (tokens, or bytes when refused
-                before tokenizing). Nothing is enqueued.
+                before tokenizing). ``INVALID_REQUEST`` from
+                :func:`~ringserve.core.grammar.constraint_for` first, when
+                the reply's grammar cannot be made (a schema keyword it
+                does not enforce, a forced tool that is not among the tools).
+                Nothing is enqueued.
+
+        The tools and tool choice are rendered into the prompt by the
+        engine (:func:`ringserve.core.toolcalls.plain_messages`), so the
+        prompt tokens (``usage.input_tokens``) count them.
         """
         constraint = constraint_for(request)
         ctx = self.n_ctx_slot
