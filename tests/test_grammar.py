@@ -81,6 +81,14 @@ def test_the_issue_example_message() -> None:
             "keyword 'maxLength' is not supported here",
         ),
         ({"type": "object", "required": ["b"], "properties": {}}, "'required' names 'b', which is not in 'properties'"),
+        (
+            {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+            "keyword 'additionalProperties' is supported next to 'properties' only as false",
+        ),
+        (
+            {"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "string"}},
+            "keyword 'additionalProperties' is supported next to 'properties' only as false",
+        ),
     ],
 )
 def test_refused(schema: object, message: str) -> None:
@@ -97,7 +105,9 @@ ENFORCED = [
     {"type": "object"},
     {"properties": {"a": {"type": "string"}}},
     {"type": "object", "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False},
     {"type": "object", "additionalProperties": {"type": "integer"}},
+    {"type": "object", "additionalProperties": True},
     obj(a={"type": "string", "minLength": 1, "maxLength": 5}),
     obj(a={"type": "string", "format": "date-time"}),
     obj(a={"type": "string", "format": "uuid"}, b={"type": "string", "format": "date"}, c={"format": "time"}),

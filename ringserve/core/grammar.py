@@ -16,9 +16,10 @@ What is enforced (per schema node, following the converter's own dispatch in
 * ``type`` as a list of JSON type names, alone;
 * ``const``; ``enum`` (non-empty); either with a ``type`` their values have;
 * objects: ``properties``, ``required`` (names among ``properties``),
-  ``additionalProperties`` (``false``, ``true`` or a schema; absent means
-  ``false``: the grammar emits only the listed properties, which still
-  validates);
+  ``additionalProperties``: ``false`` (absent means ``false`` too: the
+  grammar emits only the listed properties, which still validates), or,
+  without ``properties``, ``true`` or a schema (a map); next to
+  ``properties`` it is refused, as an extra key could repeat a listed one;
 * arrays: ``items`` (a schema) with ``minItems`` / ``maxItems``; ``prefixItems``
   or ``items`` as a list (a tuple, exactly those items);
 * strings: ``minLength`` / ``maxLength``; ``format`` ``date``, ``time``,
@@ -255,6 +256,8 @@ class _Checker:
             return {"type", "minLength", "maxLength"}, {}
         if typ is None and keys:
             raise _Refused(where, f"keyword '{sorted(keys)[0]}' is not supported without a matching 'type'")
+        if typ == "object" and additional is True:
+            return {"type", "additionalProperties"}, {}  # any object
         return {"type"}, {}
 
     def _object(self, node: dict[str, Any], keys: set[str], where: str) -> tuple[set[str], dict[str, Any]]:
@@ -271,6 +274,9 @@ class _Checker:
         if missing:
             raise _Refused(where, f"'required' names {missing[0]!r}, which is not in 'properties'")
         additional = node.get("additionalProperties", False)
+        if props and additional is not False:
+            # The grammar's extra keys may repeat a listed one, whose value then escapes its schema.
+            raise _Refused(where, "keyword 'additionalProperties' is supported next to 'properties' only as false")
         if isinstance(additional, dict):
             children["additionalProperties"] = self.clean(additional, f"{where}.additionalProperties")
         elif not isinstance(additional, bool):
