@@ -31,6 +31,7 @@ if __package__ in (None, ""):
 
 from ringserve.config import Config  # noqa: E402
 from ringserve.core.events import SamplingParams  # noqa: E402
+from ringserve.core.grammar import Constraint  # noqa: E402
 from ringserve.engine.fake import FakeEngine  # noqa: E402
 from ringserve.engine.protocol import Sampled, SlotFeed  # noqa: E402
 from ringserve.server import run_process  # noqa: E402
@@ -54,8 +55,15 @@ class GatedFakeEngine(FakeEngine):
         self._gate_after = gate_after
         self._begun = 0
 
-    def begin(self, slot: int, sampling: SamplingParams, keep: int = 0, source: int | None = None) -> None:
-        super().begin(slot, sampling, keep, source)
+    def begin(
+        self,
+        slot: int,
+        sampling: SamplingParams,
+        keep: int = 0,
+        source: int | None = None,
+        constraint: Constraint | None = None,
+    ) -> None:
+        super().begin(slot, sampling, keep, source, constraint)
         self._begun += 1
 
     def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:

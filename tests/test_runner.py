@@ -52,13 +52,13 @@ class HookedEngine(FakeEngine):
         self.hook = hook
         self.threads: set[int] = set()
 
-    def tokenize_chat(self, messages):
+    def tokenize_chat(self, messages, *tools_and_choice):
         self.threads.add(threading.get_ident())
-        return super().tokenize_chat(messages)
+        return super().tokenize_chat(messages, *tools_and_choice)
 
-    def begin(self, slot, sampling, keep=0, source=None):
+    def begin(self, slot, sampling, keep=0, source=None, constraint=None):
         self.threads.add(threading.get_ident())
-        return super().begin(slot, sampling, keep, source)
+        return super().begin(slot, sampling, keep, source, constraint)
 
     def release(self, slot, keep=0):
         self.threads.add(threading.get_ident())

@@ -21,7 +21,12 @@ did to it:
   the last user message's text), else :data:`DEFAULT_REPLY`. Its UTF-8 bytes
   are cut into tokens of ``piece_bytes`` bytes, so multi-byte characters are
   split across tokens, then one EOG token (empty piece) ends it. Sampling
-  parameters are accepted and ignored.
+  parameters are accepted and ignored. A slot begun with a ``constraint``
+  (a forced tool call, JSON output) replies the constraint's ``example``
+  instead: a text its grammar accepts, made from the schema
+  (:func:`ringserve.core.grammar.example_instance`).
+* The chat's tools and tool turns are rendered as text first
+  (:func:`ringserve.core.toolcalls.plain_messages`), as on the real engine.
 * A failed :meth:`decode` changes nothing (no KV cells, no reply progress),
   so the runner may feed the same batch again.
 
@@ -38,7 +43,9 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from ringserve.core.events import ChatMessage, SamplingParams
+from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
+from ringserve.core.grammar import Constraint
+from ringserve.core.toolcalls import plain_messages
 from ringserve.engine.protocol import EngineError, KVCacheFull, Sampled, SlotFeed
 
 __all__ = ["DEFAULT_REPLY", "EOG_TOKEN", "Begin", "DecodeCall", "FakeEngine"]
@@ -74,11 +81,13 @@ class DecodeCall:
 
 @attrs.frozen
 class Begin:
-    """One :meth:`FakeEngine.begin` call: the slot, the cells it kept and where they came from."""
+    """One :meth:`FakeEngine.begin` call: the slot, the cells it kept, where they came from,
+    and its constraint."""
 
     slot: int
     keep: int
     source: int | None
+    constraint: Constraint | None = None
 
 
 @attrs.define(eq=False)
@@ -87,6 +96,7 @@ class _SlotState:
     pieces: list[bytes] | None = None
     samples: int = 0
     begun: bool = True
+    constraint: Constraint | None = None
 
 
 def _last_user_text(prompt: bytes) -> str:
@@ -181,12 +191,19 @@ class FakeEngine:
         """The prompt text: one ``"<|role|>content\\n"`` line per message."""
         return "".join(f"<|{m.role}|>{m.content}\n" for m in messages)
 
-    def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """One token per UTF-8 byte of :meth:`render_chat` (token id = byte value)."""
+    def tokenize_chat(
+        self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (), choice: ToolChoice = ToolChoice()
+    ) -> list[int]:
+        """One token per UTF-8 byte of :meth:`render_chat` of the :func:`plain_messages`
+        (token id = byte value).
+
+        Raises:
+            ValueError: as :func:`plain_messages`.
+        """
         self._check_open()
         if self.tokenize_hook is not None:
             self.tokenize_hook()
-        return list(self.render_chat(messages).encode("utf-8"))
+        return list(self.render_chat(plain_messages(messages, tools, choice)).encode("utf-8"))
 
     def reply_for(self, last_user_text: str) -> str:
         """The reply the fake gives to a last user message (see the module docstring)."""
@@ -213,8 +230,16 @@ class FakeEngine:
 
     # -- slots ---------------------------------------------------------------
 
-    def begin(self, slot: int, sampling: SamplingParams, keep: int = 0, source: int | None = None) -> None:
-        """Start a sequence in ``slot`` holding the first ``keep`` cells of its own, or of ``source``'s, KV cells.
+    def begin(
+        self,
+        slot: int,
+        sampling: SamplingParams,
+        keep: int = 0,
+        source: int | None = None,
+        constraint: Constraint | None = None,
+    ) -> None:
+        """Start a sequence in ``slot`` holding the first ``keep`` cells of its own, or of ``source``'s, KV cells;
+        with a ``constraint`` its reply is ``constraint.example``.
 
         Raises:
             ValueError: a slot out of range, or fewer than ``keep`` cells
@@ -229,8 +254,8 @@ class FakeEngine:
             cells = [] if origin is None else origin.kv
             if keep > len(cells):
                 raise ValueError(f"slot {slot}: cannot keep {keep} cells of {len(cells)}")
-            self._slots[slot] = _SlotState(cells[:keep])
-            self.begins.append(Begin(slot, keep, source))
+            self._slots[slot] = _SlotState(cells[:keep], constraint=constraint)
+            self.begins.append(Begin(slot, keep, source, constraint))
 
     def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
         """Apply one batch; one :class:`Sampled` per feed with ``sample``, in feed order.
@@ -296,7 +321,10 @@ class FakeEngine:
             pieces = state.pieces
             if pieces is None:
                 prompt = bytes(t for t in (*state.kv, *f.tokens) if t < 256)
-                data = self.reply_for(_last_user_text(prompt)).encode("utf-8")
+                if state.constraint is not None:
+                    data = state.constraint.example.encode("utf-8")
+                else:
+                    data = self.reply_for(_last_user_text(prompt)).encode("utf-8")
                 step = self.piece_bytes
                 pieces = [data[i : i + step] for i in range(0, len(data), step)]
             if self.fail_after_tokens is not None and state.samples >= self.fail_after_tokens:

@@ -34,7 +34,9 @@ from typing import Any
 
 import llama_cpp as lc
 
-from ringserve.core.events import ChatMessage, SamplingParams
+from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
+from ringserve.core.grammar import Constraint
+from ringserve.core.toolcalls import plain_messages
 from ringserve.engine.modelfile import ModelFileError, check_model_file
 from ringserve.engine.protocol import EngineError, KVCacheFull, Sampled, SlotFeed
 
@@ -285,8 +287,15 @@ class LlamaEngine:
             longest = max(longest, abs(n))  # negative: the piece needs -n bytes
         return longest
 
-    def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def tokenize_chat(
+        self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (), choice: ToolChoice = ToolChoice()
+    ) -> list[int]:
         """Render ``messages`` with the model's chat template and tokenize the result.
+
+        Tools, ``tool`` turns and assistant ``tool_calls`` are first rendered as
+        text in the generic format of :mod:`ringserve.core.toolcalls`
+        (:func:`~ringserve.core.toolcalls.plain_messages`): llama.cpp's
+        ``llama_chat_apply_template`` has no tools parameter.
 
         Safe to call while another thread decodes: it reads only the
         vocabulary and the chat template (llama.cpp's ``llama_tokenize`` keeps
@@ -312,8 +321,9 @@ class LlamaEngine:
             The prompt as token ids.
 
         Raises:
-            ValueError: as :meth:`render_chat`.
+            ValueError: as :meth:`render_chat` and :func:`plain_messages`.
         """
+        messages = plain_messages(messages, tools, choice)
         for i, m in enumerate(messages):
             if "\x00" in m.content:
                 raise ValueError(f"message {i} contains a NUL character")
@@ -431,7 +441,14 @@ class LlamaEngine:
 
     # -- slots --------------------------------------------------------------
 
-    def begin(self, slot: int, sampling: SamplingParams, keep: int = 0, source: int | None = None) -> None:
+    def begin(
+        self,
+        slot: int,
+        sampling: SamplingParams,
+        keep: int = 0,
+        source: int | None = None,
+        constraint: Constraint | None = None,
+    ) -> None:
         """Prepare ``slot`` for a new sequence: set up its KV cells and build its sampler chain.
 
         The slot keeps the first ``keep`` cells of its own sequence, or of a
@@ -446,16 +463,20 @@ class LlamaEngine:
         Temperature 0 gives a greedy chain. Otherwise the chain is top-k (if
         ``top_k > 0``), top-p (if ``top_p < 1``), min-p (if ``min_p > 0``),
         temperature, then a seeded draw (``seed``, or a random one when None;
-        llama.cpp treats seed ``0xFFFFFFFF`` as "random" too). Any previous
-        chain of the slot is freed.
+        llama.cpp treats seed ``0xFFFFFFFF`` as "random" too). With a
+        ``constraint``, the chain starts with llama.cpp's grammar sampler
+        (``llama_sampler_init_grammar(vocab, grammar, "root")``): it sets every
+        token the grammar does not allow next to -inf before the others pick,
+        and allows end-of-generation only once the grammar is complete; the
+        chain's accept advances it. Any previous chain of the slot is freed.
 
         Raises:
             ValueError: ``slot`` or ``source`` is not in ``0 .. n_slots-1``,
                 ``keep > 0`` or a ``source`` without :attr:`prefix_cache`, or
                 fewer than ``keep`` cells (from position 0) there to keep;
                 nothing changed.
-            EngineError: llama.cpp refused to cut the sequence; the slot is
-                then empty.
+            EngineError: llama.cpp refused to cut the sequence, or could not
+                parse the constraint's grammar; the slot is then empty.
         """
         self._check_open()
         self._check_slot(slot)
@@ -472,6 +493,13 @@ class LlamaEngine:
         params = lc.llama_sampler_chain_default_params()
         params.no_perf = True
         chain = lc.llama_sampler_chain_init(params)
+        self._chains[slot] = chain
+        if constraint is not None:
+            grammar = lc.llama_sampler_init_grammar(self._vocab, constraint.grammar.encode(), b"root")
+            if not grammar:
+                self._free_chain(slot)
+                raise EngineError(f"llama.cpp could not parse the grammar for slot {slot}", [slot])
+            lc.llama_sampler_chain_add(chain, grammar)
         if sampling.temperature == 0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
         else:
@@ -484,7 +512,6 @@ class LlamaEngine:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(sampling.temperature))
             seed = random.getrandbits(32) if sampling.seed is None else sampling.seed & 0xFFFFFFFF
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
-        self._chains[slot] = chain
 
     def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
         """Decode one batch holding every feed; sample one token per feed with ``sample``.

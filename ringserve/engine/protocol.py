@@ -30,7 +30,8 @@ from typing import Protocol
 
 import attrs
 
-from ringserve.core.events import ChatMessage, SamplingParams
+from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
+from ringserve.core.grammar import Constraint
 
 
 @attrs.frozen
@@ -93,10 +94,27 @@ class Engine(Protocol):
     and ``begin`` may copy one from another slot; False for models whose memory cannot
     drop a sequence's tail (recurrent, hybrid or sliding-window attention)."""
 
-    def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Render ``messages`` with the model's chat template (generation prompt added) and tokenize."""
+    def tokenize_chat(
+        self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (), choice: ToolChoice = ToolChoice()
+    ) -> list[int]:
+        """Render ``messages`` with the model's chat template (generation prompt added) and tokenize.
 
-    def begin(self, slot: int, sampling: SamplingParams, keep: int = 0, source: int | None = None) -> None:
+        ``tool`` turns, assistant ``tool_calls`` and the ``tools`` themselves
+        (unless ``choice`` is ``NONE``) are rendered as text first
+        (:func:`ringserve.core.toolcalls.plain_messages`).
+
+        Raises:
+            ValueError: the messages cannot be rendered.
+        """
+
+    def begin(
+        self,
+        slot: int,
+        sampling: SamplingParams,
+        keep: int = 0,
+        source: int | None = None,
+        constraint: Constraint | None = None,
+    ) -> None:
         """Prepare ``slot`` for a new sequence: build its sampler chain and set up its KV cells.
 
         Args:
@@ -109,6 +127,11 @@ class Engine(Protocol):
             source: when given, the slot's cells are first replaced by a copy
                 of ``source``'s (``llama_memory_seq_cp``), of which the first
                 ``keep`` stay; ``source`` itself is unchanged.
+            constraint: when given, every token sampled for the sequence
+                keeps its text within ``constraint.grammar`` (llama.cpp's
+                grammar sampler; the fake engine replies
+                ``constraint.example``); end-of-generation is sampled once
+                the grammar is complete.
 
         Raises:
             ValueError: a slot out of range, ``keep > 0`` on an engine without

@@ -22,12 +22,15 @@ One step of the loop:
    copying the reused cells), then one ``engine.decode`` for the batch.
 4. Back on the Trio thread, each sampled token is counted, detokenized (one
    :class:`~ringserve.core.detokenizer.Detokenizer` per request), run through
-   the request's :class:`~ringserve.core.stop.StopMatcher`, and the result is
+   the request's :class:`~ringserve.core.reply.ReplyStage` (tool-call parser,
+   stop strings, block numbering), and the block events it gives are
    pushed with ``send_nowait`` to that request's channel: generation never
-   waits for a consumer. Each channel's buffer holds ``3 * max_tokens + 4``
-   events, more than a generation can produce (at most a block stop, a
-   block start and a delta per token, then the closing events), so it never
-   fills.
+   waits for a consumer. Each channel's buffer holds ``4 * max_tokens + 4``
+   events, more than a generation can produce (per token at most a delta, a
+   block stop, a block start and a delta, as when a token ends a tool call's
+   arguments and starts the next text; a token holds fewer characters than
+   a call's wrapper, so it never closes one call and opens another), then the
+   closing events, so it never fills.
 
 With nothing to do the loop parks on a ``trio.Event`` that ``submit`` and
 cancellation set; it never polls.
@@ -51,12 +54,10 @@ import attrs
 import trio
 
 from ringserve.config import EngineConfig
-from ringserve.core.blocks import BlockSequencer
 from ringserve.core.detokenizer import Detokenizer
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
     BlockDelta,
-    BlockKind,
     BlockStart,
     BlockStop,
     ContentBlock,
@@ -66,10 +67,14 @@ from ringserve.core.events import (
     GenerationRequest,
     SamplingParams,
     StopReason,
+    ToolChoiceMode,
     Usage,
 )
+from ringserve.core.grammar import Constraint, constraint_for
+from ringserve.core.blocks import BlockEvent
+from ringserve.core.reply import End, ReplyStage
 from ringserve.core.scheduler import Entry, Plan, Scheduler, SlotState
-from ringserve.core.stop import StopMatcher
+from ringserve.core.toolcalls import ToolCallError
 from ringserve.engine.protocol import Engine, EngineError, KVCacheFull, Sampled, SlotFeed
 
 __all__ = ["Generation", "Prepared", "Runner", "RunnerStatistics"]
@@ -90,12 +95,15 @@ class Prepared:
         context_bound: the budget is the context's, not the caller's: using
             it up ends with :attr:`StopReason.CONTEXT_FULL` instead of
             :attr:`StopReason.MAX_TOKENS`.
+        constraint: the grammar the reply is decoded under
+            (:func:`~ringserve.core.grammar.constraint_for`), or None.
     """
 
     request: GenerationRequest
     prompt_tokens: tuple[int, ...]
     max_tokens: int
     context_bound: bool = False
+    constraint: Constraint | None = None
 
 
 @attrs.frozen
@@ -168,8 +176,8 @@ class RunnerStatistics:
 class Generation:
     """One submitted request: an async iterator of its events.
 
-    Yields block events, then exactly one :class:`Finish` or
-    :class:`Failure`, then stops. Only the runner produces events; iterating
+    Yields block events in the order :class:`BlockStart` documents, then
+    exactly one :class:`Finish` or :class:`Failure`, then stops. Only the runner produces events; iterating
     never drives generation, and a slow consumer never slows it (events wait
     in the generation's buffer).
 
@@ -183,16 +191,21 @@ class Generation:
     _send: trio.MemorySendChannel[GenerationEvent]
     _receive: trio.MemoryReceiveChannel[GenerationEvent]
     _detokenizer: Detokenizer = attrs.field(factory=Detokenizer)
-    _stopper: StopMatcher = attrs.field(default=None)
-    _blocks: BlockSequencer = attrs.field(factory=BlockSequencer)
-    _tokens_since_delta: int = 0
+    _stage: ReplyStage = attrs.field(default=None)
     _outcome: Finish | Failure | None = None
     _cancel_time: float | None = None
     tokens_after_cancel: int = 0
 
     def __attrs_post_init__(self) -> None:
-        if self._stopper is None:
-            self._stopper = StopMatcher(self.prepared.request.stop)
+        if self._stage is None:
+            request = self.prepared.request
+            choice = request.tool_choice
+            parsed = bool(request.tools) and choice.mode is not ToolChoiceMode.NONE
+            self._stage = ReplyStage(
+                request.stop,
+                frozenset(t.name for t in request.tools) if parsed else None,
+                parallel=choice.parallel and choice.mode is not ToolChoiceMode.NAMED,
+            )
 
     @property
     def id(self) -> int:
@@ -384,8 +397,17 @@ class Runner:
                 ``ValueError``) or fills the slot's context by itself (at
                 least 1 token must be left to generate). The message gives the
                 numbers (tokens, or bytes when refused
-                before tokenizing). Nothing is enqueued.
+                before tokenizing). ``INVALID_REQUEST`` from
+                :func:`~ringserve.core.grammar.constraint_for` first, when
+                the reply's grammar cannot be made (a schema keyword it
+                does not enforce, a forced tool that is not among the tools).
+                Nothing is enqueued.
+
+        The tools and tool choice are rendered into the prompt by the
+        engine (:func:`ringserve.core.toolcalls.plain_messages`), so the
+        prompt tokens (``usage.input_tokens``) count them.
         """
+        constraint = constraint_for(request)
         ctx = self.n_ctx_slot
         per_token = self._engine.max_token_bytes
         if per_token is not None:
@@ -400,6 +422,8 @@ class Runner:
             tokens = await trio.to_thread.run_sync(
                 self._engine.tokenize_chat,
                 request.messages,
+                request.tools,
+                request.tool_choice,
                 limiter=self._tokenize_limiter,
                 abandon_on_cancel=False,
             )
@@ -417,8 +441,8 @@ class Runner:
         room = ctx - n_prompt
         asked = request.max_tokens
         if asked is None or asked > room:
-            return Prepared(request, tuple(tokens), room, context_bound=True)
-        return Prepared(request, tuple(tokens), asked)
+            return Prepared(request, tuple(tokens), room, context_bound=True, constraint=constraint)
+        return Prepared(request, tuple(tokens), asked, constraint=constraint)
 
     @asynccontextmanager
     async def submit(self, prepared: Prepared) -> AsyncIterator[Generation]:
@@ -458,7 +482,7 @@ class Runner:
         entry = self._scheduler.enqueue(
             prepared.prompt_tokens, prepared.max_tokens, priority=request.priority
         )
-        send, receive = trio.open_memory_channel[GenerationEvent](3 * prepared.max_tokens + 4)
+        send, receive = trio.open_memory_channel[GenerationEvent](4 * prepared.max_tokens + 4)
         gen = Generation(prepared, entry, send, receive)
         entry.tag = gen
         self._poke()
@@ -618,18 +642,20 @@ class Runner:
             return None
 
     def _step_sync(
-        self, begins: Sequence[tuple[int, SamplingParams, int, int | None]], feeds: Sequence[SlotFeed]
+        self,
+        begins: Sequence[tuple[int, SamplingParams, int, int | None, Constraint | None]],
+        feeds: Sequence[SlotFeed],
     ) -> _StepOutcome:
-        """Worker thread: begin the admitted slots (slot, sampling, cells kept, copied from), then
-        decode the batch once.
+        """Worker thread: begin the admitted slots (slot, sampling, cells kept, copied from,
+        grammar), then decode the batch once.
 
         Exceptions come back in the outcome instead of being raised, so the
         owner loop sees which call failed.
         """
         begin_errors: dict[int, Exception] = {}
-        for slot, sampling, keep, source in begins:
+        for slot, sampling, keep, source, constraint in begins:
             try:
-                self._engine.begin(slot, sampling, keep, source)
+                self._engine.begin(slot, sampling, keep, source, constraint)
             except Exception as exc:
                 begin_errors[slot] = exc
         if begin_errors:
@@ -652,7 +678,8 @@ class Runner:
         for entry in plan.admitted:
             gen = entry.tag
             assert isinstance(gen, Generation) and entry.slot is not None
-            begins.append((entry.slot, gen.prepared.request.sampling, entry.cached, entry.source))
+            prepared = gen.prepared
+            begins.append((entry.slot, prepared.request.sampling, entry.cached, entry.source, prepared.constraint))
             self._prompt_tokens_total += len(entry.prompt)
         outcome = await trio.to_thread.run_sync(
             self._step_sync, begins, plan.feeds, limiter=self._limiter, abandon_on_cancel=False
@@ -724,42 +751,45 @@ class Runner:
     # -- turning tokens into events ----------------------------------------
 
     def _on_token(self, gen: Generation, sampled: Sampled) -> None:
-        """Count, detokenize and stop-match one sampled token; emit what it releases."""
-        gen._tokens_since_delta += 1
+        """Count, detokenize and run one sampled token through the reply stage; emit what it releases."""
+        gen._stage.sampled()
         if sampled.eog:
             self._finish(gen, StopReason.END)
             return
         text = gen._detokenizer.feed(sampled.piece)
-        if text:
-            match = gen._stopper.feed(text)
-            if match.text:
-                self._emit_text(gen, match.text)
-            if match.stop is not None:
-                self._finish(gen, StopReason.STOP_SEQUENCE, match.stop)
-                return
+        if text and self._staged(gen, lambda: gen._stage.feed(text)):
+            return
         if gen._entry.budget_left <= 0:
             self._finish(gen, StopReason.CONTEXT_FULL if gen.prepared.context_bound else StopReason.MAX_TOKENS)
 
-    def _emit_text(self, gen: Generation, text: str) -> None:
-        for event in gen._blocks.delta(BlockKind.TEXT, text, gen._tokens_since_delta):
-            self._emit(gen, event)
-        gen._tokens_since_delta = 0
+    def _finish(self, gen: Generation, reason: StopReason) -> None:
+        """End a generation normally: flush held text, stop the open block, emit Finish, free the slot.
 
-    def _finish(self, gen: Generation, reason: StopReason, stop: str | None = None) -> None:
-        """End a generation normally: flush held text, emit Finish, free the slot.
-
-        Held stop-sequence prefixes are released; the bytes of an incomplete
-        UTF-8 character are dropped (the usage still counts their tokens).
+        Held text (a possible stop string or ``<tool_call>`` prefix) is released; the bytes of an
+        incomplete UTF-8 character are dropped (the usage still counts their tokens). The stage
+        may turn ``END`` into ``TOOL_USE``, or fail the message (an end inside a tool call).
         """
-        if stop is None:
-            # A character whose last bytes were never sampled is dropped, not sent as U+FFFD.
-            gen._detokenizer.flush()
-            text = gen._stopper.flush()
-            if text:
-                self._emit_text(gen, text)
-        for event in gen._blocks.end():
+        # A character whose last bytes were never sampled is dropped, not sent as U+FFFD.
+        gen._detokenizer.flush()
+        self._staged(gen, lambda: gen._stage.finish(reason))
+
+    def _staged(self, gen: Generation, step: Callable[[], tuple[list[BlockEvent], End | None]]) -> bool:
+        """Run one reply-stage step; emit its events, and its end (``Finish``) if it has one.
+
+        A call the stage cannot read fails the message (``API_ERROR``, not retryable: the
+        arguments already streamed cannot be taken back). Returns whether the generation ended.
+        """
+        try:
+            events, end = step()
+        except ToolCallError as exc:
+            self._fail(gen._entry, ErrorKind.API_ERROR, f"the model wrote a malformed tool call: {exc}", retryable=False)
+            return True
+        for event in events:
             self._emit(gen, event)
-        self._end(gen, Finish(reason, gen.usage, stop))
+        if end is None:
+            return False
+        self._end(gen, Finish(end.reason, gen.usage, end.stop))
+        return True
 
     def _fail(self, entry: Entry, kind: ErrorKind, message: str, *, retryable: bool) -> None:
         gen = entry.tag

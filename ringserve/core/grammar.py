@@ -1,0 +1,552 @@
+"""JSON schema to GBNF grammar, for decoding tool calls and JSON answers under a grammar.
+
+The conversion is llama-cpp-python's bundled copy of llama.cpp's
+``examples/json-schema-to-grammar.py`` (``llama_cpp.llama_grammar.SchemaConverter``;
+pure Python, it does not load the native library). That converter silently
+ignores much of JSON Schema, so every schema is first checked here: a keyword
+the converter would not enforce is refused with a 400 that names it (and where
+it is), never decoded as if it were not there.
+
+What is enforced (per schema node, following the converter's own dispatch in
+``SchemaConverter.visit``):
+
+* ``$ref`` to the same document (``#/...``, ``$defs`` / ``definitions``,
+  recursion included), alone;
+* ``anyOf`` (a non-empty list), alone;
+* ``type`` as a list of JSON type names, alone;
+* ``const``; ``enum`` (non-empty); either with a ``type`` their values have;
+* objects: ``properties``, ``required`` (names among ``properties``),
+  ``additionalProperties``: ``false`` (absent means ``false`` too: the
+  grammar emits only the listed properties, which still validates), or,
+  without ``properties``, ``true`` or a schema (a map); next to
+  ``properties`` it is refused, as an extra key could repeat a listed one;
+* arrays: ``items`` (a schema) with ``minItems`` / ``maxItems``; ``prefixItems``
+  or ``items`` as a list (a tuple, exactly those items);
+* strings: ``minLength`` / ``maxLength``; ``format`` ``date``, ``time``,
+  ``date-time``, ``uuid``;
+* the types ``string``, ``number``, ``integer``, ``boolean``, ``null``,
+  ``array``, ``object`` (any value of that type); ``{}`` is any object.
+
+Annotations are accepted and dropped (:data:`ANNOTATIONS`). Everything else
+is refused, among them (:data:`REFUSED` lists the standard ones) ``oneOf``
+(decoded as ``anyOf``, exclusivity not enforced), ``allOf``, ``not``,
+``pattern`` (the converter's regex translation is partial), ``minimum`` and the
+other numeric bounds, ``patternProperties``, ``uniqueItems``, other formats
+(``email``, ``uri``...), boolean schemas and unknown keywords.
+
+Two fixes over the bundled converter (it is an older copy than llama.cpp's
+current one): string characters exclude the control characters U+0000..U+001F
+(JSON forbids them raw, ``json.loads`` refuses them), and literals (property
+names, ``const`` / ``enum`` values) escape backslashes, so a name holding
+``\\`` is emitted as valid JSON. ``$ref`` targets get rule names of their own,
+so two tools' ``$defs`` of the same name never share a rule.
+
+Grammars are cached (LRU, :data:`CACHE_SIZE` entries) keyed by the schema
+texts; their rule ``root`` is where decoding starts.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Sequence
+from typing import Any, assert_never
+
+import attrs
+from llama_cpp import llama_grammar as _lg
+
+from ringserve.core.errors import invalid
+from ringserve.core.events import GenerationRequest, OutputKind, ToolChoiceMode, ToolSpec
+from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN, format_call
+
+__all__ = [
+    "ANNOTATIONS",
+    "CACHE_SIZE",
+    "MAX_CALLS",
+    "REFUSED",
+    "Constraint",
+    "calls_grammar",
+    "check_schema",
+    "constraint_for",
+    "example_instance",
+    "output_grammar",
+]
+
+CACHE_SIZE = 256
+"""Grammars kept by each cache (entries)."""
+
+MAX_CALLS = 4
+"""Most tool calls in one reply when parallel calls are allowed."""
+
+ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$comment",
+        "$schema",
+        "$id",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "contentMediaType",
+        "contentEncoding",
+    }
+)
+"""Keywords that do not constrain a value (JSON Schema 2020-12 annotations): accepted, dropped."""
+
+_DEFS = ("$defs", "definitions")
+
+REFUSED = frozenset(
+    {
+        "oneOf",
+        "allOf",
+        "not",
+        "if",
+        "then",
+        "else",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "pattern",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "patternProperties",
+        "propertyNames",
+        "minProperties",
+        "maxProperties",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "additionalItems",
+        "$dynamicRef",
+        "$anchor",
+    }
+)
+"""Standard keywords the converter does not enforce (refused wherever they appear)."""
+
+_TYPES = frozenset({"string", "number", "integer", "boolean", "null", "array", "object"})
+_FORMATS = frozenset({"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"})
+_SAFE_CHAR = r'[^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+
+
+@attrs.frozen
+class Constraint:
+    """A sequence's output decoded under a grammar.
+
+    Attributes:
+        grammar: GBNF text (llama.cpp ``grammars/README.md``), start rule ``root``.
+        example: a text the grammar accepts (what the fake engine replies).
+    """
+
+    grammar: str
+    example: str
+
+
+class _Refused(Exception):
+    """A schema problem, with the JSON path of the node (``where``) it is at."""
+
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(message)
+        self.where = where
+        self.message = message
+
+
+def _type_ok(value: Any, typ: str) -> bool:
+    match typ:
+        case "string":
+            return isinstance(value, str)
+        case "number":
+            return isinstance(value, int | float) and not isinstance(value, bool)
+        case "integer":
+            return isinstance(value, int) and not isinstance(value, bool)
+        case "boolean":
+            return isinstance(value, bool)
+        case "null":
+            return value is None
+        case "array":
+            return isinstance(value, list)
+        case "object":
+            return isinstance(value, dict)
+    return False
+
+
+def _non_negative_int(node: dict[str, Any], key: str, where: str) -> None:
+    value = node.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise _Refused(where, f"'{key}' must be a non-negative integer")
+
+
+class _Checker:
+    """Walks a schema: refuses what the converter would not enforce, returns a copy without
+    annotations (the converter mistakes an annotation-only node for an unknown type)."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+
+    def clean(self, node: Any, where: str) -> dict[str, Any]:
+        if not isinstance(node, dict):
+            raise _Refused(where, "a schema must be a JSON object (boolean schemas are not supported)")
+        for key in node:
+            if key in REFUSED:
+                raise _Refused(where, f"keyword '{key}' is not supported")
+        out: dict[str, Any] = {}
+        for key in _DEFS:
+            if key in node:
+                defs = node[key]
+                if not isinstance(defs, dict):
+                    raise _Refused(where, f"'{key}' must be an object of schemas")
+                out[key] = {k: self.clean(v, f"{where}.{key}.{k}") for k, v in defs.items()}
+        keys = {k for k in node if k not in ANNOTATIONS and k not in _DEFS}
+        allowed, children = self._dispatch(node, keys, where)
+        extra = sorted(keys - allowed)
+        if extra:
+            raise _Refused(where, f"keyword '{extra[0]}' is not supported here")
+        for key in keys:
+            out[key] = children.get(key, node[key])
+        return out
+
+    def _dispatch(self, node: dict[str, Any], keys: set[str], where: str) -> tuple[set[str], dict[str, Any]]:
+        """The keywords the converter's branch for ``node`` honours, and the cleaned children."""
+        typ = node.get("type")
+        fmt = node.get("format")
+        if "$ref" in keys:
+            self._resolve(node["$ref"], where)
+            return {"$ref"}, {}
+        if "anyOf" in keys:
+            alts = node["anyOf"]
+            if not isinstance(alts, list) or not alts:
+                raise _Refused(where, "'anyOf' must be a non-empty list of schemas")
+            return {"anyOf"}, {"anyOf": [self.clean(a, f"{where}.anyOf[{i}]") for i, a in enumerate(alts)]}
+        if isinstance(typ, list):
+            if not typ or not all(t in _TYPES for t in typ):
+                raise _Refused(where, f"'type' must name JSON types, got {typ!r}")
+            return {"type"}, {}
+        if typ is not None and typ not in _TYPES:
+            raise _Refused(where, f"unknown type {typ!r}")
+        if "const" in keys or "enum" in keys:
+            values = [node["const"]] if "const" in keys else node["enum"]
+            if not isinstance(values, list) or not values:
+                raise _Refused(where, "'enum' must be a non-empty list")
+            if typ is not None and not all(_type_ok(v, typ) for v in values):
+                raise _Refused(where, f"a value of 'enum'/'const' is not of type {typ!r}")
+            return {"const" if "const" in keys else "enum", "type"}, {}
+        additional = node.get("additionalProperties")
+        if typ in (None, "object") and ("properties" in keys or ("additionalProperties" in keys and additional is not True)):
+            return self._object(node, keys, where)
+        if typ in (None, "array") and ("items" in keys or "prefixItems" in keys):
+            return self._array(node, keys, where)
+        if typ in (None, "string") and isinstance(fmt, str) and fmt in _FORMATS:
+            return {"type", "format"}, {}
+        if "format" in keys:
+            raise _Refused(where, f"format {fmt!r} is not supported")
+        if typ == "string" and ("minLength" in keys or "maxLength" in keys):
+            _non_negative_int(node, "minLength", where)
+            _non_negative_int(node, "maxLength", where)
+            if "maxLength" in node and node["maxLength"] < node.get("minLength", 0):
+                raise _Refused(where, "'maxLength' is below 'minLength'")
+            return {"type", "minLength", "maxLength"}, {}
+        if typ is None and keys:
+            raise _Refused(where, f"keyword '{sorted(keys)[0]}' is not supported without a matching 'type'")
+        if typ == "object" and additional is True:
+            return {"type", "additionalProperties"}, {}  # any object
+        return {"type"}, {}
+
+    def _object(self, node: dict[str, Any], keys: set[str], where: str) -> tuple[set[str], dict[str, Any]]:
+        props = node.get("properties", {})
+        if not isinstance(props, dict):
+            raise _Refused(where, "'properties' must be an object of schemas")
+        children: dict[str, Any] = {
+            "properties": {k: self.clean(v, f"{where}.properties.{k}") for k, v in props.items()}
+        }
+        required = node.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise _Refused(where, "'required' must be a list of property names")
+        missing = [r for r in required if r not in props]
+        if missing:
+            raise _Refused(where, f"'required' names {missing[0]!r}, which is not in 'properties'")
+        additional = node.get("additionalProperties", False)
+        if props and additional is not False:
+            # The grammar's extra keys may repeat a listed one, whose value then escapes its schema.
+            raise _Refused(where, "keyword 'additionalProperties' is supported next to 'properties' only as false")
+        if isinstance(additional, dict):
+            children["additionalProperties"] = self.clean(additional, f"{where}.additionalProperties")
+        elif not isinstance(additional, bool):
+            raise _Refused(where, "'additionalProperties' must be a boolean or a schema")
+        return {"type", "properties", "required", "additionalProperties"}, children
+
+    def _array(self, node: dict[str, Any], keys: set[str], where: str) -> tuple[set[str], dict[str, Any]]:
+        if "items" in keys and "prefixItems" in keys:
+            raise _Refused(where, "keyword 'prefixItems' is not supported together with 'items'")
+        key = "items" if "items" in keys else "prefixItems"
+        items = node[key]
+        if isinstance(items, list):
+            if not items:
+                raise _Refused(where, f"'{key}' must not be empty")
+            return {"type", key}, {key: [self.clean(s, f"{where}.{key}[{i}]") for i, s in enumerate(items)]}
+        if key == "prefixItems":
+            raise _Refused(where, "'prefixItems' must be a list of schemas")
+        _non_negative_int(node, "minItems", where)
+        _non_negative_int(node, "maxItems", where)
+        if "maxItems" in node and node["maxItems"] < node.get("minItems", 0):
+            raise _Refused(where, "'maxItems' is below 'minItems'")
+        return {"type", "items", "minItems", "maxItems"}, {"items": self.clean(items, f"{where}.items")}
+
+    def _resolve(self, ref: Any, where: str) -> Any:
+        if not isinstance(ref, str) or not ref.startswith("#/") or "~" in ref or "%" in ref:
+            raise _Refused(where, f"'$ref' {ref!r} is not supported (only '#/...' paths into the same schema)")
+        target = self.root
+        for part in ref[2:].split("/"):
+            if not isinstance(target, dict) or part not in target:
+                raise _Refused(where, f"'$ref' {ref!r} does not resolve")
+            target = target[part]
+        return target
+
+
+def _checked(text: str, where: str) -> dict[str, Any]:
+    """The cleaned schema of ``text``, an object schema; raises the 400 naming ``where``."""
+    try:
+        return json.loads(_cached_clean(text))  # type: ignore[no-any-return]
+    except _Refused as exc:
+        at = where + exc.where
+        raise invalid(f"{at}: {exc.message}", where) from None
+
+
+def check_schema(text: str, where: str) -> None:
+    """Check that ``text`` is an object schema the grammar can enforce.
+
+    Args:
+        text: the schema's JSON text.
+        where: the request field it came from, e.g. ``tools[0].input_schema``
+            (named in the message and as the error's ``param``).
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST``: not JSON, not an object schema, or
+            a keyword that is not enforced, e.g. ``tools[0].input_schema:
+            keyword 'patternProperties' is not supported``; a keyword below the
+            top is named with its path (``tools[0].input_schema.properties.a:
+            keyword 'minimum' is not supported``).
+    """
+    _checked(text, where)
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _cached_clean(text: str) -> str:
+    """The cleaned schema's JSON text (cached; failures are not cached and raise :class:`_Refused`)."""
+    try:
+        schema = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise _Refused("", f"the schema is not valid JSON ({exc})") from None
+    cleaned = _Checker(schema).clean(schema, "")
+    typ = cleaned.get("type")
+    if typ != "object" and not (typ is None and ("properties" in cleaned or "additionalProperties" in cleaned)):
+        raise _Refused("", 'the schema must be an object schema ("type": "object")')
+    return json.dumps(cleaned)
+
+
+class _Converter(_lg.SchemaConverter):
+    # llama_grammar is untyped: its calls below carry ignores for mypy's strict core flags.
+    """The bundled converter with the fixes the module docstring lists."""
+
+    def __init__(self) -> None:
+        super().__init__(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)  # type: ignore[no-untyped-call]
+        self._ref_names: dict[str, str] = {}
+
+    def _format_literal(self, literal: str) -> str:
+        escaped = literal.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+        return f'"{escaped}"'
+
+    def _resolve_ref(self, ref: str) -> str:
+        name = self._ref_names.get(ref)
+        if name is None:
+            name = self._ref_names[ref] = f"ref{len(self._ref_names)}"
+            body = self.visit(self._refs[ref], name)  # type: ignore[no-untyped-call]
+            if body != name:
+                self._rules[name] = body
+        return name
+
+    def add(self, schema: dict[str, Any], url: str, name: str) -> str:
+        """Visit one cleaned schema as rule ``name``; return the rule that matches it."""
+        return str(self.visit(self.resolve_refs(schema, url), name))  # type: ignore[no-untyped-call]
+
+    def rule(self, name: str, body: str) -> str:
+        return str(self._add_rule(name, body))  # type: ignore[no-untyped-call]
+
+    def literal(self, text: str) -> str:
+        return self._format_literal(text)
+
+    def grammar(self) -> str:
+        if "char" in self._rules:
+            self._rules["char"] = _SAFE_CHAR
+        return str(self.format_grammar())  # type: ignore[no-untyped-call]
+
+
+def _convert(schemas: Sequence[tuple[str, str]]) -> tuple[_Converter, list[str]]:
+    conv = _Converter()
+    rules = []
+    for i, (text, where) in enumerate(schemas):
+        cleaned = _checked(text, where)
+        try:
+            rules.append(conv.add(cleaned, f"s{i}", f"s{i}"))
+        except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise invalid(f"{where}: the schema cannot be turned into a grammar ({exc})", where) from None
+    return conv, rules
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def output_grammar(schema: str, where: str) -> Constraint:
+    """The grammar of a JSON answer: an object valid under ``schema`` (``""``: any object).
+
+    Raises:
+        RingserveError: as :func:`check_schema`.
+    """
+    text = schema or '{"type": "object"}'
+    conv, (value,) = _convert([(text, where)])
+    conv.rule("root", value)
+    return Constraint(conv.grammar(), json.dumps(example_instance(_checked(text, where))))
+
+
+def calls_grammar(tools: Sequence[ToolSpec], parallel: bool) -> Constraint:
+    """The grammar of a reply that is only tool calls, each naming one of ``tools``.
+
+    One call when ``parallel`` is False, else 1..:data:`MAX_CALLS`, separated by
+    a newline; each is :func:`~ringserve.core.toolcalls.format_call`'s syntax,
+    ``{"name": NAME, "arguments": ARGS}`` between the markers, with ARGS valid
+    under that tool's schema. ``example``
+    calls the first tool once.
+
+    Raises:
+        RingserveError: a schema the grammar cannot enforce (``param`` names
+            ``tools[i].parameters``).
+    """
+    return _calls_grammar(tuple(tools), parallel)
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _calls_grammar(tools: tuple[ToolSpec, ...], parallel: bool) -> Constraint:
+    conv, rules = _convert([(t.parameters, f"tools[{i}].parameters") for i, t in enumerate(tools)])
+    alts = []
+    for tool, args in zip(tools, rules, strict=True):
+        head = conv.literal(f"{json.dumps(tool.name)}, {json.dumps('arguments')}: ")
+        alts.append(f"{head} {args}")
+    body = " | ".join(alts)
+    call = conv.rule(
+        "call", f"{conv.literal(CALL_OPEN + '{' + json.dumps('name') + ': ')} ( {body} ) {conv.literal('}' + CALL_CLOSE)}"
+    )
+    root = call if not parallel else f'{call} ("\\n" {call}){{0,{MAX_CALLS - 1}}}'
+    conv.rule("root", root)
+    first = tools[0]
+    args = json.dumps(example_instance(_checked(first.parameters, "tools[0].parameters")))
+    return Constraint(conv.grammar(), format_call(first.name, args))
+
+
+def example_instance(schema: dict[str, Any], root: dict[str, Any] | None = None, depth: int = 0) -> Any:
+    """A value valid under a cleaned schema (from :func:`check_schema`'s rules) whose JSON
+    text (``json.dumps``) the schema's grammar accepts: the first alternative, the first
+    enum value, every property down to depth 3 (only the required ones below; required
+    ones first, as the grammar orders them), the fewest array items allowed but 1, short
+    strings."""
+    root = schema if root is None else root
+    if "$ref" in schema:
+        target: Any = root
+        for part in schema["$ref"][2:].split("/"):
+            target = target[part]
+        return example_instance(target, root, depth + 1)
+    if "anyOf" in schema:
+        return example_instance(schema["anyOf"][0], root, depth)
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return schema["enum"][0]
+    typ = schema.get("type")
+    if isinstance(typ, list):
+        typ = typ[0]
+    elif typ is None and "format" in schema:
+        typ = "string"
+    elif typ is None and ("items" in schema or "prefixItems" in schema):
+        typ = "array"
+    if "properties" in schema or typ in (None, "object"):
+        # The converter's order: the required properties, then the others, each in schema order.
+        props = schema.get("properties", {})
+        required = [k for k in props if k in schema.get("required", ())]
+        optional = [k for k in props if k not in required] if depth < 3 else []
+        return {k: example_instance(props[k], root, depth + 1) for k in required + optional}
+    match typ:
+        case "array":
+            items = schema.get("items", schema.get("prefixItems", {}))
+            if isinstance(items, list):
+                return [example_instance(s, root, depth + 1) for s in items]
+            n = max(schema.get("minItems", 0), min(1, schema.get("maxItems", 1)))
+            return [example_instance(items, root, depth + 1) for _ in range(n)]
+        case "string":
+            fmt = schema.get("format", "")
+            if fmt.startswith("uuid"):
+                return "123e4567-e89b-12d3-a456-426614174000"
+            if fmt in ("date", "time", "date-time"):
+                return {"date": "2024-01-02", "time": "12:30:00Z", "date-time": "2024-01-02T12:30:00Z"}[fmt]
+            n = max(schema.get("minLength", 0), min(7, schema.get("maxLength", 7)))
+            return ("example" * (n // 7 + 1))[:n]
+        case "number":
+            return 1.5
+        case "integer":
+            return 1
+        case "boolean":
+            return True
+        case "null":
+            return None
+    raise AssertionError(f"unexpected schema {schema!r}")  # pragma: no cover - cleaned schemas only
+
+
+
+def constraint_for(request: GenerationRequest) -> Constraint | None:
+    """The grammar a request's reply is decoded under, or None for free text.
+
+    * a forced tool: ``REQUIRED``, calls of any of the tools, one or with
+      ``parallel`` up to :data:`MAX_CALLS`; ``NAMED``, one call of that tool
+      (a small model asked for "the" call repeats it until the limit):
+      :func:`calls_grammar`;
+    * otherwise ``JSON_OBJECT`` / ``JSON_SCHEMA`` output: :func:`output_grammar`
+      (with tools under ``AUTO`` the model then cannot call them);
+    * otherwise None. ``AUTO`` calls are not constrained (the model decides
+      whether to call; a lazy grammar would start at the ``<tool_call>``
+      marker): the schemas of ``strict`` tools are still checked, but not
+      enforced.
+
+    The error fields are surface-neutral (``tools[i].parameters``,
+    ``output.schema``); surfaces call :func:`check_schema` with their own
+    spellings first.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST``: a schema the grammar cannot
+            enforce, or a ``NAMED`` tool that is not among the tools.
+    """
+    tools, choice = request.tools, request.tool_choice
+    if tools and choice.mode is ToolChoiceMode.REQUIRED:
+        return calls_grammar(tools, choice.parallel)
+    if tools and choice.mode is ToolChoiceMode.NAMED:
+        for i, tool in enumerate(tools):
+            if tool.name == choice.name:
+                check_schema(tool.parameters, f"tools[{i}].parameters")
+                return calls_grammar([tool], False)
+        raise invalid(f"tool_choice names {choice.name!r}, which is not one of the tools", "tool_choice")
+    if tools and choice.mode is ToolChoiceMode.AUTO:
+        for i, tool in enumerate(tools):
+            if tool.strict:
+                check_schema(tool.parameters, f"tools[{i}].parameters")
+    match request.output.kind:
+        case OutputKind.TEXT:
+            return None
+        case OutputKind.JSON_OBJECT:
+            return output_grammar("", "output")
+        case OutputKind.JSON_SCHEMA:
+            return output_grammar(request.output.schema, "output.schema")
+        case _:
+            assert_never(request.output.kind)

@@ -1,0 +1,256 @@
+"""engine/runner.py with tools and structured output on the FakeEngine: block events, stop
+reasons, malformed calls, and a cancel during constrained decoding."""
+
+from __future__ import annotations
+
+import json
+from contextlib import asynccontextmanager
+
+import jsonschema
+import pytest
+import trio
+
+from ringserve.config import EngineConfig
+from ringserve.core.errors import ErrorKind, RingserveError
+from ringserve.core.events import (
+    BlockDelta,
+    BlockKind,
+    BlockStart,
+    BlockStop,
+    ChatMessage,
+    ContentBlock,
+    Failure,
+    Finish,
+    GenerationRequest,
+    OutputFormat,
+    OutputKind,
+    SamplingParams,
+    StopReason,
+    ToolChoice,
+    ToolChoiceMode,
+    ToolSpec,
+)
+from ringserve.core.scheduler import SlotState
+from ringserve.core.toolcalls import format_call
+from ringserve.engine.fake import FakeEngine
+from ringserve.engine.runner import Runner
+
+GUARD = 10
+
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "array", "items": {"type": "integer"}, "minItems": 2},
+    },
+    "required": ["city", "unit"],
+}
+WEATHER = ToolSpec("get_weather", "The weather in a city.", json.dumps(WEATHER_SCHEMA))
+TIME = ToolSpec("get_time", "The time in a city.", json.dumps({"type": "object", "properties": {"city": {"type": "string"}}}))
+
+
+@asynccontextmanager
+async def serving(engine, **config):
+    runner = Runner(engine, EngineConfig(**config))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        with trio.fail_after(GUARD):
+            yield runner
+        nursery.cancel_scope.cancel()
+
+
+def req(text="What is the weather in Paris?", *, tools=(WEATHER, TIME), choice=ToolChoice(), **kw):
+    return GenerationRequest(
+        (ChatMessage("user", text),), kw.pop("max_tokens", 400), SamplingParams(temperature=0),
+        tools=tools, tool_choice=choice, **kw,
+    )
+
+
+async def run(engine, request):
+    async with serving(engine) as runner:
+        prepared = await runner.prepare(request)
+        async with runner.submit(prepared) as gen:
+            events = [e async for e in gen]
+    return events
+
+
+def blocks(events) -> list[ContentBlock]:
+    out: list[ContentBlock] = []
+    for e in events:
+        if isinstance(e, BlockStart):
+            out.append(ContentBlock(e.kind, "", e.name, e.call_id))
+        elif isinstance(e, BlockDelta):
+            out[-1] = ContentBlock(out[-1].kind, out[-1].text + e.text, out[-1].name, out[-1].call_id)
+    return out
+
+
+def check_order(events) -> None:
+    """Blocks are sequential, numbered from 0, one open at a time; then one terminal event."""
+    open_index, next_index = None, 0
+    for e in events[:-1]:
+        match e:
+            case BlockStart():
+                assert open_index is None and e.index == next_index
+                open_index, next_index = e.index, next_index + 1
+            case BlockDelta():
+                assert e.index == open_index
+            case BlockStop():
+                assert e.index == open_index
+                open_index = None
+            case _:
+                pytest.fail(f"unexpected {e!r}")
+    assert isinstance(events[-1], Finish | Failure)
+    if isinstance(events[-1], Finish):
+        assert open_index is None
+
+
+async def test_a_named_tool_is_one_call_streamed_in_fragments():
+    engine = FakeEngine(piece_bytes=3)
+    events = await run(engine, req(choice=ToolChoice(ToolChoiceMode.NAMED, "get_weather")))
+    check_order(events)
+    assert engine.begins[-1].constraint is not None and "get_weather" in engine.begins[-1].constraint.grammar
+    start = events[0]
+    assert start == BlockStart(0, BlockKind.TOOL_CALL, "get_weather", start.call_id)
+    assert len(start.call_id) == 24 and int(start.call_id, 16) >= 0
+    deltas = [e for e in events if isinstance(e, BlockDelta)]
+    assert len(deltas) >= 2
+    arguments = json.loads("".join(d.text for d in deltas))
+    jsonschema.validate(arguments, WEATHER_SCHEMA)
+    assert events[-2:-1] == [BlockStop(0)]
+    finish = events[-1]
+    assert isinstance(finish, Finish) and finish.stop_reason is StopReason.TOOL_USE
+    assert sum(d.tokens for d in deltas) <= finish.usage.output_tokens
+
+
+async def test_required_calls_one_of_the_tools():
+    engine = FakeEngine(piece_bytes=5)
+    events = await run(engine, req(choice=ToolChoice(ToolChoiceMode.REQUIRED)))
+    check_order(events)
+    (call,) = blocks(events)
+    assert call.kind is BlockKind.TOOL_CALL and call.name == "get_weather"
+    assert events[-1].stop_reason is StopReason.TOOL_USE
+
+
+async def test_auto_text_then_two_calls_then_eog():
+    reply = "Let me check." + format_call("get_weather", '{"city": "Paris", "unit": "celsius"}') + "\n" + format_call(
+        "get_time", '{"city": "Paris"}'
+    ) + "\n"
+    engine = FakeEngine(piece_bytes=2, reply=reply)
+    events = await run(engine, req())
+    check_order(events)
+    assert engine.begins[-1].constraint is None  # auto: the model decides, unconstrained
+    got = blocks(events)
+    assert [(b.kind, b.name) for b in got] == [
+        (BlockKind.TEXT, ""), (BlockKind.TOOL_CALL, "get_weather"), (BlockKind.TOOL_CALL, "get_time")
+    ]
+    assert got[0].text == "Let me check."
+    assert json.loads(got[1].text) == {"city": "Paris", "unit": "celsius"}
+    assert got[1].call_id != got[2].call_id
+    assert events[-1].stop_reason is StopReason.TOOL_USE
+
+
+async def test_auto_without_parallel_ends_at_the_first_call():
+    reply = format_call("get_time", '{"city": "Oslo"}') + "\n" + format_call("get_time", '{"city": "Rome"}')
+    engine = FakeEngine(piece_bytes=4, reply=reply)
+    events = await run(engine, req(choice=ToolChoice(ToolChoiceMode.AUTO, parallel=False)))
+    check_order(events)
+    assert [b.text for b in blocks(events)] == ['{"city": "Oslo"}']
+    assert events[-1].stop_reason is StopReason.TOOL_USE
+    assert events[-1].usage.output_tokens < FakeEngine(piece_bytes=4, reply=reply).reply_tokens("x")
+
+
+async def test_auto_text_only_ends_with_end():
+    engine = FakeEngine(piece_bytes=1, reply="No tool <tool needed.")
+    events = await run(engine, req())
+    assert blocks(events) == [ContentBlock(BlockKind.TEXT, "No tool <tool needed.")]
+    assert events[-1].stop_reason is StopReason.END
+
+
+async def test_choice_none_neither_renders_nor_parses():
+    reply = format_call("get_time", "{}")
+    engine = FakeEngine(piece_bytes=4, reply=reply)
+    request = req(choice=ToolChoice(ToolChoiceMode.NONE))
+    events = await run(engine, request)
+    assert blocks(events) == [ContentBlock(BlockKind.TEXT, reply)]
+    assert events[-1].stop_reason is StopReason.END
+    assert engine.tokenize_chat(request.messages, request.tools, request.tool_choice) == engine.tokenize_chat(
+        request.messages
+    )
+
+
+async def test_a_malformed_auto_call_fails_the_message():
+    engine = FakeEngine(piece_bytes=3, reply='ok <tool_call>\n{"name": "get_time", "arguments": {"city": ]}\n</tool_call>')
+    events = await run(engine, req())
+    check_order(events)
+    failure = events[-1]
+    assert isinstance(failure, Failure) and failure.kind is ErrorKind.API_ERROR and not failure.retryable
+    assert "malformed tool call" in failure.message
+
+
+async def test_eog_inside_an_auto_call_fails_the_message():
+    engine = FakeEngine(piece_bytes=3, reply='<tool_call>{"name": "get_time", "arguments": {"city": "x"')
+    events = await run(engine, req())
+    assert isinstance(events[-1], Failure) and "ended inside a tool call" in events[-1].message
+
+
+async def test_max_tokens_inside_a_call_stops_the_block_with_max_tokens():
+    engine = FakeEngine(piece_bytes=2)
+    events = await run(engine, req(choice=ToolChoice(ToolChoiceMode.NAMED, "get_weather"), max_tokens=30))
+    check_order(events)
+    assert events[-1].stop_reason is StopReason.MAX_TOKENS
+    assert [b.kind for b in blocks(events)] == [BlockKind.TOOL_CALL]
+
+
+async def test_json_output_is_a_text_block_under_the_schema_grammar():
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    engine = FakeEngine(piece_bytes=2)
+    events = await run(engine, req(tools=(), output=OutputFormat(OutputKind.JSON_SCHEMA, json.dumps(schema))))
+    (block,) = blocks(events)
+    assert block.kind is BlockKind.TEXT
+    jsonschema.validate(json.loads(block.text), schema)
+    assert events[-1].stop_reason is StopReason.END
+
+
+async def test_a_refused_schema_is_a_400_before_anything_is_queued():
+    bad = ToolSpec("x", "", json.dumps({"type": "object", "properties": {"n": {"type": "number", "minimum": 0}}}))
+    async with serving(FakeEngine()) as runner:
+        with pytest.raises(RingserveError) as info:
+            await runner.prepare(req(tools=(bad,), choice=ToolChoice(ToolChoiceMode.REQUIRED)))
+        assert runner.statistics().queue_depth == {} or sum(runner.statistics().queue_depth.values()) == 0
+    assert info.value.kind is ErrorKind.INVALID_REQUEST
+    assert info.value.message == "tools[0].parameters.properties.n: keyword 'minimum' is not supported"
+
+
+async def test_collect_returns_the_blocks():
+    reply = "Hi." + format_call("get_time", '{"city": "Oslo"}')
+    async with serving(FakeEngine(piece_bytes=3, reply=reply)) as runner:
+        async with runner.submit(await runner.prepare(req())) as gen:
+            content, finish = await gen.collect()
+    assert content[0] == ContentBlock(BlockKind.TEXT, "Hi.")
+    assert content[1].kind is BlockKind.TOOL_CALL and content[1].text == '{"city": "Oslo"}'
+    assert finish.stop_reason is StopReason.TOOL_USE
+
+
+async def test_cancel_during_constrained_decoding_frees_the_slot_within_a_step():
+    long_string = {"type": "object", "properties": {"text": {"type": "string", "minLength": 2000}}, "required": ["text"]}
+    tool = ToolSpec("write", "", json.dumps(long_string))
+    engine = FakeEngine(piece_bytes=1)
+    async with serving(engine) as runner:
+        prepared = await runner.prepare(req(tools=(tool,), choice=ToolChoice(ToolChoiceMode.REQUIRED), max_tokens=3000))
+        assert prepared.constraint is not None
+        async with runner.submit(prepared) as gen:
+            seen = 0
+            async for event in gen:
+                seen += isinstance(event, BlockDelta)
+                if seen == 5:
+                    break
+            calls_at_cancel = len(engine.log)
+        assert gen.cancelled and gen.state is SlotState.CANCELLED
+        await runner.wait_idle()
+        stats = runner.statistics()
+    assert stats.kv_cells_used == 0 and stats.slots_busy == 0 and stats.cancels == 1
+    assert stats.tokens_after_cancel_total <= 1
+    fed_after = [f for call in engine.log[calls_at_cancel:] for f in call.feeds if f.slot == gen.slot]
+    assert len(fed_after) <= 1  # at most the step in flight at the cancel
+    assert gen.usage.output_tokens < 100
