@@ -31,7 +31,8 @@ class StopReason(enum.StrEnum):
     (``model_context_window_exceeded`` / ``length``); ``STOP_SEQUENCE`` is a
     caller's stop string (``stop_sequence`` / ``stop``); ``CANCELLED`` is a
     cancel or abort; ``REFUSAL`` is the safety stage (``refusal`` /
-    ``content_filter``).
+    ``content_filter``); ``TOOL_USE`` is a turn that ended with tool calls
+    for the client to run (``tool_use`` / ``tool_calls``).
     """
 
     END = "end"
@@ -40,6 +41,7 @@ class StopReason(enum.StrEnum):
     STOP_SEQUENCE = "stop_sequence"
     CANCELLED = "cancelled"
     REFUSAL = "refusal"
+    TOOL_USE = "tool_use"
 
 
 class BlockKind(enum.StrEnum):
