@@ -384,7 +384,7 @@ def _tool_choice(value: Any, tools: tuple[ToolSpec, ...]) -> ToolChoice:
         return ToolChoice()
     if not isinstance(value, dict):
         raise invalid("tool_choice: must be an object", param="tool_choice")
-    TOOL_CHOICE_FIELDS.check(value, "tool_choice")
+    TOOL_CHOICE_FIELDS.check(value, "tool_choice", param="tool_choice")
     kind = value.get("type")
     mode = TOOL_CHOICE_MODES.get(kind) if isinstance(kind, str) else None
     if mode is None:
@@ -403,7 +403,7 @@ def _output(value: Any) -> OutputFormat:
         return OutputFormat()
     if not isinstance(value, dict):
         raise invalid("output_config: must be an object", param="output_config")
-    OUTPUT_CONFIG_FIELDS.check(value, "output_config")
+    OUTPUT_CONFIG_FIELDS.check(value, "output_config", param="output_config")
     fmt = value.get("format")
     if fmt is None:
         return OutputFormat()
