@@ -1,0 +1,398 @@
+"""Tool use and structured output on the surfaces (issue 14): parsing into the neutral request
+values, every bad input a 400 naming its field, and the rendering of tool-call blocks.
+
+The parser tests call ``parse_request`` on plain dicts (no server); the renderer tests feed
+``BlockStart``/``BlockDelta``/``BlockStop``/``Finish`` values straight into a renderer.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+
+from ringserve.core.errors import ErrorKind, RingserveError
+from ringserve.core.events import (
+    ChatMessage,
+    GenerationRequest,
+    OutputFormat,
+    OutputKind,
+    ToolCall,
+    ToolChoice,
+    ToolChoiceMode,
+    ToolSpec,
+)
+from ringserve.surfaces.anthropic import AnthropicSurface
+from ringserve.surfaces.base import MAX_TOOLS, dumps
+from ringserve.surfaces.openai import OpenAISurface
+
+ANTHROPIC = AnthropicSurface()
+OPENAI = OpenAISurface()
+
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city"],
+}
+A_WEATHER = {"name": "get_weather", "description": "The weather in a city.", "input_schema": WEATHER_SCHEMA}
+A_TIME = {"name": "get_time", "input_schema": {"type": "object", "properties": {}}}
+O_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                              "parameters": WEATHER_SCHEMA, "strict": True}}
+O_TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def anthropic_request(**body: Any) -> GenerationRequest:
+    body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return ANTHROPIC.parse_request({"model": "m", "max_tokens": 16, **body}).request
+
+
+def openai_request(**body: Any) -> GenerationRequest:
+    body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return OPENAI.parse_request({"model": "m", **body}).request
+
+
+def refused(parse, body: dict[str, Any]) -> RingserveError:
+    with pytest.raises(RingserveError) as info:
+        parse(**copy.deepcopy(body))
+    assert info.value.kind is ErrorKind.INVALID_REQUEST and info.value.status == 400
+    return info.value
+
+
+# -- Anthropic: what a good request becomes ------------------------------------------------------
+
+
+def test_anthropic_tools_and_choices():
+    request = anthropic_request(tools=[A_WEATHER, {**A_TIME, "type": "custom", "cache_control": {"type": "ephemeral"},
+                                                   "strict": True, "eager_input_streaming": True}])
+    assert request.tools == (
+        ToolSpec("get_weather", "The weather in a city.", dumps(WEATHER_SCHEMA)),
+        ToolSpec("get_time", "", dumps(A_TIME["input_schema"]), strict=True),
+    )
+    assert request.tool_choice == ToolChoice()
+    choices = {
+        "auto": ToolChoice(ToolChoiceMode.AUTO),
+        "any": ToolChoice(ToolChoiceMode.REQUIRED),
+        "none": ToolChoice(ToolChoiceMode.NONE),
+    }
+    for kind, expected in choices.items():
+        assert anthropic_request(tools=[A_WEATHER], tool_choice={"type": kind}).tool_choice == expected
+    named = anthropic_request(tools=[A_WEATHER, A_TIME],
+                              tool_choice={"type": "tool", "name": "get_time", "disable_parallel_tool_use": True})
+    assert named.tool_choice == ToolChoice(ToolChoiceMode.NAMED, "get_time", parallel=False)
+    assert anthropic_request(tools=[A_WEATHER], tool_choice={"type": "any", "disable_parallel_tool_use": False}
+                             ).tool_choice == ToolChoice(ToolChoiceMode.REQUIRED, parallel=True)
+
+
+def test_anthropic_tool_use_and_tool_result_history():
+    messages = [
+        {"role": "user", "content": "weather in Paris and Oslo?"},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Checking."},
+            {"type": "tool_use", "id": "toolu_01A", "name": "get_weather", "input": {"city": "Paris"}},
+            {"type": "tool_use", "id": "toolu_01B", "name": "get_weather", "input": {"city": "Oslo"},
+             "cache_control": {"type": "ephemeral"}},
+        ]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_01A", "content": "21 C"},
+            {"type": "tool_result", "tool_use_id": "toolu_01B", "is_error": True,
+             "content": [{"type": "text", "text": "no "}, {"type": "text", "text": "station"}]},
+            {"type": "text", "text": "thanks"},
+        ]},
+        {"role": "assistant", "content": "Paris is warm."},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01A"}]},
+    ]
+    request = anthropic_request(tools=[A_WEATHER], messages=messages, system="be brief")
+    assert request.messages == (
+        ChatMessage("system", "be brief"),
+        ChatMessage("user", "weather in Paris and Oslo?"),
+        ChatMessage("assistant", "Checking.", tool_calls=(
+            ToolCall("toolu_01A", "get_weather", '{"city":"Paris"}'),
+            ToolCall("toolu_01B", "get_weather", '{"city":"Oslo"}'),
+        )),
+        ChatMessage("tool", "21 C", tool_call_id="toolu_01A"),
+        ChatMessage("tool", "no station", tool_call_id="toolu_01B", is_error=True),
+        ChatMessage("user", "thanks"),
+        ChatMessage("assistant", "Paris is warm."),
+        ChatMessage("tool", "", tool_call_id="toolu_01A"),
+    )
+
+
+def test_anthropic_output_config_format():
+    schema = {"type": "object", "properties": {"names": {"type": "array", "items": {"type": "string"}}}}
+    request = anthropic_request(output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert request.output == OutputFormat(OutputKind.JSON_SCHEMA, dumps(schema))
+    for neutral in ({}, {"format": None}, {"effort": None}):
+        assert anthropic_request(output_config=neutral).output == OutputFormat()
+
+
+def test_anthropic_sdk_parse_sends_output_config_format():
+    """What ``messages.parse(output_format=Model)`` puts on the wire (anthropic 2.14), parsed."""
+    import anthropic
+    import httpx2  # the anthropic SDK's own httpx fork
+    import pydantic
+
+    class Colours(pydantic.BaseModel):
+        names: list[str]
+
+    sent: list[dict[str, Any]] = []
+
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        sent.append(json.loads(request.content))
+        return httpx2.Response(400, json={"type": "error", "error": {"type": "invalid_request_error", "message": "x"}})
+
+    for parse in ("messages", "beta"):
+        client = anthropic.Anthropic(api_key="k", base_url="http://test", max_retries=0,
+                                     http_client=httpx2.Client(transport=httpx2.MockTransport(handler)))
+        api = client.messages if parse == "messages" else client.beta.messages
+        with pytest.raises(anthropic.BadRequestError):
+            api.parse(model="m", max_tokens=16, messages=[{"role": "user", "content": "hi"}], output_format=Colours)
+    for body in sent:
+        assert set(body["output_config"]) == {"format"} and "output_format" not in body
+        request = ANTHROPIC.parse_request(body).request
+        assert request.output.kind is OutputKind.JSON_SCHEMA
+        assert json.loads(request.output.schema)["properties"]["names"]["type"] == "array"
+
+
+# -- Anthropic: bad input, a 400 naming the field --------------------------------------------------
+
+TOOL_USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                              "input": {"city": "Paris"}}]}
+
+
+def _result(tool_use_id: Any, **extra: Any) -> dict[str, Any]:
+    return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use_id, **extra}]}
+
+
+ANTHROPIC_BAD = [
+    ({"tools": [A_WEATHER, {**A_WEATHER, "description": "again"}]}, "tools[1].name: duplicate tool name"),
+    ({"tools": [A_WEATHER] * 2}, "duplicate tool name 'get_weather'"),
+    ({"tools": [{**A_WEATHER, "name": f"t{i}"} for i in range(MAX_TOOLS + 1)]}, f"at most {MAX_TOOLS} tools"),
+    ({"tools": {"name": "x"}}, "tools: must be a list"),
+    ({"tools": ["get_weather"]}, "tools[0]: must be an object"),
+    ({"tools": [{**A_WEATHER, "input_schema": "object"}]}, "tools[0].input_schema: a JSON schema must be a JSON object"),
+    ({"tools": [{**A_WEATHER, "input_schema": {"type": "string"}}]}, 'tools[0].input_schema: a tool\'s arguments schema'),
+    ({"tools": [{"name": "get_weather"}]}, "tools[0].input_schema"),
+    ({"tools": [{**A_WEATHER, "name": "get weather"}]}, "tools[0].name"),
+    ({"tools": [{**A_WEATHER, "name": "x" * 65}]}, "tools[0].name"),
+    ({"tools": [{**A_WEATHER, "description": 3}]}, "tools[0].description"),
+    ({"tools": [{**A_WEATHER, "strict": "yes"}]}, "tools[0].strict"),
+    ({"tools": [{**A_WEATHER, "foo": 1}]}, "tools[0].foo: unknown field"),
+    ({"tools": [{**A_WEATHER, "defer_loading": True}]}, "tools[0].defer_loading"),
+    ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0].type"),
+    ({"tools": [A_WEATHER], "tool_choice": {"type": "tool", "name": "get_time"}}, "no tool named 'get_time'"),
+    ({"tool_choice": {"type": "tool", "name": "get_time"}}, "no tool named 'get_time'"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice: a tool call is required but the request has no tools"),
+    ({"tools": [A_WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice.name"),
+    ({"tools": [A_WEATHER], "tool_choice": {"type": "required"}}, "tool_choice.type: must be one of"),
+    ({"tools": [A_WEATHER], "tool_choice": {"type": ["any"]}}, "tool_choice.type: must be one of"),
+    ({"tools": [A_WEATHER], "tool_choice": "any"}, "tool_choice: must be an object"),
+    ({"tools": [A_WEATHER], "tool_choice": {"type": "any", "disable_parallel_tool_use": 1}},
+     "tool_choice.disable_parallel_tool_use"),
+    ({"tools": [A_WEATHER], "tool_choice": {"type": "auto", "foo": 1}}, "tool_choice.foo: unknown field"),
+    ({"messages": [{"role": "user", "content": "hi"}, TOOL_USE, _result("toolu_2")]},
+     "messages[2].content[0].tool_use_id: 'toolu_2' matches no earlier tool call id"),
+    ({"messages": [_result("toolu_1"), TOOL_USE]}, "messages[0].content[0].tool_use_id"),
+    ({"messages": [{"role": "user", "content": "hi"}, TOOL_USE, _result(None)]}, "messages[2].content[0].tool_use_id"),
+    ({"messages": [{"role": "user", "content": "hi"}, TOOL_USE, TOOL_USE]}, "duplicate tool call id 'toolu_1'"),
+    ({"messages": [{"role": "user", "content": "hi"}, TOOL_USE, _result("toolu_1", is_error="no")]},
+     "messages[2].content[0].is_error"),
+    ({"messages": [{"role": "user", "content": "hi"}, TOOL_USE, _result("toolu_1", content=[{"type": "image"}])]},
+     "messages[2].content[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "hi"}, TOOL_USE, _result("toolu_1", content=3)]},
+     "messages[2].content[0].content"),
+    ({"messages": [{"role": "user", "content": "hi"}, TOOL_USE, _result("toolu_1", toolset_name="x")]},
+     "messages[2].content[0].toolset_name"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": [{**TOOL_USE["content"][0], "input": '{"city": "Paris"}'}]}]},
+     "messages[1].content[0].input: must be an object"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": [{**TOOL_USE["content"][0], "id": ""}]}]},
+     "messages[1].content[0].id"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": [{**TOOL_USE["content"][0], "name": "a b"}]}]},
+     "messages[1].content[0].name"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": [{**TOOL_USE["content"][0], "caller": {"type": "code"}}]}]},
+     "messages[1].content[0].caller"),
+    ({"messages": [{"role": "user", "content": TOOL_USE["content"]}]}, "tool_use blocks belong in assistant messages"),
+    ({"messages": [{"role": "user", "content": "hi"}, TOOL_USE,
+                   {"role": "assistant", "content": _result("toolu_1")["content"]}]},
+     "messages[2].content[0]: tool_result blocks belong in user messages"),
+    ({"system": [TOOL_USE["content"][0]]}, "system[0]"),
+    ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format.type"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": "{}"}}}, "output_config.format.schema"),
+    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {}, "name": "x"}}}, "output_config.format.name"),
+    ({"output_config": {"effort": "low"}}, "output_config.effort"),
+    ({"output_config": "json"}, "output_config: must be an object"),
+    ({"output_format": {"type": "json_schema", "schema": {}}}, "output_format"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), ANTHROPIC_BAD)
+def test_anthropic_bad_tool_input_is_400_naming_the_field(body, message):
+    error = refused(anthropic_request, body)
+    assert message in error.message
+
+
+# -- OpenAI: what a good request becomes --------------------------------------------------------
+
+
+def test_openai_tools_and_choices():
+    request = openai_request(tools=[O_WEATHER, O_TIME])
+    assert request.tools == (
+        ToolSpec("get_weather", "The weather in a city.", dumps(WEATHER_SCHEMA), strict=True),
+        ToolSpec("get_time", "", '{"type":"object","properties":{}}'),
+    )
+    assert request.tool_choice == ToolChoice()
+    for wire, mode in [("none", ToolChoiceMode.NONE), ("auto", ToolChoiceMode.AUTO),
+                       ("required", ToolChoiceMode.REQUIRED)]:
+        assert openai_request(tools=[O_TIME], tool_choice=wire).tool_choice == ToolChoice(mode)
+    named = openai_request(tools=[O_WEATHER, O_TIME], parallel_tool_calls=False,
+                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.tool_choice == ToolChoice(ToolChoiceMode.NAMED, "get_weather", parallel=False)
+    assert openai_request(tools=[O_TIME], parallel_tool_calls=False).tool_choice == ToolChoice(parallel=False)
+
+
+def test_openai_tool_calls_and_tool_messages_history():
+    messages = [
+        {"role": "user", "content": "weather in Paris and Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_A", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_B", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_A", "content": "21 C"},
+        {"role": "tool", "tool_call_id": "call_B", "content": [{"type": "text", "text": "no station"}]},
+        {"role": "assistant", "content": "Paris is warm.", "tool_calls": []},
+    ]
+    request = openai_request(tools=[O_WEATHER], messages=messages)
+    assert request.messages == (
+        ChatMessage("user", "weather in Paris and Oslo?"),
+        ChatMessage("assistant", "", tool_calls=(
+            ToolCall("call_A", "get_weather", '{"city":"Paris"}'),
+            ToolCall("call_B", "get_weather", '{"city":"Oslo"}'),
+        )),
+        ChatMessage("tool", "21 C", tool_call_id="call_A"),
+        ChatMessage("tool", "no station", tool_call_id="call_B"),
+        ChatMessage("assistant", "Paris is warm."),
+    )
+
+
+def test_openai_response_formats():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    assert openai_request(response_format={"type": "text"}).output == OutputFormat()
+    assert openai_request(response_format={"type": "json_object"}).output == OutputFormat(OutputKind.JSON_OBJECT)
+    spec = {"name": "A", "schema": schema, "strict": True, "description": "an A"}
+    assert openai_request(response_format={"type": "json_schema", "json_schema": spec}).output == \
+        OutputFormat(OutputKind.JSON_SCHEMA, dumps(schema))
+    assert openai_request(response_format={"type": "json_schema", "json_schema": {"name": "A"}}).output == \
+        OutputFormat(OutputKind.JSON_OBJECT)
+
+
+def test_openai_sdk_parse_sends_response_format_json_schema():
+    """What ``chat.completions.parse(response_format=Model)`` sends (openai 3.57), parsed."""
+    import httpx
+    import openai
+    import pydantic
+
+    class Colours(pydantic.BaseModel):
+        names: list[str]
+
+    sent: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(400, json={"error": {"message": "x", "type": "invalid_request_error",
+                                                   "param": None, "code": None}})
+
+    client = openai.OpenAI(api_key="k", base_url="http://test/v1", max_retries=0,
+                           http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.parse(model="m", messages=[{"role": "user", "content": "hi"}],
+                                      response_format=Colours)
+    (body,) = sent
+    output = OPENAI.parse_request(body).request.output
+    assert output.kind is OutputKind.JSON_SCHEMA
+    assert json.loads(output.schema)["required"] == ["names"]
+
+
+# -- OpenAI: bad input, a 400 naming the field ------------------------------------------------------
+
+CALLS = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]}
+
+
+def _calls(**function: Any) -> dict[str, Any]:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}", **function}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+OPENAI_BAD = [
+    ({"tools": [O_WEATHER, O_WEATHER]}, "tools", "tools[1].name: duplicate tool name 'get_weather'"),
+    ({"tools": [{"type": "function", "function": {"name": f"t{i}"}} for i in range(MAX_TOOLS + 1)]}, "tools",
+     f"at most {MAX_TOOLS} tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools",
+     "tools[0].function.parameters: a JSON schema must be a JSON object"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools",
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]}, "tools", "tools[0].function.strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "foo": 1}}]}, "tools", "tools[0].function.foo"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "tools[0].function.name"),
+    ({"tools": [{"type": "function"}]}, "tools", "tools[0].function: must be an object"),
+    ({"tools": [{"function": {"name": "f"}}]}, "tools", "tools[0].type"),
+    ({"tools": "get_weather"}, "tools", "tools: must be a list"),
+    ({"tools": [O_WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
+     "no tool named 'get_time'"),
+    ({"tool_choice": "required"}, "tool_choice", "the request has no tools"),
+    ({"tools": [O_WEATHER], "tool_choice": "any"}, "tool_choice", "tool_choice: must be"),
+    ({"tools": [O_WEATHER], "tool_choice": {"type": "function"}}, "tool_choice", "tool_choice.function"),
+    ({"tools": [O_WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather", "x": 1}}},
+     "tool_choice", "tool_choice.function.x"),
+    ({"tools": [O_WEATHER], "tool_choice": {"type": "custom", "custom": {"name": "get_weather"}}}, "tool_choice",
+     "tool_choice.type"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "parallel_tool_calls"),
+    ({"messages": [{"role": "user", "content": "hi"}, _calls(arguments="{city: Paris}")]}, "messages",
+     "messages[1].tool_calls[0].function.arguments: must be JSON text of an object"),
+    ({"messages": [{"role": "user", "content": "hi"}, _calls(arguments='["Paris"]')]}, "messages",
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "user", "content": "hi"}, _calls(arguments={"city": "Paris"})]}, "messages",
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "user", "content": "hi"}, _calls(name="")]}, "messages",
+     "messages[1].tool_calls[0].function.name"),
+    ({"messages": [{"role": "user", "content": "hi"}, _calls(foo=1)]}, "messages",
+     "messages[1].tool_calls[0].function.foo"),
+    ({"messages": [{"role": "user", "content": "hi"}, CALLS, CALLS]}, "messages", "duplicate tool call id 'call_1'"),
+    ({"messages": [{"role": "user", "content": "hi"}, {**CALLS, "tool_calls": {"id": "x"}}]}, "messages",
+     "messages[1].tool_calls: must be a list"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "x", "tool_calls": []}]},
+     "messages", "messages[1].tool_calls"),
+    ({"messages": [{"role": "user", "content": "hi"}, CALLS, {"role": "tool", "tool_call_id": "call_2", "content": "x"}]},
+     "messages", "messages[2].tool_call_id: 'call_2' matches no earlier tool call id"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}, "messages",
+     "messages[1].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "hi"}, CALLS,
+                   {"role": "tool", "tool_call_id": "call_1", "content": "x", "name": "get_weather"}]},
+     "messages", "messages[2].name: unknown field"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}, "response_format",
+     "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": "{}"}}}, "response_format",
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "strict": "yes"}}}, "response_format",
+     "response_format.json_schema.strict"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "foo": 1}}}, "response_format",
+     "response_format.json_schema.foo"),
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "a"}}}, "response_format",
+     "response_format.json_schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type"),
+    ({"response_format": "json_object"}, "response_format", "response_format: must be an object"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), OPENAI_BAD)
+def test_openai_bad_tool_input_is_400_naming_the_field(body, param, message):
+    error = refused(openai_request, body)
+    assert error.param == param and message in error.message
