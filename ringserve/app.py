@@ -385,6 +385,29 @@ def create_app(state: ServerState) -> RingserveQuart:
     async def openai_chat_completions() -> Response:
         return await generate(OPENAI)
 
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens() -> Response:
+        """The prompt the same ``POST /v1/messages`` request would be given, in tokens (system
+        prompt, tools and output format included): its usage's ``input_tokens`` plus
+        ``cache_read_input_tokens``. Nothing is generated; a prompt that cannot fit a slot is the
+        same 400 as there."""
+        try:
+            hub = hub_or_unavailable()
+            raw = await request.get_data(cache=True, as_text=False, parse_form_data=False)
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError) as exc:
+                raise RingserveError(ErrorKind.INVALID_REQUEST, f"request body is not valid JSON: {exc}") from None
+            parsed = ANTHROPIC.parse_count_tokens(body)
+            check_request(parsed.request, max_messages=config.limits.max_messages,
+                          max_text_chars=config.limits.max_message_chars)
+            if config.model.strict_model_name and parsed.model != state.model_id:
+                raise RingserveError(ErrorKind.NOT_FOUND, f"model {parsed.model[:100]!r} is not served here", param="model")
+            prepared = await hub.runner.prepare(parsed.request)
+            return _json(ANTHROPIC.count_tokens_json(len(prepared.prompt_tokens)))
+        except RingserveError as exc:
+            return _error_response(ANTHROPIC, exc)
+
     @app.get("/v1/messages/<message_id>")
     async def get_message(message_id: str) -> Response:
         try:

@@ -396,3 +396,104 @@ OPENAI_BAD = [
 def test_openai_bad_tool_input_is_400_naming_the_field(body, param, message):
     error = refused(openai_request, body)
     assert error.param == param and message in error.message
+
+
+# -- on a server (fake engine): accepted requests, count_tokens -----------------------------------
+
+HISTORY = [
+    {"role": "user", "content": "weather in Paris?"},
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_01A", "name": "get_weather",
+                                       "input": {"city": "Paris"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01A", "content": "21 C"}]},
+]
+
+COUNTED = [
+    {},
+    {"system": [{"type": "text", "text": "be brief"}]},
+    {"tools": [A_WEATHER, A_TIME], "tool_choice": {"type": "auto"}},
+    {"tools": [A_WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}, "messages": HISTORY},
+    {"output_config": {"format": {"type": "json_schema", "schema": WEATHER_SCHEMA}}, "system": "json"},
+]
+
+
+@pytest.mark.parametrize("extra", COUNTED)
+async def test_count_tokens_equals_the_usage_of_the_same_request(fake_server, extra):
+    """``count_tokens`` is the prompt of the same request: its usage's input and cache-read
+    tokens (so it still holds once tools are rendered into the prompt)."""
+    from anthropic.types import MessageTokensCount
+
+    _state, client = fake_server
+    body = {"model": "any", "messages": [{"role": "user", "content": "hello"}], **extra}
+    resp = await client.post("/v1/messages/count_tokens", json=body)
+    assert resp.status_code == 200, resp.text
+    count = MessageTokensCount.model_validate(resp.json(), strict=True)
+    answer = await client.post("/v1/messages", json={**body, "max_tokens": 8})
+    assert answer.status_code == 200, answer.text
+    usage = answer.json()["usage"]
+    assert count.input_tokens == usage["input_tokens"] + usage["cache_read_input_tokens"] > 0
+    if extra.get("system"):
+        plain = await client.post("/v1/messages/count_tokens", json={**body, "system": None})
+        assert plain.json()["input_tokens"] < count.input_tokens
+
+
+async def test_count_tokens_through_the_sdk(fake_server):
+    import anthropic
+    import trio
+
+    state, _client = fake_server
+
+    def count() -> int:
+        client = anthropic.Anthropic(base_url=state.urls[0], api_key="unused", max_retries=0)
+        return client.messages.count_tokens(model="any", messages=HISTORY, tools=[A_WEATHER],
+                                            system="be brief").input_tokens
+
+    n = await trio.to_thread.run_sync(count)
+    answer = await _client.post("/v1/messages", json={"model": "any", "max_tokens": 8, "messages": HISTORY,
+                                                      "tools": [A_WEATHER], "system": "be brief"})
+    usage = answer.json()["usage"]
+    assert n == usage["input_tokens"] + usage["cache_read_input_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"model": "any", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}, "max_tokens: unknown"),
+        ({"model": "any", "messages": [{"role": "user", "content": "hi"}], "stream": True}, "stream: unknown"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "model: field required"),
+        ({"model": "any", "messages": []}, "messages: must be a non-empty list"),
+        ({"model": "any", "messages": [{"role": "user", "content": "hi"}], "tools": [A_WEATHER, A_WEATHER]},
+         "duplicate tool name"),
+        ({"model": "any", "messages": HISTORY[:1] + HISTORY[2:]}, "matches no earlier tool call id"),
+        ({"model": "any", "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "enabled"}},
+         "thinking"),
+    ],
+)
+async def test_count_tokens_bad_input_is_400(fake_server, body, message):
+    _state, client = fake_server
+    resp = await client.post("/v1/messages/count_tokens", json=body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert message in error["error"]["message"]
+    resp = await client.post("/v1/messages/count_tokens", content=b"{not json")
+    assert resp.status_code == 400 and resp.json()["type"] == "error"
+
+
+async def test_tool_requests_are_accepted_on_both_surfaces(fake_server):
+    """A request with tools, a tool history and an output format is served (no longer a 400)."""
+    _state, client = fake_server
+    resp = await client.post("/v1/messages", json={
+        "model": "any", "max_tokens": 8, "messages": HISTORY, "tools": [A_WEATHER],
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+    })
+    assert resp.status_code == 200, resp.text
+    resp = await client.post("/v1/chat/completions", json={
+        "model": "any", "max_tokens": 8, "tools": [O_WEATHER], "tool_choice": "auto", "parallel_tool_calls": False,
+        "messages": [
+            {"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+        ],
+    })
+    assert resp.status_code == 200, resp.text

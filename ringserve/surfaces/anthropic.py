@@ -475,6 +475,10 @@ class AnthropicSurface:
         COUNT_TOKENS_FIELDS.check(body)
         return ParsedRequest(request=conversation(body), stream=False, model=get_str(body, "model", required=True))
 
+    def count_tokens_json(self, input_tokens: int) -> dict[str, int]:
+        """The ``POST /v1/messages/count_tokens`` answer (``anthropic.types.MessageTokensCount``)."""
+        return {"input_tokens": input_tokens}
+
     def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> AnthropicRenderer:
         return AnthropicRenderer(message_id, model)
 
