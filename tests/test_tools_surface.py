@@ -11,22 +11,36 @@ import copy
 import json
 from typing import Any
 
+import attrs
+import httpx
 import pytest
 
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import (
+    BlockDelta,
+    BlockKind,
+    BlockStart,
+    BlockStop,
     ChatMessage,
+    ContentBlock,
+    Failure,
+    Finish,
     GenerationRequest,
     OutputFormat,
     OutputKind,
+    StopReason,
     ToolCall,
     ToolChoice,
     ToolChoiceMode,
     ToolSpec,
+    Usage,
 )
+from ringserve.core.ringlog import format_event_id
+from ringserve.core.sse import SSEParser, encode_event
 from ringserve.surfaces.anthropic import AnthropicSurface
-from ringserve.surfaces.base import MAX_TOOLS, dumps
+from ringserve.surfaces.base import MAX_TOOLS, MessageResult, dumps, render
 from ringserve.surfaces.openai import OpenAISurface
+from tests.conformance import check_answer, check_stream
 
 ANTHROPIC = AnthropicSurface()
 OPENAI = OpenAISurface()
@@ -497,3 +511,202 @@ async def test_tool_requests_are_accepted_on_both_surfaces(fake_server):
         ],
     })
     assert resp.status_code == 200, resp.text
+
+
+# -- rendering tool-call blocks: events fed straight into a renderer, judged by the SDKs ---------------
+
+MSG = {"anthropic": "msg_" + "a" * 24, "openai": "chatcmpl-" + "b" * 24}
+SURFACES = {"anthropic": ANTHROPIC, "openai": OPENAI}
+CALL_A, CALL_B = "0123456789abcdef01234567", "89abcdef0123456789abcdef"
+WEATHER_ARGS = ['{"city', '": "Par', 'is", "unit": "c"}']
+TEXT_THEN_TWO_CALLS = [
+    BlockStart(0, BlockKind.TEXT), BlockDelta(0, "Let me "), BlockDelta(0, "check."), BlockStop(0),
+    BlockStart(1, BlockKind.TOOL_CALL, "get_weather", CALL_A), *[BlockDelta(1, a, 2) for a in WEATHER_ARGS],
+    BlockStop(1),
+    BlockStart(2, BlockKind.TOOL_CALL, "get_time", CALL_B), BlockDelta(2, "{}"), BlockStop(2),
+    Finish(StopReason.TOOL_USE, Usage(10, 9)),
+]
+ONE_CALL = [
+    BlockStart(0, BlockKind.TOOL_CALL, "get_weather", CALL_A), *[BlockDelta(0, a) for a in WEATHER_ARGS],
+    BlockDelta(0, ""), BlockStop(0), Finish(StopReason.TOOL_USE, Usage(10, 6)),
+]
+CUT_CALL = [
+    BlockStart(0, BlockKind.TEXT), BlockDelta(0, "ok"), BlockStop(0),
+    BlockStart(1, BlockKind.TOOL_CALL, "get_weather", CALL_A), BlockDelta(1, WEATHER_ARGS[0]), BlockStop(1),
+    Finish(StopReason.MAX_TOKENS, Usage(10, 3)),
+]
+WEATHER = ("get_weather", {"city": "Paris", "unit": "c"})
+
+
+def wire_bytes(surface: str, events: list[Any], *, include_usage: bool = False) -> bytes:
+    """What the hub would log for these events: the renderer's wire events, encoded with ids."""
+    renderer = SURFACES[surface].renderer(MSG[surface], "m", 1700000000, include_usage)
+    wire = renderer.start(Usage(10, 0)) + [w for event in events for w in render(renderer, event)]
+    return b"".join(encode_event(w.data, event=w.event, id=format_event_id(MSG[surface], i))
+                    for i, w in enumerate(wire))
+
+
+def collected(events: list[Any]) -> tuple[ContentBlock, ...]:
+    """The whole blocks of these events, as ``Generation.collect`` gives them."""
+    blocks: list[ContentBlock] = []
+    for event in events:
+        match event:
+            case BlockStart():
+                blocks.append(ContentBlock(event.kind, name=event.name, call_id=event.call_id))
+            case BlockDelta():
+                blocks[-1] = attrs.evolve(blocks[-1], text=blocks[-1].text + event.text)
+    return tuple(blocks)
+
+
+def answer(surface: str, events: list[Any]) -> httpx.Response:
+    finish = events[-1]
+    result = MessageResult(MSG[surface], "m", 1700000000, collected(events), finish.stop_reason, None, finish.usage)
+    return httpx.Response(200, json=SURFACES[surface].message_json(result))
+
+
+def calls(seen) -> list[tuple[str, Any]]:
+    return [(c.name, json.loads(c.arguments)) for c in seen.tool_calls]
+
+
+@pytest.mark.parametrize("surface", ["anthropic", "openai"])
+def test_text_then_two_tool_calls_stream_and_answer(surface):
+    stop = {"anthropic": "tool_use", "openai": "tool_calls"}[surface]
+    prefix = {"anthropic": "toolu_", "openai": "call_"}[surface]
+    for include_usage in (False, True) if surface == "openai" else (False,):
+        streamed = check_stream(surface, wire_bytes(surface, TEXT_THEN_TWO_CALLS, include_usage=include_usage))
+        assert streamed.text == "Let me check." and streamed.stop_reason == stop
+        assert calls(streamed) == [WEATHER, ("get_time", {})]
+        assert [c.call_id for c in streamed.tool_calls] == [prefix + CALL_A, prefix + CALL_B]
+        assert streamed.json_deltas >= len(WEATHER_ARGS) + 1  # fragments as decoded, not one piece at the end
+    answered = check_answer(surface, answer(surface, TEXT_THEN_TWO_CALLS))
+    assert answered.text == "Let me check." and answered.stop_reason == stop
+    assert [c.value() for c in answered.tool_calls] == [c.value() for c in streamed.tool_calls]
+    if surface == "anthropic":
+        assert streamed.blocks == answered.blocks == ["text", "tool_use", "tool_use"]
+
+
+def test_anthropic_tool_use_wire_shape():
+    events = [json.loads(e.data) for e in SSEParser().feed(wire_bytes("anthropic", TEXT_THEN_TWO_CALLS))]
+    starts = [e for e in events if e["type"] == "content_block_start"]
+    assert [e["index"] for e in starts] == [0, 1, 2]
+    assert starts[1]["content_block"] == {"type": "tool_use", "id": "toolu_" + CALL_A, "name": "get_weather",
+                                          "input": {}}
+    deltas = [e for e in events if e["type"] == "content_block_delta" and e["index"] == 1]
+    assert [d["delta"] for d in deltas] == [{"type": "input_json_delta", "partial_json": a} for a in WEATHER_ARGS]
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    content = answer("anthropic", TEXT_THEN_TWO_CALLS).json()["content"]
+    assert content[1] == {"type": "tool_use", "id": "toolu_" + CALL_A, "name": "get_weather",
+                          "input": {"city": "Paris", "unit": "c"}}
+
+
+def test_openai_tool_call_wire_shape():
+    chunks = [json.loads(e.data) for e in SSEParser().feed(wire_bytes("openai", TEXT_THEN_TWO_CALLS))][:-1]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls_ = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert calls_[0] == [{"index": 0, "id": "call_" + CALL_A, "type": "function",
+                          "function": {"name": "get_weather", "arguments": ""}}]
+    assert calls_[1:4] == [[{"index": 0, "function": {"arguments": a}}] for a in WEATHER_ARGS]
+    assert calls_[4] == [{"index": 1, "id": "call_" + CALL_B, "type": "function",
+                          "function": {"name": "get_time", "arguments": ""}}]
+    assert calls_[5] == [{"index": 1, "function": {"arguments": "{}"}}]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    message = answer("openai", TEXT_THEN_TWO_CALLS).json()["choices"][0]["message"]
+    assert message["content"] == "Let me check."
+    assert message["tool_calls"][0] == {"id": "call_" + CALL_A, "type": "function",
+                                        "function": {"name": "get_weather", "arguments": "".join(WEATHER_ARGS)}}
+    only_calls = answer("openai", ONE_CALL).json()["choices"][0]["message"]
+    assert only_calls["content"] is None and len(only_calls["tool_calls"]) == 1
+
+
+@pytest.mark.parametrize("surface", ["anthropic", "openai"])
+def test_a_message_that_is_one_tool_call(surface):
+    streamed = check_stream(surface, wire_bytes(surface, ONE_CALL))
+    answered = check_answer(surface, answer(surface, ONE_CALL))
+    assert streamed.text == answered.text == "" and calls(streamed) == calls(answered) == [WEATHER]
+    if surface == "anthropic":
+        assert streamed.blocks == answered.blocks == ["tool_use"]
+    else:  # an empty fragment sends no chunk
+        assert streamed.json_deltas == len(WEATHER_ARGS)
+
+
+@pytest.mark.parametrize("surface", ["anthropic", "openai"])
+def test_a_tool_call_cut_by_max_tokens(surface):
+    """Arguments cut before they form an object: the stream has the fragments; the Anthropic answer's
+    ``input`` is ``{}`` (an object, as the type requires), OpenAI's ``arguments`` the text as cut."""
+    streamed = check_stream(surface, wire_bytes(surface, CUT_CALL))
+    answered = check_answer(surface, answer(surface, CUT_CALL))
+    assert streamed.stop_reason == answered.stop_reason == {"anthropic": "max_tokens", "openai": "length"}[surface]
+    assert streamed.tool_calls[0].arguments == WEATHER_ARGS[0]
+    assert answered.tool_calls[0].arguments == {"anthropic": "{}", "openai": WEATHER_ARGS[0]}[surface]
+
+
+@pytest.mark.parametrize("surface", ["anthropic", "openai"])
+def test_a_failure_inside_a_tool_call(surface):
+    events = [*ONE_CALL[:3], Failure(ErrorKind.API_ERROR, "the engine failed", Usage(10, 2))]
+    seen = check_stream(surface, wire_bytes(surface, events))
+    assert seen.error is not None and seen.stop_reason is None
+    assert seen.tool_calls[0].arguments == "".join(WEATHER_ARGS[:2])
+
+
+@pytest.mark.parametrize("surface", ["anthropic", "openai"])
+def test_resuming_inside_a_tool_call_continues_the_arguments(surface):
+    """Cut after every event: the head and the resumed rest are valid, and together say the same."""
+    raw = wire_bytes(surface, TEXT_THEN_TWO_CALLS)
+    whole = check_stream(surface, raw)
+    blocks = raw.split(b"\n\n")[:-1]
+    for cut in range(1, len(blocks)):
+        head, rest = b"".join(b + b"\n\n" for b in blocks[:cut]), b"".join(b + b"\n\n" for b in blocks[cut:])
+        first, second = check_stream(surface, head, complete=False), check_stream(surface, rest, resumed=True)
+        assert first.text + second.text == whole.text
+        joined = [*first.tool_calls]
+        for i, call in enumerate(second.tool_calls):
+            if i == 0 and not call.call_id and joined:  # the rest of the call the head began
+                joined[-1] = attrs.evolve(joined[-1], arguments=joined[-1].arguments + call.arguments)
+            else:
+                joined.append(call)
+        assert [c.value() for c in joined] == [c.value() for c in whole.tool_calls], cut
+
+
+def _sse_transport(module: Any, raw: bytes) -> Any:
+    def handler(request: Any) -> Any:
+        return module.Response(200, content=raw, headers={"content-type": "text/event-stream"})
+
+    return module.Client(transport=module.MockTransport(handler))
+
+
+def test_anthropic_sdk_stream_helper_accumulates_tool_use():
+    """``messages.stream(...)``'s own accumulator (partial JSON of the input_json_delta events)."""
+    import anthropic
+    import httpx2
+
+    client = anthropic.Anthropic(api_key="k", base_url="http://test", max_retries=0,
+                                 http_client=_sse_transport(httpx2, wire_bytes("anthropic", TEXT_THEN_TWO_CALLS)))
+    with client.messages.stream(model="m", max_tokens=64, messages=[{"role": "user", "content": "hi"}],
+                                tools=[A_WEATHER, A_TIME], tool_choice={"type": "any"}) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert "input_json" in kinds  # the SDK's own per-fragment event
+    assert [b.type for b in final.content] == ["text", "tool_use", "tool_use"]
+    assert final.content[1].input == {"city": "Paris", "unit": "c"} and final.content[2].input == {}
+    assert final.content[1].id == "toolu_" + CALL_A and final.stop_reason == "tool_use"
+
+
+def test_openai_sdk_stream_helper_parses_tool_calls():
+    """``chat.completions.stream(...)`` with strict tools: the SDK parses each call's arguments."""
+    import openai
+
+    tools = [O_WEATHER, {"type": "function", "function": {**O_TIME["function"], "strict": True,
+                                                          "parameters": {"type": "object", "properties": {},
+                                                                         "additionalProperties": False}}}]
+    client = openai.OpenAI(api_key="k", base_url="http://test/v1", max_retries=0,
+                           http_client=_sse_transport(httpx, wire_bytes("openai", TEXT_THEN_TWO_CALLS)))
+    with client.chat.completions.stream(model="m", messages=[{"role": "user", "content": "hi"}],
+                                        tools=tools) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_completion()
+    assert kinds.count("tool_calls.function.arguments.done") == 2
+    (choice,) = final.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    parsed = [(c.function.name, c.function.parsed_arguments) for c in choice.message.tool_calls]
+    assert parsed == [WEATHER, ("get_time", {})]
+    assert choice.message.tool_calls[0].id == "call_" + CALL_A

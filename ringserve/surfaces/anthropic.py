@@ -2,7 +2,8 @@
 
 Request and event shapes follow Anthropic's "Messages" and "Streaming
 Messages" documentation: ``message_start``, ``content_block_start``,
-``content_block_delta`` (``text_delta``)..., ``content_block_stop``,
+``content_block_delta`` (``text_delta``, or ``input_json_delta`` in a ``tool_use``
+block)..., ``content_block_stop`` for each block, then
 ``message_delta`` (``stop_reason``, ``stop_sequence``, ``usage``),
 ``message_stop``; errors are ``{"type": "error", "error": {"type", "message"}}``
 both as HTTP bodies and as the in-band ``event: error``.
@@ -10,13 +11,19 @@ both as HTTP bodies and as the in-band ``event: error``.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, assert_never
 
 import attrs
 
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
+    BlockDelta,
+    BlockKind,
+    BlockStart,
+    BlockStop,
     ChatMessage,
+    ContentBlock,
     Failure,
     Finish,
     GenerationRequest,
@@ -214,12 +221,49 @@ def _usage(usage: Usage) -> dict[str, int]:
     }
 
 
+def tool_use_id(call_id: str) -> str:
+    """A tool call's id on this surface: ``toolu_`` and the neutral 24 hex digits."""
+    return TOOL_ID_PREFIX + call_id
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    """A ``tool_use`` block's ``input``: the call's arguments, a JSON object; ``{}`` when they were
+    cut before they formed one (``max_tokens``, a cancel: the stream has every fragment)."""
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _block_json(block: ContentBlock) -> dict[str, Any]:
+    """One block of a non-stream ``Message``'s ``content`` (``TextBlock``, ``ToolUseBlock``)."""
+    match block.kind:
+        case BlockKind.TEXT:
+            return {"type": "text", "text": block.text}
+        case BlockKind.TOOL_CALL:
+            return {"type": "tool_use", "id": tool_use_id(block.call_id), "name": block.name,
+                    "input": _input(block.text)}
+        case BlockKind.REASONING:
+            raise NotImplementedError("Anthropic rendering of reasoning blocks (nothing emits them)")
+        case _:
+            assert_never(block.kind)
+
+
 class AnthropicRenderer:
-    """Renders one message's events in Anthropic's streaming order (see module doc)."""
+    """Renders one message's events in Anthropic's streaming order (see module doc).
+
+    Each block is ``content_block_start`` (``{"type": "text", "text": ""}`` or ``{"type":
+    "tool_use", "id": "toolu_...", "name": ..., "input": {}}``), its deltas (``text_delta``, or
+    ``input_json_delta`` with the arguments' next ``partial_json`` fragment) and
+    ``content_block_stop``, with the index the block has in the message (text and tool-use
+    blocks are numbered together).
+    """
 
     def __init__(self, message_id: str, model: str) -> None:
         self._message_id = message_id
         self._model = model
+        self._open = BlockKind.TEXT  # the kind of the block that deltas belong to
 
     def start(self, usage: Usage) -> list[WireEvent]:
         message: dict[str, Any] = {
@@ -232,17 +276,25 @@ class AnthropicRenderer:
             "stop_sequence": None,
             "usage": _usage(usage),
         }
-        return [
-            WireEvent(dumps({"type": "message_start", "message": message}), "message_start"),
-            WireEvent(
-                dumps({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-                "content_block_start",
-            ),
-        ]
+        return [WireEvent(dumps({"type": "message_start", "message": message}), "message_start")]
 
-    def delta(self, text: str) -> list[WireEvent]:
-        data = dumps({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})
-        return [WireEvent(data, "content_block_delta")]
+    def block_start(self, start: BlockStart) -> list[WireEvent]:
+        self._open = start.kind
+        # an empty block: "text": "", or "input": {} (the arguments follow as input_json_delta)
+        block = _block_json(ContentBlock(start.kind, name=start.name, call_id=start.call_id))
+        data = {"type": "content_block_start", "index": start.index, "content_block": block}
+        return [WireEvent(dumps(data), "content_block_start")]
+
+    def delta(self, delta: BlockDelta) -> list[WireEvent]:
+        if self._open is BlockKind.TOOL_CALL:
+            body = {"type": "input_json_delta", "partial_json": delta.text}
+        else:
+            body = {"type": "text_delta", "text": delta.text}
+        data = {"type": "content_block_delta", "index": delta.index, "delta": body}
+        return [WireEvent(dumps(data), "content_block_delta")]
+
+    def block_stop(self, stop: BlockStop) -> list[WireEvent]:
+        return [WireEvent(dumps({"type": "content_block_stop", "index": stop.index}), "content_block_stop")]
 
     def finish(self, finish: Finish) -> list[WireEvent]:
         delta = {
@@ -251,7 +303,6 @@ class AnthropicRenderer:
             **cancelled_fields(finish.stop_reason is StopReason.CANCELLED),
         }
         return [
-            WireEvent(dumps({"type": "content_block_stop", "index": 0}), "content_block_stop"),
             WireEvent(dumps({"type": "message_delta", "delta": delta, "usage": _usage(finish.usage)}), "message_delta"),
             WireEvent(dumps({"type": "message_stop"}), "message_stop"),
         ]
@@ -488,13 +539,17 @@ class AnthropicSurface:
             "id": result.message_id,
             "type": "message",
             "role": "assistant",
-            "content": [{"type": "text", "text": result.text}],
+            "content": self.content_json(result.content),
             "model": result.model,
             "stop_reason": None if result.stop_reason is None else STOP_REASONS[result.stop_reason],
             "stop_sequence": result.stop_sequence,
             **cancelled_fields(result.cancelled),
             "usage": _usage(result.usage),
         }
+
+    def content_json(self, blocks: tuple[ContentBlock, ...]) -> list[dict[str, Any]]:
+        """The ``content`` list of a ``Message``: text and ``tool_use`` blocks (``input`` an object)."""
+        return [_block_json(b) for b in blocks]
 
     def stop_reason(self, reason: StopReason) -> str:
         return STOP_REASONS[reason]

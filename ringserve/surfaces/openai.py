@@ -1,7 +1,8 @@
 """OpenAI Chat Completions surface (``POST /v1/chat/completions``).
 
 Shapes follow OpenAI's "Chat Completions" API reference and its "Streaming"
-guide: ``chat.completion.chunk`` objects, a usage chunk with empty
+guide: ``chat.completion.chunk`` objects (tool calls as ``delta.tool_calls``
+fragments, see :class:`OpenAIRenderer`), a usage chunk with empty
 ``choices`` only when ``stream_options.include_usage`` is set, and a final
 ``data: [DONE]``. A mid-stream error is ``data: {"error": {...}}`` with no
 ``[DONE]`` after it (the official SDK raises on it). HTTP errors are
@@ -14,7 +15,12 @@ from typing import Any
 
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
+    BlockDelta,
+    BlockKind,
+    BlockStart,
+    BlockStop,
     ChatMessage,
+    ContentBlock,
     Failure,
     Finish,
     GenerationRequest,
@@ -211,12 +217,30 @@ def _usage(usage: Usage) -> dict[str, Any]:
     }
 
 
+def tool_call_id(call_id: str) -> str:
+    """A tool call's id on this surface: ``call_`` and the neutral 24 hex digits."""
+    return TOOL_ID_PREFIX + call_id
+
+
+def _no_reasoning(kind: BlockKind) -> None:
+    if kind is BlockKind.REASONING:
+        raise NotImplementedError("OpenAI rendering of reasoning blocks (nothing emits them)")
+
+
 class OpenAIRenderer:
-    """Renders one completion's events as ``chat.completion.chunk`` data lines."""
+    """Renders one completion's events as ``chat.completion.chunk`` data lines.
+
+    Text deltas are ``delta.content``. A tool call's first chunk is ``delta.tool_calls: [{"index":
+    k, "id": "call_...", "type": "function", "function": {"name": ..., "arguments": ""}}]``, its
+    later chunks ``[{"index": k, "function": {"arguments": fragment}}]``, where ``k`` counts the
+    message's tool calls from 0 (text blocks do not count), as OpenAI's streaming guide shows.
+    """
 
     def __init__(self, message_id: str, model: str, created: int, include_usage: bool) -> None:
         self._head = {"id": message_id, "object": "chat.completion.chunk", "created": created, "model": model}
         self._include_usage = include_usage
+        self._open = BlockKind.TEXT  # the kind of the block that deltas belong to
+        self._calls = 0  # tool calls started so far; the open call's index is one less
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None, cancelled: bool = False) -> WireEvent:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
@@ -229,8 +253,25 @@ class OpenAIRenderer:
     def start(self, usage: Usage) -> list[WireEvent]:
         return [self._chunk({"role": "assistant", "content": ""}, None)]
 
-    def delta(self, text: str) -> list[WireEvent]:
-        return [self._chunk({"content": text}, None)]
+    def block_start(self, start: BlockStart) -> list[WireEvent]:
+        _no_reasoning(start.kind)
+        self._open = start.kind
+        if start.kind is not BlockKind.TOOL_CALL:
+            return []
+        call = {"index": self._calls, "id": tool_call_id(start.call_id), "type": "function",
+                "function": {"name": start.name, "arguments": ""}}
+        self._calls += 1
+        return [self._chunk({"tool_calls": [call]}, None)]
+
+    def delta(self, delta: BlockDelta) -> list[WireEvent]:
+        if self._open is not BlockKind.TOOL_CALL:
+            return [self._chunk({"content": delta.text}, None)]
+        if not delta.text:
+            return []
+        return [self._chunk({"tool_calls": [{"index": self._calls - 1, "function": {"arguments": delta.text}}]}, None)]
+
+    def block_stop(self, stop: BlockStop) -> list[WireEvent]:
+        return []
 
     def finish(self, finish: Finish) -> list[WireEvent]:
         events = [self._chunk({}, FINISH_REASONS[finish.stop_reason], finish.stop_reason is StopReason.CANCELLED)]
@@ -455,7 +496,7 @@ class OpenAISurface:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": result.text, "refusal": None},
+                    "message": self.content_json(result.content),
                     "logprobs": None,
                     "finish_reason": None if result.stop_reason is None else FINISH_REASONS[result.stop_reason],
                     **cancelled_fields(result.cancelled),
@@ -463,6 +504,24 @@ class OpenAISurface:
             ],
             "usage": _usage(result.usage),
         }
+
+    def content_json(self, blocks: tuple[ContentBlock, ...]) -> dict[str, Any]:
+        """The assistant ``message`` of a ``chat.completion`` choice: ``content`` the text blocks
+        joined (``null`` when the message is only tool calls), ``tool_calls`` with ``arguments``
+        as JSON text, when there are any."""
+        texts, calls = [], []
+        for b in blocks:
+            _no_reasoning(b.kind)
+            if b.kind is BlockKind.TOOL_CALL:
+                calls.append({"id": tool_call_id(b.call_id), "type": "function",
+                              "function": {"name": b.name, "arguments": b.text}})
+            else:
+                texts.append(b.text)
+        text = "".join(texts)
+        message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else ""), "refusal": None}
+        if calls:
+            message["tool_calls"] = calls
+        return message
 
     def stop_reason(self, reason: StopReason) -> str:
         return FINISH_REASONS[reason]
