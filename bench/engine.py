@@ -54,7 +54,7 @@ if __package__ in (None, ""):
 from bench.common import figure, fmt, machine, machine_line, median, pct, save_figure, table, write_json  # noqa: E402
 from bench.raw_decode import N_BATCH, PROMPT, RawDecoder, _ctx_per_seq  # noqa: E402
 from ringserve.config import EngineConfig  # noqa: E402
-from ringserve.core.events import ChatMessage, Finish, GenerationRequest, SamplingParams, TextDelta  # noqa: E402
+from ringserve.core.events import BlockDelta, ChatMessage, Failure, Finish, GenerationRequest, SamplingParams  # noqa: E402
 from ringserve.engine.llama import LlamaEngine  # noqa: E402
 from ringserve.engine.modelfile import default_model_path  # noqa: E402
 from ringserve.engine.runner import Generation, Prepared, Runner  # noqa: E402
@@ -86,9 +86,9 @@ class _Trace:
 async def _consume(gen: Generation, trace: _Trace) -> None:
     async for event in gen:
         now = time.perf_counter()
-        if isinstance(event, TextDelta):
+        if isinstance(event, BlockDelta):
             trace.deltas.append((now, event.tokens))
-        else:
+        elif isinstance(event, Finish | Failure):
             trace.finished = now
             trace.output_tokens = event.usage.output_tokens
             trace.stop_reason = event.stop_reason.value if isinstance(event, Finish) else f"failure:{event.kind}"

@@ -31,7 +31,7 @@ from ringserve.auth import Authenticator
 from ringserve.config import Config
 from ringserve.connections import SendWatchdog
 from ringserve.core.errors import ErrorKind, RingserveError
-from ringserve.core.events import Usage
+from ringserve.core.events import BlockKind, Usage
 from ringserve.core.limits import ReaderGate, check_request
 from ringserve.core.prefer import parse_prefer
 from ringserve.core.status import FINAL_STATUSES, CancelReason, MessageStatus
@@ -191,12 +191,16 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 
 
 def message_status_json(msg: LiveMessage | StoredMessage) -> dict[str, Any]:
-    """``GET /v1/messages/{id}``: the message's status, text (so far), stop reason and usage."""
+    """``GET /v1/messages/{id}``: the message's status, text and content blocks (so far, in its
+    surface's shape), stop reason and usage."""
     if isinstance(msg, LiveMessage):
-        text, usage, surface = "".join(msg.parts), msg.usage, msg.surface
-        input_tokens, output_tokens = usage.input_tokens, usage.output_tokens
+        snap = msg.snapshot()
+        surface, blocks, stop_reason, stop_sequence, error = (
+            msg.surface, snap.content, snap.stop_reason, snap.stop_sequence, snap.error)
+        input_tokens, output_tokens = snap.usage.input_tokens, snap.usage.output_tokens
     else:
-        text, surface = msg.text, SURFACES[msg.surface]
+        surface, blocks, stop_reason, stop_sequence, error = (
+            SURFACES[msg.surface], msg.blocks, msg.stop_reason, msg.stop_sequence, msg.error)
         input_tokens, output_tokens = msg.input_tokens, msg.output_tokens
     return {
         "id": msg.id,
@@ -205,11 +209,12 @@ def message_status_json(msg: LiveMessage | StoredMessage) -> dict[str, Any]:
         "model": msg.model,
         "created": msg.created,
         "status": msg.status.value,
-        "text": text,
-        "stop_reason": None if msg.stop_reason is None else surface.stop_reason(msg.stop_reason),
-        "stop_sequence": msg.stop_sequence,
+        "text": "".join(b.text for b in blocks if b.kind is BlockKind.TEXT),
+        "content": surface.content_json(blocks),
+        "stop_reason": None if stop_reason is None else surface.stop_reason(stop_reason),
+        "stop_sequence": stop_sequence,
         "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
-        "error": msg.error,
+        "error": error,
         "stream_url": f"/v1/messages/{msg.id}/stream",
     }
 
@@ -313,14 +318,15 @@ def create_app(state: ServerState) -> RingserveQuart:
     def finished_answer(surface: Surface, msg: LiveMessage) -> Response:
         if msg.status in (MessageStatus.FAILED, MessageStatus.INTERRUPTED):  # interrupted: ended by the drain
             kind = ErrorKind.UNAVAILABLE if msg.cancel_reason is CancelReason.DRAIN else ErrorKind.API_ERROR
-            return _error_response(surface, RingserveError(kind, msg.error or "generation failed", retryable=True))
+            error = msg.snapshot().error
+            return _error_response(surface, RingserveError(kind, error or "generation failed", retryable=True))
         return _json(surface.message_json(msg.result()), headers={"X-Message-Id": msg.id})
 
     def stored_answer(surface: Surface, msg: StoredMessage) -> Response:
         """A finished message as its surface's JSON (``Hub.create`` generates failed ones again)."""
         if msg.status not in (MessageStatus.COMPLETE, MessageStatus.CANCELLED):
             raise RingserveError(ErrorKind.CONFLICT, f"message {msg.id} is {msg.status.value}")
-        result = MessageResult(msg.id, msg.model, msg.created, msg.text, msg.stop_reason, msg.stop_sequence,
+        result = MessageResult(msg.id, msg.model, msg.created, msg.blocks, msg.stop_reason, msg.stop_sequence,
                                Usage(msg.input_tokens, msg.output_tokens), cancelled=msg.status is MessageStatus.CANCELLED)
         return _json(surface.message_json(result), headers={"X-Message-Id": msg.id})
 

@@ -32,6 +32,7 @@ lets the WAL restart (it grew to 175 MB over 600 long answers).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sqlite3
@@ -47,7 +48,8 @@ import trio
 
 from ringserve.config import StoreConfig
 from ringserve.core.errors import ErrorKind, RingserveError
-from ringserve.core.events import StopReason
+from ringserve.core.events import BlockKind, ContentBlock, StopReason
+from ringserve.core.producer import Snapshot
 from ringserve.core.status import FINAL_STATUSES, MessageStatus
 
 log = logging.getLogger("ringserve.store")
@@ -55,7 +57,7 @@ log = logging.getLogger("ringserve.store")
 
 #: ``PRAGMA user_version`` of the files this code writes (written at every open, which
 #: proves the file writable).
-SCHEMA_VERSION = 3  # 2: final_seq; 3: stop_reason holds StopReason values, not a surface's spelling
+SCHEMA_VERSION = 4  # 2: final_seq; 3: stop_reason holds StopReason values, not a surface's spelling; 4: content
 
 #: Most rows, and seconds, of one sweep transaction; the sweep yields to the event loop between
 #: batches. Deleting a finished message with a 64 KiB answer takes about 0.2 ms (2 busy cores).
@@ -88,7 +90,8 @@ CREATE TABLE IF NOT EXISTS messages (
     output_tokens INTEGER NOT NULL DEFAULT 0,
     error TEXT,
     updated REAL NOT NULL,
-    final_seq INTEGER
+    final_seq INTEGER,
+    content TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS messages_updated ON messages (updated);
 CREATE INDEX IF NOT EXISTS messages_unfinished ON messages (status) WHERE status IN ('queued','generating');
@@ -149,6 +152,47 @@ class StoredMessage:
     output_tokens: int = 0
     error: str | None = None
     final_seq: int | None = None
+    content: str = ""
+
+    @property
+    def blocks(self) -> tuple[ContentBlock, ...]:
+        """Its content blocks (``content``, JSON written by :func:`blocks_json`); a row written
+        before schema 4 has only ``text``, read as one text block."""
+        if not self.content:
+            return (ContentBlock(BlockKind.TEXT, self.text),)
+        return tuple(
+            ContentBlock(BlockKind(b["kind"]), b["text"], b.get("name", ""), b.get("call_id", ""))
+            for b in json.loads(self.content)
+        )
+
+
+def blocks_json(blocks: tuple[ContentBlock, ...]) -> str:
+    """The store's spelling of content blocks (``StoredMessage.content``): a JSON list of
+    ``{"kind", "text"[, "name", "call_id"]}``, read back by :attr:`StoredMessage.blocks`."""
+    out = []
+    for b in blocks:
+        item = {"kind": b.kind.value, "text": b.text}
+        if b.name or b.call_id:
+            item |= {"name": b.name, "call_id": b.call_id}
+        out.append(item)
+    return json.dumps(out, ensure_ascii=False, separators=(",", ":"))
+
+
+def snapshot_fields(snap: Snapshot) -> dict[str, object]:
+    """The columns of a producer's snapshot (``core/producer.py``), for :meth:`MessageStore.update`."""
+    fields: dict[str, object] = {
+        "status": snap.status,
+        "text": "".join(b.text for b in snap.content if b.kind is BlockKind.TEXT),
+        "content": blocks_json(snap.content),
+        "stop_reason": snap.stop_reason,
+        "stop_sequence": snap.stop_sequence,
+        "input_tokens": snap.usage.input_tokens,
+        "output_tokens": snap.usage.output_tokens,
+        "error": snap.error,
+    }
+    if snap.final_seq is not None:
+        fields["final_seq"] = snap.final_seq
+    return fields
 
 
 _COLUMNS = [a.name for a in attrs.fields(StoredMessage)]
@@ -252,6 +296,8 @@ class MessageStore:
             db.execute("ALTER TABLE messages ADD COLUMN final_seq INTEGER")
         if columns and self._pragma("user_version") < 3:
             db.execute(_STOP_REASONS_V3)
+        if columns and "content" not in columns:  # schema 3 or older: text only (read as one text block)
+            db.execute("ALTER TABLE messages ADD COLUMN content TEXT NOT NULL DEFAULT ''")
         db.executescript(_SCHEMA)
 
     def mark_interrupted(self) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 
 from ringserve.core.sse import ServerSentEvent, SSEParser
+from ringserve.surfaces.base import WireEvent
 
 ANTHROPIC_BODY = {"model": "any", "max_tokens": 64, "messages": [{"role": "user", "content": "hello"}]}
 OPENAI_BODY = {"model": "any", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 64}
@@ -39,3 +40,32 @@ def openai_text(events: list[ServerSentEvent]) -> str:
         for choice in json.loads(e.data).get("choices", []):
             out.append(choice["delta"].get("content") or "")
     return "".join(out)
+
+
+class RecordingRenderer:
+    """A ``Renderer`` (``surfaces/base.py``) that spells each event as one readable wire event:
+    ``start``, ``block_start 0 text``, ``delta 0 'hi'``, ``block_stop 0``, ``finish end``,
+    ``fail api_error``; for producer tests that read what reached the log."""
+
+    def start(self, usage):
+        return [WireEvent("start")]
+
+    def block_start(self, start):
+        return [WireEvent(f"block_start {start.index} {start.kind.value}")]
+
+    def delta(self, delta):
+        return [WireEvent(f"delta {delta.index} {delta.text!r}")]
+
+    def block_stop(self, stop):
+        return [WireEvent(f"block_stop {stop.index}")]
+
+    def finish(self, finish):
+        return [WireEvent(f"finish {finish.stop_reason.value}")]
+
+    def fail(self, failure):
+        return [WireEvent(f"fail {failure.kind.name.lower()}")]
+
+
+def entry_data(entries) -> list[str]:
+    """The data of SSE entries made by the producer (one data line each), in order."""
+    return [e.data for entry in entries for e in SSEParser().feed(entry)]

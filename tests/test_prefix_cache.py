@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from ringserve.core.errors import ErrorKind
-from ringserve.core.events import ChatMessage, Finish, GenerationRequest, SamplingParams, StopReason, TextDelta
+from ringserve.core.events import BlockDelta, ChatMessage, Finish, GenerationRequest, SamplingParams, StopReason
 from ringserve.engine.fake import Begin, FakeEngine
 from ringserve.engine.runner import Runner
 from tests.conftest import fake_config, running_server
@@ -34,7 +34,7 @@ async def turn(runner: Runner, messages: list[ChatMessage], max_tokens: int = 64
     prepared = await runner.prepare(req(messages, max_tokens))
     async with runner.submit(prepared) as gen:
         events = [e async for e in gen]
-    return "".join(e.text for e in events if isinstance(e, TextDelta)), events[-1], gen
+    return "".join(e.text for e in events if isinstance(e, BlockDelta)), events[-1], gen
 
 
 def conversation(name: str, turns: int) -> list[ChatMessage]:
@@ -124,7 +124,7 @@ async def test_a_cancelled_turn_then_the_same_conversation_gives_the_right_answe
         prepared = await runner.prepare(req(messages, max_tokens=200))
         async with runner.submit(prepared) as gen:
             async for event in gen:
-                if isinstance(event, TextDelta) and gen.usage.output_tokens >= 10:
+                if isinstance(event, BlockDelta) and gen.usage.output_tokens >= 10:
                     break  # the consumer leaves mid-generation
         await runner.wait_idle()
         cached_cells = runner.statistics().prefix_cache_cells
@@ -306,7 +306,7 @@ async def test_real_cancelled_turn_then_the_same_conversation_gives_the_right_an
         prepared = await runner.prepare(req(history, 200))
         async with runner.submit(prepared) as gen:
             async for event in gen:
-                if isinstance(event, TextDelta) and gen.usage.output_tokens >= 4:
+                if isinstance(event, BlockDelta) and gen.usage.output_tokens >= 4:
                     break
         await runner.wait_idle()
         text, last, gen2 = await turn(runner, history, 24)

@@ -19,13 +19,16 @@ import trio
 from ringserve.config import EngineConfig
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import (
+    BlockDelta,
+    BlockKind,
+    BlockStart,
+    BlockStop,
     ChatMessage,
     Failure,
     Finish,
     GenerationRequest,
     SamplingParams,
     StopReason,
-    TextDelta,
 )
 from ringserve.core.scheduler import SlotState
 from ringserve.engine.fake import DEFAULT_REPLY, DecodeCall, FakeEngine
@@ -95,8 +98,15 @@ async def generate(runner: Runner, request: GenerationRequest):
     prepared = await runner.prepare(request)
     async with runner.submit(prepared) as gen:
         events = [e async for e in gen]
-    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    text = "".join(e.text for e in events if isinstance(e, BlockDelta))
     return events, text, events[-1], gen
+
+
+async def collect_text(gen):
+    """``gen.collect()`` for a text reply: (its text, the terminal event)."""
+    blocks, terminal = await gen.collect()
+    assert all(b.kind is BlockKind.TEXT for b in blocks)
+    return "".join(b.text for b in blocks), terminal
 
 
 def sample_feeds(engine: FakeEngine, slot: int, after: int = -1) -> int:
@@ -120,12 +130,13 @@ async def test_text_equals_fake_reply_and_usage_counts_tokens_sampled():
         await runner.wait_idle()
     threads = set(engine.threads)
     assert text == DEFAULT_REPLY
-    assert all(isinstance(e, TextDelta) and e.text for e in events[:-1])
+    assert events[0] == BlockStart(0, BlockKind.TEXT) and events[-2] == BlockStop(0)
+    assert all(isinstance(e, BlockDelta) and e.index == 0 and e.text for e in events[1:-2])
     expected_tokens = engine.reply_tokens("hello")  # pieces + EOG
     assert last == Finish(StopReason.END, gen.usage)
     assert gen.usage.input_tokens == len(engine.tokenize_chat([ChatMessage("user", "hello")]))
     assert gen.usage.output_tokens == expected_tokens == sample_feeds(engine, gen.slot)
-    assert sum(e.tokens for e in events[:-1]) <= expected_tokens
+    assert sum(e.tokens for e in events[1:-2]) <= expected_tokens
     stats = runner.statistics()
     assert stats.generated_tokens_total == expected_tokens
     assert stats.prompt_tokens_total == gen.usage.input_tokens
@@ -155,7 +166,7 @@ async def test_max_tokens_none_or_over_the_context_ends_when_the_context_is_full
         n_prompt = len(prepared.prompt_tokens)
         assert (prepared.max_tokens, prepared.context_bound) == (64 - n_prompt, True)
         async with runner.submit(prepared) as gen:
-            text, last = await gen.collect()
+            text, last = await collect_text(gen)
         await runner.wait_idle()
         stats = runner.statistics()
     assert text == "z" * (64 - n_prompt)
@@ -172,7 +183,7 @@ async def test_max_tokens_exactly_the_context_left_is_max_tokens():
         prepared = await runner.prepare(req("hi", max_tokens=64 - n_prompt))
         assert not prepared.context_bound
         async with runner.submit(prepared) as gen:
-            text, last = await gen.collect()
+            text, last = await collect_text(gen)
     assert (len(text), last.stop_reason) == (64 - n_prompt, StopReason.MAX_TOKENS)
 
 
@@ -193,7 +204,7 @@ async def test_split_multibyte_characters_never_give_replacement_chars(piece_byt
     assert "\ufffd" not in text
     assert text == reply
     assert last.stop_reason is StopReason.END
-    assert all("\ufffd" not in e.text for e in events if isinstance(e, TextDelta))
+    assert all("\ufffd" not in e.text for e in events if isinstance(e, BlockDelta))
 
 
 @pytest.mark.parametrize("piece_bytes", [1, 2, 3])
@@ -208,7 +219,7 @@ async def test_max_tokens_cutting_a_character_drops_its_bytes(piece_bytes):
             events, text, last, gen = await generate(runner, req("repeat", max_tokens=max_tokens))
             assert last == Finish(StopReason.MAX_TOKENS, gen.usage)
             assert gen.usage.output_tokens == max_tokens
-            assert all(e.text for e in events[:-1])  # no empty delta for dropped bytes
+            assert all(e.text for e in events if isinstance(e, BlockDelta))  # no empty delta for dropped bytes
             answers.append(text)
     data = reply.encode()
     # each answer is the whole characters of the bytes sampled, the cut one dropped
@@ -228,7 +239,7 @@ async def test_stop_sequence_split_across_tokens_does_not_leak(piece_bytes):
     async with serving(engine) as runner:
         events, text, last, gen = await generate(runner, req("go", stop=["beta gamma"]))
     assert text == "alpha "
-    assert "b" not in "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert "b" not in "".join(e.text for e in events if isinstance(e, BlockDelta))
     assert last == Finish(StopReason.STOP_SEQUENCE, gen.usage, "beta gamma")
     # generation stopped at the match: no token of " delta" was sampled
     assert gen.usage.output_tokens == -(-len("alpha beta gamma") // piece_bytes)
@@ -251,7 +262,7 @@ async def test_generation_never_waits_for_its_consumer():
             assert isinstance(gen.outcome, Finish)
             stats = runner.statistics()
             assert stats.kv_cells_used == 0 and engine.kv_cells_used() == stats.prefix_cache_cells
-            text, last = await gen.collect()
+            text, last = await collect_text(gen)
     assert text == "x" * 300 and last.stop_reason is StopReason.END
 
 
@@ -268,7 +279,7 @@ async def test_four_concurrent_generations_all_start_before_any_finishes():
         async with runner.submit(prepared) as gen:
             first = True
             async for event in gen:
-                if isinstance(event, TextDelta) and first:
+                if isinstance(event, BlockDelta) and first:
                     order.append(("first", i))
                     first = False
                 elif isinstance(event, Finish):
@@ -326,7 +337,7 @@ async def test_priority_then_fifo_admission():
 
     async def one(runner, name, prepared):
         async with runner.submit(prepared) as gen:
-            await gen.collect()
+            await collect_text(gen)
         finished.append(name)
 
     async with serving(engine, queue_size=8) as runner:
@@ -368,8 +379,8 @@ async def test_queue_full_is_overloaded_at_once():
             assert err.retryable and err.retry_after and err.retry_after > 0
             # one request per slot plus queue_size may wait
             assert sum(runner.statistics().queue_depth.values()) == 2
-            await a.collect()
-            await b.collect()
+            await collect_text(a)
+            await collect_text(b)
 
 
 async def test_prompt_too_long_is_invalid_before_anything_is_enqueued():
@@ -450,8 +461,8 @@ async def test_cancel_mid_generation_frees_the_slot_within_one_step():
         async with runner.submit(prepared) as gen:
             seen = 0
             async for event in gen:
-                assert isinstance(event, TextDelta)
-                seen += 1
+                assert isinstance(event, BlockStart | BlockDelta)
+                seen += isinstance(event, BlockDelta)
                 if seen == 3:
                     break
             calls_at_cancel = len(engine.log)
@@ -528,9 +539,10 @@ async def test_cancel_while_queued():
                 assert b.state is SlotState.QUEUED
             assert b.state is SlotState.CANCELLED and b.slot is None
             assert runner.statistics().queue_depth == {}
-            text, last = await a.collect()
+            rest = [e async for e in a]
         await runner.wait_idle()
-    text = first.text + text
+    assert first == BlockStart(0, BlockKind.TEXT)
+    text, last = "".join(e.text for e in rest if isinstance(e, BlockDelta)), rest[-1]
     assert text == "q" * 40 and last.stop_reason is StopReason.END
     assert {f.slot for call in engine.log for f in call.feeds} == {0}
     assert len({call.feeds[0].tokens[:3] for call in engine.log if call.feeds[0].pos == 0}) == 1
@@ -593,7 +605,7 @@ async def test_engine_error_fails_only_its_generation_and_the_batch_is_retried()
         await go_b.wait()
         async with runner.submit(prepared) as gen:
             b_in.set()
-            results["b"] = (await gen.collect(), gen)
+            results["b"] = (await collect_text(gen), gen)
 
     async with serving(engine) as runner:
         async with trio.open_nursery() as nursery:
@@ -693,7 +705,7 @@ async def test_crash_in_the_loop_itself_fails_waiting_consumers():
 
     async def consumer(prepared):
         async with runner.submit(prepared) as gen:
-            results.append(await gen.collect())
+            results.append(await collect_text(gen))
 
     with trio.fail_after(GUARD):
         async with trio.open_nursery() as nursery:
@@ -727,7 +739,7 @@ async def test_shutdown_fails_active_and_queued_generations_as_unavailable():
 
     async def consumer(prepared):
         async with runner.submit(prepared) as gen:
-            results.append(await gen.collect())
+            results.append(await collect_text(gen))
 
     with trio.fail_after(GUARD):
         async with trio.open_nursery() as outer:
@@ -775,7 +787,7 @@ async def test_idle_runner_parks_without_polling(autojump_clock):
         assert runner.statistics().steps == 0 and engine.log == []
         p = await runner.prepare(req("echo:ok"))
         async with runner.submit(p) as gen:
-            text, _ = await gen.collect()
+            text, _ = await collect_text(gen)
         assert text == "ok"
         nursery.cancel_scope.cancel()
 

@@ -21,7 +21,7 @@ from ringserve.core.events import (
     GenerationRequest,
     SamplingParams,
     StopReason,
-    TextDelta,
+    BlockDelta,
 )
 from ringserve.engine.modelfile import default_model_path
 from ringserve.engine.runner import Runner
@@ -77,11 +77,11 @@ async def run_one(runner: Runner, text: str, log: list | None = None, tag: int =
     parts = []
     async with runner.submit(prepared) as gen:
         async for event in gen:
-            if isinstance(event, TextDelta):
+            if isinstance(event, BlockDelta):
                 if not parts and log is not None:
                     log.append(("first", tag))
                 parts.append(event.text)
-            else:
+            elif isinstance(event, Finish | Failure):
                 if log is not None:
                     log.append(("end", tag))
                 terminal = event

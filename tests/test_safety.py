@@ -27,15 +27,19 @@ import trio
 from ringserve.config import Config, EngineConfig, SafetyConfig
 from ringserve.core.errors import ErrorKind
 from ringserve.core.events import (
+    BlockDelta,
+    BlockKind,
+    BlockStart,
+    BlockStop,
     ChatMessage,
     Failure,
     Finish,
     GenerationRequest,
     SamplingParams,
     StopReason,
-    TextDelta,
     Usage,
 )
+from ringserve.core.producer import Producer, Step
 from ringserve.core.safety import Check, HoldBack, PatternChecker, Verdict, compile_patterns, load_checker
 from ringserve.core.sse import SSEParser
 from ringserve.engine.fake import DEFAULT_REPLY, FakeEngine
@@ -43,7 +47,7 @@ from ringserve.engine.runner import Runner
 from ringserve.stream.safety import InlineChecker, SafetyStage, ThreadedChecker
 from tests import safety_checkers
 from tests.conftest import fake_config, running_server
-from tests.helpers import anthropic_text, openai_text, sse_events
+from tests.helpers import RecordingRenderer, anthropic_text, openai_text, sse_events
 
 GUARD = 20  # seconds: no test comes near this
 ALLOW = Verdict.allow()
@@ -285,64 +289,107 @@ def test_stage_from_config(caplog):
     assert SafetyStage.from_config(SafetyConfig(2), max_threads=1).checkers == ()
 
 
-# -- SafetyGate: events in, events out ------------------------------------------------------------
+# -- the hold-back in the producer, checkers asked as the hub asks them -------------------------
 
 USAGE = Usage(5, 7)
+TEXT = BlockStart(0, BlockKind.TEXT)
 
 
 def pattern_stage(window: int, *patterns: str) -> SafetyStage:
     return SafetyStage(window, [InlineChecker(PatternChecker(patterns))])
 
 
-async def test_gate_maps_deltas_and_releases_the_window_at_finish():
-    gate = pattern_stage(2, "bad").gate("m")
-    assert await gate.screen(TextDelta("a", 1), USAGE) == [TextDelta("", 1)]
-    assert await gate.screen(TextDelta("b", 1), USAGE) == [TextDelta("", 1)]
-    assert await gate.screen(TextDelta("cd", 1), USAGE) == [TextDelta("a", 1)]
-    assert await gate.screen(TextDelta("e", 2), USAGE) == [TextDelta("bcd", 2)]  # two tokens push two out
+def producer_for(stage: SafetyStage) -> Producer:
+    return Producer("m", RecordingRenderer(), USAGE, flush_seconds=0, flush_tokens=1, persist_seconds=1e9,
+                    window_tokens=stage.window_tokens)
+
+
+async def screen(producer: Producer, stage: SafetyStage, event) -> Step:
+    """One event through the producer, its checks awaited as ``Hub._pump`` does."""
+    step = producer.event(event, USAGE, 0.0)
+    while step.check is not None:
+        try:
+            verdict = await stage.judge(step.check)
+        except Exception as exc:
+            return producer.check_failed(type(exc).__name__, 0.0)
+        step = producer.verdict(verdict, 0.0)
+    return step
+
+
+def released(producer: Producer) -> str:
+    return producer.content[0].text if producer.content else ""
+
+
+async def test_gate_releases_what_leaves_the_window_and_the_rest_at_the_block_stop():
+    stage = pattern_stage(2, "bad")
+    p = producer_for(stage)
+    p.start()
+    await screen(p, stage, TEXT)
+    for text, tokens, out in [("a", 1, ""), ("b", 1, ""), ("cd", 1, "a"), ("e", 2, "abcd")]:  # two tokens push two out
+        await screen(p, stage, BlockDelta(0, text, tokens))
+        assert released(p) == out
+    await screen(p, stage, BlockStop(0))
+    assert released(p) == "abcde"
     finish = Finish(StopReason.STOP_SEQUENCE, Usage(5, 9), "STOP")
-    assert await gate.screen(finish, USAGE) == [TextDelta("e", 0), finish]
+    step = await screen(p, stage, finish)
+    assert step.end is not None and step.end.terminal == finish
 
 
-async def test_gate_refuses_mid_stream_and_at_finish():
-    gate = pattern_stage(2, "bad").gate("m")
-    assert await gate.screen(TextDelta("x", 1), USAGE) == [TextDelta("", 1)]
-    assert await gate.screen(TextDelta("b", 1), USAGE) == [TextDelta("", 1)]
-    assert await gate.screen(TextDelta("a", 1), USAGE) == [TextDelta("x", 1)]
-    assert await gate.screen(TextDelta("d", 1), USAGE) == [Finish(StopReason.REFUSAL, USAGE)]
+async def test_gate_refuses_mid_stream_and_at_the_block_stop():
+    stage = pattern_stage(2, "bad")
+    p = producer_for(stage)
+    p.start()
+    for event in (TEXT, BlockDelta(0, "x", 1), BlockDelta(0, "b", 1), BlockDelta(0, "a", 1)):
+        await screen(p, stage, event)
+    assert released(p) == "x"
+    step = await screen(p, stage, BlockDelta(0, "d", 1))
+    assert step.end is not None and step.end.terminal == Finish(StopReason.REFUSAL, USAGE)
 
-    gate = pattern_stage(4, "bad").gate("m")
-    for token in ("b", "a", "d"):
-        assert await gate.screen(TextDelta(token, 1), USAGE) == [TextDelta("", 1)]
-    final = Usage(5, 4)
-    assert await gate.screen(Finish(StopReason.END, final), USAGE) == [Finish(StopReason.REFUSAL, final)]
+    stage = pattern_stage(4, "bad")
+    p = producer_for(stage)
+    p.start()
+    for event in (TEXT, BlockDelta(0, "b", 1), BlockDelta(0, "a", 1), BlockDelta(0, "d", 1)):
+        await screen(p, stage, event)
+    step = await screen(p, stage, BlockStop(0))
+    assert step.end is not None and step.end.terminal == Finish(StopReason.REFUSAL, USAGE) and released(p) == ""
 
 
-async def test_gate_passes_failures_and_finishes_with_nothing_held():
-    gate = pattern_stage(3, "bad").gate("m")
-    await gate.screen(TextDelta("held", 1), USAGE)
+async def test_gate_passes_failures_and_drops_the_unchecked_window():
+    stage = pattern_stage(3, "bad")
+    p = producer_for(stage)
+    p.start()
+    await screen(p, stage, TEXT)
+    await screen(p, stage, BlockDelta(0, "held", 1))
     failure = Failure(ErrorKind.API_ERROR, "boom", USAGE, True)
-    assert await gate.screen(failure, USAGE) == [failure]  # the unchecked window is dropped
-    finish = Finish(StopReason.END, USAGE)
-    assert await pattern_stage(3, "bad").gate("m").screen(finish, USAGE) == [finish]
+    step = await screen(p, stage, failure)
+    assert step.end is not None and step.end.terminal == failure and released(p) == ""
 
 
 @pytest.mark.parametrize("fn", [safety_checkers.broken, safety_checkers.not_a_verdict])
 async def test_a_failing_checker_fails_closed(fn):
-    gate = SafetyStage(1, [ThreadedChecker(fn, max_threads=1)]).gate("m")
-    assert await gate.screen(TextDelta("a", 1), USAGE) == [TextDelta("", 1)]
-    [failure] = await gate.screen(TextDelta("b", 1), USAGE)
+    stage = SafetyStage(1, [ThreadedChecker(fn, max_threads=1)])
+    p = producer_for(stage)
+    p.start()
+    await screen(p, stage, TEXT)
+    await screen(p, stage, BlockDelta(0, "a", 1))
+    step = await screen(p, stage, BlockDelta(0, "b", 1))
+    assert step.end is not None
+    failure = step.end.terminal
     assert isinstance(failure, Failure) and failure.kind is ErrorKind.API_ERROR and failure.retryable
-    assert "safety check failed" in failure.message
+    assert "safety check failed" in failure.message and released(p) == ""
 
 
 async def test_threaded_checker_runs_off_the_trio_thread():
     safety_checkers.reset()
-    gate = SafetyStage(1, [ThreadedChecker(safety_checkers.recording, max_threads=1)]).gate("m")
-    await gate.screen(TextDelta("a", 1), USAGE)
-    assert await gate.screen(TextDelta("b", 1), USAGE) == [TextDelta("a", 1)]
-    [(released, window, thread)] = safety_checkers.CALLS
-    assert (released, window) == ("", "ab") and thread != threading.get_ident()
+    stage = SafetyStage(1, [ThreadedChecker(safety_checkers.recording, max_threads=1)])
+    p = producer_for(stage)
+    p.start()
+    await screen(p, stage, TEXT)
+    await screen(p, stage, BlockDelta(0, "a", 1))
+    await screen(p, stage, BlockDelta(0, "b", 1))
+    assert released(p) == "a"
+    [(released_before, window, thread)] = safety_checkers.CALLS
+    assert (released_before, window) == ("", "ab") and thread != threading.get_ident()
 
 
 # -- behind the runner: UTF-8 and stop-sequence hold-backs first -----------------------------------
@@ -371,16 +418,17 @@ async def runner_on(engine: FakeEngine):
 
 
 async def through_gate(runner: Runner, stage: SafetyStage, text: str, stop: tuple[str, ...]):
-    """One request's events through a gate as the hub does it: (released text, terminal)."""
+    """One request's events through a producer as the hub does it: (released text, terminal)."""
     request = GenerationRequest((ChatMessage("user", "echo:" + text),), 200, SamplingParams(temperature=0), stop)
-    gate = stage.gate("m")
-    out = []
+    p = producer_for(stage)
+    p.start()
     async with runner.submit(await runner.prepare(request)) as gen:
         async for event in gen:
-            out += await gate.screen(event, gen.usage)
-            if not isinstance(out[-1], TextDelta):
+            step = await screen(p, stage, event)
+            if step.end is not None:
                 break  # a refusal: leaving the block cancels the generation
-    return "".join(e.text for e in out[:-1]), out[-1]
+    assert step.end is not None
+    return released(p), step.end.terminal
 
 
 REPLY = "héllo 😀 wörld 👍🏽 ok STOP after"

@@ -193,18 +193,6 @@ class Usage:
 
 
 @attrs.frozen
-class TextDelta:
-    """Text released to readers: whole UTF-8 characters, never a stop string.
-
-    ``tokens`` is the number of sampled tokens decoded since the previous
-    delta (it can be 0 when held-back text is released late).
-    """
-
-    text: str
-    tokens: int = 0
-
-
-@attrs.frozen
 class BlockStart:
     """A content block begins. ``index`` counts the message's blocks from 0.
 
@@ -284,4 +272,4 @@ class Failure:
     retryable: bool = False
 
 
-GenerationEvent = TextDelta | Finish | Failure
+GenerationEvent = BlockStart | BlockDelta | BlockStop | Finish | Failure

@@ -220,7 +220,7 @@ class HoldBack:
     returns the check for everything still held. Deltas with no text fall
     out without a check.
 
-    Moves, in order: ``push`` (any number of times) then ``end``; after a
+    Moves, in order: ``push`` and ``flush`` (any number of times) then ``end``; after a
     ``Check`` is returned, ``resolve`` must come before the next move; after
     a block, or once the end is resolved, nothing more.
 
@@ -290,8 +290,21 @@ class HoldBack:
         Raises:
             RuntimeError: a check is unresolved, or after the end or a block.
         """
-        self._require_open("end")
+        check = self.flush()
         self._ended = True
+        return check
+
+    def flush(self) -> Check | None:
+        """A text block ends: everything held must be checked before the block's stop. Unlike
+        :meth:`end`, pushing may go on afterwards (the next text block's deltas).
+
+        Returns:
+            The check for the whole window, or None when no text is held.
+
+        Raises:
+            RuntimeError: a check is unresolved, or after the end or a block.
+        """
+        self._require_open("flush")
         if not any(text for text, _ in self._held):
             self._held.clear()
             self._held_tokens = 0

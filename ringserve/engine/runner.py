@@ -24,16 +24,19 @@ One step of the loop:
    :class:`~ringserve.core.detokenizer.Detokenizer` per request), run through
    the request's :class:`~ringserve.core.stop.StopMatcher`, and the result is
    pushed with ``send_nowait`` to that request's channel: generation never
-   waits for a consumer. Each channel's buffer holds ``max_tokens + 2``
-   events, more than a generation can produce, so it never fills.
+   waits for a consumer. Each channel's buffer holds ``3 * max_tokens + 4``
+   events, more than a generation can produce (at most a block stop, a
+   block start and a delta per token, then the closing events), so it never
+   fills.
 
 With nothing to do the loop parks on a ``trio.Event`` that ``submit`` and
 cancellation set; it never polls.
 
 Consumers call :meth:`Runner.prepare` (tokenize, check that the prompt fits
 (case C4) and set the budget: ``max_tokens``, at most what the context leaves) and then ``async with runner.submit(prepared) as gen``: iterating
-``gen`` gives :class:`TextDelta` events and one terminal :class:`Finish` or
-:class:`Failure`. Leaving the block early cancels (cases C1/C2).
+``gen`` gives block events (:class:`BlockStart`, :class:`BlockDelta`,
+:class:`BlockStop`, in the order ``core/events.py`` guarantees) and one
+terminal :class:`Finish` or :class:`Failure`. Leaving the block early cancels (cases C1/C2).
 """
 
 from __future__ import annotations
@@ -48,16 +51,21 @@ import attrs
 import trio
 
 from ringserve.config import EngineConfig
+from ringserve.core.blocks import BlockSequencer
 from ringserve.core.detokenizer import Detokenizer
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
+    BlockDelta,
+    BlockKind,
+    BlockStart,
+    BlockStop,
+    ContentBlock,
     Failure,
     Finish,
     GenerationEvent,
     GenerationRequest,
     SamplingParams,
     StopReason,
-    TextDelta,
     Usage,
 )
 from ringserve.core.scheduler import Entry, Plan, Scheduler, SlotState
@@ -160,7 +168,7 @@ class RunnerStatistics:
 class Generation:
     """One submitted request: an async iterator of its events.
 
-    Yields :class:`TextDelta` events, then exactly one :class:`Finish` or
+    Yields block events, then exactly one :class:`Finish` or
     :class:`Failure`, then stops. Only the runner produces events; iterating
     never drives generation, and a slow consumer never slows it (events wait
     in the generation's buffer).
@@ -176,6 +184,7 @@ class Generation:
     _receive: trio.MemoryReceiveChannel[GenerationEvent]
     _detokenizer: Detokenizer = attrs.field(factory=Detokenizer)
     _stopper: StopMatcher = attrs.field(default=None)
+    _blocks: BlockSequencer = attrs.field(factory=BlockSequencer)
     _tokens_since_delta: int = 0
     _outcome: Finish | Failure | None = None
     _cancel_time: float | None = None
@@ -228,20 +237,26 @@ class Generation:
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
 
-    async def collect(self) -> tuple[str, Finish | Failure]:
-        """Read every remaining event; return the joined text and the terminal event."""
-        parts = []
+    async def collect(self) -> tuple[tuple[ContentBlock, ...], Finish | Failure]:
+        """Read every remaining event; return the content blocks and the terminal event."""
+        blocks: list[ContentBlock] = []
+        parts: list[list[str]] = []
         terminal: Finish | Failure | None = None
         async for event in self:
             match event:
-                case TextDelta():
-                    parts.append(event.text)
+                case BlockStart():
+                    blocks.append(ContentBlock(event.kind, "", event.name, event.call_id))
+                    parts.append([])
+                case BlockDelta():
+                    parts[event.index].append(event.text)
+                case BlockStop():
+                    pass
                 case Finish() | Failure():
                     terminal = event
                 case _:
                     assert_never(event)
         assert terminal is not None, "a generation always ends with Finish or Failure"
-        return "".join(parts), terminal
+        return tuple(attrs.evolve(b, text="".join(p)) for b, p in zip(blocks, parts, strict=True)), terminal
 
 
 @attrs.frozen
@@ -443,7 +458,7 @@ class Runner:
         entry = self._scheduler.enqueue(
             prepared.prompt_tokens, prepared.max_tokens, priority=request.priority
         )
-        send, receive = trio.open_memory_channel[GenerationEvent](prepared.max_tokens + 2)
+        send, receive = trio.open_memory_channel[GenerationEvent](3 * prepared.max_tokens + 4)
         gen = Generation(prepared, entry, send, receive)
         entry.tag = gen
         self._poke()
@@ -726,7 +741,8 @@ class Runner:
             self._finish(gen, StopReason.CONTEXT_FULL if gen.prepared.context_bound else StopReason.MAX_TOKENS)
 
     def _emit_text(self, gen: Generation, text: str) -> None:
-        self._emit(gen, TextDelta(text, gen._tokens_since_delta))
+        for event in gen._blocks.delta(BlockKind.TEXT, text, gen._tokens_since_delta):
+            self._emit(gen, event)
         gen._tokens_since_delta = 0
 
     def _finish(self, gen: Generation, reason: StopReason, stop: str | None = None) -> None:
@@ -741,6 +757,8 @@ class Runner:
             text = gen._stopper.flush()
             if text:
                 self._emit_text(gen, text)
+        for event in gen._blocks.end():
+            self._emit(gen, event)
         self._end(gen, Finish(reason, gen.usage, stop))
 
     def _fail(self, entry: Entry, kind: ErrorKind, message: str, *, retryable: bool) -> None:

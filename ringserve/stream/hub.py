@@ -19,29 +19,32 @@ A cancelled message is billed for the tokens really sampled.
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import sqlite3
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Any, assert_never
+from typing import Any
 
 import attrs
 import trio
 
 from ringserve.config import Config
-from ringserve.core.coalesce import Coalescer
 from ringserve.core.errors import ErrorKind, RingserveError
-from ringserve.core.events import Failure, Finish, GenerationEvent, StopReason, TextDelta, Usage
-from ringserve.core.ringlog import Gap, LogState, format_event_id, parse_event_id
-from ringserve.core.sse import encode_event
-from ringserve.core.status import CancelReason, MessageStatus, Policy, advance
+from ringserve.core.events import Failure, Finish, Usage
+from ringserve.core.producer import Producer, Snapshot, Step
+from ringserve.core.ringlog import Gap, parse_event_id
+from ringserve.core.safety import Check
+from ringserve.core.status import CancelReason, MessageStatus, Policy
 from ringserve.engine.runner import Generation, Runner
-from ringserve.messages import MessageStore, StoredMessage, store_failed
+from ringserve.messages import MessageStore, StoredMessage, snapshot_fields, store_failed
 from ringserve.metrics import Metrics, StreamTimer
 from ringserve.stream.logs import LogStore, MessageLog
 from ringserve.stream.reader import tail
 from ringserve.stream.safety import SafetyStage
-from ringserve.surfaces.base import MessageResult, ParsedRequest, Renderer, Surface, WireEvent, render
+from ringserve.surfaces.base import MessageResult, ParsedRequest, Surface
+
+log = logging.getLogger("ringserve.hub")
 
 _NOT_YET = object()
 
@@ -56,9 +59,11 @@ REGENERATED_STATUSES = frozenset({MessageStatus.FAILED, MessageStatus.INTERRUPTE
 class LiveMessage:
     """A message whose producer is running or whose log is still held.
 
-    ``parts`` is the text released to readers so far; ``status`` follows
-    ``core/status.py``'s ``TRANSITIONS``; ``started`` is set once its log exists (or its
-    creation failed, with the error in ``start_error`` when it was a
+    Its state (status, content blocks, usage, stop reason) is its
+    :class:`~ringserve.core.producer.Producer`'s, which exists once the
+    generation was submitted; the status follows ``core/status.py``'s
+    ``TRANSITIONS``. ``started`` is set once its log exists (or its creation
+    failed, with the error in ``start_error`` when it was a
     :class:`RingserveError`); ``done`` once the terminal event is in the log,
     when the message leaves the hub and the store answers for it.
     ``replaces`` is the id of the ``interrupted`` or ``failed`` message whose
@@ -76,14 +81,8 @@ class LiveMessage:
     replaces: str | None = None
     start_error: RingserveError | None = None
     log: MessageLog | None = None
-    status: MessageStatus = MessageStatus.QUEUED
-    parts: list[str] = attrs.Factory(list)
-    usage: Usage = Usage(0, 0)
-    stop_reason: StopReason | None = None
-    stop_sequence: str | None = None
-    error: str | None = None
+    producer: Producer | None = None
     cancel_reason: CancelReason | None = None
-    persisted_at: float = 0.0
     cancel_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     timer: StreamTimer = attrs.Factory(lambda: StreamTimer(trio.current_time()))
     started: trio.Event = attrs.Factory(trio.Event)
@@ -95,16 +94,26 @@ class LiveMessage:
         assert self.log is not None, f"message {self.id} has no log yet"
         return self.log
 
+    def snapshot(self) -> Snapshot:
+        """Its state now (status, content blocks released so far, usage, stop reason, error)."""
+        assert self.producer is not None, f"message {self.id} was not submitted yet"
+        return self.producer.snapshot()
+
+    @property
+    def status(self) -> MessageStatus:
+        return MessageStatus.QUEUED if self.producer is None else self.producer.status
+
     def result(self) -> MessageResult:
+        snap = self.snapshot()
         return MessageResult(
             message_id=self.id,
             model=self.model,
             created=self.created,
-            text="".join(self.parts),
-            stop_reason=self.stop_reason,
-            stop_sequence=self.stop_sequence,
-            usage=self.usage,
-            cancelled=self.status is MessageStatus.CANCELLED,
+            content=snap.content,
+            stop_reason=snap.stop_reason,
+            stop_sequence=snap.stop_sequence,
+            usage=snap.usage,
+            cancelled=snap.status is MessageStatus.CANCELLED,
         )
 
 
@@ -269,9 +278,20 @@ class Hub:
             # else it started, or was cancelled before it did: look again
         return self._keys.get(key) or self.store.by_idempotency_key(key)
 
-    async def _produce(self, msg: LiveMessage, prepared: Any, row: StoredMessage, *, task_status) -> None:
-        renderer = msg.surface.renderer(msg.id, msg.model, msg.created, msg.include_usage)
-        msg.usage = Usage(len(prepared.prompt_tokens), 0)
+    async def _produce(self, msg: LiveMessage, prepared: Any, row: StoredMessage, *, task_status: Any) -> None:
+        stream = self.config.stream
+        msg.producer = producer = Producer(
+            msg.id,
+            msg.surface.renderer(msg.id, msg.model, msg.created, msg.include_usage),
+            Usage(len(prepared.prompt_tokens), 0),
+            flush_seconds=stream.flush_ms / 1000,
+            flush_tokens=stream.flush_tokens,
+            persist_seconds=stream.persist_seconds,
+            window_tokens=0 if self.safety is None else self.safety.window_tokens,
+            # The reconnection hint rides on the first event: a standalone "retry:"
+            # block is dispatched as an empty event by the OpenAI SDK's decoder.
+            retry_ms=self.config.server.retry_ms,
+        )
         gen = None
         try:
             with msg.cancel_scope:
@@ -283,120 +303,64 @@ class Hub:
                     msg.log.on_idle = lambda: self._on_idle(msg)
                     self._live[msg.id] = msg
                     task_status.started()
-                    # The reconnection hint rides on the first event: a standalone "retry:"
-                    # block is dispatched as an empty event by the OpenAI SDK's decoder.
-                    self._append(msg, renderer.start(msg.usage), retry=self.config.server.retry_ms)
-                    await self._pump(msg, gen, renderer)
+                    self._perform(msg, producer.start())
+                    await self._pump(msg, producer, gen)
         finally:
             if msg.log is not None and not msg.log.closed:
-                if gen is not None:
-                    msg.usage = gen.usage
-                self._end_interrupted(msg, renderer)
+                usage = producer.usage if gen is None else gen.usage
+                self._perform(msg, producer.interrupted(msg.cancel_reason, usage, trio.current_time()))
 
-    async def _pump(self, msg: LiveMessage, gen: Any, renderer: Renderer) -> None:
-        stream = self.config.stream
-        coalescer = Coalescer(window=stream.flush_ms / 1000, max_tokens=stream.flush_tokens)
-        gate = None if self.safety is None else self.safety.gate(msg.id)
+    async def _pump(self, msg: LiveMessage, producer: Producer, gen: Generation) -> None:
+        """Feed the generation's events to the producer until the message ends; leaving
+        returns to the runner's ``submit`` block, which cancels a generation still running."""
         events = gen.__aiter__()
-        while True:
+        while not producer.ended:
             event: Any = _NOT_YET
-            with trio.move_on_at(coalescer.deadline):
+            with trio.move_on_at(producer.deadline):
                 event = await anext(events, None)
             if event is _NOT_YET:
-                self._release(msg, renderer, coalescer.due(trio.current_time()))
-                continue
-            if event is None:
-                event = Failure(ErrorKind.API_ERROR, "generation ended without a result", gen.usage, True)
-            # The safety stage runs outside the flush deadline's scope, which must not cut a check short.
-            for screened in [event] if gate is None else await gate.screen(event, gen.usage):
-                if self._on_event(msg, gen, renderer, coalescer, screened):
-                    return  # leaving the runner's submit block cancels a refused generation
+                step = producer.tick(trio.current_time())
+            elif event is None:
+                failure = Failure(ErrorKind.API_ERROR, "generation ended without a result", gen.usage, True)
+                step = producer.event(failure, gen.usage, trio.current_time())
+            else:
+                step = producer.event(event, gen.usage, trio.current_time())
+            # A safety check runs outside the flush deadline's scope, which must not cut it short.
+            while step.check is not None:
+                self._perform(msg, step)
+                step = await self._judge(msg, producer, step.check)
+            self._perform(msg, step)
 
-    def _on_event(
-        self, msg: LiveMessage, gen: Generation, renderer: Renderer, coalescer: Coalescer, event: GenerationEvent
-    ) -> bool:
-        """Hand one (screened) event to the coalescer and the log; True once it was the terminal one."""
-        match event:
-            case TextDelta():
-                if msg.status is MessageStatus.QUEUED:
-                    msg.status = advance(msg.status, MessageStatus.GENERATING)
-                    self.store.update(msg.id, status=msg.status)
-                msg.usage = gen.usage
-                self._release(msg, renderer, coalescer.add(event.text, event.tokens, trio.current_time()))
-                return False
-            case Finish():
-                self._release(msg, renderer, coalescer.flush())
-                self._finish(msg, renderer, event)
-                return True
-            case Failure():
-                self._release(msg, renderer, coalescer.flush())
-                self._fail(msg, renderer, event)
-                return True
-            case _:
-                assert_never(event)
+    async def _judge(self, msg: LiveMessage, producer: Producer, check: Check) -> Step:
+        assert self.safety is not None
+        try:
+            verdict = await self.safety.judge(check)
+        except Exception as exc:
+            log.exception("the safety check of message %s failed", msg.id)
+            return producer.check_failed(type(exc).__name__, trio.current_time())
+        if not verdict.allowed:
+            log.info("safety stage refused message %s: %s", msg.id, verdict.reason)
+        return producer.verdict(verdict, trio.current_time())
 
-    # -- writing the log -----------------------------------------------------------------
-
-    def _append(self, msg: LiveMessage, events: list[WireEvent], retry: int | None = None) -> None:
-        log = msg.open_log
-        for ev in events:
-            log.append(encode_event(ev.data, event=ev.event, id=format_event_id(msg.id, log.next_seq), retry=retry))
-            retry = None
-
-    def _release(self, msg: LiveMessage, renderer: Renderer, text: str | None) -> None:
-        if text:
-            msg.parts.append(text)
-            self._append(msg, render(renderer, TextDelta(text)))
-            now = trio.current_time()
+    def _perform(self, msg: LiveMessage, step: Step) -> None:
+        """Do what a producer step says: append, persist, observe, and close at the end."""
+        log_ = msg.open_log
+        for entry in step.entries:
+            log_.append(entry)
+        now = trio.current_time()
+        if step.released:
             self.metrics.text_released(msg.timer, now)
-            if now - msg.persisted_at >= self.config.stream.persist_seconds:  # a crash loses at most that much
-                msg.persisted_at = now
-                self.store.update(msg.id, text="".join(msg.parts), output_tokens=msg.usage.output_tokens)
-
-    def _finish(self, msg: LiveMessage, renderer: Renderer, finish: Finish) -> None:
-        msg.usage = finish.usage
-        msg.stop_reason = finish.stop_reason
-        msg.stop_sequence = finish.stop_sequence
-        cancelled = finish.stop_reason is StopReason.CANCELLED
-        msg.status = advance(msg.status, MessageStatus.CANCELLED if cancelled else MessageStatus.COMPLETE)
-        self._append(msg, render(renderer, finish))
-        self._close(msg, LogState.FINISHED)
-        self.metrics.finished(msg.timer, trio.current_time(), finish)
-
-    def _fail(
-        self, msg: LiveMessage, renderer: Renderer, failure: Failure, status: MessageStatus = MessageStatus.FAILED
-    ) -> None:
-        msg.usage = failure.usage
-        msg.status = advance(msg.status, status)
-        msg.error = failure.message
-        self._append(msg, render(renderer, failure))
-        self._close(msg, LogState.FAILED)
-        self.metrics.error(failure.kind, "generation")
-
-    def _end_interrupted(self, msg: LiveMessage, renderer: Renderer) -> None:
-        """Terminal events for a producer that was cancelled (synchronous: runs while cancelled)."""
-        if msg.cancel_reason is CancelReason.DRAIN:
-            failure = Failure(ErrorKind.UNAVAILABLE, "the server is shutting down; retry the request", msg.usage, True)
-            self._fail(msg, renderer, failure, status=MessageStatus.INTERRUPTED)
-        elif msg.cancel_reason is not None:
-            self._finish(msg, renderer, Finish(StopReason.CANCELLED, msg.usage))
-        else:
-            self._fail(msg, renderer, Failure(ErrorKind.API_ERROR, "generation stopped unexpectedly", msg.usage, True))
-
-    def _close(self, msg: LiveMessage, state: LogState) -> None:
-        log = msg.open_log
-        log.close(state)
-        self.store.update(
-            msg.id,
-            status=msg.status,
-            text="".join(msg.parts),
-            stop_reason=msg.stop_reason,
-            stop_sequence=msg.stop_sequence,
-            output_tokens=msg.usage.output_tokens,
-            input_tokens=msg.usage.input_tokens,
-            error=msg.error,
-            final_seq=log.next_seq - 1,
-        )
+        if step.end is not None:
+            log_.close(step.end.state)
+        if step.persist is not None:
+            self.store.update(msg.id, **snapshot_fields(step.persist))
+        if step.end is None:
+            return
+        match step.end.terminal:
+            case Finish() as finish:
+                self.metrics.finished(msg.timer, now, finish)
+            case Failure() as failure:
+                self.metrics.error(failure.kind, "generation")
         del self._live[msg.id]
         if msg.idempotency_key is not None:
             del self._keys[msg.idempotency_key]

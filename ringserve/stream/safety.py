@@ -1,11 +1,12 @@
 """The output safety stage's Trio shell: checkers for each message's hold-back window.
 
-The producer (``stream/hub.py``) passes every event of a generation through
-its message's :class:`SafetyGate` before the coalescer, so a checker sees
-text before it reaches the stream log, and the metrics, which time text as
-it enters the log, count the hold-back in time to first token and in the
-gaps between tokens. The window and the decision rules are the sans-I/O
-:class:`~ringserve.core.safety.HoldBack`; this module only awaits checkers.
+The producer (``core/producer.py``) holds every text block's deltas back in
+its :class:`~ringserve.core.safety.HoldBack` before the coalescer and asks
+for a check as text falls out of the window; the hub awaits
+:meth:`SafetyStage.judge` and hands the verdict back. So a checker sees text
+before it reaches the stream log, and the metrics, which time text as it
+enters the log, count the hold-back in time to first token and in the gaps
+between tokens. This module only awaits checkers.
 
 Two kinds of checker, both built from the ``[safety]`` table:
 
@@ -31,19 +32,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol, assert_never
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import trio
 
-from ringserve.core.errors import ErrorKind
-from ringserve.core.events import Failure, Finish, GenerationEvent, StopReason, TextDelta, Usage
-from ringserve.core.safety import Check, Checker, CheckFunction, HoldBack, PatternChecker, Verdict, load_checker
+from ringserve.core.safety import Check, Checker, CheckFunction, PatternChecker, Verdict, load_checker
 
 if TYPE_CHECKING:
     from ringserve.config import SafetyConfig
 
-__all__ = ["AsyncChecker", "InlineChecker", "SafetyGate", "SafetyStage", "ThreadedChecker"]
+__all__ = ["AsyncChecker", "InlineChecker", "SafetyStage", "ThreadedChecker"]
 
 log = logging.getLogger("ringserve.safety")
 
@@ -133,10 +132,6 @@ class SafetyStage:
             checkers.append(ThreadedChecker(load_checker(config.checker), max_threads=max_threads))
         return cls(config.window_tokens, checkers)
 
-    def gate(self, message_id: str) -> SafetyGate:
-        """A fresh gate for one message's generation."""
-        return SafetyGate(self, message_id)
-
     async def judge(self, check: Check) -> Verdict:
         """Ask every checker about ``check``; the first block wins.
 
@@ -151,64 +146,3 @@ class SafetyStage:
             if not verdict.allowed:
                 return verdict
         return Verdict.allow()
-
-
-@attrs.define(eq=False)
-class SafetyGate:
-    """One message's pass through the stage: the runner's events in, releasable events out."""
-
-    stage: SafetyStage
-    message_id: str
-    _holdback: HoldBack = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self._holdback = HoldBack(self.stage.window_tokens)
-
-    async def screen(self, event: GenerationEvent, usage: Usage) -> list[GenerationEvent]:
-        """The events to hand on for one event of the runner, in order.
-
-        * ``TextDelta(text, k)``: ``[TextDelta(released, k)]``, where
-          ``released`` is the text that fell out of the window and was
-          allowed ("" while the window fills); the token count passes
-          through unchanged.
-        * ``Finish``: the rest of the window is checked; ``[TextDelta(rest, 0),
-          Finish]`` (just ``[Finish]`` when nothing was held).
-        * ``Failure``: ``[Failure]``; the held text was never checked and is
-          dropped.
-
-        When a checker blocks, ``[Finish(StopReason.REFUSAL, usage)]`` and the
-        gate is done (its generation must be cancelled); when a checker fails,
-        a retryable ``api_error`` :class:`Failure`.
-
-        Args:
-            event: the runner's next event.
-            usage: the generation's live usage (billed on a refusal).
-
-        Cancellation: a cancelled check releases nothing; the gate is then
-        unusable, as its producer is ending.
-        """
-        holdback = self._holdback
-        match event:
-            case TextDelta():
-                check = holdback.push(event.text, event.tokens)
-            case Finish():
-                check = holdback.end()
-            case Failure():
-                return [event]
-            case _:
-                assert_never(event)
-        released = ""
-        if check is not None:
-            try:
-                verdict = await self.stage.judge(check)
-            except Exception as exc:
-                log.exception("the safety check of message %s failed", self.message_id)
-                message = f"the safety check failed ({type(exc).__name__}); no unchecked text was sent"
-                return [Failure(ErrorKind.API_ERROR, message, usage, retryable=True)]
-            released = holdback.resolve(check, verdict)
-            if not verdict.allowed:
-                log.info("safety stage refused message %s: %s", self.message_id, verdict.reason)
-                return [Finish(StopReason.REFUSAL, event.usage if isinstance(event, Finish) else usage)]
-        if isinstance(event, TextDelta):
-            return [TextDelta(released, event.tokens)]
-        return [TextDelta(released, 0), event] if released else [event]

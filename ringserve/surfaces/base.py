@@ -16,13 +16,17 @@ import attrs
 
 from ringserve.core.errors import RingserveError, invalid
 from ringserve.core.events import (
+    BlockDelta,
+    BlockKind,
+    BlockStart,
+    BlockStop,
+    ContentBlock,
     Failure,
     Finish,
     GenerationEvent,
     GenerationRequest,
     SamplingParams,
     StopReason,
-    TextDelta,
     ToolChoice,
     ToolChoiceMode,
     ToolSpec,
@@ -83,23 +87,37 @@ class MessageResult:
     message_id: str
     model: str
     created: int
-    text: str
+    content: tuple[ContentBlock, ...]
     stop_reason: StopReason | None
     stop_sequence: str | None
     usage: Usage
     cancelled: bool = False
 
+    @property
+    def text(self) -> str:
+        """The text of the message's text blocks, joined."""
+        return "".join(b.text for b in self.content if b.kind is BlockKind.TEXT)
+
 
 class Renderer(Protocol):
-    """Turns one generation's events into wire events, in order.
+    """Turns one message's events into wire events, in order.
 
-    ``start`` comes first, then any number of ``delta``, then exactly one of
-    ``finish`` or ``fail``. Renderers are per message and hold its ids.
+    ``start`` comes first, then the blocks in the order ``core/events.py``
+    guarantees (``block_start``, any number of ``delta``, ``block_stop``;
+    block after block), then exactly one of ``finish`` (every block stopped)
+    or ``fail`` (a block may be open). Renderers are per message and hold its
+    ids and what they need of its state (the open block's kind, say). The
+    producer appends every wire event a renderer returns to the log, in
+    order from seq 0, so the n-th wire event has seq n.
     """
 
     def start(self, usage: Usage) -> list[WireEvent]: ...
 
-    def delta(self, text: str) -> list[WireEvent]: ...
+    def block_start(self, start: BlockStart) -> list[WireEvent]: ...
+
+    def delta(self, delta: BlockDelta) -> list[WireEvent]: ...
+
+    def block_stop(self, stop: BlockStop) -> list[WireEvent]: ...
 
     def finish(self, finish: Finish) -> list[WireEvent]: ...
 
@@ -110,8 +128,12 @@ def render(renderer: Renderer, event: GenerationEvent) -> list[WireEvent]:
     """The wire events of one generation event (after ``renderer.start``): the one exhaustive
     dispatch from event kinds to renderer methods, so a new kind is a type error here."""
     match event:
-        case TextDelta():
-            return renderer.delta(event.text)
+        case BlockStart():
+            return renderer.block_start(event)
+        case BlockDelta():
+            return renderer.delta(event)
+        case BlockStop():
+            return renderer.block_stop(event)
         case Finish():
             return renderer.finish(event)
         case Failure():
@@ -131,6 +153,10 @@ class Surface(Protocol):
     def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> Renderer: ...
 
     def message_json(self, result: MessageResult) -> dict[str, Any]: ...
+
+    def content_json(self, blocks: tuple[ContentBlock, ...]) -> Any:
+        """A message's content blocks as the surface spells a message's content (``GET``)."""
+        ...
 
     def stop_reason(self, reason: StopReason) -> str: ...
 

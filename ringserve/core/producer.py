@@ -1,0 +1,369 @@
+"""The producer chain of one message, sans-I/O: the runner's events in, log entries out.
+
+A :class:`Producer` owns everything between a generation's events and its
+stream log: the safety hold-back (``core/safety.py`` :class:`HoldBack`, for
+text blocks), coalescing (``core/coalesce.py``), rendering in the message's
+surface (a :class:`~ringserve.surfaces.base.Renderer`), event ids
+``<message_id>:<seq>`` and SSE encoding (``core/sse.py``), the message's
+status (``core/status.py``), its content blocks, and when to persist them.
+
+It never awaits and never reads a clock: every move takes the current time
+(seconds, any monotonic clock) and returns a :class:`Step` saying which SSE
+entries to append, which safety check to ask, what to write to the store, and
+whether the message ended. The Trio shell (``stream/hub.py``) performs the
+step and, for a check, hands the verdict back with :meth:`Producer.verdict`
+before the next move.
+
+Moves, in order: :meth:`start`; then any number of :meth:`event`,
+:meth:`tick` (the coalescing deadline passed) and :meth:`verdict` (after a
+step with a ``check``, before anything else) or :meth:`check_failed`; the
+message ends with a step whose ``end`` is set: a terminal event of the
+runner, a refusal, a failed check, or :meth:`interrupted` (the generation was
+cancelled from outside). Nothing moves after the end.
+
+Safety and tool calls: hold-back applies to text blocks only; tool-call
+arguments are passed on as decoded (a checker sees no JSON fragments), and a
+text block's held text is checked before the block's stop.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import assert_never
+
+import attrs
+
+from ringserve.core.coalesce import Coalescer
+from ringserve.core.errors import ErrorKind
+from ringserve.core.events import (
+    BlockDelta,
+    BlockKind,
+    BlockStart,
+    BlockStop,
+    ContentBlock,
+    Failure,
+    Finish,
+    GenerationEvent,
+    StopReason,
+    Usage,
+)
+from ringserve.core.ringlog import LogState, format_event_id
+from ringserve.core.safety import Check, HoldBack, Verdict
+from ringserve.core.sse import encode_event
+from ringserve.core.status import CancelReason, MessageStatus, advance
+from ringserve.surfaces.base import Renderer, WireEvent, render
+
+
+@attrs.frozen
+class Snapshot:
+    """What the store should hold for the message now (``messages.MessageStore.update``).
+
+    ``final_seq`` is set once the terminal event is in the log.
+    """
+
+    status: MessageStatus
+    content: tuple[ContentBlock, ...]
+    usage: Usage
+    stop_reason: StopReason | None = None
+    stop_sequence: str | None = None
+    error: str | None = None
+    final_seq: int | None = None
+
+
+@attrs.frozen
+class End:
+    """The message ended: close its log in ``state``; ``terminal`` is its last event. A
+    generation still running (a refusal, a failed check) is the shell's to cancel."""
+
+    state: LogState
+    terminal: Finish | Failure
+
+
+@attrs.frozen
+class Step:
+    """What the shell does after one move, in this order.
+
+    Attributes:
+        entries: SSE blocks to append to the log, in order (ids included).
+        released: text reached the log in this step (for TTFT and gap metrics).
+        check: a safety check to ask; the verdict goes to :meth:`Producer.verdict`.
+        persist: what to write to the store.
+        end: set when the message ended (then ``persist`` is its final snapshot).
+    """
+
+    entries: tuple[bytes, ...] = ()
+    released: bool = False
+    check: Check | None = None
+    persist: Snapshot | None = None
+    end: End | None = None
+
+
+@attrs.define
+class _Block:
+    kind: BlockKind
+    name: str
+    call_id: str
+    parts: list[str] = attrs.Factory(list)
+
+    def whole(self) -> ContentBlock:
+        return ContentBlock(self.kind, "".join(self.parts), self.name, self.call_id)
+
+
+@attrs.define(eq=False)
+class Producer:
+    """The producer chain of one message (see the module doc).
+
+    Args:
+        message_id: the message's id, the prefix of its event ids.
+        renderer: the message's surface renderer.
+        usage: the usage before generation (the prompt's tokens).
+        flush_seconds: the coalescing window (``[stream] flush_ms`` / 1000).
+        flush_tokens: release at once when this many tokens are buffered.
+        persist_seconds: at most this long between two snapshots while text
+            is released (``[stream] persist_seconds``; what a crash can lose).
+        window_tokens: the safety hold-back in tokens (0: no safety stage).
+        retry_ms: the reconnection hint carried by the first entry (None: none).
+    """
+
+    message_id: str
+    renderer: Renderer
+    usage: Usage
+    flush_seconds: float
+    flush_tokens: int
+    persist_seconds: float
+    window_tokens: int = 0
+    retry_ms: int | None = None
+    status: MessageStatus = attrs.field(init=False, default=MessageStatus.QUEUED)
+    stop_reason: StopReason | None = attrs.field(init=False, default=None)
+    stop_sequence: str | None = attrs.field(init=False, default=None)
+    error: str | None = attrs.field(init=False, default=None)
+    _seq: int = attrs.field(init=False, default=0)
+    _blocks: list[_Block] = attrs.field(init=False, factory=list)
+    _open: int | None = attrs.field(init=False, default=None)
+    _coalescer: Coalescer = attrs.field(init=False)
+    _holdback: HoldBack | None = attrs.field(init=False)
+    _pending: tuple[Check, BlockDelta | BlockStop] | None = attrs.field(init=False, default=None)
+    _persisted_at: float = attrs.field(init=False, default=-math.inf)
+    _persisted_status: MessageStatus = attrs.field(init=False, default=MessageStatus.QUEUED)
+    _released: bool = attrs.field(init=False, default=False)
+    _ended: bool = attrs.field(init=False, default=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._coalescer = Coalescer(window=self.flush_seconds, max_tokens=self.flush_tokens)
+        self._holdback = HoldBack(self.window_tokens) if self.window_tokens > 0 else None
+
+    # -- what the shell reads ------------------------------------------------------------
+
+    @property
+    def deadline(self) -> float:
+        """When :meth:`tick` must be called (``inf`` when no text waits)."""
+        return self._coalescer.deadline
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    @property
+    def content(self) -> tuple[ContentBlock, ...]:
+        """The content blocks released to readers so far."""
+        return tuple(b.whole() for b in self._blocks)
+
+    @property
+    def last_seq(self) -> int:
+        """The seq of the last entry produced (-1 before :meth:`start`)."""
+        return self._seq - 1
+
+    def snapshot(self) -> Snapshot:
+        """The message's state as the store should hold it now."""
+        return Snapshot(self.status, self.content, self.usage, self.stop_reason, self.stop_sequence, self.error,
+                        self.last_seq if self._ended else None)
+
+    # -- moves ---------------------------------------------------------------------------
+
+    def start(self) -> Step:
+        """The message's first entries (``message_start`` or the surface's equivalent)."""
+        return Step(entries=self._encode(self.renderer.start(self.usage)))
+
+    def event(self, event: GenerationEvent, usage: Usage, now: float) -> Step:
+        """One event of the runner; ``usage`` is the generation's live usage."""
+        self._require_move("event")
+        self.usage = usage
+        match event:
+            case BlockStart():
+                return self._step(self._block_start(event), now)
+            case BlockDelta():
+                if self._held(event.index):
+                    assert self._holdback is not None
+                    check = self._holdback.push(event.text, event.tokens)
+                    if check is not None:
+                        self._pending = (check, event)
+                        return Step(check=check)
+                    return self._step(self._delta(BlockDelta(event.index, "", event.tokens), now), now)
+                return self._step(self._delta(event, now), now)
+            case BlockStop():
+                if self._held(event.index):
+                    assert self._holdback is not None
+                    check = self._holdback.flush()
+                    if check is not None:
+                        self._pending = (check, event)
+                        return Step(check=check)
+                return self._step(self._block_stop(event), now)
+            case Finish():
+                return self._finish(event, now)
+            case Failure():
+                return self._fail(event, now)
+            case _:
+                assert_never(event)
+
+    def verdict(self, verdict: Verdict, now: float) -> Step:
+        """The checker's answer to the last step's ``check``."""
+        assert self._pending is not None and self._holdback is not None, "no check awaits a verdict"
+        check, waiting = self._pending
+        self._pending = None
+        released = self._holdback.resolve(check, verdict)
+        if not verdict.allowed:
+            return self._finish(Finish(StopReason.REFUSAL, self.usage), now)
+        match waiting:
+            case BlockDelta():
+                return self._step(self._delta(BlockDelta(waiting.index, released, waiting.tokens), now), now)
+            case BlockStop():
+                wire = self._text(self._coalescer.add(released, 0, now))
+                return self._step([*wire, *self._block_stop(waiting)], now)
+            case _:
+                assert_never(waiting)
+
+    def check_failed(self, reason: str, now: float) -> Step:
+        """The checker raised (``reason`` names the exception): a retryable in-band error;
+        no unchecked text is sent."""
+        assert self._pending is not None, "no check awaits a verdict"
+        self._pending = None
+        message = f"the safety check failed ({reason}); no unchecked text was sent"
+        return self._fail(Failure(ErrorKind.API_ERROR, message, self.usage, retryable=True), now)
+
+    def tick(self, now: float) -> Step:
+        """The coalescing deadline may have passed: release what waited."""
+        if self._ended or self._pending is not None:
+            return Step()
+        return self._step(self._text(self._coalescer.due(now)), now)
+
+    def interrupted(self, reason: CancelReason | None, usage: Usage, now: float) -> Step:
+        """The generation was cancelled from outside (``reason``), or ended without a terminal
+        event (None): a drain fails it ``interrupted`` and retryable; a cancel finishes it
+        ``cancelled``; anything else is a retryable ``api_error``. Held text is dropped (it
+        was never checked)."""
+        self.usage = usage
+        self._pending = None
+        if reason is CancelReason.DRAIN:
+            failure = Failure(ErrorKind.UNAVAILABLE, "the server is shutting down; retry the request", usage, True)
+            return self._fail(failure, now, status=MessageStatus.INTERRUPTED)
+        if reason is not None:
+            return self._finish(Finish(StopReason.CANCELLED, usage), now)
+        return self._fail(Failure(ErrorKind.API_ERROR, "generation stopped unexpectedly", usage, True), now)
+
+    # -- the chain -----------------------------------------------------------------------
+
+    def _held(self, index: int) -> bool:
+        """Whether block ``index``'s deltas pass the hold-back (text blocks, with a safety stage)."""
+        return self._holdback is not None and self._blocks[index].kind is BlockKind.TEXT
+
+    def _block_start(self, start: BlockStart) -> list[WireEvent]:
+        wire = self._text(self._coalescer.flush())
+        assert start.index == len(self._blocks) and self._open is None, f"block {start.index} out of order"
+        self._blocks.append(_Block(start.kind, start.name, start.call_id))
+        self._open = start.index
+        self._generating()
+        return [*wire, *render(self.renderer, start)]
+
+    def _delta(self, delta: BlockDelta, now: float) -> list[WireEvent]:
+        assert delta.index == self._open, f"a delta of block {delta.index}, but block {self._open} is open"
+        self._generating()
+        return self._text(self._coalescer.add(delta.text, delta.tokens, now))
+
+    def _block_stop(self, stop: BlockStop) -> list[WireEvent]:
+        assert stop.index == self._open, f"block {stop.index} stops, but block {self._open} is open"
+        wire = self._text(self._coalescer.flush())
+        self._open = None
+        return [*wire, *render(self.renderer, stop)]
+
+    def _text(self, text: str | None) -> list[WireEvent]:
+        """Text out of the coalescer into the open block, and its wire events."""
+        if not text:
+            return []
+        assert self._open is not None
+        self._blocks[self._open].parts.append(text)
+        self._released = True
+        return render(self.renderer, BlockDelta(self._open, text))
+
+    def _generating(self) -> None:
+        if self.status is MessageStatus.QUEUED:
+            self.status = advance(self.status, MessageStatus.GENERATING)
+
+    def _close_blocks(self) -> list[WireEvent]:
+        """Before a Finish: release the coalescer's text and stop the open block; an empty text
+        block when the message has none (the order ``core/events.py`` guarantees; the runner's
+        own Finish comes with its blocks closed, a cancel or a refusal may not)."""
+        wire = self._text(self._coalescer.flush())
+        if self._open is not None:
+            wire += render(self.renderer, BlockStop(self._open))
+            self._open = None
+        if not self._blocks:
+            self._blocks.append(_Block(BlockKind.TEXT, "", ""))
+            wire += render(self.renderer, BlockStart(0, BlockKind.TEXT))
+            wire += render(self.renderer, BlockStop(0))
+        return wire
+
+    def _finish(self, finish: Finish, now: float) -> Step:
+        self._require_move("finish")
+        wire = self._close_blocks()
+        self.usage = finish.usage
+        self.stop_reason = finish.stop_reason
+        self.stop_sequence = finish.stop_sequence
+        cancelled = finish.stop_reason is StopReason.CANCELLED
+        self.status = advance(self.status, MessageStatus.CANCELLED if cancelled else MessageStatus.COMPLETE)
+        wire += render(self.renderer, finish)
+        return self._end(wire, End(LogState.FINISHED, finish), now)
+
+    def _fail(
+        self, failure: Failure, now: float, *, status: MessageStatus = MessageStatus.FAILED
+    ) -> Step:
+        self._require_move("fail")
+        wire = self._text(self._coalescer.flush())
+        self.usage = failure.usage
+        self.status = advance(self.status, status)
+        self.error = failure.message
+        wire += render(self.renderer, failure)
+        return self._end(wire, End(LogState.FAILED, failure), now)
+
+    def _end(self, wire: list[WireEvent], end: End, now: float) -> Step:
+        step = self._step(wire, now)
+        self._ended = True
+        return attrs.evolve(step, persist=self.snapshot(), end=end)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _step(self, wire: list[WireEvent], now: float) -> Step:
+        """Encode ``wire``; a snapshot when the status changed, or when text was released and
+        ``persist_seconds`` have passed since the last snapshot."""
+        released, self._released = self._released, False
+        persist = None
+        if self.status is not self._persisted_status or (released and now - self._persisted_at >= self.persist_seconds):
+            self._persisted_status = self.status
+            if released:
+                self._persisted_at = now
+            persist = self.snapshot()
+        return Step(entries=self._encode(wire), released=released, persist=persist)
+
+    def _encode(self, wire: list[WireEvent]) -> tuple[bytes, ...]:
+        out = []
+        for ev in wire:
+            retry, self.retry_ms = self.retry_ms, None  # the reconnection hint rides on the first entry
+            out.append(encode_event(ev.data, event=ev.event, id=format_event_id(self.message_id, self._seq),
+                                    retry=retry))
+            self._seq += 1
+        return tuple(out)
+
+    def _require_move(self, move: str) -> None:
+        if self._ended:
+            raise RuntimeError(f"Producer.{move} after the message ended")
+        if self._pending is not None:
+            raise RuntimeError(f"Producer.{move}: a safety check awaits its verdict")
