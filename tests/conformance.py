@@ -79,6 +79,7 @@ class Seen:
         resumed: the stream started after a ``Last-Event-ID`` (it may start inside a block).
         open_block: while reading an Anthropic stream, the open block's index (-1: none open;
             None: not known yet, in a resumed stream).
+        next_block: the index the next Anthropic block must have (None: not known yet, resumed).
         json_deltas: how many argument fragments came (Anthropic ``input_json_delta`` events,
             OpenAI ``tool_calls`` deltas after a call's first).
     """
@@ -93,6 +94,7 @@ class Seen:
     events: list[Any] = attrs.Factory(list)
     resumed: bool = False
     open_block: int | None = None
+    next_block: int | None = None
     json_deltas: int = 0
 
 
@@ -114,9 +116,9 @@ def _anthropic_event(data: dict[str, Any], name: str, seen: Seen, first: bool) -
             assert event.message.content == [], event
         case "content_block_start":
             # blocks are numbered 0, 1, 2 ... in order, text and tool_use alike
-            assert event.index == len(seen.blocks) or (seen.resumed and not seen.blocks), (event, seen.blocks)
+            assert seen.next_block in (event.index, None), (event, seen.next_block)
             seen.blocks.append(event.content_block.type)
-            seen.open_block = event.index
+            seen.open_block, seen.next_block = event.index, event.index + 1
             if event.content_block.type == "tool_use":
                 assert event.content_block.input == {}, event  # the arguments come as input_json_delta
                 assert event.content_block.id.startswith("toolu_"), event
@@ -169,6 +171,8 @@ def _openai_call_delta(call: Any, seen: Seen) -> None:
     """A call's first delta has its index (the next one), ``id``, ``type`` and ``function.name``
     and ``arguments: ""``; later deltas only the index and an arguments fragment."""
     assert call.function is not None, call
+    while seen.resumed and call.index > len(seen.tool_calls):  # resumed after the earlier calls began
+        seen.tool_calls.append(SeenCall("", ""))
     if call.id is not None:
         assert call.index == len(seen.tool_calls), (call, seen.tool_calls)
         assert call.type == "function" and call.id.startswith("call_") and call.function.name, call
@@ -176,7 +180,7 @@ def _openai_call_delta(call: Any, seen: Seen) -> None:
         seen.tool_calls.append(SeenCall(call.id, call.function.name))
         return
     assert call.type is None and call.function.name is None and call.function.arguments, call
-    while seen.resumed and call.index >= len(seen.tool_calls):  # resumed inside a call
+    if seen.resumed and call.index == len(seen.tool_calls):  # resumed inside a call
         seen.tool_calls.append(SeenCall("", ""))
     assert call.index == len(seen.tool_calls) - 1, (call, seen.tool_calls)  # fragments of the latest call
     seen.tool_calls[call.index].arguments += call.function.arguments
@@ -198,7 +202,7 @@ def check_stream(surface: str, raw: bytes, *, resumed: bool = False, complete: b
     sdk = list(DECODERS[surface]().iter_bytes(iter([raw])))
     ours = SSEParser().feed(raw)
     assert [(e.event or "message", e.data) for e in sdk] == [(e.event, e.data) for e in ours]
-    seen = Seen(resumed=resumed, open_block=None if resumed else -1)
+    seen = Seen(resumed=resumed, open_block=None if resumed else -1, next_block=None if resumed else 0)
     for i, event in enumerate(ours):
         assert event.data, f"event {i} has no data: an SDK would parse it as an empty JSON document"
         assert event.id is not None, f"event {i} has no id: the stream could not resume after it"

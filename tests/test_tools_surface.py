@@ -600,7 +600,7 @@ def test_anthropic_tool_use_wire_shape():
 
 
 def test_openai_tool_call_wire_shape():
-    chunks = [json.loads(e.data) for e in SSEParser().feed(wire_bytes("openai", TEXT_THEN_TWO_CALLS))][:-1]
+    chunks = [json.loads(e.data) for e in SSEParser().feed(wire_bytes("openai", TEXT_THEN_TWO_CALLS))[:-1]]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     calls_ = [d["tool_calls"] for d in deltas if "tool_calls" in d]
     assert calls_[0] == [{"index": 0, "id": "call_" + CALL_A, "type": "function",
@@ -660,8 +660,9 @@ def test_resuming_inside_a_tool_call_continues_the_arguments(surface):
         assert first.text + second.text == whole.text
         joined = [*first.tool_calls]
         for i, call in enumerate(second.tool_calls):
-            if i == 0 and not call.call_id and joined:  # the rest of the call the head began
-                joined[-1] = attrs.evolve(joined[-1], arguments=joined[-1].arguments + call.arguments)
+            if not call.call_id:  # more of a call the head began: OpenAI's by index, Anthropic's the last
+                j = i if surface == "openai" else len(joined) - 1
+                joined[j] = attrs.evolve(joined[j], arguments=joined[j].arguments + call.arguments)
             else:
                 joined.append(call)
         assert [c.value() for c in joined] == [c.value() for c in whole.tool_calls], cut
