@@ -8,12 +8,14 @@ The parser tests call ``parse_request`` on plain dicts (no server); the renderer
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 from typing import Any
 
 import attrs
 import httpx
 import pytest
+import trio
 
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import (
@@ -40,7 +42,8 @@ from ringserve.core.sse import SSEParser, encode_event
 from ringserve.surfaces.anthropic import AnthropicSurface
 from ringserve.surfaces.base import MAX_TOOLS, MessageResult, dumps, render
 from ringserve.surfaces.openai import OpenAISurface
-from tests.conformance import check_answer, check_stream
+from tests.conformance import check_answer, check_stream, stream_bytes
+from tests.conftest import fake_config, running_server
 
 ANTHROPIC = AnthropicSurface()
 OPENAI = OpenAISurface()
@@ -452,7 +455,6 @@ async def test_count_tokens_equals_the_usage_of_the_same_request(fake_server, ex
 
 async def test_count_tokens_through_the_sdk(fake_server):
     import anthropic
-    import trio
 
     state, _client = fake_server
 
@@ -711,3 +713,163 @@ def test_openai_sdk_stream_helper_parses_tool_calls():
     parsed = [(c.function.name, c.function.parsed_arguments) for c in choice.message.tool_calls]
     assert parsed == [WEATHER, ("get_time", {})]
     assert choice.message.tool_calls[0].id == "call_" + CALL_A
+
+
+# -- end to end on the fake engine, through the SDKs (needs the tool-use engine, issue 14) -----------
+
+needs_engine = pytest.mark.skipif(
+    importlib.util.find_spec("ringserve.core.toolcalls") is None,
+    reason="needs the tool-use engine (grammars, the tool-call parser): issue 14's engine branch",
+)
+
+
+@pytest.fixture
+async def unbatched_server(tmp_path):
+    """A fake-engine server that flushes every delta (so arguments arrive in several fragments)."""
+    async with running_server(fake_config(tmp_path, stream={"flush_ms": 0.0})) as state:
+        async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+            yield state, client
+
+
+def _valid(schema: dict[str, Any], value: Any) -> bool:
+    import jsonschema
+
+    return jsonschema.Draft202012Validator(schema).is_valid(value)
+
+
+@needs_engine
+async def test_anthropic_sdk_forced_tool_call_then_tool_result(unbatched_server):
+    """The issue's Anthropic test on the fake engine: a forced tool, streamed through the SDK."""
+    import anthropic
+
+    state, client = unbatched_server
+    request = {"model": "any", "max_tokens": 256, "messages": [{"role": "user", "content": "weather in Paris?"}],
+               "tools": [A_WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}
+
+    def run() -> tuple[Any, Any]:
+        sdk = anthropic.Anthropic(base_url=state.urls[0], api_key="unused", max_retries=0)
+        with sdk.messages.stream(**request) as stream:
+            final = stream.get_final_message()
+        call = final.content[-1]
+        second = sdk.messages.create(**{**request, "tool_choice": {"type": "auto"}, "messages": [
+            *request["messages"],
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in final.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "21 C"}]},
+        ]})
+        return final, second
+
+    final, second = await trio.to_thread.run_sync(run)
+    call = final.content[-1]
+    assert call.type == "tool_use" and call.name == "get_weather" and final.stop_reason == "tool_use"
+    assert _valid(WEATHER_SCHEMA, call.input)
+    assert second.stop_reason == "end_turn" and second.content[0].type == "text" and second.content[0].text
+    # the raw stream: every event valid, several fragments that join to that input
+    resp, raw = await stream_bytes(client, "POST", "/v1/messages", json={**request, "stream": True})
+    seen = check_stream("anthropic", raw)
+    assert seen.json_deltas >= 2 and seen.stop_reason == "tool_use"
+    assert [json.loads(c.arguments) for c in seen.tool_calls] == [call.input]  # the fake is deterministic
+    answered = check_answer("anthropic", await client.post("/v1/messages", json=request))
+    assert [c.value()[1:] for c in answered.tool_calls] == [c.value()[1:] for c in seen.tool_calls]
+
+
+@needs_engine
+async def test_openai_sdk_required_tools_and_parse(unbatched_server):
+    import openai
+    import pydantic
+
+    class Weather(pydantic.BaseModel):
+        city: str
+        unit: str
+
+    state, client = unbatched_server
+    tools = [O_WEATHER, {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"],
+        "additionalProperties": False}}}]
+    request = {"model": "any", "messages": [{"role": "user", "content": "weather and time in Paris?"}],
+               "tools": tools, "tool_choice": "required", "parallel_tool_calls": True, "max_tokens": 256}
+
+    def run() -> tuple[Any, Any]:
+        sdk = openai.OpenAI(base_url=state.urls[0] + "/v1", api_key="unused", max_retries=0)
+        with sdk.chat.completions.stream(**request) as stream:
+            final = stream.get_final_completion()
+        parsed = sdk.chat.completions.parse(model="any", messages=[{"role": "user", "content": "Paris?"}],
+                                            response_format=Weather, max_tokens=256)
+        return final, parsed
+
+    final, parsed = await trio.to_thread.run_sync(run)
+    (choice,) = final.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for call in choice.message.tool_calls:
+        assert call.id.startswith("call_") and _valid(schemas[call.function.name], call.function.parsed_arguments)
+    assert isinstance(parsed.choices[0].message.parsed, Weather)
+    resp, raw = await stream_bytes(client, "POST", "/v1/chat/completions", json={**request, "stream": True})
+    seen = check_stream("openai", raw)
+    answered = check_answer("openai", await client.post("/v1/chat/completions", json=request))
+    assert seen.stop_reason == answered.stop_reason == "tool_calls"
+    assert [c.value()[1:] for c in seen.tool_calls] == [c.value()[1:] for c in answered.tool_calls]
+
+
+@needs_engine
+async def test_anthropic_sdk_messages_parse(unbatched_server):
+    import anthropic
+    import pydantic
+
+    class Colours(pydantic.BaseModel):
+        names: list[str]
+
+    state, _client = unbatched_server
+
+    def run() -> Any:
+        sdk = anthropic.Anthropic(base_url=state.urls[0], api_key="unused", max_retries=0)
+        return sdk.messages.parse(model="any", max_tokens=256, output_format=Colours,
+                                  messages=[{"role": "user", "content": "three colours"}])
+
+    message = await trio.to_thread.run_sync(run)
+    assert isinstance(message.parsed_output, Colours)
+
+
+@needs_engine
+@pytest.mark.parametrize("surface", ["anthropic", "openai"])
+async def test_resume_inside_a_tool_call_is_byte_identical(unbatched_server, surface):
+    """Cut the stream after each event of the call; a resume gives exactly the bytes that followed."""
+    _state, client = unbatched_server
+    if surface == "anthropic":
+        path, request = "/v1/messages", {"model": "any", "max_tokens": 256, "tools": [A_WEATHER],
+                                         "tool_choice": {"type": "any"}}
+    else:
+        path, request = "/v1/chat/completions", {"model": "any", "max_tokens": 256, "tools": [O_WEATHER],
+                                                 "tool_choice": "required"}
+    request["messages"] = [{"role": "user", "content": "weather?"}]
+    resp, raw = await stream_bytes(client, "POST", path, json={**request, "stream": True})
+    message_id = resp.headers["X-Message-Id"]
+    events = SSEParser().feed(raw)
+    whole = check_stream(surface, raw)
+    assert whole.tool_calls and whole.json_deltas >= 2
+    for event in events[1:-2]:
+        resumed, rest = await stream_bytes(client, "GET", f"/v1/messages/{message_id}/stream",
+                                           headers={"Last-Event-ID": event.id})
+        assert resumed.status_code == 200
+        assert raw.endswith(rest) and raw[: len(raw) - len(rest)].endswith(b"\n\n")
+        check_stream(surface, rest, resumed=True)
+    stored = (await client.get(f"/v1/messages/{message_id}")).json()
+    assert json.dumps(whole.tool_calls[0].call_id) in json.dumps(stored)  # GET shows the tool call
+
+
+@needs_engine
+@pytest.mark.parametrize("surface", ["anthropic", "openai"])
+async def test_an_idempotent_retry_returns_the_tool_calls(unbatched_server, surface):
+    _state, client = unbatched_server
+    if surface == "anthropic":
+        path, request = "/v1/messages", {"model": "any", "max_tokens": 256, "tools": [A_WEATHER],
+                                         "tool_choice": {"type": "tool", "name": "get_weather"}}
+    else:
+        path, request = "/v1/chat/completions", {"model": "any", "max_tokens": 256, "tools": [O_WEATHER],
+                                                 "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    request["messages"] = [{"role": "user", "content": "weather?"}]
+    headers = {"Idempotency-Key": f"tools-{surface}"}
+    first = await client.post(path, json=request, headers=headers)
+    again = await client.post(path, json=request, headers=headers)
+    assert first.status_code == again.status_code == 200
+    assert first.json() == again.json()
+    assert check_answer(surface, again).tool_calls

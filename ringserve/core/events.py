@@ -31,8 +31,8 @@ class StopReason(enum.StrEnum):
     (``model_context_window_exceeded`` / ``length``); ``STOP_SEQUENCE`` is a
     caller's stop string (``stop_sequence`` / ``stop``); ``CANCELLED`` is a
     cancel or abort; ``REFUSAL`` is the safety stage (``refusal`` /
-    ``content_filter``); ``TOOL_USE`` is a turn that ended with tool calls
-    for the client to run (``tool_use`` / ``tool_calls``).
+    ``content_filter``); ``TOOL_USE`` is a reply that ended after tool calls
+    (``tool_use`` / ``tool_calls``).
     """
 
     END = "end"
