@@ -36,13 +36,18 @@ LONG = "Write a very long story about a dragon who learns to cook. Use many chap
 GREEDY = {"temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def small_ctx_server(tmp_path_factory: pytest.TempPathFactory):
-    cfg = tmp_path_factory.mktemp("small_ctx") / "config.toml"
-    cfg.write_text(f'[engine]\nslots = 2\nctx_per_slot = {CTX}\n[store]\npath = "{cfg.parent / "s.sqlite3"}"\n')
+def _server(tmp_path_factory: pytest.TempPathFactory, name: str, slots: int, ctx: int):
+    """A real-model server process with ``slots`` slots of ``ctx`` tokens, until the module ends."""
+    cfg = tmp_path_factory.mktemp(name) / "config.toml"
+    cfg.write_text(f'[engine]\nslots = {slots}\nctx_per_slot = {ctx}\n[store]\npath = "{cfg.parent / "s.sqlite3"}"\n')
     server = ServerProcess(["--config", str(cfg)])
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def small_ctx_server(tmp_path_factory: pytest.TempPathFactory):
+    yield from _server(tmp_path_factory, "small_ctx", 2, CTX)
 
 
 def test_anthropic_sdk_16384_max_tokens_ends_model_context_window_exceeded(small_ctx_server):
@@ -81,13 +86,15 @@ def test_openai_sdk_max_tokens_over_the_context_ends_with_length(small_ctx_serve
 PROMPT = "Name three colours."
 
 
+def _agent_model(surface: str, url: str):
+    if surface == "anthropic":
+        return AnthropicModel("claude-sonnet-4-5", provider=AnthropicProvider(base_url=url, api_key="unused"))
+    return OpenAIChatModel("gpt-4o", provider=OpenAIProvider(base_url=url + "/v1", api_key="unused"))
+
+
 @pytest.fixture(params=["anthropic", "openai"])
 def agent_model(request, small_ctx_server):
-    if request.param == "anthropic":
-        provider = AnthropicProvider(base_url=small_ctx_server.url, api_key="unused")
-        return AnthropicModel("claude-sonnet-4-5", provider=provider)
-    provider = OpenAIProvider(base_url=small_ctx_server.url + "/v1", api_key="unused")
-    return OpenAIChatModel("gpt-4o", provider=provider)
+    return _agent_model(request.param, small_ctx_server.url)
 
 
 def test_pydantic_ai_agent_run(agent_model):
@@ -125,20 +132,12 @@ needs_tools_engine = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def tools_server(tmp_path_factory: pytest.TempPathFactory):
-    cfg = tmp_path_factory.mktemp("tools") / "config.toml"
-    cfg.write_text(f'[engine]\nslots = 1\nctx_per_slot = {TOOLS_CTX}\n[store]\npath = "{cfg.parent / "s.sqlite3"}"\n')
-    server = ServerProcess(["--config", str(cfg)])
-    yield server
-    server.stop()
+    yield from _server(tmp_path_factory, "tools", 1, TOOLS_CTX)
 
 
 @pytest.fixture(params=["anthropic", "openai"])
 def tool_agent_model(request, tools_server):
-    if request.param == "anthropic":
-        provider = AnthropicProvider(base_url=tools_server.url, api_key="unused")
-        return AnthropicModel("claude-sonnet-4-5", provider=provider)
-    provider = OpenAIProvider(base_url=tools_server.url + "/v1", api_key="unused")
-    return OpenAIChatModel("gpt-4o", provider=provider)
+    return _agent_model(request.param, tools_server.url)
 
 
 @pytest.mark.skip(reason="the bundled model does not call a tool by itself: with tool_choice auto it answered"

@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 import httpx
+import pydantic
 import pytest
 import trio
 
@@ -144,25 +145,31 @@ def test_anthropic_output_config_format():
         assert anthropic_request(output_config=neutral).output == OutputFormat()
 
 
+class Colours(pydantic.BaseModel):
+    names: list[str]
+
+
+def mock_client(module: Any, status: int, **answer: Any) -> tuple[Any, list[dict[str, Any]]]:
+    """A ``module.Client`` (``httpx``, or ``httpx2``, the anthropic SDK's fork) that answers every
+    request with ``module.Response(status, **answer)`` and records the JSON bodies sent."""
+    sent: list[dict[str, Any]] = []
+
+    def handler(request: Any) -> Any:
+        sent.append(json.loads(request.content))
+        return module.Response(status, **answer)
+
+    return module.Client(transport=module.MockTransport(handler)), sent
+
+
 def test_anthropic_sdk_parse_sends_output_config_format():
     """What ``messages.parse(output_format=Model)`` puts on the wire (anthropic 2.14), parsed."""
     import anthropic
     import httpx2  # the anthropic SDK's own httpx fork
-    import pydantic
 
-    class Colours(pydantic.BaseModel):
-        names: list[str]
-
-    sent: list[dict[str, Any]] = []
-
-    def handler(request: httpx2.Request) -> httpx2.Response:
-        sent.append(json.loads(request.content))
-        return httpx2.Response(400, json={"type": "error", "error": {"type": "invalid_request_error", "message": "x"}})
-
-    for parse in ("messages", "beta"):
-        client = anthropic.Anthropic(api_key="k", base_url="http://test", max_retries=0,
-                                     http_client=httpx2.Client(transport=httpx2.MockTransport(handler)))
-        api = client.messages if parse == "messages" else client.beta.messages
+    error = {"type": "error", "error": {"type": "invalid_request_error", "message": "x"}}
+    http, sent = mock_client(httpx2, 400, json=error)
+    client = anthropic.Anthropic(api_key="k", base_url="http://test", max_retries=0, http_client=http)
+    for api in (client.messages, client.beta.messages):
         with pytest.raises(anthropic.BadRequestError):
             api.parse(model="m", max_tokens=16, messages=[{"role": "user", "content": "hi"}], output_format=Colours)
     for body in sent:
@@ -311,22 +318,11 @@ def test_openai_response_formats():
 
 def test_openai_sdk_parse_sends_response_format_json_schema():
     """What ``chat.completions.parse(response_format=Model)`` sends (openai 3.57), parsed."""
-    import httpx
     import openai
-    import pydantic
 
-    class Colours(pydantic.BaseModel):
-        names: list[str]
-
-    sent: list[dict[str, Any]] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        sent.append(json.loads(request.content))
-        return httpx.Response(400, json={"error": {"message": "x", "type": "invalid_request_error",
-                                                   "param": None, "code": None}})
-
-    client = openai.OpenAI(api_key="k", base_url="http://test/v1", max_retries=0,
-                           http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+    error = {"error": {"message": "x", "type": "invalid_request_error", "param": None, "code": None}}
+    http, sent = mock_client(httpx, 400, json=error)
+    client = openai.OpenAI(api_key="k", base_url="http://test/v1", max_retries=0, http_client=http)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.parse(model="m", messages=[{"role": "user", "content": "hi"}],
                                       response_format=Colours)
@@ -670,11 +666,8 @@ def test_resuming_inside_a_tool_call_continues_the_arguments(surface):
         assert [c.value() for c in joined] == [c.value() for c in whole.tool_calls], cut
 
 
-def _sse_transport(module: Any, raw: bytes) -> Any:
-    def handler(request: Any) -> Any:
-        return module.Response(200, content=raw, headers={"content-type": "text/event-stream"})
-
-    return module.Client(transport=module.MockTransport(handler))
+def _sse_client(module: Any, raw: bytes) -> Any:
+    return mock_client(module, 200, content=raw, headers={"content-type": "text/event-stream"})[0]
 
 
 def test_anthropic_sdk_stream_helper_accumulates_tool_use():
@@ -683,7 +676,7 @@ def test_anthropic_sdk_stream_helper_accumulates_tool_use():
     import httpx2
 
     client = anthropic.Anthropic(api_key="k", base_url="http://test", max_retries=0,
-                                 http_client=_sse_transport(httpx2, wire_bytes("anthropic", TEXT_THEN_TWO_CALLS)))
+                                 http_client=_sse_client(httpx2, wire_bytes("anthropic", TEXT_THEN_TWO_CALLS)))
     with client.messages.stream(model="m", max_tokens=64, messages=[{"role": "user", "content": "hi"}],
                                 tools=[A_WEATHER, A_TIME], tool_choice={"type": "any"}) as stream:
         kinds = [event.type for event in stream]
@@ -702,7 +695,7 @@ def test_openai_sdk_stream_helper_parses_tool_calls():
                                                           "parameters": {"type": "object", "properties": {},
                                                                          "additionalProperties": False}}}]
     client = openai.OpenAI(api_key="k", base_url="http://test/v1", max_retries=0,
-                           http_client=_sse_transport(httpx, wire_bytes("openai", TEXT_THEN_TWO_CALLS)))
+                           http_client=_sse_client(httpx, wire_bytes("openai", TEXT_THEN_TWO_CALLS)))
     with client.chat.completions.stream(model="m", messages=[{"role": "user", "content": "hi"}],
                                         tools=tools) as stream:
         kinds = [event.type for event in stream]
@@ -775,7 +768,6 @@ async def test_anthropic_sdk_forced_tool_call_then_tool_result(unbatched_server)
 @needs_engine
 async def test_openai_sdk_required_tools_and_parse(unbatched_server):
     import openai
-    import pydantic
 
     class Weather(pydantic.BaseModel):
         city: str
@@ -813,10 +805,6 @@ async def test_openai_sdk_required_tools_and_parse(unbatched_server):
 @needs_engine
 async def test_anthropic_sdk_messages_parse(unbatched_server):
     import anthropic
-    import pydantic
-
-    class Colours(pydantic.BaseModel):
-        names: list[str]
 
     state, _client = unbatched_server
 
@@ -829,18 +817,22 @@ async def test_anthropic_sdk_messages_parse(unbatched_server):
     assert isinstance(message.parsed_output, Colours)
 
 
+def forced_weather(surface: str) -> tuple[str, dict[str, Any]]:
+    """(path, body) of a request that must call get_weather, on ``surface``."""
+    if surface == "anthropic":
+        path, choice, tools = "/v1/messages", {"type": "tool", "name": "get_weather"}, [A_WEATHER]
+    else:
+        path, choice, tools = "/v1/chat/completions", {"type": "function", "function": {"name": "get_weather"}}, [O_WEATHER]
+    return path, {"model": "any", "max_tokens": 256, "tools": tools, "tool_choice": choice,
+                  "messages": [{"role": "user", "content": "weather?"}]}
+
+
 @needs_engine
 @pytest.mark.parametrize("surface", ["anthropic", "openai"])
 async def test_resume_inside_a_tool_call_is_byte_identical(unbatched_server, surface):
     """Cut the stream after each event of the call; a resume gives exactly the bytes that followed."""
     _state, client = unbatched_server
-    if surface == "anthropic":
-        path, request = "/v1/messages", {"model": "any", "max_tokens": 256, "tools": [A_WEATHER],
-                                         "tool_choice": {"type": "any"}}
-    else:
-        path, request = "/v1/chat/completions", {"model": "any", "max_tokens": 256, "tools": [O_WEATHER],
-                                                 "tool_choice": "required"}
-    request["messages"] = [{"role": "user", "content": "weather?"}]
+    path, request = forced_weather(surface)
     resp, raw = await stream_bytes(client, "POST", path, json={**request, "stream": True})
     message_id = resp.headers["X-Message-Id"]
     events = SSEParser().feed(raw)
@@ -860,13 +852,7 @@ async def test_resume_inside_a_tool_call_is_byte_identical(unbatched_server, sur
 @pytest.mark.parametrize("surface", ["anthropic", "openai"])
 async def test_an_idempotent_retry_returns_the_tool_calls(unbatched_server, surface):
     _state, client = unbatched_server
-    if surface == "anthropic":
-        path, request = "/v1/messages", {"model": "any", "max_tokens": 256, "tools": [A_WEATHER],
-                                         "tool_choice": {"type": "tool", "name": "get_weather"}}
-    else:
-        path, request = "/v1/chat/completions", {"model": "any", "max_tokens": 256, "tools": [O_WEATHER],
-                                                 "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
-    request["messages"] = [{"role": "user", "content": "weather?"}]
+    path, request = forced_weather(surface)
     headers = {"Idempotency-Key": f"tools-{surface}"}
     first = await client.post(path, json=request, headers=headers)
     again = await client.post(path, json=request, headers=headers)

@@ -54,6 +54,7 @@ from ringserve.surfaces.base import (
     text_block,
     text_content,
     json_schema,
+    optional,
     tool_choice,
     tool_list,
     tool_name,
@@ -401,9 +402,7 @@ def _tool_result(block: dict[str, Any], where: str, ids: CallIds) -> ChatMessage
     call_id = ids.result(block.get("tool_use_id"), f"{where}.tool_use_id", "messages")
     content = block.get("content")
     text = "" if content is None else text_content(content, f"{where}.content", TEXT_BLOCK_FIELDS, param="messages")
-    is_error = block.get("is_error")
-    if is_error is not None and not isinstance(is_error, bool):
-        raise invalid(f"{where}.is_error: must be a boolean", param="messages")
+    is_error = optional(block.get("is_error"), bool, f"{where}.is_error", "messages")
     return ChatMessage("tool", text, tool_call_id=call_id, is_error=bool(is_error))
 
 
@@ -416,26 +415,18 @@ def _tool(raw: dict[str, Any], where: str) -> ToolSpec:
             param="tools",
         )
     TOOL_FIELDS.check(raw, where, param="tools")
-    description = raw.get("description")
-    if description is not None and not isinstance(description, str):
-        raise invalid(f"{where}.description: must be a string", param="tools")
-    strict = raw.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise invalid(f"{where}.strict: must be a boolean", param="tools")
     return ToolSpec(
         name=tool_name(raw.get("name"), f"{where}.name", "tools"),
-        description=description or "",
+        description=optional(raw.get("description"), str, f"{where}.description", "tools") or "",
         parameters=json_schema(raw.get("input_schema"), f"{where}.input_schema", "tools", arguments=True),
-        strict=bool(strict),
+        strict=bool(optional(raw.get("strict"), bool, f"{where}.strict", "tools")),
     )
 
 
 def _tool_choice(value: Any, tools: tuple[ToolSpec, ...]) -> ToolChoice:
     if value is None:
         return ToolChoice()
-    if not isinstance(value, dict):
-        raise invalid("tool_choice: must be an object", param="tool_choice")
-    TOOL_CHOICE_FIELDS.check(value, "tool_choice", param="tool_choice")
+    value = TOOL_CHOICE_FIELDS.object(value, "tool_choice", "tool_choice")
     kind = value.get("type")
     mode = TOOL_CHOICE_MODES.get(kind) if isinstance(kind, str) else None
     if mode is None:
@@ -443,24 +434,18 @@ def _tool_choice(value: Any, tools: tuple[ToolSpec, ...]) -> ToolChoice:
     name = ""
     if mode is ToolChoiceMode.NAMED:
         name = tool_name(value.get("name"), "tool_choice.name", "tool_choice")
-    parallel = value.get("disable_parallel_tool_use")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise invalid("tool_choice.disable_parallel_tool_use: must be a boolean", param="tool_choice")
-    return tool_choice(ToolChoice(mode, name, parallel=not parallel), tools, "tool_choice")
+    serial = optional(value.get("disable_parallel_tool_use"), bool, "tool_choice.disable_parallel_tool_use",
+                      "tool_choice")
+    return tool_choice(ToolChoice(mode, name, parallel=not serial), tools, "tool_choice")
 
 
 def _output(value: Any) -> OutputFormat:
     if value is None:
         return OutputFormat()
-    if not isinstance(value, dict):
-        raise invalid("output_config: must be an object", param="output_config")
-    OUTPUT_CONFIG_FIELDS.check(value, "output_config", param="output_config")
-    fmt = value.get("format")
+    fmt = OUTPUT_CONFIG_FIELDS.object(value, "output_config", "output_config").get("format")
     if fmt is None:
         return OutputFormat()
-    if not isinstance(fmt, dict):
-        raise invalid("output_config.format: must be an object", param="output_config")
-    OUTPUT_FORMAT_FIELDS.check(fmt, "output_config.format", param="output_config")
+    fmt = OUTPUT_FORMAT_FIELDS.object(fmt, "output_config.format", "output_config")
     if fmt.get("type") != "json_schema":
         raise invalid('output_config.format.type: must be "json_schema"', param="output_config")
     schema = json_schema(fmt.get("schema"), "output_config.format.schema", "output_config", arguments=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, assert_never, overload
+from typing import Any, Protocol, TypeVar, assert_never, overload
 
 import attrs
 
@@ -32,6 +32,9 @@ from ringserve.core.events import (
     ToolSpec,
     Usage,
 )
+
+
+T = TypeVar("T")
 
 
 def dumps(obj: Any) -> str:
@@ -208,6 +211,18 @@ class FieldTable:
     ignored: frozenset[str]
     refused: Mapping[str, Refused]
 
+    def object(self, value: Any, where: str, param: str) -> dict[str, Any]:
+        """``value``, a JSON object at ``where`` whose fields :meth:`check` accepts.
+
+        Raises:
+            RingserveError: ``INVALID_REQUEST`` with ``param`` when it is not an object, or as
+                :meth:`check` does.
+        """
+        if not isinstance(value, dict):
+            raise invalid(f"{where}: must be an object", param=param)
+        self.check(value, where, param)
+        return value
+
     def check(self, obj: dict[str, Any], where: str = "", param: str | None = None) -> None:
         """Refuse the fields of ``obj`` that ringserve does not implement.
 
@@ -292,6 +307,16 @@ def get_str(body: dict[str, Any], key: str, *, required: bool = False, default: 
         return default
     if not isinstance(value, str):
         raise invalid(f"{key}: must be a string", param=key)
+    return value
+
+
+_KIND_NAMES: dict[type, str] = {bool: "a boolean", str: "a string"}
+
+
+def optional(value: Any, kind: type[T], where: str, param: str) -> T | None:
+    """``value`` if it is None or a ``kind`` (``bool``, ``str``), else a 400 naming ``where``."""
+    if value is not None and not isinstance(value, kind):
+        raise invalid(f"{where}: must be {_KIND_NAMES[kind]}", param=param)
     return value
 
 

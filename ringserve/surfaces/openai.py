@@ -52,6 +52,7 @@ from ringserve.surfaces.base import (
     text_content,
     arguments_json,
     json_schema,
+    optional,
     tool_choice,
     tool_list,
     tool_name,
@@ -314,16 +315,11 @@ def _message(m: Any, where: str, ids: CallIds) -> ChatMessage:
 
 
 def _call(raw: Any, where: str, ids: CallIds) -> ToolCall:
-    if not isinstance(raw, dict):
-        raise invalid(f"{where}: must be an object", param="messages")
-    if raw.get("type") != "function":
+    if isinstance(raw, dict) and raw.get("type") != "function":
         raise invalid(f"{where}.type: only function tool calls are supported, got {raw.get('type')!r:.80}",
                       param="messages")
-    TOOL_CALL_FIELDS.check(raw, where, param="messages")
-    function = raw.get("function")
-    if not isinstance(function, dict):
-        raise invalid(f"{where}.function: must be an object", param="messages")
-    CALL_FUNCTION_FIELDS.check(function, f"{where}.function", param="messages")
+    raw = TOOL_CALL_FIELDS.object(raw, where, "messages")
+    function = CALL_FUNCTION_FIELDS.object(raw.get("function"), f"{where}.function", "messages")
     return ToolCall(
         call_id=ids.call(raw.get("id"), f"{where}.id", "messages"),
         name=tool_name(function.get("name"), f"{where}.function.name", "messages"),
@@ -336,24 +332,16 @@ def _tool(raw: dict[str, Any], where: str) -> ToolSpec:
         raise invalid(f"{where}.type: only function tools are supported by ringserve, got {raw.get('type')!r:.80}",
                       param="tools")
     TOOL_FIELDS.check(raw, where, param="tools")
-    function = raw.get("function")
-    if not isinstance(function, dict):
-        raise invalid(f"{where}.function: must be an object", param="tools")
-    FUNCTION_FIELDS.check(function, f"{where}.function", param="tools")
-    description = function.get("description")
-    if description is not None and not isinstance(description, str):
-        raise invalid(f"{where}.function.description: must be a string", param="tools")
-    strict = function.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise invalid(f"{where}.function.strict: must be a boolean", param="tools")
+    where = f"{where}.function"
+    function = FUNCTION_FIELDS.object(raw.get("function"), where, "tools")
     parameters = function.get("parameters")
     return ToolSpec(
-        name=tool_name(function.get("name"), f"{where}.function.name", "tools"),
-        description=description or "",
+        name=tool_name(function.get("name"), f"{where}.name", "tools"),
+        description=optional(function.get("description"), str, f"{where}.description", "tools") or "",
         # omitted parameters: a function without arguments, as OpenAI documents
         parameters=dumps({"type": "object", "properties": {}}) if parameters is None
-        else json_schema(parameters, f"{where}.function.parameters", "tools", arguments=True),
-        strict=bool(strict),
+        else json_schema(parameters, f"{where}.parameters", "tools", arguments=True),
+        strict=bool(optional(function.get("strict"), bool, f"{where}.strict", "tools")),
     )
 
 
@@ -368,10 +356,7 @@ def _tool_choice(value: Any, tools: tuple[ToolSpec, ...], *, parallel: bool) -> 
         raise invalid(f"tool_choice.type: only named functions are supported, got {value.get('type')!r:.80}",
                       param="tool_choice")
     TOOL_FIELDS.check(value, "tool_choice", param="tool_choice")
-    function = value.get("function")
-    if not isinstance(function, dict):
-        raise invalid("tool_choice.function: must be an object", param="tool_choice")
-    NAMED_FUNCTION_FIELDS.check(function, "tool_choice.function", param="tool_choice")
+    function = NAMED_FUNCTION_FIELDS.object(value.get("function"), "tool_choice.function", "tool_choice")
     name = tool_name(function.get("name"), "tool_choice.function.name", "tool_choice")
     return tool_choice(ToolChoice(ToolChoiceMode.NAMED, name, parallel), tools, "tool_choice")
 
@@ -379,9 +364,7 @@ def _tool_choice(value: Any, tools: tuple[ToolSpec, ...], *, parallel: bool) -> 
 def _response_format(value: Any) -> OutputFormat:
     if value is None:
         return OutputFormat()
-    if not isinstance(value, dict):
-        raise invalid("response_format: must be an object", param="response_format")
-    RESPONSE_FORMAT_FIELDS.check(value, "response_format", param="response_format")
+    value = RESPONSE_FORMAT_FIELDS.object(value, "response_format", "response_format")
     kind = value.get("type")
     if kind == "text" or kind == "json_object":
         if value.get("json_schema") is not None:
@@ -389,16 +372,11 @@ def _response_format(value: Any) -> OutputFormat:
         return OutputFormat(OutputKind(kind))
     if kind != "json_schema":
         raise invalid('response_format.type: must be "text", "json_object" or "json_schema"', param="response_format")
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict):
-        raise invalid("response_format.json_schema: must be an object", param="response_format")
-    JSON_SCHEMA_FIELDS.check(spec, "response_format.json_schema", param="response_format")
+    spec = JSON_SCHEMA_FIELDS.object(value.get("json_schema"), "response_format.json_schema", "response_format")
     name = spec.get("name")
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise invalid("response_format.json_schema.name: 1 to 64 letters, digits, '_' or '-'", param="response_format")
-    strict = spec.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise invalid("response_format.json_schema.strict: must be a boolean", param="response_format")
+    optional(spec.get("strict"), bool, "response_format.json_schema.strict", "response_format")
     schema = spec.get("schema")
     if schema is None:  # no schema: any JSON object (the format's name alone constrains nothing)
         return OutputFormat(OutputKind.JSON_OBJECT)
