@@ -859,3 +859,95 @@ async def test_an_idempotent_retry_returns_the_tool_calls(unbatched_server, surf
     assert first.status_code == again.status_code == 200
     assert first.json() == again.json()
     assert check_answer(surface, again).tool_calls
+
+
+# -- the issue's SDK tests on the real bundled model (needs the tool-use engine) ------------------------
+
+
+@pytest.fixture(scope="module")
+def model_server(tmp_path_factory):
+    """A real-model server: one slot of 2048 tokens (tool definitions take a few hundred)."""
+    from tests.conftest import ServerProcess
+
+    cfg = tmp_path_factory.mktemp("tools_model") / "config.toml"
+    cfg.write_text(f'[engine]\nslots = 1\nctx_per_slot = 2048\n[store]\npath = "{cfg.parent / "s.sqlite3"}"\n')
+    server = ServerProcess(["--config", str(cfg)])
+    yield server
+    server.stop()
+
+
+@needs_engine
+@pytest.mark.model
+def test_real_anthropic_sdk_forced_tool_stream_then_tool_result(model_server):
+    import anthropic
+
+    sdk = anthropic.Anthropic(base_url=model_server.url, api_key="unused", max_retries=0)
+    request = {"model": "m", "max_tokens": 128, "extra_body": {"temperature": 0}, "tools": [A_WEATHER],
+               "tool_choice": {"type": "tool", "name": "get_weather"},
+               "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}
+    with sdk.messages.stream(**request) as stream:
+        fragments = [e.delta.partial_json for e in stream
+                     if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+        final = stream.get_final_message()
+    call = final.content[-1]
+    assert final.stop_reason == "tool_use" and call.type == "tool_use" and call.name == "get_weather"
+    assert _valid(WEATHER_SCHEMA, call.input)
+    assert len(fragments) >= 2 and json.loads("".join(fragments)) == call.input
+    second = sdk.messages.create(**{**request, "tool_choice": {"type": "auto"}, "messages": [
+        *request["messages"],
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in final.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "21 C, sunny"}]},
+    ]})
+    assert second.content and second.content[0].type == "text" and second.content[0].text.strip()
+
+
+@needs_engine
+@pytest.mark.model
+def test_real_openai_sdk_required_parallel_tools(model_server):
+    import openai
+
+    sdk = openai.OpenAI(base_url=model_server.url + "/v1", api_key="unused", max_retries=0)
+    tools = [O_WEATHER, {"type": "function", "function": {"name": "get_time", "description": "The local time.",
+                                                          "parameters": {"type": "object", "properties": {
+                                                              "city": {"type": "string"}}, "required": ["city"]}}}]
+    with sdk.chat.completions.stream(model="m", temperature=0, max_tokens=200, tools=tools, tool_choice="required",
+                                     parallel_tool_calls=True,
+                                     messages=[{"role": "user", "content": "Weather and time in Oslo?"}]) as stream:
+        final = stream.get_final_completion()
+    (choice,) = final.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for call in choice.message.tool_calls:
+        assert _valid(schemas[call.function.name], json.loads(call.function.arguments))
+    assert len({c.id for c in choice.message.tool_calls}) == len(choice.message.tool_calls)
+
+
+@needs_engine
+@pytest.mark.model
+@pytest.mark.timeout(900)  # 20 grammar-constrained replies on the CPU
+def test_real_openai_sdk_parse_every_run_at_temperature_0_7(model_server):
+    import openai
+
+    class City(pydantic.BaseModel):  # bounded strings (maxLength is enforced), so 128 tokens always suffice
+        name: str = pydantic.Field(max_length=30)
+        country: str = pydantic.Field(max_length=30)
+
+    sdk = openai.OpenAI(base_url=model_server.url + "/v1", api_key="unused", max_retries=0)
+    for run in range(20):
+        answer = sdk.chat.completions.parse(model="m", temperature=0.7, max_tokens=128, response_format=City,
+                                            messages=[{"role": "user", "content": "Name a city and its country."}])
+        assert isinstance(answer.choices[0].message.parsed, City), (run, answer.choices[0].message.content)
+
+
+@needs_engine
+@pytest.mark.model
+@pytest.mark.parametrize("tools", [[], [A_WEATHER, A_TIME]])
+def test_real_count_tokens_equals_the_calls_usage(model_server, tools):
+    import anthropic
+
+    sdk = anthropic.Anthropic(base_url=model_server.url, api_key="unused", max_retries=0)
+    request = {"model": "m", "system": "Answer briefly.", "messages": [{"role": "user", "content": "Hello there"}],
+               **({"tools": tools} if tools else {})}
+    counted = sdk.messages.count_tokens(**request).input_tokens
+    usage = sdk.messages.create(max_tokens=4, **request).usage
+    assert counted == usage.input_tokens + (usage.cache_read_input_tokens or 0)
