@@ -130,7 +130,7 @@ async def cancels(state: Any, setting: str, n: int, slots: int, freed: Freed, rn
                 live = hub.live(mid)
                 if live is None or live.done.is_set():  # it ended before the client left
                     continue
-                sampled_at_close = live.usage.output_tokens
+                sampled_at_close = live.snapshot().usage.output_tokens
                 before = hub.runner.statistics().tokens_after_cancel_total
                 closed = time.perf_counter()
             freed_at, runner_seconds = await freed.next(len(freed.times) + 1)
@@ -140,7 +140,7 @@ async def cancels(state: Any, setting: str, n: int, slots: int, freed: Freed, rn
                 "cancel_to_free_seconds": runner_seconds,
                 "close_to_free_seconds": freed_at - closed,
                 "tokens_after_cancel": hub.runner.statistics().tokens_after_cancel_total - before,
-                "tokens_after_close": live.usage.output_tokens - sampled_at_close,
+                "tokens_after_close": live.snapshot().usage.output_tokens - sampled_at_close,
                 "status": live.status,
             })
         stop.set()

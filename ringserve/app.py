@@ -1,25 +1,29 @@
 """The HTTP shell: quart-trio routes over the hub, the runner and the surfaces.
 
-Handlers parse, submit and stream; policy lives in ``stream/hub.py`` and
-``engine/runner.py``. Errors found before the first byte are answered with an
+Handlers only map decisions to responses: what a generation request gets is
+decided by ``stream/admission.py`` (plain functions of values), the hub and
+``engine/runner.py`` hold the rest of the policy, and every JSON body is
+spelled under ``surfaces/`` (ringserve's own in ``surfaces/ringserve.py``); the
+surface of a request is looked up once (``surfaces/registry.py``). The handlers
+are module functions that read the server's state from ``current_app``;
+:func:`create_app` only registers them (:data:`ROUTES`, ``SURFACES.routes``). Errors found before the first byte are answered with an
 HTTP status and the surface's own error JSON; once a stream has started, errors
 are in-band events written by the producer.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any, cast
+from typing import Any, assert_never, cast
 
 import attrs
 import trio
-from quart import Response, request
+from quart import Response, current_app, request
 from quart.routing import QuartMap
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
@@ -30,26 +34,38 @@ from ringserve.accesslog import AccessRecord
 from ringserve.auth import Authenticator
 from ringserve.config import Config
 from ringserve.connections import SendWatchdog
+from ringserve.core import health as core_health
 from ringserve.core.errors import ErrorKind, RingserveError
-from ringserve.core.events import BlockKind, Usage
-from ringserve.core.limits import ReaderGate, check_request
-from ringserve.core.prefer import parse_prefer
-from ringserve.core.status import FINAL_STATUSES, CancelReason, MessageStatus
+from ringserve.core.events import Usage
+from ringserve.core.limits import ReaderGate
+from ringserve.core.status import FINAL_STATUSES, CancelReason
 from ringserve.messages import StoredMessage, store_failed
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ringserve.metrics import Metrics
-from ringserve.stream.hub import Hub, LiveMessage, StreamEnded, request_hash
-from ringserve.stream.logs import store_unavailable
+from ringserve.stream.admission import (
+    RESPOND_ASYNC,
+    Accepted,
+    Answer,
+    Decision,
+    ReplayStored,
+    RequestHeaders,
+    Refuse,
+    StreamLive,
+    WaitLive,
+    admit,
+    answer,
+    finished,
+    parse_body,
+)
+from ringserve.stream.hub import Hub, LiveMessage, StreamEnded
+from ringserve.stream.logs import MessageLog, store_unavailable
 from ringserve.stream.reader import ReaderLagged
-from ringserve.surfaces.anthropic import AnthropicSurface
-from ringserve.surfaces.base import MessageResult, Surface, dumps
-from ringserve.surfaces.openai import OpenAISurface
+from ringserve.surfaces import ringserve as ringserve_json
+from ringserve.surfaces.base import Surface, dumps
+from ringserve.surfaces.registry import ANTHROPIC, SURFACES
+from ringserve.surfaces.ringserve import MessageStatusView, ModelInfo, StreamToken, message_url
 
 log = logging.getLogger("ringserve")
-
-ANTHROPIC = AnthropicSurface()
-OPENAI = OpenAISurface()
-SURFACES: dict[str, Surface] = {s.name: s for s in (ANTHROPIC, OPENAI)}
 
 #: Response headers of every event stream (C9): no proxy buffering, no caching.
 SSE_HEADERS = {
@@ -58,6 +74,7 @@ SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 _CLEANUPS = "ringserve.cleanups"
+_SURFACE = "ringserve.surface"  # the request's surface, once looked up (request_surface)
 
 
 class ClosingHTTPConnection(TrioASGIHTTPConnection):
@@ -176,8 +193,7 @@ def _access() -> AccessRecord:
 def _error_response(surface: Surface, error: RingserveError) -> Response:
     """The surface's error JSON with the error's status; noted for the access log and metrics."""
     _access().error_kind = error.kind
-    status = getattr(surface, "error_status", lambda e: e.status)(error)
-    resp = Response(dumps(surface.error_json(error)), status, content_type="application/json")
+    resp = Response(dumps(surface.error_json(error)), surface.error_status(error), content_type="application/json")
     if error.retry_after is not None:
         # Retry-After is whole seconds (RFC 9110, section 10.2.3), rounded up so that no client
         # comes back early; both SDKs read the exact value from retry-after-ms first.
@@ -192,360 +208,387 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 
 def message_status_json(msg: LiveMessage | StoredMessage) -> dict[str, Any]:
     """``GET /v1/messages/{id}``: the message's status, text and content blocks (so far, in its
-    surface's shape), stop reason and usage."""
-    if isinstance(msg, LiveMessage):
-        snap = msg.snapshot()
-        surface, blocks, stop_reason, stop_sequence, error = (
-            msg.surface, snap.content, snap.stop_reason, snap.stop_sequence, snap.error)
-        input_tokens, output_tokens = snap.usage.input_tokens, snap.usage.output_tokens
-    else:
-        surface, blocks, stop_reason, stop_sequence, error = (
-            SURFACES[msg.surface], msg.blocks, msg.stop_reason, msg.stop_sequence, msg.error)
-        input_tokens, output_tokens = msg.input_tokens, msg.output_tokens
-    return {
-        "id": msg.id,
-        "object": "ringserve.message",
-        "surface": surface.name,
-        "model": msg.model,
-        "created": msg.created,
-        "status": msg.status.value,
-        "text": "".join(b.text for b in blocks if b.kind is BlockKind.TEXT),
-        "content": surface.content_json(blocks),
-        "stop_reason": None if stop_reason is None else surface.stop_reason(stop_reason),
-        "stop_sequence": stop_sequence,
-        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
-        "error": error,
-        "stream_url": f"/v1/messages/{msg.id}/stream",
-    }
+    surface's shape), stop reason and usage (``surfaces/ringserve.py``)."""
+    match msg:
+        case LiveMessage():
+            snap = msg.snapshot()
+            view = MessageStatusView(msg.id, msg.surface, msg.model, msg.created, msg.status, snap.content,
+                                     snap.stop_reason, snap.stop_sequence, snap.usage, snap.error)
+        case StoredMessage():
+            view = MessageStatusView(msg.id, SURFACES.by_name(msg.surface), msg.model, msg.created, msg.status,
+                                     msg.blocks, msg.stop_reason, msg.stop_sequence,
+                                     Usage(msg.input_tokens, msg.output_tokens), msg.error)
+        case _:
+            assert_never(msg)
+    return ringserve_json.message_status_json(view)
+
+
+def _request_headers() -> RequestHeaders:
+    """The headers that steer a generation request, as values."""
+    headers = request.headers
+    return RequestHeaders(
+        prefer=tuple(headers.getlist("Prefer")),
+        idempotency_key=headers.get("Idempotency-Key"),
+        disconnect_policy=headers.get("Ringserve-Disconnect-Policy"),
+    )
+
+
+def request_surface() -> Surface:
+    """The surface whose error shape answers this request (``Surfaces.for_request``), looked up
+    once per request and kept in its scope."""
+    scope = _extensions(request.scope)
+    surface: Surface | None = scope.get(_SURFACE)
+    if surface is None:
+        message_id = (request.view_args or {}).get("message_id")
+        surface = scope[_SURFACE] = SURFACES.for_request(
+            request.path, {name.lower() for name in request.headers.keys()}, message_id
+        )
+    return surface
+
+
+def _state() -> ServerState:
+    """The server state of the app serving this request."""
+    app = cast(RingserveQuart, current_app)  # a proxy of the app, which is a RingserveQuart
+    return app.ringserve_state
+
+
+def _hub() -> Hub:
+    """The hub, once the model is loaded.
+
+    Raises:
+        RingserveError: ``UNAVAILABLE`` (503, ``Retry-After: 1``) while the model loads.
+    """
+    hub = _state().hub
+    if hub is None:
+        raise RingserveError(ErrorKind.UNAVAILABLE, "the model is still loading", retry_after=1, retryable=True)
+    return hub
+
+
+def _admit_reader(message_readers: int = 0) -> None:
+    """Count this request as a reader of its client until it ends (429 over the limits)."""
+    leave = _state().gate.enter(request.remote_addr or "", message_readers)
+    _extensions(request.scope).setdefault(_CLEANUPS, []).append(leave)
+
+
+def _stream_token(message_id: str) -> StreamToken:
+    token, expires = _state().auth.issue(message_id)
+    return StreamToken(message_id, token, expires)
+
+
+def _sse_response(hub: Hub, log_: MessageLog, after: int | None, message_id: str) -> Response:
+    """``log_`` after ``after`` as an event stream; this request reads it until the connection ends."""
+    metrics = _state().metrics
+    reader = log_.reader()
+    reader.__enter__()
+    released = False
+    truncated: str | None = "disconnected"  # why the connection ended before the terminal event
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            reader.__exit__(None, None, None)
+            if truncated is not None:
+                metrics.stream_truncated(truncated)
+
+    _extensions(request.scope).setdefault(_CLEANUPS, []).append(release)
+
+    async def body() -> AsyncIterator[bytes]:
+        nonlocal truncated
+        try:
+            async with aclosing(hub.stream(log_, after, on_heartbeat=metrics.heartbeat)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            truncated = None
+        except ReaderLagged:
+            # the client resumes with Last-Event-ID and gets a defined answer
+            truncated = "lagged"
+            metrics.slow_reader_disconnected("lagged")
+        finally:
+            release()
+
+    resp = Response(body(), 200, headers={**SSE_HEADERS, "X-Message-Id": message_id})
+    resp.timeout = None
+    return resp
+
+
+async def generate(surface: Surface) -> Response:
+    """``POST`` on ``surface``'s generation route: :func:`admit`, ``Hub.create``, then :func:`respond`."""
+    state = _state()
+    try:
+        hub = _hub()
+        if not hub.logs.available:
+            raise store_unavailable()
+        raw = await request.get_data(cache=True, as_text=False, parse_form_data=False)
+        start = admit(surface, raw, _request_headers(), state.config, state.model_id)
+        if isinstance(start, Refuse):
+            return _error_response(surface, start.error)
+        _admit_reader()
+        msg, _created = await hub.create(
+            surface,
+            start.parsed,
+            body_hash=start.body_hash,
+            request_json=start.request_json,
+            policy=start.policy,
+            idempotency_key=start.idempotency_key,
+        )
+    except RingserveError as exc:
+        return _error_response(surface, exc)
+    _access().message_id = msg.id
+    return await respond(hub, surface, answer(start, msg))
+
+
+async def respond(hub: Hub, surface: Surface, decision: Decision) -> Response:
+    """The response to a started request's :data:`Decision`: the one map from decisions to responses."""
+    match decision:
+        case Refuse():
+            return _error_response(surface, decision.error)
+        case Accepted(message=msg):
+            headers = {"Location": message_url(msg.id), "Preference-Applied": RESPOND_ASYNC, "X-Message-Id": msg.id}
+            return _json(ringserve_json.accepted_json(msg.status, _stream_token(msg.id)), 202, headers)
+        case StreamLive(message=msg):
+            return _sse_response(hub, msg.open_log, None, msg.id)
+        case ReplayStored(message=stored):
+            try:
+                log_, after = await hub.open_log(stored.id, None)  # GONE once the log expired
+            except RingserveError as exc:
+                return _error_response(surface, exc)
+            return _sse_response(hub, log_, after, stored.id)
+        case WaitLive(message=msg):
+            with msg.open_log.reader():  # a reader, so that the abort policy does not fire
+                await msg.done.wait()
+            return await respond(hub, surface, finished(msg))
+        case Answer(result=result):
+            return _json(surface.message_json(result), headers={"X-Message-Id": result.message_id})
+        case _:
+            assert_never(decision)
+
+
+async def authenticate() -> Response | None:
+    """Note the route for the access log; refuse /v1 requests without a valid key (401).
+
+    ``GET /v1/messages/{id}/stream`` also takes ``?stream_token=`` for that
+    message. /health, /ready and /metrics stay open.
+    """
+    if request.url_rule is not None:
+        _access().route = request.url_rule.rule
+    auth = _state().auth
+    if not auth.enabled or not request.path.startswith("/v1/") or auth.request_key_ok(request.headers):
+        return None
+    message = "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"
+    token = request.args.get("stream_token")
+    if request.endpoint == "resume_stream" and token is not None:
+        message_id = (request.view_args or {})["message_id"]  # None only when no route matched
+        if auth.token_ok(token, message_id):
+            return None
+        message = (
+            f"the stream token is invalid, expired or for another message; get a new one with"
+            f" POST /v1/messages/{message_id}/stream_token (with the API key), or send the API key"
+        )
+    resp = _error_response(request_surface(), RingserveError(ErrorKind.AUTHENTICATION, message))
+    resp.headers["WWW-Authenticate"] = 'Bearer realm="ringserve"'
+    return resp
+
+
+async def get_message(message_id: str) -> Response:
+    """``GET /v1/messages/{id}``: ringserve's status of any message (``surfaces/ringserve.py``)."""
+    try:
+        return _json(message_status_json(await _hub().find(message_id)))
+    except RingserveError as exc:
+        return _error_response(request_surface(), exc)
+
+
+async def resume_stream(message_id: str) -> Response:
+    """``GET /v1/messages/{id}/stream``: the stream after ``Last-Event-ID`` (or ``?last_event_id=``)."""
+    record, metrics = _access(), _state().metrics
+    record.message_id, record.resume = message_id, True
+    try:
+        hub = _hub()
+        last = request.headers.get("Last-Event-ID")
+        if last is None:
+            last = request.args.get("last_event_id")
+        log_, after = await hub.open_log(message_id, last or None)
+        _admit_reader(log_.readers)
+    except StreamEnded:  # after the terminal event: 204 makes an EventSource stop reconnecting
+        metrics.resumed("ended")
+        return Response(b"", 204, headers={"X-Message-Id": message_id})
+    except RingserveError as exc:
+        metrics.resumed("expired" if exc.kind is ErrorKind.GONE else "rejected")
+        return _error_response(request_surface(), exc)
+    metrics.resumed("ok")
+    return _sse_response(hub, log_, after, message_id)
+
+
+async def issue_stream_token(message_id: str) -> Response:
+    """A short-lived token that lets ``GET .../stream?stream_token=`` read this one message."""
+    _access().message_id = message_id
+    try:
+        await _hub().find(message_id)
+    except RingserveError as exc:
+        return _error_response(request_surface(), exc)
+    return _json(ringserve_json.stream_token_json(_stream_token(message_id)))
+
+
+async def cancel_message(message_id: str) -> Response:
+    """``POST /v1/messages/{id}/cancel``: cancel it (here or on its replica), answer its status once ended."""
+    try:
+        hub = _hub()
+        msg = await hub.find(message_id)
+        if isinstance(msg, LiveMessage):
+            hub.cancel(msg, CancelReason.REQUESTED)
+            await msg.done.wait()
+        elif msg.status not in FINAL_STATUSES:  # another replica generates it
+            msg = await hub.cancel_elsewhere(msg)
+        return _json(message_status_json(msg))
+    except RingserveError as exc:
+        return _error_response(request_surface(), exc)
+
+
+def _served_model() -> ModelInfo:
+    """The served model (``UNAVAILABLE`` while it loads, without ``Retry-After``)."""
+    state = _state()
+    if state.hub is None:
+        raise RingserveError(ErrorKind.UNAVAILABLE, "the model is still loading")
+    return ModelInfo(state.model_id, state.started)
+
+
+async def models() -> Response:
+    """``GET /v1/models``: the one served model."""
+    try:
+        return _json(ringserve_json.models_json(_served_model()))
+    except RingserveError as exc:
+        return _error_response(request_surface(), exc)
+
+
+async def model(model_id: str) -> Response:
+    """The served model under its own id (and, unless names are strict, under any id)."""
+    try:
+        served = _served_model()
+        if model_id != served.id and _state().config.model.strict_model_name:
+            raise RingserveError(ErrorKind.NOT_FOUND, f"no model {model_id[:100]!r}")
+    except RingserveError as exc:
+        return _error_response(request_surface(), exc)
+    return _json(ringserve_json.model_json(served))
+
+
+async def playground() -> Response:
+    """The playground page (``ringserve/static/``; Quart serves ``/static/app.js`` from there)."""
+    return await current_app.send_static_file("index.html")
+
+
+async def health() -> Response:
+    """503 while the model loads, 200 after (also while draining: the process is alive).
+
+    For an orchestrator's liveness probe give it a start-up delay or a
+    startup probe covering the model load; use ``/ready`` for traffic.
+    """
+    state = _state()
+    hub = state.hub
+    status = core_health.health(loaded=hub is not None, draining=hub is not None and hub.draining)
+    body = ringserve_json.health_json(status, None if hub is None else state.model_id)
+    return _json(body, 503 if status is core_health.Health.LOADING else 200)
+
+
+async def ready() -> Response:
+    """Readiness: 200 once the model is loaded and the decode loop runs; 503 before, while
+    draining, and while the Redis log backend cannot reach Redis."""
+    state = _state()
+    hub = state.hub
+    status = core_health.readiness(
+        loaded=hub is not None,
+        draining=hub is not None and hub.draining,
+        running=hub is not None and hub.runner.running,
+        store_available=hub is not None and hub.logs.available,
+    )
+    return _json(ringserve_json.ready_json(status, state.model_id), 200 if status is core_health.Readiness.READY else 503)
+
+
+async def metrics() -> Response:
+    """Prometheus text format (open, like /health: firewall it if it must stay private)."""
+    return Response(_state().metrics.render(), 200, content_type=METRICS_CONTENT_TYPE)
+
+
+#: HTTP status of a werkzeug error → the kind it is answered as (others: 4xx invalid, 5xx api error).
+_HTTP_KINDS = {404: ErrorKind.NOT_FOUND, 405: ErrorKind.INVALID_REQUEST, 413: ErrorKind.REQUEST_TOO_LARGE}
+
+
+async def http_error(exc: HTTPException) -> Response:
+    """A werkzeug error (no route, wrong method, body too large) in the request's error shape."""
+    code = exc.code or 500
+    kind = _HTTP_KINDS.get(code, ErrorKind.INVALID_REQUEST if code < 500 else ErrorKind.API_ERROR)
+    message = exc.description or exc.name
+    if code == 413:
+        limit = _state().config.server.max_body_bytes
+        message = f"the request body is larger than server.max_body_bytes ({limit} bytes)"
+    resp = _error_response(request_surface(), RingserveError(kind, message))
+    resp.status_code = code
+    return resp
+
+
+async def store_error(exc: sqlite3.DatabaseError) -> Response:
+    log.exception("message store failed on %s %s", request.method, request.path)
+    return _error_response(request_surface(), store_failed(exc))
+
+
+async def internal_error(exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.path)
+    return _error_response(request_surface(), RingserveError(ErrorKind.API_ERROR, "internal server error"))
+
+
+async def count_tokens() -> Response:
+    """``POST /v1/messages/count_tokens``: the prompt the same ``POST /v1/messages`` request would
+    be given, in tokens (system prompt, tools and output format included), which is its usage's
+    ``input_tokens`` plus ``cache_read_input_tokens``. Nothing is generated; a prompt that cannot
+    fit a slot is the same 400 as there."""
+    state = _state()
+    try:
+        hub = _hub()
+        raw = await request.get_data(cache=True, as_text=False, parse_form_data=False)
+        parsed = parse_body(ANTHROPIC.parse_count_tokens, raw, state.config, state.model_id)
+        prepared = await hub.runner.prepare(parsed.request)
+    except RingserveError as exc:
+        return _error_response(ANTHROPIC, exc)
+    return _json(ANTHROPIC.count_tokens_json(len(prepared.prompt_tokens)))
+
+
+#: ``(rule, method, handler)`` of every route but the generation routes (``SURFACES.routes``);
+#: the endpoint is the handler's name.
+ROUTES: tuple[tuple[str, str, Callable[..., Awaitable[Response]]], ...] = (
+    ("/v1/messages/count_tokens", "POST", count_tokens),
+    ("/v1/messages/<message_id>", "GET", get_message),
+    ("/v1/messages/<message_id>/stream", "GET", resume_stream),
+    ("/v1/messages/<message_id>/stream_token", "POST", issue_stream_token),
+    ("/v1/messages/<message_id>/cancel", "POST", cancel_message),
+    ("/v1/models", "GET", models),
+    ("/v1/models/<path:model_id>", "GET", model),
+    ("/", "GET", playground),
+    ("/health", "GET", health),
+    ("/ready", "GET", ready),
+    ("/metrics", "GET", metrics),
+)
+
+
+def _generate_route(surface: Surface) -> Callable[[], Awaitable[Response]]:
+    async def route() -> Response:
+        return await generate(surface)
+
+    return route
 
 
 def create_app(state: ServerState) -> RingserveQuart:
     """Build the quart-trio app for ``state`` (routes listed in README.md)."""
-    config = state.config
     app = RingserveQuart("ringserve")
     app.ringserve_state = state
     # Quart's 60 s RESPONSE_TIMEOUT would cut long streams; bodies are bounded by size instead.
     app.config["RESPONSE_TIMEOUT"] = None
-    app.config["MAX_CONTENT_LENGTH"] = config.server.max_body_bytes
+    app.config["MAX_CONTENT_LENGTH"] = state.config.server.max_body_bytes
     app.config["SEND_FILE_MAX_AGE_DEFAULT"] = None  # the playground's files: no stale app.js after an upgrade
-
-    def hub_or_unavailable() -> Hub:
-        if state.hub is None:
-            raise RingserveError(ErrorKind.UNAVAILABLE, "the model is still loading", retry_after=1, retryable=True)
-        return state.hub
-
-    def sse_response(hub: Hub, log_: Any, after: int | None, headers: dict[str, str] | None = None) -> Response:
-        reader = log_.reader()
-        reader.__enter__()
-        released = False
-        truncated: str | None = "disconnected"  # why the connection ended before the terminal event
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                reader.__exit__(None, None, None)
-                if truncated is not None:
-                    state.metrics.stream_truncated(truncated)
-
-        _extensions(request.scope).setdefault(_CLEANUPS, []).append(release)
-
-        async def body() -> AsyncIterator[bytes]:
-            nonlocal truncated
-            try:
-                async with aclosing(hub.stream(log_, after, on_heartbeat=state.metrics.heartbeat)) as chunks:
-                    async for chunk in chunks:
-                        yield chunk
-                truncated = None
-            except ReaderLagged:
-                # the client resumes with Last-Event-ID and gets a defined answer
-                truncated = "lagged"
-                state.metrics.slow_reader_disconnected("lagged")
-            finally:
-                release()
-
-        resp = Response(body(), 200, headers={**SSE_HEADERS, **(headers or {})})
-        resp.timeout = None
-        return resp
-
-    async def generate(surface: Surface) -> Response:
-        try:
-            hub = hub_or_unavailable()
-            if not hub.logs.available:
-                raise store_unavailable()
-            raw = await request.get_data(cache=True, as_text=False, parse_form_data=False)
-            try:
-                body = json.loads(raw)
-            except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-                raise RingserveError(ErrorKind.INVALID_REQUEST, f"request body is not valid JSON: {exc}") from None
-            parsed = surface.parse_request(body)
-            limits = config.limits
-            check_request(parsed.request, max_messages=limits.max_messages, max_text_chars=limits.max_message_chars)
-            if config.model.strict_model_name and parsed.model and parsed.model != state.model_id:
-                raise RingserveError(ErrorKind.NOT_FOUND, f"model {parsed.model[:100]!r} is not served here", param="model")
-            respond_async = "respond-async" in parse_prefer(",".join(request.headers.getlist("Prefer")))
-            policy = hub.policy_for(
-                surface, respond_async=respond_async, override=request.headers.get("Ringserve-Disconnect-Policy")
-            )
-            admit_reader()
-            msg, _created = await hub.create(
-                surface,
-                parsed,
-                body_hash=request_hash(raw),
-                request_json=raw.decode("utf-8", "replace"),
-                policy=policy,
-                idempotency_key=request.headers.get("Idempotency-Key"),
-            )
-            _access().message_id = msg.id
-            if respond_async:
-                location = f"/v1/messages/{msg.id}"
-                payload = {"id": msg.id, "status": msg.status.value, "url": location, **stream_token_json(msg.id)}
-                headers = {"Location": location, "Preference-Applied": "respond-async", "X-Message-Id": msg.id}
-                return _json(payload, 202, headers)
-            if isinstance(msg, StoredMessage):  # an idempotent retry of a finished message
-                if parsed.stream:
-                    log_, after = await hub.open_log(msg.id, None)  # GONE once the log expired
-                    return sse_response(hub, log_, after, {"X-Message-Id": msg.id})
-                return stored_answer(surface, msg)
-            if parsed.stream:
-                return sse_response(hub, msg.log, None, {"X-Message-Id": msg.id})
-            with msg.open_log.reader():
-                await msg.done.wait()
-            return finished_answer(surface, msg)
-        except RingserveError as exc:
-            return _error_response(surface, exc)
-
-    def finished_answer(surface: Surface, msg: LiveMessage) -> Response:
-        if msg.status in (MessageStatus.FAILED, MessageStatus.INTERRUPTED):  # interrupted: ended by the drain
-            kind = ErrorKind.UNAVAILABLE if msg.cancel_reason is CancelReason.DRAIN else ErrorKind.API_ERROR
-            error = msg.snapshot().error
-            return _error_response(surface, RingserveError(kind, error or "generation failed", retryable=True))
-        return _json(surface.message_json(msg.result()), headers={"X-Message-Id": msg.id})
-
-    def stored_answer(surface: Surface, msg: StoredMessage) -> Response:
-        """A finished message as its surface's JSON (``Hub.create`` generates failed ones again)."""
-        if msg.status not in (MessageStatus.COMPLETE, MessageStatus.CANCELLED):
-            raise RingserveError(ErrorKind.CONFLICT, f"message {msg.id} is {msg.status.value}")
-        result = MessageResult(msg.id, msg.model, msg.created, msg.blocks, msg.stop_reason, msg.stop_sequence,
-                               Usage(msg.input_tokens, msg.output_tokens), cancelled=msg.status is MessageStatus.CANCELLED)
-        return _json(surface.message_json(result), headers={"X-Message-Id": msg.id})
-
-    def surface_of(message_id: str) -> Surface:
-        return OPENAI if message_id.startswith(OPENAI.id_prefix) else ANTHROPIC
-
-    def request_surface() -> Surface:
-        """The surface whose error shape answers this request: by message id; else Anthropic under
-        /v1/messages or with the Anthropic SDK's ``anthropic-version`` header (/v1/models is read by
-        both SDKs); else OpenAI (also outside /v1, like hypercorn's own 400s: connections.py)."""
-        message_id = (request.view_args or {}).get("message_id")
-        if message_id is not None:
-            return surface_of(message_id)
-        if request.path.startswith("/v1/messages") or "anthropic-version" in request.headers:
-            return ANTHROPIC
-        return OPENAI
-
-    def admit_reader(message_readers: int = 0) -> None:
-        """Count this request as a reader of its client until it ends (429 over the limits)."""
-        leave = state.gate.enter(request.remote_addr or "", message_readers)
-        _extensions(request.scope).setdefault(_CLEANUPS, []).append(leave)
-
-    def stream_token_json(message_id: str) -> dict[str, Any]:
-        token, expires = state.auth.issue(message_id)
-        return {
-            "stream_token": token,
-            "stream_token_expires_at": expires,
-            "stream_url": f"/v1/messages/{message_id}/stream?stream_token={token}",
-        }
-
-    @app.before_request
-    async def authenticate() -> Response | None:
-        """Note the route for the access log; refuse /v1 requests without a valid key (401).
-
-        ``GET /v1/messages/{id}/stream`` also takes ``?stream_token=`` for that
-        message. /health, /ready and /metrics stay open.
-        """
-        if request.url_rule is not None:
-            _access().route = request.url_rule.rule
-        auth = state.auth
-        if not auth.enabled or not request.path.startswith("/v1/") or auth.request_key_ok(request.headers):
-            return None
-        message = "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"
-        token = request.args.get("stream_token")
-        if request.endpoint == "resume_stream" and token is not None:
-            message_id = (request.view_args or {})["message_id"]  # None only when no route matched
-            if auth.token_ok(token, message_id):
-                return None
-            message = (
-                f"the stream token is invalid, expired or for another message; get a new one with"
-                f" POST /v1/messages/{message_id}/stream_token (with the API key), or send the API key"
-            )
-        resp = _error_response(request_surface(), RingserveError(ErrorKind.AUTHENTICATION, message))
-        resp.headers["WWW-Authenticate"] = 'Bearer realm="ringserve"'
-        return resp
-
-    @app.post("/v1/messages")
-    async def anthropic_messages() -> Response:
-        return await generate(ANTHROPIC)
-
-    @app.post("/v1/chat/completions")
-    async def openai_chat_completions() -> Response:
-        return await generate(OPENAI)
-
-    @app.post("/v1/messages/count_tokens")
-    async def anthropic_count_tokens() -> Response:
-        """The prompt the same ``POST /v1/messages`` request would be given, in tokens (system
-        prompt, tools and output format included): its usage's ``input_tokens`` plus
-        ``cache_read_input_tokens``. Nothing is generated; a prompt that cannot fit a slot is the
-        same 400 as there."""
-        try:
-            hub = hub_or_unavailable()
-            raw = await request.get_data(cache=True, as_text=False, parse_form_data=False)
-            try:
-                body = json.loads(raw)
-            except (ValueError, RecursionError) as exc:
-                raise RingserveError(ErrorKind.INVALID_REQUEST, f"request body is not valid JSON: {exc}") from None
-            parsed = ANTHROPIC.parse_count_tokens(body)
-            check_request(parsed.request, max_messages=config.limits.max_messages,
-                          max_text_chars=config.limits.max_message_chars)
-            if config.model.strict_model_name and parsed.model != state.model_id:
-                raise RingserveError(ErrorKind.NOT_FOUND, f"model {parsed.model[:100]!r} is not served here", param="model")
-            prepared = await hub.runner.prepare(parsed.request)
-            return _json(ANTHROPIC.count_tokens_json(len(prepared.prompt_tokens)))
-        except RingserveError as exc:
-            return _error_response(ANTHROPIC, exc)
-
-    @app.get("/v1/messages/<message_id>")
-    async def get_message(message_id: str) -> Response:
-        try:
-            return _json(message_status_json(await hub_or_unavailable().find(message_id)))
-        except RingserveError as exc:
-            return _error_response(surface_of(message_id), exc)
-
-    @app.get("/v1/messages/<message_id>/stream")
-    async def resume_stream(message_id: str) -> Response:
-        record = _access()
-        record.message_id, record.resume = message_id, True
-        try:
-            hub = hub_or_unavailable()
-            last = request.headers.get("Last-Event-ID")
-            if last is None:
-                last = request.args.get("last_event_id")
-            log_, after = await hub.open_log(message_id, last or None)
-            admit_reader(log_.readers)
-        except StreamEnded:  # after the terminal event: 204 makes an EventSource stop reconnecting
-            state.metrics.resumed("ended")
-            return Response(b"", 204, headers={"X-Message-Id": message_id})
-        except RingserveError as exc:
-            state.metrics.resumed("expired" if exc.kind is ErrorKind.GONE else "rejected")
-            return _error_response(surface_of(message_id), exc)
-        state.metrics.resumed("ok")
-        return sse_response(hub, log_, after, {"X-Message-Id": message_id})
-
-    @app.post("/v1/messages/<message_id>/stream_token")
-    async def issue_stream_token(message_id: str) -> Response:
-        """A short-lived token that lets ``GET .../stream?stream_token=`` read this one message."""
-        _access().message_id = message_id
-        try:
-            await hub_or_unavailable().find(message_id)
-        except RingserveError as exc:
-            return _error_response(surface_of(message_id), exc)
-        return _json({"id": message_id, **stream_token_json(message_id)})
-
-    @app.post("/v1/messages/<message_id>/cancel")
-    async def cancel_message(message_id: str) -> Response:
-        try:
-            hub = hub_or_unavailable()
-            msg = await hub.find(message_id)
-            if isinstance(msg, LiveMessage):
-                hub.cancel(msg, CancelReason.REQUESTED)
-                await msg.done.wait()
-            elif msg.status not in FINAL_STATUSES:  # another replica generates it
-                msg = await hub.cancel_elsewhere(msg)
-            return _json(message_status_json(msg))
-        except RingserveError as exc:
-            return _error_response(surface_of(message_id), exc)
-
-    def model_json() -> dict[str, Any]:
-        """The served model in a shape both SDKs read (OpenAI ``Model``, Anthropic ``ModelInfo``)."""
-        return {
-            "id": state.model_id,
-            "object": "model",
-            "type": "model",
-            "created": int(state.started),
-            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.started)),
-            "display_name": state.model_id,
-            "owned_by": "ringserve",
-        }
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        if state.hub is None:
-            return _error_response(request_surface(), RingserveError(ErrorKind.UNAVAILABLE, "the model is still loading"))
-        return _json({"object": "list", "data": [model_json()], "has_more": False,
-                      "first_id": state.model_id, "last_id": state.model_id})
-
-    @app.get("/v1/models/<path:model_id>")
-    async def model(model_id: str) -> Response:
-        """The served model under its own id (and, unless names are strict, under any id)."""
-        if state.hub is None:
-            return _error_response(request_surface(), RingserveError(ErrorKind.UNAVAILABLE, "the model is still loading"))
-        if model_id != state.model_id and config.model.strict_model_name:
-            return _error_response(request_surface(), RingserveError(ErrorKind.NOT_FOUND, f"no model {model_id[:100]!r}"))
-        return _json(model_json())
-
-    @app.get("/")
-    async def playground() -> Response:
-        """The playground page (``ringserve/static/``; Quart serves ``/static/app.js`` from there)."""
-        return await app.send_static_file("index.html")
-
-    @app.get("/health")
-    async def health() -> Response:
-        """503 while the model loads, 200 after (also while draining: the process is alive).
-
-        For an orchestrator's liveness probe give it a start-up delay or a
-        startup probe covering the model load; use ``/ready`` for traffic.
-        """
-        if state.hub is None:
-            return _json({"status": "loading", "model": None}, 503)
-        return _json({"status": "draining" if state.hub.draining else "ok", "model": state.model_id})
-
-    @app.get("/ready")
-    async def ready() -> Response:
-        """Readiness: 200 once the model is loaded and the decode loop runs; 503 before, while
-        draining, and while the Redis log backend cannot reach Redis."""
-        hub = state.hub
-        if hub is None:
-            return _json({"status": "loading"}, 503)
-        if hub.draining or not hub.runner.running:
-            return _json({"status": "draining" if hub.draining else "stopped"}, 503)
-        if not hub.logs.available:
-            return _json({"status": "log store unavailable"}, 503)
-        return _json({"status": "ready", "model": state.model_id})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        """Prometheus text format (open, like /health: firewall it if it must stay private)."""
-        return Response(state.metrics.render(), 200, content_type=METRICS_CONTENT_TYPE)
-
-    @app.errorhandler(HTTPException)
-    async def http_error(exc: HTTPException) -> Response:
-        kinds = {404: ErrorKind.NOT_FOUND, 405: ErrorKind.INVALID_REQUEST, 413: ErrorKind.REQUEST_TOO_LARGE}
-        kind = kinds.get(exc.code or 500, ErrorKind.INVALID_REQUEST if (exc.code or 500) < 500 else ErrorKind.API_ERROR)
-        message = exc.description or exc.name
-        if exc.code == 413:
-            message = f"the request body is larger than server.max_body_bytes ({config.server.max_body_bytes} bytes)"
-        resp = _error_response(request_surface(), RingserveError(kind, message))
-        resp.status_code = exc.code or 500
-        return resp
-
-    @app.errorhandler(sqlite3.DatabaseError)
-    async def store_error(exc: sqlite3.DatabaseError) -> Response:
-        log.exception("message store failed on %s %s", request.method, request.path)
-        return _error_response(request_surface(), store_failed(exc))
-
-    @app.errorhandler(Exception)
-    async def internal_error(exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error_response(request_surface(), RingserveError(ErrorKind.API_ERROR, "internal server error"))
-
+    app.before_request(authenticate)
+    for path, surface in SURFACES.routes.items():
+        app.add_url_rule(path, f"generate_{surface.name}", _generate_route(surface), methods=["POST"])
+    for rule, method, handler in ROUTES:
+        app.add_url_rule(rule, handler.__name__, handler, methods=[method])
+    app.register_error_handler(HTTPException, http_error)
+    app.register_error_handler(sqlite3.DatabaseError, store_error)
+    app.register_error_handler(Exception, internal_error)
     return app

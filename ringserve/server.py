@@ -12,7 +12,7 @@ import hypercorn.trio
 from hypercorn.typing import ASGIFramework
 import trio
 
-from ringserve.app import SURFACES, ServerState, create_app
+from ringserve.app import ServerState, create_app
 from ringserve.auth import Authenticator, check_bind
 from ringserve.config import Config
 from ringserve.connections import HypercornConfig, isolate_connection_faults
@@ -26,6 +26,7 @@ from ringserve.core.sse import encode_event
 from ringserve.messages import MessageStore, StoredMessage, run_retention
 from ringserve.core.status import CancelReason
 from ringserve.stream.hub import Hub
+from ringserve.surfaces.registry import SURFACES
 from ringserve.stream.logs import LogStore, MemoryLogStore
 
 log = logging.getLogger("ringserve")
@@ -102,7 +103,7 @@ def _owner_lost_entries(stored: StoredMessage, seq: int) -> list[bytes]:
     from ringserve.stream.redis_logs import OWNER_LOST_MESSAGE
 
     failure = Failure(ErrorKind.UNAVAILABLE, OWNER_LOST_MESSAGE, Usage(stored.input_tokens, stored.output_tokens), True)
-    events = SURFACES[stored.surface].renderer(stored.id, stored.model, stored.created, False).fail(failure)
+    events = SURFACES.by_name(stored.surface).renderer(stored.id, stored.model, stored.created, False).fail(failure)
     return [encode_event(ev.data, event=ev.event, id=format_event_id(stored.id, seq + i)) for i, ev in enumerate(events)]
 
 

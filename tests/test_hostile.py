@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from ringserve.app import create_app
 from ringserve.core.errors import ErrorKind
-from ringserve.core.events import Failure, Finish, StopReason, Usage
+from ringserve.core.events import BlockDelta, BlockKind, BlockStart, BlockStop, Failure, Finish, StopReason, Usage
 from ringserve.core.ringlog import format_event_id, parse_event_id
 from ringserve.core.sse import SSEParser, encode_event
 from ringserve.surfaces.anthropic import AnthropicSurface
@@ -459,9 +459,11 @@ def test_rendered_streams_parse_back_to_the_same_events(texts, mid, stop, messag
     for surface in (AnthropicSurface(), OpenAISurface()):
         renderer = surface.renderer(mid, "model", 0, include_usage)
         usage = Usage(3, len(texts))
-        wire = [*renderer.start(Usage(3, 0))]
+        wire = [*renderer.start(Usage(3, 0)), *renderer.block_start(BlockStart(0, BlockKind.TEXT))]
         for text in texts:
-            wire += renderer.delta(text)
+            wire += renderer.delta(BlockDelta(0, text))
+        if not fail:
+            wire += renderer.block_stop(BlockStop(0))
         wire += renderer.fail(Failure(ErrorKind.OVERLOADED, message, usage)) if fail else renderer.finish(
             Finish(StopReason.STOP_SEQUENCE if stop else StopReason.END, usage, stop))
         stream = b"".join(encode_event(ev.data, event=ev.event, id=format_event_id(mid, i))

@@ -16,12 +16,13 @@ import trio
 
 from ringserve.config import EngineConfig
 from ringserve.core.events import (
+    BlockDelta,
     ChatMessage,
+    Failure,
     Finish,
     GenerationRequest,
     SamplingParams,
     StopReason,
-    BlockDelta,
 )
 from ringserve.engine.modelfile import default_model_path
 from ringserve.engine.runner import Runner

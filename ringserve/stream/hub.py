@@ -382,23 +382,6 @@ class Hub:
         if msg.open_log.readers == 0:
             self.cancel(msg, CancelReason.CLIENT_GONE)
 
-    def policy_for(self, surface: Surface, *, respond_async: bool, override: str | None) -> Policy:
-        """The disconnect policy of a new message.
-
-        ``Prefer: respond-async`` means ``continue`` (nobody is reading yet); a
-        ``Ringserve-Disconnect-Policy`` header overrides; else the surface's
-        ``[policy]`` setting.
-
-        Raises:
-            RingserveError: ``INVALID_REQUEST`` for an override other than ``abort``/``continue``.
-        """
-        if override is not None:
-            if override not in tuple(Policy):
-                raise RingserveError(ErrorKind.INVALID_REQUEST, "Ringserve-Disconnect-Policy must be 'abort' or 'continue'")
-            return Policy(override)
-        policy: Policy = Policy.CONTINUE if respond_async else getattr(self.config.policy, surface.name)
-        return policy
-
     def cancel(self, msg: LiveMessage, reason: CancelReason) -> None:
         """Cancel a live generation (idempotent); its readers get a terminal event."""
         if not msg.done.is_set() and msg.cancel_reason is None:

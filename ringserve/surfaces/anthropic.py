@@ -539,5 +539,8 @@ class AnthropicSurface:
     def stop_reason(self, reason: StopReason) -> str:
         return STOP_REASONS[reason]
 
+    def error_status(self, error: RingserveError) -> int:
+        return error.status
+
     def error_json(self, error: RingserveError) -> dict[str, Any]:
         return _error_object(ERROR_TYPES[error.kind], error.message)

@@ -163,6 +163,10 @@ class Surface(Protocol):
 
     def stop_reason(self, reason: StopReason) -> str: ...
 
+    def error_status(self, error: RingserveError) -> int:
+        """The HTTP status of ``error`` on this surface (the kind's own, unless the surface's API differs)."""
+        ...
+
     def error_json(self, error: RingserveError) -> dict[str, Any]: ...
 
 

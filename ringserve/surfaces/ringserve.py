@@ -1,0 +1,144 @@
+"""ringserve's own wire shapes: message status, stream tokens, the 202 body, models, health.
+
+These are the JSON bodies that belong to no SDK's surface (``GET
+/v1/messages/{id}``, ``POST .../stream_token``, ``Prefer: respond-async``,
+``/health``, ``/ready``), and ``/v1/models``, whose one shape both SDKs read
+(OpenAI ``Model``/``SyncPage``, Anthropic ``ModelInfo``/``SyncPage``: the
+union of their keys). The README's "API" section documents them. Values come
+in as plain values; this module only spells them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+
+from ringserve.core.events import BlockKind, ContentBlock, StopReason, Usage
+from ringserve.core.health import Health, Readiness
+from ringserve.core.status import MessageStatus
+from ringserve.surfaces.base import Surface
+
+#: The ``object`` of a message status body.
+MESSAGE_OBJECT = "ringserve.message"
+
+
+def message_url(message_id: str) -> str:
+    """Where a message's status is read (``GET``); the ``Location`` of a 202."""
+    return f"/v1/messages/{message_id}"
+
+
+def stream_url(message_id: str) -> str:
+    """Where a message's event stream is read or resumed (``GET``, ``Last-Event-ID``)."""
+    return f"{message_url(message_id)}/stream"
+
+
+@attrs.frozen
+class MessageStatusView:
+    """A message, live or stored, as ``GET /v1/messages/{id}`` shows it.
+
+    ``content`` is its content blocks released so far; ``stop_reason`` is surface-neutral; both
+    are spelled by ``surface``, the surface that made the message.
+    """
+
+    id: str
+    surface: Surface
+    model: str
+    created: int
+    status: MessageStatus
+    content: tuple[ContentBlock, ...]
+    stop_reason: StopReason | None
+    stop_sequence: str | None
+    usage: Usage
+    error: str | None
+
+
+def message_status_json(view: MessageStatusView) -> dict[str, Any]:
+    """``GET /v1/messages/{id}`` (and the cancel answer): status, the text and content blocks so far
+    (``content`` in the message's surface's shape), stop reason, usage."""
+    surface = view.surface
+    return {
+        "id": view.id,
+        "object": MESSAGE_OBJECT,
+        "surface": surface.name,
+        "model": view.model,
+        "created": view.created,
+        "status": view.status.value,
+        "text": "".join(b.text for b in view.content if b.kind is BlockKind.TEXT),
+        "content": surface.content_json(view.content),
+        "stop_reason": None if view.stop_reason is None else surface.stop_reason(view.stop_reason),
+        "stop_sequence": view.stop_sequence,
+        "usage": {"input_tokens": view.usage.input_tokens, "output_tokens": view.usage.output_tokens},
+        "error": view.error,
+        "stream_url": stream_url(view.id),
+    }
+
+
+@attrs.frozen
+class StreamToken:
+    """A token that reads one message's stream (``auth.Authenticator.issue``); ``expires`` in
+    whole Unix seconds."""
+
+    message_id: str
+    token: str
+    expires: int
+
+
+def _token_fields(token: StreamToken) -> dict[str, Any]:
+    return {
+        "stream_token": token.token,
+        "stream_token_expires_at": token.expires,
+        "stream_url": f"{stream_url(token.message_id)}?stream_token={token.token}",
+    }
+
+
+def stream_token_json(token: StreamToken) -> dict[str, Any]:
+    """``POST /v1/messages/{id}/stream_token``: the token, its expiry and the URL that uses it."""
+    return {"id": token.message_id, **_token_fields(token)}
+
+
+def accepted_json(status: MessageStatus, token: StreamToken) -> dict[str, Any]:
+    """The 202 body of a ``Prefer: respond-async`` request: where to read the message, and a
+    stream token for it."""
+    return {"id": token.message_id, "status": status.value, "url": message_url(token.message_id),
+            **_token_fields(token)}
+
+
+@attrs.frozen
+class ModelInfo:
+    """The served model: its id and when the server started (Unix seconds)."""
+
+    id: str
+    started: float
+
+
+def model_json(model: ModelInfo) -> dict[str, Any]:
+    """The served model in a shape both SDKs read (OpenAI ``Model``, Anthropic ``ModelInfo``)."""
+    return {
+        "id": model.id,
+        "object": "model",
+        "type": "model",
+        "created": int(model.started),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(model.started)),
+        "display_name": model.id,
+        "owned_by": "ringserve",
+    }
+
+
+def models_json(model: ModelInfo) -> dict[str, Any]:
+    """``GET /v1/models``: a one-model page in the shape of both SDKs' ``SyncPage``."""
+    return {"object": "list", "data": [model_json(model)], "has_more": False,
+            "first_id": model.id, "last_id": model.id}
+
+
+def health_json(health: Health, model_id: str | None) -> dict[str, Any]:
+    """``GET /health``: the liveness status and the served model (None while loading)."""
+    return {"status": health.value, "model": model_id}
+
+
+def ready_json(readiness: Readiness, model_id: str) -> dict[str, Any]:
+    """``GET /ready``: the readiness status, with the served model once ready."""
+    if readiness is Readiness.READY:
+        return {"status": readiness.value, "model": model_id}
+    return {"status": readiness.value}

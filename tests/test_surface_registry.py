@@ -1,0 +1,126 @@
+"""The surface lookups (surfaces/registry.py), ringserve's own JSON (surfaces/ringserve.py) and
+the health values (core/health.py), driven by plain values."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from ringserve.core.events import BlockKind, ContentBlock, StopReason, Usage
+from ringserve.core.health import Health, Readiness, health, readiness
+from ringserve.core.status import MessageStatus
+from ringserve.surfaces import ringserve as wire
+from ringserve.surfaces.registry import ANTHROPIC, OPENAI, SURFACES, Surfaces
+
+
+@attrs.frozen
+class Third:
+    """Just enough of a third surface (the lookups read only ``name`` and ``id_prefix``)."""
+
+    name: str = "responses"
+    id_prefix: str = "resp_"
+
+
+def with_third() -> tuple[Surfaces, Third]:
+    third = Third()
+    surfaces = Surfaces(
+        surfaces=(*SURFACES.surfaces, third),  # type: ignore[arg-type]  # Third is not a whole Surface
+        routes={**SURFACES.routes, "/v1/responses": third},
+        paths={**SURFACES.paths, "/v1/responses": third},
+        headers=SURFACES.headers,
+        default=SURFACES.default,
+    )
+    return surfaces, third
+
+
+def test_a_message_id_names_its_surface_by_prefix() -> None:
+    assert SURFACES.for_message("msg_0123") is ANTHROPIC
+    assert SURFACES.for_message("chatcmpl-0123") is OPENAI
+    assert SURFACES.for_message("resp_0123") is None
+    assert SURFACES.by_name("openai") is OPENAI
+    with pytest.raises(KeyError):
+        SURFACES.by_name("responses")
+
+
+def test_a_request_is_answered_in_the_shape_its_message_path_or_sdk_header_names() -> None:
+    assert SURFACES.for_request("/v1/messages/chatcmpl-1", set(), "chatcmpl-1") is OPENAI
+    assert SURFACES.for_request("/v1/messages/nope", set(), "nope") is ANTHROPIC  # unknown prefix: by path
+    assert SURFACES.for_request("/v1/messages", set()) is ANTHROPIC
+    assert SURFACES.for_request("/v1/models", {"anthropic-version"}) is ANTHROPIC
+    assert SURFACES.for_request("/v1/models", {"x-stainless-lang"}) is OPENAI
+    assert SURFACES.for_request("/v1/chat/completions", set()) is OPENAI
+    assert SURFACES.for_request("/health", set()) is OPENAI
+
+
+def test_a_third_surface_is_one_more_entry() -> None:
+    surfaces, third = with_third()
+    assert surfaces.for_message("resp_1") is third
+    assert surfaces.for_request("/v1/messages/resp_1", set(), "resp_1") is third
+    assert surfaces.for_request("/v1/responses/x/y", {"anthropic-version"}) is third
+    assert surfaces.for_request("/v1/messages", set()) is ANTHROPIC
+    assert surfaces.routes["/v1/responses"] is third
+
+
+def test_the_longest_path_prefix_wins() -> None:
+    surfaces = attrs.evolve(SURFACES, paths={"/v1": OPENAI, "/v1/messages": ANTHROPIC})
+    assert surfaces.for_request("/v1/messages/x", set()) is ANTHROPIC
+    assert surfaces.for_request("/v1/models", set()) is OPENAI
+
+
+def test_ids_and_names_must_not_overlap() -> None:
+    with pytest.raises(ValueError, match="starts"):
+        attrs.evolve(SURFACES, surfaces=(ANTHROPIC, Third(name="m", id_prefix="msg_x")))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="repeat"):
+        attrs.evolve(SURFACES, surfaces=(ANTHROPIC, Third(name="anthropic", id_prefix="a_")))  # type: ignore[arg-type]
+
+
+# -- ringserve's own JSON ---------------------------------------------------------------------
+
+
+def test_message_status_json_spells_content_and_stop_reason_in_the_message_surface() -> None:
+    blocks = (ContentBlock(BlockKind.TEXT, "h"), ContentBlock(BlockKind.TEXT, "i"))
+    view = wire.MessageStatusView("chatcmpl-1", OPENAI, "m", 17, MessageStatus.COMPLETE, blocks, StopReason.MAX_TOKENS,
+                                  None, Usage(3, 2), None)
+    assert wire.message_status_json(view) == {
+        "id": "chatcmpl-1", "object": "ringserve.message", "surface": "openai", "model": "m", "created": 17,
+        "status": "complete", "text": "hi", "content": {"role": "assistant", "content": "hi", "refusal": None},
+        "stop_reason": "length", "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 2},
+        "error": None, "stream_url": "/v1/messages/chatcmpl-1/stream",
+    }
+    queued = attrs.evolve(view, surface=ANTHROPIC, status=MessageStatus.QUEUED, stop_reason=None)
+    body = wire.message_status_json(queued)
+    assert body["stop_reason"] is None
+    assert body["content"] == [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+
+
+def test_the_202_body_and_the_stream_token_body() -> None:
+    token = wire.StreamToken("msg_1", "99.abc", 99)
+    link = {"stream_token": "99.abc", "stream_token_expires_at": 99,
+            "stream_url": "/v1/messages/msg_1/stream?stream_token=99.abc"}
+    assert wire.stream_token_json(token) == {"id": "msg_1", **link}
+    assert wire.accepted_json(MessageStatus.QUEUED, token) == {
+        "id": "msg_1", "status": "queued", "url": "/v1/messages/msg_1", **link}
+
+
+def test_models_in_the_shape_both_sdks_read() -> None:
+    model = wire.ModelInfo("tiny", 86400.5)
+    one = wire.model_json(model)
+    assert one == {"id": "tiny", "object": "model", "type": "model", "created": 86400,
+                   "created_at": "1970-01-02T00:00:00Z", "display_name": "tiny", "owned_by": "ringserve"}
+    assert wire.models_json(model) == {"object": "list", "data": [one], "has_more": False,
+                                       "first_id": "tiny", "last_id": "tiny"}
+
+
+def test_health_and_readiness() -> None:
+    assert health(loaded=False, draining=False) is Health.LOADING
+    assert health(loaded=True, draining=True) is Health.DRAINING
+    assert health(loaded=True, draining=False) is Health.OK
+    up = dict(loaded=True, draining=False, running=True, store_available=True)
+    assert readiness(**up) is Readiness.READY
+    assert readiness(**{**up, "store_available": False}) is Readiness.STORE_UNAVAILABLE
+    assert readiness(**{**up, "running": False, "store_available": False}) is Readiness.STOPPED
+    assert readiness(**{**up, "draining": True, "running": False}) is Readiness.DRAINING
+    assert readiness(**{**up, "loaded": False, "draining": True}) is Readiness.LOADING
+    assert wire.health_json(Health.LOADING, None) == {"status": "loading", "model": None}
+    assert wire.ready_json(Readiness.READY, "tiny") == {"status": "ready", "model": "tiny"}
+    assert wire.ready_json(Readiness.STORE_UNAVAILABLE, "tiny") == {"status": "log store unavailable"}
