@@ -94,30 +94,39 @@ def resume_points(events: list[Any], tokens: int) -> dict[str, str]:
     return {"start": events[0].id, "middle": middle, "end": text_ids[-1]}
 
 
-def measure(tmp: Path, name: str, flush_tokens: int, tokens: int, repeats: int) -> dict[str, Any]:
-    cfg = ringserve_config(tmp / f"{flush_tokens}.toml", {
+def start_server(tmp: Path, name: str, tokens: int, stream: dict[str, Any]) -> ServerProcess:
+    """``bench/fake_server.py`` replying ``tokens`` tokens, with the ``[stream]`` table ``stream`` (files ``tmp/name.*``)."""
+    cfg = ringserve_config(tmp / f"{name}.toml", {
         "server": {"port": 0},
         "engine": {"slots": 1, "ctx_per_slot": tokens + 256},
-        "stream": {"flush_tokens": flush_tokens, "ttl_seconds": 3600.0},
-        "store": {"path": str(tmp / f"{flush_tokens}.sqlite3")},
+        "stream": {"ttl_seconds": 3600.0, **stream},
+        "store": {"path": str(tmp / f"{name}.sqlite3")},
         "limits": {"max_readers_per_client": 0},
     })
-    server = ServerProcess(
+    return ServerProcess(
         [python(), str(ROOT / "bench" / "fake_server.py"), "--config", str(cfg),
          "--fake", json.dumps({"piece_bytes": PIECE_BYTES}), "--reply-bytes", str(tokens * PIECE_BYTES)],
-        tmp / f"{flush_tokens}.log",
+        tmp / f"{name}.log",
         ready_pattern=RINGSERVE_READY,
     )
+
+
+def complete_message(client: httpx.Client, url: str, tokens: int) -> tuple[str, bytes]:
+    """Create a message (``Prefer: respond-async``) on the server at ``url`` and read it to its end: (id, the stream)."""
+    body = {"model": "fake", "max_tokens": tokens + 1, "stream": True, "messages": [{"role": "user", "content": "go"}]}
+    created = client.post(f"{url}/v1/chat/completions", json=body, headers={"Prefer": "respond-async"})
+    created.raise_for_status()
+    mid = created.json()["id"]
+    _, _, whole = read_stream(client, f"{url}/v1/messages/{mid}/stream")  # follows to the end: the message is complete
+    return mid, whole
+
+
+def measure(tmp: Path, name: str, flush_tokens: int, tokens: int, repeats: int) -> dict[str, Any]:
+    server = start_server(tmp, str(flush_tokens), tokens, {"flush_tokens": flush_tokens})
     try:
-        with httpx.Client(base_url=server.url, timeout=60,
-                          limits=httpx.Limits(max_keepalive_connections=0)) as client:
-            body = {"model": "fake", "max_tokens": tokens + 1, "stream": True,
-                    "messages": [{"role": "user", "content": "go"}]}
-            created = client.post("/v1/chat/completions", json=body, headers={"Prefer": "respond-async"})
-            created.raise_for_status()
-            mid = created.json()["id"]
-            url = f"/v1/messages/{mid}/stream"
-            _, _, whole = read_stream(client, url)  # follows to the end: the message is complete
+        with httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+            mid, whole = complete_message(client, server.url, tokens)
+            url = f"{server.url}/v1/messages/{mid}/stream"
             events = SSEParser().feed(whole)
             points = resume_points(events, tokens)
             seqs = {e.id: i for i, e in enumerate(events)}

@@ -42,6 +42,7 @@ from ringserve.core.status import FINAL_STATUSES, CancelReason
 from ringserve.messages import StoredMessage, store_failed
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ringserve.metrics import Metrics
+from ringserve.responses_routes import RouteKit, register_responses
 from ringserve.stream.admission import (
     RESPOND_ASYNC,
     Accepted,
@@ -52,10 +53,12 @@ from ringserve.stream.admission import (
     Refuse,
     StreamLive,
     WaitLive,
+    WaitStored,
     admit,
     answer,
     finished,
     parse_body,
+    stored_answer,
 )
 from ringserve.stream.hub import Hub, LiveMessage, StreamEnded
 from ringserve.stream.logs import MessageLog, store_unavailable
@@ -354,6 +357,12 @@ async def respond(hub: Hub, surface: Surface, decision: Decision) -> Response:
             except RingserveError as exc:
                 return _error_response(surface, exc)
             return _sse_response(hub, log_, after, stored.id)
+        case WaitStored(message=stored):
+            try:
+                stored = await hub.settled(stored)  # generated on another replica: wait for its end
+            except RingserveError as exc:
+                return _error_response(surface, exc)
+            return await respond(hub, surface, stored_answer(stored))
         case WaitLive(message=msg):
             with msg.open_log.reader():  # a reader, so that the abort policy does not fire
                 await msg.done.wait()
@@ -377,8 +386,9 @@ async def authenticate() -> Response | None:
         return None
     message = "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"
     token = request.args.get("stream_token")
-    if request.endpoint == "resume_stream" and token is not None:
-        message_id = (request.view_args or {})["message_id"]  # None only when no route matched
+    if request.endpoint in ("resume_stream", "retrieve_response") and token is not None:
+        view_args = request.view_args or {}  # None only when no route matched
+        message_id = view_args.get("message_id") or view_args["response_id"]
         if auth.token_ok(token, message_id):
             return None
         message = (
@@ -588,6 +598,12 @@ def create_app(state: ServerState) -> RingserveQuart:
         app.add_url_rule(path, f"generate_{surface.name}", _generate_route(surface), methods=["POST"])
     for rule, method, handler in ROUTES:
         app.add_url_rule(rule, handler.__name__, handler, methods=[method])
+    register_responses(app, RouteKit(
+        config=state.config, hub=_hub, sse_response=_sse_response, admit_reader=_admit_reader,
+        error_response=_error_response, json_response=_json,
+        note_message=lambda message_id: setattr(_access(), "message_id", message_id),
+        on_request_end=lambda fn: _extensions(request.scope).setdefault(_CLEANUPS, []).append(fn),
+    ))
     app.register_error_handler(HTTPException, http_error)
     app.register_error_handler(sqlite3.DatabaseError, store_error)
     app.register_error_handler(Exception, internal_error)

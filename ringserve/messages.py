@@ -335,6 +335,10 @@ class MessageStore:
         sets = ",".join(f"{k}=?" for k in fields)
         self._db.execute(f"UPDATE messages SET {sets},updated=? WHERE id=?", (*fields.values(), self.clock(), message_id))
 
+    def delete(self, message_id: str) -> bool:
+        """Delete one message, whatever its status (``DELETE /v1/responses/{id}``); whether it existed."""
+        return self._db.execute("DELETE FROM messages WHERE id=?", (message_id,)).rowcount > 0
+
     def get(self, message_id: str) -> StoredMessage | None:
         return self._one("id", message_id)
 

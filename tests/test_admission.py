@@ -25,10 +25,12 @@ from ringserve.stream.admission import (
     Start,
     StreamLive,
     WaitLive,
+    WaitStored,
     admit,
     answer,
     disconnect_policy,
     finished,
+    stored_answer,
     stored_result,
 )
 from ringserve.stream.hub import LiveMessage
@@ -194,12 +196,20 @@ def test_a_retry_of_a_finished_message_gets_the_stored_answer() -> None:
     assert stored_result(stored(MessageStatus.CANCELLED)).cancelled
 
 
-def test_a_retry_of_a_message_still_generating_elsewhere_is_a_conflict() -> None:
+def test_a_json_retry_of_a_message_still_generating_elsewhere_waits_for_its_end() -> None:
     for status in (MessageStatus.QUEUED, MessageStatus.GENERATING):
-        decision = answer(started(stream=False), stored(status))
+        message = stored(status)
+        assert answer(started(stream=False), message) == WaitStored(message)
+        assert answer(started(stream=True), message) == ReplayStored(message)
+
+
+def test_a_stored_message_that_ended_failed_or_interrupted_elsewhere_is_a_conflict() -> None:
+    for status in (MessageStatus.FAILED, MessageStatus.INTERRUPTED):
+        decision = stored_answer(stored(status))
         assert isinstance(decision, Refuse)
         assert decision.error.kind is ErrorKind.CONFLICT and decision.error.status == 409
         assert decision.error.message == f"message msg_2 is {status.value}"
+    assert stored_answer(stored(MessageStatus.COMPLETE)) == Answer(stored_result(stored(MessageStatus.COMPLETE)))
 
 
 # -- finished ---------------------------------------------------------------------------------

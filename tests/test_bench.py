@@ -136,3 +136,13 @@ def test_redis_append_bench_runs_both_modes(tmp_path: Path) -> None:
     assert set(out["summary"]) == {"pipelined", "per_entry"}
     assert out["summary"]["per_entry"]["round_trips"] == 40
     assert out["summary"]["pipelined"]["round_trips"] < 40  # several streams' entries per round trip
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed (apt-get install redis-server)")
+def test_redis_resume_bench_resumes_on_the_other_replica_the_owner_and_a_memory_replica(tmp_path: Path) -> None:
+    pytest.importorskip("coredis", reason="the redis extra is not installed")
+    out = run_bench("redis_resume", tmp_path, "--tokens", "200", "--repeats", "2")
+    assert len(out["results"]) == 3
+    for positions in out["results"].values():
+        assert positions["start"]["events_replayed"] > positions["end"]["events_replayed"] > 0
+        assert all(len(p["samples"]["first"]) == 2 and p["first_byte_p50"] > 0 for p in positions.values())

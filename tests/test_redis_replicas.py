@@ -1,7 +1,7 @@
 """Two ringserve processes (bench/fake_server.py) on one redis-server: a stream generated on A is
 read through both replicas with random drops and resumes (directly, and through nginx with the
-config of docs/scale-out.md) and reassembles byte for byte; status, stream tokens and cancel work
-through the replica that does not own the message."""
+config of docs/scale-out.md) and reassembles byte for byte; status, stream tokens, cancel and
+Idempotency-Key retries work through the replica that does not own the message."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ import pytest
 import trio
 
 from ringserve.core.sse import SSEParser
+from tests.conftest import ServerProcess
 from tests.helpers import ANTHROPIC_BODY
 from tests.redis_server import RedisServer, free_port, needs_redis
-from tests.test_drain import FakeServerProcess
+from tests.test_drain import FakeServerProcess, _toml
 from tests.test_nginx import NGINX, documented_snippet, start_nginx
 
 pytest.importorskip("coredis", reason="the redis extra is not installed (pip install 'ringserve[redis]')")
@@ -31,6 +32,7 @@ pytestmark = [needs_redis, pytest.mark.skipif(not sys.platform.startswith("linux
 
 #: Drop/resume cycles (the issue asks for 200; each one is a fresh connection to one of the replicas).
 CYCLES = 200
+ASYNC = {"Prefer": "respond-async"}
 #: Reply tokens: one log entry each (flush_tokens = 1), enough for CYCLES cycles of up to 8 events.
 TOKENS = 2000
 
@@ -38,7 +40,8 @@ _ID = re.compile(rb"^id: (\S+):(\d+)$", re.M)
 
 
 @contextlib.contextmanager
-def two_replicas(tmp_path: Path, fake: dict[str, Any]) -> Iterator[tuple[FakeServerProcess, FakeServerProcess]]:
+def two_replicas(tmp_path: Path, fake: dict[str, Any],
+                 reply_bytes: int = 2 * TOKENS) -> Iterator[tuple[FakeServerProcess, FakeServerProcess]]:
     """Replicas A and B (one entry per token, a shared stream-token secret, API keys off) on one redis-server."""
     redis = RedisServer(tmp_path)
     servers = []
@@ -48,7 +51,7 @@ def two_replicas(tmp_path: Path, fake: dict[str, Any]) -> Iterator[tuple[FakeSer
             work.mkdir()
             sections = {"stream": {"backend": "redis", "redis_url": redis.url, "flush_tokens": 1, "flush_ms": 0.0},
                         "auth": {"stream_token_secret": "shared by both replicas"}}
-            servers.append(FakeServerProcess(work, sections, fake, reply_bytes=2 * TOKENS))
+            servers.append(FakeServerProcess(work, sections, fake, reply_bytes=reply_bytes))
         yield servers[0], servers[1]
     finally:
         for server in servers:
@@ -84,11 +87,12 @@ def _last_event_id(block: bytes) -> dict[str, str]:
     return {"Last-Event-ID": f"{found[1].decode()}:{found[2].decode()}"}
 
 
-async def _start(client: httpx.AsyncClient, url: str) -> tuple[str, list[bytes]]:
+async def _start(client: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None,
+                 body: dict[str, Any] | None = None) -> tuple[str, list[bytes]]:
     """POST a long stream (policy continue) and drop it after its first event: (message id, [that event])."""
-    body = {**ANTHROPIC_BODY, "max_tokens": TOKENS + 10, "stream": True}
+    body = body or {**ANTHROPIC_BODY, "max_tokens": TOKENS + 10, "stream": True}
     async with client.stream("POST", f"{url}/v1/messages", json=body,
-                             headers={"Ringserve-Disconnect-Policy": "continue"}) as resp:
+                             headers={"Ringserve-Disconnect-Policy": "continue", **(headers or {})}) as resp:
         assert resp.status_code == 200
         buffer = b""
         async for chunk in resp.aiter_raw():
@@ -117,8 +121,6 @@ def _assert_whole(got: list[bytes], whole: list[bytes]) -> None:
     assert b"event: message_stop" in got[-1]
 
 
-@pytest.mark.xfail(strict=False, reason="known race, issue 17: a resume on B with an event id that A sent before its"
-                   " flush reached Redis gets 400 'never sent' (about 1 run in 5); B must wait for its copy to catch up")
 async def test_a_stream_read_through_both_replicas_with_drops_reassembles_exactly(replicas):
     a, b = replicas
     rng = random.Random(17)
@@ -222,3 +224,122 @@ async def test_kill_9_of_the_owner_ends_the_stream_on_b_with_an_in_band_error_an
             # a resume on B now replays to the same end
             blocks, ended = await _read_blocks(client, f"{b.url}/v1/messages/{message_id}/stream", {}, None)
             assert ended and b"event: error" in blocks[-1]
+
+
+async def _prompt_tokens(client: httpx.AsyncClient, *replicas: FakeServerProcess) -> float:
+    """Prompt tokens admitted, over ``replicas`` (each counts the generations it runs)."""
+    return sum([_metric((await client.get(f"{r.url}/metrics")).text, "ringserve_prompt_tokens_total") for r in replicas])
+
+
+async def _post_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                       headers: dict[str, str]) -> tuple[str, list[bytes]]:
+    """POST a stream and read it to its end: (X-Message-Id, its SSE blocks)."""
+    async with client.stream("POST", f"{url}/v1/messages", json=body, headers=headers) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        raw = b"".join([chunk async for chunk in resp.aiter_raw()])
+    return resp.headers["X-Message-Id"], [block + b"\n\n" for block in raw.split(b"\n\n")[:-1]]
+
+
+async def test_idempotent_retries_through_b_follow_the_message_a_generates(tmp_path):
+    from ringserve.stream.hub import KEY_WAIT_SECONDS
+
+    # 300 tokens of 10 ms: each generation is live for about 3 s
+    with two_replicas(tmp_path, {"piece_bytes": 2, "step_seconds": 0.01}, reply_bytes=600) as (a, b):
+        async with httpx.AsyncClient(timeout=60) as client:
+            stream_body = {**ANTHROPIC_BODY, "max_tokens": 400, "stream": True}
+            json_body = {**ANTHROPIC_BODY, "max_tokens": 400}
+
+            # A stream started on A and retried through B while A generates: B tails A's log from its start.
+            key = {"Idempotency-Key": "k-stream"}
+            first = await client.post(f"{a.url}/v1/messages", json=stream_body, headers={**key, **ASYNC})
+            assert first.status_code == 202
+            message_id = first.json()["id"]
+            assert (await client.get(f"{b.url}/v1/messages/{message_id}")).json()["status"] in ("queued", "generating")
+            retried_id, retried = await _post_stream(client, b.url, stream_body, key)
+            assert retried_id == message_id
+            whole, _ = await _read_blocks(client, f"{a.url}/v1/messages/{message_id}/stream", {}, None)
+            assert retried == whole and b"event: message_stop" in whole[-1]  # byte for byte
+
+            # Not a stream: the retry through B waits for A's message to end and answers it.
+            key = {"Idempotency-Key": "k-json"}
+            first = await client.post(f"{a.url}/v1/messages", json=json_body, headers={**key, **ASYNC})
+            message_id = first.json()["id"]
+            assert (await client.get(f"{b.url}/v1/messages/{message_id}")).json()["status"] in ("queued", "generating")
+            retry = await client.post(f"{b.url}/v1/messages", json=json_body, headers=key)
+            assert retry.status_code == 200 and retry.json()["id"] == message_id
+            on_a = (await client.get(f"{a.url}/v1/messages/{message_id}")).json()
+            assert on_a["status"] == "complete" and retry.json()["content"][0]["text"] == on_a["text"] != ""
+            # The same key with another body, through B: the conflict a single box answers.
+            other = await client.post(f"{b.url}/v1/messages", json={**json_body, "max_tokens": 399}, headers=key)
+            assert other.status_code == 422 and other.json()["error"]["type"] == "invalid_request_error"
+
+            # Two first attempts at once, one on each replica: one generation, one message id.
+            before = await _prompt_tokens(client, a, b)
+            small = {**ANTHROPIC_BODY, "max_tokens": 5}
+            raced = []
+            for attempt in range(5):
+                ids: list[str] = []
+
+                async def post(url: str, key: dict[str, str]) -> None:
+                    resp = await client.post(f"{url}/v1/messages", json=small, headers={**key, **ASYNC})
+                    assert resp.status_code == 202, resp.text
+                    ids.append(resp.json()["id"])
+
+                async with trio.open_nursery() as nursery:
+                    for replica in (a, b):
+                        nursery.start_soon(post, replica.url, {"Idempotency-Key": f"k-race-{attempt}"})
+                assert ids[0] == ids[1]
+                raced.append(ids[0])
+            with trio.fail_after(KEY_WAIT_SECONDS + 20):
+                for message_id in raced:
+                    while (status := (await client.get(f"{b.url}/v1/messages/{message_id}")).json())["status"] != "complete":
+                        await trio.sleep(0.05)
+            after = await _prompt_tokens(client, a, b)
+            assert after - before == 5 * status["usage"]["input_tokens"]  # not 10: each key generated once
+
+            # A's message ends interrupted (A killed while B reads it): a retry through B generates again.
+            key = {"Idempotency-Key": "k-crash"}
+            crashed_id, got = await _start(client, a.url, headers=key)
+            async with client.stream("GET", f"{b.url}/v1/messages/{crashed_id}/stream",
+                                     headers=_last_event_id(got[-1])) as resp:
+                count = 0
+                async for chunk in resp.aiter_raw():
+                    count += chunk.count(b"\n\n")
+                    if count >= 3 and a.proc.poll() is None:
+                        a.proc.send_signal(signal.SIGKILL)
+                        a.proc.wait(10)
+            assert (await client.get(f"{b.url}/v1/messages/{crashed_id}")).json()["status"] == "interrupted"
+            body = {**ANTHROPIC_BODY, "max_tokens": TOKENS + 10, "stream": True}
+            new_id, blocks = await _post_stream(client, b.url, body, key)
+            assert new_id != crashed_id and b"event: message_stop" in blocks[-1]
+            again_id, again = await _post_stream(client, b.url, body, key)
+            assert again_id == new_id and again == blocks  # the key names the new message now
+
+
+@pytest.mark.model
+async def test_a_real_model_stream_generated_on_a_resumes_on_b_byte_for_byte(tmp_path):
+    redis = RedisServer(tmp_path)
+    servers: list[ServerProcess] = []
+    try:
+        for name in ("a", "b"):
+            config = tmp_path / f"{name}.toml"
+            config.write_text(_toml({
+                "engine": {"slots": 1, "ctx_per_slot": 1024},
+                "stream": {"backend": "redis", "redis_url": redis.url, "flush_tokens": 1},
+                "store": {"path": str(tmp_path / f"{name}.sqlite3")},
+            }))
+            servers.append(ServerProcess(["--config", str(config)]))
+        a, b = servers
+        # 64 tokens: one event each, more than the 4 resumes below read (at most 8 events each)
+        body = {**ANTHROPIC_BODY, "max_tokens": 64, "temperature": 0, "stream": True,
+                "messages": [{"role": "user", "content": "Write a very long story about a dragon who learns to cook."}]}
+        async with httpx.AsyncClient(timeout=120) as client:
+            message_id, got = await _start(client, a.url, body=body)
+            await _drop_and_resume(client, message_id, got, [b.url, a.url, b.url, a.url], random.Random(19))
+            whole, _ = await _read_blocks(client, f"{b.url}/v1/messages/{message_id}/stream", {}, None)
+        _assert_whole(got, whole)
+        assert len(whole) > 10 and b"text_delta" in b"".join(whole)
+    finally:
+        for server in servers:
+            server.stop()
+        redis.stop()

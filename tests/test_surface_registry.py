@@ -11,22 +11,23 @@ from ringserve.core.health import Health, Readiness, health, readiness
 from ringserve.core.status import MessageStatus
 from ringserve.surfaces import ringserve as wire
 from ringserve.surfaces.registry import ANTHROPIC, OPENAI, SURFACES, Surfaces
+from ringserve.surfaces.responses import RESPONSES
 
 
 @attrs.frozen
 class Third:
-    """Just enough of a third surface (the lookups read only ``name`` and ``id_prefix``)."""
+    """Just enough of one more surface (the lookups read only ``name`` and ``id_prefix``)."""
 
-    name: str = "responses"
-    id_prefix: str = "resp_"
+    name: str = "batches"
+    id_prefix: str = "batch_"
 
 
 def with_third() -> tuple[Surfaces, Third]:
     third = Third()
     surfaces = Surfaces(
         surfaces=(*SURFACES.surfaces, third),  # type: ignore[arg-type]  # Third is not a whole Surface
-        routes={**SURFACES.routes, "/v1/responses": third},
-        paths={**SURFACES.paths, "/v1/responses": third},
+        routes={**SURFACES.routes, "/v1/batches": third},
+        paths={**SURFACES.paths, "/v1/batches": third},
         headers=SURFACES.headers,
         default=SURFACES.default,
     )
@@ -36,10 +37,13 @@ def with_third() -> tuple[Surfaces, Third]:
 def test_a_message_id_names_its_surface_by_prefix() -> None:
     assert SURFACES.for_message("msg_0123") is ANTHROPIC
     assert SURFACES.for_message("chatcmpl-0123") is OPENAI
-    assert SURFACES.for_message("resp_0123") is None
-    assert SURFACES.by_name("openai") is OPENAI
+    assert SURFACES.for_message("resp_0123") is RESPONSES
+    assert SURFACES.for_message("batch_0123") is None
+    assert SURFACES.by_name("openai") is OPENAI and SURFACES.by_name("responses") is RESPONSES
     with pytest.raises(KeyError):
-        SURFACES.by_name("responses")
+        SURFACES.by_name("batches")
+    assert SURFACES.for_request("/v1/messages/resp_1", set(), "resp_1") is RESPONSES
+    assert SURFACES.for_request("/v1/responses/nope/cancel", {"anthropic-version"}) is RESPONSES
 
 
 def test_a_request_is_answered_in_the_shape_its_message_path_or_sdk_header_names() -> None:
@@ -54,11 +58,11 @@ def test_a_request_is_answered_in_the_shape_its_message_path_or_sdk_header_names
 
 def test_a_third_surface_is_one_more_entry() -> None:
     surfaces, third = with_third()
-    assert surfaces.for_message("resp_1") is third
-    assert surfaces.for_request("/v1/messages/resp_1", set(), "resp_1") is third
-    assert surfaces.for_request("/v1/responses/x/y", {"anthropic-version"}) is third
+    assert surfaces.for_message("batch_1") is third
+    assert surfaces.for_request("/v1/messages/batch_1", set(), "batch_1") is third
+    assert surfaces.for_request("/v1/batches/x/y", {"anthropic-version"}) is third
     assert surfaces.for_request("/v1/messages", set()) is ANTHROPIC
-    assert surfaces.routes["/v1/responses"] is third
+    assert surfaces.routes["/v1/batches"] is third
 
 
 def test_the_longest_path_prefix_wins() -> None:

@@ -114,6 +114,14 @@ class ReplayStored:
 
 
 @attrs.frozen
+class WaitStored:
+    """A JSON retry of a message another replica is generating: wait for its end (``Hub.settled``),
+    then :func:`stored_answer`."""
+
+    message: StoredMessage
+
+
+@attrs.frozen
 class Answer:
     """The message as the surface's non-stream JSON."""
 
@@ -121,7 +129,7 @@ class Answer:
 
 
 #: What :func:`answer` (and :func:`finished`) decide.
-Decision = Accepted | StreamLive | WaitLive | ReplayStored | Answer | Refuse
+Decision = Accepted | StreamLive | WaitLive | ReplayStored | WaitStored | Answer | Refuse
 
 
 def disconnect_policy(policies: PolicyConfig, surface: Surface, *, respond_async: bool, override: str | None) -> Policy:
@@ -207,8 +215,9 @@ def answer(start: Start, message: LiveMessage | StoredMessage) -> Decision:
 
     ``Hub.create`` returns a live message (new, or a retry of one still
     generating here) or, for an idempotent retry, the stored one (complete or
-    cancelled; or ``queued``/``generating`` on another replica): a failed or
-    interrupted one is generated again by ``Hub.create`` itself.
+    cancelled; or ``queued``/``generating`` on another replica, which a JSON
+    retry waits for: :class:`WaitStored`): a failed or interrupted one is
+    generated again by ``Hub.create`` itself.
     """
     if start.respond_async:
         return Accepted(message)
@@ -218,11 +227,20 @@ def answer(start: Start, message: LiveMessage | StoredMessage) -> Decision:
         case StoredMessage():
             if start.parsed.stream:
                 return ReplayStored(message)
-            if message.status not in (MessageStatus.COMPLETE, MessageStatus.CANCELLED):
-                return Refuse(RingserveError(ErrorKind.CONFLICT, f"message {message.id} is {message.status.value}"))
-            return Answer(stored_result(message))
+            if not message.status.final:
+                return WaitStored(message)
+            return stored_answer(message)
         case _:
             assert_never(message)
+
+
+def stored_answer(message: StoredMessage) -> Answer | Refuse:
+    """The non-stream answer of a stored message that has ended: complete and cancelled ones are
+    answered; a failed or interrupted one (ended so on another replica while a retry waited for it)
+    is a 409 naming its status."""
+    if message.status not in (MessageStatus.COMPLETE, MessageStatus.CANCELLED):
+        return Refuse(RingserveError(ErrorKind.CONFLICT, f"message {message.id} is {message.status.value}"))
+    return Answer(stored_result(message))
 
 
 def finished(message: LiveMessage) -> Answer | Refuse:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import secrets
 import sqlite3
 import time
@@ -39,7 +40,7 @@ from ringserve.core.status import CancelReason, MessageStatus, Policy
 from ringserve.engine.runner import Generation, Runner
 from ringserve.messages import MessageStore, StoredMessage, snapshot_fields, store_failed
 from ringserve.metrics import Metrics, StreamTimer
-from ringserve.stream.logs import LogStore, MessageLog
+from ringserve.stream.logs import KeyHolder, LogStore, MessageLog
 from ringserve.stream.reader import tail
 from ringserve.stream.safety import SafetyStage
 from ringserve.surfaces.base import MessageResult, ParsedRequest, Surface
@@ -53,6 +54,13 @@ CANCEL_WAIT_SECONDS = 10.0
 
 #: Stored statuses that an idempotent retry generates again instead of returning.
 REGENERATED_STATUSES = frozenset({MessageStatus.FAILED, MessageStatus.INTERRUPTED})
+
+#: Seconds between looks for the message another replica's attempt claimed an ``Idempotency-Key``
+#: for, until that replica's first flush (``[stream] flush_ms``) has written it to the shared store.
+KEY_POLL_SECONDS = 0.05
+#: Seconds after which a claimed ``Idempotency-Key`` whose message no replica has written is taken
+#: over (its attempt never started: the replica died or the request was cancelled first).
+KEY_WAIT_SECONDS = 5.0
 
 
 @attrs.define(eq=False)
@@ -120,6 +128,26 @@ class LiveMessage:
 def request_hash(body: bytes) -> str:
     """Fingerprint of a request body, for ``Idempotency-Key`` checks."""
     return hashlib.sha256(body).hexdigest()
+
+
+def _key_reused() -> RingserveError:
+    return RingserveError(
+        ErrorKind.UNPROCESSABLE, "Idempotency-Key was already used with a different request body", param="Idempotency-Key"
+    )
+
+
+def _retry_answer(existing: LiveMessage | StoredMessage, body_hash: str) -> LiveMessage | StoredMessage | None:
+    """What an idempotent retry with ``body_hash`` returns of the message its key names: that
+    message, or ``None`` when it ended ``failed``/``interrupted`` and is generated again.
+
+    Raises:
+        RingserveError: ``UNPROCESSABLE``: the key was used with another body.
+    """
+    if existing.request_hash != body_hash:
+        raise _key_reused()
+    if isinstance(existing, StoredMessage) and existing.status in REGENERATED_STATUSES:
+        return None
+    return existing
 
 
 def _resume_after(value: str, message_id: str) -> int:
@@ -217,14 +245,8 @@ class Hub:
             idempotency_key = f"{surface.name}:{idempotency_key}"  # a key names a request on one surface
             existing = await self._by_key(idempotency_key)
             if existing is not None:
-                if existing.request_hash != body_hash:
-                    raise RingserveError(
-                        ErrorKind.UNPROCESSABLE,
-                        "Idempotency-Key was already used with a different request body",
-                        param="Idempotency-Key",
-                    )
-                if not (isinstance(existing, StoredMessage) and existing.status in REGENERATED_STATUSES):
-                    return existing, False
+                if (answer := _retry_answer(existing, body_hash)) is not None:
+                    return answer, False
                 replaces = existing.id
         model = self.runner.model_id
         msg = LiveMessage(
@@ -238,10 +260,16 @@ class Hub:
             idempotency_key=idempotency_key,
             replaces=replaces,
         )
+        claimed = None
         if idempotency_key is not None:
             self._keys[idempotency_key] = msg
         try:
             prepared = await self.runner.prepare(parsed.request)
+            if idempotency_key is not None:
+                elsewhere = await self._claim(idempotency_key, msg)
+                if elsewhere is not None:
+                    return elsewhere, False
+                claimed = KeyHolder(msg.id, body_hash)
             row = StoredMessage(
                 id=msg.id,
                 surface=surface.name,
@@ -256,12 +284,54 @@ class Hub:
             await self._nursery.start(self._produce, msg, prepared, row)
         except RingserveError as exc:
             msg.start_error = exc  # for the retries waiting on this attempt
+            if claimed is not None and idempotency_key is not None:
+                await self.logs.release_key(idempotency_key, claimed)
             raise
         finally:
             if idempotency_key is not None and msg.log is None:
                 del self._keys[idempotency_key]
             msg.started.set()
         return msg, True
+
+    async def _claim(self, key: str, msg: LiveMessage) -> LiveMessage | StoredMessage | None:
+        """Make ``key`` name ``msg`` on every replica (``LogStore.claim_key``), or find what it names.
+
+        Another replica's attempt under ``key`` is followed: to its message,
+        which a retry returns (live or ended), unless it ended ``failed`` or
+        ``interrupted`` (then ``msg`` takes the key over). A message the key
+        names that no replica has written yet (its owner's first flush is on
+        its way) is looked for every :data:`KEY_POLL_SECONDS`; one that has not
+        appeared after :data:`KEY_WAIT_SECONDS` (its attempt never started) is
+        taken over.
+
+        Returns:
+            ``None`` once ``key`` names ``msg``, else the message to return.
+
+        Raises:
+            RingserveError: ``UNPROCESSABLE`` (the key names a request with
+            another body), ``UNAVAILABLE`` (the shared store is unreachable).
+        """
+        replaces = msg.replaces
+        deadline = trio.current_time() + KEY_WAIT_SECONDS
+        while (holder := await self.logs.claim_key(key, KeyHolder(msg.id, msg.request_hash),
+                                                   replaces=replaces)) is not None:
+            if holder.request_hash != msg.request_hash:
+                raise _key_reused()
+            try:
+                existing: LiveMessage | StoredMessage | None = await self.find(holder.message_id)
+            except RingserveError as exc:
+                if exc.kind is not ErrorKind.NOT_FOUND:
+                    raise
+                existing = None
+            if existing is not None:
+                if (answer := _retry_answer(existing, msg.request_hash)) is not None:
+                    return answer
+                replaces = existing.id
+            elif trio.current_time() >= deadline:
+                replaces = holder.message_id
+            else:
+                await trio.sleep(KEY_POLL_SECONDS)
+        return None
 
     async def _by_key(self, key: str) -> LiveMessage | StoredMessage | None:
         """The message ``key`` names once no attempt under it is still starting: live, stored or None.
@@ -452,9 +522,21 @@ class Hub:
         """Ask the replica generating ``msg`` to cancel it; wait (at most :data:`CANCEL_WAIT_SECONDS`)
         for its log to end, and return the state it then wrote (``msg`` if none)."""
         await self.logs.request_cancel(msg.id)
+        return await self.settled(msg, CANCEL_WAIT_SECONDS)
+
+    async def settled(self, msg: StoredMessage, seconds: float = math.inf) -> StoredMessage:
+        """``msg`` as it ended: at once if its status is final, else once its log (generated by another
+        replica) has ended, waiting at most ``seconds`` as a reader of it (so the abort policy counts
+        the wait); the state its owner then wrote (``msg`` if none).
+
+        Raises:
+            RingserveError: ``UNAVAILABLE``: the shared store is unreachable.
+        """
+        if msg.status.final:
+            return msg
         log = await self.logs.find(msg.id)
         if log is not None:
-            with log.reader(), trio.move_on_after(CANCEL_WAIT_SECONDS):
+            with log.reader(), trio.move_on_after(seconds):
                 while not log.closed:
                     await log.wait_for_entries(log.next_seq - 1 if log.next_seq else None)
         return await self.logs.find_message(msg.id) or msg
@@ -472,7 +554,7 @@ class Hub:
             one that was never sent).
         """
         after = None if last_event_id is None else _resume_after(last_event_id, message_id)
-        log = await self.logs.find(message_id)
+        log = await self.logs.find(message_id, after)  # a replica's copy may first catch up to after
         if log is None:
             msg = self.lookup(message_id)  # raises NOT_FOUND for an unknown id
             if after is not None and isinstance(msg, StoredMessage) and msg.final_seq == after:

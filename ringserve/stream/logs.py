@@ -52,11 +52,17 @@ Protocol                       Redis
 ``evicted(id)``                a tombstone key ``gone:{id}`` with a longer TTL.
 ``find_message(id)``           ``HGETALL msg:{id}``: the status the owner wrote.
 ``request_cancel(id)``         ``XADD cancel * id <id>``, read by every pump.
+``claim_key(key, holder)``     ``SET idem:{key} [id, hash] NX EX`` in a script that
+                               also replaces the holder it is told to replace
+                               (compare and set); ``release_key`` deletes it if
+                               it still names the holder.
 memory cap                     ``maxmemory`` with ``volatile-ttl`` eviction.
 ``get(id)`` / ``find(id)``     ``get`` answers from what this process holds, so
                                it stays sync; ``find`` (awaitable, used by
                                ``Hub.open_log``) also looks in Redis:
-                               ``XRANGE log:{id} - +`` (bounded by MAXLEN).
+                               ``XRANGE log:{id} - +`` (bounded by MAXLEN), and
+                               gives a copy behind a resume's event id a bounded
+                               time to catch up (:func:`wait_until_holds`).
 =============================  ===================================================
 """
 
@@ -77,13 +83,16 @@ from ringserve.core.ringlog import Entry, Gap, LogState, RingLog
 from ringserve.messages import StoredMessage
 
 __all__ = [
+    "KeyHolder",
     "LogMirror",
     "LogStore",
     "LogStoreStatistics",
     "MemoryLogStore",
     "MemoryMessageLog",
     "MessageLog",
+    "holds",
     "store_unavailable",
+    "wait_until_holds",
 ]
 
 
@@ -129,6 +138,19 @@ class MessageLog(Protocol):
     def reader(self) -> contextlib.AbstractContextManager[None]: ...
 
 
+@attrs.frozen
+class KeyHolder:
+    """The message an ``Idempotency-Key`` names on every replica, and its request body's fingerprint.
+
+    Attributes:
+        message_id: the message.
+        request_hash: ``hub.request_hash`` of the request body (hex SHA-256).
+    """
+
+    message_id: str
+    request_hash: str
+
+
 @runtime_checkable
 class LogStore(Protocol):
     """Creates and finds message logs by message id; expires finished ones."""
@@ -137,11 +159,15 @@ class LogStore(Protocol):
 
     def get(self, message_id: str) -> MessageLog | None: ...
 
-    async def find(self, message_id: str) -> MessageLog | None: ...
+    async def find(self, message_id: str, after: int | None = None) -> MessageLog | None: ...
 
     async def find_message(self, message_id: str) -> StoredMessage | None: ...
 
     async def request_cancel(self, message_id: str) -> None: ...
+
+    async def claim_key(self, key: str, holder: KeyHolder, *, replaces: str | None = None) -> KeyHolder | None: ...
+
+    async def release_key(self, key: str, holder: KeyHolder) -> None: ...
 
     @property
     def available(self) -> bool: ...
@@ -350,6 +376,33 @@ class MemoryMessageLog:
                 self.on_idle()
 
 
+def holds(log: MessageLog, after: int | None) -> bool:
+    """Whether ``log`` has got as far as ``after`` (the last seq a reader saw), or never will.
+
+    False only while ``log`` is OPEN and ``after >= next_seq``: a copy of a log
+    written elsewhere may still receive that entry (its owner sent it to a
+    reader before the entry reached this copy).
+    """
+    return after is None or log.closed or after < log.next_seq
+
+
+async def wait_until_holds(log: MessageLog, after: int | None, seconds: float) -> bool:
+    """Park until :func:`holds` is true of ``log`` or ``seconds`` have passed; return :func:`holds`.
+
+    Returns at once (after a checkpoint) when it already holds. Woken by the
+    log's appends and close (``wait_for_entries``), so it never polls.
+
+    Cancellation: safe; the log is not changed by waiting.
+    """
+    if holds(log, after):
+        await trio.lowlevel.checkpoint()
+        return True
+    with trio.move_on_after(seconds):
+        while not holds(log, after):
+            await log.wait_for_entries(log.next_seq - 1 if log.next_seq else None)
+    return holds(log, after)
+
+
 @attrs.frozen
 class LogStoreStatistics:
     """A snapshot of the store, for ``metrics.py``.
@@ -455,8 +508,13 @@ class MemoryLogStore:
             return None
         return log
 
-    async def find(self, message_id: str) -> MemoryMessageLog | None:
-        """:meth:`get`, after a checkpoint: this store holds only this process's logs."""
+    async def find(self, message_id: str, after: int | None = None) -> MemoryMessageLog | None:
+        """:meth:`get`, after a checkpoint: this store holds only this process's logs.
+
+        ``after`` (the seq a resume names) is not waited for: a log written
+        here holds every entry ever sent of it, so one past its end was never
+        sent (``read_from`` raises ``ValueError`` at once).
+        """
         await trio.lowlevel.checkpoint()
         return self.get(message_id)
 
@@ -466,6 +524,14 @@ class MemoryLogStore:
 
     async def request_cancel(self, message_id: str) -> None:
         """Nothing to do: every message of a memory store is this process's (``Hub.cancel`` stops it)."""
+        await trio.lowlevel.checkpoint()
+
+    async def claim_key(self, key: str, holder: KeyHolder, *, replaces: str | None = None) -> None:
+        """Always ``None`` (the key is ``holder``'s): no other process takes keys (``Hub`` keeps its own)."""
+        await trio.lowlevel.checkpoint()
+
+    async def release_key(self, key: str, holder: KeyHolder) -> None:
+        """Nothing to do (see :meth:`claim_key`)."""
         await trio.lowlevel.checkpoint()
 
     @property

@@ -56,8 +56,11 @@ retryable in-band error (:attr:`RedisLogStore.on_owner_lost`) and the end into
 the stream, and ``interrupted`` into the status, in one Lua script that does
 nothing if the stream moved on meanwhile.
 
-Not (yet) shared across replicas: ``Idempotency-Key`` (looked up in the
-owner's SQLite only); see ``docs/scale-out.md``.
+Idempotency keys: :meth:`RedisLogStore.claim_key` makes a key name one
+message on every replica (``ringserve:idem:{key}``, set only if absent or
+still naming the message being replaced), so two first attempts on two
+replicas make one generation; ``Hub.create`` follows the key to the message
+it names.
 """
 
 from __future__ import annotations
@@ -80,10 +83,20 @@ from coredis.tokens import PureToken
 from ringserve.config import StreamConfig
 from ringserve.core.ringlog import LogState, RingLog
 from ringserve.messages import MessageStore, StoredMessage
-from ringserve.stream.logs import LogStoreStatistics, MemoryLogStore, MemoryMessageLog, store_unavailable
+from ringserve.stream.logs import (
+    KeyHolder,
+    LogStoreStatistics,
+    MemoryLogStore,
+    MemoryMessageLog,
+    holds,
+    store_unavailable,
+    wait_until_holds,
+)
 
 __all__ = [
     "CANCEL_STREAM",
+    "CATCH_UP_SECONDS",
+    "IDEMPOTENCY_PREFIX",
     "KEY_PREFIX",
     "LIVE_KEY_SECONDS",
     "MESSAGE_KEY_SECONDS",
@@ -137,6 +150,23 @@ redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('HSET', KEYS[2], 'status', '"interrupted"', 'error', ARGV[#ARGV])
 return 1
 """
+#: Prefix of each ``Idempotency-Key``'s claim (the key as ``Hub.create`` spells it, with its surface):
+#: the JSON ``[message id, request hash]`` of the message it names on every replica.
+IDEMPOTENCY_PREFIX = "ringserve:idem:"
+#: Claims KEYS[1] for the holder ARGV[1] for ARGV[3] seconds unless it names another holder, one
+#: other than the message id ARGV[2] (the one being replaced; '' for none). Returns the holder it
+#: names instead, or nil once it names ARGV[1].
+_CLAIM = """
+local current = redis.call('GET', KEYS[1])
+if current and (ARGV[2] == '' or cjson.decode(current)[1] ~= ARGV[2]) then return current end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+return false
+"""
+#: Deletes KEYS[1] if it still names the holder ARGV[1].
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 #: The error of a message whose owner died mid-generation (in-band and in its status).
 OWNER_LOST_MESSAGE = "the replica generating this message stopped; retry the request"
 #: The longest one pump XREAD blocks, in milliseconds (it is woken early for a new stream).
@@ -157,6 +187,10 @@ MAX_RETRY_SECONDS = 4.0
 #: Seconds, beyond two flush intervals, that :meth:`RedisLogStore.find` waits before looking again
 #: for a stream it did not find: a client may resume elsewhere before its message's first flush.
 MISS_RETRY_SECONDS = 0.05
+#: Seconds, beyond two flush intervals, that :meth:`RedisLogStore.find` gives a copy of another
+#: replica's stream to reach the event id a resume names: the owner's flush round trip and this
+#: pump's read, with room for a loaded host. Only an id that was never sent waits it all out.
+CATCH_UP_SECONDS = 0.5
 #: The most queued writes held while Redis is unreachable (beyond, the oldest are dropped: a
 #: remote reader then sees a gap).
 MAX_PENDING_OPS = 100_000
@@ -256,6 +290,10 @@ def _unavailable_if_down() -> Iterator[None]:
         raise store_unavailable() from None
 
 
+def _holder_json(holder: KeyHolder) -> str:
+    return json.dumps([holder.message_id, holder.request_hash])
+
+
 def _deliver(log_: MemoryMessageLog, identifier: bytes, fields: dict[bytes, bytes]) -> None:
     """Apply one stream entry to a remote log's copy (sync)."""
     seq = _entry_seq(identifier)
@@ -300,6 +338,7 @@ class RedisLogStore:
     #: status and the seq of the first entry to write; returns those entries' SSE bytes.
     on_owner_lost: Callable[[StoredMessage, int], list[bytes]] | None = attrs.field(default=None, init=False)
     _owners: dict[str, str] = attrs.field(factory=dict, init=False)  # remote copy -> its owner replica
+    _waiting: dict[str, int] = attrs.field(factory=dict, init=False)  # remote copy -> finds waiting on it
 
     def __attrs_post_init__(self) -> None:
         self.local = MemoryLogStore(self.config, self.clock)
@@ -325,7 +364,7 @@ class RedisLogStore:
         """The log if this replica holds it (owned, or tailed for a reader here); no round trip."""
         return self.local.get(message_id) or self._remote.get(message_id)
 
-    async def find(self, message_id: str) -> MemoryMessageLog | None:
+    async def find(self, message_id: str, after: int | None = None) -> MemoryMessageLog | None:
         """The log, from this replica or from Redis (one ``XRANGE``); ``None`` if neither has it.
 
         A miss is looked up once more after two flush intervals and
@@ -334,12 +373,43 @@ class RedisLogStore:
         A remote log that is still open is tailed by the pump from then on,
         as long as it has readers on this replica.
 
+        Args:
+            message_id: the message.
+            after: the seq a resume names (``None``: from the start). The owner
+                sends an entry to its own readers before its flush brings it
+                here, so a client that moved may name one this replica's copy
+                has not got yet: an open copy that does not hold ``after`` is
+                given two flush intervals and :data:`CATCH_UP_SECONDS` to get
+                it (``logs.wait_until_holds``), and is returned whether it did
+                or not (an id still past its end was never sent: the caller's
+                400). The copy is kept from :meth:`_prune` while it waits, and
+                nothing is awaited between the wait and the return, so the
+                caller's reader enters before the pump looks again.
+
         Raises:
             RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable.
         """
         held = self.get(message_id)
-        if held is not None or self.local.evicted(message_id):
-            return held
+        if held is None and not self.local.evicted(message_id):
+            held = await self._copy(message_id)
+        if held is not None and self._remote.get(message_id) is held and not holds(held, after):
+            self._waiting[message_id] = self._waiting.get(message_id, 0) + 1
+            try:
+                await wait_until_holds(held, after, 2 * self._flush_interval + CATCH_UP_SECONDS)
+            finally:
+                self._waiting[message_id] -= 1
+                if not self._waiting[message_id]:
+                    del self._waiting[message_id]
+            if not self.available:  # the copy was ended by the outage, not by its owner
+                raise store_unavailable()
+        return held
+
+    async def _copy(self, message_id: str) -> MemoryMessageLog | None:
+        """A copy of the stream in Redis (tailed by the pump while open), or ``None`` if there is none.
+
+        Raises:
+            RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable.
+        """
         with _unavailable_if_down():
             entries, owner = await self._load(message_id)
             if not entries:  # maybe just created elsewhere, its first flush not yet in Redis
@@ -393,6 +463,37 @@ class RedisLogStore:
         with _unavailable_if_down():
             await self._client.xadd(CANCEL_STREAM, {b"id": message_id.encode()}, trim_strategy=PureToken.MAXLEN,
                                     threshold=CANCEL_STREAM_MAXLEN, trim_operator=PureToken.APPROXIMATELY)
+
+    async def claim_key(self, key: str, holder: KeyHolder, *, replaces: str | None = None) -> KeyHolder | None:
+        """Make ``key`` name ``holder`` on every replica unless it names another message (one script).
+
+        Args:
+            key: the ``Idempotency-Key`` (with its surface).
+            holder: this replica's new message.
+            replaces: the id of the message the key names now that ``holder``
+                takes it over (one that ended ``failed``/``interrupted``, or whose
+                attempt never started): replaced only if the key still names it.
+
+        Returns:
+            ``None`` once ``key`` names ``holder`` (for :data:`MESSAGE_KEY_SECONDS`,
+            as long as the status hashes live), else the holder it names.
+
+        Raises:
+            RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable.
+        """
+        with _unavailable_if_down():
+            current = await self._client.eval(_CLAIM, keys=[IDEMPOTENCY_PREFIX + key],
+                                              args=[_holder_json(holder), replaces or "", MESSAGE_KEY_SECONDS])
+        return None if current is None else KeyHolder(*json.loads(current))  # type: ignore[arg-type]  # bytes
+
+    async def release_key(self, key: str, holder: KeyHolder) -> None:
+        """Let ``key`` go if it still names ``holder`` (its attempt failed to start).
+
+        Never raises: a claim left behind (Redis unreachable) is taken over by the
+        next attempt once its message has not appeared for ``hub.KEY_WAIT_SECONDS``.
+        """
+        with contextlib.suppress(*_REDIS_ERRORS):
+            await self._client.eval(_RELEASE, keys=[IDEMPOTENCY_PREFIX + key], args=[_holder_json(holder)])
 
     def forget(self, message_id: str) -> None:
         """Drop a log from this replica now (its Redis key expires by itself)."""
@@ -526,10 +627,11 @@ class RedisLogStore:
         """Stop tailing ended copies and copies nobody here reads.
 
         A fresh copy's first reader enters synchronously after :meth:`find`
-        returns (nothing awaits in between), before the pump runs again.
+        returns (nothing awaits in between), before the pump runs again; a
+        copy that a :meth:`find` is waiting on to catch up is kept.
         """
         for message_id, copy in list(self._remote.items()):
-            if copy.closed or copy.readers == 0:
+            if copy.closed or (copy.readers == 0 and message_id not in self._waiting):
                 del self._remote[message_id]
                 self._owners.pop(message_id, None)
 

@@ -18,6 +18,7 @@ import attrs
 from ringserve.surfaces.anthropic import AnthropicSurface
 from ringserve.surfaces.base import Surface
 from ringserve.surfaces.openai import OpenAISurface
+from ringserve.surfaces.responses import RESPONSES
 
 
 def _check_prefixes(instance: Surfaces, attribute: attrs.Attribute[tuple[Surface, ...]], value: tuple[Surface, ...]) -> None:
@@ -96,9 +97,9 @@ OPENAI = OpenAISurface()
 
 #: The surfaces this server speaks.
 SURFACES = Surfaces(
-    surfaces=(ANTHROPIC, OPENAI),
+    surfaces=(ANTHROPIC, OPENAI, RESPONSES),
     routes={"/v1/messages": ANTHROPIC, "/v1/chat/completions": OPENAI},
-    paths={"/v1/messages": ANTHROPIC},
+    paths={"/v1/messages": ANTHROPIC, "/v1/responses": RESPONSES},  # POST /v1/responses: responses_routes.py
     headers={"anthropic-version": ANTHROPIC},
     default=OPENAI,
 )
