@@ -57,6 +57,7 @@ from ringserve.stream.admission import (
     admit,
     answer,
     finished,
+    parse_body,
     stored_answer,
 )
 from ringserve.stream.hub import Hub, LiveMessage, StreamEnded
@@ -64,7 +65,7 @@ from ringserve.stream.logs import MessageLog, store_unavailable
 from ringserve.stream.reader import ReaderLagged
 from ringserve.surfaces import ringserve as ringserve_json
 from ringserve.surfaces.base import Surface, dumps
-from ringserve.surfaces.registry import SURFACES
+from ringserve.surfaces.registry import ANTHROPIC, SURFACES
 from ringserve.surfaces.ringserve import MessageStatusView, ModelInfo, StreamToken, message_url
 
 log = logging.getLogger("ringserve")
@@ -544,9 +545,26 @@ async def internal_error(exc: Exception) -> Response:
     return _error_response(request_surface(), RingserveError(ErrorKind.API_ERROR, "internal server error"))
 
 
+async def count_tokens() -> Response:
+    """``POST /v1/messages/count_tokens``: the prompt the same ``POST /v1/messages`` request would
+    be given, in tokens (system prompt, tools and output format included), which is its usage's
+    ``input_tokens`` plus ``cache_read_input_tokens``. Nothing is generated; a prompt that cannot
+    fit a slot is the same 400 as there."""
+    state = _state()
+    try:
+        hub = _hub()
+        raw = await request.get_data(cache=True, as_text=False, parse_form_data=False)
+        parsed = parse_body(ANTHROPIC.parse_count_tokens, raw, state.config, state.model_id)
+        prepared = await hub.runner.prepare(parsed.request)
+    except RingserveError as exc:
+        return _error_response(ANTHROPIC, exc)
+    return _json(ANTHROPIC.count_tokens_json(len(prepared.prompt_tokens)))
+
+
 #: ``(rule, method, handler)`` of every route but the generation routes (``SURFACES.routes``);
 #: the endpoint is the handler's name.
 ROUTES: tuple[tuple[str, str, Callable[..., Awaitable[Response]]], ...] = (
+    ("/v1/messages/count_tokens", "POST", count_tokens),
     ("/v1/messages/<message_id>", "GET", get_message),
     ("/v1/messages/<message_id>/stream", "GET", resume_stream),
     ("/v1/messages/<message_id>/stream_token", "POST", issue_stream_token),

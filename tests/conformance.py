@@ -46,25 +46,56 @@ OVERLOAD_STATUSES = (429, 503, 529)
 
 
 @attrs.define
+class SeenCall:
+    """One tool call as a stream or an answer gave it: the arguments' JSON text (joined fragments).
+
+    In a stream that starts after a ``Last-Event-ID`` inside a call, ``call_id`` and ``name`` are
+    empty: they came before the cut.
+    """
+
+    call_id: str
+    name: str
+    arguments: str = ""
+
+    def value(self) -> tuple[str, str, Any]:
+        """(id, name, the parsed arguments), to compare a stream's calls with an answer's."""
+        return self.call_id, self.name, json.loads(self.arguments)
+
+
+@attrs.define
 class Seen:
     """What one stream or answer said, once validated.
 
     Attributes:
-        text: the reply text.
+        text: the reply text (all its text blocks joined).
+        tool_calls: the tool calls, in order.
+        blocks: the kinds of the content blocks, in order (Anthropic ``text`` / ``tool_use``).
         stop_reason: the surface's stop/finish reason, or None.
         cancelled: the ``ringserve_cancelled`` mark was set.
         error: the error object (an in-band error or an error answer), or None.
         terminal: the stream's last event was terminal (``message_stop``,
             ``[DONE]`` or an error); always True for an answer.
         events: the validated models, in order.
+        resumed: the stream started after a ``Last-Event-ID`` (it may start inside a block).
+        open_block: while reading an Anthropic stream, the open block's index (-1: none open;
+            None: not known yet, in a resumed stream).
+        next_block: the index the next Anthropic block must have (None: not known yet, resumed).
+        json_deltas: how many argument fragments came (Anthropic ``input_json_delta`` events,
+            OpenAI ``tool_calls`` deltas after a call's first).
     """
 
     text: str = ""
+    tool_calls: list[SeenCall] = attrs.Factory(list)
+    blocks: list[str] = attrs.Factory(list)
     stop_reason: str | None = None
     cancelled: bool = False
     error: dict[str, Any] | None = None
     terminal: bool = False
     events: list[Any] = attrs.Factory(list)
+    resumed: bool = False
+    open_block: int | None = None
+    next_block: int | None = None
+    json_deltas: int = 0
 
 
 def _extra(model: Any) -> dict[str, Any]:
@@ -81,8 +112,32 @@ def _anthropic_event(data: dict[str, Any], name: str, seen: Seen, first: bool) -
     seen.events.append(event)
     assert (event.type == "message_start") == first, f"{event.type} where message_start was due, or after it"
     match event.type:
+        case "message_start":
+            assert event.message.content == [], event
+        case "content_block_start":
+            # blocks are numbered 0, 1, 2 ... in order, text and tool_use alike
+            assert seen.next_block in (event.index, None), (event, seen.next_block)
+            seen.blocks.append(event.content_block.type)
+            seen.open_block, seen.next_block = event.index, event.index + 1
+            if event.content_block.type == "tool_use":
+                assert event.content_block.input == {}, event  # the arguments come as input_json_delta
+                assert event.content_block.id.startswith("toolu_"), event
+                seen.tool_calls.append(SeenCall(event.content_block.id, event.content_block.name))
+            else:
+                assert event.content_block.text == "", event
         case "content_block_delta":
-            seen.text += event.delta.text
+            assert seen.open_block in (event.index, None), (event, seen.open_block)
+            if event.delta.type == "input_json_delta":
+                if not seen.tool_calls:  # resumed inside a call
+                    seen.tool_calls.append(SeenCall("", ""))
+                seen.tool_calls[-1].arguments += event.delta.partial_json
+                seen.json_deltas += 1
+            else:
+                assert event.delta.type == "text_delta", event
+                seen.text += event.delta.text
+        case "content_block_stop":
+            assert seen.open_block in (event.index, None), (event, seen.open_block)
+            seen.open_block = -1
         case "message_delta":
             seen.stop_reason = event.delta.stop_reason
             seen.cancelled = _extra(event.delta).get(CANCELLED_KEY) is True
@@ -105,9 +160,31 @@ def _openai_event(data: Any, seen: Seen, resumed: bool) -> None:
     seen.events.append(chunk)
     for choice in chunk.choices:
         seen.text += choice.delta.content or ""
+        for call in choice.delta.tool_calls or ():
+            _openai_call_delta(call, seen)
         if choice.finish_reason is not None:
             seen.stop_reason = choice.finish_reason
             seen.cancelled = _extra(choice).get(CANCELLED_KEY) is True
+
+
+def _openai_call_delta(call: Any, seen: Seen) -> None:
+    """A call's first delta has its index (the next one), ``id``, ``type`` and ``function.name``
+    and ``arguments: ""``; later deltas only the index and an arguments fragment."""
+    assert call.function is not None, call
+    while seen.resumed and call.index > len(seen.tool_calls):  # resumed after the earlier calls began
+        seen.tool_calls.append(SeenCall("", ""))
+    if call.id is not None:
+        assert call.index == len(seen.tool_calls), (call, seen.tool_calls)
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name, call
+        assert call.function.arguments == "", call
+        seen.tool_calls.append(SeenCall(call.id, call.function.name))
+        return
+    assert call.type is None and call.function.name is None and call.function.arguments, call
+    if seen.resumed and call.index == len(seen.tool_calls):  # resumed inside a call
+        seen.tool_calls.append(SeenCall("", ""))
+    assert call.index == len(seen.tool_calls) - 1, (call, seen.tool_calls)  # fragments of the latest call
+    seen.tool_calls[call.index].arguments += call.function.arguments
+    seen.json_deltas += 1
 
 
 def check_stream(surface: str, raw: bytes, *, resumed: bool = False, complete: bool = True) -> Seen:
@@ -125,7 +202,7 @@ def check_stream(surface: str, raw: bytes, *, resumed: bool = False, complete: b
     sdk = list(DECODERS[surface]().iter_bytes(iter([raw])))
     ours = SSEParser().feed(raw)
     assert [(e.event or "message", e.data) for e in sdk] == [(e.event, e.data) for e in ours]
-    seen = Seen()
+    seen = Seen(resumed=resumed, open_block=None if resumed else -1, next_block=None if resumed else 0)
     for i, event in enumerate(ours):
         assert event.data, f"event {i} has no data: an SDK would parse it as an empty JSON document"
         assert event.id is not None, f"event {i} has no id: the stream could not resume after it"
@@ -160,13 +237,24 @@ def check_answer(surface: str, resp: httpx.Response) -> Seen:
         return seen
     if surface == "anthropic":
         message = Message.model_validate(body, strict=True)
-        seen.text = "".join(block.text for block in message.content)
+        for block in message.content:
+            seen.blocks.append(block.type)
+            if block.type == "tool_use":
+                assert block.id.startswith("toolu_"), block
+                seen.tool_calls.append(SeenCall(block.id, block.name, json.dumps(block.input)))
+            else:
+                seen.text += block.text
         seen.stop_reason = message.stop_reason
         seen.cancelled = _extra(message).get(CANCELLED_KEY) is True
     else:
         message = ChatCompletion.model_validate(body, strict=True)
         (choice,) = message.choices
         seen.text = choice.message.content or ""
+        for call in choice.message.tool_calls or ():
+            assert call.type == "function" and call.id.startswith("call_"), call
+            seen.tool_calls.append(SeenCall(call.id, call.function.name, call.function.arguments))
+        if seen.tool_calls and not seen.text:
+            assert choice.message.content is None, choice.message
         seen.stop_reason = choice.finish_reason
         seen.cancelled = _extra(choice).get(CANCELLED_KEY) is True
     seen.events.append(message)

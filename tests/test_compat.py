@@ -45,24 +45,53 @@ def test_every_sdk_request_field_is_decided(table, params):
     assert _keys(params) - {"betas"} <= decided
 
 
+def _decided(table) -> set[str]:
+    return table.supported | table.ignored | set(table.refused)
+
+
 def test_every_sdk_message_field_is_decided():
-    table = openai_surface.MESSAGE_FIELDS
-    decided = table.supported | table.ignored | set(table.refused)
     for td in ChatCompletionMessageParam.__args__:
-        if td.__name__ in ("ChatCompletionToolMessageParam", "ChatCompletionFunctionMessageParam"):
+        if td.__name__ == "ChatCompletionFunctionMessageParam":
             continue  # refused by role
-        assert td.__required_keys__ | td.__optional_keys__ <= decided, td.__name__
+        table = (openai_surface.TOOL_MESSAGE_FIELDS if td.__name__ == "ChatCompletionToolMessageParam"
+                 else openai_surface.MESSAGE_FIELDS)
+        assert td.__required_keys__ | td.__optional_keys__ <= _decided(table), td.__name__
+
+
+def test_every_sdk_tool_field_is_decided():
+    """The tool, tool-choice, tool-block and output-format tables cover their SDK TypedDicts."""
+    from anthropic import types as a
+    from anthropic.types import beta as b
+    from openai.types import chat as o
+    from openai.types import shared_params as sp
+    from openai.types.chat.chat_completion_message_function_tool_call_param import Function
+    from openai.types.shared_params.response_format_json_schema import JSONSchema
+
+    A, O = anthropic_surface, openai_surface
+    pairs = [
+        (A.TOOL_FIELDS, a.ToolParam), (A.TOOL_FIELDS, b.BetaToolParam),
+        (A.TOOL_USE_FIELDS, a.ToolUseBlockParam), (A.TOOL_USE_FIELDS, b.BetaToolUseBlockParam),
+        (A.TOOL_RESULT_FIELDS, a.ToolResultBlockParam), (A.TOOL_RESULT_FIELDS, b.BetaToolResultBlockParam),
+        (A.OUTPUT_CONFIG_FIELDS, a.OutputConfigParam), (A.OUTPUT_CONFIG_FIELDS, b.BetaOutputConfigParam),
+        (A.OUTPUT_FORMAT_FIELDS, a.JSONOutputFormatParam), (A.COUNT_TOKENS_FIELDS, a.MessageCountTokensParams),
+        (O.TOOL_FIELDS, o.ChatCompletionFunctionToolParam), (O.FUNCTION_FIELDS, sp.FunctionDefinition),
+        (O.TOOL_CALL_FIELDS, o.ChatCompletionMessageFunctionToolCallParam), (O.CALL_FUNCTION_FIELDS, Function),
+        (O.TOOL_FIELDS, o.ChatCompletionNamedToolChoiceParam),
+        (O.RESPONSE_FORMAT_FIELDS, sp.ResponseFormatJSONSchema), (O.JSON_SCHEMA_FIELDS, JSONSchema),
+    ]
+    pairs += [(A.TOOL_CHOICE_FIELDS, td) for td in a.ToolChoiceParam.__args__]
+    pairs += [(A.TOOL_CHOICE_FIELDS, td) for td in b.BetaToolChoiceParam.__args__]
+    for table, td in pairs:
+        assert td.__required_keys__ | td.__optional_keys__ <= _decided(table), td.__name__
 
 
 # -- refused fields: a 400 naming the field, in the surface's shape --------------------------
 
 ANTHROPIC_REFUSED = [
-    ("tools", [{"name": "f", "description": "d", "input_schema": {"type": "object"}}]),
-    ("tool_choice", {"type": "any"}),
-    ("tool_choice", {"type": "tool", "name": "f"}),
+    ("tools", [{"type": "web_search_20250305", "name": "web_search"}]),  # a server tool
+    ("tools", [{"name": "f", "input_schema": {"type": "object"}, "input_examples": [{}]}]),
     ("thinking", {"type": "enabled", "budget_tokens": 1024}),
     ("thinking", {"type": "adaptive"}),
-    ("output_config", {"format": {"type": "json_schema", "schema": {"type": "object"}}}),
     ("output_config", {"effort": "high"}),
     ("output_format", {"type": "json_schema", "schema": {"type": "object"}}),
     ("mcp_servers", [{"type": "url", "url": "https://example.com", "name": "x"}]),
@@ -75,8 +104,6 @@ ANTHROPIC_REFUSED = [
 ANTHROPIC_BLOCKS = [
     ("user", {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}),
     ("user", {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "a doc"}}),
-    ("user", {"type": "tool_result", "tool_use_id": "toolu_1", "content": "42"}),
-    ("assistant", {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}),
     ("assistant", {"type": "thinking", "thinking": "hm", "signature": "s"}),
 ]
 
@@ -120,13 +147,11 @@ async def test_anthropic_non_text_block_is_400_naming_its_type(fake_server, role
 
 
 OPENAI_REFUSED = [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-    ("tool_choice", "required"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("tools", [{"type": "custom", "custom": {"name": "f"}}]),
+    ("tool_choice", {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}),
     ("functions", [{"name": "f"}]),
     ("function_call", {"name": "f"}),
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "foo": 1}}),
     ("logprobs", True),
     ("top_logprobs", 3),
     ("n", 2),
@@ -161,9 +186,9 @@ async def test_openai_refused_field_is_400_naming_it(fake_server, field, value, 
         {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}]},
         {"role": "user", "content": [{"type": "file", "file": {"file_id": "file-1"}}]},
         {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+         "tool_calls": [{"id": "c1", "type": "custom", "custom": {"name": "f", "input": "x"}}]},
         {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
-        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},  # no earlier call c1
         {"role": "function", "name": "f", "content": "42"},
         {"role": "user", "content": "hi", "cache_control": {"type": "ephemeral"}},  # unknown
     ],

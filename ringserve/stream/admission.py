@@ -23,7 +23,8 @@ first attempt, Redis, the generation itself) stays in the hub:
 from __future__ import annotations
 
 import json
-from typing import assert_never
+from collections.abc import Callable
+from typing import Any, assert_never
 
 import attrs
 
@@ -152,6 +153,26 @@ def disconnect_policy(policies: PolicyConfig, surface: Surface, *, respond_async
     return policy
 
 
+def parse_body(parse: Callable[[Any], ParsedRequest], raw: bytes, config: Config, model_id: str) -> ParsedRequest:
+    """The request in ``raw``, parsed by ``parse`` (``Surface.parse_request``, or Anthropic's
+    ``parse_count_tokens``) and within ``[limits]`` and ``[model] strict_model_name``.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` (not JSON, not a valid request, over a limit) or
+            ``NOT_FOUND`` (a model that is not served, with ``strict_model_name``).
+    """
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise RingserveError(ErrorKind.INVALID_REQUEST, f"request body is not valid JSON: {exc}") from None
+    parsed = parse(body)
+    limits = config.limits
+    check_request(parsed.request, max_messages=limits.max_messages, max_text_chars=limits.max_message_chars)
+    if config.model.strict_model_name and parsed.model and parsed.model != model_id:
+        raise RingserveError(ErrorKind.NOT_FOUND, f"model {parsed.model[:100]!r} is not served here", param="model")
+    return parsed
+
+
 def admit(surface: Surface, raw: bytes, headers: RequestHeaders, config: Config, model_id: str) -> Start | Refuse:
     """Decide whether a generation request may start, and how.
 
@@ -172,15 +193,7 @@ def admit(surface: Surface, raw: bytes, headers: RequestHeaders, config: Config,
         :class:`Start`, or :class:`Refuse` with the first failed check's error.
     """
     try:
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-            raise RingserveError(ErrorKind.INVALID_REQUEST, f"request body is not valid JSON: {exc}") from None
-        parsed = surface.parse_request(body)
-        limits = config.limits
-        check_request(parsed.request, max_messages=limits.max_messages, max_text_chars=limits.max_message_chars)
-        if config.model.strict_model_name and parsed.model and parsed.model != model_id:
-            raise RingserveError(ErrorKind.NOT_FOUND, f"model {parsed.model[:100]!r} is not served here", param="model")
+        parsed = parse_body(surface.parse_request, raw, config, model_id)
         respond_async = RESPOND_ASYNC in parse_prefer(",".join(headers.prefer))
         policy = disconnect_policy(
             config.policy, surface, respond_async=respond_async, override=headers.disconnect_policy

@@ -8,8 +8,9 @@ inside the shell, in the manner of h11's ``READERS``/``WRITERS`` tables. Only
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from typing import Any, Protocol, assert_never, overload
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar, assert_never, overload
 
 import attrs
 
@@ -26,8 +27,14 @@ from ringserve.core.events import (
     GenerationRequest,
     SamplingParams,
     StopReason,
+    ToolChoice,
+    ToolChoiceMode,
+    ToolSpec,
     Usage,
 )
+
+
+T = TypeVar("T")
 
 
 def dumps(obj: Any) -> str:
@@ -208,6 +215,18 @@ class FieldTable:
     ignored: frozenset[str]
     refused: Mapping[str, Refused]
 
+    def object(self, value: Any, where: str, param: str) -> dict[str, Any]:
+        """``value``, a JSON object at ``where`` whose fields :meth:`check` accepts.
+
+        Raises:
+            RingserveError: ``INVALID_REQUEST`` with ``param`` when it is not an object, or as
+                :meth:`check` does.
+        """
+        if not isinstance(value, dict):
+            raise invalid(f"{where}: must be an object", param=param)
+        self.check(value, where, param)
+        return value
+
     def check(self, obj: dict[str, Any], where: str = "", param: str | None = None) -> None:
         """Refuse the fields of ``obj`` that ringserve does not implement.
 
@@ -295,37 +314,175 @@ def get_str(body: dict[str, Any], key: str, *, required: bool = False, default: 
     return value
 
 
-def text_content(value: Any, where: str, block_fields: FieldTable, *, allow_empty: bool = True) -> str:
+_KIND_NAMES: dict[type, str] = {bool: "a boolean", str: "a string"}
+
+
+def optional(value: Any, kind: type[T], where: str, param: str) -> T | None:
+    """``value`` if it is None or a ``kind`` (``bool``, ``str``), else a 400 naming ``where``."""
+    if value is not None and not isinstance(value, kind):
+        raise invalid(f"{where}: must be {_KIND_NAMES[kind]}", param=param)
+    return value
+
+
+def text_block(block: Any, where: str, param: str, block_fields: FieldTable) -> str:
+    """The text of one ``{"type": "text", "text": ...}`` block at ``where``, its other keys
+    checked against ``block_fields``; a block of any other type is a 400 naming the type."""
+    if not isinstance(block, dict):
+        raise invalid(f"{where}: must be an object", param=param)
+    if block.get("type") != "text":
+        raise invalid(
+            f"{where}: content blocks of type {block.get('type')!r} are not supported by ringserve (only text)",
+            param=param,
+        )
+    block_fields.check(block, where, param=param)
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise invalid(f"{where}.text: must be a string", param=param)
+    return text
+
+
+def text_content(
+    value: Any, where: str, block_fields: FieldTable, *, allow_empty: bool = True, param: str | None = None
+) -> str:
     """Message content: a string, or a list of ``{"type": "text", "text": ...}`` blocks joined.
 
     The other keys of a text block are checked against ``block_fields`` (the
     surface's table for one block or part). A block of any other type
-    (``image``, ``document``, ``image_url``, ``tool_result``, ...) is a 400
+    (``image``, ``document``, ``image_url``, ...) is a 400
     naming the type; so is an empty list unless ``allow_empty`` (the
-    Anthropic API refuses ``content: []``). ``param`` is ``where``'s first part.
+    Anthropic API refuses ``content: []``). ``param`` defaults to ``where``.
     """
+    param = param or where
     if isinstance(value, str):
         return value
     if isinstance(value, list):
         if not value and not allow_empty:
-            raise invalid(f"{where}: must not be an empty list", param=where)
-        parts = []
-        for i, block in enumerate(value):
-            if not isinstance(block, dict):
-                raise invalid(f"{where}[{i}]: must be an object", param=where)
-            if block.get("type") != "text":
-                raise invalid(
-                    f"{where}[{i}]: content blocks of type {block.get('type')!r} are not supported"
-                    " by ringserve (only text)",
-                    param=where,
-                )
-            block_fields.check(block, f"{where}[{i}]", param=where)
-            text = block.get("text")
-            if not isinstance(text, str):
-                raise invalid(f"{where}[{i}].text: must be a string", param=where)
-            parts.append(text)
-        return "".join(parts)
-    raise invalid(f"{where}: must be a string or a list of text blocks", param=where)
+            raise invalid(f"{where}: must not be an empty list", param=param)
+        return "".join(text_block(block, f"{where}[{i}]", param, block_fields) for i, block in enumerate(value))
+    raise invalid(f"{where}: must be a string or a list of text blocks", param=param)
+
+
+# -- tools and structured output, the same rules on both surfaces -----------------------------
+
+#: The most tools one request may offer: OpenAI's documented limit for ``tools`` (Anthropic
+#: documents none); a longer list is a 400.
+MAX_TOOLS = 128
+
+#: A tool's name, as both APIs document it: 1 to 64 ASCII letters, digits, ``_`` or ``-``.
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def tool_name(value: Any, where: str, param: str) -> str:
+    """A tool name at ``where`` (see :data:`TOOL_NAME`), or a 400."""
+    if not isinstance(value, str) or not TOOL_NAME.fullmatch(value):
+        raise invalid(f"{where}: a tool name is 1 to 64 letters, digits, '_' or '-', got {value!r:.80}", param=param)
+    return value
+
+
+def json_schema(value: Any, where: str, param: str, *, arguments: bool) -> str:
+    """A JSON schema given as a JSON object, as compact JSON text.
+
+    With ``arguments`` (a tool's arguments) the schema must describe an object: ``"type":
+    "object"``, as Anthropic's ``input_schema`` requires and OpenAI's ``parameters`` documents.
+    Whether a schema keyword can be enforced is the grammar compiler's decision (``core/``).
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` naming ``where``.
+    """
+    if not isinstance(value, dict):
+        raise invalid(f"{where}: a JSON schema must be a JSON object", param=param)
+    if arguments and value.get("type") != "object":
+        raise invalid(f"{where}: a tool's arguments schema must have \"type\": \"object\"", param=param)
+    return dumps(value)
+
+
+def tool_list(value: Any, key: str, one: Callable[[dict[str, Any], str], ToolSpec]) -> tuple[ToolSpec, ...]:
+    """The request's tools: ``value`` a list of at most :data:`MAX_TOOLS` objects, each parsed
+    by ``one(obj, "tools[i]")``, with distinct names; None or absent is no tools.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` with ``param=key``.
+    """
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise invalid(f"{key}: must be a list of tools", param=key)
+    if len(value) > MAX_TOOLS:
+        raise invalid(f"{key}: at most {MAX_TOOLS} tools, got {len(value)}", param=key)
+    tools: list[ToolSpec] = []
+    for i, raw in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(raw, dict):
+            raise invalid(f"{where}: must be an object", param=key)
+        tool = one(raw, where)
+        if any(t.name == tool.name for t in tools):
+            raise invalid(f"{where}.name: duplicate tool name {tool.name!r}", param=key)
+        tools.append(tool)
+    return tuple(tools)
+
+
+def tool_choice(choice: ToolChoice, tools: tuple[ToolSpec, ...], key: str) -> ToolChoice:
+    """``choice`` checked against the request's tools: a forced choice needs tools, and a
+    named one a tool of that name.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` with ``param=key``.
+    """
+    match choice.mode:
+        case ToolChoiceMode.AUTO | ToolChoiceMode.NONE:
+            pass
+        case ToolChoiceMode.REQUIRED:
+            if not tools:
+                raise invalid(f"{key}: a tool call is required but the request has no tools", param=key)
+        case ToolChoiceMode.NAMED:
+            if not any(t.name == choice.name for t in tools):
+                raise invalid(f"{key}: no tool named {choice.name!r} in tools", param=key)
+        case _:
+            assert_never(choice.mode)
+    return choice
+
+
+@attrs.define
+class CallIds:
+    """The tool-call ids of a conversation's assistant turns so far, oldest first.
+
+    A tool result must answer one of them (both APIs refuse a result for a call that was never
+    made); ids are kept as the client sent them.
+    """
+
+    seen: set[str] = attrs.Factory(set)
+
+    def call(self, value: Any, where: str, param: str) -> str:
+        """Note the id of an assistant turn's call at ``where``; a 400 unless a new non-empty string."""
+        if not isinstance(value, str) or not value:
+            raise invalid(f"{where}: a tool call id must be a non-empty string", param=param)
+        if value in self.seen:
+            raise invalid(f"{where}: duplicate tool call id {value!r:.80}", param=param)
+        self.seen.add(value)
+        return value
+
+    def result(self, value: Any, where: str, param: str) -> str:
+        """The id a tool result at ``where`` answers; a 400 unless an earlier call has it."""
+        if not isinstance(value, str) or value not in self.seen:
+            raise invalid(f"{where}: {value!r:.80} matches no earlier tool call id", param=param)
+        return value
+
+
+def arguments_json(value: Any, where: str, param: str) -> str:
+    """A history tool call's arguments: JSON text of an object (OpenAI's ``arguments``), as
+    compact JSON text (what the prompt shows the model).
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` when it is not a string holding a JSON object.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            raise invalid(f"{where}: must be JSON text of an object", param=param) from None
+        if isinstance(value, dict):
+            return dumps(value)
+    raise invalid(f"{where}: must be JSON text of an object", param=param)
 
 
 def stop_list(

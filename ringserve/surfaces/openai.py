@@ -1,7 +1,8 @@
 """OpenAI Chat Completions surface (``POST /v1/chat/completions``).
 
 Shapes follow OpenAI's "Chat Completions" API reference and its "Streaming"
-guide: ``chat.completion.chunk`` objects, a usage chunk with empty
+guide: ``chat.completion.chunk`` objects (tool calls as ``delta.tool_calls``
+fragments, see :class:`OpenAIRenderer`), a usage chunk with empty
 ``choices`` only when ``stream_options.include_usage`` is set, and a final
 ``data: [DONE]``. A mid-stream error is ``data: {"error": {...}}`` with no
 ``[DONE]`` after it (the official SDK raises on it). HTTP errors are
@@ -23,10 +24,18 @@ from ringserve.core.events import (
     Failure,
     Finish,
     GenerationRequest,
+    OutputFormat,
+    OutputKind,
     StopReason,
+    ToolCall,
+    ToolChoice,
+    ToolChoiceMode,
+    ToolSpec,
     Usage,
 )
 from ringserve.surfaces.base import (
+    TOOL_NAME,
+    CallIds,
     FieldTable,
     MessageResult,
     ParsedRequest,
@@ -41,6 +50,12 @@ from ringserve.surfaces.base import (
     require_object,
     stop_list,
     text_content,
+    arguments_json,
+    json_schema,
+    optional,
+    tool_choice,
+    tool_list,
+    tool_name,
 )
 
 MAX_TOKENS_LIMIT = 1_000_000
@@ -75,11 +90,12 @@ FINISH_REASONS = {
     StopReason.STOP_SEQUENCE: "stop",
     StopReason.CANCELLED: "stop",
     StopReason.REFUSAL: "content_filter",
+    StopReason.TOOL_USE: "tool_calls",
 }
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
-_TOOLS = "tool use is not implemented yet, issue 14"
+_FUNCTIONS = "the deprecated functions API: send tools and tool_choice"
 _ZERO = (0, 0.0)
 
 #: What ``parse_request`` does with each field of
@@ -88,7 +104,7 @@ _ZERO = (0, 0.0)
 REQUEST_FIELDS = FieldTable(
     supported=frozenset({
         "model", "messages", "max_completion_tokens", "max_tokens", "temperature", "top_p", "stop", "seed",
-        "stream", "stream_options",
+        "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "response_format",
         # extensions, as llama.cpp's server accepts them
         "top_k", "min_p",
     }),
@@ -98,15 +114,10 @@ REQUEST_FIELDS = FieldTable(
         "prompt_cache_options", "prompt_cache_retention",
         # a latency hint: the answer stays the model's own
         "prediction",
-        # meaningful only with tools, which are refused
-        "parallel_tool_calls",
     }),
     refused={
-        "tools": Refused(_TOOLS, neutral=([],)),
-        "tool_choice": Refused(_TOOLS, neutral=("none", "auto")),
-        "functions": Refused(_TOOLS, neutral=([],)),
-        "function_call": Refused(_TOOLS, neutral=("none", "auto")),
-        "response_format": Refused("structured output is not implemented", neutral=({"type": "text"},)),
+        "functions": Refused(_FUNCTIONS, neutral=([],)),
+        "function_call": Refused(_FUNCTIONS, neutral=("none", "auto")),
         "logprobs": Refused("log probabilities are not implemented", neutral=(False,)),
         "top_logprobs": Refused("log probabilities are not implemented", neutral=(0,)),
         "n": Refused("one choice per request", neutral=(1,)),
@@ -123,16 +134,56 @@ REQUEST_FIELDS = FieldTable(
 )
 
 #: The fields of one message (system, developer, user and assistant messages; ``tool``
-#: and ``function`` messages are refused by role).
+#: messages have :data:`TOOL_MESSAGE_FIELDS`, ``function`` messages are refused by role).
 MESSAGE_FIELDS = FieldTable(
-    supported=frozenset({"role", "content"}),
+    supported=frozenset({"role", "content", "tool_calls"}),
     ignored=frozenset({"name", "refusal"}),
     refused={
-        "tool_calls": Refused(_TOOLS, neutral=([],)),
-        "function_call": Refused(_TOOLS),
+        "function_call": Refused(_FUNCTIONS),
         "audio": Refused("audio is not implemented"),
     },
 )
+
+#: The fields of a ``tool`` message (``ChatCompletionToolMessageParam``): the result of an
+#: earlier assistant message's tool call.
+TOOL_MESSAGE_FIELDS = FieldTable(
+    supported=frozenset({"role", "content", "tool_call_id"}), ignored=frozenset(), refused={}
+)
+
+#: The fields of one call of an assistant message's ``tool_calls``
+#: (``ChatCompletionMessageFunctionToolCallParam``; ``custom`` calls are refused by type).
+TOOL_CALL_FIELDS = FieldTable(supported=frozenset({"id", "type", "function"}), ignored=frozenset(), refused={})
+
+#: The fields of a call's ``function`` (``chat_completion_message_function_tool_call_param.Function``).
+CALL_FUNCTION_FIELDS = FieldTable(supported=frozenset({"name", "arguments"}), ignored=frozenset(), refused={})
+
+#: The fields of one tool (``ChatCompletionFunctionToolParam``; ``custom`` tools are refused by type).
+TOOL_FIELDS = FieldTable(supported=frozenset({"type", "function"}), ignored=frozenset(), refused={})
+
+#: The fields of a tool's ``function`` (``openai.types.shared_params.FunctionDefinition``).
+FUNCTION_FIELDS = FieldTable(
+    supported=frozenset({"name", "description", "parameters", "strict"}), ignored=frozenset(), refused={}
+)
+
+#: The fields of a named ``tool_choice``'s ``function`` (``ChatCompletionNamedToolChoiceParam``;
+#: the choice itself has :data:`TOOL_FIELDS`).
+NAMED_FUNCTION_FIELDS = FieldTable(supported=frozenset({"name"}), ignored=frozenset(), refused={})
+
+#: The fields of ``response_format`` (``ResponseFormatText``, ``ResponseFormatJSONObject``,
+#: ``ResponseFormatJSONSchema``) and of its ``json_schema`` (``response_format_json_schema.JSONSchema``).
+RESPONSE_FORMAT_FIELDS = FieldTable(supported=frozenset({"type", "json_schema"}), ignored=frozenset(), refused={})
+JSON_SCHEMA_FIELDS = FieldTable(
+    supported=frozenset({"name", "schema", "strict"}),
+    # documentation of the format for the model, which the grammar enforces anyway
+    ignored=frozenset({"description"}),
+    refused={},
+)
+
+#: The string values of ``tool_choice`` → mode.
+TOOL_CHOICE_MODES = {"none": ToolChoiceMode.NONE, "auto": ToolChoiceMode.AUTO, "required": ToolChoiceMode.REQUIRED}
+
+#: The prefix of a tool call id on this surface (``call_`` + the neutral 24 hex digits).
+TOOL_ID_PREFIX = "call_"
 
 #: The fields of one text part of a message's content (``ChatCompletionContentPartTextParam``).
 TEXT_PART_FIELDS = FieldTable(
@@ -167,18 +218,30 @@ def _usage(usage: Usage) -> dict[str, Any]:
     }
 
 
-def _text_only(kind: BlockKind) -> None:
-    """Text is the only block kind the surface renders until tool use lands (issue 14)."""
-    if kind is not BlockKind.TEXT:
-        raise NotImplementedError(f"OpenAI rendering of {kind.value} blocks")
+def tool_call_id(call_id: str) -> str:
+    """A tool call's id on this surface: ``call_`` and the neutral 24 hex digits."""
+    return TOOL_ID_PREFIX + call_id
+
+
+def _no_reasoning(kind: BlockKind) -> None:
+    if kind is BlockKind.REASONING:
+        raise NotImplementedError("OpenAI rendering of reasoning blocks (nothing emits them)")
 
 
 class OpenAIRenderer:
-    """Renders one completion's events as ``chat.completion.chunk`` data lines."""
+    """Renders one completion's events as ``chat.completion.chunk`` data lines.
+
+    Text deltas are ``delta.content``. A tool call's first chunk is ``delta.tool_calls: [{"index":
+    k, "id": "call_...", "type": "function", "function": {"name": ..., "arguments": ""}}]``, its
+    later chunks ``[{"index": k, "function": {"arguments": fragment}}]``, where ``k`` counts the
+    message's tool calls from 0 (text blocks do not count), as OpenAI's streaming guide shows.
+    """
 
     def __init__(self, message_id: str, model: str, created: int, include_usage: bool) -> None:
         self._head = {"id": message_id, "object": "chat.completion.chunk", "created": created, "model": model}
         self._include_usage = include_usage
+        self._open = BlockKind.TEXT  # the kind of the block that deltas belong to
+        self._calls = 0  # tool calls started so far; the open call's index is one less
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None, cancelled: bool = False) -> WireEvent:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
@@ -192,11 +255,21 @@ class OpenAIRenderer:
         return [self._chunk({"role": "assistant", "content": ""}, None)]
 
     def block_start(self, start: BlockStart) -> list[WireEvent]:
-        _text_only(start.kind)
-        return []
+        _no_reasoning(start.kind)
+        self._open = start.kind
+        if start.kind is not BlockKind.TOOL_CALL:
+            return []
+        call = {"index": self._calls, "id": tool_call_id(start.call_id), "type": "function",
+                "function": {"name": start.name, "arguments": ""}}
+        self._calls += 1
+        return [self._chunk({"tool_calls": [call]}, None)]
 
     def delta(self, delta: BlockDelta) -> list[WireEvent]:
-        return [self._chunk({"content": delta.text}, None)]
+        if self._open is not BlockKind.TOOL_CALL:
+            return [self._chunk({"content": delta.text}, None)]
+        if not delta.text:
+            return []
+        return [self._chunk({"tool_calls": [{"index": self._calls - 1, "function": {"arguments": delta.text}}]}, None)]
 
     def block_stop(self, stop: BlockStop) -> list[WireEvent]:
         return []
@@ -212,6 +285,105 @@ class OpenAIRenderer:
         return [WireEvent(dumps(_error_object(failure.kind, failure.message, None)))]
 
 
+def _message(m: Any, where: str, ids: CallIds) -> ChatMessage:
+    """One message: its role, text content, an assistant's ``tool_calls``, a tool result's id."""
+    if not isinstance(m, dict):
+        raise invalid(f"{where}: must be an object", param="messages")
+    wire_role = m.get("role")
+    role = ROLES.get(wire_role) if isinstance(wire_role, str) else None
+    if wire_role == "function":
+        raise invalid(f"{where}.role: 'function' is not supported by ringserve ({_FUNCTIONS})", param="messages")
+    if role is None:
+        raise invalid(f"{where}.role: must be one of {', '.join(ROLES)}", param="messages")
+    (TOOL_MESSAGE_FIELDS if role == "tool" else MESSAGE_FIELDS).check(m, where, param="messages")
+    content = m.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    text = text_content(content, f"{where}.content", TEXT_PART_FIELDS)
+    if role == "tool":
+        return ChatMessage("tool", text, tool_call_id=ids.result(m.get("tool_call_id"), f"{where}.tool_call_id",
+                                                                 "messages"))
+    calls = m.get("tool_calls")
+    if calls is None or role != "assistant":
+        if calls is not None:
+            raise invalid(f"{where}.tool_calls: only assistant messages have tool calls", param="messages")
+        return ChatMessage(role, text)
+    if not isinstance(calls, list):
+        raise invalid(f"{where}.tool_calls: must be a list", param="messages")
+    return ChatMessage(role, text, tool_calls=tuple(_call(c, f"{where}.tool_calls[{j}]", ids)
+                                                    for j, c in enumerate(calls)))
+
+
+def _call(raw: Any, where: str, ids: CallIds) -> ToolCall:
+    if isinstance(raw, dict) and raw.get("type") != "function":
+        raise invalid(f"{where}.type: only function tool calls are supported, got {raw.get('type')!r:.80}",
+                      param="messages")
+    raw = TOOL_CALL_FIELDS.object(raw, where, "messages")
+    function = CALL_FUNCTION_FIELDS.object(raw.get("function"), f"{where}.function", "messages")
+    return ToolCall(
+        call_id=ids.call(raw.get("id"), f"{where}.id", "messages"),
+        name=tool_name(function.get("name"), f"{where}.function.name", "messages"),
+        arguments=arguments_json(function.get("arguments"), f"{where}.function.arguments", "messages"),
+    )
+
+
+def _tool(raw: dict[str, Any], where: str) -> ToolSpec:
+    if raw.get("type") != "function":
+        raise invalid(f"{where}.type: only function tools are supported by ringserve, got {raw.get('type')!r:.80}",
+                      param="tools")
+    TOOL_FIELDS.check(raw, where, param="tools")
+    where = f"{where}.function"
+    function = FUNCTION_FIELDS.object(raw.get("function"), where, "tools")
+    parameters = function.get("parameters")
+    return ToolSpec(
+        name=tool_name(function.get("name"), f"{where}.name", "tools"),
+        description=optional(function.get("description"), str, f"{where}.description", "tools") or "",
+        # omitted parameters: a function without arguments, as OpenAI documents
+        parameters=dumps({"type": "object", "properties": {}}) if parameters is None
+        else json_schema(parameters, f"{where}.parameters", "tools", arguments=True),
+        strict=bool(optional(function.get("strict"), bool, f"{where}.strict", "tools")),
+    )
+
+
+def _tool_choice(value: Any, tools: tuple[ToolSpec, ...], *, parallel: bool) -> ToolChoice:
+    if value is None:
+        return ToolChoice(parallel=parallel)
+    if isinstance(value, str) and value in TOOL_CHOICE_MODES:
+        return tool_choice(ToolChoice(TOOL_CHOICE_MODES[value], parallel=parallel), tools, "tool_choice")
+    if not isinstance(value, dict):
+        raise invalid('tool_choice: must be "none", "auto", "required" or a named function', param="tool_choice")
+    if value.get("type") != "function":
+        raise invalid(f"tool_choice.type: only named functions are supported, got {value.get('type')!r:.80}",
+                      param="tool_choice")
+    TOOL_FIELDS.check(value, "tool_choice", param="tool_choice")
+    function = NAMED_FUNCTION_FIELDS.object(value.get("function"), "tool_choice.function", "tool_choice")
+    name = tool_name(function.get("name"), "tool_choice.function.name", "tool_choice")
+    return tool_choice(ToolChoice(ToolChoiceMode.NAMED, name, parallel), tools, "tool_choice")
+
+
+def _response_format(value: Any) -> OutputFormat:
+    if value is None:
+        return OutputFormat()
+    value = RESPONSE_FORMAT_FIELDS.object(value, "response_format", "response_format")
+    kind = value.get("type")
+    if kind == "text" or kind == "json_object":
+        if value.get("json_schema") is not None:
+            raise invalid(f"response_format.json_schema: not allowed with type {kind!r}", param="response_format")
+        return OutputFormat(OutputKind(kind))
+    if kind != "json_schema":
+        raise invalid('response_format.type: must be "text", "json_object" or "json_schema"', param="response_format")
+    spec = JSON_SCHEMA_FIELDS.object(value.get("json_schema"), "response_format.json_schema", "response_format")
+    name = spec.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise invalid("response_format.json_schema.name: 1 to 64 letters, digits, '_' or '-'", param="response_format")
+    optional(spec.get("strict"), bool, "response_format.json_schema.strict", "response_format")
+    schema = spec.get("schema")
+    if schema is None:  # no schema: any JSON object (the format's name alone constrains nothing)
+        return OutputFormat(OutputKind.JSON_OBJECT)
+    return OutputFormat(OutputKind.JSON_SCHEMA,
+                        json_schema(schema, "response_format.json_schema.schema", "response_format", arguments=False))
+
+
 class OpenAISurface:
     """OpenAI Chat Completions: parsing, rendering and error shapes."""
 
@@ -222,8 +394,17 @@ class OpenAISurface:
         """Validate a Chat Completions request body.
 
         Fields as :data:`REQUEST_FIELDS` lists them: ``model``, ``messages``
-        (roles system/developer/user/assistant; string or text-part content,
-        parts checked against :data:`TEXT_PART_FIELDS`),
+        (roles system/developer/user/assistant/tool; string or text-part content,
+        parts checked against :data:`TEXT_PART_FIELDS`; an assistant's
+        ``tool_calls``, each a function call with a new ``id`` and
+        ``arguments`` JSON text of an object; a ``tool`` message's
+        ``tool_call_id`` the id of an earlier call), ``tools`` (at most
+        :data:`~ringserve.surfaces.base.MAX_TOOLS` function tools with
+        distinct names; ``parameters`` an object schema, absent for none),
+        ``tool_choice`` (``none``, ``auto``, ``required`` or a named function
+        of ``tools``), ``parallel_tool_calls``, ``response_format``
+        (``text``, ``json_object``, ``json_schema`` with ``name``, ``schema``,
+        ``strict``; no schema: any JSON object),
         ``max_completion_tokens`` / ``max_tokens`` (1 to 1,000,000; absent or
         more than the context leaves: until the context is full; both given
         and different is a 400, as the SDK documents ``max_tokens`` as the
@@ -233,8 +414,8 @@ class OpenAISurface:
         :data:`STREAM_OPTIONS_FIELDS`); and, as llama.cpp's
         server does, ``top_k`` and ``min_p``. Bookkeeping fields (``user``,
         ``metadata``, ``store``, ...) are accepted and ignored; fields that
-        would change the answer and are not implemented (``tools``,
-        ``response_format``, ``logprobs``, ``n`` > 1, image parts, ...) and
+        would change the answer and are not implemented (``functions``,
+        custom tools, ``logprobs``, ``n`` > 1, image parts, ...) and
         unknown fields are refused.
 
         Raises:
@@ -246,22 +427,10 @@ class OpenAISurface:
         raw = body.get("messages")
         if not isinstance(raw, list) or not raw:
             raise invalid("messages: must be a non-empty list", param="messages")
-        messages = []
-        for i, m in enumerate(raw):
-            if not isinstance(m, dict):
-                raise invalid(f"messages[{i}]: must be an object", param="messages")
-            wire_role = m.get("role")
-            if wire_role in ("tool", "function"):
-                raise invalid(f"messages[{i}].role: {wire_role!r} is not supported by ringserve ({_TOOLS})",
-                              param="messages")
-            MESSAGE_FIELDS.check(m, f"messages[{i}]", param="messages")
-            role = ROLES.get(wire_role) if isinstance(wire_role, str) else None
-            if role is None:
-                raise invalid(f"messages[{i}].role: must be one of {', '.join(ROLES)}", param="messages")
-            content = m.get("content")
-            if content is None and role == "assistant":
-                content = ""
-            messages.append(ChatMessage(role, text_content(content, f"messages[{i}].content", TEXT_PART_FIELDS)))
+        ids = CallIds()
+        messages = [_message(m, f"messages[{i}]", ids) for i, m in enumerate(raw)]
+        tools = tool_list(body.get("tools"), "tools", _tool)
+        choice = _tool_choice(body.get("tool_choice"), tools, parallel=get_bool(body, "parallel_tool_calls", True))
         max_tokens = get_int(body, "max_completion_tokens", lo=1, hi=MAX_TOKENS_LIMIT)
         legacy_max = get_int(body, "max_tokens", lo=1, hi=MAX_TOKENS_LIMIT)
         if max_tokens is not None and legacy_max is not None and max_tokens != legacy_max:
@@ -286,6 +455,9 @@ class OpenAISurface:
             max_tokens=max_tokens,
             sampling=sampling,
             stop=stop_list(body.get("stop"), "stop", allow_string=True),
+            tools=tools,
+            tool_choice=choice,
+            output=_response_format(body.get("response_format")),
         )
         return ParsedRequest(request=request, stream=stream, model=model, include_usage=include_usage)
 
@@ -312,10 +484,22 @@ class OpenAISurface:
         }
 
     def content_json(self, blocks: tuple[ContentBlock, ...]) -> dict[str, Any]:
-        """The assistant ``message`` of a ``chat.completion`` choice."""
+        """The assistant ``message`` of a ``chat.completion`` choice: ``content`` the text blocks
+        joined (``null`` when the message is only tool calls), ``tool_calls`` with ``arguments``
+        as JSON text, when there are any."""
+        texts, calls = [], []
         for b in blocks:
-            _text_only(b.kind)
-        return {"role": "assistant", "content": "".join(b.text for b in blocks), "refusal": None}
+            _no_reasoning(b.kind)
+            if b.kind is BlockKind.TOOL_CALL:
+                calls.append({"id": tool_call_id(b.call_id), "type": "function",
+                              "function": {"name": b.name, "arguments": b.text}})
+            else:
+                texts.append(b.text)
+        text = "".join(texts)
+        message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else ""), "refusal": None}
+        if calls:
+            message["tool_calls"] = calls
+        return message
 
     def stop_reason(self, reason: StopReason) -> str:
         return FINISH_REASONS[reason]
