@@ -33,11 +33,13 @@ from bench.common import (  # noqa: E402
     ROOT,
     ServerProcess,
     cpu_seconds,
+    figure,
     machine,
     machine_line,
     median,
     python,
     ringserve_config,
+    save_figure,
     table,
     write_json,
 )
@@ -109,7 +111,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          " ".join(f"{r:.2f}" for r in ratios)])
     print(table(["tree", "surface", "µs/token per round", "median", f"ratio to {Path(base).name} per round"], rows))
     payload = {"machine": info, "streams": args.streams, "tokens": args.tokens, "results": results}
-    print(f"wrote {write_json('cpu_per_token', payload)}")
+    fig, axes = figure(width=7, height=3.5)
+    ax = axes[0][0]
+    labels = [f"{Path(tree).name}\n{surface}" for tree in results for surface in SURFACES]
+    ax.bar(labels, [median(results[tree][surface]) or 0 for tree in results for surface in SURFACES])
+    ax.set_ylabel("server CPU µs per token (median)")
+    print(f"wrote {write_json('cpu_per_token', payload)} and {save_figure(fig, 'cpu_per_token', info)}")
     return payload
 
 

@@ -53,6 +53,13 @@ def test_resume_bench_replays_each_position(tmp_path: Path) -> None:
             assert 0 < pos["first_byte_p50"] <= pos["total_p50"]
 
 
+def test_cpu_per_token_bench_measures_both_surfaces(tmp_path: Path) -> None:
+    out = run_bench("cpu_per_token", tmp_path, "--streams", "2", "--tokens", "300", "--rounds", "1")
+    [tree] = out["results"].values()
+    assert set(tree) == {"anthropic", "openai"}
+    assert all(len(us) == 1 and us[0] > 0 for us in tree.values())
+
+
 def test_gateway_bench_holds_and_fans_out(tmp_path: Path) -> None:
     out = run_bench("gateway", tmp_path, "--streams", "20", "--heartbeat", "1", "--hold-seconds", "2.5",
                     "--fanout-seconds", "1.5", "--messages", "2", "--entry-rate", "10")
