@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from ringserve.core.sse import SSEParser
-from tests.conftest import ServerProcess
+from tests.conftest import MODEL_THREADS, ServerProcess
 from tests.helpers import ANTHROPIC_BODY
 from tests.redis_server import RedisServer, free_port, needs_redis
 from tests.test_drain import FakeServerProcess, _toml
@@ -325,6 +325,7 @@ async def test_a_real_model_stream_generated_on_a_resumes_on_b_byte_for_byte(tmp
             config = tmp_path / f"{name}.toml"
             config.write_text(_toml({
                 "engine": {"slots": 1, "ctx_per_slot": 1024},
+                "model": {"n_threads": MODEL_THREADS},  # two model servers on 2 cores: one thread each
                 "stream": {"backend": "redis", "redis_url": redis.url, "flush_tokens": 1},
                 "store": {"path": str(tmp_path / f"{name}.sqlite3")},
             }))
