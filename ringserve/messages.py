@@ -156,8 +156,9 @@ class StoredMessage:
 
     @property
     def blocks(self) -> tuple[ContentBlock, ...]:
-        """Its content blocks (``content``, JSON written by :func:`blocks_json`); a row written
-        before schema 4 has only ``text``, read as one text block."""
+        """Its content blocks (``content``, JSON written by :func:`blocks_json`); an empty
+        ``content`` is one text block, ``text`` (a message of one text block, or a row written
+        before schema 4)."""
         if not self.content:
             return (ContentBlock(BlockKind.TEXT, self.text),)
         return tuple(
@@ -180,10 +181,12 @@ def blocks_json(blocks: tuple[ContentBlock, ...]) -> str:
 
 def snapshot_fields(snap: Snapshot) -> dict[str, object]:
     """The columns of a producer's snapshot (``core/producer.py``), for :meth:`MessageStore.update`."""
+    only_text = len(snap.content) == 1 and snap.content[0].kind is BlockKind.TEXT
     fields: dict[str, object] = {
         "status": snap.status,
         "text": "".join(b.text for b in snap.content if b.kind is BlockKind.TEXT),
-        "content": blocks_json(snap.content),
+        # one text block is its text (what StoredMessage.blocks reads back): the answer is not stored twice
+        "content": "" if only_text else blocks_json(snap.content),
         "stop_reason": snap.stop_reason,
         "stop_sequence": snap.stop_sequence,
         "input_tokens": snap.usage.input_tokens,

@@ -274,5 +274,6 @@ async def test_non_reading_client_is_dropped_and_cannot_grow_memory(tmp_path):
         tracemalloc.stop()
     assert status["status"] == "complete" and status["usage"]["output_tokens"] == reply_bytes // 8192 + 1
     assert re.search(r'^ringserve_slow_reader_disconnects_total\{reason="blocked"\} 1\.0$', metrics, re.MULTILINE), metrics
-    # Each grows by the answer's text (kept for the store) and a ring; nothing more holds the 8 MiB.
-    assert stuck_growth - reading_growth < 2 * 1024 * 1024, (reading_growth, stuck_growth)
+    # Each grows by the answer's text (kept for the store, copied when it is persisted) and a ring;
+    # the stuck reader holds no copy of the answer more: less than half of it (8 MiB) on top.
+    assert stuck_growth - reading_growth < reply_bytes // 2, (reading_growth, stuck_growth)

@@ -106,7 +106,9 @@ class _Block:
     parts: list[str] = attrs.Factory(list)
 
     def whole(self) -> ContentBlock:
-        return ContentBlock(self.kind, "".join(self.parts), self.name, self.call_id)
+        text = "".join(self.parts)
+        self.parts[:] = [text]  # the next snapshot joins one string and what came since
+        return ContentBlock(self.kind, text, self.name, self.call_id)
 
 
 @attrs.define(eq=False)
