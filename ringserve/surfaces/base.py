@@ -25,6 +25,8 @@ from ringserve.core.events import (
     Finish,
     GenerationEvent,
     GenerationRequest,
+    OutputFormat,
+    OutputKind,
     SamplingParams,
     StopReason,
     ToolChoice,
@@ -419,6 +421,45 @@ def tool_list(value: Any, key: str, one: Callable[[dict[str, Any], str], ToolSpe
             raise invalid(f"{where}.name: duplicate tool name {tool.name!r}", param=key)
         tools.append(tool)
     return tuple(tools)
+
+
+def function_spec(function: dict[str, Any], where: str, param: str) -> ToolSpec:
+    """A function tool from the object at ``where`` holding its ``name``, ``description``,
+    ``parameters`` and ``strict`` (OpenAI Chat's ``tools[i].function``, a Responses ``tools[i]``).
+
+    ``parameters`` absent or null is a function without arguments, as OpenAI documents; else an
+    object schema (:func:`json_schema`).
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` with ``param``.
+    """
+    parameters = function.get("parameters")
+    return ToolSpec(
+        name=tool_name(function.get("name"), f"{where}.name", param),
+        description=optional(function.get("description"), str, f"{where}.description", param) or "",
+        parameters=dumps({"type": "object", "properties": {}}) if parameters is None
+        else json_schema(parameters, f"{where}.parameters", param, arguments=True),
+        strict=bool(optional(function.get("strict"), bool, f"{where}.strict", param)),
+    )
+
+
+def schema_format(spec: dict[str, Any], where: str, param: str) -> OutputFormat:
+    """Structured output from the object at ``where`` holding ``name``, ``schema`` and ``strict``
+    (OpenAI Chat's ``response_format.json_schema``, a Responses ``text.format``): the name is
+    checked (1 to 64 letters, digits, ``_`` or ``-``); no schema is any JSON object (the name
+    alone constrains nothing).
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` with ``param``.
+    """
+    name = spec.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise invalid(f"{where}.name: 1 to 64 letters, digits, '_' or '-'", param=param)
+    optional(spec.get("strict"), bool, f"{where}.strict", param)
+    schema = spec.get("schema")
+    if schema is None:
+        return OutputFormat(OutputKind.JSON_OBJECT)
+    return OutputFormat(OutputKind.JSON_SCHEMA, json_schema(schema, f"{where}.schema", param, arguments=False))
 
 
 def tool_choice(choice: ToolChoice, tools: tuple[ToolSpec, ...], key: str) -> ToolChoice:

@@ -34,7 +34,6 @@ from ringserve.core.events import (
     Usage,
 )
 from ringserve.surfaces.base import (
-    TOOL_NAME,
     CallIds,
     FieldTable,
     MessageResult,
@@ -51,8 +50,8 @@ from ringserve.surfaces.base import (
     stop_list,
     text_content,
     arguments_json,
-    json_schema,
-    optional,
+    function_spec,
+    schema_format,
     tool_choice,
     tool_list,
     tool_name,
@@ -333,16 +332,7 @@ def _tool(raw: dict[str, Any], where: str) -> ToolSpec:
                       param="tools")
     TOOL_FIELDS.check(raw, where, param="tools")
     where = f"{where}.function"
-    function = FUNCTION_FIELDS.object(raw.get("function"), where, "tools")
-    parameters = function.get("parameters")
-    return ToolSpec(
-        name=tool_name(function.get("name"), f"{where}.name", "tools"),
-        description=optional(function.get("description"), str, f"{where}.description", "tools") or "",
-        # omitted parameters: a function without arguments, as OpenAI documents
-        parameters=dumps({"type": "object", "properties": {}}) if parameters is None
-        else json_schema(parameters, f"{where}.parameters", "tools", arguments=True),
-        strict=bool(optional(function.get("strict"), bool, f"{where}.strict", "tools")),
-    )
+    return function_spec(FUNCTION_FIELDS.object(raw.get("function"), where, "tools"), where, "tools")
 
 
 def _tool_choice(value: Any, tools: tuple[ToolSpec, ...], *, parallel: bool) -> ToolChoice:
@@ -373,15 +363,7 @@ def _response_format(value: Any) -> OutputFormat:
     if kind != "json_schema":
         raise invalid('response_format.type: must be "text", "json_object" or "json_schema"', param="response_format")
     spec = JSON_SCHEMA_FIELDS.object(value.get("json_schema"), "response_format.json_schema", "response_format")
-    name = spec.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-        raise invalid("response_format.json_schema.name: 1 to 64 letters, digits, '_' or '-'", param="response_format")
-    optional(spec.get("strict"), bool, "response_format.json_schema.strict", "response_format")
-    schema = spec.get("schema")
-    if schema is None:  # no schema: any JSON object (the format's name alone constrains nothing)
-        return OutputFormat(OutputKind.JSON_OBJECT)
-    return OutputFormat(OutputKind.JSON_SCHEMA,
-                        json_schema(schema, "response_format.json_schema.schema", "response_format", arguments=False))
+    return schema_format(spec, "response_format.json_schema", "response_format")
 
 
 class OpenAISurface:
