@@ -75,7 +75,7 @@ def check_stream(raw: bytes, *, first: int = 0, complete: bool = True) -> Seen:
             seen.arguments[data["item"]["id"]] = ""
         if data["type"] == "response.function_call_arguments.delta":
             assert data["delta"]
-            seen.arguments[data["item_id"]] += data["delta"]
+            seen.arguments[data["item_id"]] = seen.arguments.get(data["item_id"], "") + data["delta"]
             seen.argument_deltas += 1
         if data["type"] == "response.function_call_arguments.done" and first == 0:
             assert data["arguments"] == seen.arguments[data["item_id"]]

@@ -62,6 +62,7 @@ from ringserve.core.events import (
     ToolSpec,
     Usage,
 )
+from ringserve.core.grammar import check_schema
 from ringserve.core.status import MessageStatus
 from ringserve.surfaces.base import (
     CallIds,
@@ -368,7 +369,9 @@ def _text_format(value: Any) -> tuple[OutputFormat, dict[str, Any]]:
         raise invalid('text.format.type: must be "text", "json_object" or "json_schema"', param="text")
     if value.get("schema") is None:
         raise invalid("text.format.schema: field required", param="text")
-    return schema_format(value, "text.format", "text"), value
+    output = schema_format(value, "text.format", "text")
+    check_schema(output.schema, "text.format.schema")  # refused keywords named in this surface's spelling
+    return output, value
 
 
 def _item_text(content: Any, where: str) -> str:
