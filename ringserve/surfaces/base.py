@@ -462,6 +462,38 @@ def schema_format(spec: dict[str, Any], where: str, param: str) -> OutputFormat:
     return OutputFormat(OutputKind.JSON_SCHEMA, json_schema(schema, f"{where}.schema", param, arguments=False))
 
 
+def require_function(obj: dict[str, Any], where: str, param: str, what: str) -> None:
+    """A 400 naming ``where.type`` unless ``obj`` is ``{"type": "function", ...}`` (OpenAI's tools,
+    calls and named choices; ``what`` says which, in the message)."""
+    if obj.get("type") != "function":
+        raise invalid(f"{where}.type: only function {what} are supported by ringserve, got {obj.get('type')!r:.80}",
+                      param=param)
+
+
+#: The string values of an OpenAI ``tool_choice`` (Chat Completions and Responses) → mode.
+TOOL_CHOICE_MODES = {"none": ToolChoiceMode.NONE, "auto": ToolChoiceMode.AUTO, "required": ToolChoiceMode.REQUIRED}
+
+
+def openai_tool_choice(
+    value: Any, tools: tuple[ToolSpec, ...], *, parallel: bool, named: Callable[[dict[str, Any]], str]
+) -> ToolChoice:
+    """OpenAI's ``tool_choice``: ``none``, ``auto``, ``required`` or a named function
+    ``{"type": "function", ...}``, whose name ``named(value)`` reads (Chat Completions nests it
+    under ``function``, Responses does not); absent is ``auto``.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` with ``param="tool_choice"``.
+    """
+    if value is None:
+        return ToolChoice(parallel=parallel)
+    if isinstance(value, str) and value in TOOL_CHOICE_MODES:
+        return tool_choice(ToolChoice(TOOL_CHOICE_MODES[value], parallel=parallel), tools, "tool_choice")
+    if not isinstance(value, dict):
+        raise invalid('tool_choice: must be "none", "auto", "required" or a named function', param="tool_choice")
+    require_function(value, "tool_choice", "tool_choice", "choices")
+    return tool_choice(ToolChoice(ToolChoiceMode.NAMED, named(value), parallel), tools, "tool_choice")
+
+
 def tool_choice(choice: ToolChoice, tools: tuple[ToolSpec, ...], key: str) -> ToolChoice:
     """``choice`` checked against the request's tools: a forced choice needs tools, and a
     named one a tool of that name.

@@ -71,20 +71,21 @@ from ringserve.surfaces.base import (
     ParsedRequest,
     Refused,
     WireEvent,
+    arguments_json,
     dumps,
+    function_spec,
     get_bool,
     get_int,
     get_str,
+    openai_tool_choice,
+    require_function,
     require_object,
     sampling_params,
-    arguments_json,
-    function_spec,
     schema_format,
-    tool_choice,
     tool_list,
     tool_name,
 )
-from ringserve.surfaces.openai import FINISH_REASONS, TOOL_CHOICE_MODES, OpenAISurface, tool_call_id
+from ringserve.surfaces.openai import FINISH_REASONS, OpenAISurface, tool_call_id
 
 MAX_OUTPUT_TOKENS_LIMIT = 1_000_000
 #: OpenAI's metadata limits: 16 pairs, keys up to 64 characters, values up to 512.
@@ -312,9 +313,9 @@ def _input_items(value: Any) -> tuple[tuple[ChatMessage, ...], tuple[tuple[str, 
             OUTPUT_ITEM_FIELDS.check(item, where, param="input")
             call_id = item.get("call_id")
             if isinstance(call_id, str) and call_id and call_id not in ids.seen:
-                answers.append((call_id, f"{where}.call_id"))
+                answers.append((call_id, f"{where}.call_id"))  # a call of the previous responses?
             else:
-                ids.result(call_id, f"{where}.call_id", "input")
+                call_id = ids.result(call_id, f"{where}.call_id", "input")
             messages.append(ChatMessage("tool", _item_text(item.get("output"), f"{where}.output"), tool_call_id=call_id))
             continue
         if kind != "message":
@@ -331,27 +332,15 @@ def _input_items(value: Any) -> tuple[tuple[ChatMessage, ...], tuple[tuple[str, 
 
 def _tool(raw: dict[str, Any], where: str) -> ToolSpec:
     """One function tool (:data:`TOOL_FIELDS`); any other tool type is a 400 naming ``tools[i].type``."""
-    if raw.get("type") != "function":
-        raise invalid(f"{where}.type: only function tools are supported by ringserve, got {raw.get('type')!r:.80}",
-                      param="tools")
+    require_function(raw, where, "tools", "tools")
     TOOL_FIELDS.check(raw, where, param="tools")
     return function_spec(raw, where, "tools")
 
 
-def _tool_choice(value: Any, tools: tuple[ToolSpec, ...], *, parallel: bool) -> ToolChoice:
-    """``tool_choice``: ``none``, ``auto``, ``required`` or ``{"type": "function", "name": ...}``."""
-    if value is None:
-        return ToolChoice(parallel=parallel)
-    if isinstance(value, str) and value in TOOL_CHOICE_MODES:
-        return tool_choice(ToolChoice(TOOL_CHOICE_MODES[value], parallel=parallel), tools, "tool_choice")
-    if not isinstance(value, dict):
-        raise invalid('tool_choice: must be "none", "auto", "required" or a named function', param="tool_choice")
-    if value.get("type") != "function":
-        raise invalid(f"tool_choice.type: only named functions are supported by ringserve, got"
-                      f" {value.get('type')!r:.80}", param="tool_choice")
+def _named_function(value: dict[str, Any]) -> str:
+    """The name of a named ``tool_choice`` (``ToolChoiceFunctionParam``)."""
     TOOL_CHOICE_FIELDS.check(value, "tool_choice", param="tool_choice")
-    name = tool_name(value.get("name"), "tool_choice.name", "tool_choice")
-    return tool_choice(ToolChoice(ToolChoiceMode.NAMED, name, parallel), tools, "tool_choice")
+    return tool_name(value.get("name"), "tool_choice.name", "tool_choice")
 
 
 def _text_format(value: Any) -> tuple[OutputFormat, dict[str, Any]]:
@@ -446,7 +435,8 @@ def parse_create(body: Any) -> ResponseCreate:
         raise invalid("input: field required", param="input")
     messages, answers = _input_items(body["input"])
     tools = tool_list(body.get("tools"), "tools", _tool)
-    choice = _tool_choice(body.get("tool_choice"), tools, parallel=get_bool(body, "parallel_tool_calls", True))
+    choice = openai_tool_choice(body.get("tool_choice"), tools, named=_named_function,
+                                parallel=get_bool(body, "parallel_tool_calls", True))
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("instructions: must be a string (a list of items is not supported)", param="instructions")
