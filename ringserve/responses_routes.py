@@ -21,8 +21,9 @@ its producer, log, disconnect policy, resume and stored row are the hub's.
   "input_tokens": N}``, N the prompt tokens the same create would have.
 
 ``previous_response_id`` prepends the stored conversation of that response (its
-own previous ones first, then its input turns and its output text; not its
-``instructions``, as OpenAI documents). It needs the stored request bodies
+own previous ones first, then its input turns and its output: text and function
+calls; not its ``instructions``, as OpenAI documents); a ``function_call_output``
+may answer a call of any response of the chain. It needs the stored request bodies
 (``[store] keep_prompts``, true by default).
 """
 
@@ -53,6 +54,7 @@ from ringserve.surfaces.responses import (
     ResponseCreate,
     ResponseOptions,
     ResponsesSurface,
+    history_messages,
     parse_count,
     parse_create,
     response_json,
@@ -152,8 +154,7 @@ def _history(hub: Hub, previous_id: str) -> tuple[ChatMessage, ...]:
         if create is None:
             raise invalid(f"previous_response_id: the input of {next_id} is not kept ([store] keep_prompts = false)",
                           param="previous_response_id")
-        answer = (ChatMessage("assistant", msg.text),) if msg.text else ()
-        turns.append(create.input + answer)
+        turns.append(create.input + history_messages(msg.blocks, next_id))
         next_id = create.options.previous_response_id
     return tuple(m for turn in reversed(turns) for m in turn)
 

@@ -43,6 +43,13 @@ class Seen:
     text: str = ""
     final: dict[str, Any] | None = None  # the terminal event's response
     done_items: list[dict[str, Any]] = attrs.Factory(list)  # the items of response.output_item.done
+    arguments: dict[str, str] = attrs.Factory(dict)  # a function call's item id -> its argument deltas joined
+    argument_deltas: int = 0
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        """The function_call items of response.output_item.done."""
+        return [item for item in self.done_items if item["type"] == "function_call"]
 
 
 def check_stream(raw: bytes, *, first: int = 0, complete: bool = True) -> Seen:
@@ -63,10 +70,24 @@ def check_stream(raw: bytes, *, first: int = 0, complete: bool = True) -> Seen:
         seen.types.append(data["type"])
         if data["type"] == "response.output_text.delta":
             seen.text += data["delta"]
+        if data["type"] == "response.output_item.added" and data["item"]["type"] == "function_call":
+            assert data["item"]["arguments"] == "" and data["item"]["status"] == "in_progress"
+            seen.arguments[data["item"]["id"]] = ""
+        if data["type"] == "response.function_call_arguments.delta":
+            assert data["delta"]
+            seen.arguments[data["item_id"]] = seen.arguments.get(data["item_id"], "") + data["delta"]
+            seen.argument_deltas += 1
+        if data["type"] == "response.function_call_arguments.done" and first == 0:
+            assert data["arguments"] == seen.arguments[data["item_id"]]
         if data["type"] == "response.output_item.done":
             seen.done_items.append(data["item"])
+            if data["item"]["type"] == "function_call" and first == 0:
+                assert data["item"]["arguments"] == seen.arguments[data["item"]["id"]]
         if data["type"] in TERMINAL:
-            assert [item["status"] for item in data["response"]["output"]] == [i["status"] for i in seen.done_items]
+            if first == 0:
+                assert data["response"]["output"] == seen.done_items
+            else:
+                assert [item["status"] for item in data["response"]["output"]] == [i["status"] for i in seen.done_items]
             Response.model_validate(data["response"], strict=True)
             assert data["response"]["id"] == response_id
             seen.final = data["response"]
@@ -402,7 +423,7 @@ BAD_CREATE = [
     ({"input": []}, "input"),
     ({}, "input"),
     ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-    ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": "x", "temperature": 3}, "temperature"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),

@@ -86,3 +86,25 @@ def test_cancel_while_generating_frees_the_kv_cells(client, model_server):
         time.sleep(0.1)
     again = client.responses.cancel(created.id)
     assert again.status == "cancelled" and again.output_text == cancelled.output_text
+
+
+def test_forced_function_call_streams_arguments_that_validate(client, model_server):
+    """A named function on the bundled model: the streamed arguments join to the item's, and
+    they validate against the tool's schema (issue 14's grammar, through the Responses surface)."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"]}
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+            "parameters": schema, "strict": True}
+    with client.responses.stream(input="What is the weather in Paris?", tools=[tool], max_output_tokens=96,
+                                 tool_choice={"type": "function", "name": "get_weather"}, **GREEDY) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()
+    (call,) = final.output
+    assert final.status == "completed" and call.type == "function_call" and call.name == "get_weather"
+    assert len(deltas) >= 2 and "".join(deltas) == call.arguments
+    jsonschema.Draft202012Validator(schema).validate(json.loads(call.arguments))
+    raw = httpx.get(f"{model_server.url}/v1/responses/{final.id}", params={"stream": "true"}).content
+    assert check_stream(raw).calls[0]["arguments"] == call.arguments

@@ -25,6 +25,8 @@ from ringserve.core.events import (
     Finish,
     GenerationEvent,
     GenerationRequest,
+    OutputFormat,
+    OutputKind,
     SamplingParams,
     StopReason,
     ToolChoice,
@@ -419,6 +421,77 @@ def tool_list(value: Any, key: str, one: Callable[[dict[str, Any], str], ToolSpe
             raise invalid(f"{where}.name: duplicate tool name {tool.name!r}", param=key)
         tools.append(tool)
     return tuple(tools)
+
+
+def function_spec(function: dict[str, Any], where: str, param: str) -> ToolSpec:
+    """A function tool from the object at ``where`` holding its ``name``, ``description``,
+    ``parameters`` and ``strict`` (OpenAI Chat's ``tools[i].function``, a Responses ``tools[i]``).
+
+    ``parameters`` absent or null is a function without arguments, as OpenAI documents; else an
+    object schema (:func:`json_schema`).
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` with ``param``.
+    """
+    parameters = function.get("parameters")
+    return ToolSpec(
+        name=tool_name(function.get("name"), f"{where}.name", param),
+        description=optional(function.get("description"), str, f"{where}.description", param) or "",
+        parameters=dumps({"type": "object", "properties": {}}) if parameters is None
+        else json_schema(parameters, f"{where}.parameters", param, arguments=True),
+        strict=bool(optional(function.get("strict"), bool, f"{where}.strict", param)),
+    )
+
+
+def schema_format(spec: dict[str, Any], where: str, param: str) -> OutputFormat:
+    """Structured output from the object at ``where`` holding ``name``, ``schema`` and ``strict``
+    (OpenAI Chat's ``response_format.json_schema``, a Responses ``text.format``): the name is
+    checked (1 to 64 letters, digits, ``_`` or ``-``); no schema is any JSON object (the name
+    alone constrains nothing).
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` with ``param``.
+    """
+    name = spec.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise invalid(f"{where}.name: 1 to 64 letters, digits, '_' or '-'", param=param)
+    optional(spec.get("strict"), bool, f"{where}.strict", param)
+    schema = spec.get("schema")
+    if schema is None:
+        return OutputFormat(OutputKind.JSON_OBJECT)
+    return OutputFormat(OutputKind.JSON_SCHEMA, json_schema(schema, f"{where}.schema", param, arguments=False))
+
+
+def require_function(obj: dict[str, Any], where: str, param: str, what: str) -> None:
+    """A 400 naming ``where.type`` unless ``obj`` is ``{"type": "function", ...}`` (OpenAI's tools,
+    calls and named choices; ``what`` says which, in the message)."""
+    if obj.get("type") != "function":
+        raise invalid(f"{where}.type: only function {what} are supported by ringserve, got {obj.get('type')!r:.80}",
+                      param=param)
+
+
+#: The string values of an OpenAI ``tool_choice`` (Chat Completions and Responses) → mode.
+TOOL_CHOICE_MODES = {"none": ToolChoiceMode.NONE, "auto": ToolChoiceMode.AUTO, "required": ToolChoiceMode.REQUIRED}
+
+
+def openai_tool_choice(
+    value: Any, tools: tuple[ToolSpec, ...], *, parallel: bool, named: Callable[[dict[str, Any]], str]
+) -> ToolChoice:
+    """OpenAI's ``tool_choice``: ``none``, ``auto``, ``required`` or a named function
+    ``{"type": "function", ...}``, whose name ``named(value)`` reads (Chat Completions nests it
+    under ``function``, Responses does not); absent is ``auto``.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` with ``param="tool_choice"``.
+    """
+    if value is None:
+        return ToolChoice(parallel=parallel)
+    if isinstance(value, str) and value in TOOL_CHOICE_MODES:
+        return tool_choice(ToolChoice(TOOL_CHOICE_MODES[value], parallel=parallel), tools, "tool_choice")
+    if not isinstance(value, dict):
+        raise invalid('tool_choice: must be "none", "auto", "required" or a named function', param="tool_choice")
+    require_function(value, "tool_choice", "tool_choice", "choices")
+    return tool_choice(ToolChoice(ToolChoiceMode.NAMED, named(value), parallel), tools, "tool_choice")
 
 
 def tool_choice(choice: ToolChoice, tools: tuple[ToolSpec, ...], key: str) -> ToolChoice:

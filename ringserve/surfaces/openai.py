@@ -28,13 +28,10 @@ from ringserve.core.events import (
     OutputKind,
     StopReason,
     ToolCall,
-    ToolChoice,
-    ToolChoiceMode,
     ToolSpec,
     Usage,
 )
 from ringserve.surfaces.base import (
-    TOOL_NAME,
     CallIds,
     FieldTable,
     MessageResult,
@@ -51,9 +48,10 @@ from ringserve.surfaces.base import (
     stop_list,
     text_content,
     arguments_json,
-    json_schema,
-    optional,
-    tool_choice,
+    function_spec,
+    schema_format,
+    openai_tool_choice,
+    require_function,
     tool_list,
     tool_name,
 )
@@ -178,9 +176,6 @@ JSON_SCHEMA_FIELDS = FieldTable(
     ignored=frozenset({"description"}),
     refused={},
 )
-
-#: The string values of ``tool_choice`` → mode.
-TOOL_CHOICE_MODES = {"none": ToolChoiceMode.NONE, "auto": ToolChoiceMode.AUTO, "required": ToolChoiceMode.REQUIRED}
 
 #: The prefix of a tool call id on this surface (``call_`` + the neutral 24 hex digits).
 TOOL_ID_PREFIX = "call_"
@@ -328,37 +323,17 @@ def _call(raw: Any, where: str, ids: CallIds) -> ToolCall:
 
 
 def _tool(raw: dict[str, Any], where: str) -> ToolSpec:
-    if raw.get("type") != "function":
-        raise invalid(f"{where}.type: only function tools are supported by ringserve, got {raw.get('type')!r:.80}",
-                      param="tools")
+    require_function(raw, where, "tools", "tools")
     TOOL_FIELDS.check(raw, where, param="tools")
     where = f"{where}.function"
-    function = FUNCTION_FIELDS.object(raw.get("function"), where, "tools")
-    parameters = function.get("parameters")
-    return ToolSpec(
-        name=tool_name(function.get("name"), f"{where}.name", "tools"),
-        description=optional(function.get("description"), str, f"{where}.description", "tools") or "",
-        # omitted parameters: a function without arguments, as OpenAI documents
-        parameters=dumps({"type": "object", "properties": {}}) if parameters is None
-        else json_schema(parameters, f"{where}.parameters", "tools", arguments=True),
-        strict=bool(optional(function.get("strict"), bool, f"{where}.strict", "tools")),
-    )
+    return function_spec(FUNCTION_FIELDS.object(raw.get("function"), where, "tools"), where, "tools")
 
 
-def _tool_choice(value: Any, tools: tuple[ToolSpec, ...], *, parallel: bool) -> ToolChoice:
-    if value is None:
-        return ToolChoice(parallel=parallel)
-    if isinstance(value, str) and value in TOOL_CHOICE_MODES:
-        return tool_choice(ToolChoice(TOOL_CHOICE_MODES[value], parallel=parallel), tools, "tool_choice")
-    if not isinstance(value, dict):
-        raise invalid('tool_choice: must be "none", "auto", "required" or a named function', param="tool_choice")
-    if value.get("type") != "function":
-        raise invalid(f"tool_choice.type: only named functions are supported, got {value.get('type')!r:.80}",
-                      param="tool_choice")
+def _named_function(value: dict[str, Any]) -> str:
+    """The name of a named ``tool_choice`` (``ChatCompletionNamedToolChoiceParam``)."""
     TOOL_FIELDS.check(value, "tool_choice", param="tool_choice")
     function = NAMED_FUNCTION_FIELDS.object(value.get("function"), "tool_choice.function", "tool_choice")
-    name = tool_name(function.get("name"), "tool_choice.function.name", "tool_choice")
-    return tool_choice(ToolChoice(ToolChoiceMode.NAMED, name, parallel), tools, "tool_choice")
+    return tool_name(function.get("name"), "tool_choice.function.name", "tool_choice")
 
 
 def _response_format(value: Any) -> OutputFormat:
@@ -373,15 +348,7 @@ def _response_format(value: Any) -> OutputFormat:
     if kind != "json_schema":
         raise invalid('response_format.type: must be "text", "json_object" or "json_schema"', param="response_format")
     spec = JSON_SCHEMA_FIELDS.object(value.get("json_schema"), "response_format.json_schema", "response_format")
-    name = spec.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-        raise invalid("response_format.json_schema.name: 1 to 64 letters, digits, '_' or '-'", param="response_format")
-    optional(spec.get("strict"), bool, "response_format.json_schema.strict", "response_format")
-    schema = spec.get("schema")
-    if schema is None:  # no schema: any JSON object (the format's name alone constrains nothing)
-        return OutputFormat(OutputKind.JSON_OBJECT)
-    return OutputFormat(OutputKind.JSON_SCHEMA,
-                        json_schema(schema, "response_format.json_schema.schema", "response_format", arguments=False))
+    return schema_format(spec, "response_format.json_schema", "response_format")
 
 
 class OpenAISurface:
@@ -430,7 +397,8 @@ class OpenAISurface:
         ids = CallIds()
         messages = [_message(m, f"messages[{i}]", ids) for i, m in enumerate(raw)]
         tools = tool_list(body.get("tools"), "tools", _tool)
-        choice = _tool_choice(body.get("tool_choice"), tools, parallel=get_bool(body, "parallel_tool_calls", True))
+        choice = openai_tool_choice(body.get("tool_choice"), tools, named=_named_function,
+                                    parallel=get_bool(body, "parallel_tool_calls", True))
         max_tokens = get_int(body, "max_completion_tokens", lo=1, hi=MAX_TOKENS_LIMIT)
         legacy_max = get_int(body, "max_tokens", lo=1, hi=MAX_TOKENS_LIMIT)
         if max_tokens is not None and legacy_max is not None and max_tokens != legacy_max:

@@ -53,30 +53,44 @@ from ringserve.core.events import (
     Failure,
     Finish,
     GenerationRequest,
+    OutputFormat,
+    OutputKind,
     StopReason,
+    ToolCall,
+    ToolChoice,
+    ToolChoiceMode,
+    ToolSpec,
     Usage,
 )
+from ringserve.core.grammar import check_schema
 from ringserve.core.status import MessageStatus
 from ringserve.surfaces.base import (
+    CallIds,
     FieldTable,
     MessageResult,
     ParsedRequest,
     Refused,
     WireEvent,
+    arguments_json,
     dumps,
+    function_spec,
     get_bool,
     get_int,
     get_str,
+    openai_tool_choice,
+    require_function,
     require_object,
     sampling_params,
+    schema_format,
+    tool_list,
+    tool_name,
 )
-from ringserve.surfaces.openai import FINISH_REASONS, OpenAISurface
+from ringserve.surfaces.openai import FINISH_REASONS, OpenAISurface, tool_call_id
 
 MAX_OUTPUT_TOKENS_LIMIT = 1_000_000
 #: OpenAI's metadata limits: 16 pairs, keys up to 64 characters, values up to 512.
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 
-_TOOLS = "tool use is not implemented yet on /v1/responses, issue 14"
 _ZERO = (0, 0.0)
 
 #: What ``parse_create`` does with each field of ``openai.types.responses.ResponseCreateParams``
@@ -85,6 +99,7 @@ REQUEST_FIELDS = FieldTable(
     supported=frozenset({
         "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
         "stream_options", "background", "store", "metadata", "previous_response_id", "text",
+        "tools", "tool_choice", "parallel_tool_calls",
         # extensions, as llama.cpp's server accepts them on its other routes
         "top_k", "min_p", "seed",
     }),
@@ -92,12 +107,9 @@ REQUEST_FIELDS = FieldTable(
         # bookkeeping, caching and routing that cannot change the text
         "user", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_options",
         "prompt_cache_retention", "access_programs",
-        # meaningful only with tools, which are refused
-        "parallel_tool_calls", "max_tool_calls",
     }),
     refused={
-        "tools": Refused(_TOOLS, neutral=([],)),
-        "tool_choice": Refused(_TOOLS, neutral=("none", "auto")),
+        "max_tool_calls": Refused("a limit on the number of tool calls is not implemented"),
         "include": Refused("no additional output data (logprobs, encrypted reasoning) is produced", neutral=([],)),
         "top_logprobs": Refused("log probabilities are not implemented", neutral=(0,)),
         "reasoning": Refused("the model does not reason", neutral=({},)),
@@ -113,14 +125,54 @@ REQUEST_FIELDS = FieldTable(
     },
 )
 
-#: The fields of ``text`` (``ResponseTextConfigParam``): only plain text output.
+#: The fields of ``text`` (``ResponseTextConfigParam``).
 TEXT_FIELDS = FieldTable(
-    supported=frozenset(),
+    supported=frozenset({"format"}),
+    ignored=frozenset(),
+    refused={"verbosity": Refused("verbosity is not implemented")},
+)
+
+#: The fields of ``text.format`` (``ResponseFormatTextConfigParam``: ``ResponseFormatText``,
+#: ``ResponseFormatJSONObject``, ``ResponseFormatTextJSONSchemaConfigParam``; flat, unlike Chat's
+#: ``response_format.json_schema``).
+FORMAT_FIELDS = FieldTable(
+    supported=frozenset({"type", "name", "schema", "strict"}),
+    # documentation of the format for the model, which the grammar enforces anyway
+    ignored=frozenset({"description"}),
+    refused={},
+)
+
+#: The fields of a function tool (``FunctionToolParam``: flat, unlike Chat's ``tools[i].function``);
+#: other tool types are refused by type.
+TOOL_FIELDS = FieldTable(
+    supported=frozenset({"type", "name", "description", "parameters", "strict"}),
     ignored=frozenset(),
     refused={
-        "format": Refused("structured output is not implemented yet, issue 14", neutral=({"type": "text"},)),
-        "verbosity": Refused("verbosity is not implemented"),
+        "defer_loading": Refused("tool search is not implemented", neutral=(False,)),
+        "allowed_callers": Refused("programmatic tool calling is not implemented", neutral=(["direct"],)),
+        "output_schema": Refused("tool output schemas are not implemented"),
+        "async": Refused("asynchronous tool calls are not implemented", neutral=(False,)),
     },
+)
+
+#: The fields of a named ``tool_choice`` (``ToolChoiceFunctionParam``).
+TOOL_CHOICE_FIELDS = FieldTable(supported=frozenset({"type", "name"}), ignored=frozenset(), refused={})
+
+_CALLER = Refused("programmatic tool calling is not implemented", neutral=({"type": "direct"},))
+
+#: The fields of a ``function_call`` input item (``ResponseFunctionToolCallParam``: a call of an
+#: earlier answer sent back) and of a ``function_call_output`` item (``FunctionCallOutput``; its
+#: ``name`` is the call's, which the call item or the previous response has).
+CALL_ITEM_FIELDS = FieldTable(
+    supported=frozenset({"type", "call_id", "name", "arguments"}),
+    ignored=frozenset({"id", "status"}),
+    refused={"caller": _CALLER, "namespace": Refused("tool namespaces are not implemented"),
+             "async": Refused("asynchronous tool calls are not implemented", neutral=(False,))},
+)
+OUTPUT_ITEM_FIELDS = FieldTable(
+    supported=frozenset({"type", "call_id", "output"}),
+    ignored=frozenset({"id", "status", "name"}),
+    refused={"caller": _CALLER, "namespace": Refused("tool namespaces are not implemented")},
 )
 
 #: The fields of a message input item (``EasyInputMessageParam``, ``Message``,
@@ -148,10 +200,10 @@ STREAM_OPTIONS_FIELDS = FieldTable(
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
-#: Input item types that are tool-use items (refused until issue 14) and others ringserve has no
-#: equivalent for; any other type is unknown. Both are 400s naming the type.
+#: Input item types of tools other than functions, and others ringserve has no equivalent for; any
+#: other type is unknown. Both are 400s naming the type.
 TOOL_ITEM_TYPES = frozenset({
-    "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
+    "custom_tool_call", "custom_tool_call_output",
     "computer_call", "computer_call_output", "file_search_call", "web_search_call", "image_generation_call",
     "code_interpreter_call", "local_shell_call", "local_shell_call_output", "shell_call", "shell_call_output",
     "apply_patch_call", "apply_patch_call_output", "mcp_list_tools", "mcp_approval_request",
@@ -178,7 +230,10 @@ _OPENAI = OpenAISurface()
 
 @attrs.frozen
 class ResponseOptions:
-    """What a Response object echoes of its request (``openai.types.responses.Response``)."""
+    """What a Response object echoes of its request (``openai.types.responses.Response``).
+
+    ``text_format`` is the request's ``text.format`` as validated (``{"type": "text"}`` when absent).
+    """
 
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -188,6 +243,9 @@ class ResponseOptions:
     previous_response_id: str | None = None
     background: bool = False
     store: bool = True
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: ToolChoice = ToolChoice()
+    text_format: dict[str, Any] = attrs.Factory(lambda: {"type": "text"})
 
 
 @attrs.frozen
@@ -196,36 +254,72 @@ class ResponseCreate:
 
     ``input`` is this request's own turns (``instructions`` not among them);
     :meth:`generation` prepends the system turn and a previous response's
-    conversation.
+    conversation. ``answers`` are the ``(call_id, where)`` of the ``function_call_output``
+    items whose call is not in ``input``: a call of the previous responses, which
+    :meth:`generation` checks.
     """
 
     options: ResponseOptions
     input: tuple[ChatMessage, ...]
     parsed: ParsedRequest
+    answers: tuple[tuple[str, str], ...] = ()
 
     def generation(self, history: tuple[ChatMessage, ...] = ()) -> ParsedRequest:
-        """The request to generate: ``instructions`` (a system turn), ``history``, then ``input``."""
+        """The request to generate: ``instructions`` (a system turn), ``history``, then ``input``.
+
+        Raises:
+            RingserveError: ``INVALID_REQUEST`` (``param`` ``input``) for a ``function_call_output``
+                whose ``call_id`` matches no function call of ``history`` or ``input``.
+        """
+        earlier = CallIds({call.call_id for m in history for call in m.tool_calls})
+        for call_id, where in self.answers:
+            earlier.result(call_id, where, "input")
         system = () if self.options.instructions is None else (ChatMessage("system", self.options.instructions),)
         messages = system + history + self.input
         return attrs.evolve(self.parsed, request=attrs.evolve(self.parsed.request, messages=messages))
 
 
-def _input_items(value: Any) -> tuple[ChatMessage, ...]:
-    """``input``: a string (one user turn) or a list of message items with text parts."""
+def _input_items(value: Any) -> tuple[tuple[ChatMessage, ...], tuple[tuple[str, str], ...]]:
+    """``input``: a string (one user turn) or a list of message, ``function_call`` and
+    ``function_call_output`` items; and the answers to calls not in it (:class:`ResponseCreate`).
+
+    A ``function_call`` is a call of the assistant turn before it (a new assistant turn when the
+    item before is not one), a ``function_call_output`` a ``tool`` turn.
+    """
     if isinstance(value, str):
-        return (ChatMessage("user", value),)
+        return (ChatMessage("user", value),), ()
     if not isinstance(value, list) or not value:
         raise invalid("input: must be a string or a non-empty list of items", param="input")
-    messages = []
+    messages: list[ChatMessage] = []
+    ids, answers = CallIds(), []
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise invalid(f"{where}: must be an object", param="input")
         kind = item.get("type", "message")
+        if kind == "function_call":
+            CALL_ITEM_FIELDS.check(item, where, param="input")
+            call = ToolCall(
+                call_id=ids.call(item.get("call_id"), f"{where}.call_id", "input"),
+                name=tool_name(item.get("name"), f"{where}.name", "input"),
+                arguments=arguments_json(item.get("arguments"), f"{where}.arguments", "input"),
+            )
+            if messages and messages[-1].role == "assistant":
+                messages[-1] = attrs.evolve(messages[-1], tool_calls=(*messages[-1].tool_calls, call))
+            else:
+                messages.append(ChatMessage("assistant", "", tool_calls=(call,)))
+            continue
+        if kind == "function_call_output":
+            OUTPUT_ITEM_FIELDS.check(item, where, param="input")
+            call_id = item.get("call_id")
+            if isinstance(call_id, str) and call_id and call_id not in ids.seen:
+                answers.append((call_id, f"{where}.call_id"))  # a call of the previous responses?
+            else:
+                call_id = ids.result(call_id, f"{where}.call_id", "input")
+            messages.append(ChatMessage("tool", _item_text(item.get("output"), f"{where}.output"), tool_call_id=call_id))
+            continue
         if kind != "message":
-            if kind in TOOL_ITEM_TYPES:
-                raise invalid(f"{where}: items of type {kind!r} are not supported by ringserve ({_TOOLS})", param="input")
-            if kind in OTHER_ITEM_TYPES:
+            if kind in TOOL_ITEM_TYPES or kind in OTHER_ITEM_TYPES:
                 raise invalid(f"{where}: items of type {kind!r} are not supported by ringserve", param="input")
             raise invalid(f"{where}.type: unknown input item type {str(kind)[:60]!r}", param="input")
         ITEM_FIELDS.check(item, where, param="input")
@@ -233,7 +327,40 @@ def _input_items(value: Any) -> tuple[ChatMessage, ...]:
         if role is None:
             raise invalid(f"{where}.role: must be one of {', '.join(ROLES)}", param="input")
         messages.append(ChatMessage(role, _item_text(item.get("content"), f"{where}.content")))
-    return tuple(messages)
+    return tuple(messages), tuple(answers)
+
+
+def _tool(raw: dict[str, Any], where: str) -> ToolSpec:
+    """One function tool (:data:`TOOL_FIELDS`); any other tool type is a 400 naming ``tools[i].type``."""
+    require_function(raw, where, "tools", "tools")
+    TOOL_FIELDS.check(raw, where, param="tools")
+    return function_spec(raw, where, "tools")
+
+
+def _named_function(value: dict[str, Any]) -> str:
+    """The name of a named ``tool_choice`` (``ToolChoiceFunctionParam``)."""
+    TOOL_CHOICE_FIELDS.check(value, "tool_choice", param="tool_choice")
+    return tool_name(value.get("name"), "tool_choice.name", "tool_choice")
+
+
+def _text_format(value: Any) -> tuple[OutputFormat, dict[str, Any]]:
+    """``text.format`` (:data:`FORMAT_FIELDS`): the output format and the object to echo."""
+    if value is None:
+        return OutputFormat(), {"type": "text"}
+    value = FORMAT_FIELDS.object(value, "text.format", "text")
+    kind = value.get("type")
+    if kind in ("text", "json_object"):
+        extra = sorted(set(value) - {"type"})
+        if extra:
+            raise invalid(f"text.format.{extra[0]}: not allowed with type {kind!r}", param="text")
+        return OutputFormat(OutputKind(kind)), {"type": kind}
+    if kind != "json_schema":
+        raise invalid('text.format.type: must be "text", "json_object" or "json_schema"', param="text")
+    if value.get("schema") is None:
+        raise invalid("text.format.schema: field required", param="text")
+    output = schema_format(value, "text.format", "text")
+    check_schema(output.schema, "text.format.schema")  # refused keywords named in this surface's spelling
+    return output, value
 
 
 def _item_text(content: Any, where: str) -> str:
@@ -277,15 +404,22 @@ def parse_create(body: Any) -> ResponseCreate:
     Fields as :data:`REQUEST_FIELDS` lists them: ``model``, ``input`` (a
     string, or message items of role user/system/developer/assistant with
     ``input_text``/``output_text`` parts; :data:`ITEM_FIELDS`,
-    :data:`PART_FIELDS`), ``instructions`` (a system turn first; not carried
+    :data:`PART_FIELDS`; ``function_call`` items, :data:`CALL_ITEM_FIELDS`, with a new
+    ``call_id`` and ``arguments`` JSON text of an object; ``function_call_output`` items,
+    :data:`OUTPUT_ITEM_FIELDS`, whose ``call_id`` is an earlier call's, here or in the previous
+    responses), ``tools`` (at most :data:`~ringserve.surfaces.base.MAX_TOOLS` function tools,
+    :data:`TOOL_FIELDS`, distinct names, ``parameters`` an object schema), ``tool_choice``
+    (``none``, ``auto``, ``required``, ``{"type": "function", "name": ...}``),
+    ``parallel_tool_calls``, ``instructions`` (a system turn first; not carried
     over by ``previous_response_id``, as OpenAI documents), ``max_output_tokens``
     (1 to 1,000,000; more than the context leaves: until the context is full),
     ``temperature`` (0–2), ``top_p``, ``stream``, ``stream_options``
     (only with ``stream``), ``background``, ``store`` (``background`` needs
     it, as OpenAI's API requires), ``metadata`` (16 string pairs),
-    ``previous_response_id``, ``text`` (only ``{"format": {"type": "text"}}``);
-    and ``top_k``, ``min_p``, ``seed`` as extensions. Tools, structured output
-    and unknown fields are refused.
+    ``previous_response_id``, ``text`` (``format``: ``text``, ``json_object``, or
+    ``json_schema`` with ``name``, ``schema``, ``strict``; :data:`FORMAT_FIELDS`);
+    and ``top_k``, ``min_p``, ``seed`` as extensions. Other tool types, other item
+    types and unknown fields are refused.
 
     Raises:
         RingserveError: ``INVALID_REQUEST`` naming the offending field.
@@ -296,9 +430,13 @@ def parse_create(body: Any) -> ResponseCreate:
     if text is not None and not isinstance(text, dict):
         raise invalid("text: must be an object", param="text")
     TEXT_FIELDS.check(text or {}, "text", param="text")
+    output, text_format = _text_format((text or {}).get("format"))
     if "input" not in body or body["input"] is None:
         raise invalid("input: field required", param="input")
-    messages = _input_items(body["input"])
+    messages, answers = _input_items(body["input"])
+    tools = tool_list(body.get("tools"), "tools", _tool)
+    choice = openai_tool_choice(body.get("tool_choice"), tools, named=_named_function,
+                                parallel=get_bool(body, "parallel_tool_calls", True))
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("instructions: must be a string (a list of items is not supported)", param="instructions")
@@ -315,7 +453,8 @@ def parse_create(body: Any) -> ResponseCreate:
     previous = get_str(body, "previous_response_id") or None
     max_tokens = get_int(body, "max_output_tokens", lo=1, hi=MAX_OUTPUT_TOKENS_LIMIT)
     sampling = sampling_params(body, max_temperature=2.0)
-    request = GenerationRequest(messages=messages, max_tokens=max_tokens, sampling=sampling)
+    request = GenerationRequest(messages=messages, max_tokens=max_tokens, sampling=sampling, tools=tools,
+                                tool_choice=choice, output=output)
     return ResponseCreate(
         options=ResponseOptions(
             instructions=instructions,
@@ -326,9 +465,13 @@ def parse_create(body: Any) -> ResponseCreate:
             previous_response_id=previous,
             background=background,
             store=store,
+            tools=tools,
+            tool_choice=choice,
+            text_format=text_format,
         ),
         input=messages,
         parsed=ParsedRequest(request=request, stream=stream, model=get_str(body, "model")),
+        answers=answers,
     )
 
 
@@ -391,27 +534,50 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _text_only(kind: BlockKind) -> None:
-    """Text is the only block kind rendered until tool use lands (issue 14; tools are refused)."""
-    if kind is not BlockKind.TEXT:
-        raise NotImplementedError(f"Responses rendering of {kind.value} blocks")
+def _no_reasoning(kind: BlockKind) -> None:
+    if kind is BlockKind.REASONING:
+        raise NotImplementedError("Responses rendering of reasoning blocks (nothing emits them)")
 
 
-def _message_item(response_id: str, index: int, text: str | None, status: str) -> dict[str, Any]:
-    """The assistant message output item (``ResponseOutputMessage``); ``text`` None: no part yet."""
-    content = [] if text is None else [_text_part(text)]
+def call_item_id(call_id: str) -> str:
+    """The output item id of a function call: ``fc_`` and the call's neutral 24 hex digits (its
+    ``call_id`` is ``call_`` and the same digits, as on Chat Completions)."""
+    return "fc_" + call_id
+
+
+def _item(response_id: str, index: int, block: ContentBlock, status: str, *, started: bool = True) -> dict[str, Any]:
+    """Output item ``index``: an assistant message (``ResponseOutputMessage``; not ``started``: no
+    part yet) for a text block, a ``function_call`` (``ResponseFunctionToolCall``) for a call."""
+    _no_reasoning(block.kind)
+    if block.kind is BlockKind.TOOL_CALL:
+        return {"id": call_item_id(block.call_id), "type": "function_call", "call_id": tool_call_id(block.call_id),
+                "name": block.name, "arguments": block.text, "status": status}
     return {"id": item_id(response_id, index), "type": "message", "role": "assistant", "status": status,
-            "content": content}
+            "content": [_text_part(block.text)] if started else []}
 
 
 def output_json(response_id: str, blocks: tuple[ContentBlock, ...], last_status: str) -> list[dict[str, Any]]:
-    """``Response.output``: one message item per text block; every item but the last is
-    ``completed``, the last one has ``last_status`` (the response's outcome)."""
-    items = []
-    for i, block in enumerate(blocks):
-        _text_only(block.kind)
-        items.append(_message_item(response_id, i, block.text, "completed" if i < len(blocks) - 1 else last_status))
-    return items
+    """``Response.output``: one item per block (a message per text block, a ``function_call`` per
+    call); every item but the last is ``completed``, the last one has ``last_status`` (the
+    response's outcome)."""
+    return [_item(response_id, i, block, "completed" if i < len(blocks) - 1 else last_status)
+            for i, block in enumerate(blocks)]
+
+
+def history_messages(blocks: tuple[ContentBlock, ...], where: str) -> tuple[ChatMessage, ...]:
+    """A stored response's output as the conversation turn it adds (``previous_response_id``):
+    one assistant turn with its text and its function calls (``call_id`` as sent: ``call_...``);
+    none when the output is empty.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` (``param`` ``previous_response_id``) for a call whose
+            arguments are not a JSON object (one cut by ``max_output_tokens``).
+    """
+    text = "".join(b.text for b in blocks if b.kind is BlockKind.TEXT)
+    calls = tuple(ToolCall(tool_call_id(b.call_id), b.name,
+                           arguments_json(b.text, f"{where}.output[{i}].arguments", "previous_response_id"))
+                  for i, b in enumerate(blocks) if b.kind is BlockKind.TOOL_CALL)
+    return (ChatMessage("assistant", text, tool_calls=calls),) if text or calls else ()
 
 
 @attrs.frozen
@@ -468,6 +634,24 @@ def status_outcome(status: MessageStatus, stop_reason: StopReason | None, error:
             assert_never(status)
 
 
+def _tool_json(tool: ToolSpec) -> dict[str, Any]:
+    """A request's function tool as the Response object echoes it (``FunctionTool``)."""
+    return {"type": "function", "name": tool.name, "description": tool.description or None,
+            "parameters": json.loads(tool.parameters), "strict": tool.strict}
+
+
+def _tool_choice_json(choice: ToolChoice) -> str | dict[str, str]:
+    """A request's tool choice as the Response object echoes it (``ToolChoiceOptions``,
+    ``ToolChoiceFunction``)."""
+    match choice.mode:
+        case ToolChoiceMode.NAMED:
+            return {"type": "function", "name": choice.name}
+        case ToolChoiceMode.AUTO | ToolChoiceMode.NONE | ToolChoiceMode.REQUIRED:
+            return choice.mode.value
+        case _:
+            assert_never(choice.mode)
+
+
 def response_json(
     response_id: str,
     *,
@@ -497,12 +681,12 @@ def response_json(
         "metadata": options.metadata,
         "model": model,
         "output": output_json(response_id, blocks, outcome.item_status),
-        "parallel_tool_calls": True,
+        "parallel_tool_calls": options.tool_choice.parallel,
         "previous_response_id": options.previous_response_id,
         "temperature": options.temperature,
-        "text": {"format": {"type": "text"}},
-        "tool_choice": "auto",
-        "tools": [],
+        "text": {"format": options.text_format},
+        "tool_choice": _tool_choice_json(options.tool_choice),
+        "tools": [_tool_json(tool) for tool in options.tools],
         "top_p": options.top_p,
         "truncation": "disabled",
         "usage": None if usage is None else usage_json(usage),
@@ -515,15 +699,18 @@ def response_json(
 class ResponsesRenderer:
     """Renders one response's events as typed Responses stream events, counting their seqs.
 
-    Each content block is an output item (``output_index`` = the block's index). A stopped block's
-    done events wait for what follows: the next block (the item is ``completed``) or the terminal
-    event (the item has the response's outcome: ``incomplete`` after a cut or a cancel).
+    Each content block is an output item (``output_index`` = the block's index): a text block a
+    message item with one ``output_text`` part, a tool call a ``function_call`` item whose
+    arguments stream as ``response.function_call_arguments.delta`` events. A stopped block's done
+    events wait for what follows: the next block (the item is ``completed``) or the terminal event
+    (the item has the response's outcome: ``incomplete`` after a cut or a cancel).
     """
 
     def __init__(self, response_id: str, model: str, created: int, options: ResponseOptions) -> None:
         self._id, self._model, self._created, self._options = response_id, model, created, options
         self._seq = 0
-        self._items: list[list[str]] = []  # the text parts of each block's item
+        self._starts: list[BlockStart] = []  # each block's start
+        self._items: list[list[str]] = []  # the text (or argument fragments) of each block
         self._open: int | None = None  # a block started and not stopped
         self._stopped: int | None = None  # a stopped block whose done events are due
 
@@ -531,13 +718,22 @@ class ResponsesRenderer:
         seq, self._seq = self._seq, self._seq + 1
         return WireEvent(dumps({"type": type_, "sequence_number": seq, **fields}), event=type_)
 
+    def _block(self, index: int) -> ContentBlock:
+        start = self._starts[index]
+        return ContentBlock(start.kind, "".join(self._items[index]), start.name, start.call_id)
+
     def _response(self, outcome: Outcome, usage: Usage | None) -> dict[str, Any]:
-        blocks = tuple(ContentBlock(BlockKind.TEXT, "".join(parts)) for parts in self._items)
+        blocks = tuple(self._block(i) for i in range(len(self._starts)))
         return response_json(self._id, model=self._model, created=self._created, options=self._options,
                              outcome=outcome, blocks=blocks, usage=usage)
 
     def _where(self, index: int) -> dict[str, Any]:
+        """The position fields of a text event (item, output index, content part 0)."""
         return {"item_id": item_id(self._id, index), "output_index": index, "content_index": 0}
+
+    def _call_where(self, index: int) -> dict[str, Any]:
+        """The position fields of a function call's arguments event."""
+        return {"item_id": call_item_id(self._starts[index].call_id), "output_index": index}
 
     def start(self, usage: Usage) -> list[WireEvent]:
         first = Outcome("queued" if self._options.background else "in_progress")
@@ -548,20 +744,27 @@ class ResponsesRenderer:
         return events
 
     def block_start(self, start: BlockStart) -> list[WireEvent]:
-        _text_only(start.kind)
+        _no_reasoning(start.kind)
         events = self._close("completed")
+        self._starts.append(start)
         self._items.append([])
         self._open = start.index
-        return [
-            *events,
-            self._event("response.output_item.added", output_index=start.index,
-                        item=_message_item(self._id, start.index, None, "in_progress")),
-            self._event("response.content_part.added", part=_text_part(""), **self._where(start.index)),
-        ]
+        added = self._event("response.output_item.added", output_index=start.index,
+                            item=_item(self._id, start.index, self._block(start.index), "in_progress", started=False))
+        if start.kind is BlockKind.TOOL_CALL:
+            return [*events, added]
+        return [*events, added,
+                self._event("response.content_part.added", part=_text_part(""), **self._where(start.index))]
 
     def delta(self, delta: BlockDelta) -> list[WireEvent]:
         self._items[delta.index].append(delta.text)
-        return [self._event("response.output_text.delta", delta=delta.text, logprobs=[], **self._where(delta.index))]
+        if self._starts[delta.index].kind is not BlockKind.TOOL_CALL:
+            return [self._event("response.output_text.delta", delta=delta.text, logprobs=[],
+                                **self._where(delta.index))]
+        if not delta.text:
+            return []
+        return [self._event("response.function_call_arguments.delta", delta=delta.text,
+                            **self._call_where(delta.index))]
 
     def block_stop(self, stop: BlockStop) -> list[WireEvent]:
         self._open, self._stopped = None, stop.index
@@ -573,13 +776,17 @@ class ResponsesRenderer:
         if index is None:
             return []
         self._open = self._stopped = None
-        text = "".join(self._items[index])
-        return [
-            self._event("response.output_text.done", text=text, logprobs=[], **self._where(index)),
-            self._event("response.content_part.done", part=_text_part(text), **self._where(index)),
-            self._event("response.output_item.done", output_index=index,
-                        item=_message_item(self._id, index, text, item_status)),
-        ]
+        block = self._block(index)
+        if block.kind is BlockKind.TOOL_CALL:
+            events = [self._event("response.function_call_arguments.done", arguments=block.text,
+                                  **self._call_where(index))]
+        else:
+            events = [
+                self._event("response.output_text.done", text=block.text, logprobs=[], **self._where(index)),
+                self._event("response.content_part.done", part=_text_part(block.text), **self._where(index)),
+            ]
+        return [*events, self._event("response.output_item.done", output_index=index,
+                                     item=_item(self._id, index, block, item_status))]
 
     def _end(self, type_: str, outcome: Outcome, usage: Usage) -> list[WireEvent]:
         return [*self._close(outcome.item_status), self._event(type_, response=self._response(outcome, usage))]
@@ -622,10 +829,10 @@ class ResponsesSurface:
                              outcome=outcome, blocks=result.content, usage=result.usage)
 
     def content_json(self, blocks: tuple[ContentBlock, ...]) -> list[dict[str, Any]]:
-        """The content parts of the message's output items (``GET /v1/messages/{id}``)."""
-        for block in blocks:
-            _text_only(block.kind)
-        return [_text_part(block.text) for block in blocks]
+        """The message's content (``GET /v1/messages/{id}``): an ``output_text`` part per text
+        block, a ``function_call`` item per call."""
+        return [_item("", i, b, "completed") if b.kind is BlockKind.TOOL_CALL else _text_part(b.text)
+                for i, b in enumerate(blocks)]
 
     def stop_reason(self, reason: StopReason) -> str:
         """The Chat Completions spelling (``GET /v1/messages/{id}`` shows it for every surface)."""
