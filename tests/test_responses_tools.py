@@ -197,7 +197,10 @@ BAD = [
     ({"text": {"format": {"type": "yaml"}}}, "text", "text.format.type"),
     ({"text": {"format": {"type": "json_object", "name": "x"}}}, "text", "text.format.name"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "pattern": "a"}}}},
-     "text.format.schema", "text.format.schema: keyword 'pattern' is not supported"),
+     "text", "text.format.schema: keyword 'pattern' is not supported"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 1}}}}], "tool_choice": "required"},
+     "tools", "tools[0].parameters.properties.n: keyword 'minimum' is not supported"),
     ({"max_tool_calls": 2}, "max_tool_calls", "max_tool_calls"),
 ]
 

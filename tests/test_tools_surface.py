@@ -255,6 +255,33 @@ ANTHROPIC_BAD = [
 ]
 
 
+UNENFORCEABLE = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}
+
+
+@pytest.mark.parametrize(
+    ("parse", "body", "param", "message"),
+    [
+        (anthropic_request, {"tools": [{"name": "f", "input_schema": UNENFORCEABLE}], "tool_choice": {"type": "any"}},
+         "tools", "tools[0].input_schema.properties.n: keyword 'minimum' is not supported"),
+        (anthropic_request, {"output_config": {"format": {"type": "json_schema", "schema": UNENFORCEABLE}}},
+         "output_config", "output_config.format.schema.properties.n: keyword 'minimum' is not supported"),
+        (openai_request, {"tools": [{"type": "function", "function": {"name": "f", "parameters": UNENFORCEABLE}}],
+                          "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tools", "tools[0].function.parameters.properties.n: keyword 'minimum' is not supported"),
+        (openai_request, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": UNENFORCEABLE}}},
+         "response_format", "response_format.json_schema.schema.properties.n: keyword 'minimum' is not supported"),
+    ],
+)
+def test_a_schema_keyword_the_grammar_cannot_enforce_is_named_in_the_surfaces_spelling(parse, body, param, message):
+    error = refused(parse, body)
+    assert (error.param, error.message) == (param, message)
+
+
+def test_an_unenforced_keyword_is_fine_where_the_model_only_reads_the_schema():
+    request = anthropic_request(tools=[{"name": "f", "input_schema": UNENFORCEABLE}])  # auto, not strict
+    assert request.tools[0].name == "f"
+
+
 @pytest.mark.parametrize(("body", "message"), ANTHROPIC_BAD)
 def test_anthropic_bad_tool_input_is_400_naming_the_field(body, message):
     error = refused(anthropic_request, body)

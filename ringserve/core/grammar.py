@@ -68,6 +68,7 @@ __all__ = [
     "Constraint",
     "calls_grammar",
     "check_schema",
+    "enforced_schemas",
     "constraint_for",
     "example_instance",
     "output_grammar",
@@ -311,22 +312,23 @@ class _Checker:
         return target
 
 
-def _checked(text: str, where: str) -> dict[str, Any]:
+def _checked(text: str, where: str, param: str | None = None) -> dict[str, Any]:
     """The cleaned schema of ``text``, an object schema; raises the 400 naming ``where``."""
     try:
         return json.loads(_cached_clean(text))  # type: ignore[no-any-return]
     except _Refused as exc:
         at = where + exc.where
-        raise invalid(f"{at}: {exc.message}", where) from None
+        raise invalid(f"{at}: {exc.message}", param or where) from None
 
 
-def check_schema(text: str, where: str) -> None:
+def check_schema(text: str, where: str, param: str | None = None) -> None:
     """Check that ``text`` is an object schema the grammar can enforce.
 
     Args:
         text: the schema's JSON text.
         where: the request field it came from, e.g. ``tools[0].input_schema``
-            (named in the message and as the error's ``param``).
+            (named in the message, and the error's ``param`` unless ``param`` is given).
+        param: the error's ``param``.
 
     Raises:
         RingserveError: ``INVALID_REQUEST``: not JSON, not an object schema, or
@@ -335,7 +337,7 @@ def check_schema(text: str, where: str) -> None:
             top is named with its path (``tools[0].input_schema.properties.a:
             keyword 'minimum' is not supported``).
     """
-    _checked(text, where)
+    _checked(text, where, param)
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
@@ -506,6 +508,23 @@ def example_instance(schema: dict[str, Any], root: dict[str, Any] | None = None,
 
 
 
+def enforced_schemas(request: GenerationRequest) -> list[tuple[int | None, str]]:
+    """The schemas :func:`constraint_for` enforces or checks, as ``(tool index, schema text)``
+    (index None: the output schema): every tool's under ``REQUIRED``, the named tool's under
+    ``NAMED``; else the ``strict`` tools' under ``AUTO`` and a ``JSON_SCHEMA`` output's."""
+    tools, choice = request.tools, request.tool_choice
+    if tools and choice.mode is ToolChoiceMode.REQUIRED:
+        return [(i, t.parameters) for i, t in enumerate(tools)]
+    if tools and choice.mode is ToolChoiceMode.NAMED:
+        return [(i, t.parameters) for i, t in enumerate(tools) if t.name == choice.name]
+    schemas: list[tuple[int | None, str]] = []
+    if tools and choice.mode is ToolChoiceMode.AUTO:
+        schemas += [(i, t.parameters) for i, t in enumerate(tools) if t.strict]
+    if request.output.kind is OutputKind.JSON_SCHEMA:
+        schemas.append((None, request.output.schema))
+    return schemas
+
+
 def constraint_for(request: GenerationRequest) -> Constraint | None:
     """The grammar a request's reply is decoded under, or None for free text.
 
@@ -521,26 +540,23 @@ def constraint_for(request: GenerationRequest) -> Constraint | None:
       enforced.
 
     The error fields are surface-neutral (``tools[i].parameters``,
-    ``output.schema``); surfaces call :func:`check_schema` with their own
+    ``output.schema``); surfaces check :func:`enforced_schemas` with their own
     spellings first.
 
     Raises:
         RingserveError: ``INVALID_REQUEST``: a schema the grammar cannot
             enforce, or a ``NAMED`` tool that is not among the tools.
     """
+    for index, schema in enforced_schemas(request):
+        check_schema(schema, "output.schema" if index is None else f"tools[{index}].parameters")
     tools, choice = request.tools, request.tool_choice
     if tools and choice.mode is ToolChoiceMode.REQUIRED:
         return calls_grammar(tools, choice.parallel)
     if tools and choice.mode is ToolChoiceMode.NAMED:
-        for i, tool in enumerate(tools):
+        for tool in tools:
             if tool.name == choice.name:
-                check_schema(tool.parameters, f"tools[{i}].parameters")
                 return calls_grammar([tool], False)
         raise invalid(f"tool_choice names {choice.name!r}, which is not one of the tools", "tool_choice")
-    if tools and choice.mode is ToolChoiceMode.AUTO:
-        for i, tool in enumerate(tools):
-            if tool.strict:
-                check_schema(tool.parameters, f"tools[{i}].parameters")
     match request.output.kind:
         case OutputKind.TEXT:
             return None

@@ -37,6 +37,7 @@ from ringserve.core.events import (
     Usage,
 )
 from ringserve.surfaces.base import (
+    check_enforced,
     CallIds,
     FieldTable,
     MessageResult,
@@ -342,13 +343,14 @@ def conversation(body: dict[str, Any]) -> GenerationRequest:
         MESSAGE_FIELDS.check(m, f"messages[{i}]", param="messages")
         messages += _turns(m, f"messages[{i}]", ids)
     tools = tool_list(body.get("tools"), "tools", _tool)
-    return GenerationRequest(
+    request = GenerationRequest(
         messages=tuple(messages),
         max_tokens=None,
         tools=tools,
         tool_choice=_tool_choice(body.get("tool_choice"), tools),
         output=_output(body.get("output_config")),
     )
+    return check_enforced(request, "tools[{i}].input_schema", "output_config.format.schema")
 
 
 #: Block types a message of the other role may not hold: (type, the role it belongs to).

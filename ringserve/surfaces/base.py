@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar, assert_never, overload
 import attrs
 
 from ringserve.core.errors import RingserveError, invalid
+from ringserve.core.grammar import check_schema, enforced_schemas
 from ringserve.core.events import (
     BlockDelta,
     BlockKind,
@@ -460,6 +461,22 @@ def schema_format(spec: dict[str, Any], where: str, param: str) -> OutputFormat:
     if schema is None:
         return OutputFormat(OutputKind.JSON_OBJECT)
     return OutputFormat(OutputKind.JSON_SCHEMA, json_schema(schema, f"{where}.schema", param, arguments=False))
+
+
+def check_enforced(request: GenerationRequest, tool_schema: str, output_schema: str) -> GenerationRequest:
+    """``request``, once the schemas its reply will be decoded under (``core/grammar.py``
+    ``enforced_schemas``) are known to be enforceable; errors name the surface's own fields:
+    ``tool_schema`` with ``{i}`` for the tool's index (``tools[{i}].input_schema``), and
+    ``output_schema`` (``output_config.format.schema``).
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` naming the keyword that cannot be enforced, with
+        ``param`` the top-level field.
+    """
+    for index, schema in enforced_schemas(request):
+        where = output_schema if index is None else tool_schema.format(i=index)
+        check_schema(schema, where, param=re.split(r"[.\[]", where, maxsplit=1)[0])
+    return request
 
 
 def require_function(obj: dict[str, Any], where: str, param: str, what: str) -> None:

@@ -32,6 +32,7 @@ from ringserve.core.events import (
     Usage,
 )
 from ringserve.surfaces.base import (
+    check_enforced,
     CallIds,
     FieldTable,
     MessageResult,
@@ -427,6 +428,7 @@ class OpenAISurface:
             tool_choice=choice,
             output=_response_format(body.get("response_format")),
         )
+        check_enforced(request, "tools[{i}].function.parameters", "response_format.json_schema.schema")
         return ParsedRequest(request=request, stream=stream, model=model, include_usage=include_usage)
 
     def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> OpenAIRenderer:

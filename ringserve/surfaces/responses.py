@@ -62,9 +62,9 @@ from ringserve.core.events import (
     ToolSpec,
     Usage,
 )
-from ringserve.core.grammar import check_schema
 from ringserve.core.status import MessageStatus
 from ringserve.surfaces.base import (
+    check_enforced,
     CallIds,
     FieldTable,
     MessageResult,
@@ -358,9 +358,7 @@ def _text_format(value: Any) -> tuple[OutputFormat, dict[str, Any]]:
         raise invalid('text.format.type: must be "text", "json_object" or "json_schema"', param="text")
     if value.get("schema") is None:
         raise invalid("text.format.schema: field required", param="text")
-    output = schema_format(value, "text.format", "text")
-    check_schema(output.schema, "text.format.schema")  # refused keywords named in this surface's spelling
-    return output, value
+    return schema_format(value, "text.format", "text"), value
 
 
 def _item_text(content: Any, where: str) -> str:
@@ -453,8 +451,9 @@ def parse_create(body: Any) -> ResponseCreate:
     previous = get_str(body, "previous_response_id") or None
     max_tokens = get_int(body, "max_output_tokens", lo=1, hi=MAX_OUTPUT_TOKENS_LIMIT)
     sampling = sampling_params(body, max_temperature=2.0)
-    request = GenerationRequest(messages=messages, max_tokens=max_tokens, sampling=sampling, tools=tools,
-                                tool_choice=choice, output=output)
+    request = check_enforced(GenerationRequest(messages=messages, max_tokens=max_tokens, sampling=sampling,
+                                               tools=tools, tool_choice=choice, output=output),
+                             "tools[{i}].parameters", "text.format.schema")
     return ResponseCreate(
         options=ResponseOptions(
             instructions=instructions,
