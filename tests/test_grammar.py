@@ -95,6 +95,40 @@ def test_refused(schema: object, message: str) -> None:
     assert refused(schema).endswith(message)
 
 
+def test_a_schema_nested_too_deeply_is_a_400_not_a_recursion_error() -> None:
+    # 300 levels: what a request body parses to (json.loads allows it), deeper than the checker's recursion.
+    text = '{"type": "object", "properties": {"a": ' * 300 + '{"type": "string"}' + "}}" * 300
+    with pytest.raises(RingserveError, match=r"^tools\[0\]\.input_schema: the schema is nested too deeply$"):
+        grammar.check_schema(text, WHERE)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/n"}},
+            "required": ["a"],
+            "$defs": {"n": {"type": "object", "properties": {"b": {"$ref": "#/$defs/n"}}, "required": ["b"]}},
+        },
+        {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}},
+    ],
+)
+def test_a_schema_with_no_finite_value_is_a_400(schema: dict[str, object]) -> None:
+    text = json.dumps(schema)
+    with pytest.raises(RingserveError, match=r"^tools\[0\]\.parameters: the schema has no finite value"):
+        grammar.calls_grammar([ToolSpec("f", "", text)], False)
+    with pytest.raises(RingserveError, match=r"^output\.schema: the schema has no finite value"):
+        grammar.output_grammar(text, "output.schema")
+
+
+def test_a_recursive_schema_with_optional_recursion_converts() -> None:
+    node = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}, "required": ["v"]}
+    tree = {"type": "object", "properties": {"root": {"$ref": "#/$defs/node"}}, "required": ["root"], "$defs": {"node": node}}
+    c = grammar.calls_grammar([ToolSpec("f", "", json.dumps(tree))], False)
+    assert '"v": 1' in c.example
+
+
 def test_not_json() -> None:
     with pytest.raises(RingserveError, match=r"^tools\[0\]\.input_schema: the schema is not valid JSON"):
         grammar.check_schema("{", WHERE)

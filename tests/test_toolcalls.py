@@ -211,6 +211,15 @@ def test_budget_inside_a_call_head_emits_nothing() -> None:
     assert events == [BlockStart(0, BlockKind.TEXT), BlockStop(0)] and end == End(StopReason.MAX_TOKENS)
 
 
+def test_budget_inside_the_marker_of_a_forced_call_emits_no_marker_text() -> None:
+    forced = ReplyStage((), NAMES, forced=True)
+    events, end = stage_run(forced, ["<tool_c"], StopReason.MAX_TOKENS)
+    assert events == [BlockStart(0, BlockKind.TEXT), BlockStop(0)] and end == End(StopReason.MAX_TOKENS)
+    # Free (auto) text that happens to end like the marker is text.
+    events, _ = stage_run(ReplyStage((), NAMES), ["<tool_c"], StopReason.MAX_TOKENS)
+    assert BlockDelta(0, "<tool_c", 1) in events
+
+
 def test_not_parallel_ends_after_the_first_call() -> None:
     stage = ReplyStage((), NAMES, parallel=False)
     events, end = stage_run(stage, [REPLY])

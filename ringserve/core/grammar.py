@@ -347,7 +347,10 @@ def _cached_clean(text: str) -> str:
         schema = json.loads(text)
     except (TypeError, ValueError) as exc:
         raise _Refused("", f"the schema is not valid JSON ({exc})") from None
-    cleaned = _Checker(schema).clean(schema, "")
+    try:
+        cleaned = _Checker(schema).clean(schema, "")
+    except RecursionError:
+        raise _Refused("", "the schema is nested too deeply") from None
     typ = cleaned.get("type")
     if typ != "object" and not (typ is None and ("properties" in cleaned or "additionalProperties" in cleaned)):
         raise _Refused("", 'the schema must be an object schema ("type": "object")')
@@ -413,7 +416,7 @@ def output_grammar(schema: str, where: str) -> Constraint:
     text = schema or '{"type": "object"}'
     conv, (value,) = _convert([(text, where)])
     conv.rule("root", value)
-    return Constraint(conv.grammar(), json.dumps(example_instance(_checked(text, where))))
+    return Constraint(conv.grammar(), _example(text, where))
 
 
 def calls_grammar(tools: Sequence[ToolSpec], parallel: bool) -> Constraint:
@@ -446,8 +449,20 @@ def _calls_grammar(tools: tuple[ToolSpec, ...], parallel: bool) -> Constraint:
     root = call if not parallel else f'{call} ("\\n" {call}){{0,{MAX_CALLS - 1}}}'
     conv.rule("root", root)
     first = tools[0]
-    args = json.dumps(example_instance(_checked(first.parameters, "tools[0].parameters")))
-    return Constraint(conv.grammar(), format_call(first.name, args))
+    return Constraint(conv.grammar(), format_call(first.name, _example(first.parameters, "tools[0].parameters")))
+
+
+def _example(text: str, where: str) -> str:
+    """The JSON text of :func:`example_instance` for schema ``text``.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` naming ``where``: a schema with no finite
+            value, as one whose required properties lead back to it through ``$ref``.
+    """
+    try:
+        return json.dumps(example_instance(_checked(text, where)))
+    except RecursionError:
+        raise invalid(f"{where}: the schema has no finite value (a '$ref' cycle through required properties)", where) from None
 
 
 def example_instance(schema: dict[str, Any], root: dict[str, Any] | None = None, depth: int = 0) -> Any:

@@ -63,12 +63,17 @@ class ReplyStage:
         tools: the names of the tools the model may call; None: the reply is
             not parsed for calls (no tools, or tool choice ``NONE``).
         parallel: more than one call may be made.
+        forced: the reply is decoded under a calls grammar (a forced tool), so it
+            is only calls: text held at the end as the start of a ``<tool_call>``
+            marker is that marker cut by the budget, and is dropped as a cut call
+            head is, never released as text.
         new_id: makes call ids (tests pass a counter).
     """
 
     stops: tuple[str, ...] = ()
     tools: frozenset[str] | None = None
     parallel: bool = True
+    forced: bool = False
     new_id: Callable[[], str] = new_call_id
     _stopper: StopMatcher = attrs.field(init=False)
     _parser: ToolCallParser | None = attrs.field(init=False)
@@ -135,7 +140,8 @@ class ReplyStage:
                 raise ToolCallError("the reply ended inside a tool call")
             for piece in parser.flush():
                 assert isinstance(piece, Text)
-                self._text(out, piece.text)
+                if not self.forced:
+                    self._text(out, piece.text)
         if self._end is None:
             self._release_held(out)
             self._end = End(StopReason.TOOL_USE if reason is StopReason.END and self._calls else reason)

@@ -205,6 +205,7 @@ class Generation:
                 request.stop,
                 frozenset(t.name for t in request.tools) if parsed else None,
                 parallel=choice.parallel and choice.mode is not ToolChoiceMode.NAMED,
+                forced=parsed and choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED),
             )
 
     @property
