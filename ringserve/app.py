@@ -36,7 +36,6 @@ from ringserve.config import Config
 from ringserve.connections import SendWatchdog
 from ringserve.core import health as core_health
 from ringserve.core.errors import ErrorKind, RingserveError
-from ringserve.core.events import Usage
 from ringserve.core.limits import ReaderGate
 from ringserve.core.status import FINAL_STATUSES, CancelReason
 from ringserve.messages import StoredMessage, store_failed
@@ -220,7 +219,7 @@ def message_status_json(msg: LiveMessage | StoredMessage) -> dict[str, Any]:
         case StoredMessage():
             view = MessageStatusView(msg.id, SURFACES.by_name(msg.surface), msg.model, msg.created, msg.status,
                                      msg.blocks, msg.stop_reason, msg.stop_sequence,
-                                     Usage(msg.input_tokens, msg.output_tokens), msg.error)
+                                     msg.usage, msg.error)
         case _:
             assert_never(msg)
     return ringserve_json.message_status_json(view)

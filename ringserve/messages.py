@@ -48,7 +48,7 @@ import trio
 
 from ringserve.config import StoreConfig
 from ringserve.core.errors import ErrorKind, RingserveError
-from ringserve.core.events import BlockKind, ContentBlock, StopReason
+from ringserve.core.events import BlockKind, ContentBlock, StopReason, Usage
 from ringserve.core.producer import Snapshot
 from ringserve.core.status import FINAL_STATUSES, MessageStatus
 
@@ -57,7 +57,7 @@ log = logging.getLogger("ringserve.store")
 
 #: ``PRAGMA user_version`` of the files this code writes (written at every open, which
 #: proves the file writable).
-SCHEMA_VERSION = 4  # 2: final_seq; 3: stop_reason holds StopReason values, not a surface's spelling; 4: content
+SCHEMA_VERSION = 4  # 2: final_seq; 3: stop_reason holds StopReason values, not a surface's spelling; 4: content, cached_tokens
 
 #: Most rows, and seconds, of one sweep transaction; the sweep yields to the event loop between
 #: batches. Deleting a finished message with a 64 KiB answer takes about 0.2 ms (2 busy cores).
@@ -91,7 +91,8 @@ CREATE TABLE IF NOT EXISTS messages (
     error TEXT,
     updated REAL NOT NULL,
     final_seq INTEGER,
-    content TEXT NOT NULL DEFAULT ''
+    content TEXT NOT NULL DEFAULT '',
+    cached_tokens INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS messages_updated ON messages (updated);
 CREATE INDEX IF NOT EXISTS messages_unfinished ON messages (status) WHERE status IN ('queued','generating');
@@ -153,6 +154,12 @@ class StoredMessage:
     error: str | None = None
     final_seq: int | None = None
     content: str = ""
+    cached_tokens: int = 0
+
+    @property
+    def usage(self) -> Usage:
+        """Its token counts, the prompt tokens read from the prefix cache included."""
+        return Usage(self.input_tokens, self.output_tokens, self.cached_tokens)
 
     @property
     def blocks(self) -> tuple[ContentBlock, ...]:
@@ -191,6 +198,7 @@ def snapshot_fields(snap: Snapshot) -> dict[str, object]:
         "stop_sequence": snap.stop_sequence,
         "input_tokens": snap.usage.input_tokens,
         "output_tokens": snap.usage.output_tokens,
+        "cached_tokens": snap.usage.cached_tokens,
         "error": snap.error,
     }
     if snap.final_seq is not None:
@@ -301,6 +309,8 @@ class MessageStore:
             db.execute(_STOP_REASONS_V3)
         if columns and "content" not in columns:  # schema 3 or older: text only (read as one text block)
             db.execute("ALTER TABLE messages ADD COLUMN content TEXT NOT NULL DEFAULT ''")
+        if columns and "cached_tokens" not in columns:
+            db.execute("ALTER TABLE messages ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0")
         db.executescript(_SCHEMA)
 
     def mark_interrupted(self) -> int:

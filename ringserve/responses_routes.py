@@ -39,7 +39,7 @@ from quart import Response, request
 
 from ringserve.config import Config
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
-from ringserve.core.events import ChatMessage, Usage
+from ringserve.core.events import ChatMessage
 from ringserve.core.limits import check_request
 from ringserve.core.ringlog import format_event_id
 from ringserve.core.status import FINAL_STATUSES, CancelReason, MessageStatus
@@ -116,7 +116,7 @@ def response_object(msg: LiveMessage | StoredMessage) -> dict[str, Any]:
         snap = msg.snapshot()
         blocks, usage, stop_reason, error = snap.content, snap.usage, snap.stop_reason, snap.error
     else:
-        blocks, usage, stop_reason, error = msg.blocks, Usage(msg.input_tokens, msg.output_tokens), msg.stop_reason, msg.error
+        blocks, usage, stop_reason, error = msg.blocks, msg.usage, msg.stop_reason, msg.error
     outcome = status_outcome(msg.status, stop_reason, error, options.background)
     return response_json(msg.id, model=msg.model, created=msg.created, options=options, outcome=outcome,
                          blocks=blocks, usage=usage if msg.status in FINAL_STATUSES else None)

@@ -20,7 +20,7 @@ from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.protocol import Engine, EngineError
 from ringserve.engine.runner import Runner
 from ringserve.core.errors import ErrorKind
-from ringserve.core.events import Failure, Usage
+from ringserve.core.events import Failure
 from ringserve.core.ringlog import format_event_id
 from ringserve.core.sse import encode_event
 from ringserve.messages import MessageStore, StoredMessage, run_retention
@@ -102,7 +102,7 @@ def _owner_lost_entries(stored: StoredMessage, seq: int) -> list[bytes]:
     """The retryable in-band error that ends a stream whose owning replica died, from entry ``seq`` on."""
     from ringserve.stream.redis_logs import OWNER_LOST_MESSAGE
 
-    failure = Failure(ErrorKind.UNAVAILABLE, OWNER_LOST_MESSAGE, Usage(stored.input_tokens, stored.output_tokens), True)
+    failure = Failure(ErrorKind.UNAVAILABLE, OWNER_LOST_MESSAGE, stored.usage, True)
     events = SURFACES.by_name(stored.surface).renderer(stored.id, stored.model, stored.created, False).fail(failure)
     return [encode_event(ev.data, event=ev.event, id=format_event_id(stored.id, seq + i)) for i, ev in enumerate(events)]
 

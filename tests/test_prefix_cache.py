@@ -312,3 +312,19 @@ async def test_real_cancelled_turn_then_the_same_conversation_gives_the_right_an
         text, last, gen2 = await turn(runner, history, 24)
     assert gen.cancelled
     assert text == expected and last.usage.cached_tokens == len(prepared.prompt_tokens) - 1
+
+
+async def test_a_stored_answer_keeps_the_cached_token_split(tmp_path):
+    """An idempotent retry and GET answer with the usage the live answer had, cached part included."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "echo:hi"}]
+    body = {**ANTHROPIC_BODY, "system": SYSTEM, "messages": messages[1:]}
+    async with running_server(fake_config(tmp_path)) as state:
+        async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+            await client.post("/v1/messages", json=body)  # fills the prefix cache
+            headers = {"Idempotency-Key": "k1"}
+            live = (await client.post("/v1/messages", json=body, headers=headers)).json()
+            retry = (await client.post("/v1/messages", json=body, headers=headers)).json()
+            status = (await client.get(f"/v1/messages/{live['id']}")).json()
+    assert live["usage"]["cache_read_input_tokens"] > 0
+    assert retry["id"] == live["id"] and retry["usage"] == live["usage"]
+    assert status["usage"]["input_tokens"] == live["usage"]["input_tokens"] + live["usage"]["cache_read_input_tokens"]

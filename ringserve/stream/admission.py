@@ -30,7 +30,6 @@ import attrs
 
 from ringserve.config import Config, PolicyConfig
 from ringserve.core.errors import ErrorKind, RingserveError
-from ringserve.core.events import Usage
 from ringserve.core.limits import check_request
 from ringserve.core.prefer import parse_prefer
 from ringserve.core.status import CancelReason, MessageStatus, Policy
@@ -264,6 +263,6 @@ def stored_result(message: StoredMessage) -> MessageResult:
         content=message.blocks,
         stop_reason=message.stop_reason,
         stop_sequence=message.stop_sequence,
-        usage=Usage(message.input_tokens, message.output_tokens),
+        usage=message.usage,
         cancelled=message.status is MessageStatus.CANCELLED,
     )
