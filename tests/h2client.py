@@ -4,6 +4,8 @@ application stops reading), next to streams that read, on one connection, over h
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import ssl
 from collections.abc import Callable
@@ -13,6 +15,7 @@ import attrs
 import h2.config
 import h2.connection
 import h2.events
+import h2.exceptions
 import h2.settings
 import trio
 
@@ -86,7 +89,9 @@ class H2Client:
                 elif isinstance(ev, h2.events.DataReceived):
                     stream.body += ev.data
                     if ev.stream_id in self.reading and ev.flow_controlled_length:
-                        self.conn.increment_flow_control_window(ev.flow_controlled_length, ev.stream_id)
+                        # a reset in the same read may have closed the stream already: credit the connection
+                        with contextlib.suppress(h2.exceptions.StreamClosedError):
+                            self.conn.increment_flow_control_window(ev.flow_controlled_length, ev.stream_id)
                         self.conn.increment_flow_control_window(ev.flow_controlled_length)
                 elif isinstance(ev, h2.events.StreamEnded):
                     stream.ended = True
