@@ -94,11 +94,8 @@ def messages(tag: str) -> list[dict[str, str]]:
         {"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."},
     ]
 
-CPP_SERVER_REFERENCE = {1: 105.0, 4: 163.0, 8: 195.0}
-"""llama.cpp's C++ ``llama-server`` on this machine and model, aggregate tokens/s by
-concurrent streams (from the engine issue; not measured by this script)."""
-
-SERVERS = ("ringserve", "llama_cpp.server")
+SERVERS = ("ringserve", "llama-server", "llama_cpp.server")
+"""Every server this script can run; ringserve's ratios are taken against each of the others."""
 
 
 @attrs.define
@@ -243,32 +240,46 @@ def warm_up(url: str, max_tokens: int) -> dict[str, Any]:
     return {"usage": answer.get("usage"), "text_start": answer["choices"][0]["message"]["content"][:80]}
 
 
-def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Sequence[str]) -> dict[str, ServerProcess]:
+def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Sequence[str],
+                  llama_server: Path | None) -> dict[str, ServerProcess]:
+    """Start the servers in ``names`` (ringserve always), stopping those started if one fails.
+
+    ``llama-server`` runs as ``llama-server -m MODEL -np SLOTS -c SLOTS*2048 -t T -tb T``: as many
+    slots as ringserve and the same context per slot.
+    """
     cfg = ringserve_config(tmp / "ringserve.toml", {
         "model": {"path": str(model), "n_threads": threads},
         "engine": {"ctx_per_slot": 2048},
         "store": {"path": str(tmp / "store.sqlite3")},
     })
-    servers = {}
-    servers["ringserve"] = ServerProcess(
-        [python(), "-m", "ringserve", "serve", "--slots", str(slots), "--port", "0", "--config", str(cfg)],
-        tmp / "ringserve.log",
-        ready_pattern=RINGSERVE_READY,
-    )
-    if "llama_cpp.server" not in names:
-        return servers
-    port = free_port()
+    servers: dict[str, ServerProcess] = {}
     try:
-        servers["llama_cpp.server"] = ServerProcess(
-            [python(), "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-             "--n_ctx", "2048", "--n_batch", "512", "--n_threads", str(threads), "--n_threads_batch", str(threads),
-             "--interrupt_requests", "False"],
-            tmp / "llama_cpp_server.log",
-            url=f"http://127.0.0.1:{port}",
-            probe="/v1/models",
+        servers["ringserve"] = ServerProcess(
+            [python(), "-m", "ringserve", "serve", "--slots", str(slots), "--port", "0", "--config", str(cfg)],
+            tmp / "ringserve.log",
+            ready_pattern=RINGSERVE_READY,
         )
+        if "llama-server" in names:
+            assert llama_server is not None
+            port = free_port()
+            servers["llama-server"] = ServerProcess(
+                [str(llama_server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                 "-np", str(slots), "-c", str(slots * 2048), "-t", str(threads), "-tb", str(threads)],
+                tmp / "llama-server.log", url=f"http://127.0.0.1:{port}", probe="/health",
+            )
+        if "llama_cpp.server" in names:
+            port = free_port()
+            servers["llama_cpp.server"] = ServerProcess(
+                [python(), "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port",
+                 str(port), "--n_ctx", "2048", "--n_batch", "512", "--n_threads", str(threads),
+                 "--n_threads_batch", str(threads), "--interrupt_requests", "False"],
+                tmp / "llama_cpp_server.log",
+                url=f"http://127.0.0.1:{port}",
+                probe="/v1/models",
+            )
     except BaseException:
-        servers["ringserve"].stop()
+        for server in servers.values():
+            server.stop()
         raise
     return servers
 
@@ -282,14 +293,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=5, help="repeats of the whole comparison")
     ap.add_argument("--slots", type=int, default=8, help="ringserve --slots")
     ap.add_argument("--threads", type=int, default=0, help="llama.cpp threads in both servers (0: all cores)")
-    ap.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS),
-                    help="servers to run (ratios need both; the tests' smoke run uses ringserve only)")
+    ap.add_argument("--servers", nargs="+", choices=SERVERS, default=None,
+                    help="servers to run (default: ringserve and llama-server when --llama-server is given, else"
+                         " ringserve and llama_cpp.server; the tests' smoke run uses ringserve only)")
+    ap.add_argument("--llama-server", type=Path, default=None,
+                    help="llama.cpp's llama-server binary (docs/benchmarks.md says how to build it)")
     ap.add_argument("--replot", type=Path, help="only redraw the plot from this script's JSON")
     args = ap.parse_args(argv)
     if args.replot is not None:
         payload = json.loads(args.replot.read_text())
         print(f"wrote {plot(payload)}")
         return payload
+    if args.servers is None:
+        args.servers = ["ringserve", "llama-server" if args.llama_server else "llama_cpp.server"]
+    if "ringserve" not in args.servers:
+        args.servers.insert(0, "ringserve")
+    if "llama-server" in args.servers and args.llama_server is None:
+        ap.error("--servers llama-server needs --llama-server PATH")
+    others = [name for name in SERVERS[1:] if name in args.servers]
     model = args.model or default_model_path()
     threads = args.threads or os.cpu_count() or 1
     info = machine()
@@ -300,13 +321,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rounds: dict[str, dict[int, list[dict[str, Any]]]] = {s: {n: [] for n in args.streams} for s in SERVERS}
     raw_rounds: dict[int, list[dict[str, float]]] = {n: [] for n in args.streams if n <= args.slots}
     with tempfile.TemporaryDirectory(prefix="ringserve-bench-") as tmp_name:
-        servers = start_servers(model, threads, Path(tmp_name), args.slots, args.servers)
+        servers = start_servers(model, threads, Path(tmp_name), args.slots, args.servers, args.llama_server)
         try:
             warm = {name: warm_up(server.url, args.tokens) for name, server in servers.items()}
             for name, w in warm.items():
                 print(f"  {name} at {servers[name].url}: warm-up usage {w['usage']}")
             for r in range(args.rounds):
                 order = [name for name in (SERVERS if r % 2 == 0 else SERVERS[::-1]) if name in servers]
+                load = os.getloadavg()[0]
                 for n in args.streams:
                     for name in order:
                         server = servers[name]
@@ -319,54 +341,60 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               f" TTFT p50 {fmt(level['ttft_p50'], 1e3)} ms, errors {len(level['errors'])}",
                               flush=True)
                     if n <= args.slots:
-                        raw_rounds[n].append(raw_level(model, n, args.tokens, threads))
+                        raw = raw_level(model, n, args.tokens, threads)
+                        raw_rounds[n].append(raw)
+                        print(f"  round {r + 1} {'raw loop':>16} {n:>2} streams: {raw['tokens_per_second']:6.1f} tok/s",
+                              flush=True)
+                print(f"  round {r + 1}: load average {load:.2f} at its start, {os.getloadavg()[0]:.2f} at its end",
+                      flush=True)
         finally:
             for server in servers.values():
                 server.stop()
 
     keys = ["tokens_per_second", "ttft_p50", "ttft_p99", "chunk_gap_p50", "chunk_gap_p99", "tpot_p50"]
+
+    def ratios(key: str, other: list[dict[str, Any]], n: int) -> list[float]:
+        return [a[key] / b[key] for a, b in zip(rounds["ringserve"][n], other) if a[key] and b[key]]
+
     summary: dict[int, dict[str, Any]] = {}
     for n in args.streams:
         s: dict[str, Any] = {name: {k: median(x[k] for x in rounds[name][n]) for k in keys} for name in SERVERS}
-        s["ratio_tokens_per_second"] = median(
-            a["tokens_per_second"] / b["tokens_per_second"]
-            for a, b in zip(rounds["ringserve"][n], rounds["llama_cpp.server"][n])
-        )
-        s["ratio_ttft_p50"] = median(
-            a["ttft_p50"] / b["ttft_p50"]
-            for a, b in zip(rounds["ringserve"][n], rounds["llama_cpp.server"][n])
-            if a["ttft_p50"] and b["ttft_p50"]
-        )
+        s["ratio_tokens_per_second"] = {o: median(ratios("tokens_per_second", rounds[o][n], n)) for o in others}
+        s["ratio_ttft_p50"] = {o: median(ratios("ttft_p50", rounds[o][n], n)) for o in others}
+        s["round_ratios_tokens_per_second"] = {o: ratios("tokens_per_second", rounds[o][n], n) for o in others}
         if n in raw_rounds:
             s["raw_loop_tokens_per_second"] = median(x["tokens_per_second"] for x in raw_rounds[n])
-            s["ratio_raw_loop"] = median(
-                a["tokens_per_second"] / b["tokens_per_second"] for a, b in zip(rounds["ringserve"][n], raw_rounds[n])
-            )
-        s["cpp_server_reference_tokens_per_second"] = CPP_SERVER_REFERENCE.get(n)
+            s["round_ratios_raw_loop"] = ratios("tokens_per_second", raw_rounds[n], n)
+            s["ratio_raw_loop"] = median(s["round_ratios_raw_loop"])
         summary[n] = s
 
     headers = ["streams", "server", "tok/s", "TTFT p50/p99 ms", "chunk gap p50/p99 ms", "TPOT p50 ms"]
     rows = []
     for n in args.streams:
-        for name in SERVERS:
+        for name in args.servers:
             x = summary[n][name]
             rows.append([n, name, fmt(x["tokens_per_second"]),
                          f"{fmt(x['ttft_p50'], 1e3)}/{fmt(x['ttft_p99'], 1e3)}",
                          f"{fmt(x['chunk_gap_p50'], 1e3)}/{fmt(x['chunk_gap_p99'], 1e3)}",
                          fmt(x["tpot_p50"], 1e3)])
+        if n in raw_rounds:
+            rows.append([n, "raw loop", fmt(summary[n]["raw_loop_tokens_per_second"]), "-", "-", "-"])
     print(f"\nmedians of {args.rounds} rounds:")
     print(table(headers, rows))
-    ratio_rows = [[n, fmt(summary[n]["ratio_tokens_per_second"], digits=2), fmt(summary[n]["ratio_ttft_p50"], digits=2),
-                   fmt(summary[n].get("raw_loop_tokens_per_second")),
-                   fmt(summary[n].get("ratio_raw_loop"), digits=2),
-                   fmt(CPP_SERVER_REFERENCE.get(n)),
-                   fmt(summary[n]["ringserve"]["tokens_per_second"] / CPP_SERVER_REFERENCE[n], digits=2)
-                   if n in CPP_SERVER_REFERENCE else "-"]
-                  for n in args.streams]
-    print("\nringserve / llama_cpp.server and ringserve / raw loop (same run, medians of per-round ratios),"
-          " and against llama.cpp's C++ server (issue's figure):")
-    print(table(["streams", "vs llama_cpp.server tok/s", "TTFT p50", "raw loop tok/s", "vs raw loop",
-                 "C++ server tok/s", "vs C++"], ratio_rows))
+    ratio_headers = ["streams", "vs raw loop tok/s", "per round"]
+    for o in others:
+        ratio_headers += [f"vs {o} tok/s", "per round", f"vs {o} TTFT p50"]
+    ratio_rows = []
+    for n in args.streams:
+        row = [n, fmt(summary[n].get("ratio_raw_loop"), digits=2),
+               " ".join(f"{x:.2f}" for x in summary[n].get("round_ratios_raw_loop", [])) or "-"]
+        for o in others:
+            row += [fmt(summary[n]["ratio_tokens_per_second"][o], digits=2),
+                    " ".join(f"{x:.2f}" for x in summary[n]["round_ratios_tokens_per_second"][o]) or "-",
+                    fmt(summary[n]["ratio_ttft_p50"][o], digits=2)]
+        ratio_rows.append(row)
+    print("\nringserve / the others (same run, medians of per-round ratios):")
+    print(table(ratio_headers, ratio_rows))
 
     payload = {
         "benchmark": "http_streams",
@@ -378,7 +406,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ringserve_slots": args.slots,
         "threads": threads,
         "warm_up": warm,
-        "cpp_server_reference": CPP_SERVER_REFERENCE,
         "summary": {str(n): v for n, v in summary.items()},
         "rounds": {name: {str(n): v for n, v in by_n.items()} for name, by_n in rounds.items()},
         "raw_loop_rounds": {str(n): v for n, v in raw_rounds.items()},
@@ -395,7 +422,7 @@ def plot(payload: dict[str, Any]) -> Path:
     streams = sorted(int(n) for n in summary)
     fig, axes = figure(ncols=2, width=10, height=3.8)
     ax, ax2 = axes[0]
-    for i, (name, marker) in enumerate(zip(SERVERS, ("o", "s"))):
+    for i, (name, marker) in enumerate(zip(SERVERS, ("o", "s", "v"))):
         if name not in payload.get("servers", SERVERS):
             continue
         color = f"C{i}"
@@ -406,11 +433,8 @@ def plot(payload: dict[str, Any]) -> Path:
         ax2.plot(streams, [1e3 * summary[str(n)][name]["ttft_p99"] for n in streams], marker=marker, color=color,
                  ls="--", alpha=0.5, label=f"{name} p99")
     raw = [n for n in streams if summary[str(n)].get("raw_loop_tokens_per_second")]
-    ax.plot(raw, [summary[str(n)]["raw_loop_tokens_per_second"] for n in raw], ls="-.", marker="d", color="C2",
+    ax.plot(raw, [summary[str(n)]["raw_loop_tokens_per_second"] for n in raw], ls="-.", marker="d", color="C3",
             label="raw llama-cpp-python loop, no HTTP")
-    ref = sorted((int(k), v) for k, v in payload["cpp_server_reference"].items())
-    ax.plot([k for k, _ in ref], [v for _, v in ref], ls=":", marker="^", color="0.5",
-            label="llama.cpp C++ server (issue's figure)")
     for ax_ in (ax, ax2):
         ax_.set_xscale("log", base=2)
         ax_.set_xticks(streams, [str(n) for n in streams])
