@@ -15,7 +15,6 @@ are plain functions, not Trio tests.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 
 import agents
 import anthropic
@@ -124,12 +123,6 @@ def test_pydantic_ai_agent_run_stream_text_deltas_equal_run(agent_model):
 #: Tool definitions and their instructions take a few hundred tokens of the prompt.
 TOOLS_CTX = 2048
 
-needs_tools_engine = pytest.mark.skipif(
-    importlib.util.find_spec("ringserve.core.toolcalls") is None,
-    reason="needs the tool-use engine (grammars, the tool-call parser): issue 14's engine branch",
-)
-
-
 @pytest.fixture(scope="module")
 def tools_server(tmp_path_factory: pytest.TempPathFactory):
     yield from _server(tmp_path_factory, "tools", 1, TOOLS_CTX)
@@ -156,7 +149,6 @@ def test_pydantic_ai_agent_calls_a_tool(tool_agent_model):
     assert calls and "green" in result.output.lower()
 
 
-@needs_tools_engine
 def test_pydantic_ai_agent_structured_output(tool_agent_model):
     from pydantic import BaseModel
 
