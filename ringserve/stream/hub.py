@@ -58,6 +58,10 @@ REGENERATED_STATUSES = frozenset({MessageStatus.FAILED, MessageStatus.INTERRUPTE
 #: Seconds between looks for the message another replica's attempt claimed an ``Idempotency-Key``
 #: for, until that replica's first flush (``[stream] flush_ms``) has written it to the shared store.
 KEY_POLL_SECONDS = 0.05
+#: Seconds between two tries to write the final state of ended messages whose last store write
+#: failed (``Hub._save_later``).
+STORE_RETRY_SECONDS = 1.0
+
 #: Seconds after which a claimed ``Idempotency-Key`` whose message no replica has written is taken
 #: over (its attempt never started: the replica died or the request was cancelled first).
 KEY_WAIT_SECONDS = 5.0
@@ -75,7 +79,9 @@ class LiveMessage:
     :class:`RingserveError`); ``done`` once the terminal event is in the log,
     when the message leaves the hub and the store answers for it.
     ``replaces`` is the id of the ``interrupted`` or ``failed`` message whose
-    ``Idempotency-Key`` this one takes over.
+    ``Idempotency-Key`` this one takes over. ``unsaved``: its last store write
+    failed, so the store holds an older state (``store_failed``: one did,
+    which was logged).
     """
 
     id: str
@@ -91,6 +97,8 @@ class LiveMessage:
     log: MessageLog | None = None
     producer: Producer | None = None
     cancel_reason: CancelReason | None = None
+    unsaved: bool = False
+    store_failed: bool = False
     cancel_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     timer: StreamTimer = attrs.Factory(lambda: StreamTimer(trio.current_time()))
     started: trio.Event = attrs.Factory(trio.Event)
@@ -202,6 +210,7 @@ class Hub:
         self._nursery = nursery
         self._live: dict[str, LiveMessage] = {}
         self._keys: dict[str, LiveMessage] = {}
+        self._unsaved: dict[str, LiveMessage] = {}
         self.draining = False
 
     # -- creating ------------------------------------------------------------------------
@@ -423,7 +432,7 @@ class Hub:
         if step.end is not None:
             log_.close(step.end.state)
         if step.persist is not None:
-            self.store.update(msg.id, **snapshot_fields(step.persist))
+            self._persist(msg, step.persist)
         if step.end is None:
             return
         match step.end.terminal:
@@ -431,10 +440,54 @@ class Hub:
                 self.metrics.finished(msg.timer, now, finish)
             case Failure() as failure:
                 self.metrics.error(failure.kind, "generation")
+        msg.done.set()
+        if not msg.unsaved:
+            self._forget(msg)
+            return
+        if not self._unsaved:
+            self._nursery.start_soon(self._save_later)
+        self._unsaved[msg.id] = msg
+
+    def _persist(self, msg: LiveMessage, snap: Snapshot) -> None:
+        """Write ``snap`` to the store; a write the store fails (``sqlite3.Error``: a full disk, an
+        I/O error, a lock held past ``busy_timeout``) leaves the generation and its log going.
+
+        The first failure of a message is logged (once, not per snapshot; the store counts
+        each in ``StoreStatistics.write_failures_total``). A later snapshot holds the whole
+        state, so it makes up for the missed ones; a message that ends unsaved stays here,
+        answered from memory by :meth:`lookup` and its ``Idempotency-Key``, until
+        :meth:`_save_later` has written its final state.
+        """
+        try:
+            self.store.update(msg.id, **snapshot_fields(snap))
+        except sqlite3.Error as exc:
+            if not msg.store_failed:
+                log.error("the message store failed to write message %s (%s); its stream goes on from its log,"
+                          " and its state is written once the store works again", msg.id, exc)
+            msg.unsaved = msg.store_failed = True
+            return
+        if msg.unsaved:
+            log.info("message %s is written to the message store again", msg.id)
+        msg.unsaved = False
+
+    async def _save_later(self) -> None:
+        """Every :data:`STORE_RETRY_SECONDS`, write the final state of the ended messages whose
+        last write failed, until every one is written (then they leave the hub). Cancelled with
+        the server: a message still unsaved then is ``generating`` in the store, which the next
+        start marks ``interrupted``."""
+        while self._unsaved:
+            await trio.sleep(STORE_RETRY_SECONDS)
+            for msg in list(self._unsaved.values()):
+                self._persist(msg, msg.snapshot())
+                if not msg.unsaved:
+                    del self._unsaved[msg.id]
+                    self._forget(msg)
+
+    def _forget(self, msg: LiveMessage) -> None:
+        """An ended message leaves the hub: from now on the store answers for it."""
         del self._live[msg.id]
         if msg.idempotency_key is not None:
             del self._keys[msg.idempotency_key]
-        msg.done.set()
 
     # -- policy and cancel ---------------------------------------------------------------
 
@@ -477,8 +530,14 @@ class Hub:
         """Generations whose terminal event is not yet in their log."""
         return sum(1 for msg in self._live.values() if not msg.done.is_set())
 
+    @property
+    def unsaved_messages(self) -> int:
+        """Ended messages whose final state the store failed to write (:meth:`_save_later` retries)."""
+        return len(self._unsaved)
+
     def live(self, message_id: str) -> LiveMessage | None:
-        """The message if its generation is still running."""
+        """The message if its generation is still running, or it ended and the store failed to
+        write its final state (which is then answered from memory)."""
         return self._live.get(message_id)
 
     def lookup(self, message_id: str) -> LiveMessage | StoredMessage:
