@@ -62,6 +62,9 @@ KEY_POLL_SECONDS = 0.05
 #: failed (``Hub._save_later``).
 STORE_RETRY_SECONDS = 1.0
 
+#: Seconds an attempt that failed to start spends at most letting its ``Idempotency-Key`` claim go
+#: (``LogStore.release_key``), even when its request was cancelled.
+RELEASE_SECONDS = 2.0
 #: Seconds after which a claimed ``Idempotency-Key`` whose message no replica has written is taken
 #: over (its attempt never started: the replica died or the request was cancelled first).
 KEY_WAIT_SECONDS = 5.0
@@ -275,10 +278,10 @@ class Hub:
         try:
             prepared = await self.runner.prepare(parsed.request)
             if idempotency_key is not None:
+                claimed = KeyHolder(msg.id, body_hash)  # from the claim's round trip on: it may name msg
                 elsewhere = await self._claim(idempotency_key, msg)
                 if elsewhere is not None:
                     return elsewhere, False
-                claimed = KeyHolder(msg.id, body_hash)
             row = StoredMessage(
                 id=msg.id,
                 surface=surface.name,
@@ -291,10 +294,16 @@ class Hub:
                 input_tokens=len(prepared.prompt_tokens),
             )
             await self._nursery.start(self._produce, msg, prepared, row)
-        except RingserveError as exc:
-            msg.start_error = exc  # for the retries waiting on this attempt
+        except BaseException as exc:
+            if isinstance(exc, RingserveError):
+                msg.start_error = exc  # for the retries waiting on this attempt
             if claimed is not None and idempotency_key is not None:
-                await self.logs.release_key(idempotency_key, claimed)
+                # Whatever stopped the start (a refusal, a store that failed, the client gone and
+                # the request cancelled, even mid-claim), the key is let go at once if it names msg
+                # (compare and delete): a retry through another replica would else wait
+                # KEY_WAIT_SECONDS for a message that never appears.
+                with trio.move_on_after(RELEASE_SECONDS, shield=True):
+                    await self.logs.release_key(idempotency_key, claimed)
             raise
         finally:
             if idempotency_key is not None and msg.log is None:
