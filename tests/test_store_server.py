@@ -339,3 +339,24 @@ async def test_a_retention_sweep_the_store_fails_is_tried_again_and_ends_nothing
         await trio.sleep(1)  # the next sweep
         assert store.get("msg_old") is None
         nursery.cancel_scope.cancel()
+
+
+async def test_the_drain_writes_a_final_state_the_store_failed_to_write(tmp_path, monkeypatch):
+    """A message ended unsaved and the store works again by the drain: the drain writes it, even if the
+    retry is not due (an hour here)."""
+    import ringserve.stream.hub as hub_module
+
+    monkeypatch.setattr(hub_module, "STORE_RETRY_SECONDS", 3600.0)
+    config = fake_config(tmp_path)
+    async with running_server(config, step_seconds=0.002) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        hub = state.hub
+        db = hub.store._db = FailingDb(hub.store._db, "disk I/O error", reads=False)
+        db.failing = False
+        accepted = await client.post("/v1/messages", json=anthropic(LONG_ECHO), headers=ASYNC)
+        message_id = accepted.json()["id"]
+        db.failing = True
+        await wait_until(lambda: _true(hub.unsaved_messages == 1))
+        db.failing = False
+    stored = MessageStore(config.store.path).get(message_id)
+    assert stored.status == "complete" and len(stored.text) > 1000

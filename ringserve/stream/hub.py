@@ -465,7 +465,7 @@ class Hub:
         each in ``StoreStatistics.write_failures_total``). A later snapshot holds the whole
         state, so it makes up for the missed ones; a message that ends unsaved stays here,
         answered from memory by :meth:`lookup` and its ``Idempotency-Key``, until
-        :meth:`_save_later` has written its final state.
+        :meth:`save_unsaved` has written its final state.
         """
         try:
             self.store.update(msg.id, **snapshot_fields(snap))
@@ -480,17 +480,22 @@ class Hub:
         msg.unsaved = False
 
     async def _save_later(self) -> None:
-        """Every :data:`STORE_RETRY_SECONDS`, write the final state of the ended messages whose
-        last write failed, until every one is written (then they leave the hub). Cancelled with
-        the server: a message still unsaved then is ``generating`` in the store, which the next
-        start marks ``interrupted``."""
+        """Every :data:`STORE_RETRY_SECONDS`, :meth:`save_unsaved`, until every message is written.
+        Cancelled with the server, which calls :meth:`save_unsaved` once more after the drain."""
         while self._unsaved:
             await trio.sleep(STORE_RETRY_SECONDS)
-            for msg in list(self._unsaved.values()):
-                self._persist(msg, msg.snapshot())
-                if not msg.unsaved:
-                    del self._unsaved[msg.id]
-                    self._forget(msg)
+            self.save_unsaved()
+
+    def save_unsaved(self) -> int:
+        """Write again the final state of each ended message whose last write failed; those written
+        leave the hub. Returns how many are still unsaved (a message the server stops with is
+        ``generating`` in the store, which the next start marks ``interrupted``)."""
+        for msg in list(self._unsaved.values()):
+            self._persist(msg, msg.snapshot())
+            if not msg.unsaved:
+                del self._unsaved[msg.id]
+                self._forget(msg)
+        return len(self._unsaved)
 
     def _forget(self, msg: LiveMessage) -> None:
         """An ended message leaves the hub: from now on the store answers for it."""
@@ -541,7 +546,7 @@ class Hub:
 
     @property
     def unsaved_messages(self) -> int:
-        """Ended messages whose final state the store failed to write (:meth:`_save_later` retries)."""
+        """Ended messages whose final state the store failed to write (:meth:`save_unsaved` retries)."""
         return len(self._unsaved)
 
     def live(self, message_id: str) -> LiveMessage | None:
