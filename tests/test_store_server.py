@@ -360,3 +360,28 @@ async def test_the_drain_writes_a_final_state_the_store_failed_to_write(tmp_path
         db.failing = False
     stored = MessageStore(config.store.path).get(message_id)
     assert stored.status == "complete" and len(stored.text) > 1000
+
+
+async def test_writes_are_not_tried_again_until_the_retry_is_due(tmp_path, monkeypatch):
+    """A locked store holds the event loop for its busy_timeout (1 s) at each write: after one failed,
+    neither the later snapshots nor the final state are tried until the retry is due (an hour here)."""
+    import ringserve.stream.hub as hub_module
+
+    monkeypatch.setattr(hub_module, "STORE_RETRY_SECONDS", 3600.0)
+    config = fake_config(tmp_path, stream={"persist_seconds": 0.01})
+    async with running_server(config, step_seconds=0.002) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        hub, store = state.hub, state.hub.store
+        db = store._db = FailingDb(store._db, "database is locked", reads=False)
+        parser, events = SSEParser(), []
+        async with client.stream("POST", "/v1/messages", json=anthropic(LONG_ECHO, stream=True)) as resp:
+            async for chunk in resp.aiter_raw():
+                events += parser.feed(chunk)
+                if not db.failing and any(e.event == "content_block_delta" for e in events):
+                    db.failing = True
+        assert events[-1].event == "message_stop" and len(anthropic_text(events)) > 1000
+        message_id = json.loads(events[0].data)["message"]["id"]
+        assert store.statistics().write_failures_total == 1 and hub.unsaved_messages == 1
+        db.failing = False
+        assert hub.save_unsaved() == 0
+        assert store.get(message_id).status == "complete"

@@ -59,7 +59,7 @@ REGENERATED_STATUSES = frozenset({MessageStatus.FAILED, MessageStatus.INTERRUPTE
 #: for, until that replica's first flush (``[stream] flush_ms``) has written it to the shared store.
 KEY_POLL_SECONDS = 0.05
 #: Seconds between two tries to write the final state of ended messages whose last store write
-#: failed (``Hub._save_later``).
+#: failed (``Hub._save_later``); no other write is tried in between.
 STORE_RETRY_SECONDS = 1.0
 
 #: Seconds an attempt that failed to start spends at most letting its ``Idempotency-Key`` claim go
@@ -214,6 +214,8 @@ class Hub:
         self._live: dict[str, LiveMessage] = {}
         self._keys: dict[str, LiveMessage] = {}
         self._unsaved: dict[str, LiveMessage] = {}
+        self._store_retry_at = -math.inf  # no write is tried before this (trio clock) after one failed
+        self._store_error = ""  # the last failed write's reason
         self.draining = False
 
     # -- creating ------------------------------------------------------------------------
@@ -457,27 +459,35 @@ class Hub:
             self._nursery.start_soon(self._save_later)
         self._unsaved[msg.id] = msg
 
-    def _persist(self, msg: LiveMessage, snap: Snapshot) -> None:
+    def _persist(self, msg: LiveMessage, snap: Snapshot, *, probe: bool = False) -> None:
         """Write ``snap`` to the store; a write the store fails (``sqlite3.Error``: a full disk, an
         I/O error, a lock held past ``busy_timeout``) leaves the generation and its log going.
 
-        The first failure of a message is logged (once, not per snapshot; the store counts
-        each in ``StoreStatistics.write_failures_total``). A later snapshot holds the whole
-        state, so it makes up for the missed ones; a message that ends unsaved stays here,
-        answered from memory by :meth:`lookup` and its ``Idempotency-Key``, until
-        :meth:`save_unsaved` has written its final state.
+        After a failed write no other is tried for :data:`STORE_RETRY_SECONDS` (a locked store
+        holds the event loop for its ``busy_timeout``, a second, at each write), except a
+        ``probe`` (:meth:`save_unsaved`); a snapshot not tried leaves its message unsaved like
+        one that failed. The first failed or untried write of a message is logged (once, not
+        per snapshot; the store counts each failure in ``StoreStatistics.write_failures_total``).
+        A later snapshot holds the whole state, so it makes up for the missed ones; a message
+        that ends unsaved stays here, answered from memory by :meth:`lookup` and its
+        ``Idempotency-Key``, until :meth:`save_unsaved` has written its final state.
         """
-        try:
-            self.store.update(msg.id, **snapshot_fields(snap))
-        except sqlite3.Error as exc:
-            if not msg.store_failed:
-                log.error("the message store failed to write message %s (%s); its stream goes on from its log,"
-                          " and its state is written once the store works again", msg.id, exc)
-            msg.unsaved = msg.store_failed = True
-            return
-        if msg.unsaved:
-            log.info("message %s is written to the message store again", msg.id)
-        msg.unsaved = False
+        if probe or trio.current_time() >= self._store_retry_at:
+            try:
+                self.store.update(msg.id, **snapshot_fields(snap))
+            except sqlite3.Error as exc:
+                self._store_retry_at = trio.current_time() + STORE_RETRY_SECONDS
+                self._store_error = str(exc)
+            else:
+                self._store_retry_at = -math.inf
+                if msg.unsaved:
+                    log.info("message %s is written to the message store again", msg.id)
+                msg.unsaved = False
+                return
+        if not msg.store_failed:
+            log.error("the message store failed to write message %s (%s); its stream goes on from its log,"
+                      " and its state is written once the store works again", msg.id, self._store_error)
+        msg.unsaved = msg.store_failed = True
 
     async def _save_later(self) -> None:
         """Every :data:`STORE_RETRY_SECONDS`, :meth:`save_unsaved`, until every message is written.
@@ -491,10 +501,11 @@ class Hub:
         leave the hub. Returns how many are still unsaved (a message the server stops with is
         ``generating`` in the store, which the next start marks ``interrupted``)."""
         for msg in list(self._unsaved.values()):
-            self._persist(msg, msg.snapshot())
-            if not msg.unsaved:
-                del self._unsaved[msg.id]
-                self._forget(msg)
+            self._persist(msg, msg.snapshot(), probe=True)
+            if msg.unsaved:
+                break  # the store still fails: the others wait for the next round
+            del self._unsaved[msg.id]
+            self._forget(msg)
         return len(self._unsaved)
 
     def _forget(self, msg: LiveMessage) -> None:
