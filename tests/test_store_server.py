@@ -290,7 +290,8 @@ async def test_a_store_that_fails_during_a_generation_loses_nothing(tmp_path, ca
         assert len(expected) > 1000
         db = store._db = FailingDb(store._db, error, reads=reads)
         parser, events = SSEParser(), []
-        async with client.stream("POST", "/v1/messages", json=anthropic(LONG_ECHO, stream=True)) as resp:
+        key = {"Idempotency-Key": "k-store-fails"}
+        async with client.stream("POST", "/v1/messages", json=anthropic(LONG_ECHO, stream=True), headers=key) as resp:
             assert resp.status_code == 200
             async for chunk in resp.aiter_raw():
                 events += parser.feed(chunk)
@@ -303,6 +304,11 @@ async def test_a_store_that_fails_during_a_generation_loses_nothing(tmp_path, ca
         got = await client.get(f"/v1/messages/{message_id}")
         assert got.status_code == 200, got.text
         assert got.json()["status"] == "complete" and got.json()["content"][0]["text"] == expected
+        # its key is answered too: the retry replays the message's log
+        retry, replayed, _ = await sse_events(client, "POST", "/v1/messages", json=anthropic(LONG_ECHO, stream=True),
+                                              headers=key)
+        assert retry.status_code == 200 and retry.headers["x-message-id"] == message_id
+        assert anthropic_text(replayed) == expected and replayed[-1].event == "message_stop"
         if reads:  # a message only the broken store holds is a 503, never a 404 or a 500
             old = await client.get(f"/v1/messages/{before['id']}")
             assert old.status_code == 503 and error in old.json()["error"]["message"], old.text
