@@ -58,16 +58,17 @@ REGENERATED_STATUSES = frozenset({MessageStatus.FAILED, MessageStatus.INTERRUPTE
 #: Seconds between looks for the message another replica's attempt claimed an ``Idempotency-Key``
 #: for, until that replica's first flush (``[stream] flush_ms``) has written it to the shared store.
 KEY_POLL_SECONDS = 0.05
-#: Seconds between two tries to write the final state of ended messages whose last store write
-#: failed (``Hub._save_later``); no other write is tried in between.
-STORE_RETRY_SECONDS = 1.0
-
+#: Seconds after which a claimed ``Idempotency-Key`` whose message no replica has written is taken
+#: over (its attempt's replica died before its first flush; an attempt that stops before its
+#: message exists for any other reason lets its claim go at once: ``Hub.create``).
+KEY_WAIT_SECONDS = 5.0
 #: Seconds an attempt that failed to start spends at most letting its ``Idempotency-Key`` claim go
 #: (``LogStore.release_key``), even when its request was cancelled.
 RELEASE_SECONDS = 2.0
-#: Seconds after which a claimed ``Idempotency-Key`` whose message no replica has written is taken
-#: over (its attempt never started: the replica died or the request was cancelled first).
-KEY_WAIT_SECONDS = 5.0
+
+#: Seconds between two tries to write the final state of ended messages whose last store write
+#: failed (``Hub._save_later``); no other write is tried in between.
+STORE_RETRY_SECONDS = 1.0
 
 
 @attrs.define(eq=False)
@@ -80,7 +81,9 @@ class LiveMessage:
     ``TRANSITIONS``. ``started`` is set once its log exists (or its creation
     failed, with the error in ``start_error`` when it was a
     :class:`RingserveError`); ``done`` once the terminal event is in the log,
-    when the message leaves the hub and the store answers for it.
+    when the message leaves the hub and the store answers for it (unless the
+    store failed to write its final state: it stays until
+    ``Hub.save_unsaved`` has written it).
     ``replaces`` is the id of the ``interrupted`` or ``failed`` message whose
     ``Idempotency-Key`` this one takes over. ``unsaved``: its last store write
     failed, so the store holds an older state (``store_failed``: one did,
