@@ -370,7 +370,8 @@ async def test_the_drain_writes_a_final_state_the_store_failed_to_write(tmp_path
 
 async def test_writes_are_not_tried_again_until_the_retry_is_due(tmp_path, monkeypatch):
     """A locked store holds the event loop for its busy_timeout (1 s) at each write: after one failed,
-    neither the later snapshots nor the final state are tried until the retry is due (an hour here)."""
+    neither the later snapshots, nor the final state, nor a new message's row are tried until the
+    retry is due (an hour here)."""
     import ringserve.stream.hub as hub_module
 
     monkeypatch.setattr(hub_module, "STORE_RETRY_SECONDS", 3600.0)
@@ -388,6 +389,12 @@ async def test_writes_are_not_tried_again_until_the_retry_is_due(tmp_path, monke
         assert events[-1].event == "message_stop" and len(anthropic_text(events)) > 1000
         message_id = json.loads(events[0].data)["message"]["id"]
         assert store.statistics().write_failures_total == 1 and hub.unsaved_messages == 1
+        # a new message is refused at once (503, each surface's shape), its row not tried either
+        for path, body in (("/v1/messages", anthropic("hi")), ("/v1/chat/completions", openai("hi"))):
+            refused = await client.post(path, json=body)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
+            assert "database is locked" in refused.json()["error"]["message"]
+        assert store.statistics().write_failures_total == 1
         db.failing = False
         assert hub.save_unsaved() == 0
         assert store.get(message_id).status == "complete"

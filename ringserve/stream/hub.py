@@ -218,7 +218,7 @@ class Hub:
         self._keys: dict[str, LiveMessage] = {}
         self._unsaved: dict[str, LiveMessage] = {}
         self._store_retry_at = -math.inf  # no write is tried before this (trio clock) after one failed
-        self._store_error = ""  # the last failed write's reason
+        self._store_error: sqlite3.Error | None = None  # the last failed write's
         self.draining = False
 
     # -- creating ------------------------------------------------------------------------
@@ -250,7 +250,8 @@ class Hub:
             RingserveError: ``UNPROCESSABLE`` (key reused with another body),
             ``INVALID_REQUEST`` (a prompt that does not fit the context, or a malformed
             ``Idempotency-Key``),
-            ``OVERLOADED`` (queue full), ``UNAVAILABLE`` (draining); a retry
+            ``OVERLOADED`` (queue full), ``UNAVAILABLE`` (draining, or a store
+            write failed less than :data:`STORE_RETRY_SECONDS` ago); a retry
             that waited for the key's first attempt gets that attempt's error.
         """
         if idempotency_key is not None and not (0 < len(idempotency_key) <= 255 and idempotency_key.isprintable()):
@@ -265,6 +266,8 @@ class Hub:
                 if (answer := _retry_answer(existing, body_hash)) is not None:
                     return answer, False
                 replaces = existing.id
+        if self._store_error is not None and trio.current_time() < self._store_retry_at:
+            raise store_failed(self._store_error)  # a new row's write is not tried either (see _persist)
         model = self.runner.model_id
         msg = LiveMessage(
             id=f"{surface.id_prefix}{secrets.token_hex(12)}",
@@ -480,7 +483,7 @@ class Hub:
                 self.store.update(msg.id, **snapshot_fields(snap))
             except sqlite3.Error as exc:
                 self._store_retry_at = trio.current_time() + STORE_RETRY_SECONDS
-                self._store_error = str(exc)
+                self._store_error = exc
             else:
                 self._store_retry_at = -math.inf
                 if msg.unsaved:
