@@ -65,8 +65,8 @@ import hypercorn.trio.tcp_server
 import trio
 
 from ringserve.core.errors import ErrorKind, RingserveError
+from ringserve.surfaces import registry
 from ringserve.surfaces.base import dumps
-from ringserve.surfaces.openai import OpenAISurface
 
 __all__ = [
     "RESET_STREAM",
@@ -458,18 +458,20 @@ class _H2Protocol(hypercorn.protocol.h2.H2Protocol):
 
 
 class _H11Protocol(hypercorn.protocol.h11.H11Protocol):
-    """hypercorn's HTTP/1.1 protocol whose own error answers have a JSON body in the OpenAI error
-    shape (like the app's answers outside ``/v1/messages``) instead of an empty one.
+    """hypercorn's HTTP/1.1 protocol whose own error answers have a JSON body in the error shape
+    of the registry's default surface (``surfaces/registry.py`` ``SURFACES.default``: OpenAI's,
+    as the app's answers outside ``/v1/messages``) instead of an empty one.
 
     hypercorn answers by itself a request that h11 cannot parse (a NUL or a
     newline in a header, a malformed request line: 400; headers too large:
-    431), and closes the connection.
+    431), and closes the connection. Nothing of such a request (path,
+    headers) is trusted to choose a surface by.
     """
 
     async def _send_error_response(self, status_code: int) -> None:
         phrase = http.HTTPStatus(status_code).phrase
         error = RingserveError(ErrorKind.INVALID_REQUEST, f"malformed HTTP request ({status_code} {phrase})")
-        body = dumps(OpenAISurface().error_json(error)).encode()
+        body = dumps(registry.SURFACES.default.error_json(error)).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
                    (b"connection", b"close"), *self.config.response_headers("h11")]
         await self._send_h11_event(h11.Response(status_code=status_code, headers=headers))

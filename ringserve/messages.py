@@ -215,13 +215,17 @@ class StoreStatistics:
 
     ``longest_step_seconds``: the longest single :meth:`MessageStore.sweep` or
     :meth:`MessageStore.reclaim` call so far, i.e. the longest the event loop
-    waited for retention at once.
+    waited for retention at once. ``write_failures_total``: writes (insert,
+    update, delete, sweep, reclaim) that raised a ``sqlite3.Error`` (a full
+    disk, an I/O error, a lock held past ``busy_timeout``). While the file
+    cannot be read, the sizes are the ones last read.
     """
 
     used_bytes: int
     free_bytes: int
     swept_total: int
     longest_step_seconds: float
+    write_failures_total: int = 0
 
 
 def default_store_path() -> Path:
@@ -254,6 +258,8 @@ class MessageStore:
         self.clock = clock
         self._swept = 0
         self._longest_step = 0.0
+        self._write_failures = 0
+        self._sizes = (0, 0)
         try:
             if path != ":memory:" and not os.path.exists(path):
                 os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
@@ -318,10 +324,11 @@ class MessageStore:
 
         Reads only those rows (a partial index), whatever the store's size.
         """
-        cur = self._db.execute(
-            "UPDATE messages SET status=?, updated=? WHERE status IN ('queued','generating')",
-            (MessageStatus.INTERRUPTED.value, self.clock()),
-        )
+        with self._writing():
+            cur = self._db.execute(
+                "UPDATE messages SET status=?, updated=? WHERE status IN ('queued','generating')",
+                (MessageStatus.INTERRUPTED.value, self.clock()),
+            )
         return cur.rowcount
 
     def insert(self, message: StoredMessage) -> None:
@@ -334,7 +341,8 @@ class MessageStore:
             message = attrs.evolve(message, request="")
         values = attrs.astuple(message) + (self.clock(),)
         marks = ",".join("?" * len(values))
-        self._db.execute(f"INSERT INTO messages ({','.join(_COLUMNS)},updated) VALUES ({marks})", values)
+        with self._writing():
+            self._db.execute(f"INSERT INTO messages ({','.join(_COLUMNS)},updated) VALUES ({marks})", values)
 
     def update(self, message_id: str, **fields: object) -> None:
         """Change some columns of one message (names as in :class:`StoredMessage`)."""
@@ -346,11 +354,13 @@ class MessageStore:
         if "request" in fields and not self.keep_prompts:
             fields["request"] = ""
         sets = ",".join(f"{k}=?" for k in fields)
-        self._db.execute(f"UPDATE messages SET {sets},updated=? WHERE id=?", (*fields.values(), self.clock(), message_id))
+        with self._writing():
+            self._db.execute(f"UPDATE messages SET {sets},updated=? WHERE id=?", (*fields.values(), self.clock(), message_id))
 
     def delete(self, message_id: str) -> bool:
         """Delete one message, whatever its status (``DELETE /v1/responses/{id}``); whether it existed."""
-        return self._db.execute("DELETE FROM messages WHERE id=?", (message_id,)).rowcount > 0
+        with self._writing():
+            return self._db.execute("DELETE FROM messages WHERE id=?", (message_id,)).rowcount > 0
 
     def get(self, message_id: str) -> StoredMessage | None:
         return self._one("id", message_id)
@@ -395,7 +405,7 @@ class MessageStore:
         expired, oldest = finished.format("AND updated < ?"), finished.format("")
         start = time.perf_counter()
         deleted = 0
-        with self._timed(), self._transaction():
+        with self._writing(), self._timed(), self._transaction():
             while deleted < limit and (deleted == 0 or time.perf_counter() - start < budget):
                 if not (
                     (max_age > 0 and self._delete(expired, (now - max_age,)))
@@ -408,6 +418,17 @@ class MessageStore:
 
     def _delete(self, pick: str, params: tuple) -> int:
         return self._db.execute(f"DELETE FROM messages WHERE rowid IN ({pick})", params).rowcount
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Count a write that raises (:attr:`StoreStatistics.write_failures_total`); a broken
+        constraint (``IntegrityError``) is the caller's, not the file's, and is not counted."""
+        try:
+            yield
+        except sqlite3.Error as exc:
+            if not isinstance(exc, sqlite3.IntegrityError):
+                self._write_failures += 1
+            raise
 
     @contextmanager
     def _timed(self) -> Iterator[None]:
@@ -434,19 +455,25 @@ class MessageStore:
         """
         free = self._pragma("freelist_count")
         if free:
-            with self._timed():
+            with self._writing(), self._timed():
                 # One execute() step frees one page; executescript() runs the pragma to its end.
                 self._db.executescript(f"PRAGMA incremental_vacuum({min(free, max_pages)});")
         return free
 
     def statistics(self) -> StoreStatistics:
-        page = self._pragma("page_size")
-        free = self._pragma("freelist_count")
+        """A :class:`StoreStatistics` snapshot; never raises (a scrape must show a failing store)."""
+        try:
+            page = self._pragma("page_size")
+            free = self._pragma("freelist_count")
+            self._sizes = ((self._pragma("page_count") - free) * page, free * page)
+        except sqlite3.Error:
+            pass  # the file cannot be read now: the sizes last read
         return StoreStatistics(
-            used_bytes=(self._pragma("page_count") - free) * page,
-            free_bytes=free * page,
+            used_bytes=self._sizes[0],
+            free_bytes=self._sizes[1],
             swept_total=self._swept,
             longest_step_seconds=self._longest_step,
+            write_failures_total=self._write_failures,
         )
 
     def close(self) -> None:
@@ -472,10 +499,26 @@ async def sweep_once(store: MessageStore, config: StoreConfig) -> int:
 async def run_retention(
     store: MessageStore, config: StoreConfig, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Run :func:`sweep_once` now and every ``config.sweep_interval_seconds`` until cancelled."""
+    """Run :func:`sweep_once` now and every ``config.sweep_interval_seconds`` until cancelled.
+
+    A sweep the store fails (``sqlite3.Error``: a full disk, an I/O error, a lock) is logged
+    once when the failures start and once when a sweep succeeds again, and tried again at
+    the next interval; it never ends the server.
+    """
     task_status.started()
+    failing = False
     while True:
-        deleted = await sweep_once(store, config)
-        if deleted:
-            log.info("deleted %d finished message(s) past the store's retention", deleted)
+        try:
+            deleted = await sweep_once(store, config)
+        except sqlite3.Error as exc:
+            if not failing:
+                log.error("the message store's retention sweep failed (%s); it is tried again every %gs",
+                          exc, config.sweep_interval_seconds)
+            failing = True
+        else:
+            if failing:
+                log.info("the message store's retention sweep works again")
+            failing = False
+            if deleted:
+                log.info("deleted %d finished message(s) past the store's retention", deleted)
         await trio.sleep(config.sweep_interval_seconds)

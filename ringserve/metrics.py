@@ -245,3 +245,9 @@ class _SnapshotCollector(Collector):
         yield gauge("ringserve_store_longest_sweep_step_seconds",
                     "The longest single retention batch or vacuum step so far (the event loop waited that long).",
                     store.longest_step_seconds)
+        yield counter("ringserve_store_write_failures",
+                      "Message-store writes that failed (full disk, I/O error, a lock held too long).",
+                      store.write_failures_total)
+        yield gauge("ringserve_store_unsaved_messages",
+                    "Ended messages whose final state the store failed to write; retried every second.",
+                    hub.unsaved_messages)

@@ -245,6 +245,9 @@ async def serve(
                 await hub.wait_all_done()
             hub.cancel_all(CancelReason.DRAIN)
             await hub.wait_all_done()
+            if unsaved := hub.save_unsaved():
+                log.warning("the message store failed to write the final state of %d message(s); they stay"
+                            " 'generating' in it, and the next start marks them interrupted", unsaved)
             # Every log now ends in a terminal event; stop hypercorn and let readers write them.
             listener_stop.set()
             with trio.move_on_after(DRAIN_FLUSH_SECONDS):

@@ -9,7 +9,11 @@ then validated in pydantic strict mode against the SDKs' types:
 ``openai.types.chat.ChatCompletionChunk`` / ``ChatCompletion`` and
 ``openai.types.ErrorObject`` (the in-band ``{"error": ...}``);
 ``anthropic.types.RawMessageStreamEvent`` (through a ``TypeAdapter``),
-``anthropic.types.Message`` and ``anthropic.types.ErrorResponse``.
+``anthropic.types.Message`` and ``anthropic.types.ErrorResponse``. One reading of the
+docs is admitted, where the SDK's types lag them: an error ``type`` that Anthropic documents
+for a status and the SDK's ``ErrorType`` literal lacks (:data:`DOCUMENTED_ERROR_TYPES`) is
+validated against ``ErrorResponse`` with the error object's ``type`` narrowed to it, and the
+status must map to that error's exception class in the SDK's own table.
 
 To add a case, capture a stream's bytes (:func:`stream_bytes`) or an answer
 and call :func:`check_stream` or :func:`check_answer`; both return what they
@@ -21,19 +25,22 @@ saw (:class:`Seen`: text, stop reason, the cancel mark, the error) to assert on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import attrs
 import httpx
 import openai
 from anthropic import _streaming as anthropic_streaming
+from anthropic._error_classes import ERROR_CLASSES
 from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent
+from anthropic.types.shared import InvalidRequestErrorObject
 from openai import _streaming as openai_streaming
 from openai.types import ErrorObject
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter, create_model
 
 from ringserve.core.sse import SSEParser
 from ringserve.surfaces.base import CANCELLED_KEY
@@ -41,6 +48,15 @@ from ringserve.surfaces.base import CANCELLED_KEY
 ANTHROPIC_EVENT = TypeAdapter(RawMessageStreamEvent)
 PATHS = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions"}
 DECODERS = {"anthropic": anthropic_streaming.SSEDecoder, "openai": openai_streaming.SSEDecoder}
+#: Anthropic error types by status that the docs give and the SDK's ``ErrorType`` literal lacks
+#: (anthropic 2.14), with the exception class the SDK raises for that status
+#: (``anthropic._error_classes.ERROR_CLASSES``). 413: "request_too_large: Request exceeds the
+#: maximum allowed number of bytes" (https://docs.claude.com/en/api/errors, "HTTP errors"); the
+#: API's own 413 body is ``{"error": {"type": "request_too_large", ...}}``, which the SDK raises as
+#: ``ContentTooLargeError`` (``RequestTooLargeError`` is its deprecated alias).
+DOCUMENTED_ERROR_TYPES: dict[int, tuple[str, type[anthropic.APIStatusError]]] = {
+    413: ("request_too_large", anthropic.ContentTooLargeError),
+}
 #: Statuses whose answers must say when to come back (both headers; the SDKs read retry-after-ms first).
 OVERLOAD_STATUSES = (429, 503, 529)
 
@@ -216,6 +232,26 @@ def check_stream(surface: str, raw: bytes, *, resumed: bool = False, complete: b
     return seen
 
 
+def _anthropic_error(status: int, body: Any) -> BaseModel:
+    """An Anthropic error answer, strict: ``ErrorResponse``, or for a :data:`DOCUMENTED_ERROR_TYPES`
+    status ``ErrorResponse`` whose error ``type`` is the documented one, which the SDK raises as
+    that status's exception class."""
+    if status not in DOCUMENTED_ERROR_TYPES:
+        return ErrorResponse.model_validate(body, strict=True)
+    error_type, exception = DOCUMENTED_ERROR_TYPES[status]
+    assert ERROR_CLASSES[(status, None)] is exception, ERROR_CLASSES[(status, None)]
+    return _documented_error_response(error_type).model_validate(body, strict=True)
+
+
+@functools.cache
+def _documented_error_response(error_type: str) -> type[BaseModel]:
+    """``ErrorResponse`` with an error object like the SDK's (``InvalidRequestErrorObject``:
+    ``type`` and ``message``) whose ``type`` is ``error_type``."""
+    error = create_model(f"DocumentedErrorObject_{error_type}", __base__=InvalidRequestErrorObject,
+                         type=(Literal[error_type], ...))  # type: ignore[valid-type]
+    return create_model(f"DocumentedErrorResponse_{error_type}", __base__=ErrorResponse, error=(error, ...))
+
+
 def check_answer(surface: str, resp: httpx.Response) -> Seen:
     """Validate one non-stream answer: a 200 message, or an error in the surface's shape.
 
@@ -226,7 +262,7 @@ def check_answer(surface: str, resp: httpx.Response) -> Seen:
     seen = Seen(terminal=True)
     if resp.status_code != 200:
         if surface == "anthropic":
-            seen.events.append(ErrorResponse.model_validate(body, strict=True))
+            seen.events.append(_anthropic_error(resp.status_code, body))
         else:
             assert set(body) == {"error"}, body
             seen.events.append(ErrorObject.model_validate(body["error"], strict=True))

@@ -203,8 +203,19 @@ def test_a_json_retry_of_a_message_still_generating_elsewhere_waits_for_its_end(
         assert answer(started(stream=True), message) == ReplayStored(message)
 
 
-def test_a_stored_message_that_ended_failed_or_interrupted_elsewhere_is_a_conflict() -> None:
-    for status in (MessageStatus.FAILED, MessageStatus.INTERRUPTED):
+def test_a_stored_message_that_ended_failed_or_interrupted_elsewhere_is_the_error_its_first_client_got() -> None:
+    """A JSON retry that waited on another replica gets what the owner's own client got (it was a 409)."""
+    cases = [
+        (MessageStatus.FAILED, live(*TEXT, Failure(ErrorKind.API_ERROR, "boom", Usage(3, 1), True))),
+        (MessageStatus.INTERRUPTED, live(*TEXT, CancelReason.DRAIN, cancel_reason=CancelReason.DRAIN)),
+    ]
+    for status, first in cases:
+        owner = finished(first)
+        decision = stored_answer(stored(status, error=first.snapshot().error))
+        assert isinstance(owner, Refuse) and isinstance(decision, Refuse)
+        seen = [(d.error.kind, d.error.status, d.error.message, d.error.retryable) for d in (decision, owner)]
+        assert seen[0] == seen[1] and seen[0][1] in (500, 503), seen
+    for status in (MessageStatus.QUEUED, MessageStatus.GENERATING):  # its end was never seen
         decision = stored_answer(stored(status))
         assert isinstance(decision, Refuse)
         assert decision.error.kind is ErrorKind.CONFLICT and decision.error.status == 409

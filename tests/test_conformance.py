@@ -15,7 +15,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
+import openai
 import pytest
 import trio
 
@@ -305,6 +307,25 @@ async def test_overload_answers_carry_retry_headers(tmp_path: Path) -> None:
         assert (resp.headers["retry-after"], resp.headers["retry-after-ms"]) == ("1", "1000")
 
 
+async def test_a_body_over_the_size_limit_is_the_413_each_sdk_knows(tmp_path: Path) -> None:
+    """Over ``server.max_body_bytes``, streamed or not: a 413 valid for the oracle (Anthropic:
+    ``request_too_large``, the type its docs give), which each SDK's client raises as its 413 error."""
+    config = fake_config(tmp_path, server={"max_body_bytes": 2000})
+    big = "x" * 4000
+    async with running_server(config) as state, httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        for surface in SURFACES:
+            for stream in (False, True):
+                resp = await client.post(PATHS[surface], json=body(surface, stream=stream, content=big))
+                assert resp.status_code == 413, resp.text
+                error = check_answer(surface, resp).error
+                assert error is not None and "2000 bytes" in error["message"]
+                assert error["type" if surface == "anthropic" else "code"] == "request_too_large"
+        request = {**SDK_REQUEST, "messages": [{"role": "user", "content": big}]}
+        for sdk, raised in (("anthropic", anthropic.ContentTooLargeError), ("openai", openai.APIStatusError)):
+            with pytest.raises(raised) as caught:
+                await trio.to_thread.run_sync(lambda: sdk_answer(sdk, state.urls[0], **request))
+            assert caught.value.status_code == 413
+            assert getattr(caught.value, "type" if sdk == "anthropic" else "code") == "request_too_large"
 
 
 @pytest.mark.parametrize("sdk", SURFACES)

@@ -11,6 +11,7 @@ import sys
 from contextlib import aclosing
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -365,3 +366,21 @@ async def test_a_request_hypercorn_cannot_parse_gets_a_json_400(tmp_path, header
     assert head.startswith(b"HTTP/1.1 400 ")
     assert b"content-type: application/json" in head.lower()
     assert "malformed HTTP request" in _openai_error(body)["message"]
+
+
+async def test_the_answer_hypercorn_makes_itself_takes_its_shape_from_the_surface_registry(tmp_path, monkeypatch):
+    """The shape is the registry's default surface's (one lookup for the wire format), not a surface
+    connections.py builds: with Anthropic as the default, the 400 is in Anthropic's error shape."""
+    from ringserve.surfaces import registry
+
+    monkeypatch.setattr(registry, "SURFACES", attrs.evolve(registry.SURFACES, default=registry.ANTHROPIC))
+    async with running_server(fake_config(tmp_path)) as state:
+        stream = await trio.open_tcp_stream(*_host_port(state.urls[0]))
+        async with stream:
+            await stream.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header: x\r\n\r\n")
+            raw, _ = await _read_until_eof(stream, 5)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ")
+    doc = json.loads(body)
+    assert doc["type"] == "error" and doc["error"]["type"] == "invalid_request_error", doc
+    assert "malformed HTTP request" in doc["error"]["message"]

@@ -263,7 +263,8 @@ async def test_grafana_dashboard_plots_only_metrics_that_exist(fake_server):
     panels = [p for p in dashboard["panels"] if p.get("type") != "row"]
     titles = {p["title"] for p in panels}
     for needed in ("Time to first token", "Time between entries", "Tokens per second", "Queue depth",
-                   "Slots in use", "KV cache in use", "Active streams", "Errors by type", "Zombie tokens"):
+                   "Slots in use", "KV cache in use", "Active streams", "Errors by type", "Zombie tokens",
+                   "Prefix cache hit ratio", "Store size", "Store write failures"):
         assert needed in titles
     series = (await scrape(client)).series
     used = set()
@@ -272,3 +273,10 @@ async def test_grafana_dashboard_plots_only_metrics_that_exist(fake_server):
         for target in panel["targets"]:
             used |= set(re.findall(r"\bringserve_[a-z_]+", target["expr"]))
     assert used and not used - series
+    # every prefix-cache and store series is plotted (a new one must get a panel)
+    cache_and_store = {name for name in series if name.startswith(("ringserve_prefix_cache_", "ringserve_store_"))}
+    cache_and_store |= {"ringserve_prompt_tokens_prefilled_total"}
+    assert {"ringserve_store_write_failures_total", "ringserve_store_unsaved_messages"} <= cache_and_store
+    assert not cache_and_store - used, sorted(cache_and_store - used)
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))

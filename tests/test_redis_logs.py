@@ -300,3 +300,31 @@ async def test_the_pump_recovers_after_redis_restarts_once_its_read_failed(tmp_p
             assert got == [b"data: 1\n\n", b"data: 2\n\n"]
         finally:
             restarted.stop()
+
+
+async def test_a_state_the_owners_sqlite_fails_to_write_still_reaches_the_other_replicas(redis_server, tmp_path):
+    """The hub writes a failed snapshot again later; meanwhile the other replicas read it from Redis."""
+    import sqlite3
+
+    from ringserve.core.status import MessageStatus
+    from ringserve.messages import StoredMessage
+    from ringserve.stream.redis_logs import MirroredMessageStore
+    from tests.test_store_server import FailingDb
+
+    async with stores(redis_server.url) as (a, b):
+        store = MirroredMessageStore(str(tmp_path / "a.sqlite3")).mirror_to(a)
+        store.insert(StoredMessage(id="msg_m", surface="anthropic", model="fake", created=0,
+                                   status=MessageStatus.GENERATING, request="{}", request_hash="h"))
+        db = store._db = FailingDb(store._db, "disk I/O error", reads=False)
+        db.failing = True
+        with pytest.raises(sqlite3.OperationalError):
+            store.update("msg_m", status=MessageStatus.COMPLETE, text="the whole answer", final_seq=9)
+
+        async def seen_on_b() -> bool:
+            found = await b.find_message("msg_m")
+            return found is not None and found.status is MessageStatus.COMPLETE
+
+        await until(seen_on_b)
+        found = await b.find_message("msg_m")
+        assert (found.text, found.final_seq) == ("the whole answer", 9)
+        assert store.statistics().write_failures_total == 1

@@ -344,3 +344,98 @@ async def test_a_real_model_stream_generated_on_a_resumes_on_b_byte_for_byte(tmp
         for server in servers:
             server.stop()
         redis.stop()
+
+
+async def test_a_json_retry_through_b_of_a_message_that_fails_on_a_gets_its_error_not_a_409(tmp_path):
+    # 400 tokens of 10 ms, failing after 200: each generation is live for about 2 s, then fails
+    fake = {"piece_bytes": 2, "step_seconds": 0.01, "fail_after_tokens": 200}
+    with two_replicas(tmp_path, fake, reply_bytes=800) as (a, b):
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {**ANTHROPIC_BODY, "max_tokens": 400}
+            key = {"Idempotency-Key": "k-fails"}
+            first = await client.post(f"{a.url}/v1/messages", json=body, headers={**key, **ASYNC})
+            assert first.status_code == 202
+            message_id = first.json()["id"]
+            answers: dict[str, httpx.Response] = {}
+
+            async def retry(name: str, url: str) -> None:
+                answers[name] = await client.post(f"{url}/v1/messages", json=body, headers=key)
+
+            async with trio.open_nursery() as nursery:  # both wait, one on the owner and one through B
+                nursery.start_soon(retry, "a", a.url)
+                nursery.start_soon(retry, "b", b.url)
+            assert (await client.get(f"{a.url}/v1/messages/{message_id}")).json()["status"] == "failed"
+            on_a, on_b = answers["a"], answers["b"]
+            assert on_a.status_code == 500 and on_a.json()["error"]["type"] == "api_error", on_a.text
+            assert (on_b.status_code, on_b.json()) == (on_a.status_code, on_a.json())
+
+
+async def test_a_claim_whose_first_attempt_never_started_is_taken_over_at_once(tmp_path, monkeypatch):
+    """The first attempt on A claims the key, then stops before its message exists (A's store
+    fails; the request is cancelled): a retry through B proceeds at once, not after KEY_WAIT_SECONDS."""
+    import sqlite3
+
+    import ringserve.stream.hub as hub_module
+    from ringserve.stream.admission import RequestHeaders, Start, admit
+    from ringserve.stream.redis_logs import RedisLogStore
+    from ringserve.surfaces.registry import SURFACES
+    from tests.conftest import fake_config, running_server
+
+    monkeypatch.setattr(hub_module, "KEY_WAIT_SECONDS", 3600.0)  # a retry that waits for the claim hangs
+    redis = RedisServer(tmp_path)
+    try:
+        configs = [fake_config(tmp_path / name, stream={"backend": "redis", "redis_url": redis.url}) for name in "ab"]
+        for config in configs:
+            Path(config.store.path).parent.mkdir()
+        async with running_server(configs[0]) as a, running_server(configs[1]) as b, \
+                httpx.AsyncClient(timeout=30) as client:
+            # A's store fails the new row's write: the client gets a 503, the key names nothing
+            insert = a.hub.store.insert
+
+            def broken(_row: Any) -> None:
+                raise sqlite3.OperationalError("disk I/O error")
+
+            a.hub.store.insert = broken
+            key = {"Idempotency-Key": "k-store-failed"}
+            refused = await client.post(f"{a.urls[0]}/v1/messages", json=ANTHROPIC_BODY, headers=key)
+            assert refused.status_code == 503, refused.text
+            a.hub.store.insert = insert
+            with trio.fail_after(30):
+                retry = await client.post(f"{b.urls[0]}/v1/messages", json=ANTHROPIC_BODY, headers=key)
+            assert retry.status_code == 200 and retry.json()["content"][0]["text"], retry.text
+
+            # A's attempt is cancelled (its client gone) right after its claim
+            claimed = trio.Event()
+            claim = RedisLogStore.claim_key
+
+            async def claim_then_hang(logs: RedisLogStore, *args: Any, **kwargs: Any) -> Any:
+                holder = await claim(logs, *args, **kwargs)
+                if logs is a.hub.logs:
+                    claimed.set()
+                    await trio.sleep_forever()
+                return holder
+
+            monkeypatch.setattr(RedisLogStore, "claim_key", claim_then_hang)
+            surface = SURFACES.by_name("anthropic")
+            raw = json.dumps(ANTHROPIC_BODY).encode()
+            start = admit(surface, raw, RequestHeaders(idempotency_key="k-cancelled"), a.config, a.model_id)
+            assert isinstance(start, Start)
+            async with trio.open_nursery() as nursery:
+                scope = trio.CancelScope()
+
+                async def first_attempt() -> None:
+                    with scope:
+                        await a.hub.create(surface, start.parsed, body_hash=start.body_hash,
+                                           request_json=start.request_json, policy=start.policy,
+                                           idempotency_key=start.idempotency_key)
+
+                nursery.start_soon(first_attempt)
+                await claimed.wait()
+                scope.cancel()
+            monkeypatch.setattr(RedisLogStore, "claim_key", claim)
+            with trio.fail_after(30):
+                retry = await client.post(f"{b.urls[0]}/v1/messages", json=ANTHROPIC_BODY,
+                                          headers={"Idempotency-Key": "k-cancelled"})
+            assert retry.status_code == 200 and retry.json()["content"][0]["text"], retry.text
+    finally:
+        redis.stop()

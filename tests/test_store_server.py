@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import sqlite3
 import subprocess
@@ -12,9 +14,10 @@ import httpx
 import pytest
 import trio
 
-from ringserve.messages import MessageStore, StoredMessage
+from ringserve.core.sse import SSEParser
+from ringserve.messages import MessageStore, StoredMessage, run_retention
 from tests.conftest import fake_config, running_server
-from tests.helpers import sse_events
+from tests.helpers import anthropic_text, sse_events
 
 ASYNC = {"Prefer": "respond-async"}
 LONG_ECHO = "echo:" + " ".join(f"w{i}" for i in range(400))
@@ -241,3 +244,157 @@ async def test_a_store_that_fails_at_run_time_answers_503_not_500_or_404(tmp_pat
                 assert "message store failed" in message and "malformed" in message
         resp = await client.get(f"/v1/messages/{kept}")
         assert resp.status_code == 503 and "malformed" in resp.json()["error"]["message"], resp.text
+
+
+class FailingDb:
+    """A store connection whose writes (or, with ``reads``, every statement) raise ``error`` while
+    ``failing`` is set, as SQLite's do on a full or failing disk or a lock held past busy_timeout."""
+
+    WRITES = ("INSERT", "UPDATE", "DELETE", "BEGIN", "PRAGMA INCREMENTAL_VACUUM")
+
+    def __init__(self, db: sqlite3.Connection, error: str, *, reads: bool) -> None:
+        self.db, self.error, self.reads = db, error, reads
+        self.failing = False
+
+    def _check(self, sql: str) -> None:
+        if self.failing and (self.reads or sql.lstrip().upper().startswith(self.WRITES)):
+            raise sqlite3.OperationalError(self.error)
+
+    def execute(self, sql: str, *args):
+        self._check(sql)
+        return self.db.execute(sql, *args)
+
+    def executescript(self, sql: str):
+        self._check(sql)
+        return self.db.executescript(sql)
+
+    def __getattr__(self, name: str):
+        return getattr(self.db, name)
+
+
+def _sample(metrics: str, name: str) -> float:
+    return float(next(line for line in metrics.splitlines() if line.startswith(name + " ")).split()[1])
+
+
+@pytest.mark.parametrize(("error", "reads"), [("disk I/O error", True), ("database is locked", False)])
+async def test_a_store_that_fails_during_a_generation_loses_nothing(tmp_path, caplog, error, reads):
+    """Writes raise mid-stream: readers get the whole generation from its log, the failure is logged
+    once for the message and counted, GET answers the final state, which is stored once writes work."""
+    caplog.set_level(logging.INFO, logger="ringserve.hub")
+    config = fake_config(tmp_path, stream={"persist_seconds": 0.02})
+    async with running_server(config, step_seconds=0.002) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        hub, store = state.hub, state.hub.store
+        before = (await client.post("/v1/messages", json=anthropic(LONG_ECHO))).json()
+        expected = before["content"][0]["text"]
+        assert len(expected) > 1000
+        db = store._db = FailingDb(store._db, error, reads=reads)
+        parser, events = SSEParser(), []
+        key = {"Idempotency-Key": "k-store-fails"}
+        async with client.stream("POST", "/v1/messages", json=anthropic(LONG_ECHO, stream=True), headers=key) as resp:
+            assert resp.status_code == 200
+            async for chunk in resp.aiter_raw():
+                events += parser.feed(chunk)
+                if not db.failing and any(e.event == "content_block_delta" for e in events):
+                    db.failing = True  # from the first text on, every write fails
+        message_id = json.loads(events[0].data)["message"]["id"]
+        assert anthropic_text(events) == expected and events[-1].event == "message_stop"
+        # the store stays broken across more than one write of this message (the retries included)
+        await wait_until(lambda: _true(store.statistics().write_failures_total >= 3))
+        got = await client.get(f"/v1/messages/{message_id}")
+        assert got.status_code == 200, got.text
+        assert got.json()["status"] == "complete" and got.json()["content"][0]["text"] == expected
+        # its key is answered too: the retry replays the message's log
+        retry, replayed, _ = await sse_events(client, "POST", "/v1/messages", json=anthropic(LONG_ECHO, stream=True),
+                                              headers=key)
+        assert retry.status_code == 200 and retry.headers["x-message-id"] == message_id
+        assert anthropic_text(replayed) == expected and replayed[-1].event == "message_stop"
+        if reads:  # a message only the broken store holds is a 503, never a 404 or a 500
+            old = await client.get(f"/v1/messages/{before['id']}")
+            assert old.status_code == 503 and error in old.json()["error"]["message"], old.text
+        metrics = await client.get("/metrics")
+        assert metrics.status_code == 200
+        assert _sample(metrics.text, "ringserve_store_write_failures_total") >= 3
+        assert _sample(metrics.text, "ringserve_store_unsaved_messages") == 1
+        logged = [r for r in caplog.records if r.levelno >= logging.ERROR and message_id in r.getMessage()]
+        assert len(logged) == 1, logged
+
+        db.failing = False
+        await wait_until(lambda: _true(hub.unsaved_messages == 0))
+        stored = store.get(message_id)
+        assert stored.status == "complete" and stored.text == expected and stored.final_seq is not None
+        assert hub.live(message_id) is None
+        metrics = (await client.get("/metrics")).text
+        assert _sample(metrics, "ringserve_store_unsaved_messages") == 0
+        again = await client.post("/v1/messages", json=anthropic("hi"))  # the server kept serving
+        assert again.status_code == 200, again.text
+
+
+async def test_a_retention_sweep_the_store_fails_is_tried_again_and_ends_nothing(tmp_path, autojump_clock):
+    store = MessageStore(str(tmp_path / "s.sqlite3"))
+    store.insert(StoredMessage(id="msg_old", surface="anthropic", model="fake", created=0, status="complete",
+                               request="{}", request_hash="h"))
+    db = store._db = FailingDb(store._db, "database is locked", reads=False)
+    db.failing = True
+    config = fake_config(tmp_path, store={"max_age_seconds": 1e-9, "sweep_interval_seconds": 1.0}).store
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_retention, store, config)
+        await trio.sleep(4.5)  # autojump clock: five sweeps fail, none ends the task
+        assert store.statistics().write_failures_total >= 5 and store.get("msg_old") is not None
+        db.failing = False
+        await trio.sleep(1)  # the next sweep
+        assert store.get("msg_old") is None
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_drain_writes_a_final_state_the_store_failed_to_write(tmp_path, monkeypatch):
+    """A message ended unsaved and the store works again by the drain: the drain writes it, even if the
+    retry is not due (an hour here)."""
+    import ringserve.stream.hub as hub_module
+
+    monkeypatch.setattr(hub_module, "STORE_RETRY_SECONDS", 3600.0)
+    config = fake_config(tmp_path)
+    async with running_server(config, step_seconds=0.002) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        hub = state.hub
+        db = hub.store._db = FailingDb(hub.store._db, "disk I/O error", reads=False)
+        db.failing = False
+        accepted = await client.post("/v1/messages", json=anthropic(LONG_ECHO), headers=ASYNC)
+        message_id = accepted.json()["id"]
+        db.failing = True
+        await wait_until(lambda: _true(hub.unsaved_messages == 1))
+        db.failing = False
+    stored = MessageStore(config.store.path).get(message_id)
+    assert stored.status == "complete" and len(stored.text) > 1000
+
+
+async def test_writes_are_not_tried_again_until_the_retry_is_due(tmp_path, monkeypatch):
+    """A locked store holds the event loop for its busy_timeout (1 s) at each write: after one failed,
+    neither the later snapshots, nor the final state, nor a new message's row are tried until the
+    retry is due (an hour here)."""
+    import ringserve.stream.hub as hub_module
+
+    monkeypatch.setattr(hub_module, "STORE_RETRY_SECONDS", 3600.0)
+    config = fake_config(tmp_path, stream={"persist_seconds": 0.01})
+    async with running_server(config, step_seconds=0.002) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        hub, store = state.hub, state.hub.store
+        db = store._db = FailingDb(store._db, "database is locked", reads=False)
+        parser, events = SSEParser(), []
+        async with client.stream("POST", "/v1/messages", json=anthropic(LONG_ECHO, stream=True)) as resp:
+            async for chunk in resp.aiter_raw():
+                events += parser.feed(chunk)
+                if not db.failing and any(e.event == "content_block_delta" for e in events):
+                    db.failing = True
+        assert events[-1].event == "message_stop" and len(anthropic_text(events)) > 1000
+        message_id = json.loads(events[0].data)["message"]["id"]
+        assert store.statistics().write_failures_total == 1 and hub.unsaved_messages == 1
+        # a new message is refused at once (503, each surface's shape), its row not tried either
+        for path, body in (("/v1/messages", anthropic("hi")), ("/v1/chat/completions", openai("hi"))):
+            refused = await client.post(path, json=body)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
+            assert "database is locked" in refused.json()["error"]["message"]
+        assert store.statistics().write_failures_total == 1
+        db.failing = False
+        assert hub.save_unsaved() == 0
+        assert store.get(message_id).status == "complete"

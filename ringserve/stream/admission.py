@@ -234,24 +234,36 @@ def answer(start: Start, message: LiveMessage | StoredMessage) -> Decision:
 
 
 def stored_answer(message: StoredMessage) -> Answer | Refuse:
-    """The non-stream answer of a stored message that has ended: complete and cancelled ones are
-    answered; a failed or interrupted one (ended so on another replica while a retry waited for it)
-    is a 409 naming its status."""
-    if message.status not in (MessageStatus.COMPLETE, MessageStatus.CANCELLED):
-        return Refuse(RingserveError(ErrorKind.CONFLICT, f"message {message.id} is {message.status.value}"))
-    return Answer(stored_result(message))
+    """The non-stream answer of a stored message that has ended (on another replica, while a retry
+    waited for it): complete and cancelled ones are answered; a failed or interrupted one is the
+    error its first attempt's client got (:func:`generation_error`); one still ``queued`` or
+    ``generating`` (its end was not seen) is a 409 naming its status."""
+    match message.status:
+        case MessageStatus.COMPLETE | MessageStatus.CANCELLED:
+            return Answer(stored_result(message))
+        case MessageStatus.FAILED | MessageStatus.INTERRUPTED:
+            return generation_error(message.error, interrupted=message.status is MessageStatus.INTERRUPTED)
+        case MessageStatus.QUEUED | MessageStatus.GENERATING:
+            return Refuse(RingserveError(ErrorKind.CONFLICT, f"message {message.id} is {message.status.value}"))
+        case _:
+            assert_never(message.status)
 
 
 def finished(message: LiveMessage) -> Answer | Refuse:
-    """The non-stream answer of a live message that has ended (``message.done``).
-
-    A failed message is a 500 ``api_error``; one interrupted by the drain a
-    503; both retryable. Complete and cancelled messages are answered.
-    """
+    """The non-stream answer of a live message that has ended (``message.done``): complete and
+    cancelled messages are answered; a failed one is :func:`generation_error`."""
     if message.status in (MessageStatus.FAILED, MessageStatus.INTERRUPTED):
-        kind = ErrorKind.UNAVAILABLE if message.cancel_reason is CancelReason.DRAIN else ErrorKind.API_ERROR
-        return Refuse(RingserveError(kind, message.snapshot().error or "generation failed", retryable=True))
+        return generation_error(message.snapshot().error, interrupted=message.cancel_reason is CancelReason.DRAIN)
     return Answer(message.result())
+
+
+def generation_error(error: str | None, *, interrupted: bool) -> Refuse:
+    """The non-stream answer of a generation that failed (``error``, the message's own): a 500
+    ``api_error``; one interrupted (by the drain, or the death of the replica that generated it)
+    a 503; both retryable. The same for the first attempt and every ``Idempotency-Key`` retry
+    that waited for it, on any replica."""
+    kind = ErrorKind.UNAVAILABLE if interrupted else ErrorKind.API_ERROR
+    return Refuse(RingserveError(kind, error or "generation failed", retryable=True))
 
 
 def stored_result(message: StoredMessage) -> MessageResult:

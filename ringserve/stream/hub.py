@@ -59,8 +59,16 @@ REGENERATED_STATUSES = frozenset({MessageStatus.FAILED, MessageStatus.INTERRUPTE
 #: for, until that replica's first flush (``[stream] flush_ms``) has written it to the shared store.
 KEY_POLL_SECONDS = 0.05
 #: Seconds after which a claimed ``Idempotency-Key`` whose message no replica has written is taken
-#: over (its attempt never started: the replica died or the request was cancelled first).
+#: over (its attempt's replica died before its first flush; an attempt that stops before its
+#: message exists for any other reason lets its claim go at once: ``Hub.create``).
 KEY_WAIT_SECONDS = 5.0
+#: Seconds an attempt that failed to start spends at most letting its ``Idempotency-Key`` claim go
+#: (``LogStore.release_key``), even when its request was cancelled.
+RELEASE_SECONDS = 2.0
+
+#: Seconds between two tries to write the final state of ended messages whose last store write
+#: failed (``Hub._save_later``); no other write is tried in between.
+STORE_RETRY_SECONDS = 1.0
 
 
 @attrs.define(eq=False)
@@ -73,9 +81,13 @@ class LiveMessage:
     ``TRANSITIONS``. ``started`` is set once its log exists (or its creation
     failed, with the error in ``start_error`` when it was a
     :class:`RingserveError`); ``done`` once the terminal event is in the log,
-    when the message leaves the hub and the store answers for it.
+    when the message leaves the hub and the store answers for it (unless the
+    store failed to write its final state: it stays until
+    ``Hub.save_unsaved`` has written it).
     ``replaces`` is the id of the ``interrupted`` or ``failed`` message whose
-    ``Idempotency-Key`` this one takes over.
+    ``Idempotency-Key`` this one takes over. ``unsaved``: its last store write
+    failed, so the store holds an older state (``store_failed``: one did,
+    which was logged).
     """
 
     id: str
@@ -91,6 +103,8 @@ class LiveMessage:
     log: MessageLog | None = None
     producer: Producer | None = None
     cancel_reason: CancelReason | None = None
+    unsaved: bool = False
+    store_failed: bool = False
     cancel_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     timer: StreamTimer = attrs.Factory(lambda: StreamTimer(trio.current_time()))
     started: trio.Event = attrs.Factory(trio.Event)
@@ -202,6 +216,9 @@ class Hub:
         self._nursery = nursery
         self._live: dict[str, LiveMessage] = {}
         self._keys: dict[str, LiveMessage] = {}
+        self._unsaved: dict[str, LiveMessage] = {}
+        self._store_retry_at = -math.inf  # no write is tried before this (trio clock) after one failed
+        self._store_error: sqlite3.Error | None = None  # the last failed write's
         self.draining = False
 
     # -- creating ------------------------------------------------------------------------
@@ -233,7 +250,8 @@ class Hub:
             RingserveError: ``UNPROCESSABLE`` (key reused with another body),
             ``INVALID_REQUEST`` (a prompt that does not fit the context, or a malformed
             ``Idempotency-Key``),
-            ``OVERLOADED`` (queue full), ``UNAVAILABLE`` (draining); a retry
+            ``OVERLOADED`` (queue full), ``UNAVAILABLE`` (draining, or a store
+            write failed less than :data:`STORE_RETRY_SECONDS` ago); a retry
             that waited for the key's first attempt gets that attempt's error.
         """
         if idempotency_key is not None and not (0 < len(idempotency_key) <= 255 and idempotency_key.isprintable()):
@@ -248,6 +266,8 @@ class Hub:
                 if (answer := _retry_answer(existing, body_hash)) is not None:
                     return answer, False
                 replaces = existing.id
+        if self._store_error is not None and trio.current_time() < self._store_retry_at:
+            raise store_failed(self._store_error)  # a new row's write is not tried either (see _persist)
         model = self.runner.model_id
         msg = LiveMessage(
             id=f"{surface.id_prefix}{secrets.token_hex(12)}",
@@ -266,10 +286,10 @@ class Hub:
         try:
             prepared = await self.runner.prepare(parsed.request)
             if idempotency_key is not None:
+                claimed = KeyHolder(msg.id, body_hash)  # from the claim's round trip on: it may name msg
                 elsewhere = await self._claim(idempotency_key, msg)
                 if elsewhere is not None:
                     return elsewhere, False
-                claimed = KeyHolder(msg.id, body_hash)
             row = StoredMessage(
                 id=msg.id,
                 surface=surface.name,
@@ -282,10 +302,16 @@ class Hub:
                 input_tokens=len(prepared.prompt_tokens),
             )
             await self._nursery.start(self._produce, msg, prepared, row)
-        except RingserveError as exc:
-            msg.start_error = exc  # for the retries waiting on this attempt
+        except BaseException as exc:
+            if isinstance(exc, RingserveError):
+                msg.start_error = exc  # for the retries waiting on this attempt
             if claimed is not None and idempotency_key is not None:
-                await self.logs.release_key(idempotency_key, claimed)
+                # Whatever stopped the start (a refusal, a store that failed, the client gone and
+                # the request cancelled, even mid-claim), the key is let go at once if it names msg
+                # (compare and delete): a retry through another replica would else wait
+                # KEY_WAIT_SECONDS for a message that never appears.
+                with trio.move_on_after(RELEASE_SECONDS, shield=True):
+                    await self.logs.release_key(idempotency_key, claimed)
             raise
         finally:
             if idempotency_key is not None and msg.log is None:
@@ -423,7 +449,7 @@ class Hub:
         if step.end is not None:
             log_.close(step.end.state)
         if step.persist is not None:
-            self.store.update(msg.id, **snapshot_fields(step.persist))
+            self._persist(msg, step.persist)
         if step.end is None:
             return
         match step.end.terminal:
@@ -431,10 +457,68 @@ class Hub:
                 self.metrics.finished(msg.timer, now, finish)
             case Failure() as failure:
                 self.metrics.error(failure.kind, "generation")
+        msg.done.set()
+        if not msg.unsaved:
+            self._forget(msg)
+            return
+        if not self._unsaved:
+            self._nursery.start_soon(self._save_later)
+        self._unsaved[msg.id] = msg
+
+    def _persist(self, msg: LiveMessage, snap: Snapshot, *, probe: bool = False) -> None:
+        """Write ``snap`` to the store; a write the store fails (``sqlite3.Error``: a full disk, an
+        I/O error, a lock held past ``busy_timeout``) leaves the generation and its log going.
+
+        After a failed write no other is tried for :data:`STORE_RETRY_SECONDS` (a locked store
+        holds the event loop for its ``busy_timeout``, a second, at each write), except a
+        ``probe`` (:meth:`save_unsaved`); a snapshot not tried leaves its message unsaved like
+        one that failed. The first failed or untried write of a message is logged (once, not
+        per snapshot; the store counts each failure in ``StoreStatistics.write_failures_total``).
+        A later snapshot holds the whole state, so it makes up for the missed ones; a message
+        that ends unsaved stays here, answered from memory by :meth:`lookup` and its
+        ``Idempotency-Key``, until :meth:`save_unsaved` has written its final state.
+        """
+        if probe or trio.current_time() >= self._store_retry_at:
+            try:
+                self.store.update(msg.id, **snapshot_fields(snap))
+            except sqlite3.Error as exc:
+                self._store_retry_at = trio.current_time() + STORE_RETRY_SECONDS
+                self._store_error = exc
+            else:
+                self._store_retry_at = -math.inf
+                if msg.unsaved:
+                    log.info("message %s is written to the message store again", msg.id)
+                msg.unsaved = False
+                return
+        if not msg.store_failed:
+            log.error("the message store failed to write message %s (%s); its stream goes on from its log,"
+                      " and its state is written once the store works again", msg.id, self._store_error)
+        msg.unsaved = msg.store_failed = True
+
+    async def _save_later(self) -> None:
+        """Every :data:`STORE_RETRY_SECONDS`, :meth:`save_unsaved`, until every message is written.
+        Cancelled with the server, which calls :meth:`save_unsaved` once more after the drain."""
+        while self._unsaved:
+            await trio.sleep(STORE_RETRY_SECONDS)
+            self.save_unsaved()
+
+    def save_unsaved(self) -> int:
+        """Write again the final state of each ended message whose last write failed; those written
+        leave the hub. Returns how many are still unsaved (a message the server stops with is
+        ``generating`` in the store, which the next start marks ``interrupted``)."""
+        for msg in list(self._unsaved.values()):
+            self._persist(msg, msg.snapshot(), probe=True)
+            if msg.unsaved:
+                break  # the store still fails: the others wait for the next round
+            del self._unsaved[msg.id]
+            self._forget(msg)
+        return len(self._unsaved)
+
+    def _forget(self, msg: LiveMessage) -> None:
+        """An ended message leaves the hub: from now on the store answers for it."""
         del self._live[msg.id]
         if msg.idempotency_key is not None:
             del self._keys[msg.idempotency_key]
-        msg.done.set()
 
     # -- policy and cancel ---------------------------------------------------------------
 
@@ -477,8 +561,14 @@ class Hub:
         """Generations whose terminal event is not yet in their log."""
         return sum(1 for msg in self._live.values() if not msg.done.is_set())
 
+    @property
+    def unsaved_messages(self) -> int:
+        """Ended messages whose final state the store failed to write (:meth:`save_unsaved` retries)."""
+        return len(self._unsaved)
+
     def live(self, message_id: str) -> LiveMessage | None:
-        """The message if its generation is still running."""
+        """The message if its generation is still running, or it ended and the store failed to
+        write its final state (which is then answered from memory)."""
         return self._live.get(message_id)
 
     def lookup(self, message_id: str) -> LiveMessage | StoredMessage:

@@ -755,6 +755,10 @@ class MirroredMessageStore(MessageStore):
         self._logs._writer.status(message.id, {**attrs.asdict(message), "owner": self._logs.replica})
 
     def update(self, message_id: str, **fields: object) -> None:
-        super().update(message_id, **fields)
+        """Write ``fields`` to SQLite and to Redis; the other replicas read them even when the SQLite
+        write fails (the hub writes the state again once it works)."""
         assert self._logs is not None, "mirror_to() was not called"
-        self._logs._writer.status(message_id, fields)
+        try:
+            super().update(message_id, **fields)
+        finally:
+            self._logs._writer.status(message_id, fields)

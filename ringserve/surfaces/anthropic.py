@@ -71,6 +71,8 @@ ERROR_TYPES = {
     ErrorKind.NOT_FOUND: "not_found_error",
     ErrorKind.CONFLICT: "invalid_request_error",
     ErrorKind.GONE: "not_found_error",
+    # 413 as the docs give it ("HTTP errors", https://docs.claude.com/en/api/errors) and the API sends
+    # it; the SDK's ErrorType literal lacks it (anthropic 2.14) and raises it as ContentTooLargeError.
     ErrorKind.REQUEST_TOO_LARGE: "request_too_large",
     ErrorKind.UNPROCESSABLE: "invalid_request_error",
     ErrorKind.RATE_LIMIT: "rate_limit_error",
