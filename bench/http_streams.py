@@ -66,6 +66,7 @@ from bench.common import (  # noqa: E402
     figure,
     fmt,
     free_port,
+    llama_server,
     machine,
     machine_line,
     median,
@@ -241,11 +242,11 @@ def warm_up(url: str, max_tokens: int) -> dict[str, Any]:
 
 
 def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Sequence[str],
-                  llama_server: Path | None) -> dict[str, ServerProcess]:
+                  llama_server_binary: Path | None) -> dict[str, ServerProcess]:
     """Start the servers in ``names`` (ringserve always), stopping those started if one fails.
 
-    ``llama-server`` runs as ``llama-server -m MODEL -np SLOTS -c SLOTS*2048 -t T -tb T``: as many
-    slots as ringserve and the same context per slot.
+    ``llama-server`` runs as :func:`bench.common.llama_server` starts it: as many slots as ringserve,
+    the same context per slot (2048), threads and batch.
     """
     cfg = ringserve_config(tmp / "ringserve.toml", {
         "model": {"path": str(model), "n_threads": threads},
@@ -260,13 +261,9 @@ def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Seque
             ready_pattern=RINGSERVE_READY,
         )
         if "llama-server" in names:
-            assert llama_server is not None
-            port = free_port()
-            servers["llama-server"] = ServerProcess(
-                [str(llama_server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-                 "-np", str(slots), "-c", str(slots * 2048), "-t", str(threads), "-tb", str(threads)],
-                tmp / "llama-server.log", url=f"http://127.0.0.1:{port}", probe="/health",
-            )
+            assert llama_server_binary is not None
+            servers["llama-server"] = llama_server(llama_server_binary, model, tmp / "llama-server.log",
+                                                   slots=slots, ctx_per_slot=2048, threads=threads)
         if "llama_cpp.server" in names:
             port = free_port()
             servers["llama_cpp.server"] = ServerProcess(
