@@ -32,6 +32,16 @@ One step of the loop:
    a call's wrapper, so it never closes one call and opens another), then the
    closing events, so it never fills.
 
+5. Unless the runner overlaps steps (``overlap``, from ``[engine] overlap``
+   by :func:`~ringserve.config.overlap_steps`), the loop then lets the
+   consumers run before the next decode: it waits until every other task is
+   blocked (``trio.testing.wait_all_tasks_blocked``), for at most as long as
+   the step took, so rendering, logging and HTTP writes of step N's tokens
+   do not run beside step N+1's decode. Where llama.cpp's threads take every
+   core, a decode thread preempted by that Python work stalls the whole step
+   (issue 19). A consumer whose flush deadline passes during a decode waits
+   for its end (:meth:`Runner.between_steps`) in that mode.
+
 With nothing to do the loop parks on a ``trio.Event`` that ``submit`` and
 cancellation set; it never polls.
 
@@ -52,6 +62,7 @@ from typing import assert_never
 
 import attrs
 import trio
+import trio.testing
 
 from ringserve.config import EngineConfig
 from ringserve.core.detokenizer import Detokenizer
@@ -300,6 +311,9 @@ class Runner:
         on_cancel_freed: called with the seconds from a cancel to the
             removal of that generation's KV cells, each time one is freed
             (for the metrics' histogram).
+        overlap: start decode step N+1 while the consumers still handle step
+            N's events (True), or let them finish first (False; step 5 of the
+            module docstring).
 
     Raises:
         ValueError: the batch is smaller than the number of slots.
@@ -311,8 +325,11 @@ class Runner:
         config: EngineConfig | None = None,
         *,
         on_cancel_freed: Callable[[float], None] | None = None,
+        overlap: bool = True,
     ) -> None:
         config = config or EngineConfig()
+        self._overlap = overlap
+        self._step_done: trio.Event | None = None  # set when the decode in flight returns
         self._on_cancel_freed = on_cancel_freed
         self._engine = engine
         self._config = config
@@ -360,6 +377,21 @@ class Runner:
     def n_ctx_slot(self) -> int:
         """KV cells (tokens) per slot: prompt plus generated tokens must fit."""
         return self._engine.n_ctx_slot
+
+    @property
+    def overlap(self) -> bool:
+        """Whether decode step N+1 starts while step N's events are still being handled."""
+        return self._overlap
+
+    async def between_steps(self) -> None:
+        """Return when no decode step is in flight: at once when none is or the runner overlaps steps.
+
+        A consumer calls it before work that is not the answer to an event
+        (a flush deadline passed), so that work too stays out of the decode's
+        way when the runner does not overlap.
+        """
+        if not self._overlap and self._step_done is not None:
+            await self._step_done.wait()
 
     @property
     def running(self) -> bool:
@@ -588,6 +620,9 @@ class Runner:
                     self._wake = trio.Event()
                     continue
                 await self._step(plan)
+                if not self._overlap:
+                    with trio.move_on_after(self._last_step_seconds):
+                        await trio.testing.wait_all_tasks_blocked()
         except BaseException as exc:
             self._running = False
             self._closed = True
@@ -682,9 +717,14 @@ class Runner:
             prepared = gen.prepared
             begins.append((entry.slot, prepared.request.sampling, entry.cached, entry.source, prepared.constraint))
             self._prompt_tokens_total += len(entry.prompt)
-        outcome = await trio.to_thread.run_sync(
-            self._step_sync, begins, plan.feeds, limiter=self._limiter, abandon_on_cancel=False
-        )
+        self._step_done = trio.Event()
+        try:
+            outcome = await trio.to_thread.run_sync(
+                self._step_sync, begins, plan.feeds, limiter=self._limiter, abandon_on_cancel=False
+            )
+        finally:
+            self._step_done.set()
+            self._step_done = None
         if outcome.kv_cells_used is not None:
             self._kv_used = outcome.kv_cells_used
 
