@@ -123,3 +123,27 @@ async def test_between_steps_waits_for_the_step_in_flight_only_without_overlap(o
                         pass
         nursery.cancel_scope.cancel()
     assert returned_during_decode == [overlap]
+
+
+async def test_requests_arriving_together_are_prefilled_in_one_batch():
+    """The first enqueued request wakes the loop while the others are still being tokenized
+    (one at a time, 10 ms each here); the first decode call prefills all of them."""
+    engine = FakeEngine(n_slots=8, tokenize_hook=lambda: time.sleep(0.01))
+    runner = Runner(engine, EngineConfig(slots=8))
+
+    async def one(i: int) -> None:
+        prepared = await runner.prepare(request(4))
+        async with runner.submit(prepared) as gen:
+            async for _ in gen:
+                pass
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        with trio.fail_after(GUARD):
+            async with trio.open_nursery() as clients:
+                for i in range(8):
+                    clients.start_soon(one, i)
+        nursery.cancel_scope.cancel()
+    first = engine.log[0]
+    assert sorted(f.slot for f in first.feeds) == list(range(8))
+    assert all(f.pos == 0 and f.sample for f in first.feeds)

@@ -43,7 +43,9 @@ One step of the loop:
    for its end (:meth:`Runner.between_steps`) in that mode.
 
 With nothing to do the loop parks on a ``trio.Event`` that ``submit`` and
-cancellation set; it never polls.
+cancellation set; it never polls. Woken, it first lets the requests that
+are being tokenized at that moment enqueue (``Runner._gather_arrivals``), so
+requests that arrive together are prefilled in one batch.
 
 Consumers call :meth:`Runner.prepare` (tokenize, check that the prompt fits
 (case C4) and set the budget: ``max_tokens``, at most what the context leaves) and then ``async with runner.submit(prepared) as gen``: iterating
@@ -345,6 +347,9 @@ class Runner:
         )
         self._limiter = trio.CapacityLimiter(1)  # decode, begin, release: one engine call at a time
         self._tokenize_limiter = trio.CapacityLimiter(1)  # tokenize_chat, beside a decode step
+        self._tokenizing = 0  # prepare() calls waiting for or inside tokenize_chat
+        self._tokenize_ended = 0  # prepare() calls whose tokenize_chat has returned or raised
+        self._tokenized = trio.Event()  # set (and replaced) each time one of them ends
         self._wake = trio.Event()
         self._idle = trio.Event()
         self._started = False
@@ -451,6 +456,7 @@ class Runner:
                     f" but the context per slot is {ctx} tokens",
                     "messages",
                 )
+        self._tokenizing += 1
         try:
             tokens = await trio.to_thread.run_sync(
                 self._engine.tokenize_chat,
@@ -462,6 +468,11 @@ class Runner:
             )
         except ValueError as exc:  # the engine's "cannot render these messages"
             raise invalid(f"the messages cannot be rendered: {exc}", "messages") from None
+        finally:
+            self._tokenizing -= 1
+            self._tokenize_ended += 1
+            self._tokenized.set()
+            self._tokenized = trio.Event()
         n_prompt = len(tokens)
         if n_prompt == 0:
             raise invalid("the prompt is empty", "messages")
@@ -618,6 +629,7 @@ class Runner:
                     self._idle.set()
                     await self._wake.wait()
                     self._wake = trio.Event()
+                    await self._gather_arrivals()
                     continue
                 await self._step(plan)
                 if not self._overlap:
@@ -634,6 +646,27 @@ class Runner:
             self._fail_everything(kind, message)
             self._idle.set()
             raise
+
+    async def _gather_arrivals(self) -> None:
+        """Woken from idle: let the requests being tokenized at this moment join the first batch.
+
+        Requests that arrive together are tokenized one at a time; the first
+        one enqueued wakes the loop. Nothing decodes yet, so nobody waits on
+        the loop but those requests: it waits for as many tokenizations to end
+        as were in flight when it woke (later arrivals do not extend the
+        wait), then, for at most as long as the last step took (10 ms before
+        the first), until the tasks they belong to are blocked, i.e. have
+        enqueued. Then one plan admits them all and prefills them in one
+        batch, where the loop would otherwise prefill the first request alone
+        and the others one step later (issue 19).
+        """
+        if self._tokenizing == 0:
+            return
+        target = self._tokenize_ended + self._tokenizing
+        while self._tokenize_ended < target:
+            await self._tokenized.wait()
+        with trio.move_on_after(self._last_step_seconds or 0.01):
+            await trio.testing.wait_all_tasks_blocked()
 
     async def _release_ended(self) -> None:
         """Release the slots of ended requests on the worker thread, then free them."""
