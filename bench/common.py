@@ -264,8 +264,9 @@ def llama_server(binary: Path, model: Path, log_path: Path, *, slots: int, ctx_p
     Runs ``binary -m MODEL --host 127.0.0.1 --port PORT -np SLOTS -c SLOTS*CTX -t T -tb T -b BATCH -ub BATCH``:
     as many slots (parallel sequences) as ringserve, the same context per slot
     (llama-server splits ``-c`` evenly among its ``-np`` slots), the same
-    threads for decode and prefill (``threads`` 0: ``os.cpu_count()``, as
-    ringserve's ``n_threads = 0``), and a logical and physical batch of
+    threads for decode and prefill (``threads`` 0: ``os.cpu_count()``; the
+    scripts resolve 0 so before they configure ringserve, whose own
+    ``n_threads = 0`` means every core but one), and a logical and physical batch of
     ``batch`` tokens like ringserve's ``[engine] n_batch``.
     docs/benchmarks.md says how to build the binary from llama-cpp-python's vendored llama.cpp.
     """
