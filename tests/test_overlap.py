@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 import trio
 import trio.testing
 
 from ringserve.config import Config, EngineConfig, decode_threads, overlap_steps
 from ringserve.core.events import ChatMessage, GenerationRequest, SamplingParams
-from ringserve.engine.fake import FakeEngine
+from ringserve.engine.fake import DEFAULT_REPLY, FakeEngine
 from ringserve.engine.runner import Runner
+from tests.conftest import fake_config, running_server
+from tests.helpers import OPENAI_BODY, openai_text, sse_events
 
 GUARD = 20  # seconds: a guard against hangs, not a wait
 
@@ -147,3 +150,17 @@ async def test_requests_arriving_together_are_prefilled_in_one_batch():
     first = engine.log[0]
     assert sorted(f.slot for f in first.feeds) == list(range(8))
     assert all(f.pos == 0 and f.sample for f in first.feeds)
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+async def test_a_server_streams_the_whole_reply_in_either_mode(tmp_path, overlap):
+    """Over HTTP, with flush deadlines that pass during every decode (5 ms against 20 ms steps)."""
+    config = fake_config(tmp_path, engine={"overlap": overlap}, stream={"flush_ms": 5.0})
+    async with running_server(config, step_seconds=0.02) as state:
+        assert state.hub.runner.overlap is (overlap == "on")
+        async with httpx.AsyncClient(base_url=state.urls[0], timeout=GUARD) as client:
+            body = {**OPENAI_BODY, "stream": True}
+            resp, events, _ = await sse_events(client, "POST", "/v1/chat/completions", json=body)
+    assert resp.status_code == 200
+    assert openai_text(events) == DEFAULT_REPLY
+    assert len([e for e in events if '"content"' in e.data]) > 2  # flushed in several entries
