@@ -257,6 +257,29 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def llama_server(binary: Path, model: Path, log_path: Path, *, slots: int, ctx_per_slot: int, threads: int,
+                 batch: int = 512) -> ServerProcess:
+    """Start llama.cpp's ``llama-server`` beside ringserve on the same terms, ready once ``/health`` answers 200.
+
+    Runs ``binary -m MODEL --host 127.0.0.1 --port PORT -np SLOTS -c SLOTS*CTX -t T -tb T -b BATCH -ub BATCH``:
+    as many slots (parallel sequences) as ringserve, the same context per slot
+    (llama-server splits ``-c`` evenly among its ``-np`` slots), the same
+    threads for decode and prefill (``threads`` 0: ``os.cpu_count()``; the
+    scripts resolve 0 so before they configure ringserve, whose own
+    ``n_threads = 0`` means every core but one), and a logical and physical batch of
+    ``batch`` tokens like ringserve's ``[engine] n_batch``.
+    docs/benchmarks.md says how to build the binary from llama-cpp-python's vendored llama.cpp.
+    """
+    threads = threads or os.cpu_count() or 1
+    port = free_port()
+    return ServerProcess(
+        [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+         "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
+         "-b", str(batch), "-ub", str(batch)],
+        log_path, url=f"http://127.0.0.1:{port}", probe="/health",
+    )
+
+
 RINGSERVE_READY = r"ready: .* at (http://\S+)"
 """The line ``ringserve serve`` logs once the model is loaded and requests are taken."""
 

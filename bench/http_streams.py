@@ -66,6 +66,7 @@ from bench.common import (  # noqa: E402
     figure,
     fmt,
     free_port,
+    llama_server,
     machine,
     machine_line,
     median,
@@ -241,15 +242,15 @@ def warm_up(url: str, max_tokens: int) -> dict[str, Any]:
 
 
 def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Sequence[str],
-                  llama_server: Path | None) -> dict[str, ServerProcess]:
+                  llama_server_binary: Path | None, overlap: str = "auto") -> dict[str, ServerProcess]:
     """Start the servers in ``names`` (ringserve always), stopping those started if one fails.
 
-    ``llama-server`` runs as ``llama-server -m MODEL -np SLOTS -c SLOTS*2048 -t T -tb T``: as many
-    slots as ringserve and the same context per slot.
+    ``llama-server`` runs as :func:`bench.common.llama_server` starts it: as many slots as ringserve,
+    the same context per slot (2048), threads and batch.
     """
     cfg = ringserve_config(tmp / "ringserve.toml", {
         "model": {"path": str(model), "n_threads": threads},
-        "engine": {"ctx_per_slot": 2048},
+        "engine": {"ctx_per_slot": 2048, "overlap": overlap},
         "store": {"path": str(tmp / "store.sqlite3")},
     })
     servers: dict[str, ServerProcess] = {}
@@ -260,13 +261,9 @@ def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Seque
             ready_pattern=RINGSERVE_READY,
         )
         if "llama-server" in names:
-            assert llama_server is not None
-            port = free_port()
-            servers["llama-server"] = ServerProcess(
-                [str(llama_server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-                 "-np", str(slots), "-c", str(slots * 2048), "-t", str(threads), "-tb", str(threads)],
-                tmp / "llama-server.log", url=f"http://127.0.0.1:{port}", probe="/health",
-            )
+            assert llama_server_binary is not None
+            servers["llama-server"] = llama_server(llama_server_binary, model, tmp / "llama-server.log",
+                                                   slots=slots, ctx_per_slot=2048, threads=threads)
         if "llama_cpp.server" in names:
             port = free_port()
             servers["llama_cpp.server"] = ServerProcess(
@@ -298,6 +295,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          " ringserve and llama_cpp.server; the tests' smoke run uses ringserve only)")
     ap.add_argument("--llama-server", type=Path, default=None,
                     help="llama.cpp's llama-server binary (docs/benchmarks.md says how to build it)")
+    ap.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                    help="ringserve's [engine] overlap (auto: off when the threads take every core)")
     ap.add_argument("--replot", type=Path, help="only redraw the plot from this script's JSON")
     args = ap.parse_args(argv)
     if args.replot is not None:
@@ -315,13 +314,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     threads = args.threads or os.cpu_count() or 1
     info = machine()
     print(f"HTTP streaming: {model.name}, max_tokens {args.tokens}, {args.requests} request(s) per client,"
-          f" {args.rounds} rounds, ringserve --slots {args.slots}, {threads} threads each")
+          f" {args.rounds} rounds, ringserve --slots {args.slots} overlap {args.overlap}, {threads} threads each")
     print(machine_line(info), flush=True)
 
     rounds: dict[str, dict[int, list[dict[str, Any]]]] = {s: {n: [] for n in args.streams} for s in SERVERS}
     raw_rounds: dict[int, list[dict[str, float]]] = {n: [] for n in args.streams if n <= args.slots}
     with tempfile.TemporaryDirectory(prefix="ringserve-bench-") as tmp_name:
-        servers = start_servers(model, threads, Path(tmp_name), args.slots, args.servers, args.llama_server)
+        servers = start_servers(model, threads, Path(tmp_name), args.slots, args.servers, args.llama_server,
+                                args.overlap)
         try:
             warm = {name: warm_up(server.url, args.tokens) for name, server in servers.items()}
             for name, w in warm.items():
@@ -405,6 +405,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "servers": args.servers,
         "ringserve_slots": args.slots,
         "threads": threads,
+        "ringserve_overlap": args.overlap,
         "warm_up": warm,
         "summary": {str(n): v for n, v in summary.items()},
         "rounds": {name: {str(n): v for n, v in by_n.items()} for name, by_n in rounds.items()},

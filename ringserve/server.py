@@ -14,7 +14,7 @@ import trio
 
 from ringserve.app import ServerState, create_app
 from ringserve.auth import Authenticator, check_bind
-from ringserve.config import Config
+from ringserve.config import Config, decode_threads, overlap_steps
 from ringserve.connections import HypercornConfig, isolate_connection_faults
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.protocol import Engine, EngineError
@@ -225,7 +225,10 @@ async def serve(
             state.urls = urls
             log.info("listening on %s (loading the model)", ", ".join(urls))
             engine = await trio.to_thread.run_sync(engine_factory, config)
-            runner = Runner(engine, config.engine, on_cancel_freed=state.metrics.cancel_freed)
+            cores = os.cpu_count() or 1
+            overlap = overlap_steps(config.engine.overlap, threads=decode_threads(config.model.n_threads, cores),
+                                    cores=cores, gpu=config.model.n_gpu_layers != 0)
+            runner = Runner(engine, config.engine, on_cancel_freed=state.metrics.cancel_freed, overlap=overlap)
             await nursery.start(runner.run)
             hub = Hub(config, runner, logs, store, nursery, metrics=state.metrics)
             state.metrics.watch(hub)
@@ -234,8 +237,8 @@ async def serve(
             state.model_id = runner.model_id
             state.hub = hub
             log.info(
-                "ready: model %s, %d slots, %d tokens of context per slot, at %s",
-                runner.model_id, config.engine.slots, runner.n_ctx_slot, ", ".join(urls),
+                "ready: model %s, %d slots, %d tokens of context per slot, overlapped steps %s, at %s",
+                runner.model_id, config.engine.slots, runner.n_ctx_slot, "on" if overlap else "off", ", ".join(urls),
             )
             task_status.started(state)
             await stop.wait()

@@ -34,6 +34,7 @@ from typing import Any
 
 import llama_cpp as lc
 
+from ringserve.config import decode_threads
 from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
 from ringserve.core.grammar import Constraint
 from ringserve.core.toolcalls import plain_messages
@@ -104,7 +105,8 @@ class LlamaEngine:
         n_batch: most tokens per :meth:`decode`, summed over slots; also the
             physical micro-batch (``n_ubatch``).
         n_gpu_layers: layers to offload to a GPU (-1: all, 0: none).
-        n_threads: CPU threads for decoding; 0 means ``os.cpu_count()``.
+        n_threads: CPU threads for decoding; 0 means
+            :func:`ringserve.config.decode_threads` (every core but one).
         use_extra_bufts: let llama.cpp use extra CPU buffer types (weight
             repacking, AMX). Off by default: with a native build on AMX CPUs
             ``ggml_backend_amx_mul_mat`` crashes on multi-token batches.
@@ -185,7 +187,7 @@ class LlamaEngine:
         self.n_slots = n_slots
         self.n_ctx_slot = n_ctx_slot
         self.n_batch = n_batch
-        self.n_threads = n_threads or os.cpu_count() or 1
+        self.n_threads = decode_threads(n_threads, os.cpu_count() or 1)
         self._chains: list[int | None] = [None] * n_slots
         self._pieces: dict[int, tuple[bytes, bool]] = {}
         self._piece_buf = ctypes.create_string_buffer(64)

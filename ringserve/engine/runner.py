@@ -32,8 +32,20 @@ One step of the loop:
    a call's wrapper, so it never closes one call and opens another), then the
    closing events, so it never fills.
 
+5. Unless the runner overlaps steps (``overlap``, from ``[engine] overlap``
+   by :func:`~ringserve.config.overlap_steps`), the loop then lets the
+   consumers run before the next decode: it waits until every other task is
+   blocked (``trio.testing.wait_all_tasks_blocked``), for at most as long as
+   the step took, so rendering, logging and HTTP writes of step N's tokens
+   do not run beside step N+1's decode. Where llama.cpp's threads take every
+   core, a decode thread preempted by that Python work stalls the whole step
+   (issue 19). A consumer whose flush deadline passes during a decode waits
+   for its end (:meth:`Runner.between_steps`) in that mode.
+
 With nothing to do the loop parks on a ``trio.Event`` that ``submit`` and
-cancellation set; it never polls.
+cancellation set; it never polls. Woken, it first lets the requests that
+are being tokenized at that moment enqueue (``Runner._gather_arrivals``), so
+requests that arrive together are prefilled in one batch.
 
 Consumers call :meth:`Runner.prepare` (tokenize, check that the prompt fits
 (case C4) and set the budget: ``max_tokens``, at most what the context leaves) and then ``async with runner.submit(prepared) as gen``: iterating
@@ -52,6 +64,7 @@ from typing import assert_never
 
 import attrs
 import trio
+import trio.testing
 
 from ringserve.config import EngineConfig
 from ringserve.core.detokenizer import Detokenizer
@@ -300,6 +313,9 @@ class Runner:
         on_cancel_freed: called with the seconds from a cancel to the
             removal of that generation's KV cells, each time one is freed
             (for the metrics' histogram).
+        overlap: start decode step N+1 while the consumers still handle step
+            N's events (True), or let them finish first (False; step 5 of the
+            module docstring).
 
     Raises:
         ValueError: the batch is smaller than the number of slots.
@@ -311,8 +327,11 @@ class Runner:
         config: EngineConfig | None = None,
         *,
         on_cancel_freed: Callable[[float], None] | None = None,
+        overlap: bool = True,
     ) -> None:
         config = config or EngineConfig()
+        self._overlap = overlap
+        self._step_done: trio.Event | None = None  # set when the decode in flight returns
         self._on_cancel_freed = on_cancel_freed
         self._engine = engine
         self._config = config
@@ -328,6 +347,9 @@ class Runner:
         )
         self._limiter = trio.CapacityLimiter(1)  # decode, begin, release: one engine call at a time
         self._tokenize_limiter = trio.CapacityLimiter(1)  # tokenize_chat, beside a decode step
+        self._tokenizing = 0  # prepare() calls waiting for or inside tokenize_chat
+        self._tokenize_ended = 0  # prepare() calls whose tokenize_chat has returned or raised
+        self._tokenized = trio.Event()  # set (and replaced) each time one of them ends
         self._wake = trio.Event()
         self._idle = trio.Event()
         self._started = False
@@ -360,6 +382,21 @@ class Runner:
     def n_ctx_slot(self) -> int:
         """KV cells (tokens) per slot: prompt plus generated tokens must fit."""
         return self._engine.n_ctx_slot
+
+    @property
+    def overlap(self) -> bool:
+        """Whether decode step N+1 starts while step N's events are still being handled."""
+        return self._overlap
+
+    async def between_steps(self) -> None:
+        """Return when no decode step is in flight: at once when none is or the runner overlaps steps.
+
+        A consumer calls it before work that is not the answer to an event
+        (a flush deadline passed), so that work too stays out of the decode's
+        way when the runner does not overlap.
+        """
+        if not self._overlap and self._step_done is not None:
+            await self._step_done.wait()
 
     @property
     def running(self) -> bool:
@@ -419,6 +456,7 @@ class Runner:
                     f" but the context per slot is {ctx} tokens",
                     "messages",
                 )
+        self._tokenizing += 1
         try:
             tokens = await trio.to_thread.run_sync(
                 self._engine.tokenize_chat,
@@ -430,6 +468,11 @@ class Runner:
             )
         except ValueError as exc:  # the engine's "cannot render these messages"
             raise invalid(f"the messages cannot be rendered: {exc}", "messages") from None
+        finally:
+            self._tokenizing -= 1
+            self._tokenize_ended += 1
+            self._tokenized.set()
+            self._tokenized = trio.Event()
         n_prompt = len(tokens)
         if n_prompt == 0:
             raise invalid("the prompt is empty", "messages")
@@ -586,8 +629,12 @@ class Runner:
                     self._idle.set()
                     await self._wake.wait()
                     self._wake = trio.Event()
+                    await self._gather_arrivals()
                     continue
                 await self._step(plan)
+                if not self._overlap:
+                    with trio.move_on_after(self._last_step_seconds):
+                        await trio.testing.wait_all_tasks_blocked()
         except BaseException as exc:
             self._running = False
             self._closed = True
@@ -599,6 +646,27 @@ class Runner:
             self._fail_everything(kind, message)
             self._idle.set()
             raise
+
+    async def _gather_arrivals(self) -> None:
+        """Woken from idle: let the requests being tokenized at this moment join the first batch.
+
+        Requests that arrive together are tokenized one at a time; the first
+        one enqueued wakes the loop. Nothing decodes yet, so nobody waits on
+        the loop but those requests: it waits for as many tokenizations to end
+        as were in flight when it woke (later arrivals do not extend the
+        wait), then, for at most as long as the last step took (10 ms before
+        the first), until the tasks they belong to are blocked, i.e. have
+        enqueued. Then one plan admits them all and prefills them in one
+        batch, where the loop would otherwise prefill the first request alone
+        and the others one step later (issue 19).
+        """
+        if self._tokenizing == 0:
+            return
+        target = self._tokenize_ended + self._tokenizing
+        while self._tokenize_ended < target:
+            await self._tokenized.wait()
+        with trio.move_on_after(self._last_step_seconds or 0.01):
+            await trio.testing.wait_all_tasks_blocked()
 
     async def _release_ended(self) -> None:
         """Release the slots of ended requests on the worker thread, then free them."""
@@ -682,9 +750,14 @@ class Runner:
             prepared = gen.prepared
             begins.append((entry.slot, prepared.request.sampling, entry.cached, entry.source, prepared.constraint))
             self._prompt_tokens_total += len(entry.prompt)
-        outcome = await trio.to_thread.run_sync(
-            self._step_sync, begins, plan.feeds, limiter=self._limiter, abandon_on_cancel=False
-        )
+        self._step_done = trio.Event()
+        try:
+            outcome = await trio.to_thread.run_sync(
+                self._step_sync, begins, plan.feeds, limiter=self._limiter, abandon_on_cancel=False
+            )
+        finally:
+            self._step_done.set()
+            self._step_done = None
         if outcome.kv_cells_used is not None:
             self._kv_used = outcome.kv_cells_used
 

@@ -415,6 +415,7 @@ class Hub:
             with trio.move_on_at(producer.deadline):
                 event = await anext(events, None)
             if event is _NOT_YET:
+                await self.runner.between_steps()
                 step = producer.tick(trio.current_time())
             elif event is None:
                 failure = Failure(ErrorKind.API_ERROR, "generation ended without a result", gen.usage, True)
