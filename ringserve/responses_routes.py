@@ -43,7 +43,7 @@ from ringserve.core.events import ChatMessage
 from ringserve.core.limits import check_request
 from ringserve.core.ringlog import format_event_id
 from ringserve.core.status import FINAL_STATUSES, CancelReason, MessageStatus
-from ringserve.messages import StoredMessage
+from ringserve.messages import StoredMessage, stored_render
 from ringserve.stream.admission import Refuse, disconnect_policy, finished
 from ringserve.stream.hub import Hub, LiveMessage, StreamEnded, request_hash
 from ringserve.stream.logs import store_unavailable
@@ -54,8 +54,10 @@ from ringserve.surfaces.responses import (
     ResponseCreate,
     ResponseOptions,
     ResponsesSurface,
+    echoed_options,
     history_messages,
     parse_count,
+    options_echo,
     parse_create,
     response_json,
     status_outcome,
@@ -105,7 +107,10 @@ def _options(msg: LiveMessage | StoredMessage) -> ResponseOptions:
     if isinstance(msg, LiveMessage):
         surface = msg.surface
         return surface.options if isinstance(surface, ResponsesSurface) else ResponseOptions()
-    create = stored_create(msg.request)
+    args = stored_render(msg)
+    if args is not None:
+        return echoed_options(args.echo)
+    create = stored_create(msg.request)  # a row written before schema 5
     return ResponseOptions() if create is None else create.options
 
 
@@ -240,6 +245,7 @@ def register_responses(app: Any, kit: RouteKit) -> None:
             ResponsesSurface(options), parsed, body_hash=request_hash(raw),
             request_json=raw.decode("utf-8", "replace"), policy=policy,
             idempotency_key=request.headers.get("Idempotency-Key"),
+            echo=options_echo(body, config.store.keep_prompts),
         )
         kit.note_message(msg.id)
         headers = {"X-Message-Id": msg.id}
@@ -293,7 +299,7 @@ def register_responses(app: Any, kit: RouteKit) -> None:
             if exc.kind is ErrorKind.INVALID_REQUEST and last == after_id and after_id is not None:
                 raise invalid(f"starting_after: no event {after_id.rsplit(':', 1)[1]} was sent in this stream",
                               param="starting_after") from None
-            if exc.kind is ErrorKind.GONE:
+            if exc.kind is ErrorKind.GONE:  # a row written before schema 5, or a live log longer than the ring
                 raise RingserveError(ErrorKind.GONE, f"the event log of {response_id} has expired or left the"
                                      f" ring; GET /v1/responses/{response_id} has the response") from None
             raise

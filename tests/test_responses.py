@@ -541,13 +541,19 @@ async def test_heartbeats_while_queued_are_comments_the_sdk_ignores(tmp_path):
 
 
 async def test_without_kept_prompts_objects_answer_and_previous_response_id_is_a_400(tmp_path):
+    """keep_prompts = false keeps no prompt text (input, instructions), but what the object echoes
+    that is not the prompt (metadata, sampling, tools) is kept."""
     async with running_server(fake_config(tmp_path, store={"keep_prompts": False}), step_seconds=0.005) as state:
         async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
-            first = check_object(await client.post("/v1/responses", json={"model": "any", "input": "hello",
-                                                                          "metadata": {"k": "v"}}))
-            assert first["metadata"] == {"k": "v"}  # live: from the request
+            first = check_object(await client.post("/v1/responses", json={
+                "model": "any", "input": "hello", "metadata": {"k": "v"}, "instructions": "be brief",
+                "temperature": 0.5}))
+            assert first["metadata"] == {"k": "v"} and first["instructions"] == "be brief"  # live: the request
             stored = check_object(await client.get(f"/v1/responses/{first['id']}"))
-            assert stored["metadata"] == {} and stored["output"] == first["output"]  # stored: not kept
+            assert stored["metadata"] == {"k": "v"} and stored["temperature"] == 0.5
+            assert stored["instructions"] is None and stored["output"] == first["output"]  # prompt text: not kept
+            row = state.hub.store.get(first["id"])
+            assert "hello" not in row.render and "be brief" not in row.render and row.request == ""
             check_error(await client.post("/v1/responses", json={"model": "any", "input": "x",
                                                                  "previous_response_id": first["id"]}), 400,
                         "previous_response_id")
