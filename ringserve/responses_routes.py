@@ -98,8 +98,9 @@ class RouteKit:
 
 
 def _not_found(response_id: str) -> RingserveError:
-    return RingserveError(ErrorKind.NOT_FOUND, f"no response {response_id[:80]!r}: the id is unknown, was deleted,"
-                          " or passed the store's retention ([store] max_age_seconds, max_bytes)")
+    """OpenAI's 404 for an unknown response (``Response with id '...' not found.``), with why."""
+    return RingserveError(ErrorKind.NOT_FOUND, f"Response with id {response_id[:80]!r} not found: the id is unknown,"
+                          " was deleted, or passed the store's retention ([store] max_age_seconds, max_bytes)")
 
 
 def _options(msg: LiveMessage | StoredMessage) -> ResponseOptions:
@@ -193,7 +194,12 @@ def register_responses(app: Any, kit: RouteKit) -> None:
         """The live or stored response (``NOT_FOUND`` for an id of another surface)."""
         if not response_id.startswith(RESPONSES.id_prefix):
             raise _not_found(response_id)
-        msg = await kit.hub().find(response_id)
+        try:
+            msg = await kit.hub().find(response_id)
+        except RingserveError as exc:
+            if exc.kind is not ErrorKind.NOT_FOUND:
+                raise
+            raise _not_found(response_id) from None
         if (msg.surface if isinstance(msg, StoredMessage) else msg.surface.name) != RESPONSES.name:
             raise _not_found(response_id)
         return msg
@@ -223,11 +229,6 @@ def register_responses(app: Any, kit: RouteKit) -> None:
             msg = await hub.cancel_elsewhere(msg)
         return msg
 
-    def forget_unstored(hub: Hub, msg: LiveMessage) -> None:
-        """``store: false``: delete the row once the response ended (else retention deletes it)."""
-        if msg.done.is_set():
-            hub.store.delete(msg.id)
-
     @app.post("/v1/responses")
     @answering_errors
     async def create_response() -> Response:
@@ -255,7 +256,7 @@ def register_responses(app: Any, kit: RouteKit) -> None:
                 return kit.sse_response(hub, log_, after, msg.id)
             return kit.json_response(response_object(msg), 200, headers)
         if not options.store:
-            kit.on_request_end(lambda: forget_unstored(hub, msg))
+            kit.on_request_end(lambda: hub.delete_when_done(msg))  # store: false
         if parsed.stream:
             return kit.sse_response(hub, msg.open_log, None, msg.id)
         if options.background:

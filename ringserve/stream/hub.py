@@ -482,6 +482,20 @@ class Hub:
             msg.cancel_reason = reason
             msg.cancel_scope.cancel()
 
+    def delete_when_done(self, msg: LiveMessage) -> None:
+        """Delete ``msg``'s stored row once its generation has ended: now if it has, else when it
+        does (a ``store: false`` response whose reader left before its end; its log stays
+        for the readers that hold it, until its TTL)."""
+        if msg.done.is_set():
+            self.store.delete(msg.id)
+            return
+
+        async def delete_at_end() -> None:
+            await msg.done.wait()
+            self.store.delete(msg.id)
+
+        self._nursery.start_soon(delete_at_end)
+
     def drain(self) -> None:
         """Refuse new generations from now on."""
         self.draining = True
