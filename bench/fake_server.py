@@ -4,7 +4,8 @@
 runs :func:`ringserve.server.run_process` exactly as ``ringserve serve`` does
 (listener, hub, signals, drain, the ``ready: ... at URL`` log line) with a
 :class:`~ringserve.engine.fake.FakeEngine` built from the ``--fake`` JSON
-keyword arguments (``n_slots`` and ``n_ctx_slot`` default to the config's).
+keyword arguments (``n_slots`` and ``n_ctx_slot`` default to the config's, ``record`` to false: no
+test can read this process's engine log, which would grow with every decode call).
 
 With ``--gate-after K``, once ``K`` sequences have been begun every decode
 call waits until the process receives ``SIGUSR1``: the benchmark creates its
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     config = Config.from_toml(args.config)
     kwargs = json.loads(args.fake)
+    kwargs.setdefault("record", False)  # no test reads this process's engine log: it would only grow
     kwargs.setdefault("n_slots", config.engine.slots)
     kwargs.setdefault("n_ctx_slot", config.engine.ctx_per_slot)
     if args.reply_bytes is not None:

@@ -49,7 +49,7 @@ import trio
 from ringserve.config import StoreConfig
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import BlockKind, ContentBlock, StopReason, Usage
-from ringserve.core.producer import Snapshot
+from ringserve.core.producer import Snapshot, Trace
 from ringserve.core.status import FINAL_STATUSES, MessageStatus
 
 log = logging.getLogger("ringserve.store")
@@ -57,7 +57,7 @@ log = logging.getLogger("ringserve.store")
 
 #: ``PRAGMA user_version`` of the files this code writes (written at every open, which
 #: proves the file writable).
-SCHEMA_VERSION = 4  # 2: final_seq; 3: stop_reason holds StopReason values, not a surface's spelling; 4: content, cached_tokens
+SCHEMA_VERSION = 5  # 2: final_seq; 3: stop_reason holds StopReason values, not a surface's spelling; 4: content, cached_tokens; 5: trace, render
 
 #: Most rows, and seconds, of one sweep transaction; the sweep yields to the event loop between
 #: batches. Deleting a finished message with a 64 KiB answer takes about 0.2 ms (2 busy cores).
@@ -92,7 +92,9 @@ CREATE TABLE IF NOT EXISTS messages (
     updated REAL NOT NULL,
     final_seq INTEGER,
     content TEXT NOT NULL DEFAULT '',
-    cached_tokens INTEGER NOT NULL DEFAULT 0
+    cached_tokens INTEGER NOT NULL DEFAULT 0,
+    trace TEXT NOT NULL DEFAULT '',
+    render TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS messages_updated ON messages (updated);
 CREATE INDEX IF NOT EXISTS messages_unfinished ON messages (status) WHERE status IN ('queued','generating');
@@ -135,7 +137,10 @@ class StoredMessage:
     opened with ``keep_prompts=False`` (``request_hash`` is always kept).
     ``final_seq`` is the seq of the terminal event in the message's stream log
     (None until the log is closed), so a resume after it is answered 204 even
-    once the log has expired.
+    once the log has expired. ``trace`` (:func:`trace_json`, each snapshot) and ``render``
+    (:func:`render_json`, at insert) are what rebuilds its stream once the log is gone
+    (``core/producer.py`` :func:`~ringserve.core.producer.replay`); both empty in a row
+    written before schema 5.
     """
 
     id: str
@@ -155,6 +160,8 @@ class StoredMessage:
     final_seq: int | None = None
     content: str = ""
     cached_tokens: int = 0
+    trace: str = ""
+    render: str = ""
 
     @property
     def usage(self) -> Usage:
@@ -172,6 +179,51 @@ class StoredMessage:
             ContentBlock(BlockKind(b["kind"]), b["text"], b.get("name", ""), b.get("call_id", ""))
             for b in json.loads(self.content)
         )
+
+
+@attrs.frozen
+class RenderArgs:
+    """What a message's renderer was made with, beyond the row's id, model and created.
+
+    Attributes:
+        include_usage: the renderer's ``include_usage``.
+        retry_ms: the reconnection hint its first entry carried (None: none).
+        echo: the surface's own state (``Surface.restored``; "" for a stateless surface).
+    """
+
+    include_usage: bool
+    retry_ms: int | None
+    echo: str = ""
+
+
+def render_json(args: RenderArgs) -> str:
+    """The store's spelling of :class:`RenderArgs` (``StoredMessage.render``)."""
+    return json.dumps([args.include_usage, args.retry_ms, args.echo], ensure_ascii=False, separators=(",", ":"))
+
+
+def stored_render(msg: StoredMessage) -> RenderArgs | None:
+    """A row's :class:`RenderArgs`, None for a row written before schema 5."""
+    if not msg.render:
+        return None
+    include_usage, retry_ms, echo = json.loads(msg.render)
+    return RenderArgs(include_usage, retry_ms, echo)
+
+
+def trace_json(trace: Trace) -> str:
+    """The store's spelling of a :class:`~ringserve.core.producer.Trace` (``StoredMessage.trace``):
+    ``[ops]`` or ``[ops, kind, retryable]``."""
+    out: list[object] = [list(trace.ops)]
+    if trace.failure is not None:
+        out += [trace.failure[0].name, trace.failure[1]]
+    return json.dumps(out, separators=(",", ":"))
+
+
+def stored_trace(msg: StoredMessage) -> Trace | None:
+    """A row's trace, None for a row written before schema 5 (or by a version that kept none)."""
+    if not msg.trace:
+        return None
+    ops, *failure = json.loads(msg.trace)
+    return Trace(tuple(ops), (ErrorKind[failure[0]], failure[1]) if failure else None)
 
 
 def blocks_json(blocks: tuple[ContentBlock, ...]) -> str:
@@ -200,6 +252,7 @@ def snapshot_fields(snap: Snapshot) -> dict[str, object]:
         "output_tokens": snap.usage.output_tokens,
         "cached_tokens": snap.usage.cached_tokens,
         "error": snap.error,
+        "trace": trace_json(snap.trace),
     }
     if snap.final_seq is not None:
         fields["final_seq"] = snap.final_seq
@@ -317,6 +370,9 @@ class MessageStore:
             db.execute("ALTER TABLE messages ADD COLUMN content TEXT NOT NULL DEFAULT ''")
         if columns and "cached_tokens" not in columns:
             db.execute("ALTER TABLE messages ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0")
+        if columns and "trace" not in columns:  # schema 4 or older: no stream to rebuild (410 once the log is gone)
+            db.execute("ALTER TABLE messages ADD COLUMN trace TEXT NOT NULL DEFAULT ''")
+            db.execute("ALTER TABLE messages ADD COLUMN render TEXT NOT NULL DEFAULT ''")
         db.executescript(_SCHEMA)
 
     def mark_interrupted(self) -> int:

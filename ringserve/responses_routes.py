@@ -43,7 +43,7 @@ from ringserve.core.events import ChatMessage
 from ringserve.core.limits import check_request
 from ringserve.core.ringlog import format_event_id
 from ringserve.core.status import FINAL_STATUSES, CancelReason, MessageStatus
-from ringserve.messages import StoredMessage
+from ringserve.messages import StoredMessage, stored_render
 from ringserve.stream.admission import Refuse, disconnect_policy, finished
 from ringserve.stream.hub import Hub, LiveMessage, StreamEnded, request_hash
 from ringserve.stream.logs import store_unavailable
@@ -54,8 +54,10 @@ from ringserve.surfaces.responses import (
     ResponseCreate,
     ResponseOptions,
     ResponsesSurface,
+    echoed_options,
     history_messages,
     parse_count,
+    options_echo,
     parse_create,
     response_json,
     status_outcome,
@@ -96,8 +98,9 @@ class RouteKit:
 
 
 def _not_found(response_id: str) -> RingserveError:
-    return RingserveError(ErrorKind.NOT_FOUND, f"no response {response_id[:80]!r}: the id is unknown, was deleted,"
-                          " or passed the store's retention ([store] max_age_seconds, max_bytes)")
+    """OpenAI's 404 for an unknown response (``Response with id '...' not found.``), with why."""
+    return RingserveError(ErrorKind.NOT_FOUND, f"Response with id {response_id[:80]!r} not found: the id is unknown,"
+                          " was deleted, or passed the store's retention ([store] max_age_seconds, max_bytes)")
 
 
 def _options(msg: LiveMessage | StoredMessage) -> ResponseOptions:
@@ -105,7 +108,10 @@ def _options(msg: LiveMessage | StoredMessage) -> ResponseOptions:
     if isinstance(msg, LiveMessage):
         surface = msg.surface
         return surface.options if isinstance(surface, ResponsesSurface) else ResponseOptions()
-    create = stored_create(msg.request)
+    args = stored_render(msg)
+    if args is not None:
+        return echoed_options(args.echo)
+    create = stored_create(msg.request)  # a row written before schema 5
     return ResponseOptions() if create is None else create.options
 
 
@@ -188,7 +194,12 @@ def register_responses(app: Any, kit: RouteKit) -> None:
         """The live or stored response (``NOT_FOUND`` for an id of another surface)."""
         if not response_id.startswith(RESPONSES.id_prefix):
             raise _not_found(response_id)
-        msg = await kit.hub().find(response_id)
+        try:
+            msg = await kit.hub().find(response_id)
+        except RingserveError as exc:
+            if exc.kind is not ErrorKind.NOT_FOUND:
+                raise
+            raise _not_found(response_id) from None
         if (msg.surface if isinstance(msg, StoredMessage) else msg.surface.name) != RESPONSES.name:
             raise _not_found(response_id)
         return msg
@@ -218,11 +229,6 @@ def register_responses(app: Any, kit: RouteKit) -> None:
             msg = await hub.cancel_elsewhere(msg)
         return msg
 
-    def forget_unstored(hub: Hub, msg: LiveMessage) -> None:
-        """``store: false``: delete the row once the response ended (else retention deletes it)."""
-        if msg.done.is_set():
-            hub.store.delete(msg.id)
-
     @app.post("/v1/responses")
     @answering_errors
     async def create_response() -> Response:
@@ -240,6 +246,7 @@ def register_responses(app: Any, kit: RouteKit) -> None:
             ResponsesSurface(options), parsed, body_hash=request_hash(raw),
             request_json=raw.decode("utf-8", "replace"), policy=policy,
             idempotency_key=request.headers.get("Idempotency-Key"),
+            echo=options_echo(body, config.store.keep_prompts),
         )
         kit.note_message(msg.id)
         headers = {"X-Message-Id": msg.id}
@@ -249,7 +256,7 @@ def register_responses(app: Any, kit: RouteKit) -> None:
                 return kit.sse_response(hub, log_, after, msg.id)
             return kit.json_response(response_object(msg), 200, headers)
         if not options.store:
-            kit.on_request_end(lambda: forget_unstored(hub, msg))
+            kit.on_request_end(lambda: hub.delete_when_done(msg))  # store: false
         if parsed.stream:
             return kit.sse_response(hub, msg.open_log, None, msg.id)
         if options.background:
@@ -293,7 +300,7 @@ def register_responses(app: Any, kit: RouteKit) -> None:
             if exc.kind is ErrorKind.INVALID_REQUEST and last == after_id and after_id is not None:
                 raise invalid(f"starting_after: no event {after_id.rsplit(':', 1)[1]} was sent in this stream",
                               param="starting_after") from None
-            if exc.kind is ErrorKind.GONE:
+            if exc.kind is ErrorKind.GONE:  # a row written before schema 5, or a live log longer than the ring
                 raise RingserveError(ErrorKind.GONE, f"the event log of {response_id} has expired or left the"
                                      f" ring; GET /v1/responses/{response_id} has the response") from None
             raise

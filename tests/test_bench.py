@@ -165,3 +165,21 @@ def test_redis_resume_bench_resumes_on_the_other_replica_the_owner_and_a_memory_
     for positions in out["results"].values():
         assert positions["start"]["events_replayed"] > positions["end"]["events_replayed"] > 0
         assert all(len(p["samples"]["first"]) == 2 and p["first_byte_p50"] > 0 for p in positions.values())
+
+
+def test_responses_memory_bench_stays_bounded(tmp_path: Path) -> None:
+    """Issue 15: what grows with the number of stored responses is bounded: the ring bytes by the
+    memory cap at every checkpoint (no generation running: every log is a completed one), the
+    logs by the TTL, the store by its retention. RSS is reported, not judged."""
+    cap_mib = 0.5
+    out = run_bench("responses_memory", tmp_path, "--responses", "240", "--checkpoints", "60,120", "--ttl", "1",
+                    "--retention", "--memory-cap-mib", str(cap_mib), "--workers", "4")
+    points = {p["label"]: p for p in out["points"]}
+    assert [p["responses"] for p in out["points"]] == [0, 60, 120, 240, 240, 240]
+    for p in out["points"]:
+        assert p["ringserve_ring_bytes"] <= cap_mib * 2**20 == p["ringserve_ring_memory_cap_bytes"], p
+        assert p["rss_bytes"] > 0
+    assert points["after ttl"]["ringserve_ring_logs"] == 0 == points["after ttl"]["ringserve_ring_bytes"]
+    assert points["after retention (restart)"]["ringserve_store_swept_messages"] == 240
+    costs = out["store_per_response"]
+    assert costs["rows"] == 240 and 0 < costs["trace"] < costs["text"]

@@ -211,6 +211,8 @@ async def test_expired_log_falls_back_to_the_stored_message(tmp_path: Path) -> N
         async with httpx.AsyncClient(base_url=state.urls[0]) as http:
             done = await http.post("/v1/messages", json={**ANTHROPIC_BODY, "max_tokens": 400})
         message_id = done.headers["x-message-id"]
+        # as a row written before schema 5: the server cannot rebuild the stream whose head left the ring
+        state.hub.store.update(message_id, trace="")
         causes: list[str] = []
         async with AsyncClient(state.urls[0]) as client:
             async with client.follow(message_id, on_reconnect=lambda r: causes.append(r.cause)) as stream:

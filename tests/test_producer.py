@@ -20,7 +20,7 @@ from ringserve.core.events import (
     StopReason,
     Usage,
 )
-from ringserve.core.producer import Producer
+from ringserve.core.producer import Producer, replay
 from ringserve.core.ringlog import LogState
 from ringserve.core.safety import PatternChecker, Verdict
 from ringserve.core.sse import SSEParser
@@ -196,3 +196,53 @@ def test_verdict_allows_only_the_pending_check():
     step = p.event(BlockDelta(0, "b", 1), USAGE, 0.0)
     assert step.check is not None and step.check.window == "ab"
     assert entry_data(p.verdict(Verdict.allow(), 0.0).entries) == ["delta 0 'a'"]
+
+
+# -- replay: the same entries again from the stored trace ---------------------------------------
+
+
+def _surfaces():
+    from ringserve.surfaces.registry import SURFACES
+    from ringserve.surfaces.responses import ResponseOptions, ResponsesSurface
+
+    return [*SURFACES.surfaces, ResponsesSurface(ResponseOptions(metadata={"k": "v"}, background=True))]
+
+
+CALL = BlockStart(1, BlockKind.TOOL_CALL, "get_weather", "ab" * 12)
+ENDINGS = {
+    "finish": [TEXT, BlockDelta(0, "héllo", 1), BlockDelta(0, " wörld", 1), BlockDelta(0, "!", 1), BlockStop(0),
+               CALL, BlockDelta(1, '{"city":', 1), BlockDelta(1, '"Paris"}', 1), BlockStop(1),
+               Finish(StopReason.TOOL_USE, Usage(5, 9))],
+    "failure in a block": [TEXT, BlockDelta(0, "par", 1), BlockDelta(0, "tial", 1),
+                           Failure(ErrorKind.API_ERROR, "boom", Usage(5, 2), retryable=True)],
+    "empty": [Finish(StopReason.MAX_TOKENS, Usage(5, 0))],
+}
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+@pytest.mark.parametrize("surface", _surfaces(), ids=lambda s: s.name)
+def test_replay_renders_the_entries_the_producer_appended(surface, ending):
+    """Deltas coalesced at times the text does not keep (a window, a token cap), then replayed
+    from the snapshot's trace: the same bytes, seq by seq, on every surface."""
+    p = Producer("m_1", surface.renderer("m_1", "model", 7, True), USAGE, flush_seconds=0.05, flush_tokens=2,
+                 persist_seconds=1e9, retry_ms=900)
+    entries = list(p.start().entries)
+    for i, event in enumerate(ENDINGS[ending]):
+        entries += p.event(event, Usage(5, i), i * 0.03).entries
+        entries += p.tick(i * 0.03 + 0.01).entries
+    snap = p.snapshot()
+    terminal = ENDINGS[ending][-1]
+    again = replay("m_1", surface.renderer("m_1", "model", 7, True), USAGE, snap.content, snap.trace, terminal, 900)
+    assert list(again) == entries
+    assert snap.final_seq == len(entries) - 1
+    if isinstance(terminal, Failure):
+        assert snap.trace.failure == (ErrorKind.API_ERROR, True)
+
+
+def test_replay_of_a_trace_that_does_not_fit_the_text_is_a_value_error():
+    from ringserve.core.producer import Trace
+
+    with pytest.raises(ValueError, match="past the text"):
+        replay("m_1", RecordingRenderer(), USAGE, (ContentBlock(BlockKind.TEXT, "ab"),), Trace((0, 3, -1)), None, None)
+    with pytest.raises(ValueError, match="starts block 1"):
+        replay("m_1", RecordingRenderer(), USAGE, (ContentBlock(BlockKind.TEXT, "ab"),), Trace((0, -1, 0)), None, None)

@@ -393,6 +393,22 @@ async def test_delete_of_a_running_response_cancels_it(slow_server):
     check_error(await client.get(f"/v1/responses/{rid}"), 404)
 
 
+async def test_a_store_false_stream_whose_reader_left_is_deleted_at_its_end(tmp_path):
+    """Not by retention later: the row goes when the generation ends (here cancelled by the abort
+    policy once the only reader left)."""
+    config = fake_config(tmp_path, policy={"grace_seconds": 0.05})
+    async with running_server(config, step_seconds=0.005) as state:
+        async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+            async with client.stream("POST", "/v1/responses", json={"model": "any", "input": LONG_ECHO,
+                                                                    "stream": True, "store": False}) as resp:
+                rid = resp.headers["x-message-id"]
+                async for line in resp.aiter_lines():
+                    if line.startswith("event: response.output_text.delta"):
+                        break
+            await wait_until(lambda: state.hub.live(rid) is None)  # ended (cancelled: no reader left)
+            await wait_until(lambda: state.hub.store.get(rid) is None, timeout=5)
+
+
 async def test_store_false_leaves_no_row(fake_server):
     state, client = fake_server
     rid = check_object(await client.post("/v1/responses", json={"model": "any", "input": "hello", "store": False}))["id"]
@@ -457,8 +473,11 @@ async def test_bad_starting_after_is_a_400(fake_server, value):
 async def test_unknown_ids_and_wrong_cancels(fake_server):
     _state, client = fake_server
     for method, path in [("GET", "/v1/responses/resp_0123"), ("POST", "/v1/responses/resp_0123/cancel"),
-                         ("DELETE", "/v1/responses/resp_0123"), ("GET", "/v1/responses/nothing")]:
-        check_error(await client.request(method, path), 404)
+                         ("DELETE", "/v1/responses/resp_0123"), ("GET", "/v1/responses/nothing"),
+                         ("GET", "/v1/responses/resp_0123?stream=true")]:
+        error = check_error(await client.request(method, path), 404)
+        assert error["message"].startswith("Response with id 'resp_0123' not found" if "0123" in path
+                                           else "Response with id 'nothing' not found"), error
     chat = await client.post("/v1/chat/completions", json={"model": "any", "messages": [{"role": "user", "content": "x"}]})
     check_error(await client.get(f"/v1/responses/{chat.json()['id']}"), 404)
     foreground = check_object(await client.post("/v1/responses", json={"model": "any", "input": "hello"}))
@@ -541,13 +560,19 @@ async def test_heartbeats_while_queued_are_comments_the_sdk_ignores(tmp_path):
 
 
 async def test_without_kept_prompts_objects_answer_and_previous_response_id_is_a_400(tmp_path):
+    """keep_prompts = false keeps no prompt text (input, instructions), but what the object echoes
+    that is not the prompt (metadata, sampling, tools) is kept."""
     async with running_server(fake_config(tmp_path, store={"keep_prompts": False}), step_seconds=0.005) as state:
         async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
-            first = check_object(await client.post("/v1/responses", json={"model": "any", "input": "hello",
-                                                                          "metadata": {"k": "v"}}))
-            assert first["metadata"] == {"k": "v"}  # live: from the request
+            first = check_object(await client.post("/v1/responses", json={
+                "model": "any", "input": "hello", "metadata": {"k": "v"}, "instructions": "be brief",
+                "temperature": 0.5}))
+            assert first["metadata"] == {"k": "v"} and first["instructions"] == "be brief"  # live: the request
             stored = check_object(await client.get(f"/v1/responses/{first['id']}"))
-            assert stored["metadata"] == {} and stored["output"] == first["output"]  # stored: not kept
+            assert stored["metadata"] == {"k": "v"} and stored["temperature"] == 0.5
+            assert stored["instructions"] is None and stored["output"] == first["output"]  # prompt text: not kept
+            row = state.hub.store.get(first["id"])
+            assert "hello" not in row.render and "be brief" not in row.render and row.request == ""
             check_error(await client.post("/v1/responses", json={"model": "any", "input": "x",
                                                                  "previous_response_id": first["id"]}), 400,
                         "previous_response_id")

@@ -54,11 +54,34 @@ from ringserve.core.status import CancelReason, MessageStatus, advance
 from ringserve.surfaces.base import Renderer, WireEvent, render
 
 
+#: :attr:`Trace.ops`: a block starts (its kind, name and call id are the stored block's).
+TRACE_START = 0
+#: :attr:`Trace.ops`: the open block stops (a positive op is a delta of that many characters).
+TRACE_STOP = -1
+
+
+@attrs.frozen
+class Trace:
+    """How a message's renderer was driven, so that :func:`replay` renders its stream again.
+
+    ``ops``: in order, :data:`TRACE_START`, :data:`TRACE_STOP`, or a positive
+    number, a delta of that many characters (``str`` length) of the open
+    block's text: the boundaries the coalescer and the safety stage chose,
+    which the text alone does not keep. ``failure``: the ``(kind, retryable)``
+    of the message's :class:`~ringserve.core.events.Failure` (its message is the
+    stored error). About 3 bytes of JSON per log entry.
+    """
+
+    ops: tuple[int, ...]
+    failure: tuple[ErrorKind, bool] | None = None
+
+
 @attrs.frozen
 class Snapshot:
     """What the store should hold for the message now (``messages.MessageStore.update``).
 
-    ``final_seq`` is set once the terminal event is in the log.
+    ``final_seq`` is set once the terminal event is in the log; ``trace`` is how its
+    entries so far were rendered (:func:`replay`).
     """
 
     status: MessageStatus
@@ -68,6 +91,7 @@ class Snapshot:
     stop_sequence: str | None = None
     error: str | None = None
     final_seq: int | None = None
+    trace: Trace = attrs.Factory(lambda: Trace(()))
 
 
 @attrs.frozen
@@ -145,6 +169,8 @@ class Producer:
     _coalescer: Coalescer = attrs.field(init=False)
     _holdback: HoldBack | None = attrs.field(init=False)
     _pending: tuple[Check, BlockDelta | BlockStop] | None = attrs.field(init=False, default=None)
+    _ops: list[int] = attrs.field(init=False, factory=list)
+    _failure: tuple[ErrorKind, bool] | None = attrs.field(init=False, default=None)
     _persisted_at: float = attrs.field(init=False, default=-math.inf)
     _persisted_status: MessageStatus = attrs.field(init=False, default=MessageStatus.QUEUED)
     _released: bool = attrs.field(init=False, default=False)
@@ -178,7 +204,7 @@ class Producer:
     def snapshot(self) -> Snapshot:
         """The message's state as the store should hold it now."""
         return Snapshot(self.status, self.content, self.usage, self.stop_reason, self.stop_sequence, self.error,
-                        self.last_seq if self._ended else None)
+                        self.last_seq if self._ended else None, Trace(tuple(self._ops), self._failure))
 
     # -- moves ---------------------------------------------------------------------------
 
@@ -274,7 +300,7 @@ class Producer:
         self._blocks.append(_Block(start.kind, start.name, start.call_id))
         self._open = start.index
         self._generating()
-        return [*wire, *render(self.renderer, start)]
+        return [*wire, *self._render(start)]
 
     def _delta(self, delta: BlockDelta, now: float) -> list[WireEvent]:
         assert delta.index == self._open, f"a delta of block {delta.index}, but block {self._open} is open"
@@ -285,7 +311,7 @@ class Producer:
         assert stop.index == self._open, f"block {stop.index} stops, but block {self._open} is open"
         wire = self._text(self._coalescer.flush())
         self._open = None
-        return [*wire, *render(self.renderer, stop)]
+        return [*wire, *self._render(stop)]
 
     def _text(self, text: str | None) -> list[WireEvent]:
         """Text out of the coalescer into the open block, and its wire events."""
@@ -294,7 +320,7 @@ class Producer:
         assert self._open is not None
         self._blocks[self._open].parts.append(text)
         self._released = True
-        return render(self.renderer, BlockDelta(self._open, text))
+        return self._render(BlockDelta(self._open, text))
 
     def _generating(self) -> None:
         if self.status is MessageStatus.QUEUED:
@@ -306,12 +332,12 @@ class Producer:
         own Finish comes with its blocks closed, a cancel or a refusal may not)."""
         wire = self._text(self._coalescer.flush())
         if self._open is not None:
-            wire += render(self.renderer, BlockStop(self._open))
+            wire += self._render(BlockStop(self._open))
             self._open = None
         if not self._blocks:
             self._blocks.append(_Block(BlockKind.TEXT, "", ""))
-            wire += render(self.renderer, BlockStart(0, BlockKind.TEXT))
-            wire += render(self.renderer, BlockStop(0))
+            wire += self._render(BlockStart(0, BlockKind.TEXT))
+            wire += self._render(BlockStop(0))
         return wire
 
     def _finish(self, finish: Finish, now: float) -> Step:
@@ -322,7 +348,7 @@ class Producer:
         self.stop_sequence = finish.stop_sequence
         cancelled = finish.stop_reason is StopReason.CANCELLED
         self.status = advance(self.status, MessageStatus.CANCELLED if cancelled else MessageStatus.COMPLETE)
-        wire += render(self.renderer, finish)
+        wire += self._render(finish)
         return self._end(wire, End(LogState.FINISHED, finish), now)
 
     def _fail(
@@ -333,7 +359,7 @@ class Producer:
         self.usage = failure.usage
         self.status = advance(self.status, status)
         self.error = failure.message
-        wire += render(self.renderer, failure)
+        wire += self._render(failure)
         return self._end(wire, End(LogState.FAILED, failure), now)
 
     def _end(self, wire: list[WireEvent], end: End, now: float) -> Step:
@@ -364,8 +390,69 @@ class Producer:
             self._seq += 1
         return tuple(out)
 
+    def _render(self, event: GenerationEvent) -> list[WireEvent]:
+        """``event``'s wire events, noted in the trace (:class:`Trace`)."""
+        match event:
+            case BlockStart():
+                self._ops.append(TRACE_START)
+            case BlockDelta():
+                self._ops.append(len(event.text))
+            case BlockStop():
+                self._ops.append(TRACE_STOP)
+            case Failure():
+                self._failure = (event.kind, event.retryable)
+            case Finish():
+                pass
+            case _:
+                assert_never(event)
+        return render(self.renderer, event)
+
     def _require_move(self, move: str) -> None:
         if self._ended:
             raise RuntimeError(f"Producer.{move} after the message ended")
         if self._pending is not None:
             raise RuntimeError(f"Producer.{move}: a safety check awaits its verdict")
+
+
+def replay(
+    message_id: str,
+    renderer: Renderer,
+    usage: Usage,
+    blocks: tuple[ContentBlock, ...],
+    trace: Trace,
+    terminal: Finish | Failure | None,
+    retry_ms: int | None,
+) -> tuple[bytes, ...]:
+    """A message's log entries rendered again from its stored state: the same seqs and bytes as
+    the producer that made the ``trace`` appended, when ``renderer``, ``usage`` (before
+    generation), ``retry_ms`` and ``blocks`` (the text the trace cut) are that producer's.
+
+    A producer with no coalescing window and no safety stage is driven with the trace's
+    events, one delta per op, then ``terminal`` (None: the entries so far, no end).
+
+    Raises:
+        ValueError: the trace does not fit ``blocks`` (a block or text it does not have).
+    """
+    producer = Producer(message_id, renderer, usage, flush_seconds=0.0, flush_tokens=1,
+                        persist_seconds=math.inf, retry_ms=retry_ms)
+    entries = list(producer.start().entries)
+    index, offset = -1, 0
+    for op in trace.ops:
+        event: GenerationEvent
+        if op == TRACE_START:
+            index, offset = index + 1, 0
+            if index >= len(blocks):
+                raise ValueError(f"the trace starts block {index}, but the message has {len(blocks)}")
+            block = blocks[index]
+            event = BlockStart(index, block.kind, block.name, block.call_id)
+        elif op == TRACE_STOP:
+            event = BlockStop(index)
+        else:
+            text = blocks[index].text[offset:offset + op] if index >= 0 else ""
+            if len(text) != op:
+                raise ValueError(f"the trace cuts {op} characters past the text of block {index}")
+            event, offset = BlockDelta(index, text, 1), offset + op
+        entries += producer.event(event, usage, 0.0).entries
+    if terminal is not None:
+        entries += producer.event(terminal, terminal.usage, 0.0).entries
+    return tuple(entries)

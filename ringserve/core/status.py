@@ -46,6 +46,10 @@ TRANSITIONS: dict[MessageStatus, frozenset[MessageStatus]] = {
     **{status: frozenset() for status in _ENDS},
 }
 
+#: The error of a message found ``interrupted`` without one (a crash: the next start marked it),
+#: as its Response object and its rebuilt stream say.
+INTERRUPTED_MESSAGE = "the server stopped (a restart or a crash) while generating; the output is the text so far"
+
 #: Statuses after which the message never changes again (retention may delete it).
 FINAL_STATUSES = frozenset(status for status in MessageStatus if status.final)
 

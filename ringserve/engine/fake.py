@@ -136,6 +136,9 @@ class FakeEngine:
         tokenize_hook: called (blocking) on the tokenizing thread at the
             start of every :meth:`tokenize_chat`, e.g. a
             ``threading.Event.wait`` that scripts a slow tokenizer. None: none.
+        record: keep every decode call in :attr:`log` and every begin in :attr:`begins`, for the
+            tests that read them; False for a long run, which they would grow without bound
+            (``bench/fake_server.py``: about 13 KiB per short response).
 
     Thread safety: every method but :meth:`tokenize_chat` takes one lock, so
     a test may read :meth:`kv_cells_used` while the runner's worker thread
@@ -159,6 +162,7 @@ class FakeEngine:
         crash_after_steps: int | None = None,
         reply: str | Callable[[str], str] | None = None,
         tokenize_hook: Callable[[], object] | None = None,
+        record: bool = True,
     ) -> None:
         if n_slots < 1 or n_ctx_slot < 1 or n_batch < 1 or piece_bytes < 1:
             raise ValueError("n_slots, n_ctx_slot, n_batch and piece_bytes must be >= 1")
@@ -174,7 +178,9 @@ class FakeEngine:
         self.reply = reply
         self.tokenize_hook = tokenize_hook
         self.prefix_cache = True
+        self.record = record
         self.log: list[DecodeCall] = []
+        self._calls = 0
         self.begins: list[Begin] = []
         self.prefilled: list[int] = [0] * n_slots
         self.closed = False
@@ -255,7 +261,8 @@ class FakeEngine:
             if keep > len(cells):
                 raise ValueError(f"slot {slot}: cannot keep {keep} cells of {len(cells)}")
             self._slots[slot] = _SlotState(cells[:keep], constraint=constraint)
-            self.begins.append(Begin(slot, keep, source, constraint))
+            if self.record:
+                self.begins.append(Begin(slot, keep, source, constraint))
 
     def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
         """Apply one batch; one :class:`Sampled` per feed with ``sample``, in feed order.
@@ -271,14 +278,18 @@ class FakeEngine:
         feeds = tuple(feeds)
         with self._lock:
             self._check_open()
-            call = len(self.log)
+            call, self._calls = self._calls, self._calls + 1
             try:
                 result = self._decode(call, feeds)
             except Exception as exc:
-                self.log.append(DecodeCall(call, feeds, type(exc).__name__))
+                self._note(DecodeCall(call, feeds, type(exc).__name__))
                 raise
-            self.log.append(DecodeCall(call, feeds))
+            self._note(DecodeCall(call, feeds))
         return result
+
+    def _note(self, call: DecodeCall) -> None:
+        if self.record:
+            self.log.append(call)
 
     def _decode(self, call: int, feeds: tuple[SlotFeed, ...]) -> list[Sampled]:
         if self.crash_after_steps is not None and call == self.crash_after_steps and not self._crashed:

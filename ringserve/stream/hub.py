@@ -25,25 +25,35 @@ import secrets
 import sqlite3
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from typing import Any, assert_never
 
 import attrs
 import trio
 
 from ringserve.config import Config
 from ringserve.core.errors import ErrorKind, RingserveError
-from ringserve.core.events import Failure, Finish, Usage
-from ringserve.core.producer import Producer, Snapshot, Step
-from ringserve.core.ringlog import Gap, parse_event_id
+from ringserve.core.events import Failure, Finish, StopReason, Usage
+from ringserve.core.producer import Producer, Snapshot, Step, replay
+from ringserve.core.ringlog import Gap, LogState, RingLog, parse_event_id
 from ringserve.core.safety import Check
-from ringserve.core.status import CancelReason, MessageStatus, Policy
+from ringserve.core.status import INTERRUPTED_MESSAGE, CancelReason, MessageStatus, Policy
 from ringserve.engine.runner import Generation, Runner
-from ringserve.messages import MessageStore, StoredMessage, snapshot_fields, store_failed
+from ringserve.messages import (
+    MessageStore,
+    RenderArgs,
+    StoredMessage,
+    render_json,
+    snapshot_fields,
+    store_failed,
+    stored_render,
+    stored_trace,
+)
 from ringserve.metrics import Metrics, StreamTimer
-from ringserve.stream.logs import KeyHolder, LogStore, MessageLog
+from ringserve.stream.logs import KeyHolder, LogStore, MemoryMessageLog, MessageLog
 from ringserve.stream.reader import tail
 from ringserve.stream.safety import SafetyStage
 from ringserve.surfaces.base import MessageResult, ParsedRequest, Surface
+from ringserve.surfaces.registry import SURFACES
 
 log = logging.getLogger("ringserve.hub")
 
@@ -174,6 +184,15 @@ def _resume_after(value: str, message_id: str) -> int:
         raise RingserveError(ErrorKind.INVALID_REQUEST, str(exc)[:300], param="Last-Event-ID") from None
 
 
+def _holds_from(log: MessageLog, after: int | None) -> bool:
+    """Whether ``log`` still holds what follows ``after`` (an id never sent counts: it is the
+    caller's 400)."""
+    try:
+        return not isinstance(log.read_from(after, limit=0), Gap)
+    except ValueError:
+        return True
+
+
 class StreamEnded(Exception):
     """Nothing follows the resume point: it is the terminal event of a stream that has ended.
 
@@ -232,8 +251,12 @@ class Hub:
         request_json: str,
         policy: Policy,
         idempotency_key: str | None = None,
+        echo: str = "",
     ) -> tuple[LiveMessage | StoredMessage, bool]:
         """Start a generation, or find the one an ``Idempotency-Key`` already started.
+
+        ``echo`` is the surface's state that its renderer needs again to rebuild the stream
+        from the store (``Surface.restored``); it is stored whatever ``[store] keep_prompts``.
 
         A retry with the key of a message that ended ``interrupted`` (a crash
         or a drain) or ``failed`` starts a new generation under a new id, and
@@ -300,6 +323,7 @@ class Hub:
                 request_hash=body_hash,
                 idempotency_key=idempotency_key,
                 input_tokens=len(prepared.prompt_tokens),
+                render=render_json(RenderArgs(parsed.include_usage, self.config.server.retry_ms, echo)),
             )
             await self._nursery.start(self._produce, msg, prepared, row)
         except BaseException as exc:
@@ -543,6 +567,20 @@ class Hub:
             msg.cancel_reason = reason
             msg.cancel_scope.cancel()
 
+    def delete_when_done(self, msg: LiveMessage) -> None:
+        """Delete ``msg``'s stored row once its generation has ended: now if it has, else when it
+        does (a ``store: false`` response whose reader left before its end; its log stays
+        for the readers that hold it, until its TTL)."""
+        if msg.done.is_set():
+            self.store.delete(msg.id)
+            return
+
+        async def delete_at_end() -> None:
+            await msg.done.wait()
+            self.store.delete(msg.id)
+
+        self._nursery.start_soon(delete_at_end)
+
     def drain(self) -> None:
         """Refuse new generations from now on."""
         self.draining = True
@@ -635,25 +673,32 @@ class Hub:
     async def open_log(self, message_id: str, last_event_id: str | None) -> tuple[MessageLog, int | None]:
         """The log to resume and the seq to resume after (None: from the start).
 
+        A message whose log has expired, or whose ended log no longer holds the resume point
+        (ring caps), is rebuilt from the store (:meth:`rebuilt`) with the seqs and bytes its log
+        had, so a reader resumes after expiry and after a restart without a gap or a duplicate.
+
         Raises:
             StreamEnded: ``last_event_id`` is the terminal event of the
             message's stream, whether its log is still held or has expired
             (the store keeps the terminal event's seq).
             RingserveError: ``NOT_FOUND`` (unknown message), ``GONE`` (the log
-            expired, or the id is older than the ring holds: fetch
-            ``GET /v1/messages/{id}``), ``INVALID_REQUEST`` (malformed id, or
-            one that was never sent).
+            expired and the store cannot rebuild it: a row written before schema 5, or a
+            message still generating on another replica; or the id is older than the ring of
+            a live log holds: fetch ``GET /v1/messages/{id}``), ``INVALID_REQUEST`` (malformed
+            id, or one that was never sent).
         """
         after = None if last_event_id is None else _resume_after(last_event_id, message_id)
         log = await self.logs.find(message_id, after)  # a replica's copy may first catch up to after
-        if log is None:
+        if log is None or (log.closed and not _holds_from(log, after)):
             msg = self.lookup(message_id)  # raises NOT_FOUND for an unknown id
             if after is not None and isinstance(msg, StoredMessage) and msg.final_seq == after:
                 raise StreamEnded(message_id)
-            raise RingserveError(
-                ErrorKind.GONE,
-                f"the stream log of {message_id} has expired; GET /v1/messages/{message_id} has the message",
-            )
+            log = self.rebuilt(msg) if isinstance(msg, StoredMessage) else None
+            if log is None:
+                raise RingserveError(
+                    ErrorKind.GONE,
+                    f"the stream log of {message_id} has expired; GET /v1/messages/{message_id} has the message",
+                )
         if log.closed and after is not None and after == log.next_seq - 1:
             raise StreamEnded(message_id)
         try:
@@ -669,6 +714,48 @@ class Hub:
                 f" the ring; GET /v1/messages/{message_id} has the text",
             )
         return log, after
+
+    def rebuilt(self, msg: StoredMessage) -> MemoryMessageLog | None:
+        """The ended log of a stored message, rendered again (``core/producer.py`` :func:`replay`);
+        None when the row cannot rebuild it (written before schema 5, not final, or a trace
+        that does not fit its text).
+
+        It ends with the terminal event the stored status says: the log's own for a message
+        that ended, and for one a crash left ``interrupted`` a retryable ``api_error`` failure
+        (:data:`~ringserve.core.status.INTERRUPTED_MESSAGE`) after the text the store had; a
+        reader that had read past that text then sees the rebuilt seqs, which may differ.
+        The log is held by its readers only, not by the log store.
+        """
+        trace, args = stored_trace(msg), stored_render(msg)
+        if trace is None or args is None or not msg.status.final:
+            return None
+        usage = msg.usage
+        terminal: Finish | Failure
+        match msg.status:
+            case MessageStatus.COMPLETE | MessageStatus.CANCELLED:
+                terminal = Finish(msg.stop_reason or StopReason.END, usage, msg.stop_sequence)
+            case MessageStatus.FAILED | MessageStatus.INTERRUPTED:
+                kind, retryable = trace.failure or (ErrorKind.API_ERROR, True)
+                terminal = Failure(kind, msg.error or INTERRUPTED_MESSAGE, usage, retryable)
+            case MessageStatus.QUEUED | MessageStatus.GENERATING:
+                return None
+            case _:
+                assert_never(msg.status)
+        surface = SURFACES.by_name(msg.surface).restored(args.echo)
+        renderer = surface.renderer(msg.id, msg.model, msg.created, args.include_usage)
+        try:
+            entries = replay(msg.id, renderer, Usage(msg.input_tokens, 0), msg.blocks, trace, terminal, args.retry_ms)
+        except ValueError:
+            log.exception("the stored trace of message %s does not fit its text", msg.id)
+            return None
+        if msg.final_seq is not None and msg.final_seq != len(entries) - 1:
+            log.error("message %s rebuilt %d entries, its log had %d", msg.id, len(entries), msg.final_seq + 1)
+            return None
+        rebuilt = MemoryMessageLog(msg.id, RingLog(len(entries), sum(map(len, entries))))
+        for entry in entries:
+            rebuilt.append(entry)
+        rebuilt.close(LogState.FINISHED if isinstance(terminal, Finish) else LogState.FAILED)
+        return rebuilt
 
     def stream(
         self, log: MessageLog, after: int | None, on_heartbeat: Callable[[], None] | None = None

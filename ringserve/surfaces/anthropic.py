@@ -462,6 +462,10 @@ class AnthropicSurface:
     name = "anthropic"
     id_prefix = "msg_"
 
+    def restored(self, echo: str) -> AnthropicSurface:
+        """Itself: it keeps no state of its own (``echo`` is "")."""
+        return self
+
     def parse_request(self, body: Any) -> ParsedRequest:
         """Validate a Messages request body.
 

@@ -358,6 +358,10 @@ class OpenAISurface:
     name = "openai"
     id_prefix = "chatcmpl-"
 
+    def restored(self, echo: str) -> OpenAISurface:
+        """Itself: it keeps no state of its own (``echo`` is "")."""
+        return self
+
     def parse_request(self, body: Any) -> ParsedRequest:
         """Validate a Chat Completions request body.
 

@@ -62,7 +62,7 @@ from ringserve.core.events import (
     ToolSpec,
     Usage,
 )
-from ringserve.core.status import MessageStatus
+from ringserve.core.status import INTERRUPTED_MESSAGE, MessageStatus
 from ringserve.surfaces.base import (
     check_enforced,
     CallIds,
@@ -496,6 +496,26 @@ def parse_count(body: Any) -> ResponseCreate:
     return parse_create({k: v for k, v in body.items() if k != "personality"})
 
 
+def options_echo(body: dict[str, Any], keep_prompts: bool) -> str:
+    """What the store keeps of a request for the objects and streams that echo it (the
+    ``echo`` of :meth:`ResponsesSurface.restored`): the body but its ``input``, and but its
+    ``instructions`` unless ``keep_prompts`` (they are prompt text; ``metadata`` is not, and is
+    kept). JSON text."""
+    dropped = {"input"} if keep_prompts else {"input", "instructions"}
+    return json.dumps({k: v for k, v in body.items() if k not in dropped}, ensure_ascii=False, separators=(",", ":"))
+
+
+def echoed_options(echo: str) -> ResponseOptions:
+    """The options an :func:`options_echo` text gives (defaults for "" or a body that no longer
+    parses)."""
+    if not echo:
+        return ResponseOptions()
+    try:
+        return parse_create({**json.loads(echo), "input": ""}).options
+    except (ValueError, RingserveError):
+        return ResponseOptions()
+
+
 def stored_create(request_json: str) -> ResponseCreate | None:
     """The parsed request of a stored response, or None when the store kept no prompt
     (``[store] keep_prompts = false``) or its body no longer parses."""
@@ -627,8 +647,7 @@ def status_outcome(status: MessageStatus, stop_reason: StopReason | None, error:
         case MessageStatus.FAILED:
             return Outcome("failed", error=failure_error(ErrorKind.API_ERROR, error or "generation failed"))
         case MessageStatus.INTERRUPTED:
-            message = error or "the server stopped (a restart or a crash) while generating; the output is the text so far"
-            return Outcome("failed", error=failure_error(ErrorKind.API_ERROR, message))
+            return Outcome("failed", error=failure_error(ErrorKind.API_ERROR, error or INTERRUPTED_MESSAGE))
         case _:
             assert_never(status)
 
@@ -813,6 +832,10 @@ class ResponsesSurface:
 
     def __init__(self, options: ResponseOptions = ResponseOptions()) -> None:
         self.options = options
+
+    def restored(self, echo: str) -> ResponsesSurface:
+        """The surface of a stored response whose request left ``echo`` (:func:`options_echo`)."""
+        return ResponsesSurface(echoed_options(echo))
 
     def parse_request(self, body: Any) -> ParsedRequest:
         """:func:`parse_create` without a previous response's conversation."""
