@@ -70,7 +70,7 @@ from ringserve.core.events import (
     ToolChoiceMode,
     Usage,
 )
-from ringserve.core.grammar import Constraint, constraint_for
+from ringserve.core.grammar import Constraint, LazyCalls, constraint_for
 from ringserve.core.blocks import BlockEvent
 from ringserve.core.reply import End, ReplyStage
 from ringserve.core.scheduler import Entry, Plan, Scheduler, SlotState
@@ -103,7 +103,7 @@ class Prepared:
     prompt_tokens: tuple[int, ...]
     max_tokens: int
     context_bound: bool = False
-    constraint: Constraint | None = None
+    constraint: Constraint | LazyCalls | None = None
 
 
 @attrs.frozen
@@ -644,7 +644,7 @@ class Runner:
 
     def _step_sync(
         self,
-        begins: Sequence[tuple[int, SamplingParams, int, int | None, Constraint | None]],
+        begins: Sequence[tuple[int, SamplingParams, int, int | None, Constraint | LazyCalls | None]],
         feeds: Sequence[SlotFeed],
     ) -> _StepOutcome:
         """Worker thread: begin the admitted slots (slot, sampling, cells kept, copied from,
