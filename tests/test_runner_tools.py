@@ -316,3 +316,18 @@ async def test_cancel_inside_a_strict_auto_call_frees_the_slot():
     assert stats.kv_cells_used == 0 and stats.slots_busy == 0 and stats.cancels == 1
     fed_after = [f for call in engine.log[calls_at_cancel:] for f in call.feeds if f.slot == gen.slot]
     assert len(fed_after) <= 1
+
+
+async def test_the_byte_bound_before_tokenizing_counts_the_tools():
+    # One token per byte: a tool description longer than the slot cannot fit, and is
+    # refused without tokenizing, as message text is.
+    tokenized = []
+    engine = FakeEngine(n_ctx_slot=256, tokenize_hook=lambda: tokenized.append(1))
+    big = ToolSpec("big", "d" * 300, json.dumps({"type": "object"}))
+    async with serving(engine) as runner:
+        with pytest.raises(RingserveError, match="the messages and tools hold 3.. bytes of text") as info:
+            await runner.prepare(req("hi", tools=(big,)))
+        assert info.value.param == "messages" and tokenized == []
+        # With tool choice none the tools are not rendered: the prompt fits.
+        await runner.prepare(req("hi", tools=(big,), choice=ToolChoice(ToolChoiceMode.NONE)))
+        assert tokenized == [1]
