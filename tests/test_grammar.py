@@ -81,6 +81,8 @@ def test_the_issue_example_message() -> None:
             "keyword 'maxLength' is not supported here",
         ),
         ({"type": "object", "required": ["b"], "properties": {}}, "'required' names 'b', which is not in 'properties'"),
+        ({"type": "object", "required": ["b"]}, "'required' names 'b', which is not in 'properties' (there are none)"),
+        ({"required": ["b"]}, "'required' names 'b', which is not in 'properties' (there are none)"),
         (
             {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
             "keyword 'additionalProperties' is supported next to 'properties' only as false",

@@ -245,6 +245,9 @@ class _Checker:
             if typ is not None and not all(_type_ok(v, typ) for v in values):
                 raise _Refused(where, f"a value of 'enum'/'const' is not of type {typ!r}")
             return {"const" if "const" in keys else "enum", "type"}, {}
+        required = node.get("required")
+        if typ in (None, "object") and "properties" not in keys and isinstance(required, list) and required:
+            raise _Refused(where, f"'required' names {required[0]!r}, which is not in 'properties' (there are none)")
         additional = node.get("additionalProperties")
         if typ in (None, "object") and ("properties" in keys or ("additionalProperties" in keys and additional is not True)):
             return self._object(node, keys, where)
