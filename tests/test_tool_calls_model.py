@@ -197,7 +197,6 @@ async def test_a_strict_tool_under_auto_is_called_under_its_grammar(engine):
         100,
         SamplingParams(temperature=0),
         tools=(strict,),
-        tool_choice=ToolChoice(ToolChoiceMode.AUTO, parallel=False),
     )
     async with served(engine) as runner:
         prepared = await runner.prepare(request)
@@ -207,4 +206,5 @@ async def test_a_strict_tool_under_auto_is_called_under_its_grammar(engine):
     calls = [b for b in content if b.kind is BlockKind.TOOL_CALL]
     assert [c.name for c in calls] == ["get_weather"], content
     jsonschema.validate(json.loads(calls[0].text), WEATHER_SCHEMA)
-    assert isinstance(finish, Finish) and finish.stop_reason is StopReason.TOOL_USE
+    # Free text again after the call: the model goes on (here until max_tokens).
+    assert content[-1].kind is BlockKind.TEXT and isinstance(finish, Finish), (content, finish)
