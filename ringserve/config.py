@@ -251,8 +251,9 @@ class StoreConfig:
 class LimitsConfig:
     """Per-request and per-reader limits (0 = no limit); refusals use the surface's error shape.
 
-    ``max_messages`` and ``max_message_chars`` (characters of message text in
-    all, system prompt included) give 400; ``max_readers_per_message`` and
+    ``max_messages`` and ``max_message_chars`` (characters of text in all:
+    messages with the system prompt and the tool calls in the history, and the
+    tool definitions) give 400; ``max_readers_per_message`` and
     ``max_readers_per_client`` (concurrent stream readers and non-stream
     waits, by peer address) give 429.
     """

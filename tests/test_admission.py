@@ -118,6 +118,23 @@ def test_the_limits_refuse_too_many_messages_and_too_much_text() -> None:
     admitted({**ANTHROPIC_BODY, "messages": [{"role": "user", "content": "x" * 10}]}, config=config)
 
 
+def test_the_text_limit_counts_tool_definitions_and_tool_calls_in_the_history() -> None:
+    config = Config(limits=LimitsConfig(max_message_chars=200))
+    tool = {"name": "t", "description": "d" * 150, "input_schema": {"type": "object"}}
+    admitted({**ANTHROPIC_BODY, "tools": [tool]}, config=config)
+    error = refused({**ANTHROPIC_BODY, "tools": [tool, {**tool, "name": "u"}]}, config=config)
+    assert (error.kind, error.param) == (ErrorKind.INVALID_REQUEST, "tools")
+    assert "at most 200 characters of text (messages and tool definitions)" in error.message
+    call = {"type": "tool_use", "id": "toolu_1", "name": "t", "input": {"x": "y" * 200}}
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [call]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}]},
+    ]
+    error = refused({**ANTHROPIC_BODY, "messages": history, "tools": [{**tool, "description": ""}]}, config=config)
+    assert error.param == "messages" and "at most 200 characters of message text" in error.message
+
+
 def test_a_strict_model_name_refuses_another_model_but_not_an_empty_one() -> None:
     strict = Config(model=ModelConfig(strict_model_name=True))
     error = refused(ANTHROPIC_BODY, config=strict)

@@ -81,6 +81,8 @@ def test_the_issue_example_message() -> None:
             "keyword 'maxLength' is not supported here",
         ),
         ({"type": "object", "required": ["b"], "properties": {}}, "'required' names 'b', which is not in 'properties'"),
+        ({"type": "object", "required": ["b"]}, "'required' names 'b', which is not in 'properties' (there are none)"),
+        ({"required": ["b"]}, "'required' names 'b', which is not in 'properties' (there are none)"),
         (
             {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
             "keyword 'additionalProperties' is supported next to 'properties' only as false",
@@ -262,3 +264,56 @@ def test_random_schemas_convert_and_examples_validate(rng: object) -> None:
     constraint = grammar.calls_grammar([ToolSpec("t", "", json.dumps(schema))], False)
     body = json.loads(constraint.example[len(CALL_OPEN) : -len(CALL_CLOSE)])
     jsonschema.validate(body["arguments"], schema)
+
+
+STRICT = (ToolSpec("a", "", json.dumps(obj(x={"type": "integer"})), strict=True), TOOLS[1])
+
+
+def test_strict_auto_gets_lazy_calls_and_others_stay_free() -> None:
+    assert grammar.constraint_for(request(tools=STRICT)) == grammar.LazyCalls(STRICT)
+    json_out = request(tools=STRICT, output=OutputFormat(OutputKind.JSON_OBJECT))
+    assert isinstance(grammar.constraint_for(json_out), grammar.Constraint)  # the output grammar: no calls
+
+
+@pytest.mark.parametrize(
+    ("tail", "head"),
+    [("", '{"name": '), ("\n", '{"name": '), (" \n\t", '{"name": '), ("{", '"name": '), ('\n{"na', 'me": ')],
+)
+def test_lazy_calls_continue_what_the_marker_token_held(tail: str, head: str) -> None:
+    constraint = grammar.LazyCalls(STRICT).after(tail)
+    assert constraint is not None
+    assert constraint.example == head + '"a", "arguments": {"x": 1}}' + CALL_CLOSE
+    body = (tail + constraint.example)[: -len(CALL_CLOSE)]
+    assert json.loads(body) == {"name": "a", "arguments": {"x": 1}}
+    root = next(line for line in constraint.grammar.splitlines() if line.startswith("root ::= "))
+    assert root.startswith("root ::= [ \\t\\n]{0,2} ") == (tail.strip() == "")
+    # The non-strict tool's arguments are any object: its refused keyword is not converted.
+    assert "patternProperties" not in constraint.grammar and '"\\"b\\", \\"arguments\\": " s1' in root
+
+
+@pytest.mark.parametrize("tail", ['{ "name"', "x", '{"name": "a"'])
+def test_lazy_calls_refuse_a_tail_the_grammar_cannot_continue(tail: str) -> None:
+    assert grammar.LazyCalls(STRICT).after(tail) is None
+
+
+def test_call_watch_switches_on_after_the_marker_and_off_after_the_call() -> None:
+    watch = grammar.CallWatch(grammar.LazyCalls(STRICT))
+    on = grammar.GrammarOn(grammar.LazyCalls(STRICT).after("\n"))  # type: ignore[arg-type]
+    fed = [
+        (b"I'll call <tool", None),
+        (b"_call", None),
+        (b">\n", on),
+        (b'{"name": "a", "arguments": {"x": "</tool_call>', None),  # inside a string: not an end
+        (b'"}}\n</tool_call', None),
+        (b">", grammar.GrammarOff()),
+        (b" then \xc3", None),
+        (b"\xa9<tool_call>\n", on),  # a character split across pieces, the marker in one piece
+    ]
+    assert [watch.feed(piece) for piece, _ in fed] == [switch for _, switch in fed]
+
+
+def test_call_watch_ends_on_a_call_it_cannot_constrain() -> None:
+    watch = grammar.CallWatch(grammar.LazyCalls(STRICT))
+    assert watch.feed(b'<tool_call>{ "name"') is None
+    assert watch.feed(b': "a", "arguments": {}}\n</tool_call>') is None
+    assert watch.feed(b"<tool_call>\n") is None  # the watch has ended

@@ -32,7 +32,8 @@ from ringserve.core.events import (
 )
 from ringserve.core.scheduler import SlotState
 from ringserve.core.toolcalls import format_call
-from ringserve.engine.fake import FakeEngine
+from ringserve.core.grammar import GrammarOff, GrammarOn, LazyCalls
+from ringserve.engine.fake import FakeEngine, Switched
 from ringserve.engine.runner import Runner
 
 GUARD = 10
@@ -254,3 +255,79 @@ async def test_cancel_during_constrained_decoding_frees_the_slot_within_a_step()
     fed_after = [f for call in engine.log[calls_at_cancel:] for f in call.feeds if f.slot == gen.slot]
     assert len(fed_after) <= 1  # at most the step in flight at the cancel
     assert gen.usage.output_tokens < 100
+
+
+STRICT_WEATHER = ToolSpec(WEATHER.name, WEATHER.description, WEATHER.parameters, strict=True)
+
+
+async def test_strict_auto_decodes_each_call_under_the_grammar_from_its_marker():
+    # The scripted model writes text, a call of the strict tool whose arguments do not
+    # validate, text, and a call of the non-strict tool: the grammar goes on after each
+    # marker and off after each call. Under it the fake writes the grammar's example, a
+    # call of the first tool, so both calls come out as valid get_weather calls.
+    bad = format_call("get_weather", '{"city": 5}')
+    reply = "Let me check." + bad + "\nand " + format_call("get_time", '{"city": "Rome"}') + "\nDone."
+    engine = FakeEngine(piece_bytes=3, reply=reply)
+    events = await run(engine, req(tools=(STRICT_WEATHER, TIME)))
+    check_order(events)
+    assert engine.begins[-1].constraint == LazyCalls((STRICT_WEATHER, TIME))
+    switches = engine.switches
+    assert [type(s.switch) for s in switches] == [GrammarOn, GrammarOff, GrammarOn, GrammarOff]
+    # On right after the sample that completes "<tool_call>" ("Let me check." is 13 bytes).
+    assert switches[0].sample == -(-(13 + len("<tool_call>")) // 3)
+    got = blocks(events)
+    assert [(b.kind, b.name) for b in got] == [
+        (BlockKind.TEXT, ""), (BlockKind.TOOL_CALL, "get_weather"), (BlockKind.TEXT, ""),
+        (BlockKind.TOOL_CALL, "get_weather"), (BlockKind.TEXT, ""),
+    ]
+    assert got[0].text == "Let me check." and got[2].text == "and " and got[4].text == "Done."
+    for call in (got[1], got[3]):
+        jsonschema.validate(json.loads(call.text), WEATHER_SCHEMA)
+    # Off on the sample that completes the call: the watch's parser saw its "</tool_call>".
+    example = LazyCalls((STRICT_WEATHER, TIME)).after("")  # the marker ended a piece: nothing after it
+    assert example is not None and switches[0].switch == GrammarOn(example)
+    assert switches[1].sample == switches[0].sample + -(-len(example.example) // 3)
+    assert events[-1].stop_reason is StopReason.TOOL_USE  # text after calls: still a tool-use turn
+
+
+async def test_auto_without_a_strict_tool_is_not_watched():
+    engine = FakeEngine(piece_bytes=3, reply=format_call("get_weather", '{"city": 5}'))
+    events = await run(engine, req())
+    assert engine.begins[-1].constraint is None and engine.switches == []
+    assert json.loads(blocks(events)[0].text) == {"city": 5}
+
+
+async def test_cancel_inside_a_strict_auto_call_frees_the_slot():
+    long_string = {"type": "object", "properties": {"text": {"type": "string", "minLength": 2000}}, "required": ["text"]}
+    tool = ToolSpec("write", "", json.dumps(long_string), strict=True)
+    engine = FakeEngine(piece_bytes=1, reply="ok " + format_call("write", '{"text": "x"}'))
+    async with serving(engine) as runner:
+        prepared = await runner.prepare(req(tools=(tool,), max_tokens=3000))
+        async with runner.submit(prepared) as gen:
+            seen = 0
+            async for event in gen:
+                seen += isinstance(event, BlockDelta) and event.index == 1
+                if seen == 5:
+                    break
+            calls_at_cancel = len(engine.log)
+        await runner.wait_idle()
+        stats = runner.statistics()
+    assert [type(s.switch) for s in engine.switches] == [GrammarOn]
+    assert stats.kv_cells_used == 0 and stats.slots_busy == 0 and stats.cancels == 1
+    fed_after = [f for call in engine.log[calls_at_cancel:] for f in call.feeds if f.slot == gen.slot]
+    assert len(fed_after) <= 1
+
+
+async def test_the_byte_bound_before_tokenizing_counts_the_tools():
+    # One token per byte: a tool description longer than the slot cannot fit, and is
+    # refused without tokenizing, as message text is.
+    tokenized = []
+    engine = FakeEngine(n_ctx_slot=256, tokenize_hook=lambda: tokenized.append(1))
+    big = ToolSpec("big", "d" * 300, json.dumps({"type": "object"}))
+    async with serving(engine) as runner:
+        with pytest.raises(RingserveError, match="the messages and tools hold 3.. bytes of text") as info:
+            await runner.prepare(req("hi", tools=(big,)))
+        assert info.value.param == "messages" and tokenized == []
+        # With tool choice none the tools are not rendered: the prompt fits.
+        await runner.prepare(req("hi", tools=(big,), choice=ToolChoice(ToolChoiceMode.NONE)))
+        assert tokenized == [1]

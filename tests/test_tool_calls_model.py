@@ -166,6 +166,15 @@ def test_llama_parses_a_calls_grammar_of_two_tools(engine):
     check_accepts_example(engine, grammar.calls_grammar([WEATHER, other], True), "{", then="\n")
 
 
+@pytest.mark.parametrize("tail", ["", "\n", '{"'])
+def test_llama_parses_a_call_grammar_after_the_marker_and_it_accepts_the_example(engine, tail):
+    other = ToolSpec("record", "", json.dumps(random_schema(random.Random(7))), strict=True)
+    loose = ToolSpec("loose", "", json.dumps({"type": "object", "properties": {"n": {"minimum": 1}}}))
+    constraint = grammar.LazyCalls((other, WEATHER, loose)).after(tail)
+    assert constraint is not None
+    check_accepts_example(engine, constraint, "x")
+
+
 def test_llama_tokenize_chat_renders_tool_turns(engine):
     history = (
         ChatMessage("user", "Weather in Paris?"),
@@ -177,3 +186,25 @@ def test_llama_tokenize_chat_renders_tool_turns(engine):
     assert "You can call tools." in text and '"name": "get_weather"' in text
     assert '<tool_response>\n{"call_id": "toolu_1", "name": "get_weather", "content": "18 C and sunny"}' in text
     assert len(tokens) < len(engine.tokenize_chat(history, (WEATHER,), ToolChoice(ToolChoiceMode.AUTO))) + 1
+
+
+async def test_a_strict_tool_under_auto_is_called_under_its_grammar(engine):
+    # The bundled model opens a call by itself for this prompt (greedy); from the token
+    # after its <tool_call> marker the arguments are decoded under the strict tool's schema.
+    strict = ToolSpec(WEATHER.name, WEATHER.description, WEATHER.parameters, strict=True)
+    request = GenerationRequest(
+        (ChatMessage("system", "You must call a tool."), ChatMessage("user", "Weather in Rome?")),
+        100,
+        SamplingParams(temperature=0),
+        tools=(strict,),
+    )
+    async with served(engine) as runner:
+        prepared = await runner.prepare(request)
+        assert isinstance(prepared.constraint, grammar.LazyCalls)
+        async with runner.submit(prepared) as gen:
+            content, finish = await gen.collect()
+    calls = [b for b in content if b.kind is BlockKind.TOOL_CALL]
+    assert [c.name for c in calls] == ["get_weather"], content
+    jsonschema.validate(json.loads(calls[0].text), WEATHER_SCHEMA)
+    # Free text again after the call: the model goes on (here until max_tokens).
+    assert content[-1].kind is BlockKind.TEXT and isinstance(finish, Finish), (content, finish)

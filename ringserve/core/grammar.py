@@ -56,16 +56,21 @@ from typing import Any, assert_never
 import attrs
 from llama_cpp import llama_grammar as _lg
 
+from ringserve.core.detokenizer import Detokenizer
 from ringserve.core.errors import invalid
 from ringserve.core.events import GenerationRequest, OutputKind, ToolChoiceMode, ToolSpec
-from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN, format_call
+from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN, OPEN_MARK, CallEnd, ToolCallError, ToolCallParser, format_call
 
 __all__ = [
     "ANNOTATIONS",
     "CACHE_SIZE",
     "MAX_CALLS",
     "REFUSED",
+    "CallWatch",
     "Constraint",
+    "GrammarOff",
+    "GrammarOn",
+    "LazyCalls",
     "calls_grammar",
     "check_schema",
     "enforced_schemas",
@@ -240,6 +245,9 @@ class _Checker:
             if typ is not None and not all(_type_ok(v, typ) for v in values):
                 raise _Refused(where, f"a value of 'enum'/'const' is not of type {typ!r}")
             return {"const" if "const" in keys else "enum", "type"}, {}
+        required = node.get("required")
+        if typ in (None, "object") and "properties" not in keys and isinstance(required, list) and required:
+            raise _Refused(where, f"'required' names {required[0]!r}, which is not in 'properties' (there are none)")
         additional = node.get("additionalProperties")
         if typ in (None, "object") and ("properties" in keys or ("additionalProperties" in keys and additional is not True)):
             return self._object(node, keys, where)
@@ -437,19 +445,145 @@ def calls_grammar(tools: Sequence[ToolSpec], parallel: bool) -> Constraint:
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def _calls_grammar(tools: tuple[ToolSpec, ...], parallel: bool) -> Constraint:
-    conv, rules = _convert([(t.parameters, f"tools[{i}].parameters") for i, t in enumerate(tools)])
-    alts = []
-    for tool, args in zip(tools, rules, strict=True):
-        head = conv.literal(f"{json.dumps(tool.name)}, {json.dumps('arguments')}: ")
-        alts.append(f"{head} {args}")
-    body = " | ".join(alts)
-    call = conv.rule(
-        "call", f"{conv.literal(CALL_OPEN + '{' + json.dumps('name') + ': ')} ( {body} ) {conv.literal('}' + CALL_CLOSE)}"
-    )
+    conv, body = _call_bodies(tools, [t.parameters for t in tools])
+    call = conv.rule("call", f"{conv.literal(CALL_OPEN + _HEAD)} ( {body} ) {conv.literal('}' + CALL_CLOSE)}")
     root = call if not parallel else f'{call} ("\\n" {call}){{0,{MAX_CALLS - 1}}}'
     conv.rule("root", root)
     first = tools[0]
     return Constraint(conv.grammar(), format_call(first.name, _example(first.parameters, "tools[0].parameters")))
+
+
+_HEAD = "{" + json.dumps("name") + ": "
+"""What a call's JSON object starts with in the call syntax, before the tool's name."""
+
+
+def _call_bodies(tools: Sequence[ToolSpec], schemas: Sequence[str]) -> tuple[_Converter, str]:
+    """A converter holding the argument rules of ``tools`` (``schemas[i]`` for ``tools[i]``) and
+    the alternatives, one per tool, of what follows :data:`_HEAD`: the name, then the arguments."""
+    conv, rules = _convert([(text, f"tools[{i}].parameters") for i, text in enumerate(schemas)])
+    alts = []
+    for tool, args in zip(tools, rules, strict=True):
+        head = conv.literal(f"{json.dumps(tool.name)}, {json.dumps('arguments')}: ")
+        alts.append(f"{head} {args}")
+    return conv, " | ".join(alts)
+
+
+_ANY_OBJECT = json.dumps({"type": "object"})
+_LEAD_WS = 2
+"""Whitespace characters a call's grammar allows between the marker and the object."""
+
+
+@attrs.frozen
+class LazyCalls:
+    """Tool calls in a free reply (tool choice ``AUTO`` with a ``strict`` tool), each decoded
+    under a grammar from its ``<tool_call>`` marker to its closing marker; text outside calls
+    is free.
+
+    The engine follows the reply with a :class:`CallWatch` and puts the grammar
+    :meth:`after` the marker on the sequence's sampler chain from the next token.
+
+    Attributes:
+        tools: the request's tools: a ``strict`` tool's arguments are decoded under its
+            schema, another tool's under "any JSON object" (its schema was not checked
+            for what the grammar can enforce, and ``strict`` false asks for no more).
+    """
+
+    tools: tuple[ToolSpec, ...]
+
+    def after(self, text: str) -> Constraint | None:
+        """The grammar of the rest of a call whose text after the ``<tool_call>`` marker
+        is ``text`` (what the marker's token held after it, usually ``"\\n"`` or ``""``):
+        whitespace, ``{"name": NAME, "arguments": ARGS}`` with NAME one of :attr:`tools`
+        and ARGS valid for it, then ``\\n</tool_call>``, as
+        :func:`~ringserve.core.toolcalls.format_call` writes a call. ``example``
+        (what the fake engine writes) calls the first tool.
+
+        Returns None when ``text`` is not whitespace followed by a start of
+        ``{"name": `` (a token that holds the marker's end and more of the object; the
+        call is then not constrained).
+        """
+        return _lazy_rest(self.tools, text)
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _lazy_rest(tools: tuple[ToolSpec, ...], text: str) -> Constraint | None:
+    stripped = text.lstrip(" \t\n")
+    if not _HEAD.startswith(stripped):
+        return None
+    schemas = [t.parameters if t.strict else _ANY_OBJECT for t in tools]
+    conv, body = _call_bodies(tools, schemas)
+    head = _HEAD[len(stripped) :]
+    lead = "" if stripped else f"[ \\t\\n]{{0,{_LEAD_WS}}} "
+    literal = f"{conv.literal(head)} " if head else ""
+    conv.rule("root", f"{lead}{literal}( {body} ) {conv.literal('}' + CALL_CLOSE)}")
+    first = tools[0]
+    args = _example(schemas[0], "tools[0].parameters")
+    example = f"{head}{json.dumps(first.name)}, {json.dumps('arguments')}: {args}}}{CALL_CLOSE}"
+    return Constraint(conv.grammar(), example)
+
+
+@attrs.frozen
+class GrammarOn:
+    """Put ``constraint`` first on the sequence's sampler chain, from its next token on."""
+
+    constraint: Constraint
+
+
+@attrs.frozen
+class GrammarOff:
+    """Take the call's grammar off the sequence's sampler chain: the call is complete."""
+
+
+@attrs.define(eq=False)
+class CallWatch:
+    """Follows one sequence's sampled pieces and says when a call's grammar goes on and off
+    (sans-I/O; the engine calls :meth:`feed` right after it samples each token, so a switch
+    applies to the very next token).
+
+    It runs its own :class:`~ringserve.core.toolcalls.ToolCallParser` over the decoded
+    text, the same parser the reply stage runs, so both agree on where a call starts and
+    ends (a ``</tool_call>`` inside an argument string is not an end). On: the token that
+    completes ``<tool_call>``, with :meth:`LazyCalls.after` of what that token held
+    after the marker. Off: the token that completes the call (under the grammar, the
+    ``>`` of ``</tool_call>``); the next call turns it on again. A call that cannot be
+    constrained (:meth:`LazyCalls.after` is None) or read (``ToolCallError``, which the
+    reply stage reports too) ends the watch.
+    """
+
+    calls: LazyCalls
+    _parser: ToolCallParser = attrs.field(init=False)
+    _text: Detokenizer = attrs.field(init=False, factory=Detokenizer)
+    _tail: str = attrs.field(init=False, default="")
+    _on: bool = attrs.field(init=False, default=False)
+    _done: bool = attrs.field(init=False, default=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._parser = ToolCallParser(frozenset(t.name for t in self.calls.tools))
+
+    def feed(self, piece: bytes) -> GrammarOn | GrammarOff | None:
+        """The switch that the token of ``piece`` (its bytes) makes, if any."""
+        text = self._text.feed(piece)
+        if self._done or not text:
+            return None
+        was_in_call = self._parser.in_call
+        seen = self._tail + text
+        try:
+            pieces = self._parser.feed(text)
+        except ToolCallError:
+            self._done = True
+            return GrammarOff() if self._on else None
+        self._tail = "" if self._parser.in_call else seen[-(len(OPEN_MARK) - 1) :]
+        if self._on and any(isinstance(p, CallEnd) for p in pieces):
+            self._on = False
+            return GrammarOff()
+        if not was_in_call and self._parser.in_call:
+            constraint = self.calls.after(seen[seen.find(OPEN_MARK) + len(OPEN_MARK) :])
+            if constraint is None:
+                self._done = True
+                return None
+            self._on = True
+            return GrammarOn(constraint)
+        return None
 
 
 def _example(text: str, where: str) -> str:
@@ -540,7 +674,7 @@ def enforced_schemas(request: GenerationRequest) -> list[tuple[int | None, str]]
     return schemas
 
 
-def constraint_for(request: GenerationRequest) -> Constraint | None:
+def constraint_for(request: GenerationRequest) -> Constraint | LazyCalls | None:
     """The grammar a request's reply is decoded under, or None for free text.
 
     * a forced tool: ``REQUIRED``, calls of any of the tools, one or with
@@ -549,10 +683,9 @@ def constraint_for(request: GenerationRequest) -> Constraint | None:
       :func:`calls_grammar`;
     * otherwise ``JSON_OBJECT`` / ``JSON_SCHEMA`` output: :func:`output_grammar`
       (with tools under ``AUTO`` the model then cannot call them);
-    * otherwise None. ``AUTO`` calls are not constrained (the model decides
-      whether to call; a lazy grammar would start at the ``<tool_call>``
-      marker): the schemas of ``strict`` tools are still checked, but not
-      enforced.
+    * otherwise, ``AUTO`` with at least one ``strict`` tool: :class:`LazyCalls`,
+      free text whose calls are decoded under a grammar from their marker on;
+    * otherwise None.
 
     The error fields are surface-neutral (``tools[i].parameters``,
     ``output.schema``); surfaces check :func:`enforced_schemas` with their own
@@ -574,6 +707,8 @@ def constraint_for(request: GenerationRequest) -> Constraint | None:
         raise invalid(f"tool_choice names {choice.name!r}, which is not one of the tools", "tool_choice")
     match request.output.kind:
         case OutputKind.TEXT:
+            if tools and choice.mode is ToolChoiceMode.AUTO and any(t.strict for t in tools):
+                return LazyCalls(tuple(tools))
             return None
         case OutputKind.JSON_OBJECT:
             return output_grammar("", "output")

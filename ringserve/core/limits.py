@@ -3,8 +3,8 @@
 Two kinds of limit, both configured in the ``[limits]`` table:
 
 * :func:`check_request` bounds what one generation request may carry: how
-  many messages, and how many characters of message text in all (system
-  prompt included). The body-size cap (``server.max_body_bytes``, HTTP 413)
+  many messages, and how many characters of text in all (system prompt,
+  tool calls in the history and tool definitions included). The body-size cap (``server.max_body_bytes``, HTTP 413)
   comes first and is enforced by the HTTP layer.
 * :class:`ReaderGate` bounds concurrent readers (SSE connections and
   non-stream waits): per message, and per client (the peer's address).
@@ -17,38 +17,68 @@ surface answers it in its own error shape (400 ``invalid_request_error``,
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import GenerationRequest
 
-__all__ = ["ReaderGate", "check_request"]
+__all__ = ["ReaderGate", "check_request", "message_texts", "tool_texts"]
+
+
+def message_texts(request: GenerationRequest) -> Iterator[str]:
+    """The texts of the messages that go into the prompt: each message's content and, for
+    the tool calls in the history, each call's name and arguments."""
+    for m in request.messages:
+        yield m.content
+        for call in m.tool_calls:
+            yield call.name
+            yield call.arguments
+
+
+def tool_texts(request: GenerationRequest) -> Iterator[str]:
+    """The texts of the request's tool definitions that go into the prompt: each tool's
+    name, description and schema (rendered unless the tool choice is ``NONE``; counted always)."""
+    for tool in request.tools:
+        yield tool.name
+        yield tool.description
+        yield tool.parameters
 
 
 def check_request(request: GenerationRequest, *, max_messages: int, max_text_chars: int) -> None:
-    """Refuse a request with too many messages or too much message text.
+    """Refuse a request with too many messages or too much text.
 
     Args:
         request: the parsed request (system prompt included in ``messages``).
         max_messages: the most messages (0: no limit).
-        max_text_chars: the most characters of message text in all, counted
-            as Python ``str`` code points (0: no limit).
+        max_text_chars: the most characters of text in all, counted as
+            Python ``str`` code points (0: no limit): the message texts
+            (:func:`message_texts`: contents, and the names and arguments of
+            tool calls in the history) and the tool definitions
+            (:func:`tool_texts`).
 
     Raises:
-        RingserveError: ``INVALID_REQUEST`` with ``param="messages"``; the
-            message gives the limit and the count.
+        RingserveError: ``INVALID_REQUEST``, the message giving the limit and
+            the count; ``param`` is ``messages``, or ``tools`` when the
+            messages alone are within the limit.
     """
     n = len(request.messages)
     if max_messages and n > max_messages:
         raise invalid(f"messages: at most {max_messages} messages are accepted, got {n}", "messages")
     if max_text_chars:
-        chars = sum(len(m.content) for m in request.messages)
+        chars = sum(map(len, message_texts(request)))
         if chars > max_text_chars:
             raise invalid(
                 f"messages: at most {max_text_chars} characters of message text are accepted, got {chars}",
                 "messages",
+            )
+        chars += sum(map(len, tool_texts(request)))
+        if chars > max_text_chars:
+            raise invalid(
+                f"tools: at most {max_text_chars} characters of text (messages and tool definitions) are"
+                f" accepted, got {chars}",
+                "tools",
             )
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "CallArgs",
     "CallEnd",
     "CallStart",
+    "OPEN_MARK",
     "Piece",
     "Text",
     "ToolCallError",

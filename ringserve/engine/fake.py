@@ -24,7 +24,14 @@ did to it:
   parameters are accepted and ignored. A slot begun with a ``constraint``
   (a forced tool call, JSON output) replies the constraint's ``example``
   instead: a text its grammar accepts, made from the schema
-  (:func:`ringserve.core.grammar.example_instance`).
+  (:func:`ringserve.core.grammar.example_instance`). A slot begun with
+  :class:`~ringserve.core.grammar.LazyCalls` replies the scripted text, but
+  a :class:`~ringserve.core.grammar.CallWatch` follows it as on the real
+  engine: each grammar it puts on or takes off is recorded in
+  :attr:`FakeEngine.switches`, and when one goes on, the rest of the scripted
+  call (up to its ``</tool_call>``, or all the rest if there is none) is
+  replaced by that grammar's ``example``, as a grammar would force a valid
+  call.
 * The chat's tools and tool turns are rendered as text first
   (:func:`ringserve.core.toolcalls.plain_messages`), as on the real engine.
 * A failed :meth:`decode` changes nothing (no KV cells, no reply progress),
@@ -44,11 +51,11 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
-from ringserve.core.grammar import Constraint
-from ringserve.core.toolcalls import plain_messages
+from ringserve.core.grammar import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
+from ringserve.core.toolcalls import CLOSE_MARK, plain_messages
 from ringserve.engine.protocol import EngineError, KVCacheFull, Sampled, SlotFeed
 
-__all__ = ["DEFAULT_REPLY", "EOG_TOKEN", "Begin", "DecodeCall", "FakeEngine"]
+__all__ = ["DEFAULT_REPLY", "EOG_TOKEN", "Begin", "DecodeCall", "FakeEngine", "Switched"]
 
 DEFAULT_REPLY = "The quick brown fox jumps over the lazy dog."
 """The reply when the request is not an ``echo:`` and no ``reply`` was given."""
@@ -87,7 +94,17 @@ class Begin:
     slot: int
     keep: int
     source: int | None
-    constraint: Constraint | None = None
+    constraint: Constraint | LazyCalls | None = None
+
+
+@attrs.frozen
+class Switched:
+    """A tool call's grammar put on or taken off a slot's sampler (:class:`LazyCalls`),
+    right after the slot's sample number ``sample`` (1-based)."""
+
+    slot: int
+    sample: int
+    switch: GrammarOn | GrammarOff
 
 
 @attrs.define(eq=False)
@@ -96,7 +113,8 @@ class _SlotState:
     pieces: list[bytes] | None = None
     samples: int = 0
     begun: bool = True
-    constraint: Constraint | None = None
+    constraint: Constraint | LazyCalls | None = None
+    watch: CallWatch | None = None
 
 
 def _last_user_text(prompt: bytes) -> str:
@@ -182,6 +200,7 @@ class FakeEngine:
         self.log: list[DecodeCall] = []
         self._calls = 0
         self.begins: list[Begin] = []
+        self.switches: list[Switched] = []
         self.prefilled: list[int] = [0] * n_slots
         self.closed = False
         self._lock = threading.Lock()
@@ -242,10 +261,10 @@ class FakeEngine:
         sampling: SamplingParams,
         keep: int = 0,
         source: int | None = None,
-        constraint: Constraint | None = None,
+        constraint: Constraint | LazyCalls | None = None,
     ) -> None:
         """Start a sequence in ``slot`` holding the first ``keep`` cells of its own, or of ``source``'s, KV cells;
-        with a ``constraint`` its reply is ``constraint.example``.
+        with a :class:`Constraint` its reply is ``constraint.example`` (:class:`LazyCalls`: see the module docstring).
 
         Raises:
             ValueError: a slot out of range, or fewer than ``keep`` cells
@@ -260,7 +279,8 @@ class FakeEngine:
             cells = [] if origin is None else origin.kv
             if keep > len(cells):
                 raise ValueError(f"slot {slot}: cannot keep {keep} cells of {len(cells)}")
-            self._slots[slot] = _SlotState(cells[:keep], constraint=constraint)
+            watch = CallWatch(constraint) if isinstance(constraint, LazyCalls) else None
+            self._slots[slot] = _SlotState(cells[:keep], constraint=constraint, watch=watch)
             if self.record:
                 self.begins.append(Begin(slot, keep, source, constraint))
 
@@ -332,7 +352,7 @@ class FakeEngine:
             pieces = state.pieces
             if pieces is None:
                 prompt = bytes(t for t in (*state.kv, *f.tokens) if t < 256)
-                if state.constraint is not None:
+                if isinstance(state.constraint, Constraint):
                     data = state.constraint.example.encode("utf-8")
                 else:
                     data = self.reply_for(_last_user_text(prompt)).encode("utf-8")
@@ -362,9 +382,28 @@ class FakeEngine:
             assert state is not None
             state.pieces = pieces
             state.samples += 1
+            if state.watch is not None:
+                self._watch(f.slot, state, piece)
             token = EOG_TOKEN if eog else self._token_for(piece)
             result.append(Sampled(f.slot, token, piece, eog))
         return result
+
+    def _watch(self, slot: int, state: _SlotState, piece: bytes) -> None:
+        """Feed the slot's call watch; record its switch, and script a valid call when it goes on."""
+        assert state.watch is not None and state.pieces is not None
+        switch = state.watch.feed(piece)
+        if switch is None:
+            return
+        if self.record:
+            self.switches.append(Switched(slot, state.samples, switch))
+        if isinstance(switch, GrammarOn):
+            done = state.pieces[: state.samples]
+            rest = b"".join(state.pieces[state.samples :])
+            close = rest.find(CLOSE_MARK.encode())
+            after = rest[close + len(CLOSE_MARK) :] if close >= 0 else b""
+            data = switch.constraint.example.encode("utf-8") + after
+            step = self.piece_bytes
+            state.pieces = done + [data[i : i + step] for i in range(0, len(data), step)]
 
     def release(self, slot: int, keep: int = 0) -> None:
         """Keep the slot's first ``keep`` KV cells (0: none), remove the rest, forget its reply. Idempotent."""

@@ -23,6 +23,7 @@ callback (which prints to ``sys.stderr``) stays in place.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import random
 import re
@@ -30,18 +31,20 @@ import secrets
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 import llama_cpp as lc
 
 from ringserve.config import decode_threads
 from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
-from ringserve.core.grammar import Constraint
+from ringserve.core.grammar import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.core.toolcalls import plain_messages
 from ringserve.engine.modelfile import ModelFileError, check_model_file
 from ringserve.engine.protocol import EngineError, KVCacheFull, Sampled, SlotFeed
 
 __all__ = ["ChatTemplateError", "LlamaEngine"]
+
+log = logging.getLogger("ringserve.engine")
 
 FALLBACK_CHAT_TEMPLATE = b"chatml"
 """llama.cpp built-in template used when the GGUF has no ``tokenizer.chat_template``."""
@@ -189,6 +192,8 @@ class LlamaEngine:
         self.n_batch = n_batch
         self.n_threads = decode_threads(n_threads, os.cpu_count() or 1)
         self._chains: list[int | None] = [None] * n_slots
+        self._watches: list[CallWatch | None] = [None] * n_slots
+        self._call_grammar: list[bool] = [False] * n_slots  # a call's grammar is first on the chain
         self._pieces: dict[int, tuple[bytes, bool]] = {}
         self._piece_buf = ctypes.create_string_buffer(64)
 
@@ -449,7 +454,7 @@ class LlamaEngine:
         sampling: SamplingParams,
         keep: int = 0,
         source: int | None = None,
-        constraint: Constraint | None = None,
+        constraint: Constraint | LazyCalls | None = None,
     ) -> None:
         """Prepare ``slot`` for a new sequence: set up its KV cells and build its sampler chain.
 
@@ -470,7 +475,11 @@ class LlamaEngine:
         (``llama_sampler_init_grammar(vocab, grammar, "root")``): it sets every
         token the grammar does not allow next to -inf before the others pick,
         and allows end-of-generation only once the grammar is complete; the
-        chain's accept advances it. Any previous chain of the slot is freed.
+        chain's accept advances it. With :class:`LazyCalls` the chain starts
+        without one and a :class:`CallWatch` follows the slot's tokens: from the
+        token after a ``<tool_call>`` marker to the one that completes the call,
+        the call's grammar is first on the chain (see :meth:`decode`). Any
+        previous chain of the slot is freed.
 
         Raises:
             ValueError: ``slot`` or ``source`` is not in ``0 .. n_slots-1``,
@@ -496,12 +505,17 @@ class LlamaEngine:
         params.no_perf = True
         chain = lc.llama_sampler_chain_init(params)
         self._chains[slot] = chain
-        if constraint is not None:
-            grammar = lc.llama_sampler_init_grammar(self._vocab, constraint.grammar.encode(), b"root")
-            if not grammar:
-                self._free_chain(slot)
-                raise EngineError(f"llama.cpp could not parse the grammar for slot {slot}", [slot])
-            lc.llama_sampler_chain_add(chain, grammar)
+        if isinstance(constraint, LazyCalls):
+            # The grammar a call gets is parsed now once, so that a grammar llama.cpp refuses
+            # fails the begin, not a decode step; the ones of the other marker tails differ
+            # only in the head's literal.
+            probe = constraint.after("")
+            assert probe is not None, "the empty tail is a prefix of every call"
+            grammar = self._grammar(slot, probe)
+            lc.llama_sampler_free(grammar)
+            self._watches[slot] = CallWatch(constraint)
+        elif constraint is not None:
+            lc.llama_sampler_chain_add(chain, self._grammar(slot, constraint))
         if sampling.temperature == 0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
         else:
@@ -515,13 +529,57 @@ class LlamaEngine:
             seed = random.getrandbits(32) if sampling.seed is None else sampling.seed & 0xFFFFFFFF
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
 
+    def _grammar(self, slot: int, constraint: Constraint) -> Any:
+        """A grammar sampler for ``constraint`` (start rule ``root``).
+
+        Raises:
+            EngineError: llama.cpp could not parse the grammar; the slot's chain is freed.
+        """
+        grammar = lc.llama_sampler_init_grammar(self._vocab, constraint.grammar.encode(), b"root")
+        if not grammar:
+            self._free_chain(slot)
+            raise EngineError(f"llama.cpp could not parse the grammar for slot {slot}", [slot])
+        return grammar
+
+    def _switch(self, slot: int, switch: GrammarOn | GrammarOff) -> None:
+        """Put a call's grammar first on the slot's chain, or take it off.
+
+        The chain's other samplers are taken out and put back after the
+        grammar (``llama_sampler_chain_remove`` hands a sampler back without
+        freeing it), so a seeded draw keeps its state. A grammar llama.cpp
+        cannot parse (begin parsed one of the same shape) leaves the call
+        free and is logged.
+        """
+        chain = self._chains[slot]
+        assert chain is not None
+        match switch:
+            case GrammarOn():
+                grammar = lc.llama_sampler_init_grammar(self._vocab, switch.constraint.grammar.encode(), b"root")
+                if not grammar:
+                    log.error("llama.cpp could not parse a tool call's grammar for slot %d", slot)
+                    return
+                others = [lc.llama_sampler_chain_remove(chain, 0) for _ in range(lc.llama_sampler_chain_n(chain))]
+                lc.llama_sampler_chain_add(chain, grammar)
+                for sampler in others:
+                    lc.llama_sampler_chain_add(chain, sampler)
+                self._call_grammar[slot] = True
+            case GrammarOff():
+                if self._call_grammar[slot]:
+                    lc.llama_sampler_free(lc.llama_sampler_chain_remove(chain, 0))
+                    self._call_grammar[slot] = False
+            case _:
+                assert_never(switch)
+
     def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
         """Decode one batch holding every feed; sample one token per feed with ``sample``.
 
         All feeds go into the one shared ``llama_batch`` (tokens at their
         positions, sequence id = slot, output flag on the last token of each
         sampling feed), then a single ``llama_decode``. Each sampling feed's
-        chain then samples from the logits of its last token.
+        chain then samples from the logits of its last token; a slot begun
+        with :class:`LazyCalls` has its :class:`CallWatch` fed the token right
+        away, so a call's grammar goes on (or off) before the slot's next
+        token is sampled, however the caller pipelines steps.
 
         Args:
             feeds: at most one feed per slot; tokens summed over feeds must be
@@ -603,6 +661,11 @@ class LlamaEngine:
         for slot, i in sample_at:
             token = lc.llama_sampler_sample(self._chains[slot], self._ctx, i)
             piece, eog = self._piece(token)
+            watch = self._watches[slot]
+            if watch is not None:
+                switch = watch.feed(piece)
+                if switch is not None:
+                    self._switch(slot, switch)
             result.append(Sampled(slot, token, piece, eog))
         return result
 
@@ -683,6 +746,8 @@ class LlamaEngine:
         self.close()
 
     def _free_chain(self, slot: int) -> None:
+        self._watches[slot] = None
+        self._call_grammar[slot] = False
         chain = self._chains[slot]
         if chain is not None:
             self._chains[slot] = None

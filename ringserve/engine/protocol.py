@@ -31,7 +31,7 @@ from typing import Protocol
 import attrs
 
 from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
-from ringserve.core.grammar import Constraint
+from ringserve.core.grammar import Constraint, LazyCalls
 
 
 @attrs.frozen
@@ -113,7 +113,7 @@ class Engine(Protocol):
         sampling: SamplingParams,
         keep: int = 0,
         source: int | None = None,
-        constraint: Constraint | None = None,
+        constraint: Constraint | LazyCalls | None = None,
     ) -> None:
         """Prepare ``slot`` for a new sequence: build its sampler chain and set up its KV cells.
 
@@ -131,7 +131,13 @@ class Engine(Protocol):
                 keeps its text within ``constraint.grammar`` (llama.cpp's
                 grammar sampler; the fake engine replies
                 ``constraint.example``); end-of-generation is sampled once
-                the grammar is complete.
+                the grammar is complete. With :class:`LazyCalls`, the text is
+                free but each tool call, from the token after its
+                ``<tool_call>`` marker to the one that completes it, is
+                decoded under :meth:`LazyCalls.after`'s grammar: the engine
+                feeds a :class:`~ringserve.core.grammar.CallWatch` each token
+                it samples and applies the switches before it samples the
+                next.
 
         Raises:
             ValueError: a slot out of range, ``keep > 0`` on an engine without

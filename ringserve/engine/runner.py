@@ -83,7 +83,8 @@ from ringserve.core.events import (
     ToolChoiceMode,
     Usage,
 )
-from ringserve.core.grammar import Constraint, constraint_for
+from ringserve.core.grammar import Constraint, LazyCalls, constraint_for
+from ringserve.core.limits import message_texts, tool_texts
 from ringserve.core.blocks import BlockEvent
 from ringserve.core.reply import End, ReplyStage
 from ringserve.core.scheduler import Entry, Plan, Scheduler, SlotState
@@ -116,7 +117,7 @@ class Prepared:
     prompt_tokens: tuple[int, ...]
     max_tokens: int
     context_bound: bool = False
-    constraint: Constraint | None = None
+    constraint: Constraint | LazyCalls | None = None
 
 
 @attrs.frozen
@@ -408,8 +409,11 @@ class Runner:
     async def prepare(self, request: GenerationRequest) -> Prepared:
         """Tokenize a request on a worker thread and check it fits a slot (C4).
 
-        Message text longer than ``n_ctx_slot * engine.max_token_bytes`` bytes
-        (UTF-8) cannot fit and is refused before it is tokenized. Otherwise
+        Text longer than ``n_ctx_slot * engine.max_token_bytes`` bytes (UTF-8)
+        cannot fit and is refused before it is tokenized: the message texts
+        (contents, and the tool calls in the history) and, unless the tool
+        choice is ``NONE``, the tool definitions
+        (:func:`~ringserve.core.limits.message_texts`, :func:`~ringserve.core.limits.tool_texts`). Otherwise
         ``engine.tokenize_chat`` runs on a thread under the tokenizer's own
         ``CapacityLimiter(1)``, not the decode limiter: the decode loop goes on
         while a prompt is tokenized, and prompts are tokenized one at a time.
@@ -448,12 +452,14 @@ class Runner:
         constraint = constraint_for(request)
         ctx = self.n_ctx_slot
         per_token = self._engine.max_token_bytes
+        rendered = request.tool_choice.mode is not ToolChoiceMode.NONE  # the tools go into the prompt
         if per_token is not None:
-            n_bytes = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in request.messages)
+            texts = [*message_texts(request), *(tool_texts(request) if rendered else ())]
+            n_bytes = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
             if n_bytes > ctx * per_token:
                 raise invalid(
-                    f"the messages hold {n_bytes} bytes of text, at least {-(-n_bytes // per_token)} tokens,"
-                    f" but the context per slot is {ctx} tokens",
+                    f"the messages{' and tools' if rendered and request.tools else ''} hold {n_bytes} bytes"
+                    f" of text, at least {-(-n_bytes // per_token)} tokens, but the context per slot is {ctx} tokens",
                     "messages",
                 )
         self._tokenizing += 1
@@ -712,7 +718,7 @@ class Runner:
 
     def _step_sync(
         self,
-        begins: Sequence[tuple[int, SamplingParams, int, int | None, Constraint | None]],
+        begins: Sequence[tuple[int, SamplingParams, int, int | None, Constraint | LazyCalls | None]],
         feeds: Sequence[SlotFeed],
     ) -> _StepOutcome:
         """Worker thread: begin the admitted slots (slot, sampling, cells kept, copied from,

@@ -326,7 +326,8 @@ def conversation(body: dict[str, Any]) -> GenerationRequest:
     * An assistant turn's ``tool_use`` blocks (``id``, ``name``, ``input`` an object) become its
       tool calls, after its text; a user turn's ``tool_result`` blocks (``tool_use_id`` of an
       earlier ``tool_use``, ``content`` a string or text blocks, ``is_error``) become ``tool``
-      turns, in block order with the user's text between them.
+      turns, in block order with the user's text between them. Either needs ``tools``, as
+      the Messages API requires.
     * ``output_config.format``: ``{"type": "json_schema", "schema": {...}}``.
 
     Raises:
@@ -345,6 +346,9 @@ def conversation(body: dict[str, Any]) -> GenerationRequest:
         MESSAGE_FIELDS.check(m, f"messages[{i}]", param="messages")
         messages += _turns(m, f"messages[{i}]", ids)
     tools = tool_list(body.get("tools"), "tools", _tool)
+    if not tools and any(m.tool_calls or m.role == "tool" for m in messages):
+        # The Messages API's own refusal (anthropic-sdk-python issue 494 quotes it).
+        raise invalid("tools: requests which include tool_use or tool_result blocks must define tools", param="tools")
     request = GenerationRequest(
         messages=tuple(messages),
         max_tokens=None,
