@@ -154,8 +154,8 @@ class FakeEngine:
         tokenize_hook: called (blocking) on the tokenizing thread at the
             start of every :meth:`tokenize_chat`, e.g. a
             ``threading.Event.wait`` that scripts a slow tokenizer. None: none.
-        record: keep every decode call in :attr:`log` and every begin in :attr:`begins`, for the
-            tests that read them; False for a long run, which they would grow without bound
+        record: keep every decode call in :attr:`log`, every begin in :attr:`begins` and
+            every grammar switch in :attr:`switches`, for the tests that read them; False for a long run, which they would grow without bound
             (``bench/fake_server.py``: about 13 KiB per short response).
 
     Thread safety: every method but :meth:`tokenize_chat` takes one lock, so
