@@ -155,8 +155,9 @@ class FakeEngine:
             start of every :meth:`tokenize_chat`, e.g. a
             ``threading.Event.wait`` that scripts a slow tokenizer. None: none.
         record: keep every decode call in :attr:`log`, every begin in :attr:`begins` and
-            every grammar switch in :attr:`switches`, for the tests that read them; False for a long run, which they would grow without bound
-            (``bench/fake_server.py``: about 13 KiB per short response).
+            every grammar switch in :attr:`switches`, for the tests that read them; False
+            for a long run, which they would grow without bound (``bench/fake_server.py``:
+            about 13 KiB per short response).
 
     Thread safety: every method but :meth:`tokenize_chat` takes one lock, so
     a test may read :meth:`kv_cells_used` while the runner's worker thread
