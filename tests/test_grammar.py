@@ -74,6 +74,14 @@ def test_the_issue_example_message() -> None:
         (obj(a={"type": "array", "prefixItems": [{}], "minItems": 2}), "keyword 'minItems' is not supported here"),
         (obj(a={"type": "array", "minItems": 2}), "keyword 'minItems' is not supported here"),
         (obj(a={"type": "array", "items": {}, "maxItems": 1, "minItems": 2}), "'maxItems' is below 'minItems'"),
+        (
+            obj(a={"type": "string", "minLength": 5, "maxLength": 1006}),
+            "'maxLength' more than 1000 above 'minLength' is not supported (llama.cpp's grammar limit)",
+        ),
+        (
+            obj(a={"type": "array", "items": {}, "maxItems": 30000}),
+            "'maxItems' more than 1000 above 'minItems' is not supported (llama.cpp's grammar limit)",
+        ),
         (obj(a={"$ref": "#/$defs/missing"}), "'$ref' '#/$defs/missing' does not resolve"),
         (obj(a={"$ref": "https://example.com/s.json"}), "'$ref' 'https://example.com/s.json' is not supported (only '#/...' paths into the same schema)"),
         (

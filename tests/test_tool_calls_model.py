@@ -161,6 +161,19 @@ def test_llama_parses_each_grammar_and_it_accepts_the_example(engine, schema):
     check_accepts_example(engine, grammar.output_grammar(json.dumps(schema), "o"), "[")
 
 
+def test_llama_parses_the_widest_bounds_the_checker_lets_through(engine):
+    span = grammar.MAX_OPTIONAL_REPEATS
+    schema = {
+        "type": "object",
+        "properties": {
+            "s": {"type": "string", "maxLength": span},
+            "a": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2 + span},
+        },
+        "required": ["s", "a"],
+    }
+    check_accepts_example(engine, grammar.output_grammar(json.dumps(schema), "o"), "[")
+
+
 def test_llama_parses_a_calls_grammar_of_two_tools(engine):
     other = ToolSpec("record", "", json.dumps(random_schema(random.Random(7))))
     check_accepts_example(engine, grammar.calls_grammar([WEATHER, other], True), "{", then="\n")

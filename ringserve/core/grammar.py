@@ -23,7 +23,8 @@ What is enforced (per schema node, following the converter's own dispatch in
 * arrays: ``items`` (a schema) with ``minItems`` / ``maxItems``; ``prefixItems``
   or ``items`` as a list (a tuple, exactly those items);
 * strings: ``minLength`` / ``maxLength``; ``format`` ``date``, ``time``,
-  ``date-time``, ``uuid``;
+  ``date-time``, ``uuid``; a maximum at most :data:`MAX_OPTIONAL_REPEATS` above its
+  minimum (strings and arrays);
 * the types ``string``, ``number``, ``integer``, ``boolean``, ``null``,
   ``array``, ``object`` (any value of that type); ``{}`` is any object.
 
@@ -65,6 +66,7 @@ __all__ = [
     "ANNOTATIONS",
     "CACHE_SIZE",
     "MAX_CALLS",
+    "MAX_OPTIONAL_REPEATS",
     "REFUSED",
     "CallWatch",
     "Constraint",
@@ -84,6 +86,17 @@ CACHE_SIZE = 256
 
 MAX_CALLS = 4
 """Most tool calls in one reply when parallel calls are allowed."""
+
+MAX_OPTIONAL_REPEATS = 1000
+"""Most optional repetitions a bound may leave (``maxLength - minLength``, ``maxItems - minItems``).
+
+The converter writes each optional repetition as one more nested group (``(c (c ...)?)?``).
+llama.cpp's grammar parser (``llama_sampler_init_grammar``, llama-cpp-python 0.3) refuses
+such a rule past about this many ("exceeds sane defaults": 1,000 parses, 1,024 does not), and
+from about 20,000 its recursive descent overflows the decode thread's stack: a segfault that
+kills the server (measured with the bundled model's vocabulary). A lower bound alone is a flat
+sequence, which it parses.
+"""
 
 ANNOTATIONS = frozenset(
     {
@@ -191,6 +204,23 @@ def _non_negative_int(node: dict[str, Any], key: str, where: str) -> None:
         raise _Refused(where, f"'{key}' must be a non-negative integer")
 
 
+def _bounds(node: dict[str, Any], low: str, high: str, where: str) -> None:
+    """Refuses a ``low``/``high`` pair (``minLength``/``maxLength``, ``minItems``/``maxItems``)
+    that is not two non-negative integers, has ``high`` below ``low``, or leaves more than
+    :data:`MAX_OPTIONAL_REPEATS` optional repetitions."""
+    _non_negative_int(node, low, where)
+    _non_negative_int(node, high, where)
+    if high not in node:
+        return
+    span = node[high] - node.get(low, 0)
+    if span < 0:
+        raise _Refused(where, f"'{high}' is below '{low}'")
+    if span > MAX_OPTIONAL_REPEATS:
+        raise _Refused(
+            where, f"'{high}' more than {MAX_OPTIONAL_REPEATS} above '{low}' is not supported (llama.cpp's grammar limit)"
+        )
+
+
 class _Checker:
     """Walks a schema: refuses what the converter would not enforce, returns a copy without
     annotations (the converter mistakes an annotation-only node for an unknown type)."""
@@ -258,10 +288,7 @@ class _Checker:
         if "format" in keys:
             raise _Refused(where, f"format {fmt!r} is not supported")
         if typ == "string" and ("minLength" in keys or "maxLength" in keys):
-            _non_negative_int(node, "minLength", where)
-            _non_negative_int(node, "maxLength", where)
-            if "maxLength" in node and node["maxLength"] < node.get("minLength", 0):
-                raise _Refused(where, "'maxLength' is below 'minLength'")
+            _bounds(node, "minLength", "maxLength", where)
             return {"type", "minLength", "maxLength"}, {}
         if typ is None and keys:
             raise _Refused(where, f"keyword '{sorted(keys)[0]}' is not supported without a matching 'type'")
@@ -303,10 +330,7 @@ class _Checker:
             return {"type", key}, {key: [self.clean(s, f"{where}.{key}[{i}]") for i, s in enumerate(items)]}
         if key == "prefixItems":
             raise _Refused(where, "'prefixItems' must be a list of schemas")
-        _non_negative_int(node, "minItems", where)
-        _non_negative_int(node, "maxItems", where)
-        if "maxItems" in node and node["maxItems"] < node.get("minItems", 0):
-            raise _Refused(where, "'maxItems' is below 'minItems'")
+        _bounds(node, "minItems", "maxItems", where)
         return {"type", "items", "minItems", "maxItems"}, {"items": self.clean(items, f"{where}.items")}
 
     def _resolve(self, ref: Any, where: str) -> Any:
