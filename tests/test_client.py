@@ -8,6 +8,7 @@ stream must end with exactly the text of an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -367,10 +369,29 @@ async def test_chat_streams_the_reply_through_drops(tmp_path: Path) -> None:
     assert "reconnecting in" in stderr and "end_turn" in stderr
 
 
+@contextlib.contextmanager
+def sigint_not_ignored() -> Iterator[None]:
+    """Let a child started inside the block get Ctrl-C as KeyboardInterrupt.
+
+    A shell starts background jobs (``.ci/run ... &``) with SIGINT ignored; children
+    inherit that across exec, and Python then installs no KeyboardInterrupt handler,
+    so the child would ignore the test's SIGINT and finish with status 0.
+    """
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 async def test_chat_ctrl_c_cancels_the_generation_on_the_server(tmp_path: Path) -> None:
     async with server_and_proxy(tmp_path, Cut, step_seconds=0.05) as (state, _proxy):
-        proc = await trio.lowlevel.open_process(ringserve_cmd("chat", "--url", state.urls[0], "hi"),
-                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        with sigint_not_ignored():
+            proc = await trio.lowlevel.open_process(ringserve_cmd("chat", "--url", state.urls[0], "hi"),
+                                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         with trio.fail_after(20):
             seen = await proc.stdout.receive_some()  # the reply has started
             assert seen
