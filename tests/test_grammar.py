@@ -325,3 +325,20 @@ def test_call_watch_ends_on_a_call_it_cannot_constrain() -> None:
     assert watch.feed(b'<tool_call>{ "name"') is None
     assert watch.feed(b': "a", "arguments": {}}\n</tool_call>') is None
     assert watch.feed(b"<tool_call>\n") is None  # the watch has ended
+
+
+def test_constraint_for_refuses_bounds_over_the_grammar_limit_in_all() -> None:
+    """The surface-neutral check (surfaces check first, in their own spelling): the total over
+    every enforced schema counts, each bound as its maximum (or its minimum without one)."""
+    def strings(n: int, bound: dict[str, int]) -> str:
+        return json.dumps(obj(**{f"p{i}": {"type": "string", **bound} for i in range(n)}))
+
+    half = grammar.MAX_REPEATS // 2
+    two = (ToolSpec("a", "", strings(1, {"maxLength": 1000})), ToolSpec("b", "", strings(1, {"minLength": half})))
+    assert grammar.constraint_for(request(tools=two, tool_choice=ToolChoice(ToolChoiceMode.REQUIRED))) is not None
+    over = (*two, ToolSpec("c", "", strings(1, {"minLength": half - 999})))
+    with pytest.raises(RingserveError, match=rf"^the schemas' .* add up to {grammar.MAX_REPEATS + 1} repetitions") as info:
+        grammar.constraint_for(request(tools=over, tool_choice=ToolChoice(ToolChoiceMode.REQUIRED)))
+    assert info.value.param == "tools"
+    # under auto only strict tools are decoded under a grammar: these (not strict) are fine there
+    assert grammar.constraint_for(request(tools=over)) is None

@@ -18,6 +18,7 @@ import pydantic
 import pytest
 import trio
 
+from ringserve.core import grammar
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import (
     BlockDelta,
@@ -981,3 +982,26 @@ def test_real_count_tokens_equals_the_calls_usage(model_server, tools):
     counted = sdk.messages.count_tokens(**request).input_tokens
     usage = sdk.messages.create(max_tokens=4, **request).usage
     assert counted == usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
+def _strings(n: int, max_length: int) -> dict[str, Any]:
+    props = {f"p{i}": {"type": "string", "maxLength": max_length} for i in range(n)}
+    return {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False}
+
+
+def test_bounds_that_add_up_past_the_grammar_limit_are_a_400_not_a_stalled_decode():
+    # 128 strict tools of 20 strings of maxLength 1000: a 20.7 MB grammar that took llama.cpp 7 s and
+    # 1.18 GB to parse on the decode thread, while every stream waited.
+    many = [{"type": "function", "function": {"name": f"f{i}", "parameters": _strings(20, 1000), "strict": True}}
+            for i in range(128)]
+    error = refused(openai_request, {"tools": many})
+    assert error.param == "tools" and "add up to 2560000 repetitions" in error.message
+    huge = {"type": "object", "properties": {"a": {"type": "string", "minLength": 10**7}}}
+    error = refused(anthropic_request, {"output_config": {"format": {"type": "json_schema", "schema": huge}}})
+    assert error.param == "output_config" and f"over the limit of {grammar.MAX_REPEATS}" in error.message
+    # at the limit it is fine, and bounds the model only reads (not strict, under auto) do not count
+    at_limit = [{"type": "function", "function": {"name": f"f{i}", "parameters": _strings(10, 1000), "strict": True}}
+                for i in range(2)]
+    assert len(openai_request(tools=at_limit).tools) == 2
+    loose = [{**t, "function": {**t["function"], "strict": False}} for t in many]
+    assert len(openai_request(tools=loose).tools) == 128

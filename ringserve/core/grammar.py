@@ -24,7 +24,8 @@ What is enforced (per schema node, following the converter's own dispatch in
   or ``items`` as a list (a tuple, exactly those items);
 * strings: ``minLength`` / ``maxLength``; ``format`` ``date``, ``time``,
   ``date-time``, ``uuid``; a maximum at most :data:`MAX_OPTIONAL_REPEATS` above its
-  minimum (strings and arrays);
+  minimum (strings and arrays), and the bounds of all the schemas one request enforces
+  at most :data:`MAX_REPEATS` repetitions in all (:func:`check_repeats`);
 * the types ``string``, ``number``, ``integer``, ``boolean``, ``null``,
   ``array``, ``object`` (any value of that type); ``{}`` is any object.
 
@@ -74,6 +75,7 @@ __all__ = [
     "GrammarOn",
     "LazyCalls",
     "calls_grammar",
+    "check_repeats",
     "check_schema",
     "enforced_schemas",
     "constraint_for",
@@ -86,6 +88,16 @@ CACHE_SIZE = 256
 
 MAX_CALLS = 4
 """Most tool calls in one reply when parallel calls are allowed."""
+
+MAX_REPEATS = 20_000
+"""Most repetitions the length and item bounds of one request's enforced schemas may write in all.
+
+A bound of N writes N copies of its item's rule into the grammar (a few bytes of GBNF each),
+which llama.cpp parses on the decode thread at each begin, while every stream waits: 128
+strict tools of 20 strings with ``maxLength`` 1000 each (2.56 million repetitions, about
+140 KB of JSON) made a 20.7 MB grammar that took 7.0 s and 1.18 GB to parse; one
+``minLength`` of 10**7 a 50 MB one. 20,000 is at most a few hundred kilobytes.
+"""
 
 MAX_OPTIONAL_REPEATS = 1000
 """Most optional repetitions a bound may leave (``maxLength - minLength``, ``maxItems - minItems``).
@@ -204,14 +216,16 @@ def _non_negative_int(node: dict[str, Any], key: str, where: str) -> None:
         raise _Refused(where, f"'{key}' must be a non-negative integer")
 
 
-def _bounds(node: dict[str, Any], low: str, high: str, where: str) -> None:
-    """Refuses a ``low``/``high`` pair (``minLength``/``maxLength``, ``minItems``/``maxItems``)
-    that is not two non-negative integers, has ``high`` below ``low``, or leaves more than
-    :data:`MAX_OPTIONAL_REPEATS` optional repetitions."""
+def _bounds(node: dict[str, Any], low: str, high: str, where: str) -> int:
+    """The repetitions a ``low``/``high`` pair (``minLength``/``maxLength``,
+    ``minItems``/``maxItems``) writes into the grammar: ``high``, or ``low`` without one.
+
+    Refuses a pair that is not two non-negative integers, has ``high`` below ``low``, or
+    leaves more than :data:`MAX_OPTIONAL_REPEATS` optional repetitions."""
     _non_negative_int(node, low, where)
     _non_negative_int(node, high, where)
     if high not in node:
-        return
+        return int(node.get(low, 0))
     span = node[high] - node.get(low, 0)
     if span < 0:
         raise _Refused(where, f"'{high}' is below '{low}'")
@@ -219,6 +233,7 @@ def _bounds(node: dict[str, Any], low: str, high: str, where: str) -> None:
         raise _Refused(
             where, f"'{high}' more than {MAX_OPTIONAL_REPEATS} above '{low}' is not supported (llama.cpp's grammar limit)"
         )
+    return int(node[high])
 
 
 class _Checker:
@@ -227,6 +242,7 @@ class _Checker:
 
     def __init__(self, root: Any) -> None:
         self.root = root
+        self.repeats = 0  # what the bounds met so far write into the grammar (see _bounds)
 
     def clean(self, node: Any, where: str) -> dict[str, Any]:
         if not isinstance(node, dict):
@@ -288,7 +304,7 @@ class _Checker:
         if "format" in keys:
             raise _Refused(where, f"format {fmt!r} is not supported")
         if typ == "string" and ("minLength" in keys or "maxLength" in keys):
-            _bounds(node, "minLength", "maxLength", where)
+            self.repeats += _bounds(node, "minLength", "maxLength", where)
             return {"type", "minLength", "maxLength"}, {}
         if typ is None and keys:
             raise _Refused(where, f"keyword '{sorted(keys)[0]}' is not supported without a matching 'type'")
@@ -330,7 +346,7 @@ class _Checker:
             return {"type", key}, {key: [self.clean(s, f"{where}.{key}[{i}]") for i, s in enumerate(items)]}
         if key == "prefixItems":
             raise _Refused(where, "'prefixItems' must be a list of schemas")
-        _bounds(node, "minItems", "maxItems", where)
+        self.repeats += _bounds(node, "minItems", "maxItems", where)
         return {"type", "items", "minItems", "maxItems"}, {"items": self.clean(items, f"{where}.items")}
 
     def _resolve(self, ref: Any, where: str) -> Any:
@@ -347,7 +363,7 @@ class _Checker:
 def _checked(text: str, where: str, param: str | None = None) -> dict[str, Any]:
     """The cleaned schema of ``text``, an object schema; raises the 400 naming ``where``."""
     try:
-        return json.loads(_cached_clean(text))  # type: ignore[no-any-return]
+        return json.loads(_cached_clean(text)[0])  # type: ignore[no-any-return]
     except _Refused as exc:
         at = where + exc.where
         raise invalid(f"{at}: {exc.message}", param or where) from None
@@ -372,21 +388,39 @@ def check_schema(text: str, where: str, param: str | None = None) -> None:
     _checked(text, where, param)
 
 
+def check_repeats(schemas: Sequence[str], param: str) -> None:
+    """Check that the schemas one request enforces (each already passed :func:`check_schema`)
+    write at most :data:`MAX_REPEATS` repetitions into its grammars in all.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` with ``param``, giving the total.
+    """
+    total = sum(_cached_clean(text)[1] for text in schemas)
+    if total > MAX_REPEATS:
+        raise invalid(
+            f"the schemas' minLength/maxLength/minItems/maxItems add up to {total} repetitions,"
+            f" over the limit of {MAX_REPEATS} for one request's grammar",
+            param,
+        )
+
+
 @functools.lru_cache(maxsize=CACHE_SIZE)
-def _cached_clean(text: str) -> str:
-    """The cleaned schema's JSON text (cached; failures are not cached and raise :class:`_Refused`)."""
+def _cached_clean(text: str) -> tuple[str, int]:
+    """The cleaned schema's JSON text and the repetitions its bounds write (cached; failures
+    are not cached and raise :class:`_Refused`)."""
     try:
         schema = json.loads(text)
     except (TypeError, ValueError) as exc:
         raise _Refused("", f"the schema is not valid JSON ({exc})") from None
+    checker = _Checker(schema)
     try:
-        cleaned = _Checker(schema).clean(schema, "")
+        cleaned = checker.clean(schema, "")
     except RecursionError:
         raise _Refused("", "the schema is nested too deeply") from None
     typ = cleaned.get("type")
     if typ != "object" and not (typ is None and ("properties" in cleaned or "additionalProperties" in cleaned)):
         raise _Refused("", 'the schema must be an object schema ("type": "object")')
-    return json.dumps(cleaned)
+    return json.dumps(cleaned), checker.repeats
 
 
 class _Converter(_lg.SchemaConverter):
@@ -719,8 +753,11 @@ def constraint_for(request: GenerationRequest) -> Constraint | LazyCalls | None:
         RingserveError: ``INVALID_REQUEST``: a schema the grammar cannot
             enforce, or a ``NAMED`` tool that is not among the tools.
     """
-    for index, schema in enforced_schemas(request):
+    enforced = enforced_schemas(request)
+    for index, schema in enforced:
         check_schema(schema, "output.schema" if index is None else f"tools[{index}].parameters")
+    if enforced:
+        check_repeats([schema for _, schema in enforced], "output" if enforced[0][0] is None else "tools")
     tools, choice = request.tools, request.tool_choice
     if tools and choice.mode is ToolChoiceMode.REQUIRED:
         return calls_grammar(tools, choice.parallel)

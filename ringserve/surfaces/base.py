@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar, assert_never, overload
 import attrs
 
 from ringserve.core.errors import RingserveError, invalid
-from ringserve.core.grammar import check_schema, enforced_schemas
+from ringserve.core.grammar import check_repeats, check_schema, enforced_schemas
 from ringserve.core.events import (
     BlockDelta,
     BlockKind,
@@ -476,11 +476,17 @@ def check_enforced(request: GenerationRequest, tool_schema: str, output_schema: 
 
     Raises:
         RingserveError: ``INVALID_REQUEST`` naming the keyword that cannot be enforced, with
-        ``param`` the top-level field.
+        ``param`` the top-level field; or bounds over ``core/grammar.py``'s ``MAX_REPEATS``
+        in all (``param`` the first enforced schema's top-level field).
     """
-    for index, schema in enforced_schemas(request):
+    enforced = enforced_schemas(request)
+    params = []
+    for index, schema in enforced:
         where = output_schema if index is None else tool_schema.format(i=index)
-        check_schema(schema, where, param=re.split(r"[.\[]", where, maxsplit=1)[0])
+        params.append(re.split(r"[.\[]", where, maxsplit=1)[0])
+        check_schema(schema, where, param=params[-1])
+    if enforced:
+        check_repeats([schema for _, schema in enforced], params[0])
     return request
 
 
