@@ -85,6 +85,15 @@ def test_engine_bench_compares_both_sides(tmp_path: Path) -> None:
 
 
 @pytest.mark.model
+def test_omp_teams_bench_times_both_sides_in_their_own_processes(tmp_path: Path) -> None:
+    out = run_bench("omp_teams", tmp_path, "--seqs", "2", "--tokens", "4", "--rounds", "2", "--threads", str(MODEL_THREADS))
+    assert [sorted(r) for r in out["rounds"]] == [["one", "ratio", "two"]] * 2
+    for r in out["rounds"]:
+        assert r["one"] > 0 and r["two"] > 0 and r["ratio"] == pytest.approx(r["two"] / r["one"])
+    assert out["summary"]["ratio"] == pytest.approx((out["rounds"][0]["ratio"] + out["rounds"][1]["ratio"]) / 2)
+
+
+@pytest.mark.model
 def test_abort_bench_frees_every_cancel(tmp_path: Path) -> None:
     out = run_bench("abort", tmp_path, "--cancels", "3", "--slots", "2", "--threads", str(MODEL_THREADS))
     for setting in ("idle", "loaded"):

@@ -10,6 +10,7 @@ bounds are a guard against hangs, not a wait.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -44,16 +45,22 @@ class HookedEngine(FakeEngine):
 
     The worker thread waits for the hook, so whatever the hook does happens
     while that decode step is in flight. It also records which threads called
-    the engine.
+    the engine (``threads``: begin, decode, release) and which tokenized
+    (``tokenize_threads``); ``tokenize_seconds`` makes each tokenization take
+    that long on its thread.
     """
 
-    def __init__(self, *, hook: Hook | None = None, **kwargs) -> None:
+    def __init__(self, *, hook: Hook | None = None, tokenize_seconds: float = 0.0, **kwargs) -> None:
         super().__init__(**kwargs)
         self.hook = hook
+        self._trio_token = trio.lowlevel.current_trio_token()  # engine calls run on the runner's own thread
+        self.tokenize_seconds = tokenize_seconds
         self.threads: set[int] = set()
+        self.tokenize_threads: set[int] = set()
 
     def tokenize_chat(self, messages, *tools_and_choice):
-        self.threads.add(threading.get_ident())
+        self.tokenize_threads.add(threading.get_ident())
+        time.sleep(self.tokenize_seconds)
         return super().tokenize_chat(messages, *tools_and_choice)
 
     def begin(self, slot, sampling, keep=0, source=None, constraint=None):
@@ -70,7 +77,7 @@ class HookedEngine(FakeEngine):
             return super().decode(feeds)
         finally:
             if self.hook is not None:
-                trio.from_thread.run(self.hook, self.log[-1])
+                trio.from_thread.run(self.hook, self.log[-1], trio_token=self._trio_token)
 
 
 def req(text: str, max_tokens: int | None = 256, *, stop=(), priority=0) -> GenerationRequest:
@@ -128,7 +135,7 @@ async def test_text_equals_fake_reply_and_usage_counts_tokens_sampled():
     async with serving(engine) as runner:
         events, text, last, gen = await generate(runner, req("hello"))
         await runner.wait_idle()
-    threads = set(engine.threads)
+    threads = engine.threads | engine.tokenize_threads
     assert text == DEFAULT_REPLY
     assert events[0] == BlockStart(0, BlockKind.TEXT) and events[-2] == BlockStop(0)
     assert all(isinstance(e, BlockDelta) and e.index == 0 and e.text for e in events[1:-2])
@@ -146,6 +153,25 @@ async def test_text_equals_fake_reply_and_usage_counts_tokens_sampled():
     assert stats.slots_busy == 0 and stats.queue_depth == {}
     # every engine call ran on a worker thread, never on the Trio thread
     assert threads and threading.get_ident() not in threads
+
+
+async def test_every_begin_decode_and_release_runs_on_one_thread_while_prompts_are_tokenized_beside():
+    """Issue 19: llama.cpp's OpenMP keeps a thread team per calling thread; a second one slows every decode.
+
+    Tokenizations that end while the loop is between steps left an idle
+    worker thread that ``trio.to_thread`` handed the next step to.
+    """
+    engine = HookedEngine(piece_bytes=1, tokenize_seconds=0.003, reply="x" * 300)
+    async with serving(engine) as runner:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(generate, runner, req("long"))
+            for i in range(20):
+                await runner.prepare(req(f"beside {i}"))
+            await generate(runner, req("after"))
+        await runner.wait_idle()
+    assert len(engine.threads) == 1, engine.threads
+    assert not engine.threads & ({threading.get_ident()} | engine.tokenize_threads)
+    assert len(engine.log) > 20  # the generation was decoding while the prompts were tokenized
 
 
 async def test_echo_and_max_tokens():

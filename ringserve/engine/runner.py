@@ -3,9 +3,10 @@
 Like llama.cpp's ``server_context`` (``tools/server``), one owner holds the
 model and all slots and fills one shared batch per step. Here the owner is the
 task running :meth:`Runner.run`; the engine's blocking calls run on a worker
-thread via ``trio.to_thread.run_sync`` under a ``CapacityLimiter(1)`` that the
-runner owns, with ``abandon_on_cancel=False``: a thread inside ``decode`` is
-never abandoned, cancellation takes effect between steps.
+thread the runner owns for as long as :meth:`Runner.run` runs
+(:class:`~ringserve.engine.thread.EngineThread`: always the same thread, so
+llama.cpp keeps one OpenMP team; one call at a time): a thread inside
+``decode`` is never abandoned, cancellation takes effect between steps.
 
 One step of the loop:
 
@@ -90,6 +91,7 @@ from ringserve.core.reply import End, ReplyStage
 from ringserve.core.scheduler import Entry, Plan, Scheduler, SlotState
 from ringserve.core.toolcalls import ToolCallError
 from ringserve.engine.protocol import Engine, EngineError, KVCacheFull, Sampled, SlotFeed
+from ringserve.engine.thread import EngineThread
 
 __all__ = ["Generation", "Prepared", "Runner", "RunnerStatistics"]
 
@@ -346,7 +348,7 @@ class Runner:
             prefix_cache=config.prefix_cache and engine.prefix_cache,
             cache_output=config.prefix_cache_output,
         )
-        self._limiter = trio.CapacityLimiter(1)  # decode, begin, release: one engine call at a time
+        self._engine_thread = EngineThread("ringserve engine")  # decode, begin, release: one call at a time
         self._tokenize_limiter = trio.CapacityLimiter(1)  # tokenize_chat, beside a decode step
         self._tokenizing = 0  # prepare() calls waiting for or inside tokenize_chat
         self._tokenize_ended = 0  # prepare() calls whose tokenize_chat has returned or raised
@@ -415,7 +417,7 @@ class Runner:
         choice is ``NONE``, the tool definitions
         (:func:`~ringserve.core.limits.message_texts`, :func:`~ringserve.core.limits.tool_texts`). Otherwise
         ``engine.tokenize_chat`` runs on a thread under the tokenizer's own
-        ``CapacityLimiter(1)``, not the decode limiter: the decode loop goes on
+        ``CapacityLimiter(1)``, not the engine thread: the decode loop goes on
         while a prompt is tokenized, and prompts are tokenized one at a time.
         Cancelling the caller takes effect once the tokenizer returns (the
         thread is not abandoned).
@@ -615,11 +617,17 @@ class Runner:
         if self._started:
             raise RuntimeError("Runner.run() may be called only once")
         self._started = True
+        self._engine_thread.start()
+        try:
+            await self._own(task_status)
+        finally:
+            self._engine_thread.stop()
+
+    async def _own(self, task_status: trio.TaskStatus[None]) -> None:
+        """The loop of :meth:`run`, on the started engine thread."""
         # The scheduler knows of no cache entry yet: empty every slot the engine may still hold.
         everything = [(slot, 0) for slot in range(self._scheduler.n_slots)]
-        kv, _ = await trio.to_thread.run_sync(
-            self._release_sync, everything, limiter=self._limiter, abandon_on_cancel=False
-        )
+        kv, _ = await self._engine_thread.run(self._release_sync, everything)
         self._kv_used = kv or 0
         self._running = True
         try:
@@ -680,9 +688,7 @@ class Runner:
         if not ended:
             return
         slots = [(e.slot, len(e.kept)) for e in ended if e.slot is not None]
-        kv, lost = await trio.to_thread.run_sync(
-            self._release_sync, slots, limiter=self._limiter, abandon_on_cancel=False
-        )
+        kv, lost = await self._engine_thread.run(self._release_sync, slots)
         now = trio.current_time()
         if kv is not None:
             self._kv_used = kv
@@ -758,9 +764,7 @@ class Runner:
             self._prompt_tokens_total += len(entry.prompt)
         self._step_done = trio.Event()
         try:
-            outcome = await trio.to_thread.run_sync(
-                self._step_sync, begins, plan.feeds, limiter=self._limiter, abandon_on_cancel=False
-            )
+            outcome = await self._engine_thread.run(self._step_sync, begins, plan.feeds)
         finally:
             self._step_done.set()
             self._step_done = None

@@ -1,0 +1,109 @@
+"""One long-lived thread for every blocking engine call of a runner.
+
+Why not ``trio.to_thread.run_sync``: it hands each call to whichever cached
+worker thread is idle, so a decode step can land on the thread that just
+tokenized a prompt. llama.cpp's CPU backend as llama-cpp-python builds it uses
+OpenMP (``libggml-cpu.so`` links ``libgomp``): each thread that runs a graph
+gets its own OpenMP team, and every barrier between graph nodes is an
+``#pragma omp barrier`` (``ggml_barrier`` in ``ggml-cpu.c``). libgomp spins
+in a barrier for long only while the threads it manages, over all teams,
+fit the CPUs (``do_spin`` in ``libgomp/config/linux/wait.h`` switches to a
+short throttled count beyond that), then sleeps in the kernel; a second team,
+alive for as long as its cached worker idles, is enough to put sleeps and
+wake-ups into the hundreds of barriers of every decode. Measured on 2 cores, 8
+streams (issue 19): decode steps 1.2-1.8x slower than the same calls made from
+one thread. With one thread per runner there is one team for the process's
+life, as in llama.cpp's own server (one loop thread).
+
+The thread runs the calls one at a time in submission order, so it also
+serializes the engine like the ``CapacityLimiter(1)`` it replaces.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import outcome
+import trio
+
+T = TypeVar("T")
+
+_STOP = None
+"""The queue entry that ends the thread."""
+
+
+class EngineThread:
+    """A daemon thread that runs submitted calls in order; :meth:`run` awaits one from Trio.
+
+    Args:
+        name: the thread's name (``threading.Thread.name``; shown by py-spy).
+
+    The thread starts at :meth:`start` and ends after the calls queued
+    before :meth:`stop`. A call in progress is never abandoned: as with
+    ``trio.to_thread.run_sync(..., abandon_on_cancel=False)``, a
+    cancellation takes effect when it returns.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    @property
+    def ident(self) -> int | None:
+        """The thread's ``threading.get_ident()`` once started, else None."""
+        return None if self._thread is None else self._thread.ident
+
+    def start(self) -> None:
+        """Start the thread.
+
+        Raises:
+            RuntimeError: it was started before.
+        """
+        if self._thread is not None:
+            raise RuntimeError(f"{self.name} was started before")
+        self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Let the thread end once the calls queued so far are done; returns at once. Idempotent."""
+        self._stopped = True
+        self._jobs.put(_STOP)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait (blocking) until the thread has ended, for at most ``timeout`` seconds."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not _STOP:
+            job()
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on the thread, after the calls queued before it; its result or exception.
+
+        Checks for cancellation first (a cancelled caller submits nothing),
+        then waits for the call without abandoning it.
+
+        Raises:
+            RuntimeError: the thread is not running (not started, or stopped).
+            trio.Cancelled: the caller was cancelled before the call was submitted.
+            Exception: whatever ``fn`` raised.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._thread is None or self._stopped:
+            raise RuntimeError(f"{self.name} is not running")
+        token = trio.lowlevel.current_trio_token()
+        task = trio.lowlevel.current_task()
+
+        def job() -> None:
+            result = outcome.capture(fn, *args)
+            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+        self._jobs.put(job)
+        result: T = await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+        return result
