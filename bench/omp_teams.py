@@ -13,8 +13,8 @@ the second team of one side never exists in the other): a
 sequences of the raw loop's prompt, one untimed warm-up generation, then
 ``--tokens`` timed steps of one token per sequence,
 
-* **one**: every call made from one worker thread (what the runner does);
-* **two**: calls alternating between two worker threads (what a thread pool can do).
+* **one**: every decode made from one :class:`~ringserve.engine.thread.EngineThread` (what the runner does);
+* **two**: decodes alternating between two of them (what a thread pool can do).
 
 Prints the mean step time of each side per round and the per-round ratio
 two / one; the median ratio is the summary. Run from the repository root::
@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import trio
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,51 +45,46 @@ from ringserve.core.events import SamplingParams  # noqa: E402
 from ringserve.engine.llama import LlamaEngine  # noqa: E402
 from ringserve.engine.modelfile import default_model_path  # noqa: E402
 from ringserve.engine.protocol import SlotFeed  # noqa: E402
+from ringserve.engine.thread import EngineThread  # noqa: E402
 
 SIDES = ("one", "two")
 
 
-class _Worker:
-    """A thread that runs the calls handed to :meth:`call`, one at a time."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        threading.Thread(target=self._loop, daemon=True).start()
-
-    def _loop(self) -> None:
-        while True:
-            self._done.put(self._jobs.get()())
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        self._jobs.put(fn)
-        return self._done.get()
-
-
 def side_run(side: str, seqs: int, tokens: int, threads: int) -> float:
-    """Mean seconds per timed step of one side, in this process (a warm-up generation first)."""
+    """Mean seconds per timed step of one side, in this process (a warm-up generation first).
+
+    The calls go through :class:`~ringserve.engine.thread.EngineThread`, the runner's own: one of
+    them, or two taking turns.
+    """
     engine = LlamaEngine(default_model_path(), n_slots=seqs, n_ctx_slot=2048, n_threads=threads)
     prompt = tuple(engine.tokenize(PROMPT, add_special=True, parse_special=True))
-    workers = [_Worker(), _Worker()]
 
-    def generate(n: int) -> float:
+    async def generate(workers: list[EngineThread], n: int) -> float:
         for s in range(seqs):
             engine.begin(s, SamplingParams(temperature=0))
-        out = workers[0].call(lambda: engine.decode([SlotFeed(s, prompt, 0, True) for s in range(seqs)]))
+        out = await workers[0].run(engine.decode, [SlotFeed(s, prompt, 0, True) for s in range(seqs)])
         last, pos, total = [o.token for o in out], len(prompt), 0.0
         for k in range(n):
             feeds = [SlotFeed(s, (last[s],), pos, True) for s in range(seqs)]
-            worker = workers[k % 2] if side == "two" else workers[0]
             t0 = time.perf_counter()
-            out = worker.call(lambda: engine.decode(feeds))
+            out = await workers[k % len(workers)].run(engine.decode, feeds)
             total += time.perf_counter() - t0
             last, pos = [o.token for o in out], pos + 1
         for s in range(seqs):
             engine.release(s)
         return total / n
 
-    generate(min(tokens, 16))
-    seconds = generate(tokens)
+    async def both() -> float:
+        workers = [EngineThread(f"decode {i}") for i in range(2 if side == "two" else 1)]
+        for w in workers:
+            w.start()
+        await generate(workers, min(tokens, 16))
+        seconds = await generate(workers, tokens)
+        for w in workers:
+            w.stop()
+        return seconds
+
+    seconds = trio.run(both)
     engine.close()
     return seconds
 
