@@ -31,10 +31,16 @@ def body_for(path: str, content: str, **extra) -> dict:
 
 
 async def read_some(client, message_id: str, last_id: str | None, limit: int | None) -> tuple[list, bool]:
-    """Read up to ``limit`` events of a resumed stream; returns (events, saw_the_end)."""
+    """Read up to ``limit`` events of a resumed stream; returns (events, saw_the_end).
+
+    A read whose limit stopped at the terminal event is followed by a resume
+    answered 204 (the stream had ended at ``last_id``): that is the end too.
+    """
     headers = {"Last-Event-ID": last_id} if last_id else {}
     parser, events = SSEParser(), []
     async with client.stream("GET", f"/v1/messages/{message_id}/stream", headers=headers) as resp:
+        if resp.status_code == 204 and last_id is not None:
+            return [], True
         assert resp.status_code == 200, await resp.aread()
         async for chunk in resp.aiter_raw():
             events += parser.feed(chunk)
