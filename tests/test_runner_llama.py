@@ -8,7 +8,6 @@ empties a slot when it begins it: tests do not see each other's KV cells.
 
 from __future__ import annotations
 
-import time
 from contextlib import asynccontextmanager
 
 import pytest
@@ -91,8 +90,8 @@ async def run_one(runner: Runner, text: str, log: list | None = None, tag: int =
 
 
 async def test_four_concurrent_generations_start_before_any_finishes(engine):
-    """C8 on the real model; also measures tokens per CPU second of 4 streams against 1 (the work
-    a token costs, which other load on the machine does not change, unlike tokens per wall second)."""
+    """C8 on the real model: four generations submitted together all start before any ends,
+    and they share decode steps (batching), counted in steps rather than timed."""
     order: list[tuple[str, int]] = []
     results = {}
 
@@ -101,33 +100,23 @@ async def test_four_concurrent_generations_start_before_any_finishes(engine):
 
     with trio.fail_after(GUARD):
         async with Served(engine) as runner:
-            t0 = time.process_time()
             await one(runner, 0)
-            solo_cpu_seconds = time.process_time() - t0
-            solo_tokens = results[0][2].usage.output_tokens
             order.clear()
-            t0 = time.process_time()
+            steps_before = runner.statistics().steps
             async with trio.open_nursery() as nursery:
                 for i in range(4):
                     nursery.start_soon(one, runner, i)
-            four_cpu_seconds = time.process_time() - t0
-            stats = runner.statistics()
+            four_steps = runner.statistics().steps - steps_before
     kinds = [k for k, _ in order]
     assert kinds.count("first") == 4
     assert max(i for i, k in enumerate(kinds) if k == "first") < kinds.index("end")
-    four_tokens = sum(r[2].usage.output_tokens for r in results.values())
-    solo_rate = solo_tokens / solo_cpu_seconds
-    four_rate = four_tokens / four_cpu_seconds
-    print(
-        f"\n1 stream: {solo_rate:.0f} tok/CPU s; 4 streams: {four_rate:.0f} tok/CPU s aggregate"
-        f" ({four_rate / solo_rate:.2f}x); decode {stats.decode_seconds_total:.3f}s"
-        f" over {stats.steps} steps"
-    )
     for text, last, _ in results.values():
         assert text and isinstance(last, Finish)
-    # C8: batching pays: a token costs less work in a batch of four. (Wall-clock rates measured
-    # 1.3-1.4x on 2 idle CPU cores with 2 threads.) Asserted only "higher".
-    assert four_rate > solo_rate
+    tokens = [r[2].usage.output_tokens for r in results.values()]
+    print(f"\n4 streams: {sum(tokens)} tokens in {four_steps} decode steps")
+    # C8: batching pays: the four share steps. One at a time would take sum(tokens) steps;
+    # batched, the longest one's plus at most one prefill step per other stream.
+    assert four_steps <= max(tokens) + 3 < sum(tokens)
 
 
 async def test_greedy_output_alone_equals_output_under_concurrency(engine):
