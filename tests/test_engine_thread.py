@@ -1,7 +1,11 @@
-"""EngineThread: calls in order on one thread, results and errors back, never abandoned on cancel."""
+"""EngineThread: calls in order on one thread at a time, results and errors back, never abandoned on cancel;
+an idle thread ends, and with it llama.cpp's spinning OpenMP team."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -106,3 +110,69 @@ async def test_run_before_start_or_after_stop_is_an_error():
     t.stop()  # idempotent
     t.join(GUARD)
     assert t._thread is not None and not t._thread.is_alive()
+
+
+async def test_an_idle_thread_ends_and_the_next_call_starts_one_never_two_at_once():
+    """With ``idle_seconds`` the thread ends when idle (its OpenMP team with it) and comes back on a call."""
+    t = EngineThread("retiring", idle_seconds=0.02)
+    t.start()
+    running = 0
+    overlap: list[int] = []
+    threads: list[threading.Thread] = []
+
+    def job() -> None:
+        nonlocal running
+        running += 1
+        overlap.append(running)
+        threads.append(threading.current_thread())
+        running -= 1
+
+    with trio.fail_after(GUARD):
+        await t.run(job)
+        while t.ident is not None:  # retired after 20 ms without a call
+            await trio.sleep(0.01)
+        await t.run(job)
+        assert t.ident is not None and threads[1] is not threads[0]  # (idents of ended threads are reused)
+        # calls that race the retirement (submitted around the 20 ms mark) are never lost
+        for i in range(60):
+            await trio.sleep(0.02 * (i % 3) / 2)
+            await t.run(job)
+    assert len(threads) == 62 and max(overlap) == 1
+    t.stop()
+    t.join(GUARD)
+
+
+@pytest.mark.model
+def test_the_engine_s_openmp_threads_spin_while_the_decoding_thread_lives_and_stop_when_it_ends(tmp_path):
+    """``ringserve._native``'s spin count takes effect, and a thread's exit frees its team (why the thread retires).
+
+    In a fresh process (so that ``ringserve._native`` loads libgomp): one decode
+    with 2 threads from a thread that then waits; the team's second thread
+    spins (CPU time) until the decoding thread exits, and then stops.
+    """
+    script = tmp_path / "spin.py"
+    script.write_text(
+        "import os, threading, time\n"
+        "from ringserve.engine.llama import LlamaEngine\n"
+        "from ringserve.engine.modelfile import default_model_path\n"
+        "from ringserve.engine.protocol import SlotFeed\n"
+        "from ringserve.core.events import SamplingParams\n"
+        "assert 'GOMP_SPINCOUNT' not in os.environ  # set for the import only\n"
+        "e = LlamaEngine(default_model_path(), n_slots=1, n_ctx_slot=64, n_threads=2)\n"
+        "done, leave = threading.Event(), threading.Event()\n"
+        "def decode():\n"
+        "    e.begin(0, SamplingParams(temperature=0))\n"
+        "    e.decode([SlotFeed(0, tuple(e.tokenize('hi')), 0, True)])\n"
+        "    done.set(); leave.wait()\n"
+        "t = threading.Thread(target=decode); t.start(); done.wait()\n"
+        "c = time.process_time(); time.sleep(1.0); alive = time.process_time() - c\n"
+        "leave.set(); t.join(); time.sleep(0.2)\n"
+        "c = time.process_time(); time.sleep(1.0); ended = time.process_time() - c\n"
+        "print(alive, ended)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    alive, ended = map(float, out.stdout.split())
+    # spinning: most of a core for the second; after the exit: nothing (margins for a loaded machine)
+    assert alive > 0.25 and ended < 0.1, (alive, ended)

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
+import ringserve.engine.runner as runner_module
 from ringserve.config import EngineConfig
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import (
@@ -172,6 +173,19 @@ async def test_every_begin_decode_and_release_runs_on_one_thread_while_prompts_a
     assert len(engine.threads) == 1, engine.threads
     assert not engine.threads & ({threading.get_ident()} | engine.tokenize_threads)
     assert len(engine.log) > 20  # the generation was decoding while the prompts were tokenized
+
+
+async def test_the_engine_thread_ends_when_the_runner_is_idle_and_the_next_request_brings_one(monkeypatch):
+    """The thread, and llama.cpp's spinning OpenMP team with it, ends after ENGINE_IDLE_SECONDS without a call."""
+    monkeypatch.setattr(runner_module, "ENGINE_IDLE_SECONDS", 0.05)
+    engine = HookedEngine(piece_bytes=1)
+    async with serving(engine) as runner:
+        _, first, _, _ = await generate(runner, req("hello"))
+        while runner._engine_thread.ident is not None:
+            await trio.sleep(0.01)
+        _, again, last, _ = await generate(runner, req("hello"))
+        assert runner._engine_thread.ident is not None  # a new thread decoded the second request
+    assert again == first and isinstance(last, Finish)
 
 
 async def test_echo_and_max_tokens():

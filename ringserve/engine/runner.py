@@ -4,8 +4,9 @@ Like llama.cpp's ``server_context`` (``tools/server``), one owner holds the
 model and all slots and fills one shared batch per step. Here the owner is the
 task running :meth:`Runner.run`; the engine's blocking calls run on a worker
 thread the runner owns for as long as :meth:`Runner.run` runs
-(:class:`~ringserve.engine.thread.EngineThread`: always the same thread, so
-llama.cpp keeps one OpenMP team; one call at a time): a thread inside
+(:class:`~ringserve.engine.thread.EngineThread`: one thread at a time, so
+llama.cpp keeps one OpenMP team; one call at a time; the thread ends after
+:data:`ENGINE_IDLE_SECONDS` without a call, and the team's spinning with it): a thread inside
 ``decode`` is never abandoned, cancellation takes effect between steps.
 
 One step of the loop:
@@ -94,6 +95,11 @@ from ringserve.engine.protocol import Engine, EngineError, KVCacheFull, Sampled,
 from ringserve.engine.thread import EngineThread
 
 __all__ = ["Generation", "Prepared", "Runner", "RunnerStatistics"]
+
+
+#: Seconds without an engine call after which the engine thread ends (and with it llama.cpp's
+#: OpenMP team, whose threads spin while they wait: ``ringserve._native``); the next call starts one.
+ENGINE_IDLE_SECONDS = 1.0
 
 log = logging.getLogger("ringserve.runner")
 
@@ -348,7 +354,9 @@ class Runner:
             prefix_cache=config.prefix_cache and engine.prefix_cache,
             cache_output=config.prefix_cache_output,
         )
-        self._engine_thread = EngineThread("ringserve engine")  # decode, begin, release: one call at a time
+        # decode, begin, release: one call at a time; the thread (and llama.cpp's spinning OpenMP
+        # team) ends once the runner has been idle for ENGINE_IDLE_SECONDS
+        self._engine_thread = EngineThread("ringserve engine", idle_seconds=ENGINE_IDLE_SECONDS)
         self._tokenize_limiter = trio.CapacityLimiter(1)  # tokenize_chat, beside a decode step
         self._tokenizing = 0  # prepare() calls waiting for or inside tokenize_chat
         self._tokenize_ended = 0  # prepare() calls whose tokenize_chat has returned or raised

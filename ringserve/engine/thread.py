@@ -1,4 +1,4 @@
-"""One long-lived thread for every blocking engine call of a runner.
+"""One thread at a time for every blocking engine call of a runner.
 
 Why not ``trio.to_thread.run_sync``: it hands each call to whichever cached
 worker thread is idle, so a decode step can land on the thread that just
@@ -12,8 +12,15 @@ short throttled count beyond that), then sleeps in the kernel; a second team,
 alive for as long as its cached worker idles, is enough to put sleeps and
 wake-ups into the hundreds of barriers of every decode. Measured on 2 cores, 8
 streams (issue 19): decode steps 1.2-1.8x slower than the same calls made from
-one thread. With one thread per runner there is one team for the process's
-life, as in llama.cpp's own server (one loop thread).
+one thread. With one thread there is one team, as in llama.cpp's own server
+(one loop thread).
+
+The team's threads spin while they wait for the next decode
+(``ringserve._native`` sets libgomp's spin count for that), so an
+``EngineThread`` with ``idle_seconds`` ends its thread after that long
+without a call: libgomp frees a thread's team when the thread exits, and the
+spinning stops. The next call starts a new thread (and team). There is never
+more than one.
 
 The thread runs the calls one at a time in submission order, so it also
 serializes the engine like the ``CapacityLimiter(1)`` it replaces.
@@ -40,6 +47,8 @@ class EngineThread:
 
     Args:
         name: the thread's name (``threading.Thread.name``; shown by py-spy).
+        idle_seconds: after this long without a call the thread ends, and
+            the next call starts a new one; None keeps it until :meth:`stop`.
 
     The thread starts at :meth:`start` and ends after the calls queued
     before :meth:`stop`. A call in progress is never abandoned: as with
@@ -47,16 +56,20 @@ class EngineThread:
     cancellation takes effect when it returns.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, idle_seconds: float | None = None) -> None:
         self.name = name
+        self._idle = idle_seconds
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # a retiring thread against a call that arrives meanwhile
         self._thread: threading.Thread | None = None
+        self._started = False
         self._stopped = False
 
     @property
     def ident(self) -> int | None:
-        """The thread's ``threading.get_ident()`` once started, else None."""
-        return None if self._thread is None else self._thread.ident
+        """The running thread's ``threading.get_ident()``; None before start and while retired."""
+        thread = self._thread
+        return None if thread is None else thread.ident
 
     def start(self) -> None:
         """Start the thread.
@@ -64,10 +77,11 @@ class EngineThread:
         Raises:
             RuntimeError: it was started before.
         """
-        if self._thread is not None:
+        if self._started:
             raise RuntimeError(f"{self.name} was started before")
-        self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
-        self._thread.start()
+        self._started = True
+        with self._lock:
+            self._spawn()
 
     def stop(self) -> None:
         """Let the thread end once the calls queued so far are done; returns at once. Idempotent."""
@@ -75,13 +89,35 @@ class EngineThread:
         self._jobs.put(_STOP)
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait (blocking) until the thread has ended, for at most ``timeout`` seconds."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        """Wait (blocking) until the running thread has ended, for at most ``timeout`` seconds."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _spawn(self) -> None:
+        """Start a thread (the caller holds the lock, and no thread runs)."""
+        self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+        self._thread.start()
 
     def _work(self) -> None:
-        while (job := self._jobs.get()) is not _STOP:
+        while True:
+            try:
+                job = self._jobs.get(timeout=self._idle)
+            except queue.Empty:
+                with self._lock:
+                    if self._jobs.empty():  # retire; a call from now on starts the next thread
+                        self._thread = None
+                        return
+                continue
+            if job is _STOP:
+                return
             job()
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            self._jobs.put(job)
+            if self._thread is None:
+                self._spawn()
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on the thread, after the calls queued before it; its result or exception.
@@ -95,7 +131,7 @@ class EngineThread:
             Exception: whatever ``fn`` raised.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        if self._thread is None or self._stopped:
+        if not self._started or self._stopped:
             raise RuntimeError(f"{self.name} is not running")
         token = trio.lowlevel.current_trio_token()
         task = trio.lowlevel.current_task()
@@ -104,6 +140,6 @@ class EngineThread:
             result = outcome.capture(fn, *args)
             token.run_sync_soon(trio.lowlevel.reschedule, task, result)
 
-        self._jobs.put(job)
+        self._submit(job)
         result: T = await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
         return result
