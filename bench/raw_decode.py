@@ -1,7 +1,8 @@
 """Batched greedy decode throughput: raw llama-cpp-python versus LlamaEngine.
 
 The raw loop uses only llama-cpp-python's low-level API (plus
-``modelfile.default_model_path`` to find the bundled model): one context with
+``modelfile.default_model_path`` to find the bundled model; the library is
+imported through ``ringserve._native``, so libgomp spins as in the server): one context with
 ``n_seq_max = n_seqs`` and a per-sequence KV cache, one ``llama_batch``, one
 greedy sampler per sequence. It is the ceiling the engine is measured
 against. The engine loop drives :class:`ringserve.engine.llama.LlamaEngine`
@@ -32,11 +33,11 @@ import time
 from pathlib import Path
 
 import attrs
-import llama_cpp as lc
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ringserve._native import llama_cpp as lc  # noqa: E402 - loaded as ringserve loads it (libgomp spin count)
 from ringserve.engine.modelfile import default_model_path  # noqa: E402
 
 PROMPT = (

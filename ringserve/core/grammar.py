@@ -56,7 +56,7 @@ from collections.abc import Sequence
 from typing import Any, assert_never
 
 import attrs
-from llama_cpp import llama_grammar as _lg
+from ringserve._native import llama_grammar as _lg
 
 from ringserve.core.detokenizer import Detokenizer
 from ringserve.core.errors import invalid

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, assert_never
 
-import llama_cpp as lc
+from ringserve._native import llama_cpp as lc
 
 from ringserve.config import decode_threads
 from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
