@@ -22,8 +22,9 @@ set only when the environment sets neither ``GOMP_SPINCOUNT`` nor
 ``OMP_WAIT_POLICY`` (a user's choice wins), and only for the import: libgomp
 reads it once, as it loads, and child processes (``llama-server`` in the
 benchmarks) do not inherit it. Measured over HTTP on that machine, 8 streams,
-interleaved: infinite spinning made decode steps 2.7-3.5x shorter than the
-default, where 30,000,000 spins (about 0.8 s) did not help (``docs/benchmarks.md``).
+interleaved: while the machine was slow, infinite spinning made decode steps
+2.2-3.3x shorter than the default, where 30,000,000 spins (about 0.8 s) did
+not help; while it was fast, it made no difference (``docs/benchmarks.md``).
 
 The cost: a team's threads spin for as long as the thread that decodes lives,
 also when nothing decodes. The runner's :class:`~ringserve.engine.thread.EngineThread`
