@@ -52,7 +52,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import figure, fmt, machine, machine_line, median, pct, save_figure, table, write_json  # noqa: E402
-from bench.raw_decode import N_BATCH, PROMPT, RawDecoder, _ctx_per_seq  # noqa: E402
+from bench.raw_decode import N_BATCH, PROMPT, RawDecoder, RawRun, _ctx_per_seq  # noqa: E402
 from ringserve.config import EngineConfig  # noqa: E402
 from ringserve.core.events import BlockDelta, ChatMessage, Failure, Finish, GenerationRequest, SamplingParams  # noqa: E402
 from ringserve.engine.llama import LlamaEngine  # noqa: E402
@@ -126,7 +126,8 @@ def compare(path: Path, n_seqs: int, n_tokens: int, n_threads: int, bursts: int)
 
     Both sides hold their own context on the same model file. The runner's
     loop runs all along; a raw run blocks the Trio thread while the runner is
-    idle. Each burst pair alternates which side goes first, so a neighbour's
+    idle and its engine thread has ended (so no OpenMP team of the runner's
+    spins beside the raw loop; the raw loop's own ends with its thread). Each burst pair alternates which side goes first, so a neighbour's
     load spike lands on both sides alike over the bursts.
     """
     with RawDecoder(path, n_seqs, n_tokens, n_threads=n_threads) as raw, LlamaEngine(
@@ -146,15 +147,21 @@ def compare(path: Path, n_seqs: int, n_tokens: int, n_threads: int, bursts: int)
             records = []
             async with trio.open_nursery() as nursery:
                 await nursery.start(runner.run)
+
+                async def raw_run() -> RawRun:
+                    while runner.engine_thread_alive:  # its OpenMP team spins until the thread ends
+                        await trio.sleep(0.05)
+                    return raw.run()
+
                 await _generate_all(runner, warm, n_seqs)
-                raw.run()  # warm-up
+                await raw_run()  # warm-up
                 for b in range(bursts):
                     if b % 2 == 0:
-                        r = raw.run()
+                        r = await raw_run()
                         traces = await _generate_all(runner, timed, n_seqs)
                     else:
                         traces = await _generate_all(runner, timed, n_seqs)
-                        r = raw.run()
+                        r = await raw_run()
                     ours = _runner_side(traces)
                     records.append({
                         "raw": Side(r.tokens_per_second, [r.prefill_seconds] * n_seqs, list(r.step_seconds)),

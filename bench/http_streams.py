@@ -79,6 +79,7 @@ from bench.common import (  # noqa: E402
 )
 from bench.raw_decode import raw_decode_run  # noqa: E402
 from ringserve.engine.modelfile import default_model_path  # noqa: E402
+from ringserve.engine.runner import ENGINE_IDLE_SECONDS  # noqa: E402
 
 
 def messages(tag: str) -> list[dict[str, str]]:
@@ -94,6 +95,11 @@ def messages(tag: str) -> list[dict[str, str]]:
         {"role": "system", "content": f"Request {tag}. You are a helpful assistant."},
         {"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."},
     ]
+
+
+SETTLE_SECONDS = ENGINE_IDLE_SECONDS + 0.5
+"""Pause before each level and raw run: ringserve's engine thread, and the OpenMP team that spins
+beside it, ends after ``ENGINE_IDLE_SECONDS`` idle, so no side decodes beside the last one's spinning."""
 
 SERVERS = ("ringserve", "llama-server", "llama_cpp.server")
 """Every server this script can run; ringserve's ratios are taken against each of the others."""
@@ -332,6 +338,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for n in args.streams:
                     for name in order:
                         server = servers[name]
+                        time.sleep(SETTLE_SECONDS)
                         before = server_counters(server, name)
                         level = trio.run(run_level, server.url, n, args.requests, args.tokens, f"{r}-{n}")
                         after = server_counters(server, name)
@@ -341,6 +348,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               f" TTFT p50 {fmt(level['ttft_p50'], 1e3)} ms, errors {len(level['errors'])}",
                               flush=True)
                     if n <= args.slots:
+                        time.sleep(SETTLE_SECONDS)
                         raw = raw_level(model, n, args.tokens, threads)
                         raw_rounds[n].append(raw)
                         print(f"  round {r + 1} {'raw loop':>16} {n:>2} streams: {raw['tokens_per_second']:6.1f} tok/s",

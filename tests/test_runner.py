@@ -181,10 +181,10 @@ async def test_the_engine_thread_ends_when_the_runner_is_idle_and_the_next_reque
     engine = HookedEngine(piece_bytes=1)
     async with serving(engine) as runner:
         _, first, _, _ = await generate(runner, req("hello"))
-        while runner._engine_thread.ident is not None:
+        while runner.engine_thread_alive:
             await trio.sleep(0.01)
         _, again, last, _ = await generate(runner, req("hello"))
-        assert runner._engine_thread.ident is not None  # a new thread decoded the second request
+        assert runner.engine_thread_alive  # a new thread decoded the second request
     assert again == first and isinstance(last, Finish)
 
 

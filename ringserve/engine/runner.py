@@ -414,6 +414,16 @@ class Runner:
         """Whether the owner loop is running (requests can be submitted)."""
         return self._running
 
+    @property
+    def engine_thread_alive(self) -> bool:
+        """Whether the engine thread, and llama.cpp's OpenMP team that spins beside it, is alive.
+
+        False before :meth:`run` and after :data:`ENGINE_IDLE_SECONDS` without a
+        call (the next call starts a new one). A benchmark that puts another
+        decode loop on the same cores waits for False first.
+        """
+        return self._engine_thread.ident is not None
+
     # -- consumer side -----------------------------------------------------
 
     async def prepare(self, request: GenerationRequest) -> Prepared:
