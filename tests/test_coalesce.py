@@ -1,4 +1,4 @@
-"""The coalescer: first text at once, then one entry per window or per N tokens."""
+"""The coalescer: first text at once, then at most one entry per window, or one per N tokens."""
 
 import math
 
@@ -12,12 +12,25 @@ def test_first_text_is_released_at_once_then_windowed():
     assert c.add("Hel", 1, now=0.0) == "Hel"
     assert c.deadline == math.inf
     assert c.add("lo", 1, now=0.001) is None
-    assert c.deadline == pytest.approx(0.026)
+    assert c.deadline == pytest.approx(0.025)  # one window after the last release
     assert c.add(" wor", 1, now=0.010) is None
-    assert c.deadline == pytest.approx(0.026)  # the window does not slide
+    assert c.deadline == pytest.approx(0.025)  # the window does not slide
     assert c.due(0.020) is None
-    assert c.due(0.0261) == "lo wor"
+    assert c.due(0.0251) == "lo wor"
     assert c.deadline == math.inf
+    assert c.add("ld", 1, now=0.030) is None  # 5 ms after the release at 0.0251
+    assert c.deadline == pytest.approx(0.0501)
+
+
+def test_a_delta_a_window_or_more_after_the_last_release_goes_at_once():
+    """Decode steps slower than the window (a CPU box): each step's text goes at once, no deadline is set."""
+    c = Coalescer(window=0.025, max_tokens=16)
+    assert c.add("a", 1, now=0.0) == "a"
+    for k in range(1, 6):
+        assert c.add("b", 1, now=0.09 * k) == "b"
+        assert c.deadline == math.inf
+    assert c.add("c", 1, now=0.46) is None  # 10 ms after the last release: waits for the window
+    assert c.deadline == pytest.approx(0.475)
 
 
 def test_token_count_releases_before_the_window():

@@ -164,3 +164,25 @@ async def test_a_server_streams_the_whole_reply_in_either_mode(tmp_path, overlap
     assert resp.status_code == 200
     assert openai_text(events) == DEFAULT_REPLY
     assert len([e for e in events if '"content"' in e.data]) > 2  # flushed in several entries
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+async def test_text_goes_out_as_its_step_ends_when_steps_are_longer_than_the_flush_window(tmp_path, overlap):
+    """Decode steps of 200 ms against the default 25 ms window (a CPU box): each step's text is
+    written as soon as the step ends. Without overlap it was held for a deadline that fell inside
+    the next step, and waited for that step's end: every token after the first one step late
+    (400 ms from the first to the second)."""
+    step = 0.2
+    config = fake_config(tmp_path, engine={"overlap": overlap})
+    assert config.stream.flush_ms == 25.0
+    async with running_server(config, step_seconds=step) as state:
+        async with httpx.AsyncClient(base_url=state.urls[0], timeout=GUARD) as client:
+            body = {**OPENAI_BODY, "stream": True, "max_tokens": 4}
+            arrivals = []
+            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
+                        arrivals.append(trio.current_time())
+    assert len(arrivals) == 4
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert all(g < 1.5 * step for g in gaps), gaps

@@ -78,9 +78,9 @@ def test_coalescing_releases_the_first_text_at_once_then_by_window_or_tokens():
     assert entry_data(p.event(TEXT, USAGE, 0.0).entries) == ["block_start 0 text"]
     assert entry_data(p.event(BlockDelta(0, "a", 1), USAGE, 0.0).entries) == ["delta 0 'a'"]  # TTFT not delayed
     assert p.event(BlockDelta(0, "b", 1), USAGE, 0.01).entries == ()
-    assert p.deadline == pytest.approx(0.06)
+    assert p.deadline == pytest.approx(0.05)  # one window after the release at 0.0
     assert p.tick(0.03).entries == ()
-    assert entry_data(p.tick(0.061).entries) == ["delta 0 'b'"]  # the window passed
+    assert entry_data(p.tick(0.051).entries) == ["delta 0 'b'"]  # the window passed
     p.event(BlockDelta(0, "c", 1), USAGE, 0.07)
     p.event(BlockDelta(0, "d", 1), USAGE, 0.07)
     assert entry_data(p.event(BlockDelta(0, "e", 1), USAGE, 0.07).entries) == ["delta 0 'cde'"]  # 3 tokens

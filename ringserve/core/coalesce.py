@@ -1,9 +1,15 @@
 """When buffered text becomes one stream-log entry (sans-I/O).
 
-The producer appends one entry per flush window or per ``max_tokens``
-tokens, whichever comes first, and the very first text at once so TTFT is not
-delayed (seed "Streaming LLM Responses over SSE": flush every 20-50 ms or N
-tokens). Times are seconds on any monotonic clock the caller supplies.
+The producer appends at most one entry per flush window, or one per
+``max_tokens`` tokens, whichever comes first (seed "Streaming LLM Responses
+over SSE": flush every 20-50 ms or N tokens). The window is a throttle with a
+leading edge: the very first text goes at once so TTFT is not delayed, and so
+does any delta that arrives a window or more after the last release; a delta
+that arrives sooner waits until one window after that release. So when decode
+steps take longer than the window (a CPU box: 20-100 ms per step) every
+step's text goes out as soon as the step ends, and no deadline falls inside
+the next step; when they are faster (a GPU) their text is batched, one entry
+per window. Times are seconds on any monotonic clock the caller supplies.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ class Coalescer:
     _tokens: int = attrs.field(default=0, init=False)
     _deadline: float = attrs.field(default=math.inf, init=False)
     _released_any: bool = attrs.field(default=False, init=False)
+    _last_release: float = attrs.field(default=-math.inf, init=False)
 
     @property
     def deadline(self) -> float:
@@ -41,22 +48,29 @@ class Coalescer:
         self._tokens += tokens
         if not self._parts:
             return None
-        if not self._released_any or self.window <= 0 or self._tokens >= self.max_tokens:
-            return self.flush()
+        if (not self._released_any or self.window <= 0 or self._tokens >= self.max_tokens
+                or now >= self._last_release + self.window):
+            return self.flush(now)
         if self._deadline == math.inf:
-            self._deadline = now + self.window
+            self._deadline = self._last_release + self.window
         return None
 
     def due(self, now: float) -> str | None:
         """The buffered text if its deadline has passed, else None."""
-        return self.flush() if now >= self._deadline else None
+        return self.flush(now) if now >= self._deadline else None
 
-    def flush(self) -> str:
-        """Release everything buffered ("" when empty) and reset the window."""
+    def flush(self, now: float | None = None) -> str:
+        """Release everything buffered ("" when empty) and reset the window.
+
+        ``now`` (when given and there is text) is the release time the next
+        window counts from; a flush at a block boundary passes none.
+        """
         text = "".join(self._parts)
         self._parts.clear()
         self._tokens = 0
         self._deadline = math.inf
         if text:
             self._released_any = True
+            if now is not None:
+                self._last_release = now
         return text
