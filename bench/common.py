@@ -258,16 +258,21 @@ class ServerProcess:
 
 
 def llama_server(binary: Path, model: Path, log_path: Path, *, slots: int, ctx_per_slot: int, threads: int,
-                 batch: int = 512) -> ServerProcess:
+                 batch: int = 512, flash_attn: str = "off") -> ServerProcess:
     """Start llama.cpp's ``llama-server`` beside ringserve on the same terms, ready once ``/health`` answers 200.
 
-    Runs ``binary -m MODEL --host 127.0.0.1 --port PORT -np SLOTS -c SLOTS*CTX -t T -tb T -b BATCH -ub BATCH``:
+    Runs ``binary -m MODEL --host 127.0.0.1 --port PORT -np SLOTS -c SLOTS*CTX -t T -tb T -b BATCH -ub BATCH
+    -fa FLASH_ATTN``:
     as many slots (parallel sequences) as ringserve, the same context per slot
     (llama-server splits ``-c`` evenly among its ``-np`` slots), the same
     threads for decode and prefill (``threads`` 0: ``os.cpu_count()``; the
     scripts resolve 0 so before they configure ringserve, whose own
-    ``n_threads = 0`` means every core but one), and a logical and physical batch of
-    ``batch`` tokens like ringserve's ``[engine] n_batch``.
+    ``n_threads = 0`` means every core but one), a logical and physical batch of
+    ``batch`` tokens like ringserve's ``[engine] n_batch``, and flash attention
+    as ringserve's ``[model] flash_attn`` (``on``, ``off``, ``auto``; ringserve's
+    default ``off``, where llama-server's own default is ``auto``, which turns it
+    on for CPUs too: with 2,048 cells per slot that alone makes a decode step
+    5-8 % shorter here, docs/benchmarks.md).
     docs/benchmarks.md says how to build the binary from llama-cpp-python's vendored llama.cpp.
     """
     threads = threads or os.cpu_count() or 1
@@ -275,7 +280,7 @@ def llama_server(binary: Path, model: Path, log_path: Path, *, slots: int, ctx_p
     return ServerProcess(
         [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
          "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
-         "-b", str(batch), "-ub", str(batch)],
+         "-b", str(batch), "-ub", str(batch), "-fa", flash_attn],
         log_path, url=f"http://127.0.0.1:{port}", probe="/health",
     )
 

@@ -248,14 +248,15 @@ def warm_up(url: str, max_tokens: int) -> dict[str, Any]:
 
 
 def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Sequence[str],
-                  llama_server_binary: Path | None, overlap: str = "auto") -> dict[str, ServerProcess]:
+                  llama_server_binary: Path | None, overlap: str = "auto",
+                  flash_attn: str = "off") -> dict[str, ServerProcess]:
     """Start the servers in ``names`` (ringserve always), stopping those started if one fails.
 
     ``llama-server`` runs as :func:`bench.common.llama_server` starts it: as many slots as ringserve,
-    the same context per slot (2048), threads and batch.
+    the same context per slot (2048), threads, batch and flash attention.
     """
     cfg = ringserve_config(tmp / "ringserve.toml", {
-        "model": {"path": str(model), "n_threads": threads},
+        "model": {"path": str(model), "n_threads": threads, "flash_attn": flash_attn},
         "engine": {"ctx_per_slot": 2048, "overlap": overlap},
         "store": {"path": str(tmp / "store.sqlite3")},
     })
@@ -269,7 +270,8 @@ def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Seque
         if "llama-server" in names:
             assert llama_server_binary is not None
             servers["llama-server"] = llama_server(llama_server_binary, model, tmp / "llama-server.log",
-                                                   slots=slots, ctx_per_slot=2048, threads=threads)
+                                                   slots=slots, ctx_per_slot=2048, threads=threads,
+                                                   flash_attn=flash_attn)
         if "llama_cpp.server" in names:
             port = free_port()
             servers["llama_cpp.server"] = ServerProcess(
@@ -303,6 +305,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="llama.cpp's llama-server binary (docs/benchmarks.md says how to build it)")
     ap.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                     help="ringserve's [engine] overlap (auto: off when the threads take every core)")
+    ap.add_argument("--flash-attn", choices=["auto", "on", "off"], default="off",
+                    help="flash attention in both servers: ringserve's [model] flash_attn, llama-server's -fa"
+                         " (off: ringserve's default; llama-server's own default is auto; the raw loop runs without)")
     ap.add_argument("--replot", type=Path, help="only redraw the plot from this script's JSON")
     args = ap.parse_args(argv)
     if args.replot is not None:
@@ -320,14 +325,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     threads = args.threads or os.cpu_count() or 1
     info = machine()
     print(f"HTTP streaming: {model.name}, max_tokens {args.tokens}, {args.requests} request(s) per client,"
-          f" {args.rounds} rounds, ringserve --slots {args.slots} overlap {args.overlap}, {threads} threads each")
+          f" {args.rounds} rounds, ringserve --slots {args.slots} overlap {args.overlap}, {threads} threads each,"
+          f" flash attention {args.flash_attn}")
     print(machine_line(info), flush=True)
 
     rounds: dict[str, dict[int, list[dict[str, Any]]]] = {s: {n: [] for n in args.streams} for s in SERVERS}
     raw_rounds: dict[int, list[dict[str, float]]] = {n: [] for n in args.streams if n <= args.slots}
     with tempfile.TemporaryDirectory(prefix="ringserve-bench-") as tmp_name:
         servers = start_servers(model, threads, Path(tmp_name), args.slots, args.servers, args.llama_server,
-                                args.overlap)
+                                args.overlap, args.flash_attn)
         try:
             warm = {name: warm_up(server.url, args.tokens) for name, server in servers.items()}
             for name, w in warm.items():
@@ -414,6 +420,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ringserve_slots": args.slots,
         "threads": threads,
         "ringserve_overlap": args.overlap,
+        "flash_attn": args.flash_attn,
         "warm_up": warm,
         "summary": {str(n): v for n, v in summary.items()},
         "rounds": {name: {str(n): v for n, v in by_n.items()} for name, by_n in rounds.items()},
