@@ -275,5 +275,9 @@ async def test_non_reading_client_is_dropped_and_cannot_grow_memory(tmp_path):
     assert status["status"] == "complete" and status["usage"]["output_tokens"] == reply_bytes // 8192 + 1
     assert re.search(r'^ringserve_slow_reader_disconnects_total\{reason="blocked"\} 1\.0$', metrics, re.MULTILINE), metrics
     # Each grows by the answer's text (kept for the store, copied when it is persisted) and a ring;
-    # the stuck reader holds no copy of the answer more: less than half of it (8 MiB) on top.
-    assert stuck_growth - reading_growth < reply_bytes // 2, (reading_growth, stuck_growth)
+    # the stuck reader holds no copy of the answer more: less than half of it (8 MiB) on top. The
+    # peak of a reader keeping up depends on how far behind it is at that moment (22.3-27.1 MB in 8
+    # runs, 2.7-3.2 times the answer; the stuck reader's 26.5-26.7 MB), so the baseline is at least
+    # 3 times the answer: a stuck reader holding one more copy (about 35 MB) still fails.
+    baseline = max(reading_growth, 3 * reply_bytes)
+    assert stuck_growth - baseline < reply_bytes // 2, (reading_growth, stuck_growth)
