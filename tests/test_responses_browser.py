@@ -46,12 +46,13 @@ TYPES = ["response.created", "response.queued", "response.in_progress", "respons
 async def test_event_source_follows_a_background_response_through_a_drop(tmp_path: Path) -> None:
     require_browser()
     async with server_behind_proxy(tmp_path, server={"retry_ms": 100}, **ENGINE) as (state, proxy):
-        async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as http:
-            rid = (await http.post("/v1/responses", json={"model": "any", "input": "go", "background": True})).json()["id"]
-            token = (await http.post(f"/v1/messages/{rid}/stream_token")).json()["stream_token"]
-
         def script(browser: Browser) -> dict[str, Any]:
             page = browser.page(proxy.url)
+            # created once the browser is up, so the generation (2.5 s) cannot end before the cut
+            with httpx.Client(base_url=state.urls[0], timeout=30) as http:
+                rid = http.post("/v1/responses", json={"model": "any", "input": "go", "background": True}).json()["id"]
+                token = http.post(f"/v1/messages/{rid}/stream_token").json()["stream_token"]
+            ids.append(rid)
             url = f"{proxy.url}/v1/responses/{rid}?stream=true&stream_token={token}"
             # started, not awaited (evaluate would wait for the promise): window.done holds it
             page.evaluate(f"(args) => {{ window.done = ({FOLLOW})(args); }}", [url, TYPES, list(TERMINAL)])
@@ -59,7 +60,9 @@ async def test_event_source_follows_a_background_response_through_a_drop(tmp_pat
             trio.from_thread.run_sync(proxy.cut_all)  # mid-stream: the EventSource reconnects by itself
             return page.evaluate("() => window.done")
 
+        ids: list[str] = []
         seen = await trio.to_thread.run_sync(in_browser, tmp_path, script)
+        rid = ids[0]
         async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as http:
             final = (await http.get(f"/v1/responses/{rid}")).json()
     events = seen["seen"]
