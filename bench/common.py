@@ -262,7 +262,7 @@ def llama_server(binary: Path, model: Path, log_path: Path, *, slots: int, ctx_p
     """Start llama.cpp's ``llama-server`` beside ringserve on the same terms, ready once ``/health`` answers 200.
 
     Runs ``binary -m MODEL --host 127.0.0.1 --port PORT -np SLOTS -c SLOTS*CTX -t T -tb T -b BATCH -ub BATCH
-    -fa FLASH_ATTN``:
+    -fa FLASH_ATTN --no-repack``:
     as many slots (parallel sequences) as ringserve, the same context per slot
     (llama-server splits ``-c`` evenly among its ``-np`` slots), the same
     threads for decode and prefill (``threads`` 0: ``os.cpu_count()``; the
@@ -271,8 +271,10 @@ def llama_server(binary: Path, model: Path, log_path: Path, *, slots: int, ctx_p
     ``batch`` tokens like ringserve's ``[engine] n_batch``, and flash attention
     as ringserve's ``[model] flash_attn`` (``on``, ``off``, ``auto``; ringserve's
     default ``off``, where llama-server's own default is ``auto``, which turns it
-    on for CPUs too: with 2,048 cells per slot that alone makes a decode step
-    5-8 % shorter here, docs/benchmarks.md).
+    on for CPUs too: with 2,048 cells per slot that alone made a decode step
+    5-8 % shorter on one machine, docs/benchmarks.md), and without llama.cpp's
+    extra CPU buffer types (weight repacking, AMX), as ringserve's
+    ``[model] use_extra_bufts = false``.
     docs/benchmarks.md says how to build the binary from llama-cpp-python's vendored llama.cpp.
     """
     threads = threads or os.cpu_count() or 1
@@ -280,7 +282,7 @@ def llama_server(binary: Path, model: Path, log_path: Path, *, slots: int, ctx_p
     return ServerProcess(
         [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
          "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
-         "-b", str(batch), "-ub", str(batch), "-fa", flash_attn],
+         "-b", str(batch), "-ub", str(batch), "-fa", flash_attn, "--no-repack"],
         log_path, url=f"http://127.0.0.1:{port}", probe="/health",
     )
 
