@@ -436,8 +436,12 @@ class Hub:
         events = gen.__aiter__()
         while not producer.ended:
             event: Any = _NOT_YET
-            with trio.move_on_at(producer.deadline):
+            deadline = producer.deadline
+            if deadline == math.inf:  # nothing waits for a flush: no cancel scope per event
                 event = await anext(events, None)
+            else:
+                with trio.move_on_at(deadline):
+                    event = await anext(events, None)
             if event is _NOT_YET:
                 await self.runner.between_steps()
                 step = producer.tick(trio.current_time())
