@@ -158,9 +158,12 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system, all threads) process ``pid`` has used so far (seconds)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """CPU time (user + system) process ``pid`` has used so far (seconds): all its threads, or only
+    thread ``tid`` (``/proc/PID/task/TID/stat``; ``tid == pid`` is the main thread, a Trio server's
+    event loop)."""
+    stat = Path(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

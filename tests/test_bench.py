@@ -54,10 +54,14 @@ def test_resume_bench_replays_each_position(tmp_path: Path) -> None:
 
 
 def test_cpu_per_token_bench_measures_both_surfaces(tmp_path: Path) -> None:
-    out = run_bench("cpu_per_token", tmp_path, "--streams", "2", "--tokens", "300", "--rounds", "1")
+    out = run_bench("cpu_per_token", tmp_path, "--streams", "2", "--tokens", "300", "--rounds", "1", "--step-ms", "2")
     [tree] = out["results"].values()
     assert set(tree) == {"anthropic", "openai"}
     assert all(len(us) == 1 and us[0] > 0 for us in tree.values())
+    [loop] = out["event_loop_us_per_step"].values()
+    assert set(loop) == {"anthropic", "openai"}
+    assert all(len(us) == 1 and us[0] > 0 for us in loop.values())
+    assert out["step_ms"] == 2
 
 
 def test_gateway_bench_holds_and_fans_out(tmp_path: Path) -> None:
