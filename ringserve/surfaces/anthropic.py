@@ -12,6 +12,7 @@ both as HTTP bodies and as the in-band ``event: error``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, assert_never
 
 import attrs
@@ -46,6 +47,7 @@ from ringserve.surfaces.base import (
     WireEvent,
     cancelled_fields,
     dumps,
+    json_template,
     get_bool,
     get_int,
     get_str,
@@ -268,6 +270,7 @@ class AnthropicRenderer:
         self._message_id = message_id
         self._model = model
         self._open = BlockKind.TEXT  # the kind of the block that deltas belong to
+        self._text_delta: tuple[int, Callable[[str], str]] | None = None  # the open text block's template
 
     def start(self, usage: Usage) -> list[WireEvent]:
         message: dict[str, Any] = {
@@ -292,10 +295,13 @@ class AnthropicRenderer:
     def delta(self, delta: BlockDelta) -> list[WireEvent]:
         if self._open is BlockKind.TOOL_CALL:
             body = {"type": "input_json_delta", "partial_json": delta.text}
-        else:
-            body = {"type": "text_delta", "text": delta.text}
-        data = {"type": "content_block_delta", "index": delta.index, "delta": body}
-        return [WireEvent(dumps(data), "content_block_delta")]
+            data = {"type": "content_block_delta", "index": delta.index, "delta": body}
+            return [WireEvent(dumps(data), "content_block_delta")]
+        if self._text_delta is None or self._text_delta[0] != delta.index:
+            index = delta.index
+            self._text_delta = index, json_template(lambda text: {
+                "type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}})
+        return [WireEvent(self._text_delta[1](delta.text), "content_block_delta")]
 
     def block_stop(self, stop: BlockStop) -> list[WireEvent]:
         return [WireEvent(dumps({"type": "content_block_stop", "index": stop.index}), "content_block_stop")]

@@ -40,9 +40,41 @@ from ringserve.core.events import (
 T = TypeVar("T")
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+"""One encoder for every event: ``json.dumps`` with these arguments builds a new one per call."""
+
+
 def dumps(obj: Any) -> str:
     """Compact JSON, UTF-8 kept as is (the SSE stream is UTF-8)."""
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return _ENCODER.encode(obj)
+
+
+_SLOT = "\x00ringserve slot\x00"
+"""Marker for :func:`json_template`'s string slot (NUL characters: no id or model name holds it)."""
+
+
+def json_template(build: Callable[[str], Any]) -> Callable[[str], str]:
+    """``dumps(build(text))`` for any ``text``, byte for byte, without building or encoding the rest again.
+
+    ``build`` is called once, with a marker: the document it returns must hold
+    that string exactly once, as a value, and be the same apart from it for
+    every text (a delta event: only its text changes from token to token).
+    The JSON around the marker's encoding is kept, and each call encodes only
+    ``text`` into it (about 0.2 µs against 7 µs for building and dumping an
+    OpenAI chunk, issue 19).
+
+    Raises:
+        ValueError: the document does not hold the marker exactly once.
+    """
+    head, found, tail = dumps(build(_SLOT)).partition(dumps(_SLOT))
+    if not found or dumps(_SLOT) in tail:
+        raise ValueError("the template must hold its slot exactly once")
+    encode = _ENCODER.encode
+
+    def fill(text: str) -> str:
+        return head + encode(text) + tail
+
+    return fill
 
 
 @attrs.frozen

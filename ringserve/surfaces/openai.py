@@ -41,6 +41,7 @@ from ringserve.surfaces.base import (
     WireEvent,
     cancelled_fields,
     dumps,
+    json_template,
     get_bool,
     get_int,
     get_str,
@@ -238,14 +239,18 @@ class OpenAIRenderer:
         self._include_usage = include_usage
         self._open = BlockKind.TEXT  # the kind of the block that deltas belong to
         self._calls = 0  # tool calls started so far; the open call's index is one less
+        self._text_chunk = json_template(lambda text: self._chunk_object({"content": text}, None))
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None, cancelled: bool = False) -> WireEvent:
+    def _chunk_object(self, delta: dict[str, Any], finish_reason: str | None, cancelled: bool = False) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
                   **cancelled_fields(cancelled)}
         chunk = {**self._head, "choices": [choice]}
         if self._include_usage:
             chunk["usage"] = None
-        return WireEvent(dumps(chunk))
+        return chunk
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None, cancelled: bool = False) -> WireEvent:
+        return WireEvent(dumps(self._chunk_object(delta, finish_reason, cancelled)))
 
     def start(self, usage: Usage) -> list[WireEvent]:
         return [self._chunk({"role": "assistant", "content": ""}, None)]
@@ -262,7 +267,7 @@ class OpenAIRenderer:
 
     def delta(self, delta: BlockDelta) -> list[WireEvent]:
         if self._open is not BlockKind.TOOL_CALL:
-            return [self._chunk({"content": delta.text}, None)]
+            return [WireEvent(self._text_chunk(delta.text))]
         if not delta.text:
             return []
         return [self._chunk({"tool_calls": [{"index": self._calls - 1, "function": {"arguments": delta.text}}]}, None)]
