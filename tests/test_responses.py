@@ -437,7 +437,12 @@ BAD_CREATE = [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input"),
     ({"input": []}, "input"),
+    ({"input": ""}, "input"),
     ({}, "input"),
+    ({"input": [{"type": {}, "role": "user", "content": "hi"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": [], "text": "hi"}]}]}, "input"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x",
+                                        "schema": {"type": "object", "properties": {"a": {"type": {}}}}}}}, None),
     ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"input": "x", "background": True, "store": False}, "background"),
@@ -453,6 +458,14 @@ BAD_CREATE = [
 async def test_bad_create_is_a_400_naming_the_field(fake_server, body, param):
     _state, client = fake_server
     check_error(await client.post("/v1/responses", json={"model": "any", **body}), 400, param)
+
+
+@pytest.mark.parametrize("route", ["/v1/responses", "/v1/responses/input_tokens"])
+async def test_a_prompt_past_the_context_is_a_400_naming_input(tmp_path, route):
+    async with running_server(fake_config(tmp_path, engine={"ctx_per_slot": 64})) as state:
+        async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+            error = check_error(await client.post(route, json={"model": "any", "input": "x" * 200}), 400, "input")
+    assert "context per slot is 64 tokens" in error["message"]
 
 
 async def test_neutral_values_of_refused_fields_are_accepted(fake_server):

@@ -279,11 +279,11 @@ class _Checker:
                 raise _Refused(where, "'anyOf' must be a non-empty list of schemas")
             return {"anyOf"}, {"anyOf": [self.clean(a, f"{where}.anyOf[{i}]") for i, a in enumerate(alts)]}
         if isinstance(typ, list):
-            if not typ or not all(t in _TYPES for t in typ):
-                raise _Refused(where, f"'type' must name JSON types, got {typ!r}")
+            if not typ or not all(isinstance(t, str) and t in _TYPES for t in typ):
+                raise _Refused(where, f"'type' must name JSON types, got {str(typ)[:60]}")
             return {"type"}, {}
-        if typ is not None and typ not in _TYPES:
-            raise _Refused(where, f"unknown type {typ!r}")
+        if typ is not None and not (isinstance(typ, str) and typ in _TYPES):
+            raise _Refused(where, f"unknown type {str(typ)[:60]!r}")
         if "const" in keys or "enum" in keys:
             values = [node["const"]] if "const" in keys else node["enum"]
             if not isinstance(values, list) or not values:

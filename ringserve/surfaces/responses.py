@@ -286,10 +286,10 @@ def _input_items(value: Any) -> tuple[tuple[ChatMessage, ...], tuple[tuple[str, 
     A ``function_call`` is a call of the assistant turn before it (a new assistant turn when the
     item before is not one), a ``function_call_output`` a ``tool`` turn.
     """
-    if isinstance(value, str):
+    if isinstance(value, str) and value:
         return (ChatMessage("user", value),), ()
     if not isinstance(value, list) or not value:
-        raise invalid("input: must be a string or a non-empty list of items", param="input")
+        raise invalid("input: must be a non-empty string or a non-empty list of items", param="input")
     messages: list[ChatMessage] = []
     ids, answers = CallIds(), []
     for i, item in enumerate(value):
@@ -297,6 +297,8 @@ def _input_items(value: Any) -> tuple[tuple[ChatMessage, ...], tuple[tuple[str, 
         if not isinstance(item, dict):
             raise invalid(f"{where}: must be an object", param="input")
         kind = item.get("type", "message")
+        if not isinstance(kind, str):
+            raise invalid(f"{where}.type: must be a string", param="input")
         if kind == "function_call":
             CALL_ITEM_FIELDS.check(item, where, param="input")
             call = ToolCall(
@@ -371,7 +373,8 @@ def _item_text(content: Any, where: str) -> str:
     for j, part in enumerate(content):
         if not isinstance(part, dict):
             raise invalid(f"{where}[{j}]: must be an object", param="input")
-        table = PART_FIELDS.get(part.get("type"))  # type: ignore[arg-type]  # a non-str is no key
+        part_type = part.get("type")
+        table = PART_FIELDS.get(part_type) if isinstance(part_type, str) else None
         if table is None:
             raise invalid(f"{where}[{j}]: content parts of type {str(part.get('type'))[:60]!r} are not supported"
                           " by ringserve (only input_text and output_text)", param="input")
@@ -511,7 +514,7 @@ def echoed_options(echo: str) -> ResponseOptions:
     if not echo:
         return ResponseOptions()
     try:
-        return parse_create({**json.loads(echo), "input": ""}).options
+        return parse_create({**json.loads(echo), "input": "-"}).options  # the echo keeps no input
     except (ValueError, RingserveError):
         return ResponseOptions()
 
@@ -864,7 +867,10 @@ class ResponsesSurface:
         return _OPENAI.error_status(error)
 
     def error_json(self, error: RingserveError) -> dict[str, Any]:
-        return _OPENAI.error_json(error)
+        body = _OPENAI.error_json(error)
+        if error.param == "messages":  # the runner's name for the conversation (the other surfaces')
+            body["error"]["param"] = "input"
+        return body
 
 
 RESPONSES = ResponsesSurface()
