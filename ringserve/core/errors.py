@@ -41,6 +41,11 @@ class ErrorKind(enum.Enum):
 #: Seconds suggested by an overload error that names no better value.
 DEFAULT_RETRY_AFTER = 1.0
 
+#: The ``param`` of an error about the whole conversation (it cannot be rendered, or does not fit
+#: the context): the field that holds it on the chat surfaces; the Responses surface reports it
+#: as its ``input``.
+PROMPT_PARAM = "messages"
+
 
 class RingserveError(Exception):
     """An error with the status and kind a surface needs to answer it.

@@ -70,7 +70,7 @@ import trio.testing
 
 from ringserve.config import EngineConfig
 from ringserve.core.detokenizer import Detokenizer
-from ringserve.core.errors import ErrorKind, RingserveError, invalid
+from ringserve.core.errors import PROMPT_PARAM, ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
     BlockDelta,
     BlockStart,
@@ -454,7 +454,7 @@ class Runner:
         slot's own KV cells, which no other request can use anyway.
 
         Raises:
-            RingserveError: ``INVALID_REQUEST`` with ``param="messages"`` when
+            RingserveError: ``INVALID_REQUEST`` with ``param=PROMPT_PARAM`` (``"messages"``) when
                 the prompt is empty, cannot be rendered (the engine raised
                 ``ValueError``) or fills the slot's context by itself (at
                 least 1 token must be left to generate). The message gives the
@@ -480,7 +480,7 @@ class Runner:
                 raise invalid(
                     f"the messages{' and tools' if rendered and request.tools else ''} hold {n_bytes} bytes"
                     f" of text, at least {-(-n_bytes // per_token)} tokens, but the context per slot is {ctx} tokens",
-                    "messages",
+                    PROMPT_PARAM,
                 )
         self._tokenizing += 1
         try:
@@ -493,7 +493,7 @@ class Runner:
                 abandon_on_cancel=False,
             )
         except ValueError as exc:  # the engine's "cannot render these messages"
-            raise invalid(f"the messages cannot be rendered: {exc}", "messages") from None
+            raise invalid(f"the messages cannot be rendered: {exc}", PROMPT_PARAM) from None
         finally:
             self._tokenizing -= 1
             self._tokenize_ended += 1
@@ -501,12 +501,12 @@ class Runner:
             self._tokenized = trio.Event()
         n_prompt = len(tokens)
         if n_prompt == 0:
-            raise invalid("the prompt is empty", "messages")
+            raise invalid("the prompt is empty", PROMPT_PARAM)
         if n_prompt >= ctx:
             raise invalid(
                 f"the prompt is {n_prompt} tokens, but the context per slot is {ctx} tokens"
                 f" and at least 1 must be left to generate",
-                "messages",
+                PROMPT_PARAM,
             )
         room = ctx - n_prompt
         asked = request.max_tokens

@@ -42,7 +42,7 @@ from typing import Any, assert_never
 
 import attrs
 
-from ringserve.core.errors import ErrorKind, RingserveError, invalid
+from ringserve.core.errors import PROMPT_PARAM, ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
     BlockDelta,
     BlockKind,
@@ -376,7 +376,7 @@ def _item_text(content: Any, where: str) -> str:
         part_type = part.get("type")
         table = PART_FIELDS.get(part_type) if isinstance(part_type, str) else None
         if table is None:
-            raise invalid(f"{where}[{j}]: content parts of type {str(part.get('type'))[:60]!r} are not supported"
+            raise invalid(f"{where}[{j}]: content parts of type {str(part_type)[:60]!r} are not supported"
                           " by ringserve (only input_text and output_text)", param="input")
         table.check(part, f"{where}[{j}]", param="input")
         text = part.get("text")
@@ -868,7 +868,7 @@ class ResponsesSurface:
 
     def error_json(self, error: RingserveError) -> dict[str, Any]:
         body = _OPENAI.error_json(error)
-        if error.param == "messages":  # the runner's name for the conversation (the other surfaces')
+        if error.param == PROMPT_PARAM:
             body["error"]["param"] = "input"
         return body
 
