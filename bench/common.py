@@ -167,6 +167,16 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def scrape(url: str) -> dict[str, float]:
+    """The unlabelled samples of the server at ``url``'s ``/metrics``, by sample name
+    (``ringserve_decode_steps_total``...), parsed by prometheus-client."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples if not s.labels}
+
+
 def python() -> str:
     """The interpreter running this script (the project's venv when started as documented)."""
     return sys.executable

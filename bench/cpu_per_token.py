@@ -26,8 +26,8 @@ runs between two decode calls, so it adds to every step.
 from __future__ import annotations
 
 import argparse
-import json
 import concurrent.futures
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -50,6 +50,7 @@ from bench.common import (  # noqa: E402
     python,
     ringserve_config,
     save_figure,
+    scrape,
     table,
     write_json,
 )
@@ -80,24 +81,17 @@ def stream_once(url: str, path: str, body: dict[str, Any]) -> int:
         return sum(len(chunk) for chunk in resp.iter_raw())
 
 
-def decode_steps(server: ServerProcess) -> float:
-    """The server's ``ringserve_decode_steps`` counter."""
-    for line in httpx.get(server.url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("ringserve_decode_steps_total "):
-            return float(line.split()[1])
-    raise RuntimeError("no ringserve_decode_steps_total in /metrics")
-
-
 def measure(server: ServerProcess, surface: str, streams: int, tokens: int) -> tuple[float, float]:
     """For ``streams`` concurrent streams of ``tokens`` tokens: server CPU microseconds per token,
     and the event loop's (main thread's) CPU microseconds per decode step."""
     path, body = SURFACES[surface]
     stream_once(server.url, path, body(8))  # warm up the route
-    before, loop_before, steps_before = cpu_seconds(server.pid), cpu_seconds(server.pid, server.pid), decode_steps(server)
+    steps_before = scrape(server.url)["ringserve_decode_steps_total"]
+    before, loop_before = cpu_seconds(server.pid), cpu_seconds(server.pid, server.pid)
     with concurrent.futures.ThreadPoolExecutor(streams) as pool:
         list(pool.map(lambda _: stream_once(server.url, path, body(tokens)), range(streams)))
     per_token = (cpu_seconds(server.pid) - before) / (streams * tokens) * 1e6
-    steps = decode_steps(server) - steps_before
+    steps = scrape(server.url)["ringserve_decode_steps_total"] - steps_before
     return per_token, (cpu_seconds(server.pid, server.pid) - loop_before) / steps * 1e6
 
 

@@ -74,6 +74,7 @@ from bench.common import (  # noqa: E402
     python,
     ringserve_config,
     save_figure,
+    scrape,
     table,
     write_json,
 )
@@ -213,12 +214,9 @@ def server_counters(server: ServerProcess, name: str) -> dict[str, float]:
     """
     counters = {"cpu_seconds": cpu_seconds(server.pid)}
     if name == "ringserve":
-        text = httpx.get(f"{server.url}/metrics", timeout=30).text
-        for line in text.splitlines():
-            for metric, key in (("ringserve_decode_seconds_total ", "decode_seconds"),
-                                ("ringserve_decode_steps_total ", "decode_steps")):
-                if line.startswith(metric):
-                    counters[key] = float(line.split()[1])
+        samples = scrape(server.url)
+        counters["decode_seconds"] = samples["ringserve_decode_seconds_total"]
+        counters["decode_steps"] = samples["ringserve_decode_steps_total"]
     return counters
 
 
