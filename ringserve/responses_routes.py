@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -96,6 +97,9 @@ class RouteKit:
     note_message: Callable[[str], None]
     on_request_end: Callable[[Callable[[], None]], None]
 
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A JSON escape of a UTF-16 surrogate: only a body holding one can hold a lone surrogate."""
 
 def _not_found(response_id: str) -> RingserveError:
     """OpenAI's 404 for an unknown response (``Response with id '...' not found.``), with why."""
@@ -207,9 +211,18 @@ def register_responses(app: Any, kit: RouteKit) -> None:
     async def parsed_body() -> tuple[bytes, Any]:
         raw = await request.get_data(cache=True, as_text=False, parse_form_data=False)
         try:
-            return raw, json.loads(raw)
+            body = json.loads(raw)
         except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
             raise invalid(f"request body is not valid JSON: {exc}") from None
+        if _SURROGATE_ESCAPE.search(raw):
+            # The Response object echoes fields (metadata, tools, ...) and the store keeps them as
+            # UTF-8 text: a lone surrogate, which UTF-8 cannot encode, is refused here, not a 500 there.
+            try:
+                json.dumps(body, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise invalid("request body holds a lone surrogate (a \\uD800-\\uDFFF escape that is not"
+                              " half of a pair), which UTF-8 cannot encode") from None
+        return raw, body
 
     def generation(hub: Hub, create: ResponseCreate) -> Any:
         history = () if create.options.previous_response_id is None else _history(hub, create.options.previous_response_id)

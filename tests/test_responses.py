@@ -468,6 +468,24 @@ async def test_a_prompt_past_the_context_is_a_400_naming_input(tmp_path, route):
     assert "context per slot is 64 tokens" in error["message"]
 
 
+@pytest.mark.parametrize("route", ["/v1/responses", "/v1/responses/input_tokens"])
+async def test_a_lone_surrogate_anywhere_is_a_400_and_a_pair_is_text(fake_server, route):
+    _state, client = fake_server
+
+    async def post(body: dict[str, Any]) -> httpx.Response:  # JSON escapes, as httpx's json= cannot send a lone one
+        return await client.post(route, content=json.dumps({"model": "any", "input": "hi", **body}),
+                                 headers={"content-type": "application/json"})
+
+    bodies = [{"instructions": "\ud800"}, {"input": "x\udfff"}, {"text": {"format": {"type": "text"}, "\ud800": 1}}]
+    if route == "/v1/responses":  # fields that only a create echoes and stores
+        bodies += [{"metadata": {"k": "\ud800"}}, {"user": "x\udfff"}, {"metadata": {"\ud800": "v"}}]
+    for body in bodies:
+        error = check_error(await post(body), 400)
+        assert "lone surrogate" in error["message"]
+    resp = await post({"input": "hi \ud83d\ude00", "instructions": "\ud83d\ude00"})
+    assert resp.status_code == 200, resp.text
+
+
 async def test_neutral_values_of_refused_fields_are_accepted(fake_server):
     _state, client = fake_server
     body = {"model": "any", "input": "hi", "tools": [], "tool_choice": "auto", "text": {"format": {"type": "text"}},
