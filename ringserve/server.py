@@ -226,8 +226,9 @@ async def serve(
             log.info("listening on %s (loading the model)", ", ".join(urls))
             engine = await trio.to_thread.run_sync(engine_factory, config)
             cores = os.cpu_count() or 1
-            overlap = overlap_steps(config.engine.overlap, threads=decode_threads(config.model.n_threads, cores),
-                                    cores=cores, gpu=config.model.n_gpu_layers != 0)
+            threads = decode_threads(config.model.n_threads, cores)
+            overlap = overlap_steps(config.engine.overlap, threads=threads, cores=cores,
+                                    gpu=config.model.n_gpu_layers != 0)
             runner = Runner(engine, config.engine, on_cancel_freed=state.metrics.cancel_freed, overlap=overlap)
             await nursery.start(runner.run)
             hub = Hub(config, runner, logs, store, nursery, metrics=state.metrics)
@@ -237,8 +238,10 @@ async def serve(
             state.model_id = runner.model_id
             state.hub = hub
             log.info(
-                "ready: model %s, %d slots, %d tokens of context per slot, overlapped steps %s, at %s",
-                runner.model_id, config.engine.slots, runner.n_ctx_slot, "on" if overlap else "off", ", ".join(urls),
+                "ready: model %s, %d slots, %d tokens of context per slot, %d decode threads on %d cores,"
+                " overlapped steps %s, at %s",
+                runner.model_id, config.engine.slots, runner.n_ctx_slot, threads, cores, "on" if overlap else "off",
+                ", ".join(urls),
             )
             task_status.started(state)
             await stop.wait()

@@ -7,6 +7,8 @@ consumer that keeps the Trio thread busy for a while after each event.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 
 import httpx
@@ -150,6 +152,13 @@ async def test_requests_arriving_together_are_prefilled_in_one_batch():
     first = engine.log[0]
     assert sorted(f.slot for f in first.feeds) == list(range(8))
     assert all(f.pos == 0 and f.sample for f in first.feeds)
+
+
+async def test_the_ready_line_says_the_decode_threads_and_the_mode(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="ringserve")
+    async with running_server(fake_config(tmp_path, model={"n_threads": 3}, engine={"overlap": "off"})):
+        pass
+    assert f"3 decode threads on {os.cpu_count()} cores, overlapped steps off, at http://127.0.0.1:" in caplog.text
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
