@@ -7,6 +7,8 @@ KV cells.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from ringserve.core.events import ChatMessage, SamplingParams
@@ -93,6 +95,32 @@ def test_batched_greedy_equals_solo(eng, prompt):
     eng.release(0)
     together = greedy(eng, list(range(N_SLOTS)), prompt, 12)
     assert together == {s: solo for s in range(N_SLOTS)}
+
+
+def test_a_greedy_slot_takes_the_token_llama_cpps_greedy_sampler_takes(eng, monkeypatch):
+    """Greedy slots without a grammar pick the first highest logit themselves, never through
+    ``llama_sampler_sample``; at every step of 4 different prompts decoded together, that is the
+    token a chain of only llama.cpp's greedy sampler samples from the same logits."""
+    lc = llama.lc
+    sample = lc.llama_sampler_sample
+    chain_calls = []
+    monkeypatch.setattr(lc, "llama_sampler_sample", lambda *args: chain_calls.append(args) or sample(*args))
+    reference = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+    lc.llama_sampler_chain_add(reference, lc.llama_sampler_init_greedy())
+    questions = ("What is the capital of France?", "Name a color.", "Count to five.", "Write a haiku about rain.")
+    prompts = [tuple(eng.tokenize_chat([ChatMessage("user", q)])) for q in questions]
+    try:
+        for slot in range(N_SLOTS):
+            eng.begin(slot, GREEDY)
+        feeds = [SlotFeed(slot, p, 0, True) for slot, p in enumerate(prompts)]
+        for _ in range(16):
+            out = eng.decode(feeds)
+            ends = itertools.accumulate(len(f.tokens) for f in feeds)  # a feed's last token is at end - 1
+            assert [o.token for o in out] == [sample(reference, eng._ctx, end - 1) for end in ends]
+            feeds = [SlotFeed(f.slot, (o.token,), f.pos + len(f.tokens), True) for f, o in zip(feeds, out)]
+    finally:
+        lc.llama_sampler_free(reference)
+    assert chain_calls == []
 
 
 def test_release_frees_only_that_slot(eng, prompt):
