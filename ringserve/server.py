@@ -238,7 +238,7 @@ async def serve(
             state.model_id = runner.model_id
             state.hub = hub
             log.info(
-                "ready: model %s, %d slots, %d tokens of context per slot, %d decode threads on %d cores,"
+                "ready: model %s, %d slots, %d tokens of context per slot, decode threads %d of %d cores,"
                 " overlapped steps %s, at %s",
                 runner.model_id, config.engine.slots, runner.n_ctx_slot, threads, cores, "on" if overlap else "off",
                 ", ".join(urls),
