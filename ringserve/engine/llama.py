@@ -200,7 +200,7 @@ class LlamaEngine:
         self._chains: list[int | None] = [None] * n_slots
         self._watches: list[CallWatch | None] = [None] * n_slots
         self._call_grammar: list[bool] = [False] * n_slots  # a call's grammar is first on the chain
-        self._argmax: list[bool] = [False] * n_slots  # greedy, no grammar on the chain: sample_argmax
+        self._argmax: list[bool] = [False] * n_slots  # greedy, no grammar on the chain: _sample_argmax
         self._pieces: dict[int, tuple[bytes, bool]] = {}
         self._piece_buf = ctypes.create_string_buffer(64)
 
