@@ -9,8 +9,9 @@ sampled with ``llama_sampler_sample(chain, ctx, i)`` at the batch index of
 that slot's last token. A greedy slot with no grammar on its chain takes the
 first highest logit itself (``numpy.argmax`` over ``llama_get_logits_ith``),
 the token llama.cpp's greedy sampler picks, without the chain's copy of the
-whole vocabulary into a candidate array (about a tenth of the time: 14 against
-110 µs for a 49,152-token vocabulary, measured on a loaded 2-core machine).
+whole vocabulary into a candidate array (49,152 tokens for SmolLM2: about 15
+against 60 µs per token on a quiet 2-core AMD EPYC; docs/benchmarks.md, "Greedy
+sampling without the chain").
 
 Threading: see :mod:`ringserve.engine.protocol`. Every method blocks and must
 run on the runner's worker thread, one call at a time. ctypes releases the
