@@ -35,7 +35,7 @@ llama-server also ``timings.cache_n``), so prefilled = prompt - cached.
 
 ``--fake`` runs ringserve on the fake engine (``bench/fake_server.py``, one
 token per byte) instead of a model, for a seconds-long check that the script
-works (``tests/test_bench.py``); its timings mean nothing.
+works (``tests/system/test_bench.py``); its timings mean nothing.
 
 Run from the repository root (needs ``pip install -e '.[bench]'``)::
 

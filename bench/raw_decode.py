@@ -2,7 +2,7 @@
 
 The raw loop uses only llama-cpp-python's low-level API (plus
 ``modelfile.default_model_path`` to find the bundled model; the library is
-imported through ``ringserve._native``, so libgomp spins as in the server): one context with
+imported through ``ringserve.engine._native``, so libgomp spins as in the server): one context with
 ``n_seq_max = n_seqs`` and a per-sequence KV cache, one ``llama_batch``, one
 greedy sampler per sequence. It is the ceiling the engine is measured
 against. The engine loop drives :class:`ringserve.engine.llama.LlamaEngine`
@@ -41,7 +41,7 @@ import outcome
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ringserve._native import llama_cpp as lc  # noqa: E402 - loaded as ringserve loads it (libgomp spin count)
+from ringserve.engine._native import llama_cpp as lc  # noqa: E402 - loaded as ringserve loads it (libgomp spin count)
 from ringserve.engine.modelfile import default_model_path  # noqa: E402
 
 PROMPT = (
@@ -67,7 +67,7 @@ def on_own_thread(fn: Callable[[], T]) -> T:
     """``fn()`` on a new thread that ends when it returns; its result or exception.
 
     A thread that runs llama.cpp graphs gets its own OpenMP team, whose threads
-    spin while they wait for the next graph (``ringserve._native`` sets
+    spin while they wait for the next graph (``ringserve.engine._native`` sets
     libgomp's spin count so); libgomp frees the team when the thread ends. A
     loop run on the main thread would leave its team spinning on a core for as
     long as the process lives, beside whatever is measured next.

@@ -6,7 +6,7 @@ loopback port, no persistence). ``--streams`` message logs each get
 bytes), interleaved across the streams as concurrent generations would
 interleave them, in two ways:
 
-* **pipelined**: through :class:`ringserve.stream.redis_logs.RedisLogStore`
+* **pipelined**: through :class:`ringserve.logs.redis.RedisLogStore`
   as the server does: ``append`` is synchronous and queues; the flusher sends
   everything queued, for every stream, in one pipelined round trip at most
   once per ``flush_ms``. The producer yields to Trio after each round of one
@@ -48,7 +48,7 @@ from coredis.tokens import PureToken  # noqa: E402
 
 from bench.common import figure, fmt, free_port, machine, machine_line, median, pct, save_figure, table, write_json  # noqa: E402
 from ringserve.config import StreamConfig  # noqa: E402
-from ringserve.stream.redis_logs import RedisLogStore, stream_key  # noqa: E402
+from ringserve.logs.redis import RedisLogStore, stream_key  # noqa: E402
 
 
 def start_redis(workdir: str) -> tuple[subprocess.Popen, str]:

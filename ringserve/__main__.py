@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "client_command", None) is not None:
         return args.client_command(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ringserve.auth import AuthSetupError
+    from ringserve.http.auth import AuthSetupError
     from ringserve.engine.modelfile import ModelFileError, check_model_file, default_model_path
     from ringserve.engine.protocol import EngineError
-    from ringserve.messages import StoreError
+    from ringserve.store.sqlite import StoreError
     from ringserve.server import run_process
 
     try:

@@ -186,7 +186,7 @@ class StreamConfig:
     """Stream log: coalescing, ring bounds, memory cap, TTL and backend.
 
     ``backend`` ``"memory"`` keeps each log in this process; ``"redis"`` keeps
-    it in a Redis stream at ``redis_url`` too (``stream/redis_logs.py``), so
+    it in a Redis stream at ``redis_url`` too (``logs/redis.py``), so
     any replica resumes any stream. :meth:`redis_url_from` applies the
     ``RINGSERVE_REDIS_URL`` environment variable. ``persist_seconds`` is how
     often a generating message's text so far is written to the store (and the
@@ -233,7 +233,7 @@ class StoreConfig:
     """Durable message store (SQLite) and its retention (seconds, bytes; 0 = no limit).
 
     ``path`` empty: ``messages.sqlite3`` in the per-user data directory
-    (``ringserve.messages.default_store_path``); ``":memory:"`` keeps nothing
+    (``ringserve.store.sqlite.default_store_path``); ``":memory:"`` keeps nothing
     across restarts. Finished messages are deleted ``max_age_seconds`` after
     they end, and the oldest finished first while the database is over
     ``max_bytes``, by a sweep every ``sweep_interval_seconds``.
@@ -297,7 +297,7 @@ def _checker_path(_inst: object, _attribute: attrs.Attribute, value: str) -> Non
 
 @attrs.frozen
 class SafetyConfig:
-    """Output safety stage (``stream/safety.py``): hold-back window in tokens and checkers.
+    """Output safety stage (``live/safety.py``): hold-back window in tokens and checkers.
 
     ``window_tokens`` 0 turns the stage off (no check, no added latency).
     ``patterns`` are Python regular expressions that block the text they

@@ -34,7 +34,7 @@ from ringserve.core.errors import ErrorKind
 from ringserve.core.events import Finish, StopReason
 
 if TYPE_CHECKING:
-    from ringserve.stream.hub import Hub
+    from ringserve.live.hub import Hub
 
 __all__ = ["CONTENT_TYPE", "Metrics", "StreamTimer"]
 

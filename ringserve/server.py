@@ -12,10 +12,10 @@ import hypercorn.trio
 from hypercorn.typing import ASGIFramework
 import trio
 
-from ringserve.app import ServerState, create_app
-from ringserve.auth import Authenticator, check_bind
+from ringserve.http.app import ServerState, create_app
+from ringserve.http.auth import Authenticator, check_bind
 from ringserve.config import Config, decode_threads, overlap_steps
-from ringserve.connections import HypercornConfig, isolate_connection_faults
+from ringserve.http.transport import HypercornConfig, isolate_connection_faults
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.protocol import Engine, EngineError
 from ringserve.engine.runner import Runner
@@ -23,11 +23,11 @@ from ringserve.core.errors import ErrorKind
 from ringserve.core.events import Failure
 from ringserve.core.ringlog import format_event_id
 from ringserve.core.sse import encode_event
-from ringserve.messages import MessageStore, StoredMessage, run_retention
+from ringserve.store.sqlite import MessageStore, StoredMessage, run_retention
 from ringserve.core.status import CancelReason
-from ringserve.stream.hub import Hub
+from ringserve.live.hub import Hub
 from ringserve.surfaces.registry import SURFACES
-from ringserve.stream.logs import LogStore, MemoryLogStore
+from ringserve.logs.memory import LogStore, MemoryLogStore
 
 log = logging.getLogger("ringserve")
 
@@ -62,7 +62,7 @@ def load_llama_engine(config: Config) -> Engine:
 
 
 def make_log_store(config: Config) -> LogStore:
-    """The ``[stream] backend``: in-process memory, or Redis (``stream/redis_logs.py``).
+    """The ``[stream] backend``: in-process memory, or Redis (``logs/redis.py``).
 
     Raises:
         SystemExit: backend ``redis`` without coredis installed (one-line message).
@@ -73,7 +73,7 @@ def make_log_store(config: Config) -> LogStore:
             return MemoryLogStore(config.stream)
         case "redis":
             try:
-                from ringserve.stream.redis_logs import RedisLogStore
+                from ringserve.logs.redis import RedisLogStore
             except ImportError as exc:
                 raise SystemExit(f"[stream] backend = \"redis\" needs coredis: pip install 'ringserve[redis]' ({exc})") from None
             return RedisLogStore(config.stream, config.stream.redis_url_from(os.environ))
@@ -82,7 +82,7 @@ def make_log_store(config: Config) -> LogStore:
 
 
 def _mirrored_store(config: Config, logs: LogStore) -> MessageStore:
-    from ringserve.stream.redis_logs import MirroredMessageStore, RedisLogStore
+    from ringserve.logs.redis import MirroredMessageStore, RedisLogStore
 
     assert isinstance(logs, RedisLogStore), "only the Redis backend shares message state"
     return MirroredMessageStore.from_config(config.store).mirror_to(logs)
@@ -91,7 +91,7 @@ def _mirrored_store(config: Config, logs: LogStore) -> MessageStore:
 def _relay_to(hub: Hub, logs: LogStore) -> None:
     """Point the Redis backend's relays at ``hub``: cancels that other replicas ask for, and the
     in-band error that ends a stream whose owner died."""
-    from ringserve.stream.redis_logs import RedisLogStore
+    from ringserve.logs.redis import RedisLogStore
 
     assert isinstance(logs, RedisLogStore), "only the Redis backend relays between replicas"
     logs.on_cancel = lambda message_id: _cancel_live(hub, message_id)
@@ -100,7 +100,7 @@ def _relay_to(hub: Hub, logs: LogStore) -> None:
 
 def _owner_lost_entries(stored: StoredMessage, seq: int) -> list[bytes]:
     """The retryable in-band error that ends a stream whose owning replica died, from entry ``seq`` on."""
-    from ringserve.stream.redis_logs import OWNER_LOST_MESSAGE
+    from ringserve.logs.redis import OWNER_LOST_MESSAGE
 
     failure = Failure(ErrorKind.UNAVAILABLE, OWNER_LOST_MESSAGE, stored.usage, True)
     events = SURFACES.by_name(stored.surface).renderer(stored.id, stored.model, stored.created, False).fail(failure)

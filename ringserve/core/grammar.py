@@ -56,7 +56,7 @@ from collections.abc import Sequence
 from typing import Any, assert_never
 
 import attrs
-from ringserve._native import llama_grammar as _lg
+from ringserve.engine._native import llama_grammar as _lg
 
 from ringserve.core.detokenizer import Detokenizer
 from ringserve.core.errors import invalid

@@ -8,7 +8,7 @@ last sequence number they delivered and get back a plain value:
 * a list of :class:`Entry` (possibly empty: ``[]`` is "not yet", never a wait);
 * a :class:`Gap` when the entry they need has already left the ring.
 
-The Trio shell (``stream/logs.py``, ``stream/reader.py``) decides whether to
+The Trio shell (``logs/memory.py``, ``logs/reader.py``) decides whether to
 park on "not yet" and what to do about a gap.
 
 Rules of this file:
@@ -238,7 +238,7 @@ class RingLog:
         """Drop every held entry and go on at ``seq``: the next append gets ``seq``.
 
         For a copy of a log whose older entries are gone (a replica tailing a
-        Redis stream that was trimmed, ``stream/redis_logs.py``): a reader
+        Redis stream that was trimmed, ``logs/redis.py``): a reader
         behind ``seq`` then gets a :class:`Gap`, as after an eviction.
 
         Raises:

@@ -13,7 +13,7 @@ before (Anthropic ``stop_reason: "refusal"``, OpenAI
 
 The stage sits after the UTF-8 hold-back (``core/detokenizer.py``) and the
 stop-sequence hold-back (``core/stop.py``), so a checker only ever sees
-whole characters and never a stop string; the caller (``stream/safety.py``)
+whole characters and never a stop string; the caller (``live/safety.py``)
 awaits the checker, which may run on a worker thread.
 
 A match is withheld completely when it spans at most ``window_tokens + 1``

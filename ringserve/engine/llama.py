@@ -40,7 +40,7 @@ from typing import Any, assert_never
 
 import numpy as np
 
-from ringserve._native import llama_cpp as lc
+from ringserve.engine._native import llama_cpp as lc
 
 from ringserve.config import decode_threads
 from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec

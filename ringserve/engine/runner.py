@@ -98,7 +98,7 @@ __all__ = ["Generation", "Prepared", "Runner", "RunnerStatistics"]
 
 
 #: Seconds without an engine call after which the engine thread ends (and with it llama.cpp's
-#: OpenMP team, whose threads spin while they wait: ``ringserve._native``); the next call starts one.
+#: OpenMP team, whose threads spin while they wait: ``ringserve.engine._native``); the next call starts one.
 ENGINE_IDLE_SECONDS = 1.0
 
 log = logging.getLogger("ringserve.runner")

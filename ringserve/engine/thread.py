@@ -16,7 +16,7 @@ one thread. With one thread there is one team, as in llama.cpp's own server
 (one loop thread).
 
 The team's threads spin while they wait for the next decode
-(``ringserve._native`` sets libgomp's spin count for that), so an
+(``ringserve.engine._native`` sets libgomp's spin count for that), so an
 ``EngineThread`` with ``idle_seconds`` ends its thread after that long
 without a call: libgomp frees a thread's team when the thread exits, and the
 spinning stops. The next call starts a new thread (and team). There is never

@@ -99,7 +99,7 @@ OPENAI = OpenAISurface()
 SURFACES = Surfaces(
     surfaces=(ANTHROPIC, OPENAI, RESPONSES),
     routes={"/v1/messages": ANTHROPIC, "/v1/chat/completions": OPENAI},
-    paths={"/v1/messages": ANTHROPIC, "/v1/responses": RESPONSES},  # POST /v1/responses: responses_routes.py
+    paths={"/v1/messages": ANTHROPIC, "/v1/responses": RESPONSES},  # POST /v1/responses: http/responses.py
     headers={"anthropic-version": ANTHROPIC},
     default=OPENAI,
 )

@@ -1,4 +1,4 @@
-"""OpenAI Responses surface (``POST /v1/responses`` and the routes in ``responses_routes.py``).
+"""OpenAI Responses surface (``POST /v1/responses`` and the routes in ``http/responses.py``).
 
 Shapes follow the official ``openai`` SDK's types (3.57): the request is
 ``openai.types.responses.ResponseCreateParams``, the object is
@@ -826,7 +826,7 @@ class ResponsesSurface:
     """The OpenAI Responses API: one instance per request carries what its objects echo.
 
     The module's :data:`RESPONSES` (default options) answers errors and stored responses;
-    ``responses_routes.py`` makes one with a request's :class:`ResponseOptions` for ``Hub.create``,
+    ``http/responses.py`` makes one with a request's :class:`ResponseOptions` for ``Hub.create``,
     so the hub's producer renders with them.
     """
 

@@ -1,0 +1,280 @@
+"""The POST decision, without I/O: what a generation request gets, as a value.
+
+A ``POST /v1/messages`` or ``/v1/chat/completions`` is decided in two steps,
+both plain functions of values; the route handlers only map a decision to a
+response (an exhaustive ``match``), and the waiting (the idempotency key's
+first attempt, Redis, the generation itself) stays in the hub:
+
+1. :func:`admit` takes the raw body, the headers that steer it
+   (:class:`RequestHeaders`) and the config, and gives :class:`Refuse` (the
+   body is not JSON or not a valid request, a limit is exceeded, the model
+   name is not served, the disconnect-policy override is malformed) or
+   :class:`Start` (the parsed request, its disconnect policy, whether the
+   client prefers ``respond-async``). ``Hub.create`` then starts the
+   generation, or finds the message an ``Idempotency-Key`` already names.
+2. :func:`answer` takes the :class:`Start` and what ``Hub.create`` returned:
+   :class:`Accepted` (202), :class:`StreamLive` (its log, from the start: a
+   retry replays it), :class:`WaitLive` (then :func:`finished`),
+   :class:`ReplayStored` (the stored log of a finished retry), :class:`Answer`
+   (a stored answer), or :class:`Refuse` (a retry of a message that another
+   replica still generates: 409).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, assert_never
+
+import attrs
+
+from ringserve.config import Config, PolicyConfig
+from ringserve.core.errors import ErrorKind, RingserveError
+from ringserve.core.limits import check_request
+from ringserve.core.prefer import parse_prefer
+from ringserve.core.status import CancelReason, MessageStatus, Policy
+from ringserve.store.sqlite import StoredMessage
+from ringserve.live.hub import LiveMessage, request_hash
+from ringserve.surfaces.base import MessageResult, ParsedRequest, Surface
+
+#: The preference (RFC 7240 §4.1) that asks for a 202 and the message's URL instead of the answer.
+RESPOND_ASYNC = "respond-async"
+
+
+@attrs.frozen
+class RequestHeaders:
+    """The request headers that steer the decision, as values.
+
+    Attributes:
+        prefer: every ``Prefer`` header line, in order (RFC 7240 allows several).
+        idempotency_key: ``Idempotency-Key``, as sent (``Hub.create`` checks it).
+        disconnect_policy: ``Ringserve-Disconnect-Policy``: ``abort`` or ``continue``.
+    """
+
+    prefer: tuple[str, ...] = ()
+    idempotency_key: str | None = None
+    disconnect_policy: str | None = None
+
+
+@attrs.frozen
+class Refuse:
+    """Answer with ``error`` in the surface's error shape (the error carries its status)."""
+
+    error: RingserveError
+
+
+@attrs.frozen
+class Start:
+    """A valid request: hand it to ``Hub.create``.
+
+    Attributes:
+        parsed: the surface's parse of the body.
+        policy: what the message does when its last reader leaves.
+        respond_async: the client prefers a 202 (``Prefer: respond-async``).
+        idempotency_key: as sent, for ``Hub.create``.
+        body_hash: the body's SHA-256 (``hub.request_hash``): a key reused with another body is a 422.
+        request_json: the body as text, for the store.
+    """
+
+    parsed: ParsedRequest
+    policy: Policy
+    respond_async: bool
+    idempotency_key: str | None
+    body_hash: str
+    request_json: str
+
+
+@attrs.frozen
+class Accepted:
+    """202 with the message's URL and a stream token (``Prefer: respond-async``), new or retried."""
+
+    message: LiveMessage | StoredMessage
+
+
+@attrs.frozen
+class StreamLive:
+    """The message's log as SSE from its first event (for a retry: a replay, then live)."""
+
+    message: LiveMessage
+
+
+@attrs.frozen
+class WaitLive:
+    """Wait for the message to end (as a reader, so ``abort`` does not fire), then :func:`finished`."""
+
+    message: LiveMessage
+
+
+@attrs.frozen
+class ReplayStored:
+    """A streaming retry of a finished message: its log from the start (410 once the log expired)."""
+
+    message: StoredMessage
+
+
+@attrs.frozen
+class WaitStored:
+    """A JSON retry of a message another replica is generating: wait for its end (``Hub.settled``),
+    then :func:`stored_answer`."""
+
+    message: StoredMessage
+
+
+@attrs.frozen
+class Answer:
+    """The message as the surface's non-stream JSON."""
+
+    result: MessageResult
+
+
+#: What :func:`answer` (and :func:`finished`) decide.
+Decision = Accepted | StreamLive | WaitLive | ReplayStored | WaitStored | Answer | Refuse
+
+
+def disconnect_policy(policies: PolicyConfig, surface: Surface, *, respond_async: bool, override: str | None) -> Policy:
+    """The disconnect policy of a new message.
+
+    ``Ringserve-Disconnect-Policy`` wins; else ``Prefer: respond-async`` means
+    ``continue`` (nobody is reading yet); else the surface's ``[policy]`` setting
+    (the field named like the surface).
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` for an override other than ``abort``/``continue``.
+    """
+    if override is not None:
+        if override not in tuple(Policy):
+            raise RingserveError(ErrorKind.INVALID_REQUEST, "Ringserve-Disconnect-Policy must be 'abort' or 'continue'")
+        return Policy(override)
+    if respond_async:
+        return Policy.CONTINUE
+    policy = getattr(policies, surface.name)
+    assert isinstance(policy, Policy), f"[policy] has no setting for surface {surface.name!r}"
+    return policy
+
+
+def parse_body(parse: Callable[[Any], ParsedRequest], raw: bytes, config: Config, model_id: str) -> ParsedRequest:
+    """The request in ``raw``, parsed by ``parse`` (``Surface.parse_request``, or Anthropic's
+    ``parse_count_tokens``) and within ``[limits]`` and ``[model] strict_model_name``.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` (not JSON, not a valid request, over a limit) or
+            ``NOT_FOUND`` (a model that is not served, with ``strict_model_name``).
+    """
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise RingserveError(ErrorKind.INVALID_REQUEST, f"request body is not valid JSON: {exc}") from None
+    parsed = parse(body)
+    limits = config.limits
+    check_request(parsed.request, max_messages=limits.max_messages, max_text_chars=limits.max_message_chars)
+    if config.model.strict_model_name and parsed.model and parsed.model != model_id:
+        raise RingserveError(ErrorKind.NOT_FOUND, f"model {parsed.model[:100]!r} is not served here", param="model")
+    return parsed
+
+
+def admit(surface: Surface, raw: bytes, headers: RequestHeaders, config: Config, model_id: str) -> Start | Refuse:
+    """Decide whether a generation request may start, and how.
+
+    Checks, in order: the body is JSON and a valid request of ``surface``
+    (``Surface.parse_request``); ``[limits]`` ``max_messages`` and
+    ``max_message_chars`` (``core/limits.py``); with ``[model]
+    strict_model_name``, a ``model`` other than ``model_id`` is a 404; a
+    malformed ``Ringserve-Disconnect-Policy`` is a 400.
+
+    Args:
+        surface: the route's surface.
+        raw: the request body as received.
+        headers: the headers that steer the request.
+        config: the server config (``limits``, ``model``, ``policy`` are read).
+        model_id: the served model's id.
+
+    Returns:
+        :class:`Start`, or :class:`Refuse` with the first failed check's error.
+    """
+    try:
+        parsed = parse_body(surface.parse_request, raw, config, model_id)
+        respond_async = RESPOND_ASYNC in parse_prefer(",".join(headers.prefer))
+        policy = disconnect_policy(
+            config.policy, surface, respond_async=respond_async, override=headers.disconnect_policy
+        )
+    except RingserveError as exc:
+        return Refuse(exc)
+    return Start(
+        parsed=parsed,
+        policy=policy,
+        respond_async=respond_async,
+        idempotency_key=headers.idempotency_key,
+        body_hash=request_hash(raw),
+        request_json=raw.decode("utf-8", "replace"),
+    )
+
+
+def answer(start: Start, message: LiveMessage | StoredMessage) -> Decision:
+    """What a started request gets, given the message ``Hub.create`` returned.
+
+    ``Hub.create`` returns a live message (new, or a retry of one still
+    generating here) or, for an idempotent retry, the stored one (complete or
+    cancelled; or ``queued``/``generating`` on another replica, which a JSON
+    retry waits for: :class:`WaitStored`): a failed or interrupted one is
+    generated again by ``Hub.create`` itself.
+    """
+    if start.respond_async:
+        return Accepted(message)
+    match message:
+        case LiveMessage():
+            return StreamLive(message) if start.parsed.stream else WaitLive(message)
+        case StoredMessage():
+            if start.parsed.stream:
+                return ReplayStored(message)
+            if not message.status.final:
+                return WaitStored(message)
+            return stored_answer(message)
+        case _:
+            assert_never(message)
+
+
+def stored_answer(message: StoredMessage) -> Answer | Refuse:
+    """The non-stream answer of a stored message that has ended (on another replica, while a retry
+    waited for it): complete and cancelled ones are answered; a failed or interrupted one is the
+    error its first attempt's client got (:func:`generation_error`); one still ``queued`` or
+    ``generating`` (its end was not seen) is a 409 naming its status."""
+    match message.status:
+        case MessageStatus.COMPLETE | MessageStatus.CANCELLED:
+            return Answer(stored_result(message))
+        case MessageStatus.FAILED | MessageStatus.INTERRUPTED:
+            return generation_error(message.error, interrupted=message.status is MessageStatus.INTERRUPTED)
+        case MessageStatus.QUEUED | MessageStatus.GENERATING:
+            return Refuse(RingserveError(ErrorKind.CONFLICT, f"message {message.id} is {message.status.value}"))
+        case _:
+            assert_never(message.status)
+
+
+def finished(message: LiveMessage) -> Answer | Refuse:
+    """The non-stream answer of a live message that has ended (``message.done``): complete and
+    cancelled messages are answered; a failed one is :func:`generation_error`."""
+    if message.status in (MessageStatus.FAILED, MessageStatus.INTERRUPTED):
+        return generation_error(message.snapshot().error, interrupted=message.cancel_reason is CancelReason.DRAIN)
+    return Answer(message.result())
+
+
+def generation_error(error: str | None, *, interrupted: bool) -> Refuse:
+    """The non-stream answer of a generation that failed (``error``, the message's own): a 500
+    ``api_error``; one interrupted (by the drain, or the death of the replica that generated it)
+    a 503; both retryable. The same for the first attempt and every ``Idempotency-Key`` retry
+    that waited for it, on any replica."""
+    kind = ErrorKind.UNAVAILABLE if interrupted else ErrorKind.API_ERROR
+    return Refuse(RingserveError(kind, error or "generation failed", retryable=True))
+
+
+def stored_result(message: StoredMessage) -> MessageResult:
+    """A stored message as the non-stream answer needs it."""
+    return MessageResult(
+        message_id=message.id,
+        model=message.model,
+        created=message.created,
+        content=message.blocks,
+        stop_reason=message.stop_reason,
+        stop_sequence=message.stop_sequence,
+        usage=message.usage,
+        cancelled=message.status is MessageStatus.CANCELLED,
+    )

@@ -1,0 +1,181 @@
+"""The coalescer: first text at once, then at most one entry per window, or one per N tokens."""
+
+import ast
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ringserve.core.coalesce import Coalescer
+from ringserve.core.events import BlockDelta, BlockKind, BlockStart, BlockStop, Finish, StopReason, Usage
+from ringserve.core.producer import Producer, replay
+from ringserve.core.safety import Verdict
+from tests.support.helpers import RecordingRenderer, entry_data
+
+SETTINGS = settings(max_examples=200, deadline=None)
+WINDOW = 0.025
+#: Time steps between moves: zero (equal timestamps) often, whole windows (the edge), and any other.
+DTS = st.sampled_from([0.0, 0.0, WINDOW, 2 * WINDOW]) | st.floats(0.0, 3 * WINDOW)
+WINDOWS = st.sampled_from([0.0, 0.001, WINDOW, 1.0])
+
+
+def test_first_text_is_released_at_once_then_windowed():
+    c = Coalescer(window=0.025, max_tokens=16)
+    assert c.add("Hel", 1, now=0.0) == "Hel"
+    assert c.deadline == math.inf
+    assert c.add("lo", 1, now=0.001) is None
+    assert c.deadline == pytest.approx(0.025)  # one window after the last release
+    assert c.add(" wor", 1, now=0.010) is None
+    assert c.deadline == pytest.approx(0.025)  # the window does not slide
+    assert c.due(0.020) is None
+    assert c.due(0.0251) == "lo wor"
+    assert c.deadline == math.inf
+    assert c.add("ld", 1, now=0.030) is None  # 5 ms after the release at 0.0251
+    assert c.deadline == pytest.approx(0.0501)
+
+
+def test_a_delta_a_window_or_more_after_the_last_release_goes_at_once():
+    """Decode steps slower than the window (a CPU box): each step's text goes at once, no deadline is set."""
+    c = Coalescer(window=0.025, max_tokens=16)
+    assert c.add("a", 1, now=0.0) == "a"
+    for k in range(1, 6):
+        assert c.add("b", 1, now=0.09 * k) == "b"
+        assert c.deadline == math.inf
+    assert c.add("c", 1, now=0.46) is None  # 10 ms after the last release: waits for the window
+    assert c.deadline == pytest.approx(0.475)
+
+
+def test_token_count_releases_before_the_window():
+    c = Coalescer(window=10.0, max_tokens=3)
+    c.add("a", 1, 0.0)
+    assert c.add("b", 1, 0.0) is None
+    assert c.add("c", 1, 0.0) is None
+    assert c.add("d", 1, 0.0) == "bcd"
+
+
+def test_empty_deltas_count_tokens_but_release_nothing():
+    c = Coalescer(window=1.0, max_tokens=4)
+    assert c.add("", 2, 0.0) is None  # held-back tokens: nothing to show yet
+    assert c.deadline == math.inf
+    assert c.add("x", 1, 0.0) == "x"  # still the first text, so at once
+    assert c.flush() == ""
+
+
+def test_zero_window_releases_every_delta():
+    c = Coalescer(window=0.0, max_tokens=16)
+    assert [c.add(t, 1, 0.0) for t in "abc"] == ["a", "b", "c"]
+
+
+@SETTINGS
+@given(moves=st.lists(st.tuples(st.sampled_from(["add", "add", "add", "due", "flush", "flush_now"]), DTS,
+                                st.text(max_size=3), st.integers(0, 3)), max_size=60),
+       window=WINDOWS, max_tokens=st.integers(1, 17))
+def test_any_moves_release_the_text_in_order_never_past_a_window_and_at_most_once_per_window(moves, window, max_tokens):
+    """Any adds, dues and flushes at non-decreasing times (equal ones included): what comes out is
+    what went in, in order; held text always has a deadline in the future, at most a window after
+    it arrived, and ``due`` at that deadline releases it; a release that neither the first text,
+    the token count nor a flush forced comes a window or more after the last timed one."""
+    c = Coalescer(window=window, max_tokens=max_tokens)
+    now, added, released = 0.0, "", ""
+    held_since = None  # when the oldest text still held arrived
+    last_release = -math.inf  # the last release with a time (add, due, flush(now))
+    tokens = 0  # tokens added since the last release
+    for kind, dt, text, n in moves:
+        now += dt
+        if kind == "add":
+            first = released == ""
+            added, tokens = added + text, tokens + n
+            out = c.add(text, n, now)
+            if out is not None:
+                assert first or window <= 0 or tokens >= max_tokens or now >= last_release + window
+                released, last_release, tokens, held_since = released + out, now, 0, None
+            elif text and held_since is None:
+                held_since = now
+        elif kind == "due":
+            deadline, out = c.deadline, c.due(now)
+            if now >= deadline:
+                assert out and now >= last_release + window
+                released, last_release, tokens, held_since = released + out, now, 0, None
+            else:
+                assert out is None
+        else:
+            out = c.flush(now if kind == "flush_now" else None)
+            released, tokens, held_since = released + out, 0, None
+            if out and kind == "flush_now":
+                last_release = now
+        assert added.startswith(released)  # nothing lost, doubled or reordered so far
+        if added == released:
+            assert c.deadline == math.inf
+        else:
+            assert now < c.deadline <= held_since + window
+    assert released + c.flush() == added
+
+
+@SETTINGS
+@given(times=st.lists(st.floats(-1.0, 1.0), max_size=40), data=st.data())
+def test_times_that_go_backwards_lose_nothing_and_due_at_the_deadline_releases(times, data):
+    c = Coalescer(window=WINDOW, max_tokens=16)
+    added, released = "", ""
+    for t in times:
+        text = data.draw(st.text(min_size=1, max_size=2))
+        added += text
+        out = c.add(text, 1, t)
+        if out is not None:
+            released += out
+        else:
+            assert c.deadline < math.inf
+            if data.draw(st.booleans()):
+                released += c.due(c.deadline)
+        assert added.startswith(released)
+    assert released + c.flush() == added
+
+
+USAGE = Usage(5, 0)
+DELTAS = st.lists(st.tuples(st.text(max_size=3), st.integers(0, 2), DTS, st.booleans()), max_size=12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(program=st.lists(st.tuples(st.sampled_from([BlockKind.TEXT, BlockKind.TOOL_CALL]), DELTAS), max_size=4),
+       window=WINDOWS, flush_tokens=st.integers(1, 17), window_tokens=st.sampled_from([0, 0, 1, 3]))
+def test_through_the_producer_blocks_reach_the_log_whole_in_order_and_replay_the_same(
+        program, window, flush_tokens, window_tokens):
+    """Text and tool-call blocks, with and without a safety stage, ticks when the deadline passed
+    (or skipped): each block's deltas in the log join to exactly its text, flushes at block
+    boundaries included; without a safety stage held text always has a deadline at most a window
+    away; and the stored trace replays the same entries (what a resume from the store sends)."""
+    p = Producer("msg_1", RecordingRenderer(), USAGE, flush_seconds=window, flush_tokens=flush_tokens,
+                 persist_seconds=math.inf, window_tokens=window_tokens)
+    entries = list(p.start().entries)
+    now, fed, released = 0.0, [], []
+
+    def perform(step):
+        while step.check is not None:
+            entries.extend(step.entries)
+            step = p.verdict(Verdict.allow(), now)
+        entries.extend(step.entries)
+        for data in entry_data(step.entries):
+            if data.startswith("delta "):
+                _, index, text = data.split(" ", 2)
+                released[int(index)] += ast.literal_eval(text)
+
+    for i, (kind, deltas) in enumerate(program):
+        fed.append("")
+        released.append("")
+        name, call_id = ("get_time", f"call_{i}") if kind is BlockKind.TOOL_CALL else ("", "")
+        perform(p.event(BlockStart(i, kind, name, call_id), USAGE, now))
+        for text, tokens, dt, tick in deltas:
+            now += dt
+            if tick and now >= p.deadline:
+                perform(p.tick(now))
+            fed[i] += text
+            perform(p.event(BlockDelta(i, text, tokens), USAGE, now))
+            assert fed[i].startswith(released[i])
+            if window_tokens == 0 and fed[i] != released[i]:
+                assert now < p.deadline <= now + window
+        perform(p.event(BlockStop(i), USAGE, now))
+        assert released[i] == fed[i]
+    finish = Finish(StopReason.END, USAGE)
+    perform(p.event(finish, USAGE, now))
+    assert [b.text for b in p.content][:len(fed)] == fed
+    assert replay("msg_1", RecordingRenderer(), USAGE, p.content, p.snapshot().trace, finish, None) == tuple(entries)
