@@ -91,3 +91,75 @@ def test_broken_links_finds_missing_files_and_anchors(tmp_path: Path) -> None:
         "#nowhere: no such heading in doc.md",
         "gone.png: no such file",
     ]
+
+
+#: The row of docs/compatibility.md's tables for each category of a FieldTable (an attribute of
+#: :class:`FieldTable` holding field names).
+CATEGORY_ROWS = {"supported": "supported", "ignored": "accepted and ignored", "refused": "refused (400)"}
+#: The heading of each surface's section in docs/compatibility.md starts with this.
+SURFACE_SECTIONS = {"anthropic": "Anthropic Messages", "openai": "OpenAI Chat Completions", "responses": "OpenAI Responses"}
+
+
+def table_rows(path: Path) -> dict[str, dict[str, set[str]]]:
+    """Per second-level heading, per table row (its first cell), the words in the code spans of
+    the row's other cells: ``output_config.format`` and ``{"type": "json_schema"}`` give their
+    field names."""
+    sections: dict[str, dict[str, set[str]]] = {}
+    heading, row, cells = "", None, 0
+    tokens = MD.parse(path.read_text())
+    for prev, token in zip([None, *tokens], tokens):
+        if token.type == "inline" and prev is not None and prev.type == "heading_open" and prev.tag == "h2":
+            heading = inline_text(token)
+        elif token.type == "tr_open":
+            cells = 0
+        elif token.type == "inline" and prev is not None and prev.type == "td_open":
+            cells += 1
+            if cells == 1:
+                row = sections.setdefault(heading, {}).setdefault(inline_text(token), set())
+            elif row is not None:
+                for child in token.children or ():
+                    if child.type == "code_inline":
+                        row |= set(re.findall(r"[A-Za-z_]\w*", child.content))
+    return sections
+
+
+def field_tables(module: object) -> list[FieldTable]:
+    """The FieldTables of a surface's module, also those in a dict (``PART_FIELDS``)."""
+    tables = []
+    for value in vars(module).values():
+        values = value.values() if isinstance(value, dict) else [value]
+        tables += [v for v in values if isinstance(v, FieldTable)]
+    return tables
+
+
+def test_compatibility_tables_follow_the_field_tables() -> None:
+    """Every field that a surface's FieldTables decide is named in the row of docs/compatibility.md
+    for its category, in that surface's section. A new category of FieldTable, or a new surface,
+    fails here until the doc has its row or section (add it to CATEGORY_ROWS, SURFACE_SECTIONS)."""
+    assert set(CATEGORY_ROWS) == {f.name for f in attrs.fields(FieldTable)}
+    assert set(SURFACE_SECTIONS) == {surface.name for surface in SURFACES.surfaces}
+    sections = table_rows(ROOT / "docs" / "compatibility.md")
+    missing = []
+    for surface in SURFACES.surfaces:
+        [heading] = [h for h in sections if h.startswith(SURFACE_SECTIONS[surface.name])]
+        tables = field_tables(sys.modules[type(surface).__module__])
+        assert tables, f"no FieldTable in {type(surface).__module__}"
+        for category, row in CATEGORY_ROWS.items():
+            named = sections[heading].get(row, set())
+            for table in tables:
+                missing += [f"{surface.name}: `{field}` is not in the row {row!r}"
+                            for field in getattr(table, category) if field not in named]
+    assert not missing, "\n".join(sorted(set(missing)))
+
+
+def test_table_rows_reads_code_spans_per_section_and_row(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "# T\n\n## A (`POST /a`)\n\n| | fields |\n|---|---|\n"
+        '| supported | `model`, `output_config.format` (`{"type": "json_schema"}`), roles user |\n'
+        "| refused (400) | `n` (unless `1`) |\n\n## B\n\n| | fields |\n|---|---|\n| supported | `x` |\n"
+    )
+    assert table_rows(doc) == {
+        "A (POST /a)": {"supported": {"model", "output_config", "format", "type", "json_schema"}, "refused (400)": {"n"}},
+        "B": {"supported": {"x"}},
+    }
