@@ -51,7 +51,7 @@ enforces it exactly (a Trio cancel scope around each step); the sync client
 checks it between reads and bounds every connect and read by the time left,
 so it may end up to one ``idle_timeout`` late.
 
-Wire formats read here: ringserve's event streams (README "Talking to it"),
+Wire formats read here: ringserve's event streams (README "Talking to it", docs/api.md),
 Anthropic "Streaming Messages", OpenAI "Chat Completions" streaming, and
 WHATWG HTML "Server-sent events" (decoded by httpx-sse).
 """
@@ -680,7 +680,7 @@ class ResumeState:
     # -- internals ---------------------------------------------------------------------------
 
     def _from_message(self, message: dict[str, Any]) -> list[StreamEvent]:
-        """Continue from a ``GET /v1/messages/{id}`` answer (README "Routes")."""
+        """Continue from a ``GET /v1/messages/{id}`` answer (docs/api.md "Routes")."""
         stored, have = message.get("text") or "", self.text
         if not stored.startswith(have):
             raise self._failed(ClientError("the stored text does not continue the streamed text"))

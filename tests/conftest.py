@@ -28,7 +28,7 @@ def model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     store = cfg.parent / "store.sqlite3"
     # Without the prompt-prefix cache: these tests compare greedy replies to repeated prompts, and a
     # cached prompt re-decodes its last token in a one-token batch, whose logits can round
-    # differently (README "Prompt-prefix cache"); tests/engine/test_prefix_cache.py tests the cache.
+    # differently (docs/prefix-cache.md); tests/engine/test_prefix_cache.py tests the cache.
     cfg.write_text(f'[engine]\nslots = 4\nctx_per_slot = 4608\nprefix_cache = false\n[store]\npath = "{store}"\n{MODEL_TOML}')
     server = ServerProcess(["--config", str(cfg)])
     yield server

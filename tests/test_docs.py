@@ -93,6 +93,13 @@ def test_broken_links_finds_missing_files_and_anchors(tmp_path: Path) -> None:
     ]
 
 
+def test_readme_test_command_is_the_one_ci_runs() -> None:
+    """``.ci/run`` ends with the README's test command, byte for byte, in one of its sh blocks."""
+    command = (ROOT / ".ci" / "run").read_text().rstrip("\n").splitlines()[-1]
+    blocks = [t.content for t in MD.parse((ROOT / "README.md").read_text()) if t.type == "fence" and t.info == "sh"]
+    assert f"{command}\n" in blocks
+
+
 #: The row of docs/compatibility.md's tables for each category of a FieldTable (an attribute of
 #: :class:`FieldTable` holding field names).
 CATEGORY_ROWS = {"supported": "supported", "ignored": "accepted and ignored", "refused": "refused (400)"}

@@ -585,7 +585,7 @@ def _generate_route(surface: Surface) -> Callable[[], Awaitable[Response]]:
 
 
 def create_app(state: ServerState) -> RingserveQuart:
-    """Build the quart-trio app for ``state`` (routes listed in README.md)."""
+    """Build the quart-trio app for ``state`` (routes listed in docs/api.md)."""
     app = RingserveQuart("ringserve")
     app.ringserve_state = state
     # Quart's 60 s RESPONSE_TIMEOUT would cut long streams; bodies are bounded by size instead.

@@ -100,7 +100,7 @@ STOP_REASONS = {
 #: What ``parse_request`` does with each field of ``anthropic.types.MessageCreateParams``
 #: and ``anthropic.types.beta.MessageCreateParams`` (anthropic 2.14; the beta one is
 #: what ``client.beta.messages.create`` and pydantic-ai send), and with ringserve's
-#: extensions; the README's compatibility table.
+#: extensions; docs/compatibility.md's table.
 REQUEST_FIELDS = FieldTable(
     supported=frozenset({
         "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",

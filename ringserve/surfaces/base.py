@@ -242,7 +242,7 @@ class FieldTable:
     The one place per surface (and per object: the request body, a message)
     that lists every field the official SDK's request type has (``anthropic.
     types.MessageCreateParams``, ``openai.types.chat.CompletionCreateParams``),
-    which the README's compatibility tables follow.
+    which docs/compatibility.md's tables follow (tests/test_docs.py checks).
 
     Attributes:
         supported: fields that the parser reads.

@@ -100,7 +100,7 @@ _ZERO = (0, 0.0)
 
 #: What ``parse_request`` does with each field of
 #: ``openai.types.chat.CompletionCreateParams`` (openai 3.57), and with ringserve's
-#: extensions; the README's compatibility table.
+#: extensions; docs/compatibility.md's table.
 REQUEST_FIELDS = FieldTable(
     supported=frozenset({
         "model", "messages", "max_completion_tokens", "max_tokens", "temperature", "top_p", "stop", "seed",
@@ -129,7 +129,7 @@ REQUEST_FIELDS = FieldTable(
         "reasoning_effort": Refused("the model does not reason", neutral=("none",)),
         "verbosity": Refused("verbosity is not implemented"),
         "web_search_options": Refused("web search is not implemented"),
-        "moderation": Refused("moderation models are not implemented; see [safety] in the README"),
+        "moderation": Refused("moderation models are not implemented; see [safety] in docs/safety.md"),
     },
 )
 

@@ -94,7 +94,7 @@ METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 _ZERO = (0, 0.0)
 
 #: What ``parse_create`` does with each field of ``openai.types.responses.ResponseCreateParams``
-#: (openai 3.57) and with ringserve's extensions; the README's compatibility table.
+#: (openai 3.57) and with ringserve's extensions; docs/compatibility.md's table.
 REQUEST_FIELDS = FieldTable(
     supported=frozenset({
         "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
@@ -119,7 +119,7 @@ REQUEST_FIELDS = FieldTable(
         "context_management": Refused("context compaction is not implemented", neutral=([],)),
         "prompt": Refused("stored prompt templates are not implemented"),
         "image": Refused("image options are not implemented"),
-        "moderation": Refused("moderation models are not implemented; see [safety] in the README"),
+        "moderation": Refused("moderation models are not implemented; see [safety] in docs/safety.md"),
         "background_options": Refused("completion windows are not implemented",
                                       neutral=({}, {"completion_window": "soonest"})),
     },

@@ -4,7 +4,7 @@ These are the JSON bodies that belong to no SDK's surface (``GET
 /v1/messages/{id}``, ``POST .../stream_token``, ``Prefer: respond-async``,
 ``/health``, ``/ready``), and ``/v1/models``, whose one shape both SDKs read
 (OpenAI ``Model``/``SyncPage``, Anthropic ``ModelInfo``/``SyncPage``: the
-union of their keys). The README's "API" section documents them. Values come
+union of their keys). docs/api.md documents them. Values come
 in as plain values; this module only spells them.
 """
 

@@ -274,7 +274,7 @@ async def test_real_greedy_output_with_the_cache_equals_output_without(llama_eng
     Both need flash attention off (the default): with it on, the attention of a token is summed in
     an order that depends on how many tokens of its sequence are in the batch, so even the rest of
     a prompt fed after a hit can round differently (measured on a 204-token prompt: a reply
-    diverged at its 6th token for 1, 4, 32 or 48 re-fed tokens). README "Prompt-prefix cache"
+    diverged at its 6th token for 1, 4, 32 or 48 re-fed tokens). docs/prefix-cache.md
     says so.
     """
     results = {}
