@@ -249,11 +249,12 @@ async def test_stream_token_route_and_refusals(keyed):
 
 
 async def test_access_log_has_one_line_per_request_and_no_secret(keyed, caplog):
-    _, client = keyed
+    state, client = keyed
     caplog.set_level(logging.DEBUG)
     auth = {"Authorization": f"Bearer {KEY}"}
     created = await client.post("/v1/messages", json=ANTHROPIC_BODY, headers={**ASYNC, "x-api-key": KEY})
     mid, token = created.json()["id"], created.json()["stream_token"]
+    await wait_until(lambda: state.hub.live(mid) is None)  # ended: event 1 exists (a 202 comes before it)
     await client.get(created.json()["stream_url"], headers={"Last-Event-ID": f"{mid}:1"})
     await client.get(f"/v1/messages/{mid}/stream?stream_token={token}&api_key={OTHER_KEY}&last_event_id=")
     await client.post(f"/v1/messages/{mid}/stream_token", headers=auth)
