@@ -1,0 +1,103 @@
+"""The GBNF of ringserve.core.lark under llama.cpp's grammar sampler: it parses, and it accepts
+exactly what the Lark grammar derives.
+
+Texts are fed token by token (the bundled model's vocabulary, loaded vocab-only): a text is accepted
+when the sampler allows each of its tokens in turn and then end-of-generation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import re
+from collections.abc import Iterator
+
+import pytest
+
+from ringserve.core.lark import lark_to_gbnf
+from ringserve.engine.modelfile import default_model_path
+
+from tests.core.test_lark import apply_patch_grammar
+
+native = pytest.importorskip("ringserve.engine._native")
+lc = native.llama_cpp
+
+pytestmark = pytest.mark.model
+
+#: Patches Codex's apply_patch tool takes (its format: codex-rs/apply-patch in openai/codex).
+GOOD_PATCHES = [
+    "*** Begin Patch\n*** Add File: g.txt\n+written by apply_patch\n*** End Patch\n",
+    "*** Begin Patch\n*** Add File: a/b c.py\n+def f():\n+    return 1\n+\n*** Delete File: old.txt\n*** End Patch",
+    "*** Begin Patch\n*** Update File: src/app.py\n*** Move to: src/main.py\n@@ def main():\n-    print('hi')\n+    print('hello')\n"
+    "     return 0\n*** End of File\n*** End Patch\n",
+    "*** Begin Patch\n*** Update File: x\n@@\n context\n*** End Patch\n",
+]
+BAD_PATCHES = [
+    "*** Begin Patch\n*** End Patch\n",  # no hunk
+    "*** Begin Patch\n*** Add File: g.txt\nwritten without a plus\n*** End Patch\n",
+    "*** Begin Patch\n*** Add File: g.txt\n+line\n",  # no end
+    "*** Begin Patch\n*** Add File: \n+line\n*** End Patch\n",  # no file name
+    "--- a/g.txt\n+++ b/g.txt\n@@ -0,0 +1 @@\n+hi\n",  # a unified diff is not this format
+    "*** Begin Patch\n*** Update File: x\n*** End of File\n*** End Patch\n",  # end of file without a change
+]
+
+
+@pytest.fixture(scope="module")
+def vocab_model() -> Iterator[object]:
+    model = lc.Llama(model_path=str(default_model_path()), vocab_only=True, verbose=False)
+    yield model
+    model.close()
+
+
+def allowed(sampler: object, token: int) -> bool:
+    """Whether the grammar sampler lets ``token`` come next (llama_sampler_apply on one candidate)."""
+    data = (lc.llama_token_data * 1)(lc.llama_token_data(token, 0.0, 0.0))
+    candidates = lc.llama_token_data_array(data, 1, -1, False)
+    lc.llama_sampler_apply(sampler, ctypes.byref(candidates))
+    return bool(data[0].logit != -math.inf)
+
+
+def accepts(model, gbnf: str, text: str) -> bool:
+    """llama.cpp parses ``gbnf`` (else the test fails) and allows ``text`` token by token, then the end."""
+    vocab = model._model.vocab
+    sampler = lc.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
+    assert sampler, gbnf
+    try:
+        for token in model.tokenize(text.encode(), add_bos=False, special=False):
+            if not allowed(sampler, token):
+                return False
+            lc.llama_sampler_accept(sampler, token)
+        return allowed(sampler, lc.llama_vocab_eos(vocab))
+    finally:
+        lc.llama_sampler_free(sampler)
+
+
+@pytest.mark.parametrize("patch", GOOD_PATCHES)
+def test_apply_patch_grammar_accepts_real_patches(vocab_model, patch):
+    assert accepts(vocab_model, lark_to_gbnf(apply_patch_grammar()), patch)
+
+
+@pytest.mark.parametrize("patch", BAD_PATCHES)
+def test_apply_patch_grammar_refuses_malformed_patches(vocab_model, patch):
+    assert not accepts(vocab_model, lark_to_gbnf(apply_patch_grammar()), patch)
+
+
+REGEX_CASES = [
+    (r"[a-z_][a-z0-9_-]*", ["x", "a-b_9", "_", "9a", "a b", "", "A"]),
+    (r"(?:ab|c)+x{2,3}\d", ["abx x1", "abcxx1", "cxxx0", "cxxxx0", "abxx", "xx1"]),
+    (r"[^\]\\^-]+\/?", ["abc", "abc/", "a]b", "a\\b", "a^", "a-b", "/"]),
+    (r"\w+\s\W", ["ab .", "ab  .", "ab a", "_9\t!"]),
+    (r"(a|bc)?d*", ["", "a", "bcddd", "ad", "abd", "dd"]),
+]
+
+
+@pytest.mark.parametrize(("pattern", "texts"), REGEX_CASES)
+def test_regex_terminals_accept_what_python_re_matches(vocab_model, pattern, texts):
+    gbnf = lark_to_gbnf(f"start: /{pattern}/")
+    for text in texts:
+        assert accepts(vocab_model, gbnf, text) == bool(re.fullmatch(pattern, text)), (pattern, text, gbnf)
+
+
+def test_case_insensitive_literals_and_ranges(vocab_model):
+    gbnf = lark_to_gbnf('start: "Begin"i " " "0".."9"~2')
+    assert [accepts(vocab_model, gbnf, t) for t in ["begin 42", "BEGIN 07", "Begin 4", "Bgin 42"]] == [True, True, False, False]
