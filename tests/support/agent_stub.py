@@ -69,24 +69,26 @@ Step = Text | Call | Custom
 #: What the model says to one request: the API it came on and its parsed body give the blocks.
 Script = Callable[[Api, dict[str, Any]], Sequence[Step]]
 
-Keepalive = Literal["comment", "ping", "in_progress", "unknown", "none"]
+Keepalive = Literal["comment", "ping", "in_progress", "in_progress_empty", "unknown", "none"]
 
 
 @attrs.frozen
 class Silence:
-    """A silent phase in the next model stream (one stream only): ``seconds`` long, after the opening event.
+    """A silent phase in the next model stream (one stream only), ``seconds`` long, after its first
+    ``after`` events (0: before the opening event, a long queue wait; 1: right after it, a long
+    prefill; more: in the middle of the output).
 
     During it the stub writes ``keepalive`` every ``every`` seconds: ``comment`` (an SSE comment
     line), ``ping`` (Anthropic's ``event: ping``), ``in_progress`` (a repeated
-    ``response.in_progress`` event), ``unknown`` (an event of a type no API defines:
+    ``response.in_progress`` event carrying the response as streamed so far), ``in_progress_empty``
+    (the same with an empty ``output``), ``unknown`` (an event of a type no API defines:
     ``event: keepalive`` with ``{"type": "keepalive"}``), or ``none`` (nothing at all).
-    ``before_open`` puts the silence before the opening event instead (a long queue wait).
     """
 
     seconds: float
     keepalive: Keepalive = "none"
     every: float = 1.0
-    before_open: bool = False
+    after: int = 1
 
 
 @attrs.frozen
@@ -328,7 +330,7 @@ def _error_body(api: Api, status: int) -> dict[str, Any]:
     return {"error": {"type": kind, "code": None, "message": f"stub: scripted {status}", "param": None}}
 
 
-def _keepalive(kind: Keepalive, api: Api, sequence: Iterator[int], response_id: str) -> bytes:
+def _keepalive(kind: Keepalive, sequence: Iterator[int], snapshot: dict[str, Any]) -> bytes:
     match kind:
         case "none":
             return b""
@@ -336,12 +338,35 @@ def _keepalive(kind: Keepalive, api: Api, sequence: Iterator[int], response_id: 
             return encode_comment("keepalive")
         case "ping":
             return encode_event(json.dumps({"type": "ping"}), event="ping")
-        case "in_progress":
-            payload = {"type": "response.in_progress", "sequence_number": next(sequence),
-                       "response": {"id": response_id, "object": "response", "status": "in_progress", "output": []}}
+        case "in_progress" | "in_progress_empty":
+            response = {**snapshot, "output": [] if kind == "in_progress_empty" else snapshot.get("output", [])}
+            payload = {"type": "response.in_progress", "sequence_number": next(sequence), "response": response}
             return encode_event(json.dumps(payload), event="response.in_progress")
         case "unknown":
             return encode_event(json.dumps({"type": "keepalive"}), event="keepalive")
+
+
+def _apply(snapshot: dict[str, Any], event: dict[str, Any]) -> None:
+    """Fold one Responses event into ``snapshot``, the response as streamed so far."""
+    kind = event["type"]
+    if kind == "response.created":
+        snapshot.update(json.loads(json.dumps(event["response"])))
+        return
+    output = snapshot.get("output", [])
+    if kind in ("response.output_item.added", "response.output_item.done"):
+        item = json.loads(json.dumps(event["item"]))
+        if event["output_index"] < len(output):
+            output[event["output_index"]] = item
+        else:
+            output.append(item)
+    elif kind == "response.content_part.added":
+        output[event["output_index"]]["content"].append(dict(event["part"]))
+    elif kind == "response.output_text.delta":
+        output[event["output_index"]]["content"][event["content_index"]]["text"] += event["delta"]
+    elif kind == "response.function_call_arguments.delta":
+        output[event["output_index"]]["arguments"] += event["delta"]
+    elif kind == "response.custom_tool_call_input.delta":
+        output[event["output_index"]]["input"] += event["delta"]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -422,30 +447,27 @@ class _Handler(BaseHTTPRequestHandler):
         sequence = itertools.count()
         drop = stub.take_drop()
         silence = stub.take_silence()
-        response_id = ""
+        snapshot: dict[str, Any] = {}
         try:
-            if silence is not None and silence.before_open:
-                self._silence(silence, api, sequence, response_id)
             for i, event in enumerate(events):
+                if silence is not None and i == silence.after:
+                    self._silence(silence, sequence, snapshot)
                 if api == "responses":
                     event = {"type": event["type"], "sequence_number": next(sequence), **event}
-                    response_id = event.get("response", {}).get("id", response_id)
+                    _apply(snapshot, event)
                 self._chunk(encode_event(json.dumps(event), event=event["type"]))
-                if i == 0:
-                    if drop:
-                        break
-                    if silence is not None and not silence.before_open:
-                        self._silence(silence, api, sequence, response_id)
+                if i == 0 and drop:
+                    break
             self._chunk(b"")
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
 
-    def _silence(self, silence: Silence, api: Api, sequence: Iterator[int], response_id: str) -> None:
+    def _silence(self, silence: Silence, sequence: Iterator[int], snapshot: dict[str, Any]) -> None:
         end = time.monotonic() + silence.seconds
         while (left := end - time.monotonic()) > 0:
             time.sleep(min(silence.every, left))
             if time.monotonic() < end:
-                data = _keepalive(silence.keepalive, api, sequence, response_id)
+                data = _keepalive(silence.keepalive, sequence, snapshot)
                 if data:
                     self._chunk(data)
 

@@ -2,11 +2,12 @@
 
 Usage (from the repository root, after ``npm ci --prefix .ci/agents``)::
 
-    python tests/support/keepalive_probe.py AGENT KEEPALIVE SECONDS [--every S] [--idle-ms MS] [--before-open]
+    python tests/support/keepalive_probe.py AGENT KEEPALIVE SECONDS [--every S] [--idle-ms MS] [--after N]
 
 AGENT is ``claude`` or ``codex``; KEEPALIVE one of :data:`~tests.support.agent_stub.Keepalive`.
-The stub's first model stream opens (``message_start`` / ``response.created``), then stays silent
-for SECONDS but for the keepalive every S seconds, then finishes with a text. The agent waited if
+The stub's first model stream opens (``message_start`` / ``response.created``; ``--after N``: its
+first N events), then stays silent for SECONDS but for the keepalive every S seconds, then finishes
+with a text. The agent waited if
 that stream was its only model request; a second one means its idle timer fired and it retried.
 ``--idle-ms`` sets Codex's ``stream_idle_timeout_ms`` (default 5000) or Claude Code's
 ``CLAUDE_STREAM_IDLE_TIMEOUT_MS`` (unset by default; Claude Code never goes below 300000).
@@ -40,10 +41,10 @@ def main() -> None:
     parser.add_argument("seconds", type=float)
     parser.add_argument("--every", type=float, default=1.0)
     parser.add_argument("--idle-ms", type=int, default=None)
-    parser.add_argument("--before-open", action="store_true")
+    parser.add_argument("--after", type=int, default=1, help="events before the silence (0: before the opening event)")
     args = parser.parse_args()
     stub = AgentStub(script=lambda api, body: [Text("Done.")],
-                     silence=Silence(args.seconds, args.keepalive, args.every, args.before_open))
+                     silence=Silence(args.seconds, args.keepalive, args.every, args.after))
     server, _ = start(stub)
     scratch = Path(tempfile.mkdtemp(prefix="keepalive-", dir="/var/tmp"))
     (scratch / "home").mkdir()
@@ -74,7 +75,7 @@ def main() -> None:
     model = [r for r in stub.requests if r.path in ("/v1/messages", "/v1/responses")]
     print(json.dumps({
         "agent": args.agent, "keepalive": args.keepalive, "silence_s": args.seconds, "every_s": args.every,
-        "before_open": args.before_open, "idle_ms": args.idle_ms, "exit_status": done.returncode,
+        "after_events": args.after, "idle_ms": args.idle_ms, "exit_status": done.returncode,
         "model_requests_at_s": [round(r.at - started, 1) for r in model],
         "waited": len(model) == 1 and done.returncode == 0, "stdout_tail": done.stdout[-300:], "stderr_tail": done.stderr[-300:],
     }))
