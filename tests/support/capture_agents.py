@@ -56,6 +56,7 @@ class Run:
     codex_toml: str = ""
     fail_first: tuple[int, ...] = ()
     drop_streams: int = 0
+    mcp: bool = False  # Claude Code gets tests/support/mcp_inventory.py as an MCP server
 
 
 def claude_steps(work: Path) -> Sequence[Step]:
@@ -74,6 +75,14 @@ def codex_patch_steps(work: Path) -> Sequence[Step]:
     return [Call("exec_command", {"cmd": "echo hi > f.txt"}), Custom("apply_patch", PATCH), Text("Done: f.txt and g.txt are written.")]
 
 
+def claude_mcp_steps(work: Path) -> Sequence[Step]:
+    return [
+        Call("ToolSearch", {"query": "select:mcp__inventory__lookup_3"}),
+        Call("mcp__inventory__lookup_3", {"id": "a1"}),
+        Text("Done: record a1 found."),
+    ]
+
+
 def text_only(work: Path) -> Sequence[Step]:
     return [Text("Done.")]
 
@@ -88,6 +97,8 @@ RUNS = [
     Run("claude_custom_model", "claude", "--model ringserve-model (a name Claude Code does not know)", claude_steps,
         (*CLAUDE_ARGS, "--model", "ringserve-model")),
     Run("claude_thinking_off", "claude", "MAX_THINKING_TOKENS=0", claude_steps, CLAUDE_ARGS, env={"MAX_THINKING_TOKENS": "0"}),
+    Run("claude_mcp_tool_search", "claude", "an MCP server of 40 tools (deferred); ToolSearch, the MCP tool, then text",
+        claude_mcp_steps, ("--allowedTools", "ToolSearch", "mcp__inventory"), mcp=True),
     Run("claude_retries", "claude", "the stub answers 529, 500, 429, then drops one stream after message_start",
         text_only, CLAUDE_ARGS, fail_first=(529, 500, 429), drop_streams=1),
     Run("codex_custom_model", "codex", "model = ringserve-model (no bundled metadata); exec_command, then text",
@@ -128,6 +139,10 @@ def capture(run: Run, out: Path, scratch_base: Path) -> dict[str, Any]:
         env |= {"ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}", "ANTHROPIC_API_KEY": "x", "DISABLE_TELEMETRY": "1",
                 "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
         argv = [str(BIN / "claude"), "-p", PROMPT, *run.args]
+        if run.mcp:
+            server_command = {"command": sys.executable, "args": [str(Path(__file__).with_name("mcp_inventory.py")), "40"]}
+            (scratch / "mcp.json").write_text(json.dumps({"mcpServers": {"inventory": server_command}}))
+            argv += ["--mcp-config", str(scratch / "mcp.json")]
     else:
         codex_home = scratch / "codex"
         codex_home.mkdir()
@@ -156,6 +171,7 @@ def capture(run: Run, out: Path, scratch_base: Path) -> dict[str, Any]:
         "version": version(run.agent),
         "about": run.about,
         "argv": [scrub(a) for a in [Path(argv[0]).name, *argv[1:]]],
+        "mcp_server": "tests/support/mcp_inventory.py 40" if run.mcp else None,
         "env": {k: scrub(v) for k, v in env.items() if k not in ("PATH", "TERM", "LANG")},
         "codex_config": scrub(config) or None,
         "stub": {"fail_first": list(run.fail_first), "drop_streams": run.drop_streams,
