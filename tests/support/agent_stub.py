@@ -150,7 +150,8 @@ class AgentStub:
         silence: a silent phase in the next model stream (taken by that stream; None: none).
         fail_first: statuses to answer the first model requests with, one each, in the API's error
             shape (a 429 gets ``retry-after: 0``), before scripted answers start.
-        drop_streams: this many model streams end after their opening event, without the final event.
+        drop_streams: this many model streams end early, after their first ``drop_after`` events
+            (1: right after the opening event; -1: all but the last, the final event missing).
         requests: every request so far, in arrival order.
     """
 
@@ -158,6 +159,7 @@ class AgentStub:
     silence: Silence | None = None
     fail_first: list[int] = attrs.Factory(list)
     drop_streams: int = 0
+    drop_after: int = 1
     model: str = "stub-model"
     requests: list[Recorded] = attrs.Factory(list)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
@@ -443,9 +445,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("cache-control", "no-cache")
         self.send_header("transfer-encoding", "chunked")
         self.end_headers()
-        events = anthropic_events(stub, body, steps) if api == "anthropic" else responses_events(stub, body, steps)
+        events = list(anthropic_events(stub, body, steps) if api == "anthropic" else responses_events(stub, body, steps))
         sequence = itertools.count()
-        drop = stub.take_drop()
+        if stub.take_drop():
+            events = events[: stub.drop_after]
         silence = stub.take_silence()
         snapshot: dict[str, Any] = {}
         try:
@@ -456,8 +459,6 @@ class _Handler(BaseHTTPRequestHandler):
                     event = {"type": event["type"], "sequence_number": next(sequence), **event}
                     _apply(snapshot, event)
                 self._chunk(encode_event(json.dumps(event), event=event["type"]))
-                if i == 0 and drop:
-                    break
             self._chunk(b"")
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True

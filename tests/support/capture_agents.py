@@ -6,7 +6,8 @@ Usage (from the repository root, after ``npm ci --prefix .ci/agents``)::
 
 Each run starts an :class:`~tests.support.agent_stub.AgentStub`, runs one agent once in a fresh
 scratch folder (its own HOME, and CODEX_HOME for Codex) and writes ``<run>.jsonl``: one request a
-line (method, path, query, headers, body) in arrival order. ``runs.json`` says, per run, the
+line (``t``, seconds since the run's first request; method, path, query, headers, body) in arrival
+order. ``runs.json`` says, per run, the
 agent's version, its command line and settings, the stub's script, the exit status, the files the
 agent's tools wrote and what they hold. The scratch folder's path is replaced by ``/SCRATCH`` and
 the stub's port by ``PORT`` in everything saved.
@@ -53,7 +54,8 @@ class Run:
     args: tuple[str, ...] = ()
     env: dict[str, str] = attrs.Factory(dict)
     codex_model: str = "ringserve-model"
-    codex_toml: str = ""
+    codex_root: str = ""  # config.toml keys at the root (before the provider's table)
+    codex_toml: str = ""  # config.toml keys in the provider's table
     fail_first: tuple[int, ...] = ()
     drop_streams: int = 0
     mcp: bool = False  # Claude Code gets tests/support/mcp_inventory.py as an MCP server
@@ -96,7 +98,10 @@ RUNS = [
     Run("claude_haiku", "claude", "--model haiku", claude_steps, (*CLAUDE_ARGS, "--model", "haiku")),
     Run("claude_custom_model", "claude", "--model ringserve-model (a name Claude Code does not know)", claude_steps,
         (*CLAUDE_ARGS, "--model", "ringserve-model")),
-    Run("claude_thinking_off", "claude", "MAX_THINKING_TOKENS=0", claude_steps, CLAUDE_ARGS, env={"MAX_THINKING_TOKENS": "0"}),
+    Run("claude_thinking_off", "claude", "CLAUDE_CODE_DISABLE_THINKING=1", claude_steps, CLAUDE_ARGS,
+        env={"CLAUDE_CODE_DISABLE_THINKING": "1"}),
+    Run("claude_sonnet45", "claude", "--model claude-sonnet-4-5-20250929 (thinking enabled with budget_tokens, no effort)",
+        claude_steps, (*CLAUDE_ARGS, "--model", "claude-sonnet-4-5-20250929")),
     Run("claude_mcp_tool_search", "claude", "an MCP server of 40 tools (deferred); ToolSearch, the MCP tool, then text",
         claude_mcp_steps, ("--allowedTools", "ToolSearch", "mcp__inventory"), mcp=True),
     Run("claude_retries", "claude", "the stub answers 529, 500, 429, then drops one stream after message_start",
@@ -105,6 +110,8 @@ RUNS = [
         codex_exec_steps, CODEX_ARGS),
     Run("codex_gpt55", "codex", "model = gpt-5.5 (bundled metadata: freeform apply_patch); exec_command, apply_patch, text",
         codex_patch_steps, CODEX_ARGS, codex_model="gpt-5.5"),
+    Run("codex_reasoning", "codex", "model_reasoning_effort = high, model_reasoning_summary = detailed; exec_command, text",
+        codex_exec_steps, CODEX_ARGS, codex_root='model_reasoning_effort = "high"\nmodel_reasoning_summary = "detailed"\n'),
     Run("codex_retries", "codex", "the stub answers 500, 503, then drops one stream after response.created",
         text_only, CODEX_ARGS, fail_first=(500, 503), drop_streams=1),
     Run("codex_429", "codex", "the stub answers 429 (Codex does not retry a 429 by default)", text_only, CODEX_ARGS,
@@ -115,7 +122,7 @@ RUNS = [
 def codex_config(run: Run, port: int) -> str:
     """CODEX_HOME/config.toml: the stub as a Responses provider (root keys before tables)."""
     return (
-        f'model = "{run.codex_model}"\nmodel_provider = "stub"\n\n[model_providers.stub]\nname = "stub"\n'
+        f'model = "{run.codex_model}"\nmodel_provider = "stub"\n{run.codex_root}\n[model_providers.stub]\nname = "stub"\n'
         f'base_url = "http://127.0.0.1:{port}/v1"\nwire_api = "responses"\nenv_key = "STUB_API_KEY"\n{run.codex_toml}'
     )
 
@@ -163,7 +170,8 @@ def capture(run: Run, out: Path, scratch_base: Path) -> dict[str, Any]:
 
     with open(out / f"{run.name}.jsonl", "w") as f:
         for entry in stub.requests:
-            f.write(scrub(json.dumps(entry.to_json(), ensure_ascii=False)) + "\n")
+            line = {"t": round(entry.at - stub.requests[0].at, 3), **entry.to_json()}
+            f.write(scrub(json.dumps(line, ensure_ascii=False)) + "\n")
     files = {p.name: p.read_text() for p in sorted(work.iterdir()) if p.is_file()}
     entry = {
         "run": run.name,
