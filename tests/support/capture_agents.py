@@ -114,7 +114,7 @@ RUNS = [
         codex_exec_steps, CODEX_ARGS, codex_root='model_reasoning_effort = "high"\nmodel_reasoning_summary = "detailed"\n'),
     Run("codex_retries", "codex", "the stub answers 500, 503, then drops one stream after response.created",
         text_only, CODEX_ARGS, fail_first=(500, 503), drop_streams=1),
-    Run("codex_429", "codex", "the stub answers 429 (Codex does not retry a 429 by default)", text_only, CODEX_ARGS,
+    Run("codex_429", "codex", "the stub answers 429 once (request_max_retries = 1)", text_only, CODEX_ARGS,
         fail_first=(429,), codex_toml="request_max_retries = 1\n"),
 ]
 
