@@ -25,13 +25,53 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.support.agent_stub import AgentStub, Keepalive, Silence, Text, start  # noqa: E402
 
 BIN = Path(__file__).resolve().parents[2] / ".ci" / "agents" / "node_modules" / ".bin"
+
+
+def probe(agent: str, keepalive: Keepalive, seconds: float, *, every: float = 1.0, idle_ms: int | None = None,
+          after: int = 1) -> dict[str, Any]:
+    """Run ``agent`` once against a stub whose first stream goes silent; return what happened (see the module doc)."""
+    stub = AgentStub(script=lambda api, body: [Text("Done.")], silence=Silence(seconds, keepalive, every, after))
+    server, _ = start(stub)
+    scratch = Path(tempfile.mkdtemp(prefix="keepalive-", dir="/var/tmp"))
+    (scratch / "home").mkdir()
+    env = {"PATH": os.environ["PATH"], "HOME": str(scratch / "home"), "TERM": "dumb"}
+    url = f"http://127.0.0.1:{server.server_port}"
+    if agent == "claude":
+        env |= {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "x", "DISABLE_TELEMETRY": "1",
+                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+        if idle_ms is not None:
+            env["CLAUDE_STREAM_IDLE_TIMEOUT_MS"] = str(idle_ms)
+        argv = [str(BIN / "claude"), "-p", "Say done."]
+    else:
+        (scratch / "codex").mkdir()
+        (scratch / "codex" / "config.toml").write_text(
+            'model = "ringserve-model"\nmodel_provider = "stub"\n\n[model_providers.stub]\nname = "stub"\n'
+            f'base_url = "{url}/v1"\nwire_api = "responses"\nenv_key = "STUB_API_KEY"\n'
+            f"stream_idle_timeout_ms = {idle_ms or 5000}\nstream_max_retries = 1\n")
+        env |= {"CODEX_HOME": str(scratch / "codex"), "STUB_API_KEY": "x"}
+        argv = [str(BIN / "codex"), "exec", "--skip-git-repo-check", "Say done."]
+    started = time.monotonic()
+    try:
+        done = subprocess.run(argv, cwd=scratch, env=env, capture_output=True, text=True,
+                              timeout=seconds + 900, stdin=subprocess.DEVNULL)
+    finally:
+        server.shutdown()
+        server.server_close()
+        shutil.rmtree(scratch)
+    model = [r for r in stub.requests if r.path in ("/v1/messages", "/v1/responses")]
+    return {
+        "agent": agent, "keepalive": keepalive, "silence_s": seconds, "every_s": every, "after_events": after,
+        "idle_ms": idle_ms, "exit_status": done.returncode,
+        "model_requests_at_s": [round(r.at - started, 1) for r in model],
+        "waited": len(model) == 1 and done.returncode == 0, "stdout_tail": done.stdout[-300:], "stderr_tail": done.stderr[-300:],
+    }
 
 
 def main() -> None:
@@ -43,42 +83,7 @@ def main() -> None:
     parser.add_argument("--idle-ms", type=int, default=None)
     parser.add_argument("--after", type=int, default=1, help="events before the silence (0: before the opening event)")
     args = parser.parse_args()
-    stub = AgentStub(script=lambda api, body: [Text("Done.")],
-                     silence=Silence(args.seconds, args.keepalive, args.every, args.after))
-    server, _ = start(stub)
-    scratch = Path(tempfile.mkdtemp(prefix="keepalive-", dir="/var/tmp"))
-    (scratch / "home").mkdir()
-    env = {"PATH": os.environ["PATH"], "HOME": str(scratch / "home"), "TERM": "dumb"}
-    url = f"http://127.0.0.1:{server.server_port}"
-    if args.agent == "claude":
-        env |= {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "x", "DISABLE_TELEMETRY": "1",
-                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
-        if args.idle_ms is not None:
-            env["CLAUDE_STREAM_IDLE_TIMEOUT_MS"] = str(args.idle_ms)
-        argv = [str(BIN / "claude"), "-p", "Say done."]
-    else:
-        (scratch / "codex").mkdir()
-        (scratch / "codex" / "config.toml").write_text(
-            'model = "ringserve-model"\nmodel_provider = "stub"\n\n[model_providers.stub]\nname = "stub"\n'
-            f'base_url = "{url}/v1"\nwire_api = "responses"\nenv_key = "STUB_API_KEY"\n'
-            f"stream_idle_timeout_ms = {args.idle_ms or 5000}\nstream_max_retries = 1\n")
-        env |= {"CODEX_HOME": str(scratch / "codex"), "STUB_API_KEY": "x"}
-        argv = [str(BIN / "codex"), "exec", "--skip-git-repo-check", "Say done."]
-    started = time.monotonic()
-    try:
-        done = subprocess.run(argv, cwd=scratch, env=env, capture_output=True, text=True,
-                              timeout=args.seconds + 900, stdin=subprocess.DEVNULL)
-    finally:
-        server.shutdown()
-        server.server_close()
-        shutil.rmtree(scratch)
-    model = [r for r in stub.requests if r.path in ("/v1/messages", "/v1/responses")]
-    print(json.dumps({
-        "agent": args.agent, "keepalive": args.keepalive, "silence_s": args.seconds, "every_s": args.every,
-        "after_events": args.after, "idle_ms": args.idle_ms, "exit_status": done.returncode,
-        "model_requests_at_s": [round(r.at - started, 1) for r in model],
-        "waited": len(model) == 1 and done.returncode == 0, "stdout_tail": done.stdout[-300:], "stderr_tail": done.stderr[-300:],
-    }))
+    print(json.dumps(probe(args.agent, args.keepalive, args.seconds, every=args.every, idle_ms=args.idle_ms, after=args.after)))
 
 
 if __name__ == "__main__":
