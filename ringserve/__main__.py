@@ -1,6 +1,6 @@
 """Command line: ``ringserve serve [--config FILE] [--host H] [--port P] [--model PATH] [--slots N]``.
 
-Also ``ringserve chat "PROMPT"`` and ``ringserve tail MESSAGE_ID`` (clients; see ``ringserve/chat.py``).
+Also ``ringserve chat "PROMPT"`` and ``ringserve tail MESSAGE_ID`` (clients; see ``ringserve/client/cli.py``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ringserve.chat import add_commands
+from ringserve.client.cli import add_commands
 from ringserve.config import Config
 
 

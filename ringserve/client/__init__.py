@@ -1,0 +1,41 @@
+"""A Python client for ringserve whose streams survive drops (see :mod:`ringserve.client._resume`)."""
+
+from ringserve.client._resume import (
+    DEFAULT_URL,
+    APIError,
+    AsyncClient,
+    AsyncMessageStream,
+    Backoff,
+    Client,
+    ClientError,
+    ConnectionLost,
+    FinalMessage,
+    MessageStream,
+    Reconnect,
+    RequestTimeout,
+    ResumeState,
+    StreamError,
+    StreamEvent,
+    Usage,
+    message_path,
+)
+
+__all__ = [
+    "DEFAULT_URL",
+    "APIError",
+    "AsyncClient",
+    "AsyncMessageStream",
+    "Backoff",
+    "Client",
+    "ClientError",
+    "ConnectionLost",
+    "FinalMessage",
+    "MessageStream",
+    "Reconnect",
+    "RequestTimeout",
+    "ResumeState",
+    "StreamError",
+    "StreamEvent",
+    "Usage",
+    "message_path",
+]
