@@ -39,8 +39,9 @@ class StreamError(ClientError):
 
     Attributes:
         type: the error type (Anthropic ``api_error``/``overloaded_error``...,
-            OpenAI ``server_error``...; ``interrupted`` for a message a
-            server restart cut short).
+            OpenAI Chat ``server_error``..., the Responses error ``code``
+            ``server_error``/``rate_limit_exceeded``...; ``interrupted`` for a
+            message a server restart cut short).
     """
 
     def __init__(self, type_: str, message: str, **kwargs: Any) -> None:

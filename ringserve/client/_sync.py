@@ -1,27 +1,37 @@
-"""The sync shell: :class:`Client` and :class:`MessageStream` over ``httpx.Client``."""
+# Generated from _trio.py by scripts/unasync.py: edit _trio.py, then run the script.
+"""The sync shell of the client: :class:`Client` and :class:`MessageStream` over httpx.
+
+The shell sends the requests :class:`~ringserve.client._resume.ResumeState` asks for, hands it
+what arrives, waits as it says, and delivers the events it returns; every decision is the
+state's. ``_sync.py`` is generated from ``_trio.py`` by ``scripts/unasync.py`` (httpcore's
+pattern; ``tests/client/test_unasync.py`` checks that it is up to date): edit ``_trio.py``, then
+run ``python scripts/unasync.py``.
+"""
 
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from typing import Any, Self
+from collections.abc import Generator, Iterator, Callable, Mapping, Sequence
+from contextlib import closing
+from typing import Any, Self, cast
 
 import httpx
-import httpx_sse
 
-from ringserve.client._errors import APIError, ClientError
+from ringserve.client._errors import ClientError
 from ringserve.client._models import Backoff, FinalMessage, Reconnect, StreamEvent
-from ringserve.client._resume import ResumeState, auth_headers, error_fields, message_path
-from ringserve.client._shell import CANCEL_TIMEOUT, DEFAULT_URL, Settings, StreamView, is_event_stream, timeouts
+from ringserve.client._resume import Body, ResumeState, auth_headers
+from ringserve.client._shell import CANCEL_TIMEOUT, DEFAULT_URL, Settings, StreamView, SyncBackend, json_answer
+from ringserve.client._wires import message_path
+
 
 class MessageStream(StreamView):
-    """A resuming stream of one message (sync). Use it as a context manager.
+    """A resuming stream of one message: ``with client.stream(...) as stream``.
 
-    Iterate it for :class:`StreamEvent` values, or :attr:`text_stream` for
-    the text; :meth:`final_message` reads to the end. Leaving the ``with``
-    block (or :meth:`close`) before the end cancels the generation on the
-    server if this stream created it.
+    Iterate it for :class:`~ringserve.client.StreamEvent` values, or
+    :attr:`text_stream` for the text; :meth:`final_message` reads to the end.
+    Leaving the ``with`` block (or :meth:`close`) before the end
+    cancels the generation on the server if this stream created it (best
+    effort, at most :data:`CANCEL_TIMEOUT` seconds).
     """
 
     def __init__(self, client: Client, state: ResumeState, *, owned: bool,
@@ -33,8 +43,15 @@ class MessageStream(StreamView):
         self._events = self._run()
         self._cancelled = False
 
-    def __iter__(self) -> Iterator[StreamEvent]:
-        return self._events
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> StreamEvent:
+        with SyncBackend.deadline(self._state.deadline):
+            return self._events.__next__()
+        if self._state.done:  # the final message came as the deadline passed
+            raise StopIteration
+        raise self._state.timed_out()
 
     @property
     def text_stream(self) -> Iterator[str]:
@@ -45,7 +62,7 @@ class MessageStream(StreamView):
         """Read to the end; the final message.
 
         Raises:
-            ClientError: any error that ended the stream (see the module doc).
+            ClientError: any error that ended the stream (see the package doc).
         """
         for _ in self:
             pass
@@ -60,12 +77,14 @@ class MessageStream(StreamView):
 
     def close(self) -> None:
         """Stop reading; cancel the generation if this stream created it and it is unfinished (best effort)."""
-        self._events.close()
-        if (message_id := self._cancel_on_close()) is not None:
-            try:
-                self._client.cancel(message_id, timeout=CANCEL_TIMEOUT)
-            except (httpx.HTTPError, ClientError):
-                pass
+        with SyncBackend.shield():
+            self._events.close()
+            if (message_id := self._cancel_on_close()) is not None:
+                with SyncBackend.limit(CANCEL_TIMEOUT):
+                    try:
+                        self._client.cancel(message_id, timeout=CANCEL_TIMEOUT)
+                    except (httpx.HTTPError, ClientError):
+                        pass
 
     def __enter__(self) -> Self:
         return self
@@ -77,34 +96,37 @@ class MessageStream(StreamView):
         state, client = self._state, self._client
         while True:
             request = state.next_request()
-            timeout = timeouts(state, time.monotonic(), client._settings.connect_timeout,
-                                client._settings.idle_timeout)
+            timeout = client._settings.timeouts(state, SyncBackend.now())
             error: httpx.TransportError | None = None
             try:
-                with client.http.stream(request.method, request.url, headers=request.headers,
-                                        json=request.json, timeout=timeout) as response:
-                    if is_event_stream(response):
-                        state.stream_opened(response.headers)
-                        for sse in httpx_sse.EventSource(response).iter_sse():
-                            yield from state.feed(sse)
-                            if state.leave:
-                                break
-                            state.check_deadline(time.monotonic())
+                opened = client.http.stream(request.method, request.url, headers=request.headers, json=request.json,
+                                            timeout=timeout)
+                with opened as response:
+                    if state.received(response.status_code, response.headers) is Body.WHOLE:
+                        for event in state.answered(response.status_code, response.headers, response.read()):
+                            yield event
                     else:
-                        response.read()
-                        yield from state.answered(response.status_code, response.headers, response.content)
+                        # httpx types it as an iterator; it is a generator, closed here if the stream leaves early
+                        with closing(cast("Generator[bytes, None, None]", response.iter_bytes())) as chunks:
+                            for chunk in chunks:
+                                for event in state.feed(chunk):
+                                    yield event
+                                if state.leave:
+                                    break
+                                state.check_deadline(SyncBackend.now())
             except httpx.TransportError as exc:
                 error = exc
             if state.done:
                 return
-            reconnect = state.reconnect(error, time.monotonic())
-            if self._on_reconnect is not None:
-                self._on_reconnect(reconnect)
-            time.sleep(reconnect.delay)
+            reconnect = state.reconnect(error, SyncBackend.now())
+            if reconnect is not None:
+                if self._on_reconnect is not None:
+                    self._on_reconnect(reconnect)
+                SyncBackend.sleep(reconnect.delay)
 
 
 class Client:
-    """A sync ringserve client (httpx) whose streams resume by themselves.
+    """A ringserve client (httpx) whose streams resume by themselves.
 
     Args:
         base_url: the server, e.g. ``http://127.0.0.1:8080``.
@@ -117,7 +139,7 @@ class Client:
             ``heartbeat_interval``.
         connect_timeout: seconds to connect (and to send a request).
         max_retries: consecutive failed attempts without a new event before
-            :class:`ConnectionLost`.
+            :class:`~ringserve.client.ConnectionLost`.
         backoff: the wait between attempts.
         rng: randomness for the jitter (tests pass a seeded one).
         transport: an httpx transport (tests).
@@ -133,30 +155,37 @@ class Client:
     def stream(self, prompt: str | Sequence[Mapping[str, Any]], *, max_tokens: int = 1024,
                surface: str = "anthropic", model: str = "ringserve", system: str | None = None,
                on_reconnect: Callable[[Reconnect], None] | None = None, **params: Any) -> MessageStream:
-        """Create a message and stream it (the POST is sent on the first read).
+        """Create a message and stream it (the request is sent on the first read).
 
         Args:
             prompt: a user prompt, or a list of ``{"role", "content"}`` turns.
             max_tokens: the most tokens to generate.
-            surface: ``"anthropic"`` (``POST /v1/messages``) or ``"openai"``
-                (``POST /v1/chat/completions``).
+            surface: ``"anthropic"`` (``POST /v1/messages``), ``"openai"``
+                (``POST /v1/chat/completions``) or ``"responses"``
+                (``POST /v1/responses``).
             model: the model name sent (ringserve answers any name unless
                 ``model.strict_model_name`` is set).
-            system: a system prompt.
+            system: a system prompt (``instructions`` on Responses).
             on_reconnect: called before each wait and new request.
-            **params: more body fields (``temperature``, ``stop_sequences``
-                or ``stop``, ...).
+            **params: more body fields (``temperature``, ``tools``,
+                ``stop_sequences`` or ``stop``, ...).
 
         Raises:
             ValueError: unknown surface.
         """
-        state = self._settings.create(time.monotonic(), surface, prompt, model=model, max_tokens=max_tokens,
+        state = self._settings.create(SyncBackend.now(), surface, prompt, model=model, max_tokens=max_tokens,
                                       system=system, params=params)
         return MessageStream(self, state, owned=True, on_reconnect=on_reconnect)
 
-    def follow(self, message_id: str, *, on_reconnect: Callable[[Reconnect], None] | None = None) -> MessageStream:
-        """Stream an existing message from its first event (never cancels it)."""
-        state = self._settings.follow(time.monotonic(), message_id)
+    def follow(self, message_id: str, *, surface: str | None = None,
+               on_reconnect: Callable[[Reconnect], None] | None = None) -> MessageStream:
+        """Stream an existing message from its first event (never cancels it). Without ``surface``
+        the stream first reads the message's status (``GET /v1/messages/{id}``) to learn it.
+
+        Raises:
+            ValueError: unknown surface.
+        """
+        state = self._settings.follow(SyncBackend.now(), message_id, surface)
         return MessageStream(self, state, owned=False, on_reconnect=on_reconnect)
 
     def get_message(self, message_id: str) -> dict[str, Any]:
@@ -165,8 +194,8 @@ class Client:
         Raises:
             APIError: an error answer.
         """
-        return self._json(self.http.get(message_path(message_id), headers=auth_headers(self._settings.api_key),
-                                        timeout=self._settings.connect_timeout))
+        headers, timeout = auth_headers(self._settings.api_key), self._settings.connect_timeout
+        return json_answer(self.http.get(message_path(message_id), headers=headers, timeout=timeout))
 
     def cancel(self, message_id: str, *, timeout: float | None = None) -> dict[str, Any]:
         """``POST /v1/messages/{id}/cancel``; the message's status once its generation has stopped.
@@ -174,15 +203,8 @@ class Client:
         Raises:
             APIError: an error answer.
         """
-        return self._json(self.http.post(message_path(message_id, "/cancel"),
-                                         headers=auth_headers(self._settings.api_key),
-                                         timeout=timeout or self._settings.connect_timeout))
-
-    @staticmethod
-    def _json(response: httpx.Response) -> dict[str, Any]:
-        if response.status_code != 200:
-            raise APIError(response.status_code, *error_fields(response.content))
-        return response.json()
+        headers, timeout = auth_headers(self._settings.api_key), timeout or self._settings.connect_timeout
+        return json_answer(self.http.post(message_path(message_id, "/cancel"), headers=headers, timeout=timeout))
 
     def close(self) -> None:
         self.http.close()
@@ -192,5 +214,3 @@ class Client:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-

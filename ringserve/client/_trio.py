@@ -1,31 +1,36 @@
-"""The Trio shell: :class:`AsyncClient` and :class:`AsyncMessageStream` over ``httpx.AsyncClient``."""
+"""The Trio shell of the client: :class:`AsyncClient` and :class:`AsyncMessageStream` over httpx.
+
+The shell sends the requests :class:`~ringserve.client._resume.ResumeState` asks for, hands it
+what arrives, waits as it says, and delivers the events it returns; every decision is the
+state's. ``_sync.py`` is generated from ``_trio.py`` by ``scripts/unasync.py`` (httpcore's
+pattern; ``tests/client/test_unasync.py`` checks that it is up to date): edit ``_trio.py``, then
+run ``python scripts/unasync.py``.
+"""
 
 from __future__ import annotations
 
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import httpx
-import httpx_sse
-import trio
 
 from ringserve.client._errors import ClientError
 from ringserve.client._models import Backoff, FinalMessage, Reconnect, StreamEvent
-from ringserve.client._resume import ResumeState, auth_headers, message_path
-from ringserve.client._shell import CANCEL_TIMEOUT, DEFAULT_URL, Settings, StreamView, is_event_stream, timeouts
-from ringserve.client._sync import Client
+from ringserve.client._resume import Body, ResumeState, auth_headers
+from ringserve.client._shell import CANCEL_TIMEOUT, DEFAULT_URL, Settings, StreamView, TrioBackend, json_answer
+from ringserve.client._wires import message_path
+
 
 class AsyncMessageStream(StreamView):
-    """A resuming stream of one message (Trio). Use it as an async context manager.
+    """A resuming stream of one message: ``async with client.stream(...) as stream``.
 
-    Same behaviour as :class:`MessageStream`. The overall timeout is exact:
-    each step runs under ``trio.move_on_at(deadline)``, opened and closed
-    inside ``__anext__`` (never across a ``yield``). Cancellation by an
-    enclosing scope leaves the stream unusable; leaving the ``async with``
-    block then still cancels an owned, unfinished generation (shielded, at
-    most :data:`CANCEL_TIMEOUT` seconds).
+    Iterate it for :class:`~ringserve.client.StreamEvent` values, or
+    :attr:`text_stream` for the text; :meth:`final_message` reads to the end.
+    Leaving the ``async with`` block (or :meth:`aclose`) before the end
+    cancels the generation on the server if this stream created it (best
+    effort, at most :data:`CANCEL_TIMEOUT` seconds).
     """
 
     def __init__(self, client: AsyncClient, state: ResumeState, *, owned: bool,
@@ -37,12 +42,14 @@ class AsyncMessageStream(StreamView):
         self._events = self._run()
         self._cancelled = False
 
-    def __aiter__(self) -> AsyncMessageStream:
+    def __aiter__(self) -> Self:
         return self
 
     async def __anext__(self) -> StreamEvent:
-        with trio.move_on_at(self._state.deadline):
+        with TrioBackend.deadline(self._state.deadline):
             return await self._events.__anext__()
+        if self._state.done:  # the final message came as the deadline passed
+            raise StopAsyncIteration
         raise self._state.timed_out()
 
     @property
@@ -54,14 +61,14 @@ class AsyncMessageStream(StreamView):
         """Read to the end; the final message.
 
         Raises:
-            ClientError: any error that ended the stream (see the module doc).
+            ClientError: any error that ended the stream (see the package doc).
         """
         async for _ in self:
             pass
         return self._state.finish_or_raise()
 
     async def cancel(self) -> dict[str, Any] | None:
-        """Cancel the generation on the server; its status, or None if no id yet."""
+        """Cancel the generation on the server; its status (``GET /v1/messages/{id}``), or None if no id yet."""
         if self.message_id is None:
             return None
         self._cancelled = True
@@ -69,10 +76,10 @@ class AsyncMessageStream(StreamView):
 
     async def aclose(self) -> None:
         """Stop reading; cancel the generation if this stream created it and it is unfinished (best effort)."""
-        with trio.CancelScope(shield=True):
+        with TrioBackend.shield():
             await self._events.aclose()
             if (message_id := self._cancel_on_close()) is not None:
-                with trio.move_on_after(CANCEL_TIMEOUT):
+                with TrioBackend.limit(CANCEL_TIMEOUT):
                     try:
                         await self._client.cancel(message_id, timeout=CANCEL_TIMEOUT)
                     except (httpx.HTTPError, ClientError):
@@ -88,36 +95,54 @@ class AsyncMessageStream(StreamView):
         state, client = self._state, self._client
         while True:
             request = state.next_request()
-            timeout = timeouts(state, trio.current_time(), client._settings.connect_timeout,
-                                client._settings.idle_timeout)
+            timeout = client._settings.timeouts(state, TrioBackend.now())
             error: httpx.TransportError | None = None
             try:
-                async with client.http.stream(request.method, request.url, headers=request.headers,
-                                              json=request.json, timeout=timeout) as response:
-                    if is_event_stream(response):
-                        state.stream_opened(response.headers)
-                        async with aclosing(httpx_sse.EventSource(response).aiter_sse()) as events:
-                            async for sse in events:
-                                for event in state.feed(sse):
+                opened = client.http.stream(request.method, request.url, headers=request.headers, json=request.json,
+                                            timeout=timeout)
+                async with opened as response:
+                    if state.received(response.status_code, response.headers) is Body.WHOLE:
+                        for event in state.answered(response.status_code, response.headers, await response.aread()):
+                            yield event
+                    else:
+                        # httpx types it as an iterator; it is a generator, closed here if the stream leaves early
+                        async with aclosing(cast("AsyncGenerator[bytes, None]", response.aiter_bytes())) as chunks:
+                            async for chunk in chunks:
+                                for event in state.feed(chunk):
                                     yield event
                                 if state.leave:
                                     break
-                    else:
-                        await response.aread()
-                        for event in state.answered(response.status_code, response.headers, response.content):
-                            yield event
+                                state.check_deadline(TrioBackend.now())
             except httpx.TransportError as exc:
                 error = exc
             if state.done:
                 return
-            reconnect = state.reconnect(error, trio.current_time())
-            if self._on_reconnect is not None:
-                self._on_reconnect(reconnect)
-            await trio.sleep(reconnect.delay)
+            reconnect = state.reconnect(error, TrioBackend.now())
+            if reconnect is not None:
+                if self._on_reconnect is not None:
+                    self._on_reconnect(reconnect)
+                await TrioBackend.sleep(reconnect.delay)
 
 
 class AsyncClient:
-    """The Trio twin of :class:`Client` (httpx.AsyncClient); same arguments."""
+    """A ringserve client (httpx) whose streams resume by themselves.
+
+    Args:
+        base_url: the server, e.g. ``http://127.0.0.1:8080``.
+        api_key: sent as ``Authorization: Bearer`` and ``x-api-key``.
+        timeout: seconds one stream may take in all, reconnects and waits
+            included (None: no limit).
+        idle_timeout: seconds of silence allowed between two reads on a
+            connection, heartbeats included, before it counts as dropped
+            (None: wait forever). Keep it above the server's
+            ``heartbeat_interval``.
+        connect_timeout: seconds to connect (and to send a request).
+        max_retries: consecutive failed attempts without a new event before
+            :class:`~ringserve.client.ConnectionLost`.
+        backoff: the wait between attempts.
+        rng: randomness for the jitter (tests pass a seeded one).
+        transport: an httpx transport (tests).
+    """
 
     def __init__(self, base_url: str = DEFAULT_URL, *, api_key: str | None = None, timeout: float | None = 600.0,
                  idle_timeout: float | None = 60.0, connect_timeout: float = 10.0, max_retries: int = 8,
@@ -129,28 +154,56 @@ class AsyncClient:
     def stream(self, prompt: str | Sequence[Mapping[str, Any]], *, max_tokens: int = 1024,
                surface: str = "anthropic", model: str = "ringserve", system: str | None = None,
                on_reconnect: Callable[[Reconnect], None] | None = None, **params: Any) -> AsyncMessageStream:
-        """Create a message and stream it; see :meth:`Client.stream`."""
-        state = self._settings.create(trio.current_time(), surface, prompt, model=model, max_tokens=max_tokens,
+        """Create a message and stream it (the request is sent on the first read).
+
+        Args:
+            prompt: a user prompt, or a list of ``{"role", "content"}`` turns.
+            max_tokens: the most tokens to generate.
+            surface: ``"anthropic"`` (``POST /v1/messages``), ``"openai"``
+                (``POST /v1/chat/completions``) or ``"responses"``
+                (``POST /v1/responses``).
+            model: the model name sent (ringserve answers any name unless
+                ``model.strict_model_name`` is set).
+            system: a system prompt (``instructions`` on Responses).
+            on_reconnect: called before each wait and new request.
+            **params: more body fields (``temperature``, ``tools``,
+                ``stop_sequences`` or ``stop``, ...).
+
+        Raises:
+            ValueError: unknown surface.
+        """
+        state = self._settings.create(TrioBackend.now(), surface, prompt, model=model, max_tokens=max_tokens,
                                       system=system, params=params)
         return AsyncMessageStream(self, state, owned=True, on_reconnect=on_reconnect)
 
-    def follow(self, message_id: str, *,
+    def follow(self, message_id: str, *, surface: str | None = None,
                on_reconnect: Callable[[Reconnect], None] | None = None) -> AsyncMessageStream:
-        """Stream an existing message from its first event (never cancels it)."""
-        state = self._settings.follow(trio.current_time(), message_id)
+        """Stream an existing message from its first event (never cancels it). Without ``surface``
+        the stream first reads the message's status (``GET /v1/messages/{id}``) to learn it.
+
+        Raises:
+            ValueError: unknown surface.
+        """
+        state = self._settings.follow(TrioBackend.now(), message_id, surface)
         return AsyncMessageStream(self, state, owned=False, on_reconnect=on_reconnect)
 
     async def get_message(self, message_id: str) -> dict[str, Any]:
-        """``GET /v1/messages/{id}``; see :meth:`Client.get_message`."""
-        return Client._json(await self.http.get(message_path(message_id),
-                                                headers=auth_headers(self._settings.api_key),
-                                                timeout=self._settings.connect_timeout))
+        """``GET /v1/messages/{id}``: status, text so far, stop reason, usage.
+
+        Raises:
+            APIError: an error answer.
+        """
+        headers, timeout = auth_headers(self._settings.api_key), self._settings.connect_timeout
+        return json_answer(await self.http.get(message_path(message_id), headers=headers, timeout=timeout))
 
     async def cancel(self, message_id: str, *, timeout: float | None = None) -> dict[str, Any]:
-        """``POST /v1/messages/{id}/cancel``; see :meth:`Client.cancel`."""
-        return Client._json(await self.http.post(message_path(message_id, "/cancel"),
-                                                 headers=auth_headers(self._settings.api_key),
-                                                 timeout=timeout or self._settings.connect_timeout))
+        """``POST /v1/messages/{id}/cancel``; the message's status once its generation has stopped.
+
+        Raises:
+            APIError: an error answer.
+        """
+        headers, timeout = auth_headers(self._settings.api_key), timeout or self._settings.connect_timeout
+        return json_answer(await self.http.post(message_path(message_id, "/cancel"), headers=headers, timeout=timeout))
 
     async def aclose(self) -> None:
         await self.http.aclose()

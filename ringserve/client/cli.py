@@ -18,20 +18,21 @@ import sys
 from typing import Any, TextIO
 
 from ringserve.client import DEFAULT_URL, Client, ClientError, FinalMessage, MessageStream, Reconnect
+from ringserve.client._wires import WIRES
 
 
 def add_commands(sub: Any) -> None:
     """Register ``chat`` and ``tail`` on the CLI's subparsers; each sets ``client_command``."""
     chat = sub.add_parser("chat", help="stream a reply to PROMPT into the terminal")
     chat.add_argument("prompt", help="the user message")
-    chat.add_argument("--surface", choices=("anthropic", "openai"), default="anthropic",
+    chat.add_argument("--surface", choices=tuple(WIRES), default="anthropic",
                       help="API surface to use (default anthropic)")
     chat.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default 512)")
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--temperature", type=float, help="sampling temperature")
     chat.set_defaults(client_command=run_chat)
     tail = sub.add_parser("tail", help="follow an existing message's stream")
-    tail.add_argument("message_id", help="the message id (msg_... or chatcmpl-...)")
+    tail.add_argument("message_id", help="the message id (msg_..., chatcmpl-... or resp_...)")
     tail.set_defaults(client_command=run_tail)
     for parser in (chat, tail):
         parser.add_argument("--url", default=os.environ.get("RINGSERVE_URL", DEFAULT_URL),

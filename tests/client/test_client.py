@@ -1,4 +1,4 @@
-"""ringserve.client and the chat/tail commands against an in-process server (fake engine).
+"""ringserve.client against an in-process server (fake engine), on every surface.
 
 The drop tests put :class:`tests.support.proxy.DroppingProxy` between the client and
 the server: it cuts connections at random byte offsets (FIN or RST, before
@@ -8,20 +8,14 @@ stream must end with exactly the text of an uninterrupted run.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import random
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import httpx_sse
 import pytest
 import trio
 
@@ -30,121 +24,38 @@ from ringserve.client import (
     AsyncClient,
     Backoff,
     Client,
-    ClientError,
     FinalMessage,
     Reconnect,
     RequestTimeout,
-    ResumeState,
     StreamError,
     message_path,
 )
+from ringserve.core.toolcalls import format_call
 from tests.support.helpers import ANTHROPIC_BODY
-from tests.support.proxy import Cut, forget_last_event_id, random_cuts, server_behind_proxy
+from tests.support.proxy import REPLY, Cut, forget_last_event_id, random_cuts, server_and_proxy
 
-#: Multi-byte characters, split across 3-byte tokens by the fake engine.
-REPLY = "Résumé ✓ 👍🏽 你好 🇯🇵 Привет ½. " * 8
 FAST = Backoff(base=0.002, cap=0.02)
-
-
-def server_and_proxy(tmp_path: Path, plan: Any, **kwargs: Any) -> Any:
-    """:func:`server_behind_proxy` with this file's reply, cut into 3-byte tokens."""
-    kwargs.setdefault("reply", REPLY)
-    kwargs.setdefault("piece_bytes", 3)
-    return server_behind_proxy(tmp_path, plan, **kwargs)
-
-
-def sse(data: str, id_: str | None, event: str = "message") -> httpx_sse.ServerSentEvent:
-    return httpx_sse.ServerSentEvent(event=event, data=data, id=id_ or "")
-
-
-def delta(text: str) -> str:
-    return json.dumps({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})
-
-
-# -- the sans-I/O parts ---------------------------------------------------------------------------
-
-
-def test_backoff_is_exponential_with_full_jitter() -> None:
-    backoff, rng = Backoff(base=0.1, cap=2.0), random.Random(7)
-    assert [backoff.bound(n) for n in range(7)] == [0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0]
-    assert backoff.bound(10_000) == 2.0
-    for n in range(8):
-        delays = [backoff.delay(n, rng) for _ in range(400)]
-        assert all(0.0 <= d <= backoff.bound(n) for d in delays)
-        # Full jitter: spread over the whole range, not clustered near the bound.
-        assert min(delays) < 0.1 * backoff.bound(n) and max(delays) > 0.9 * backoff.bound(n)
-    with pytest.raises(ValueError):
-        Backoff(base=1.0, cap=0.5)
-
-
-def test_state_drops_duplicates_and_refuses_a_gap() -> None:
-    state = ResumeState.follow("msg_1", now=0.0, timeout=None)
-    assert state.next_request().headers.get("Last-Event-ID") is None
-    first = state.feed(sse(delta("a"), "msg_1:0", "content_block_delta"))
-    assert [e.text for e in first] == ["a"]
-    assert state.feed(sse(delta("a"), "msg_1:0", "content_block_delta")) == []  # replayed: dropped
-    assert state.feed(sse("", "msg_1:0")) == []  # httpx-sse's data-less dispatch after a ping
-    state.feed(sse(delta("b"), "msg_1:1", "content_block_delta"))
-    assert state.text == "ab"
-    assert state.next_request().headers["Last-Event-ID"] == "msg_1:1"
-    with pytest.raises(ClientError, match="gap"):
-        state.feed(sse(delta("d"), "msg_1:3", "content_block_delta"))
-    with pytest.raises(ClientError, match="does not belong"):
-        ResumeState.follow("msg_1", now=0.0, timeout=None).feed(sse(delta("x"), "msg_2:0", "content_block_delta"))
-
-
-def test_state_gives_up_after_max_retries_without_progress_and_resets_on_progress() -> None:
-    state = ResumeState.follow("msg_1", now=0.0, timeout=None, max_retries=2, backoff=FAST)
-    assert state.reconnect(None, 0.0).attempt == 1
-    state.feed(sse(delta("a"), "msg_1:0", "content_block_delta"))  # progress resets the count
-    assert [state.reconnect(OSError("boom"), 0.0).attempt for _ in range(2)] == [1, 2]
-    with pytest.raises(ClientError, match="gave up after 2 retries"):
-        state.reconnect(None, 0.0)
-
-
-def test_state_honours_retry_after_and_the_deadline() -> None:
-    state = ResumeState.follow("msg_1", now=0.0, timeout=10.0, backoff=FAST)
-    state.answered(503, {"retry-after": "3"}, b"{}")
-    wait = state.reconnect(None, 0.0)
-    assert wait.delay >= 3.0 and wait.cause == "HTTP 503"
-    state.answered(529, {"retry-after": "3"}, b"{}")
-    with pytest.raises(RequestTimeout):
-        state.reconnect(None, 8.0)  # the next attempt would start after the deadline
-
-
-def test_state_reads_the_message_when_the_stream_has_ended_204() -> None:
-    """204 (nothing after the last event: the stream has ended) switches to GET /v1/messages/{id}, at once."""
-    state = ResumeState.follow("msg_1", now=0.0, timeout=None, backoff=FAST)
-    state.feed(sse(delta("a"), "msg_1:0", "content_block_delta"))
-    assert state.answered(204, {}, b"") == []
-    wait = state.reconnect(None, 0.0)
-    assert wait.delay == 0.0 and "ended (204)" in wait.cause and wait.attempt == 0
-    request = state.next_request()
-    assert (request.method, request.url) == ("GET", "/v1/messages/msg_1")
-    message = {"status": "complete", "text": "ab", "stop_reason": "end_turn", "usage": {"input_tokens": 1,
-               "output_tokens": 2}, "model": "fake"}
-    assert [e.text for e in state.answered(200, {}, json.dumps(message).encode())] == ["b"]
-    assert state.done and state.finish_or_raise().text == "ab"
+SURFACES = ("anthropic", "openai", "responses")
 
 
 # -- drops at random points: the text equals an uninterrupted run ----------------------------------
 
 
-async def test_async_client_survives_random_drops_on_both_surfaces(tmp_path: Path) -> None:
+async def test_async_client_survives_random_drops_on_every_surface(tmp_path: Path) -> None:
     rng = random.Random(20240607)
     # step_seconds: the generation is still running during most resumes (live tail, not only replay).
     async with server_and_proxy(tmp_path, random_cuts(rng, p_cut=0.9), step_seconds=0.001) as (state, proxy):
         reference: dict[str, FinalMessage] = {}
         async with AsyncClient(state.urls[0]) as direct:
-            for surface in ("anthropic", "openai"):
+            for surface in SURFACES:
                 async with direct.stream("hi", surface=surface, max_tokens=400) as stream:
                     reference[surface] = await stream.final_message()
                     assert stream.reconnects == 0
-        assert reference["anthropic"].text == REPLY == reference["openai"].text
+        assert [reference[surface].text for surface in SURFACES] == [REPLY] * 3
         reconnects = 0
         async with AsyncClient(proxy.url, backoff=FAST, max_retries=30, rng=rng, idle_timeout=10) as client:
             for round_ in range(24):
-                surface = ("anthropic", "openai")[round_ % 2]
+                surface = SURFACES[round_ % 3]
                 async with client.stream("hi", surface=surface, max_tokens=400) as stream:
                     deltas = [text async for text in stream.text_stream]
                     final = await stream.final_message()
@@ -162,8 +73,8 @@ async def test_sync_client_survives_random_drops(tmp_path: Path) -> None:
         def run() -> list[tuple[str, list[int], int]]:
             out = []
             with Client(proxy.url, backoff=FAST, max_retries=30, rng=rng, idle_timeout=10) as client:
-                for round_ in range(8):
-                    surface = ("openai", "anthropic")[round_ % 2]
+                for round_ in range(9):
+                    surface = SURFACES[round_ % 3]
                     with client.stream("hi", surface=surface, max_tokens=400) as stream:
                         seqs = [event.seq for event in stream]
                         out.append((stream.final_message().text, seqs, stream.reconnects))
@@ -173,7 +84,7 @@ async def test_sync_client_survives_random_drops(tmp_path: Path) -> None:
     for text, seqs, _ in results:
         assert text == REPLY
         assert seqs == list(range(len(seqs)))  # every event once, in order
-    assert sum(r for _, _, r in results) >= 8
+    assert sum(r for _, _, r in results) >= 9
 
 
 async def test_events_replayed_by_the_server_are_dropped_by_seq(tmp_path: Path) -> None:
@@ -182,7 +93,7 @@ async def test_events_replayed_by_the_server_are_dropped_by_seq(tmp_path: Path) 
     async with server_and_proxy(tmp_path, random_cuts(rng, p_cut=0.9), request_filter=forget_last_event_id,
                                 step_seconds=0.001) as (_state, proxy):
         async with AsyncClient(proxy.url, backoff=FAST, max_retries=30, rng=rng) as client:
-            for surface in ("anthropic", "openai"):
+            for surface in SURFACES:
                 async with client.stream("hi", surface=surface, max_tokens=400) as stream:
                     events = [event async for event in stream]
                 assert "".join(e.text for e in events) == REPLY and stream.reconnects >= 2
@@ -203,6 +114,58 @@ async def test_a_post_cut_before_its_answer_is_resent_with_its_idempotency_key(t
                 final = await stream.final_message()
     assert final.text == REPLY and stream.reconnects == 2
     assert prompts == ["only once"]  # the server generated it once
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+#: The same function tool in each surface's request shape.
+TOOLS = {
+    "anthropic": [{"name": "get_weather", "description": "The weather in a city.", "input_schema": WEATHER}],
+    "openai": [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                                 "parameters": WEATHER}}],
+    "responses": [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
+                   "parameters": WEATHER}],
+}
+
+
+@pytest.mark.parametrize("surface", SURFACES)
+async def test_a_stream_cut_mid_event_resumes_to_the_same_text_and_tool_call(tmp_path: Path, surface: str) -> None:
+    """The first connection is cut in the middle of an event; the resumed stream ends with the text, the tool
+    call, the stop reason and the usage of an uninterrupted run."""
+    plans = iter([Cut(), Cut(after_bytes=2500)])  # the reference run's connection, then the cut one
+    reply = REPLY + format_call("get_weather", '{"city": "Paris"}')
+    async with server_and_proxy(tmp_path, lambda: next(plans, Cut()), reply=reply, step_seconds=0.001) as (_s, proxy):
+        reconnects: list[Reconnect] = []
+        finals = []
+        async with AsyncClient(proxy.url, backoff=FAST) as client:
+            for _ in range(2):
+                async with client.stream("weather?", surface=surface, max_tokens=400, tools=TOOLS[surface],
+                                         on_reconnect=reconnects.append) as stream:
+                    events = [event async for event in stream]
+                    finals.append(await stream.final_message())
+    reference, final = finals
+    assert proxy.cuts == 1 and len(reconnects) == 1 and reconnects[0].last_event_id is not None  # a resume
+    assert final.text == reference.text == REPLY == "".join(e.text for e in events)
+    assert (final.stop_reason, final.usage) == (reference.stop_reason, reference.usage)
+    (call,), (called,) = final.tool_calls, reference.tool_calls  # call ids differ from message to message
+    assert (call.name, call.arguments) == (called.name, called.arguments)
+    assert call.name == "get_weather" and "city" in json.loads(call.arguments)
+    assert "".join(d.arguments for e in events for d in e.tool_deltas) == call.arguments
+    assert [c for e in events for c in e.tool_calls] == [call]
+
+
+@pytest.mark.parametrize("surface", SURFACES)
+async def test_follow_learns_the_surface_by_name_and_reads_the_same_message(tmp_path: Path, surface: str) -> None:
+    async with server_and_proxy(tmp_path, Cut, step_seconds=0.002) as (state, _proxy):
+        async with AsyncClient(state.urls[0]) as client:
+            async with client.stream("hi", surface=surface, max_tokens=400) as created:
+                async for event in created:
+                    if event.text:
+                        break
+                async with client.follow(created.message_id) as followed:  # no surface given
+                    following = await followed.final_message()
+                assert followed.reconnects == 0
+                assert following == await created.final_message()
+    assert following.text == REPLY
 
 
 # -- the other ways a stream ends ----------------------------------------------------------------------
@@ -226,7 +189,7 @@ async def test_expired_log_falls_back_to_the_stored_message(tmp_path: Path) -> N
     assert causes == ["the stream log is gone (410); reading the message"]
 
 
-@pytest.mark.parametrize("surface", ["anthropic", "openai"])
+@pytest.mark.parametrize("surface", SURFACES)
 async def test_an_in_band_error_raises(tmp_path: Path, surface: str) -> None:
     async with server_and_proxy(tmp_path, Cut, fail_after_tokens=5) as (state, _proxy):
         async with AsyncClient(state.urls[0]) as client:
@@ -240,7 +203,7 @@ async def test_an_in_band_error_raises(tmp_path: Path, surface: str) -> None:
         await stream.final_message()  # the stream stays failed
 
 
-@pytest.mark.parametrize("surface", ["anthropic", "openai"])
+@pytest.mark.parametrize("surface", SURFACES)
 async def test_a_cancel_by_another_party_gives_a_final_message_marked_cancelled(tmp_path: Path, surface: str) -> None:
     """The server's ringserve_cancelled key becomes FinalMessage.cancelled; the stop reason stays an SDK value."""
     async with server_and_proxy(tmp_path, Cut, step_seconds=0.01) as (state, _proxy):
@@ -251,7 +214,8 @@ async def test_a_cancel_by_another_party_gives_a_final_message_marked_cancelled(
                         await client.cancel(stream.message_id)
                         break
                 final = await stream.final_message()
-    assert final.cancelled and final.stop_reason == {"anthropic": "end_turn", "openai": "stop"}[surface]
+    assert final.cancelled
+    assert final.stop_reason == {"anthropic": "end_turn", "openai": "stop", "responses": "cancelled"}[surface]
     assert 0 < len(final.text) < len(REPLY)
 
 
@@ -349,72 +313,3 @@ async def test_the_overall_timeout_ends_the_stream_and_cancels_the_generation(tm
 
         elapsed, sync_status = await trio.to_thread.run_sync(sync_run)
     assert 0.6 <= elapsed < 5.0 and sync_status["status"] == "cancelled"  # as above
-
-
-# -- the terminal commands -------------------------------------------------------------------------------
-
-
-def ringserve_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "ringserve", *args]
-
-
-async def test_chat_streams_the_reply_through_drops(tmp_path: Path) -> None:
-    rng = random.Random(5)
-    async with server_and_proxy(tmp_path, random_cuts(rng, max_bytes=2500)) as (_state, proxy):
-        done = await trio.run_process(ringserve_cmd("chat", "--url", proxy.url, "--max-tokens", "400", "hi"),
-                                      capture_stdout=True, capture_stderr=True, check=False)
-    stdout, stderr = done.stdout.decode(), done.stderr.decode()
-    assert done.returncode == 0, stderr
-    assert stdout == REPLY + "\n"
-    assert "reconnecting in" in stderr and "end_turn" in stderr
-
-
-@contextlib.contextmanager
-def sigint_not_ignored() -> Iterator[None]:
-    """Let a child started inside the block get Ctrl-C as KeyboardInterrupt.
-
-    A shell starts background jobs (``.ci/run ... &``) with SIGINT ignored; children
-    inherit that across exec, and Python then installs no KeyboardInterrupt handler,
-    so the child would ignore the test's SIGINT and finish with status 0.
-    """
-    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    if ignored:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-    try:
-        yield
-    finally:
-        if ignored:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-async def test_chat_ctrl_c_cancels_the_generation_on_the_server(tmp_path: Path) -> None:
-    async with server_and_proxy(tmp_path, Cut, step_seconds=0.05) as (state, _proxy):
-        with sigint_not_ignored():
-            proc = await trio.lowlevel.open_process(ringserve_cmd("chat", "--url", state.urls[0], "hi"),
-                                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        with trio.fail_after(20):
-            seen = await proc.stdout.receive_some()  # the reply has started
-            assert seen
-            proc.send_signal(signal.SIGINT)
-            stderr = b""
-            while chunk := await proc.stderr.receive_some():
-                stderr += chunk
-            assert await proc.wait() == 130
-        line = stderr.decode().strip().splitlines()[-1]
-        assert line.startswith("[cancelled msg_") and "cancelled," in line, line
-        message_id = line.split()[1].rstrip(":")
-        async with AsyncClient(state.urls[0]) as client:
-            status = await client.get_message(message_id)
-    assert status["status"] == "cancelled" and status["stop_reason"] == "end_turn"
-    assert len(status["text"]) < len(REPLY)
-
-
-async def test_tail_follows_an_existing_message(tmp_path: Path) -> None:
-    async with server_and_proxy(tmp_path, Cut, step_seconds=0.01) as (state, proxy):
-        async with httpx.AsyncClient(base_url=state.urls[0]) as http:
-            body = {**ANTHROPIC_BODY, "max_tokens": 400, "stream": True}
-            created = (await http.post("/v1/messages", json=body, headers={"Prefer": "respond-async"})).json()
-        done = await trio.run_process(ringserve_cmd("tail", "--url", proxy.url, created["id"]),
-                                      capture_stdout=True, capture_stderr=True, check=False)
-    assert done.returncode == 0, done.stderr.decode()
-    assert done.stdout.decode() == REPLY + "\n"

@@ -1,12 +1,15 @@
-"""Test helpers: read an SSE response with the project's own parser."""
+"""Test helpers: read an SSE response with the project's own parser; write one as the server does."""
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import httpx
 
+from ringserve.core.events import Usage
+from ringserve.core.producer import Producer
 from ringserve.core.sse import ServerSentEvent, SSEParser
 from ringserve.surfaces.base import WireEvent
 
@@ -69,3 +72,16 @@ class RecordingRenderer:
 def entry_data(entries) -> list[str]:
     """The data of SSE entries made by the producer (one data line each), in order."""
     return [e.data for entry in entries for e in SSEParser().feed(entry)]
+
+
+def rendered(surface, events, *, message_id: str, usage=None, model: str = "fake", include_usage: bool = True) -> bytes:
+    """The event stream the server writes for ``events`` on ``surface`` (a ``surfaces/`` surface):
+    its renderer driven by the server's own producer (``core/producer.py``, no coalescing), each
+    entry encoded by ``core/sse.py`` with its id ``<message_id>:<seq>``."""
+    usage = usage or Usage(5, 0)
+    renderer = surface.renderer(message_id, model, 1700000000, include_usage)
+    producer = Producer(message_id, renderer, usage, flush_seconds=0.0, flush_tokens=1, persist_seconds=math.inf)
+    entries = list(producer.start().entries)
+    for event in events:
+        entries += producer.event(event, getattr(event, "usage", usage), 0.0).entries
+    return b"".join(entries)

@@ -189,3 +189,15 @@ async def server_behind_proxy(tmp_path: Path, plan: Callable[[], Cut] = Cut, *, 
                 yield state, proxy
             finally:
                 nursery.cancel_scope.cancel()
+
+
+#: The client tests' reply: multi-byte characters, split across tokens by :func:`server_and_proxy`.
+REPLY = "Résumé ✓ 👍🏽 你好 🇯🇵 Привет ½. " * 8
+
+
+def server_and_proxy(tmp_path: Path, plan: Callable[[], Cut] = Cut, **kwargs: Any) -> Any:
+    """:func:`server_behind_proxy` replying :data:`REPLY` (unless ``reply`` is given), cut into
+    3-byte tokens."""
+    kwargs.setdefault("reply", REPLY)
+    kwargs.setdefault("piece_bytes", 3)
+    return server_behind_proxy(tmp_path, plan, **kwargs)
