@@ -161,7 +161,7 @@ async def test_a_closed_tab_reopened_later_shows_the_finished_answer(tmp_path: P
             before = wait_answer(page, "a.text.length >= 10")
             url = page.url
             page.close()
-            trio.from_thread.run(wait_until, lambda: finished(before["messageId"]), "the answer is finished")
+            trio.from_thread.run(wait_until, lambda: finished(before["messageId"]))  # the answer is finished
             page = browser.page(url)
             seen = wait_finished(page)
             browser.shot(page, f"reopened-{'store' if log_expired else 'log'}")
