@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import functools
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -210,24 +211,56 @@ class _InputDict(dict[str, Json]):
 
 class _Environment(jinja2.sandbox.SandboxedEnvironment):
     """jinja2's sandbox as Hugging Face configures it (``trim_blocks``, ``lstrip_blocks``,
-    loop controls), with the request's lists and objects read-only.
+    loop controls, its ``tojson``, ``raise_exception``), where llama.cpp's Jinja differs
+    from jinja2 made to behave as llama.cpp (``common/jinja/``), the reference:
 
-    Lists and dicts the template makes itself stay mutable: Kimi-K2's templates
-    ``append`` to and ``pop`` from a list of their own, which llama.cpp allows and
-    jinja2's ``ImmutableSandboxedEnvironment`` refuses.
+    - ``+`` of a string and ``none`` or an undefined value is the string (Command R+
+      and FireFunction concatenate fields their requests may lack);
+    - filters give lists, not generators (``tools | map(attribute='function') | tojson``);
+    - ``safe`` is a no-op: no output is HTML-escaped (jinja2 escapes a string added to a
+      ``safe`` one: Functionary's tool list);
+    - the request's lists and objects are read-only, but the template's own are not:
+      Kimi-K2's templates ``append`` to and ``pop`` from a list of their own, which
+      jinja2's ``ImmutableSandboxedEnvironment`` refuses.
     """
+
+    intercepted_binops = frozenset({"+"})
 
     def __init__(self) -> None:
         super().__init__(
             trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
         )
+        self.filters.update((name, _listing(f)) for name, f in self.filters.items())
         self.filters["tojson"] = _tojson
+        self.filters["safe"] = str
         self.globals["raise_exception"] = _raise_exception
+
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+        if isinstance(left, str) and _is_null(right):
+            return left
+        if isinstance(right, str) and _is_null(left):
+            return right
+        return super().call_binop(context, operator, left, right)
 
     def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
         if isinstance(obj, (_InputList, _InputDict)) and jinja2.sandbox.modifies_known_mutable(obj, attr):
             return False
         return bool(super().is_safe_attribute(obj, attr, value))
+
+
+def _is_null(value: object) -> bool:
+    return value is None or isinstance(value, jinja2.Undefined)
+
+
+def _listing(f: Callable[..., Any]) -> Callable[..., Any]:
+    """A jinja2 filter whose iterator results (``map``, ``select``...) come as lists."""
+
+    @functools.wraps(f)
+    def listing(*args: Any, **kwargs: Any) -> Any:
+        result = f(*args, **kwargs)
+        return list(result) if isinstance(result, Iterator) else result
+
+    return listing
 
 
 class _Raised(jinja2.TemplateError):
@@ -253,17 +286,25 @@ def _tojson(
 ) -> str:
     """Hugging Face's ``tojson``: ``json.dumps`` with these defaults (not jinja2's own,
     which escapes HTML); an undefined value is ``null``, as llama.cpp writes it."""
-    text = json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys, default=_json_default
-    )
+    text = json.dumps(_plain(value), ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     literals = context.get(_LITERALS_VAR)
     return literals.fix_json(text, ensure_ascii) if isinstance(literals, _Literals) else text
 
 
-def _json_default(value: object) -> None:
+def _plain(value: Json) -> Json:
+    """``value`` in JSON's types, read whole (a use of every part, for the probes)."""
+    _use(value)
+    if isinstance(value, str) or value is None or isinstance(value, (bool, int, float)):
+        return value
     if isinstance(value, jinja2.Undefined):
         return None
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in list.__iter__(value)]
+    if isinstance(value, (tuple, Iterator)):
+        return [_plain(v) for v in value]
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 # --- Special-token text of the request ------------------------------------------------------
@@ -489,7 +530,7 @@ class _ProbeEnvironment(_Environment):
     def __init__(self) -> None:
         super().__init__()
         for name, f in list(self.filters.items()):
-            self.filters[name] = _counting(f, name, deep=name in ("tojson", "string"))
+            self.filters[name] = _counting(f, name, deep=name == "string")
         for name, test in list(self.tests.items()):
             self.tests[name] = _counting(cast(Callable[..., Any], test), f"test_is_{name}", deep=False)
 
