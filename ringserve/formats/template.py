@@ -35,6 +35,7 @@ prompt into the pieces the engine tokenizes, each with or without special-token 
 
 from __future__ import annotations
 
+import bisect
 import datetime as dt
 import enum
 import functools
@@ -120,70 +121,106 @@ class SpecialToken:
     rstrip: bool = False
 
 
+class SpecialTokens:
+    """A vocabulary's special tokens, indexed to be found in text fast (build once per model).
+
+    Args:
+        tokens: the tokens that only ``parse_special`` turns into tokens: llama.cpp's
+            control and unknown tokens (``llama_vocab_get_attr``); user-defined tokens are
+            split in both modes and may be left out. A text given twice counts once.
+    """
+
+    def __init__(self, tokens: Iterable[SpecialToken] = ()) -> None:
+        by_text = {t.text: t for t in tokens}
+        #: Longest first, as llama.cpp's ``cache_special_tokens`` is sorted.
+        self.tokens = tuple(sorted(by_text.values(), key=lambda t: len(t.text), reverse=True))
+        self._trie: dict[str, Any] = {}
+        for text in by_text:
+            node = self._trie
+            for ch in text:
+                node = node.setdefault(ch, {})
+            node[""] = {}
+        #: Matches the longest token at a position (empty vocabulary: nothing).
+        self.pattern = re.compile(_trie_pattern(self._trie) if by_text else "(?!)")
+        self._starts = re.compile(f"(?=(?:{self.pattern.pattern}))")
+
+    def occurrences(self, text: str) -> dict[str, list[int]]:
+        """Every occurrence (overlapping ones too) of every token: text -> offsets, ascending."""
+        found: dict[str, list[int]] = {}
+        for m in self._starts.finditer(text):
+            at = m.start()
+            node = self._trie
+            for i in range(at, len(text)):
+                child = node.get(text[i])
+                if child is None:
+                    break
+                node = child
+                if "" in node:
+                    found.setdefault(text[at:i + 1], []).append(at)
+        return found
+
+
+def _trie_pattern(trie: dict[str, Any]) -> str:
+    """A regular expression matching the longest string of ``trie`` at a position; chains
+    of one child are written as one literal, so nesting grows with the branches only."""
+    branches = []
+    for ch, child in sorted(trie.items()):
+        if not ch:
+            continue
+        run = ch
+        while len(child) == 1 and "" not in child:
+            (next_ch, child), = child.items()
+            run += next_ch
+        rest = _trie_pattern(child) if len(child) > 1 or "" not in child else ""
+        branches.append(re.escape(run) + (f"(?:{rest})?" if rest and "" in child else rest))
+    return branches[0] if len(branches) == 1 else f"(?:{'|'.join(branches)})"
+
+
 #: What C's ``isspace`` takes for whitespace (llama.cpp strips with it).
 _C_SPACE = frozenset(" \t\n\v\f\r")
 
 
-def prompt_fragments(
-    text: str, literal_spans: Sequence[tuple[int, int]], special_tokens: Iterable[SpecialToken]
-) -> list[tuple[str, bool]]:
+def prompt_fragments(prompt: RenderedPrompt, special_tokens: SpecialTokens) -> list[tuple[str, bool]]:
     """Cut a rendered prompt into ``(text, parse_special)`` pieces for the tokenizer.
 
-    The prompt is split at every occurrence of a special token outside ``literal_spans``,
-    as llama.cpp's ``tokenizer_st_partition`` splits a text tokenized with
-    ``parse_special`` (``src/llama-vocab.cpp``): longest tokens first, each occurrence left
-    to right, whitespace swallowed by ``lstrip``/``rstrip`` tokens. Each token becomes
-    ``(token_text, True)``, each run of text between them ``(run, False)``. Tokenizing each
-    piece with that ``parse_special`` flag and concatenating the ids gives llama-server's
-    ids for any prompt whose requests carried no special-token text, and keeps the text of
-    special tokens inside ``literal_spans`` as plain text.
+    The prompt is split at the occurrences of special tokens outside its literal spans, as
+    llama.cpp's ``tokenizer_st_partition`` splits a text tokenized with ``parse_special``
+    (``src/llama-vocab.cpp``): longest tokens first, each one's occurrences left to right
+    in the text no longer token has taken, with the whitespace that ``lstrip``/``rstrip``
+    tokens swallow dropped. Each token becomes ``(token_text, True)``, each run of text
+    between them ``(run, False)``. Tokenizing each piece with its ``parse_special`` flag
+    (``llama_tokenize``, no BOS) and concatenating the ids gives llama-server's ids for a
+    prompt whose request carried no special-token text, and keeps the special-token text of
+    the request plain text.
 
     Args:
-        text: the prompt (:attr:`RenderedPrompt.text`).
-        literal_spans: :attr:`RenderedPrompt.literal_spans`.
-        special_tokens: the vocabulary's tokens that only ``parse_special`` turns into
-            tokens (llama.cpp's control and unknown tokens; user-defined tokens are split
-            in both modes and may be left out).
+        prompt: a rendering (:meth:`ChatTemplate.render`).
+        special_tokens: the vocabulary's special tokens.
 
     Returns:
-        The pieces in order; their texts joined give ``text`` less any swallowed whitespace.
+        The pieces in order; their texts joined give the prompt less swallowed whitespace.
     """
-    # Raw pieces are (start, end) ranges of `text`; a token piece is its SpecialToken.
-    # Two raw pieces are never neighbours: only a token splits one.
-    pieces: list[tuple[int, int] | SpecialToken] = [(0, len(text))] if text else []
-    spans = sorted(literal_spans)
-
-    def protected(start: int, end: int) -> bool:
-        return any(s < end and start < e for s, e in spans)
-
-    for token in sorted(special_tokens, key=lambda t: len(t.text), reverse=True):
-        out: list[tuple[int, int] | SpecialToken] = []
-        for piece in pieces:
-            if isinstance(piece, SpecialToken):
-                out.append(piece)
-                continue
-            start, end = piece
-            at = text.find(token.text, start, end)
-            while at != -1:
-                if protected(at, at + len(token.text)):
-                    at = text.find(token.text, at + 1, end)
-                    continue
-                left = at
-                if token.lstrip:
-                    while left > start and text[left - 1] in _C_SPACE:
-                        left -= 1
-                if left > start:
-                    out.append((start, left))
-                out.append(token)
-                start = at + len(token.text)
-                if token.rstrip:
-                    while start < end and text[start] in _C_SPACE:
-                        start += 1
-                at = text.find(token.text, start, end)
-            if start < end:
-                out.append((start, end))
-        pieces = out
-    return [(p.text, True) if isinstance(p, SpecialToken) else (text[p[0]:p[1]], False) for p in pieces]
+    text, spans = prompt.text, prompt.literal_spans
+    found = special_tokens.occurrences(text)
+    raw = [(0, len(text))] if text else []  # the text no token has taken: sorted ranges
+    taken: list[tuple[int, SpecialToken]] = []
+    for token in special_tokens.tokens:
+        for at in found.get(token.text, ()):
+            end = at + len(token.text)
+            k = bisect.bisect_right(raw, (at, len(text) + 1)) - 1
+            if k < 0 or end > raw[k][1] or any(s < end and at < e for s, e in spans):
+                continue  # taken by a longer token, or text of the request
+            start, stop = raw[k]
+            left, right = at, end
+            while token.lstrip and left > start and text[left - 1] in _C_SPACE:
+                left -= 1
+            while token.rstrip and right < stop and text[right] in _C_SPACE:
+                right += 1
+            raw[k:k + 1] = [r for r in ((start, left), (right, stop)) if r[0] < r[1]]
+            taken.append((at, token))
+    pieces = [(start, (text[start:stop], False)) for start, stop in raw]
+    pieces += [(at, (token.text, True)) for at, token in taken]
+    return [piece for _, piece in sorted(pieces)]
 
 
 # --- The Jinja environment ------------------------------------------------------------------
@@ -328,6 +365,7 @@ class _Literals:
     """
 
     def __init__(self, tokens: Sequence[str], pattern: re.Pattern[str]) -> None:
+        """``pattern`` finds the texts of ``tokens`` and the characters of the range."""
         self.originals = list(tokens)
         self._n_tokens = len(tokens)
         self._index = {t: i for i, t in enumerate(tokens)}
@@ -896,9 +934,8 @@ class ChatTemplate:
         bos_token: the text of the vocabulary's BOS token (``bos_token`` in the template);
             ``""`` when it has none.
         eos_token: the text of its EOS token.
-        special_tokens: the texts of the tokens that only special-token parsing turns into
-            tokens (llama.cpp's control tokens); their text in a request is reported by
-            :meth:`render` as literal.
+        special_tokens: the vocabulary's special tokens; their text in a request is
+            reported by :meth:`render` as literal.
         strip_bos: the tokenizer adds BOS itself (``llama_vocab_get_add_bos``): a BOS the
             template wrote at the start is cut, as llama-server cuts it.
         strip_eos: the same for an EOS at the end (``llama_vocab_get_add_eos``).
@@ -915,7 +952,7 @@ class ChatTemplate:
         *,
         bos_token: str = "",
         eos_token: str = "",
-        special_tokens: Iterable[str] = (),
+        special_tokens: SpecialTokens | None = None,
         strip_bos: bool = False,
         strip_eos: bool = False,
         default_kwargs: Mapping[str, Json] = DEFAULT_KWARGS,
@@ -935,9 +972,9 @@ class ChatTemplate:
         self.default_kwargs = dict(default_kwargs)
         self._family = _family(self.source)
         self._trim = _TRIMMED_MARK in self.source
-        self._tokens = sorted({t for t in special_tokens if t}, key=len, reverse=True)
-        alternatives = [re.escape(t) for t in self._tokens] + [_PLACEHOLDER_RE.pattern]
-        self._pattern = re.compile("|".join(alternatives))
+        self.special_tokens = special_tokens or SpecialTokens()
+        self._token_texts = [t.text for t in self.special_tokens.tokens]
+        self._protected = re.compile(f"{self.special_tokens.pattern.pattern}|{_PLACEHOLDER_RE.pattern}")
 
     def render(
         self,
@@ -991,7 +1028,7 @@ class ChatTemplate:
         now = dt.datetime.now() if now is None else now
 
         shaped = self._shape(self._messages_json(messages))
-        literals = _Literals(self._tokens, self._pattern)
+        literals = _Literals(self._token_texts, self._protected)
         context: dict[str, Json] = {}
         if isinstance(kwargs.get("preserve_reasoning"), bool):
             context.update(_preserve_reasoning_vars(kwargs["preserve_reasoning"]))
