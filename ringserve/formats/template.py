@@ -40,6 +40,7 @@ import datetime as dt
 import enum
 import functools
 import json
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, assert_never, cast
@@ -1014,6 +1015,56 @@ class ChatTemplate:
                 reads them as an object, or ``enable_thinking`` in ``template_kwargs`` is
                 a string.
         """
+        text, literals = self._apply(
+            messages, tools, add_generation_prompt, enable_thinking, reasoning_effort, template_kwargs, now
+        )
+        match self._family:
+            case _Family.GPT_OSS if not add_generation_prompt:
+                at = text.rfind("<|return|>")  # llama.cpp issue 15417: a past reply ends with <|end|>
+                if at != -1:
+                    text = f"{text[:at]}<|end|>{text[at + len('<|return|>'):]}"
+            case _Family.GEMMA_4 | _Family.GEMMA_4_LEGACY if add_generation_prompt and text.endswith("<turn|>\n"):
+                text += "<|turn>model\n"  # a turn of text and calls left the model's turn closed
+            case _:
+                pass
+        return literals.restore(text)
+
+    def generation_prompt(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[ToolSpec] = (),
+        enable_thinking: bool = True,
+        reasoning_effort: str | None = None,
+        template_kwargs: Mapping[str, Json] | None = None,
+        now: dt.datetime | None = None,
+    ) -> str:
+        """What the generation prompt adds after ``messages``: ``<|im_start|>assistant\n``,
+        or ``<|im_start|>assistant\n<think>\n`` where the template opens the thinking block
+        itself (so the reply starts inside it).
+
+        As llama.cpp's ``common_chat_template_generation_prompt_impl``: the rendering with
+        the generation prompt, less the longest prefix it shares with the rendering without.
+        Arguments and errors as :meth:`render`.
+        """
+        now = now or dt.datetime.now()
+        with_prompt, literals = self._apply(messages, tools, True, enable_thinking, reasoning_effort, template_kwargs, now)
+        without, _ = self._apply(messages, tools, False, enable_thinking, reasoning_effort, template_kwargs, now)
+        common = len(os.path.commonprefix([with_prompt, without]))
+        return literals.restore(with_prompt[common:]).text
+
+    def _apply(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[ToolSpec],
+        add_generation_prompt: bool,
+        enable_thinking: bool,
+        reasoning_effort: str | None,
+        template_kwargs: Mapping[str, Json] | None,
+        now: dt.datetime | None,
+    ) -> tuple[str, _Literals]:
+        """The template's output, with placeholders (llama.cpp's
+        ``common_chat_template_direct_apply_impl``)."""
         kwargs = {**self.default_kwargs, **(template_kwargs or {})}
         switch = kwargs.get("enable_thinking")
         if isinstance(switch, bool):
@@ -1062,16 +1113,8 @@ class ChatTemplate:
             text = text[len(self.bos_token):]
         if self.strip_eos and self.eos_token and text.endswith(self.eos_token):
             text = text[: len(text) - len(self.eos_token)]
-        match self._family:
-            case _Family.GPT_OSS if not add_generation_prompt:
-                at = text.rfind("<|return|>")  # llama.cpp issue 15417: a past reply ends with <|end|>
-                if at != -1:
-                    text = f"{text[:at]}<|end|>{text[at + len('<|return|>'):]}"
-            case _Family.GEMMA_4 | _Family.GEMMA_4_LEGACY if add_generation_prompt and text.endswith("<turn|>\n"):
-                text += "<|turn>model\n"  # a turn of text and calls left the model's turn closed
-            case _:
-                pass
-        return literals.restore(text)
+        return text, literals
+
 
     def _messages_json(self, messages: Sequence[ChatMessage]) -> list[Json]:
         """The messages as llama-server passes an OpenAI request's messages to a template

@@ -7,7 +7,7 @@ import datetime as dt
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringserve.core.events import ChatMessage, ToolCall, ToolSpec
@@ -42,6 +42,16 @@ def test_chatml_with_generation_prompt() -> None:
     )
     # Without the generation prompt the variable is undefined, as llama-server leaves it.
     assert render("{{ add_generation_prompt is defined }}", add_generation_prompt=False) == "False"
+
+
+def test_generation_prompt_is_what_the_template_appends() -> None:
+    source = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% if enable_thinking %}<think>{% endif %}{% endif %}"
+    )
+    template = ChatTemplate(source)
+    assert template.generation_prompt([ChatMessage("user", "Hi")]) == "<assistant><think>"
+    assert template.generation_prompt([ChatMessage("user", "Hi")], enable_thinking=False) == "<assistant>"
 
 
 def test_variables_of_every_request() -> None:
@@ -212,6 +222,7 @@ def test_fragments_split_longest_tokens_first_and_strip() -> None:
     assert prompt_fragments(RenderedPrompt("<a><b>x<a>", ((3, 10),)), tokens) == [("<a>", True), ("<b>x<a>", False)]
 
 
+@settings(deadline=None)
 @given(st.text(alphabet="ab<>c \n", max_size=40))
 def test_fragments_are_llama_cpps_partition(text: str) -> None:
     """The same pieces as llama.cpp's ``tokenizer_st_partition``, written here as it is
@@ -238,10 +249,14 @@ message_text = st.lists(st.sampled_from(["<|im_start|>", "<|im_end|>", "<|im_", 
                         max_size=12).map("".join)
 
 
+CHATML_TEMPLATE = ChatTemplate(CHATML, special_tokens=SPECIALS)
+
+
+@settings(deadline=None)  # the machine is shared: a slow example is no failure
 @given(contents=st.lists(message_text, min_size=1, max_size=4))
 def test_messages_never_yield_special_tokens(contents: list[str]) -> None:
     messages = [ChatMessage("user" if i % 2 == 0 else "assistant", c) for i, c in enumerate(contents)]
-    rendered = ChatTemplate(CHATML, special_tokens=SPECIALS).render(messages)
+    rendered = CHATML_TEMPLATE.render(messages)
     fragments = prompt_fragments(rendered, SPECIALS)
     assert "".join(text for text, _ in fragments) == rendered.text
     # The template writes two tokens per turn and two for the generation prompt; no more.
