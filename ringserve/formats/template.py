@@ -60,7 +60,8 @@ Json = Any
 
 
 class TemplateLoadError(Exception):
-    """The chat template cannot be loaded (a Jinja syntax error, a name jinja2 lacks...)."""
+    """The chat template cannot be loaded: ``str(error)`` says why in one line (a Jinja
+    syntax error and its line)."""
 
 
 class TemplateRenderError(Exception):
@@ -80,15 +81,15 @@ class TemplateRenderError(Exception):
 class TemplateCaps:
     """What a template reads, probed at load as llama.cpp's ``jinja::caps_get`` does.
 
-    The first five change how :meth:`ChatTemplate.render` shapes the messages; the others
+    The first four change how :meth:`ChatTemplate.render` shapes the messages; the others
     are reported (llama-server's ``/props`` ``chat_template_caps``).
     """
 
     supports_string_content: bool = True
     supports_typed_content: bool = False
     supports_system_role: bool = True
-    supports_tool_calls: bool = True
     supports_object_arguments: bool = False
+    supports_tool_calls: bool = True
     supports_tools: bool = True
     supports_parallel_tool_calls: bool = True
     supports_preserve_reasoning: bool = False
@@ -249,8 +250,8 @@ class _InputDict(dict[str, Json]):
 
 class _Environment(jinja2.sandbox.SandboxedEnvironment):
     """jinja2's sandbox as Hugging Face configures it (``trim_blocks``, ``lstrip_blocks``,
-    loop controls, its ``tojson``, ``raise_exception``), where llama.cpp's Jinja differs
-    from jinja2 made to behave as llama.cpp (``common/jinja/``), the reference:
+    loop controls, its ``tojson``, ``raise_exception``) and, where llama.cpp's own Jinja
+    (``common/jinja/``, the reference) differs from jinja2, made to behave as llama.cpp's:
 
     - ``+`` of a string and ``none`` or an undefined value is the string (Command R+
       and FireFunction concatenate fields their requests may lack);
@@ -409,7 +410,7 @@ class _Literals:
             out.append(text[last:m.start()])
             length += m.start() - last
             i = ord(m.group()) - _PLACEHOLDER_BASE
-            original = self.originals[i]
+            original = self.originals[i] if i < len(self.originals) else m.group()  # the template's own
             out.append(original)
             if i < self._n_tokens:
                 spans.append((length, length + len(original)))
