@@ -1,7 +1,7 @@
 """The corpus proof: llama.cpp's real chat templates render as llama-server renders them.
 
 The templates are llama.cpp's ``models/templates/*.jinja`` from the source distribution of
-the installed llama-cpp-python (downloaded once, :mod:`tests.formats.llama_sdist`); the
+the installed llama-cpp-python (downloaded once, :mod:`tests.support.llama_sdist`); the
 reference is ``tests/data/templates/expected.json``, llama-server's ``/apply-template``
 output for the requests of ``conversations.json``, made by ``generate.py`` there with
 llama-server built from the same source. docs/model-formats.md lists the results.
@@ -31,7 +31,7 @@ from ringserve.formats.template import (
     TemplateRenderError,
     prompt_fragments,
 )
-from tests.formats.llama_sdist import CorpusUnavailable, llama_cpp_templates
+from tests.support.llama_sdist import CorpusUnavailable, llama_cpp_templates
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "templates"
 EXPECTED: dict[str, Any] = json.loads((DATA / "expected.json").read_text())
