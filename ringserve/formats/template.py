@@ -1204,7 +1204,8 @@ def _object_arguments(message: Json) -> Json:
 
 def _tool_json(tool: ToolSpec) -> Json:
     """A tool as llama-server passes it (``common_chat_tools_to_json_oaicompat``)."""
-    return {
-        "type": "function",
-        "function": {"name": tool.name, "description": tool.description, "parameters": json.loads(tool.parameters)},
-    }
+    try:
+        parameters = json.loads(tool.parameters, parse_constant=_no_constant)
+    except ValueError as e:
+        raise TemplateRenderError(f"the parameters of tool {tool.name!r} are not JSON: {e}") from e
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description, "parameters": parameters}}

@@ -109,6 +109,11 @@ def test_tools_and_calls_in_the_openai_shape() -> None:
     ]
 
 
+def test_tool_parameters_that_are_no_json_are_the_callers_error() -> None:
+    with pytest.raises(TemplateRenderError, match="parameters of tool 'f' are not JSON"):
+        render("{{ tools | length }}", tools=[ToolSpec("f", "", "{")])
+
+
 def test_arguments_become_objects_for_templates_that_read_them() -> None:
     source = (
         "{% for m in messages %}{% for c in m.tool_calls or [] %}"
