@@ -76,7 +76,8 @@ class ChatMessage:
 
     ``tool_calls`` are an assistant turn's calls (after its ``content``);
     a ``tool`` turn is the result of the call ``tool_call_id`` (its
-    ``content``), ``is_error`` when the tool failed.
+    ``content``), ``is_error`` when the tool failed. ``reasoning`` is an
+    assistant turn's reasoning text (its thinking, before its ``content``).
     """
 
     role: str = attrs.field(validator=attrs.validators.in_(("system", "user", "assistant", "tool")))
@@ -84,6 +85,7 @@ class ChatMessage:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""
     is_error: bool = False
+    reasoning: str = ""
 
 
 @attrs.frozen

@@ -1,0 +1,1 @@
+"""Model formats: chat templates, output parsers and family detection (sans-I/O)."""
