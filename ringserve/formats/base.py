@@ -1,0 +1,204 @@
+"""What every model family's format gives: an output parser, its reasoning markers, its call grammar.
+
+A :class:`ChatFormat` is chosen once per model (from its chat template,
+:func:`ringserve.formats.detect.detect`) and asked per request for an :class:`OutputParser`:
+fed the reply's decoded text as it comes, the parser gives :data:`Piece` values in order:
+:class:`Text`, :class:`Reasoning` (the text of a thinking block), and the tool calls as
+:class:`CallStart` (the tool's name), :class:`CallArgs` (fragments of the arguments' JSON
+text; their concatenation is one JSON object) and :class:`CallEnd`. No marker ever reaches a
+piece: text that may be the start of one is held back until it is decided, as
+``core/stop.py`` holds back stop strings; :meth:`OutputParser.flush` releases what is held at
+the end of the reply. A call the parser cannot read raises
+:class:`~ringserve.core.toolcalls.ToolCallError`.
+
+The grammar side (:meth:`ChatFormat.call_grammar`) spells a forced call in the family's own
+syntax as GBNF; the JSON-schema-to-GBNF conversion of the arguments stays in
+``core/grammar.py``, which passes the rules it made as :class:`ToolRules`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import attrs
+
+from ringserve.core.events import ToolSpec
+from ringserve.core.toolcalls import CallArgs, CallEnd, CallStart, Text, ToolCallError
+
+__all__ = [
+    "CallArgs",
+    "CallEnd",
+    "CallGrammar",
+    "CallStart",
+    "ChatFormat",
+    "OutputParser",
+    "ParamRule",
+    "Piece",
+    "Reasoning",
+    "ReasoningMarkers",
+    "Text",
+    "ToolCallError",
+    "ToolRules",
+]
+
+
+@attrs.frozen
+class Reasoning:
+    """Text of the reply's thinking block (its markers removed)."""
+
+    text: str
+
+
+Piece = Text | Reasoning | CallStart | CallArgs | CallEnd
+
+
+class OutputParser(Protocol):
+    """Splits one reply's streamed text into pieces (see the module docstring)."""
+
+    @property
+    def in_call(self) -> bool:
+        """A call's opening marker was seen and the call is not complete."""
+
+    @property
+    def in_reasoning(self) -> bool:
+        """The reply is inside its thinking block (its end marker not seen yet)."""
+
+    def feed(self, text: str) -> list[Piece]:
+        """Add decoded text; return the pieces it completes, in order.
+
+        Raises:
+            ToolCallError: a call that cannot be read.
+        """
+
+    def flush(self) -> list[Piece]:
+        """End of the reply: release held text (a call that is not complete stays so:
+        :attr:`in_call` tells). No more feeds."""
+
+
+@attrs.frozen
+class ReasoningMarkers:
+    """A thinking block's markers as the model writes them (``<think>``, ``</think>``).
+
+    ``start`` is ``""`` for a family whose thinking block has no opening marker in the output
+    (the generation prompt always opens it)."""
+
+    start: str
+    end: str
+
+    def opened_by(self, generation_prompt: str) -> bool:
+        """Whether a reply that follows ``generation_prompt`` (what the template appends for
+        the assistant's turn) starts inside the thinking block: the prompt opens the block
+        and does not close it (``<think>\\n``, not ``<think>\\n\\n</think>\\n\\n``), or the
+        block has no opening marker and the prompt does not close it."""
+        tail = generation_prompt.rstrip()
+        if not self.start:
+            return not tail.endswith(self.end)
+        at = tail.rfind(self.start)
+        return at >= 0 and self.end not in tail[at:] and not tail[at + len(self.start) :].strip()
+
+
+@attrs.frozen
+class ParamRule:
+    """One property of a tool's arguments, for syntaxes that write each parameter apart
+    (XML-style parameters): its name, the GBNF rule of its JSON value, whether the value is
+    written raw (a string-typed property: the text itself, not a JSON string) and whether it is
+    required."""
+
+    name: str
+    value: str
+    raw: bool
+    required: bool
+
+
+@attrs.frozen
+class ToolRules:
+    """A tool as the call grammar needs it: its name, the GBNF rule of its arguments object,
+    and one :class:`ParamRule` per property (in the schema's order)."""
+
+    name: str
+    arguments: str
+    params: tuple[ParamRule, ...] = ()
+
+
+@attrs.frozen
+class CallGrammar:
+    """A forced call in a family's syntax, as GBNF (``core/grammar.py`` adds the rules the
+    expressions refer to: those of :class:`ToolRules`).
+
+    A forced reply is ``trigger head one`` (then, with parallel calls, up to more units, each
+    ``separator trigger head one``); a lazy grammar goes on after ``trigger`` in free text
+    and constrains ``head one`` (:meth:`after`).
+
+    Attributes:
+        rules: ``(name, body)`` pairs the expressions refer to.
+        trigger: the text that starts a unit of calls (lazy grammars' trigger word).
+        head: the literal text the family writes right after ``trigger``.
+        one: the GBNF expression of the rest of one unit (one call, or a section of calls).
+        separator: the literal between units.
+    """
+
+    rules: tuple[tuple[str, str], ...]
+    trigger: str
+    head: str
+    one: str
+    separator: str = "\n"
+
+    def forced(self, parallel: bool, max_units: int) -> str:
+        """The root expression of a reply that is only calls: one unit, or 1..``max_units``."""
+        from ringserve.formats.gbnf import literal
+
+        unit = f"{literal(self.trigger + self.head)} {self.one}"
+        if not parallel or max_units == 1:
+            return unit
+        return f"{unit} ( {literal(self.separator + self.trigger + self.head)} {self.one} ){{0,{max_units - 1}}}"
+
+    def after(self, text: str) -> str | None:
+        """The root expression of the rest of a unit whose trigger was just decoded, with
+        ``text`` after it in the same token; None when ``text`` goes beyond :attr:`head`
+        (the unit is then not constrained)."""
+        from ringserve.formats.gbnf import literal
+
+        if not self.head.startswith(text):
+            return None
+        rest = self.head[len(text) :]
+        return f"{literal(rest)} {self.one}" if rest else self.one
+
+
+class ChatFormat(Protocol):
+    """One model family's output format (see the module docstring)."""
+
+    @property
+    def name(self) -> str:
+        """The family's name (``hermes``, ``qwen3-coder``, ``gpt-oss``...)."""
+
+    @property
+    def reasoning(self) -> ReasoningMarkers | None:
+        """The thinking block's markers; None for a family without one. A reasoning budget
+        ends the block by forcing :attr:`ReasoningMarkers.end`."""
+
+    def parser(self, tools: Sequence[ToolSpec] | None, *, reasoning_open: bool = False) -> OutputParser:
+        """A parser for one reply.
+
+        Args:
+            tools: the tools the model may call; None: calls are not parsed (no tools, or tool
+                choice ``NONE``): their markers are text.
+            reasoning_open: the generation prompt opened the thinking block, so the reply
+                starts inside it (:meth:`ReasoningMarkers.opened_by`).
+        """
+
+    def triggers(self, tools: Sequence[ToolSpec]) -> tuple[str, ...]:
+        """The texts that open a call in free text (lazy grammars' trigger words; the parser
+        accepts these, and maybe looser variants)."""
+
+    def call_grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
+        """The grammar of calls of ``tools`` in the family's syntax.
+
+        Raises:
+            NotImplementedError: a family whose calls cannot be forced by a grammar here.
+        """
+
+
+def unknown_tool(name: str) -> ToolCallError:
+    """The error of a call whose tool is not among the request's tools."""
+    return ToolCallError(f"the model called {name!r}, which is not one of the request's tools")

@@ -1,0 +1,88 @@
+"""ringserve's own tool-call format, for templates that do not spell one (today's behaviour).
+
+The prompt that teaches it and its parser live in :mod:`ringserve.core.toolcalls`
+(``<tool_call>`` + ``{"name": ..., "arguments": ...}`` + ``</tool_call>``); this is that
+format behind the :class:`~ringserve.formats.base.ChatFormat` interface, unchanged: the same
+parser (whitespace and all), and the grammar ``core/grammar.py`` builds today
+(``CALL_OPEN`` + ``{"name": NAME, "arguments": ARGS}`` + ``CALL_CLOSE``). It has no thinking
+block.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import attrs
+
+from ringserve.core.events import ToolSpec
+from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN, OPEN_MARK, Text, ToolCallParser
+from ringserve.formats.base import CallGrammar, Piece, ReasoningMarkers, ToolRules
+from ringserve.formats.gbnf import alternatives, literal
+
+__all__ = ["GENERIC", "GenericFormat"]
+
+
+@attrs.define(eq=False)
+class _Calls:
+    """:class:`~ringserve.core.toolcalls.ToolCallParser` as an output parser."""
+
+    parser: ToolCallParser
+
+    @property
+    def in_call(self) -> bool:
+        return self.parser.in_call
+
+    @property
+    def in_reasoning(self) -> bool:
+        return False
+
+    def feed(self, text: str) -> list[Piece]:
+        return list(self.parser.feed(text))
+
+    def flush(self) -> list[Piece]:
+        return list(self.parser.flush())
+
+
+@attrs.define(eq=False)
+class _Plain:
+    """The reply is text, as it comes (tools are not parsed)."""
+
+    @property
+    def in_call(self) -> bool:
+        return False
+
+    @property
+    def in_reasoning(self) -> bool:
+        return False
+
+    def feed(self, text: str) -> list[Piece]:
+        return [Text(text)] if text else []
+
+    def flush(self) -> list[Piece]:
+        return []
+
+
+@attrs.frozen
+class GenericFormat:
+    """See the module docstring."""
+
+    name: str = "generic"
+    reasoning: ReasoningMarkers | None = None
+
+    def parser(self, tools: Sequence[ToolSpec] | None, *, reasoning_open: bool = False) -> _Calls | _Plain:
+        if tools is None:
+            return _Plain()
+        return _Calls(ToolCallParser(frozenset(t.name for t in tools)))
+
+    def triggers(self, tools: Sequence[ToolSpec]) -> tuple[str, ...]:
+        return (OPEN_MARK,)
+
+    def call_grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
+        head = CALL_OPEN[len(OPEN_MARK) :] + "{" + json.dumps("name") + ": "
+        alts = [f"{literal(json.dumps(t.name) + ', ' + json.dumps('arguments') + ': ')} {t.arguments}" for t in tools]
+        one = f"( {alternatives(alts)} ) {literal('}' + CALL_CLOSE)}"
+        return CallGrammar((), OPEN_MARK, head, one)
+
+
+GENERIC = GenericFormat()

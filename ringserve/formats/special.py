@@ -1,0 +1,280 @@
+"""Families whose replies are not "thinking, then text with marked calls": each has its own reader.
+
+* gpt-oss (:class:`HarmonyFormat`): the Harmony format, a reply of messages on channels
+  (``<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...``);
+  ``analysis`` is reasoning, ``final`` and ``commentary`` without a recipient (preambles) are
+  text, a message ``to=functions.NAME`` is a call whose body is the arguments' JSON. After
+  llama.cpp's ``common/parsers/gpt-oss.cpp`` and OpenAI's Harmony guide
+  (https://cookbook.openai.com/articles/openai-harmony): messages to other recipients (the
+  built-in ``browser``/``python``/``container`` tools, which ringserve does not run) are
+  dropped, as llama.cpp drops them.
+* Functionary v3.2 (:class:`RecipientFormat`): ``>>>RECIPIENT\\nBODY`` segments, ``all`` is
+  text, any other recipient a call (``common/parsers/functionary-v3-2.cpp``).
+* Llama 3.1-3.3 (:class:`LlamaCalls`): a JSON call ``{"name": ..., "parameters": ...}`` as the
+  whole reply, or after ``<|python_tag|>`` (which also takes built-in tools' ``NAME.call(k=v)``
+  and raw Python code for a ``python``/``ipython`` tool), per Meta's prompt format
+  (https://www.llama.com/docs/model-cards-and-prompt-formats/llama3_1/).
+* Pythonic calls (:class:`PythonicCalls`): ``[f(a=1), g(b="x")]`` between markers (LFM2).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from collections.abc import Generator, Sequence
+
+import attrs
+
+from ringserve.core.events import ToolSpec
+from ringserve.core.toolcalls import ToolCallError
+from ringserve.formats.base import CallGrammar, ReasoningMarkers, ToolRules
+from ringserve.formats.gbnf import alternatives, literal
+from ringserve.formats.markup import JsonCalls, _json_args
+from ringserve.formats.stream import CoroutineParser, Out, Stream, accept, peek, skip_ws, take_until, until
+from ringserve.formats.tools import Tools
+
+__all__ = ["HarmonyFormat", "LlamaCalls", "PythonicCalls", "RecipientFormat"]
+
+Read = Generator[None, None, None]
+
+_HEADER_LIMIT = 512
+"""Characters a Harmony message header may take (channel, recipient, constraint)."""
+
+
+# --- pythonic calls --------------------------------------------------------------------------
+
+
+_NAMES = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
+"""Python's and JSON's constants, which models mix in Python calls (LFM2)."""
+
+
+def _literal(node: ast.expr) -> object:
+    """The value of a Python literal, with JSON's ``true``/``false``/``null`` too.
+
+    Raises:
+        ValueError: not a literal.
+    """
+    if isinstance(node, ast.Name) and node.id in _NAMES:
+        return _NAMES[node.id]
+    if isinstance(node, ast.List | ast.Tuple):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values, strict=True) if k is not None}
+    return ast.literal_eval(node)
+
+
+def _pythonic(source: str, tools: Tools, out: Out) -> None:
+    """Put out the calls of ``source``: a call ``f(k=v, ...)`` or a list of them, whose
+    arguments are Python literals.
+
+    Raises:
+        ToolCallError: not that.
+    """
+    try:
+        tree = ast.parse(source.strip(), mode="eval").body
+    except SyntaxError:
+        raise ToolCallError(f"tool calls that are not Python calls: {source[:80]!r}") from None
+    calls = tree.elts if isinstance(tree, ast.List) else [tree]
+    for call in calls:
+        if not isinstance(call, ast.Call) or call.args:
+            raise ToolCallError(f"not a Python call with keyword arguments: {ast.unparse(call)[:80]!r}")
+        name = ast.unparse(call.func)
+        if name.endswith(".call"):
+            name = name[: -len(".call")]
+        try:
+            args = {kw.arg: _literal(kw.value) for kw in call.keywords}
+        except ValueError:
+            raise ToolCallError(f"arguments that are not literals: {ast.unparse(call)[:80]!r}") from None
+        out.call_start(tools.check(name))
+        out.args(json.dumps(args, ensure_ascii=False))
+        out.call_end()
+
+
+@attrs.frozen
+class PythonicCalls:
+    """Calls written as Python, ``[f(a=1), g(b="x")]``, between ``opener`` and ``close``
+    (read whole, then parsed: the arguments come out at the closing marker)."""
+
+    opener: str
+    close: str
+
+    def openers(self, tools: Tools) -> tuple[str, ...]:
+        return (self.opener,)
+
+    def leading(self, tools: Tools) -> tuple[str, ...]:
+        return ()
+
+    def read(self, s: Stream, out: Out, tools: Tools, opener: str) -> Read:
+        out.in_call = True
+        source, _ = yield from take_until(s, (self.close,), 1 << 20, "tool calls")
+        _pythonic(source, tools, out)
+
+    def grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
+        raise NotImplementedError("pythonic calls are not forced by a grammar")
+
+
+# --- Llama 3.x -------------------------------------------------------------------------------
+
+
+_CODE_TOOLS = ("python", "ipython")
+
+
+@attrs.frozen
+class LlamaCalls:
+    """Llama 3.x calls (see the module docstring)."""
+
+    tag: str = "<|python_tag|>"
+    starts: tuple[str, ...] = ('{"name"', '{"type"', '{ "name"', '{ "type"', '{"function"')
+    """How a reply that is a JSON call starts (a reply starting otherwise is text)."""
+
+    def openers(self, tools: Tools) -> tuple[str, ...]:
+        return (self.tag,)
+
+    def leading(self, tools: Tools) -> tuple[str, ...]:
+        return self.starts
+
+    def read(self, s: Stream, out: Out, tools: Tools, opener: str) -> Read:
+        out.in_call = True
+        yield from skip_ws(s)
+        if opener != self.tag or (yield from peek(s, ("{",))):
+            yield from _JSON_CALL.read(s, out, tools, opener)
+            return
+        rest: list[str] = []
+        yield from until(s, (), rest.append)
+        source = "".join(rest).strip()
+        if re.match(r"^[\w.]+\.call\(", source):
+            _pythonic(source, tools, out)
+            return
+        code_tool = next((t for t in _CODE_TOOLS if t in tools.names), None)
+        if code_tool is None:
+            raise ToolCallError(f"code after {self.tag} and no python tool: {source[:80]!r}")
+        out.call_start(code_tool)
+        out.args(json.dumps({"code": source}, ensure_ascii=False))
+        out.call_end()
+
+    def grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
+        alts = [f"{literal(json.dumps(t.name) + ', ' + json.dumps('parameters') + ': ')} {t.arguments}" for t in tools]
+        return CallGrammar((), "", '{"name": ', f"( {alternatives(alts)} ) {literal('}')}")
+
+
+_JSON_CALL = JsonCalls("", args_keys=("parameters", "arguments"))
+
+
+# --- Functionary v3.2 ------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RecipientFormat:
+    """Functionary v3.2 (see the module docstring). The generation prompt ends with ``>>>``,
+    so the reply starts with a recipient (a leading ``>>>`` is taken too)."""
+
+    name: str = "functionary-v3.2"
+    reasoning: ReasoningMarkers | None = None
+
+    def parser(self, tools: Sequence[ToolSpec] | None, *, reasoning_open: bool = False) -> CoroutineParser:
+        table = None if tools is None else Tools.of(tools)
+
+        def read(s: Stream, out: Out) -> Read:
+            yield from accept(s, ">>>")
+            while True:
+                recipient, _ = yield from take_until(s, ("\n",), 256, "a recipient")
+                if table is None or recipient.strip() == "all":
+                    marker = yield from until(s, (">>>",) if table is not None else (), out.text)
+                else:
+                    yield from self._call(s, out, table, recipient.strip())
+                    yield from skip_ws(s)
+                    marker = ">>>" if (yield from accept(s, ">>>")) else None
+                if marker is None:
+                    return
+                out.end_block()
+                if s.ended and s.pos >= len(s.text):
+                    return
+
+        return CoroutineParser(read)
+
+    def _call(self, s: Stream, out: Out, tools: Tools, name: str) -> Read:
+        out.in_call = True
+        yield from skip_ws(s)
+        if name in _CODE_TOOLS and not (yield from peek(s, ("{",))):
+            code: list[str] = []
+            yield from until(s, (">>>",), code.append, consume=False)
+            out.call_start(tools.check(name))
+            out.args(json.dumps({"code": "".join(code).strip()}, ensure_ascii=False))
+        else:
+            out.call_start(tools.check(name))
+            yield from _json_args(s, out)
+        out.call_end()
+
+    def triggers(self, tools: Sequence[ToolSpec]) -> tuple[str, ...]:
+        return tuple(f">>>{t.name}" for t in tools)
+
+    def call_grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
+        alts = [f"{literal(t.name + chr(10))} {t.arguments}" for t in tools]
+        return CallGrammar((), ">>>", "", f"( {alternatives(alts)} )", separator="")
+
+
+# --- gpt-oss ---------------------------------------------------------------------------------
+
+
+_ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
+
+
+def _header(text: str) -> tuple[str, str]:
+    """A Harmony message header's channel and recipient (``""`` when none)."""
+    channels = re.findall(r"<\|channel\|>\s*(\w+)", text)
+    recipients = [r for r in re.findall(r"\bto=([\w.\-:]+)", text) if r != "assistant"]
+    return (channels[-1] if channels else ""), (recipients[-1] if recipients else "")
+
+
+@attrs.frozen
+class HarmonyFormat:
+    """gpt-oss (see the module docstring). The generation prompt ends with
+    ``<|start|>assistant``, so the reply starts with a message's header."""
+
+    name: str = "gpt-oss"
+    reasoning: ReasoningMarkers | None = ReasoningMarkers("<|channel|>analysis<|message|>", "<|end|>")
+
+    def parser(self, tools: Sequence[ToolSpec] | None, *, reasoning_open: bool = False) -> CoroutineParser:
+        table = Tools.of(tools or ())
+
+        def read(s: Stream, out: Out) -> Read:
+            while True:
+                yield from skip_ws(s)
+                if s.ended and s.pos >= len(s.text):
+                    return
+                header, _ = yield from take_until(s, ("<|message|>",), _HEADER_LIMIT, "a message header")
+                channel, recipient = _header(header)
+                if recipient.startswith("functions.") and tools is not None:
+                    yield from self._call(s, out, table, recipient[len("functions.") :])
+                    marker = yield from until(s, _ENDS, lambda _text: None)
+                elif recipient:
+                    marker = yield from until(s, _ENDS, lambda _text: None)
+                elif channel == "analysis":
+                    out.in_reasoning = True
+                    marker = yield from until(s, _ENDS, out.reasoning)
+                    out.in_reasoning = False
+                else:
+                    marker = yield from until(s, _ENDS, out.text)
+                out.end_block()
+                if marker is None:
+                    return
+                if marker != "<|start|>":
+                    yield from skip_ws(s)
+                    yield from accept(s, "<|start|>")
+                yield from accept(s, "assistant")
+
+        return CoroutineParser(read)
+
+    def _call(self, s: Stream, out: Out, tools: Tools, name: str) -> Read:
+        out.in_call = True
+        out.call_start(tools.check(name))
+        yield from _json_args(s, out)
+        out.call_end()
+
+    def triggers(self, tools: Sequence[ToolSpec]) -> tuple[str, ...]:
+        return ("to=functions.",)
+
+    def call_grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
+        alts = [f"{literal(t.name + '<|channel|>commentary<|message|>')} {t.arguments}" for t in tools]
+        return CallGrammar((), " to=functions.", "", f"( {alternatives(alts)} )", separator="")
