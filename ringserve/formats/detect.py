@@ -28,6 +28,8 @@ def _all(*needles: str) -> Callable[[str], bool]:
 
 RULES: tuple[tuple[Callable[[str], bool], str], ...] = (
     (_all("<|channel|>"), "gpt-oss"),
+    (_all("]<]minimax[>["), "minimax-m3"),
+    (_all("<|open|>", "<|close|>", "<|end_of_msg|>"), "kimi-k3"),
     (_all(">>>all"), "functionary-v3.2"),
     (_all("[TOOL_CALLS]", "[ARGS]"), "mistral"),
     (_all("[TOOL_CALLS]"), "mistral-nemo"),
@@ -43,18 +45,22 @@ RULES: tuple[tuple[Callable[[str], bool], str], ...] = (
     (_all("<|START_ACTION|>", "<|START_TEXT|>"), "cohere2-moe"),
     (_all("<|START_ACTION|>"), "command-r7b"),
     (_all("Action:", "```json", "tool_name"), "command-r-plus"),
+    (_all('<function name="', '<param name="'), "minicpm5"),
     (_all("<function="), "functionary-v3.1"),
+    (_all("<|function_call|>"), "gigachat-3.1"),
+    (_all("<|role_sep|>", "<|message_sep|>"), "gigachat-3"),
     (_all("functools["), "firefunction-v2"),
     (_all("<|tool_call|>"), "granite-3"),
     (_all("<TOOLCALL>"), "nemotron-nano-v2"),
     (_all("<tool_calls>", "[BEGIN FINAL RESPONSE]"), "apriel-1.6"),
     (_all("<tool_calls>"), "apriel-1.5"),
+    (_all("'<|tool_call>call:'"), "gemma-4"),
     (_all("<|tools_prefix|>"), "apertus"),
     (_all("<|tool_list_start|>", "<|tool_list_end|>"), "lfm2"),
     (_all("List of tools: ["), "lfm2"),
     (_all("<tool_call>"), "hermes"),
     (_all("<|python_tag|>"), "llama-3"),
-    (_all('"parameters": '), "llama-3"),
+    (_all("<|start_header_id|>", '"parameters": '), "llama-3"),
     (_all("<think>"), "generic-think"),
 )
 """``(test on the template's text, family name)`` in the order they are tried."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ringserve.formats.base import ChatFormat, ReasoningMarkers
 from ringserve.formats.generic import GENERIC
 from ringserve.formats.markup import JsonCalls, MarkupFormat, NamedCalls, TaggedCalls
-from ringserve.formats.special import HarmonyFormat, LlamaCalls, PythonicCalls, RecipientFormat
+from ringserve.formats.special import GemmaCalls, HarmonyFormat, LlamaCalls, PythonicCalls, RecipientFormat
 
 __all__ = ["FAMILIES", "THINK"]
 
@@ -80,7 +80,7 @@ _FORMATS: tuple[ChatFormat, ...] = (
                  JsonCalls("<|START_ACTION|>", "<|END_ACTION|>", **_COMMAND_R_ACTIONS),  # type: ignore[arg-type]
                  dropped=("<|START_TEXT|>", "<|END_TEXT|>")),
     MarkupFormat("command-r-plus", None,
-                 JsonCalls("Action:", fence="```", **_COMMAND_R_ACTIONS),  # type: ignore[arg-type]
+                 JsonCalls("Action:", head="```json", close="```", **_COMMAND_R_ACTIONS),  # type: ignore[arg-type]
                  dropped=("<|CHATBOT_TOKEN|>", "<|END_OF_TURN_TOKEN|>")),
     MarkupFormat("nemotron-nano-v2", THINK, JsonCalls("<TOOLCALL>", "</TOOLCALL>", array=True)),
     MarkupFormat("apriel-1.5", None, JsonCalls("<tool_calls>", "</tool_calls>", array=True)),
@@ -90,6 +90,17 @@ _FORMATS: tuple[ChatFormat, ...] = (
     RecipientFormat(),
     MarkupFormat("llama-3", None, LlamaCalls()),
     MarkupFormat("lfm2", THINK, PythonicCalls("<|tool_call_start|>", "<|tool_call_end|>")),
+    MarkupFormat("minicpm5", THINK, TaggedCalls(
+        call_open='<function name="', name_end=('">',), param_open='<param name="', key_end='">',
+        value_close="</param>", func_close="</function>",
+    )),
+    MarkupFormat("gigachat-3", None, JsonCalls("<|message_sep|>", head="function call<|role_sep|>")),
+    MarkupFormat("gigachat-3.1", None, JsonCalls("<|function_call|>")),
+    MarkupFormat("minimax-m3", ReasoningMarkers("<mm:think>", "</mm:think>")),
+    MarkupFormat("kimi-k3", ReasoningMarkers("<|open|>think<|sep|>", "<|close|>think<|sep|>"),
+                 dropped=("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>")),
+    MarkupFormat("gemma-4", ReasoningMarkers("<|channel>thought", "<channel|>"), GemmaCalls(),
+                 dropped=("<|channel>thought", "<|channel>", "<channel|>")),
     MarkupFormat("apertus", ReasoningMarkers("<|inner_prefix|>", "<|inner_suffix|>"),
                  JsonCalls("<|tools_prefix|>", "<|tools_suffix|>", array=True, name_is_key=True)),
 )

@@ -91,8 +91,9 @@ class JsonCalls:
     The object holds the name under one of ``name_keys`` and the arguments (an object, or a
     string holding one) under one of ``args_keys``, in any order, maybe nested under
     ``"function"``; other keys (``id``, ``type``) are skipped. With ``name_is_key`` the object
-    is ``{"NAME": {arguments}}`` instead (Apertus). With ``fence`` (````` `` ```) the calls
-    stand in a Markdown code block, ````json`` to ````` (Command R+).
+    is ``{"NAME": {arguments}}`` instead (Apertus). ``head`` is text that follows the opener
+    (Command R+'s calls stand in a Markdown code block: ``Action:`` then ````json``, and
+    ````` closes them).
     """
 
     opener: str
@@ -101,7 +102,7 @@ class JsonCalls:
     name_keys: tuple[str, ...] = ("name",)
     args_keys: tuple[str, ...] = ("arguments", "parameters")
     name_is_key: bool = False
-    fence: str = ""
+    head: str = ""
 
     def openers(self, tools: Tools) -> tuple[str, ...]:
         return (self.opener,)
@@ -111,9 +112,9 @@ class JsonCalls:
 
     def read(self, s: Stream, out: Out, tools: Tools, opener: str) -> Read:
         out.in_call = True
-        if self.fence:
+        if self.head:
             yield from skip_ws(s)
-            yield from expect(s, self.fence + "json", "a tool call")
+            yield from expect(s, self.head, "a tool call")
         yield from skip_ws(s)
         if self.array or (yield from peek(s, ("[",))):
             yield from expect(s, "[", "a list of tool calls")
@@ -134,9 +135,8 @@ class JsonCalls:
                 if not self.close or not (yield from peek(s, ("{",))):
                     break
                 out.in_call = True
-        for marker in (self.fence, self.close):
-            if marker:
-                yield from closing(s, marker, "a tool call")
+        if self.close:
+            yield from closing(s, self.close, "a tool call")
 
     def _object(self, s: Stream, out: Out, tools: Tools) -> Read:
         yield from skip_ws(s)
@@ -199,9 +199,9 @@ class JsonCalls:
             one = f"{literal('{' + key + ': ')} ( {alternatives(alts)} ) {literal('}')}"
         rules = (("call-object", one),)
         body = "call-object"
-        head = ""
+        head = self.head
         if self.array:
-            head = "["
+            head = self.head + "["
             body = f'call-object ( ", " call-object )* {literal("]")}'
         if self.close:
             body = f"{body} {literal(self.close)}"
@@ -560,10 +560,14 @@ class MarkupFormat:
 
 
 def _reasoning(s: Stream, out: Out, markers: ReasoningMarkers, opened: bool, openers: tuple[str, ...]) -> Read:
-    """The thinking block at the start of the reply (if any), put out as reasoning."""
-    if not opened and markers.start:
+    """The thinking block at the start of the reply (if any), put out as reasoning. A reply
+    that starts with the end marker closed a block the prompt opened (the marker is dropped)."""
+    if not opened:
         yield from skip_ws(s)
-        opened = yield from accept(s, markers.start)
+        first = yield from peek(s, (markers.start, markers.end) if markers.start else (markers.end,))
+        if first is not None:
+            s.pos += len(first)
+        opened = first == markers.start and bool(first)
     if not opened:
         return
     out.in_reasoning = True

@@ -15,6 +15,7 @@
   and raw Python code for a ``python``/``ipython`` tool), per Meta's prompt format
   (https://www.llama.com/docs/model-cards-and-prompt-formats/llama3_1/).
 * Pythonic calls (:class:`PythonicCalls`): ``[f(a=1), g(b="x")]`` between markers (LFM2).
+* Gemma 4 (:class:`GemmaCalls`): ``<|tool_call>call:f{k:<|"|>v<|"|>}<tool_call|>``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ringserve.formats.markup import JsonCalls, _json_args
 from ringserve.formats.stream import CoroutineParser, Out, Stream, accept, peek, skip_ws, take_until, until
 from ringserve.formats.tools import Tools
 
-__all__ = ["HarmonyFormat", "LlamaCalls", "PythonicCalls", "RecipientFormat"]
+__all__ = ["GemmaCalls", "HarmonyFormat", "LlamaCalls", "PythonicCalls", "RecipientFormat"]
 
 Read = Generator[None, None, None]
 
@@ -112,6 +113,92 @@ class PythonicCalls:
 
     def grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
         raise NotImplementedError("pythonic calls are not forced by a grammar")
+
+
+# --- Gemma 4 ---------------------------------------------------------------------------------
+
+
+_GEMMA_QUOTE = '<|"|>'
+
+
+def _gemma_json(text: str) -> str:
+    """Gemma 4's argument syntax as JSON: ``{key:<|"|>text<|"|>,n:1,list:[...]}`` has bare
+    keys and strings between ``<|"|>`` marks (``common/parsers/gemma4.cpp``, ``gemma4_to_json``).
+
+    Raises:
+        ToolCallError: a string that is not closed.
+    """
+    out: list[str] = []
+    stack: list[str] = []
+    expect_key = False
+    i = 0
+    while i < len(text):
+        if text.startswith(_GEMMA_QUOTE, i):
+            end = text.find(_GEMMA_QUOTE, i + len(_GEMMA_QUOTE))
+            if end < 0:
+                raise ToolCallError(f"a string that is not closed in a tool call: {text[i:i + 40]!r}")
+            out.append(json.dumps(text[i + len(_GEMMA_QUOTE) : end], ensure_ascii=False))
+            i = end + len(_GEMMA_QUOTE)
+            continue
+        c = text[i]
+        if c in "{[":
+            stack.append(c)
+            expect_key = c == "{"
+            out.append(c)
+            i += 1
+        elif c in "}]":
+            if stack:
+                stack.pop()
+            expect_key = False
+            out.append(c)
+            i += 1
+        elif c == ",":
+            expect_key = bool(stack) and stack[-1] == "{"
+            out.append(c)
+            i += 1
+        elif c.isspace():
+            i += 1
+        elif expect_key:
+            end = text.find(":", i)
+            if end < 0:
+                raise ToolCallError(f"a key without a value in a tool call: {text[i:i + 40]!r}")
+            out.append(json.dumps(text[i:end].strip(), ensure_ascii=False) + ":")
+            expect_key = False
+            i = end + 1
+        else:
+            m = re.compile(r"[^,}\]]*").match(text, i)
+            assert m is not None
+            out.append(m.group().strip())
+            i = m.end()
+    return "".join(out)
+
+
+@attrs.frozen
+class GemmaCalls:
+    """Gemma 4's calls, ``<|tool_call>call:NAME{ARGS}<tool_call|>`` (read whole: the
+    arguments come out at the closing marker)."""
+
+    opener: str = "<|tool_call>"
+    close: str = "<tool_call|>"
+
+    def openers(self, tools: Tools) -> tuple[str, ...]:
+        return (self.opener,)
+
+    def leading(self, tools: Tools) -> tuple[str, ...]:
+        return ()
+
+    def read(self, s: Stream, out: Out, tools: Tools, opener: str) -> Read:
+        out.in_call = True
+        source, _ = yield from take_until(s, (self.close,), 1 << 20, "a tool call")
+        head, brace, args = source.partition("{")
+        if not head.startswith("call:") or not brace:
+            raise ToolCallError(f"a tool call that is not call:NAME{{...}}: {source[:80]!r}")
+        out.call_start(tools.check(head[len("call:") :].strip()))
+        out.args(_gemma_json(brace + args))
+        out.call_end()
+
+    def grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
+        raise NotImplementedError("Gemma 4's argument syntax is not JSON: its calls are not forced by a grammar here")
 
 
 # --- Llama 3.x -------------------------------------------------------------------------------

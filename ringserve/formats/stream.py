@@ -206,10 +206,13 @@ class CoroutineParser:
 
 
 @lru_cache(maxsize=256)
-def _matcher(markers: tuple[str, ...]) -> tuple[re.Pattern[str], frozenset[str], int]:
+def _matcher(markers: tuple[str, ...]) -> tuple[re.Pattern[str], frozenset[str], int, dict[str, tuple[str, ...]]]:
+    """The search pattern of ``markers`` (longest first), their proper prefixes, the longest
+    length, and for each marker the longer markers it starts."""
     ordered = sorted(markers, key=len, reverse=True)
     prefixes = frozenset(m[:k] for m in markers for k in range(1, len(m)))
-    return re.compile("|".join(re.escape(m) for m in ordered)), prefixes, max(map(len, markers))
+    longer = {m: tuple(o for o in markers if len(o) > len(m) and o.startswith(m)) for m in markers}
+    return re.compile("|".join(re.escape(m) for m in ordered)), prefixes, max(map(len, markers)), longer
 
 
 def _held(tail: str, prefixes: frozenset[str], longest: int) -> int:
@@ -234,12 +237,17 @@ def until(
             if s.ended:
                 return None
             yield
-    pattern, prefixes, longest = _matcher(tuple(markers))
+    pattern, prefixes, longest, longer = _matcher(tuple(markers))
     while True:
         m = pattern.search(s.text, s.pos)
         if m is not None:
             if m.start() > s.pos:
                 emit(s.text[s.pos : m.start()])
+            s.pos = m.start()
+            rest = s.text[s.pos :]
+            if not s.ended and any(o.startswith(rest) for o in longer[m.group()]):
+                yield  # a longer marker may still come
+                continue
             s.pos = m.end() if consume else m.start()
             return m.group()
         keep = 0 if s.ended else _held(s.text[s.pos :], prefixes, longest)
@@ -279,11 +287,13 @@ def peek(s: Stream, markers: Sequence[str]) -> Generator[None, None, str | None]
     it cannot start with any of them (or the reply ended first)."""
     while True:
         rest = s.text[s.pos : s.pos + max(map(len, markers))]
-        for m in sorted(markers, key=len, reverse=True):
-            if rest.startswith(m):
-                return m
-        if s.ended or not any(m.startswith(rest) for m in markers):
-            return None
+        undecided = not s.ended and any(len(m) > len(rest) and m.startswith(rest) for m in markers)
+        if not undecided:
+            for m in sorted(markers, key=len, reverse=True):
+                if rest.startswith(m):
+                    return m
+            if s.ended or not any(m.startswith(rest) for m in markers):
+                return None
         yield
 
 
