@@ -25,6 +25,7 @@ import attrs
 
 from ringserve.core.events import ToolSpec
 from ringserve.core.toolcalls import CallArgs, CallEnd, CallStart, Text, ToolCallError
+from ringserve.formats.gbnf import literal, raw_text
 
 __all__ = [
     "CallArgs",
@@ -38,8 +39,10 @@ __all__ = [
     "Reasoning",
     "ReasoningMarkers",
     "Text",
+    "Thinking",
     "ToolCallError",
     "ToolRules",
+    "thinking_rules",
 ]
 
 
@@ -122,20 +125,35 @@ class ToolRules:
 
 
 @attrs.frozen
-class CallGrammar:
-    """A forced call in a family's syntax, as GBNF (``core/grammar.py`` adds the rules the
-    expressions refer to: those of :class:`ToolRules`).
+class Thinking:
+    """A thinking block as a grammar lets it stand before forced calls: ``start``, any text
+    without ``end``, ``end``, then ``then`` (Harmony's ``<|start|>assistant``) and whitespace."""
 
-    A forced reply is ``trigger head one`` (then, with parallel calls, up to more units, each
-    ``separator trigger head one``); a lazy grammar goes on after ``trigger`` in free text
-    and constrains ``head one`` (:meth:`after`).
+    start: str
+    end: str
+    then: str = ""
+
+
+@attrs.frozen
+class CallGrammar:
+    """Calls in a family's syntax, as GBNF (``core/grammar.py`` adds these rules to its
+    converter, whose rules they refer to: those of :class:`ToolRules`).
+
+    A unit is ``trigger head one``: one call, or a section holding the calls (the syntax
+    then puts the parallel calls inside ``one``); with :attr:`repeat`, more units may follow,
+    each after :attr:`separator`. A forced reply (:meth:`forced`) is the thinking block
+    (optional, or required when the prompt opened it), then units; a lazy grammar goes on after
+    :attr:`trigger` in free text and constrains the rest of its unit (:meth:`after`).
 
     Attributes:
-        rules: ``(name, body)`` pairs the expressions refer to.
-        trigger: the text that starts a unit of calls (lazy grammars' trigger word).
+        rules: ``(name, body)`` pairs the expressions refer to (names start with ``fmt-``).
+        trigger: the text that starts a unit (a lazy grammar's trigger word).
         head: the literal text the family writes right after ``trigger``.
-        one: the GBNF expression of the rest of one unit (one call, or a section of calls).
+        one: the GBNF expression of the rest of a unit.
         separator: the literal between units.
+        repeat: units may repeat (parallel calls of a syntax with a unit per call).
+        thinking: the family's thinking block, which may come first (its rules are in
+            :attr:`rules`); None for a family without one.
     """
 
     rules: tuple[tuple[str, str], ...]
@@ -143,26 +161,43 @@ class CallGrammar:
     head: str
     one: str
     separator: str = "\n"
+    repeat: bool = False
+    thinking: Thinking | None = None
 
-    def forced(self, parallel: bool, max_units: int) -> str:
-        """The root expression of a reply that is only calls: one unit, or 1..``max_units``."""
-        from ringserve.formats.gbnf import literal
-
+    def forced(self, max_units: int, reasoning_open: bool = False) -> str:
+        """The root expression of a reply that is only calls (after the thinking block):
+        one unit, or with :attr:`repeat` 1..``max_units``."""
         unit = f"{literal(self.trigger + self.head)} {self.one}"
-        if not parallel or max_units == 1:
-            return unit
-        return f"{unit} ( {literal(self.separator + self.trigger + self.head)} {self.one} ){{0,{max_units - 1}}}"
+        root = unit
+        if self.repeat and max_units > 1:
+            root = f"{unit} ( {literal(self.separator + self.trigger + self.head)} {self.one} ){{0,{max_units - 1}}}"
+        if self.thinking is None:
+            return root
+        t = self.thinking
+        block = f"{THINK_RULE}-0 {literal(t.end + t.then)} [ \\t\\n]*"
+        if reasoning_open or not t.start:
+            return f"{block} {root}"
+        return f"( {literal(t.start)} {block} )? {root}"
 
     def after(self, text: str) -> str | None:
         """The root expression of the rest of a unit whose trigger was just decoded, with
         ``text`` after it in the same token; None when ``text`` goes beyond :attr:`head`
         (the unit is then not constrained)."""
-        from ringserve.formats.gbnf import literal
-
         if not self.head.startswith(text):
             return None
         rest = self.head[len(text) :]
         return f"{literal(rest)} {self.one}" if rest else self.one
+
+
+THINK_RULE = "fmt-think"
+"""The rules of a thinking block's text (``fmt-think-0`` ...)."""
+
+
+def thinking_rules(markers: ReasoningMarkers | None, then: str = "") -> tuple[tuple[tuple[str, str], ...], Thinking | None]:
+    """The rules and :class:`Thinking` of a family's thinking block (none without markers)."""
+    if markers is None:
+        return (), None
+    return raw_text(markers.end, THINK_RULE), Thinking(markers.start, markers.end, then)
 
 
 class ChatFormat(Protocol):
@@ -191,8 +226,9 @@ class ChatFormat(Protocol):
         """The texts that open a call in free text (lazy grammars' trigger words; the parser
         accepts these, and maybe looser variants)."""
 
-    def call_grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
-        """The grammar of calls of ``tools`` in the family's syntax.
+    def call_grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
+        """The grammar of calls of ``tools`` in the family's syntax (``parallel``: a reply may
+        hold more than one call).
 
         Raises:
             NotImplementedError: a family whose calls cannot be forced by a grammar here.

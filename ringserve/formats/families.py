@@ -59,6 +59,10 @@ _FORMATS: tuple[ChatFormat, ...] = (
         section=_DEEPSEEK_SECTION, call_open="<｜tool▁call▁begin｜>", name_end=("<｜tool▁sep｜>",),
         close=("<｜tool▁call▁end｜>",), typed=("function", "```json", ("```", "<｜tool▁call▁end｜>")),
     )),
+    MarkupFormat("deepseek-v3.1", THINK, NamedCalls(
+        section=_DEEPSEEK_SECTION, call_open="<｜tool▁call▁begin｜>", name_end=("<｜tool▁sep｜>",),
+        close=("<｜tool▁call▁end｜>",),
+    )),
     MarkupFormat("deepseek-v3.2", THINK, _dsml("function_calls"), calls_end_reasoning=True),
     MarkupFormat("deepseek-v4", THINK, _dsml("tool_calls"), calls_end_reasoning=True),
     MarkupFormat("kimi-k2", THINK, NamedCalls(
@@ -92,7 +96,7 @@ _FORMATS: tuple[ChatFormat, ...] = (
     MarkupFormat("lfm2", THINK, PythonicCalls("<|tool_call_start|>", "<|tool_call_end|>")),
     MarkupFormat("minicpm5", THINK, TaggedCalls(
         call_open='<function name="', name_end=('">',), param_open='<param name="', key_end='">',
-        value_close="</param>", func_close="</function>",
+        value_close="</param>", func_close="</function>", nl="",
     )),
     MarkupFormat("gigachat-3", None, JsonCalls("<|message_sep|>", head="function call<|role_sep|>")),
     MarkupFormat("gigachat-3.1", None, JsonCalls("<|function_call|>")),

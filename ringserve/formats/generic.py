@@ -78,11 +78,11 @@ class GenericFormat:
     def triggers(self, tools: Sequence[ToolSpec]) -> tuple[str, ...]:
         return (OPEN_MARK,)
 
-    def call_grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
+    def call_grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
         head = CALL_OPEN[len(OPEN_MARK) :] + "{" + json.dumps("name") + ": "
         alts = [f"{literal(json.dumps(t.name) + ', ' + json.dumps('arguments') + ': ')} {t.arguments}" for t in tools]
         one = f"( {alternatives(alts)} ) {literal('}' + CALL_CLOSE)}"
-        return CallGrammar((), OPEN_MARK, head, one)
+        return CallGrammar((), OPEN_MARK, head, one, repeat=parallel)
 
 
 GENERIC = GenericFormat()

@@ -31,7 +31,7 @@ import attrs
 
 from ringserve.core.events import ToolSpec
 from ringserve.core.toolcalls import ToolCallError
-from ringserve.formats.base import CallGrammar, ReasoningMarkers, ToolRules
+from ringserve.formats.base import CallGrammar, ReasoningMarkers, ToolRules, thinking_rules
 from ringserve.formats.gbnf import alternatives, literal, raw_text
 from ringserve.formats.stream import (
     CoroutineParser,
@@ -72,7 +72,7 @@ class CallSyntax(Protocol):
     def read(self, s: Stream, out: Out, tools: Tools, opener: str) -> Read:
         """Read one unit after its opener (consumed), putting its calls out."""
 
-    def grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
+    def grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
         """The GBNF of a unit (see :class:`~ringserve.formats.base.CallGrammar`)."""
 
 
@@ -188,24 +188,24 @@ class JsonCalls:
             out.args("{}")
         return named
 
-    def grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
-        key = json.dumps(self.name_keys[0])
-        args = json.dumps(self.args_keys[0])
+    def grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
+        """``{"name": "f", "arguments": {...}}`` (the first of the keys), after ``\\n`` when
+        a ``close`` follows (Hermes), in ``[...]`` for an array."""
         if self.name_is_key:
+            start = "{"
             alts = [f"{literal(json.dumps(t.name) + ': ')} {t.arguments}" for t in tools]
-            one = f"{literal('{')} ( {alternatives(alts)} ) {literal('}')}"
         else:
+            start = "{" + json.dumps(self.name_keys[0]) + ": "
+            args = json.dumps(self.args_keys[0])
             alts = [f"{literal(json.dumps(t.name) + ', ' + args + ': ')} {t.arguments}" for t in tools]
-            one = f"{literal('{' + key + ': ')} ( {alternatives(alts)} ) {literal('}')}"
-        rules = (("call-object", one),)
-        body = "call-object"
-        head = self.head
+        rules = (("fmt-call", f"( {alternatives(alts)} ) {literal('}')}"),)
         if self.array:
-            head = self.head + "["
-            body = f'call-object ( ", " call-object )* {literal("]")}'
+            more = f" ( {literal(', ' + start)} fmt-call )*" if parallel else ""
+            return CallGrammar(rules, self.opener, f"{self.head}[{start}", f"fmt-call{more} {literal(']' + self.close)}")
         if self.close:
-            body = f"{body} {literal(self.close)}"
-        return CallGrammar(rules, self.opener, head, body)
+            return CallGrammar(rules, self.opener, f"{self.head}\n{start}", f"fmt-call {literal(chr(10) + self.close)}",
+                               repeat=parallel)
+        return CallGrammar(rules, self.opener, self.head + start, "fmt-call", separator="", repeat=parallel)
 
 
 def _starts_object(s: Stream) -> Generator[None, None, bool]:
@@ -311,18 +311,28 @@ class NamedCalls:
             yield from skip_ws(s)
             yield from accept(s, marker)
 
-    def grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
-        end = self.name_end[0] if self.name_end[0] != self.id_marker else self.name_end[-1]
-        alts = [f"{literal(t.name + end + (self.args_open if end != self.args_open else ''))} {t.arguments}"
-                for t in tools]
-        one = f"( {alternatives(alts)} )"
-        if self.close:
-            one += " " + literal("".join(self.close))
+    def grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
+        """``call_open [name_prefix] NAME name_end {arguments} close`` (Kimi's index as digits;
+        DeepSeek's typed form when ``typed`` is set), in the section when there is one."""
+        end = self.name_end[0]
+        index = f' {literal(self.id_suffix)} [0-9]+' if self.id_suffix else ""
+        alts = []
+        for t in tools:
+            if self.typed is not None:
+                kind, typed_end, typed_close = self.typed
+                head = literal(f"{kind}{end}{t.name}\n{typed_end}\n")
+                alts.append(f"{head} {t.arguments} {literal(chr(10) + ''.join(typed_close))}")
+            else:
+                args_open = self.args_open if end != self.args_open else ""
+                alts.append(f"{literal(t.name)}{index} {literal(end + args_open)} {t.arguments} "
+                            f"{literal(''.join(self.close))}")
+        rules = (("fmt-call", alternatives(alts)),)
         if self.section is None:
-            return CallGrammar((), self.call_open, self.name_prefix, one, separator="")
+            return CallGrammar(rules, self.call_open, self.name_prefix, "fmt-call", separator="", repeat=parallel)
         start, stop = self.section
-        call = f"{literal(self.call_open + self.name_prefix)} {one}"
-        return CallGrammar((("call", call),), start, "", f"call ( call )* {literal(stop)}", separator="")
+        call = f"{literal(self.call_open + self.name_prefix)} fmt-call"
+        more = f" ( {call} )*" if parallel else ""
+        return CallGrammar(rules, start, "", f"{call}{more} {literal(stop)}")
 
 
 # --- a name and each parameter in markup ----------------------------------------------------
@@ -340,6 +350,7 @@ class TaggedCalls:
         type_attr: the key is followed by ``string="true|false"`` (DSML): it says whether the
             value is a string, instead of the schema.
         trim: a value loses one leading and one trailing newline (``>\\nVALUE\\n</parameter>``).
+        nl: what the grammar writes between the parts (the parser takes any whitespace).
     """
 
     call_open: str
@@ -355,9 +366,10 @@ class TaggedCalls:
     bare_open: str = ""
     type_attr: bool = False
     trim: bool = False
+    nl: str = "\n"
 
     def openers(self, tools: Tools) -> tuple[str, ...]:
-        opens = (self.call_open,) if self.section is None else (self.section[0],)
+        opens: tuple[str, ...] = (self.call_open,) if self.section is None else (self.section[0],)
         if self.bare_open:
             opens += tuple(f"{self.bare_open}{name}{self.name_end[0]}" for name in sorted(tools.names))
         return opens
@@ -438,26 +450,11 @@ class TaggedCalls:
         out.args(raw_value(text, types))
 
     def _string_value(self, s: Stream, out: Out) -> Read:
-        """A string value streamed as JSON string text (a trailing newline is held back while
-        it may be the one ``trim`` drops)."""
+        """A string value streamed as JSON string text (with ``trim``, its first newline is
+        dropped and a trailing newline held back while it may be the one dropped at its end)."""
         out.args('"')
-        state = {"start": True, "held": ""}
-
-        def emit(text: str) -> None:
-            if self.trim and state["start"]:
-                if text.startswith("\n"):
-                    text = text[1:]
-                if not text:
-                    return
-                state["start"] = False
-            text = state["held"] + text
-            state["held"] = ""
-            if self.trim and text.endswith("\n"):
-                text, state["held"] = text[:-1], "\n"
-            if text:
-                out.args(json.dumps(text, ensure_ascii=False)[1:-1])
-
-        yield from self._raw(s, emit)
+        held = _Held(self.trim)
+        yield from self._raw(s, lambda text: out.args(held.take(text)))
         out.args('"')
 
     def _raw(self, s: Stream, emit: Callable[[str], None]) -> Read:
@@ -465,30 +462,60 @@ class TaggedCalls:
         if marker is None:
             raise ToolCallError("the reply ended inside a parameter's value")
 
-    def grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
-        nl = "\n" if self.trim else ""
-        rules: list[tuple[str, str]] = []
+    def grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
+        """Each call on its own lines (``nl``): the name, then the parameters in the schema's
+        order (the optional ones may be left out), a string-typed one as raw text that does
+        not hold the value's closing marker, another as its JSON value."""
+        nl = self.nl
+        trim = "\n" if self.trim else ""
+        raw = raw_text(trim + self.value_close, "fmt-raw")
+        rules: list[tuple[str, str]] = list(raw)
         alts = []
         for i, tool in enumerate(tools):
             params = []
             for p in tool.params:
-                value = raw_text(f"{nl}{self.value_close}") if p.raw else p.value
                 if self.type_attr:
-                    key = literal(f'{p.name}{self.key_end}{"true" if p.raw else "false"}">')
+                    key = f'{p.name}{self.key_end}{"true" if p.raw else "false"}">'
                 else:
-                    key = literal(p.name + self.key_end)
-                sep = literal(self.value_open) + " " if self.value_open else ""
-                params.append(f"{literal(self.param_open)} {key} {sep}{literal(nl)} {value} "
-                              f"{literal(nl + self.value_close + chr(10))}")
-            name = f"tool{i}-params"
-            rules.append((name, f"( {alternatives(params)} )*" if params else '""'))
-            alts.append(f"{literal(self.func_open + tool.name + self.name_end[0] + chr(10))} {name}")
-        end = "".join(m + "\n" for m in (self.func_close, self.close) if m)
-        one = f"( {alternatives(alts)} ) {literal(end)}"
+                    key = p.name + self.key_end
+                value_open = f"{nl}{self.value_open}" if self.value_open else ""
+                value = "fmt-raw-0" if p.raw else p.value
+                param = f"{literal(self.param_open + key + value_open + trim)} {value} {literal(trim + self.value_close + nl)}"
+                params.append(param if p.required else f"( {param} )?")
+            rules.append((f"fmt-params{i}", " ".join(params) if params else '""'))
+            name = literal(self.func_open + tool.name + self.name_end[0] + (nl if self.name_end[0] != nl else ""))
+            alts.append(f"{name} fmt-params{i}")
+        end = "".join(m + nl for m in (self.func_close, self.close) if m)
+        rules.append(("fmt-call", f"( {alternatives(alts)} ) {literal(end.rstrip(chr(10)) if not self.section else end)}"))
         if self.section is None:
-            return CallGrammar(tuple(rules), self.call_open, "\n", one)
-        rules.append(("call", f"{literal(self.call_open)} {one}"))
-        return CallGrammar(tuple(rules), self.section[0], "\n", f"call ( call )* {literal(self.section[1])}")
+            head = nl if self.func_open else ""
+            return CallGrammar(tuple(rules), self.call_open, head, "fmt-call", separator=nl, repeat=parallel)
+        start, stop = self.section
+        call = f"{literal(self.call_open)} fmt-call"
+        more = f" ( {call} )*" if parallel else ""
+        return CallGrammar(tuple(rules), start, nl, f"{call}{more} {literal(stop)}")
+
+
+@attrs.define
+class _Held:
+    """The trimming of a streamed string value (see :meth:`TaggedCalls._string_value`)."""
+
+    trim: bool
+    start: bool = True
+    newline: str = ""
+
+    def take(self, text: str) -> str:
+        """The JSON string text to put out for ``text`` ("" while nothing is decided)."""
+        if self.trim and self.start:
+            self.start = False
+            text = text.removeprefix("\n")
+            if not text:
+                return ""
+        text = self.newline + text
+        self.newline = ""
+        if self.trim and text.endswith("\n"):
+            text, self.newline = text[:-1], "\n"
+        return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
 def _trim(text: str) -> str:
@@ -553,10 +580,12 @@ class MarkupFormat:
             return ()
         return self.calls.openers(Tools.of(tools))
 
-    def call_grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
+    def call_grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
         if self.calls is None:
-            raise NotImplementedError(f"{self.name} writes no tool calls")
-        return self.calls.grammar(tools)
+            raise NotImplementedError(f"{self.name}: its tool calls are not served")
+        grammar = self.calls.grammar(tools, parallel)
+        rules, thinking = thinking_rules(self.reasoning)
+        return attrs.evolve(grammar, rules=grammar.rules + rules, thinking=thinking)
 
 
 def _reasoning(s: Stream, out: Out, markers: ReasoningMarkers, opened: bool, openers: tuple[str, ...]) -> Read:

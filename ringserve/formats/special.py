@@ -29,7 +29,7 @@ import attrs
 
 from ringserve.core.events import ToolSpec
 from ringserve.core.toolcalls import ToolCallError
-from ringserve.formats.base import CallGrammar, ReasoningMarkers, ToolRules
+from ringserve.formats.base import CallGrammar, ReasoningMarkers, ToolRules, thinking_rules
 from ringserve.formats.gbnf import alternatives, literal
 from ringserve.formats.markup import JsonCalls, _json_args
 from ringserve.formats.stream import CoroutineParser, Out, Stream, accept, peek, skip_ws, take_until, until
@@ -111,8 +111,8 @@ class PythonicCalls:
         source, _ = yield from take_until(s, (self.close,), 1 << 20, "tool calls")
         _pythonic(source, tools, out)
 
-    def grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
-        raise NotImplementedError("pythonic calls are not forced by a grammar")
+    def grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
+        raise NotImplementedError("pythonic calls are not forced by a grammar here")
 
 
 # --- Gemma 4 ---------------------------------------------------------------------------------
@@ -197,7 +197,7 @@ class GemmaCalls:
         out.args(_gemma_json(brace + args))
         out.call_end()
 
-    def grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
+    def grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
         raise NotImplementedError("Gemma 4's argument syntax is not JSON: its calls are not forced by a grammar here")
 
 
@@ -240,9 +240,11 @@ class LlamaCalls:
         out.args(json.dumps({"code": source}, ensure_ascii=False))
         out.call_end()
 
-    def grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
+    def grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
+        """``{"name": "f", "parameters": {...}}``, the whole reply (one call: Llama 3.x's
+        templates take one call per turn)."""
         alts = [f"{literal(json.dumps(t.name) + ', ' + json.dumps('parameters') + ': ')} {t.arguments}" for t in tools]
-        return CallGrammar((), "", '{"name": ', f"( {alternatives(alts)} ) {literal('}')}")
+        return CallGrammar((("fmt-call", f"( {alternatives(alts)} ) {literal('}')}"),), '{"name": ', "", "fmt-call")
 
 
 _JSON_CALL = JsonCalls("", args_keys=("parameters", "arguments"))
@@ -296,9 +298,11 @@ class RecipientFormat:
     def triggers(self, tools: Sequence[ToolSpec]) -> tuple[str, ...]:
         return tuple(f">>>{t.name}" for t in tools)
 
-    def call_grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
+    def call_grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
+        """``NAME\\n{arguments}``, units joined by ``>>>`` (the generation prompt ends with
+        the first ``>>>``, so the trigger is empty: a lazy grammar cannot start from it)."""
         alts = [f"{literal(t.name + chr(10))} {t.arguments}" for t in tools]
-        return CallGrammar((), ">>>", "", f"( {alternatives(alts)} )", separator="")
+        return CallGrammar((("fmt-call", alternatives(alts)),), "", "", "fmt-call", separator=">>>", repeat=parallel)
 
 
 # --- gpt-oss ---------------------------------------------------------------------------------
@@ -326,12 +330,16 @@ class HarmonyFormat:
         table = Tools.of(tools or ())
 
         def read(s: Stream, out: Out) -> Read:
+            opened = reasoning_open
             while True:
                 yield from skip_ws(s)
                 if s.ended and s.pos >= len(s.text):
                     return
-                header, _ = yield from take_until(s, ("<|message|>",), _HEADER_LIMIT, "a message header")
-                channel, recipient = _header(header)
+                if opened:  # the generation prompt opened an analysis message
+                    channel, recipient, opened = "analysis", "", False
+                else:
+                    header, _ = yield from take_until(s, ("<|message|>",), _HEADER_LIMIT, "a message header")
+                    channel, recipient = _header(header)
                 if recipient.startswith("functions.") and tools is not None:
                     yield from self._call(s, out, table, recipient[len("functions.") :])
                     marker = yield from until(s, _ENDS, lambda _text: None)
@@ -360,8 +368,16 @@ class HarmonyFormat:
         out.call_end()
 
     def triggers(self, tools: Sequence[ToolSpec]) -> tuple[str, ...]:
-        return ("to=functions.",)
+        return (" to=functions.",)
 
-    def call_grammar(self, tools: Sequence[ToolRules]) -> CallGrammar:
-        alts = [f"{literal(t.name + '<|channel|>commentary<|message|>')} {t.arguments}" for t in tools]
-        return CallGrammar((), " to=functions.", "", f"( {alternatives(alts)} )", separator="")
+    def call_grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
+        """``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{arguments}``
+        after any ``analysis`` messages: `` to=functions.NAME<|channel|>commentary <|constrain|>json<|message|>{...}``
+        (the recipient in the role header, after the generation prompt's ``<|start|>assistant``;
+        a lazy grammar's trigger `` to=functions.`` is also in the channel-header form, where the
+        channel comes first). One call: gpt-oss ends its turn at ``<|call|>``."""
+        alts = [f"{literal(t.name)} ( {literal('<|channel|>commentary')} )? ( {literal(' <|constrain|>json')} )? "
+                f"{literal('<|message|>')} {t.arguments}" for t in tools]
+        rules, thinking = thinking_rules(self.reasoning, then="<|start|>assistant")
+        return CallGrammar((("fmt-call", alternatives(alts)), *rules), " to=functions.", "", "fmt-call",
+                           thinking=thinking)

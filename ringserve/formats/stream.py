@@ -182,12 +182,20 @@ class CoroutineParser:
         return self._step()
 
     def flush(self) -> list[Piece]:
+        """See :meth:`~ringserve.formats.base.OutputParser.flush`: a reply cut inside a call
+        is not an error here (:attr:`in_call` stays true; the caller decides)."""
         self._stream.ended = True
-        pieces = self._step()
+        pieces: list[Piece] = []
+        try:
+            pieces = self._step()
+        except ToolCallError:
+            if not self._out.in_call:
+                raise
         self._out.finish()
         return pieces + self._take()
 
     def _step(self) -> list[Piece]:
+        """Run the reader until it waits; return the pieces it put out."""
         if self._run is None:
             self._run = self.reader(self._stream, self._out)
         if not self._done:

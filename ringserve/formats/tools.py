@@ -19,7 +19,7 @@ import attrs
 from ringserve.core.events import ToolSpec
 from ringserve.formats.base import unknown_tool
 
-__all__ = ["ANY", "Tools", "raw_value"]
+__all__ = ["ANY", "Tools", "raw_param", "raw_value"]
 
 ANY: frozenset[str] = frozenset()
 """The types of a property whose schema says none (or that is not in the schema)."""
@@ -83,6 +83,14 @@ class Tools:
 
     def param_types(self, tool: str, param: str) -> frozenset[str]:
         return self.types.get(tool, {}).get(param, ANY)
+
+
+def raw_param(schema: Any) -> bool:
+    """Whether a property of this schema is written as raw text in XML-style syntaxes (and so
+    matched by the raw-text rule of a call grammar, :class:`~ringserve.formats.base.ParamRule`):
+    its types include ``string``, or it has none."""
+    types = _types(schema)
+    return not types or "string" in types
 
 
 def raw_value(text: str, types: frozenset[str]) -> str:
