@@ -87,9 +87,9 @@ _FORMATS: tuple[ChatFormat, ...] = (
                  JsonCalls("Action:", head="```json", close="```", **_COMMAND_R_ACTIONS),  # type: ignore[arg-type]
                  dropped=("<|CHATBOT_TOKEN|>", "<|END_OF_TURN_TOKEN|>")),
     MarkupFormat("nemotron-nano-v2", THINK, JsonCalls("<TOOLCALL>", "</TOOLCALL>", array=True)),
-    MarkupFormat("apriel-1.5", None, JsonCalls("<tool_calls>", "</tool_calls>", array=True)),
-    MarkupFormat("apriel-1.6", ReasoningMarkers("", "[BEGIN FINAL RESPONSE]"),
+    MarkupFormat("apriel", ReasoningMarkers("", "[BEGIN FINAL RESPONSE]"),
                  JsonCalls("<tool_calls>", "</tool_calls>", array=True), dropped=("[END FINAL RESPONSE]",)),
+    MarkupFormat("minimax-m1", None, JsonCalls("<tool_calls>", "</tool_calls>")),
     HarmonyFormat(),
     RecipientFormat(),
     MarkupFormat("llama-3", None, LlamaCalls()),

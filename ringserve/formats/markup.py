@@ -39,6 +39,7 @@ from ringserve.formats.stream import (
     Stream,
     accept,
     closing,
+    cut,
     expect,
     json_string,
     json_value,
@@ -126,7 +127,7 @@ class JsonCalls:
                 yield from self._object(s, out, tools)
                 yield from skip_ws(s)
                 if not (yield from accept(s, ",")):
-                    yield from expect(s, "]", "a list of tool calls")
+                    yield from closing(s, "]", "a list of tool calls")
                     break
         else:
             while True:
@@ -280,7 +281,8 @@ class NamedCalls:
                 s.pos += len(m)
                 out.in_call = False
                 return
-            elif s.pos >= len(s.text) and s.ended:
+            elif cut(s, (self.call_open, end)):
+                s.pos = len(s.text)
                 out.in_call = False
                 return
             else:
@@ -309,7 +311,9 @@ class NamedCalls:
         out.call_end()
         for marker in close:
             yield from skip_ws(s)
-            yield from accept(s, marker)
+            if not (yield from accept(s, marker)) and cut(s, (marker,)):
+                s.pos = len(s.text)
+                return
 
     def grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
         """``call_open [name_prefix] NAME name_end {arguments} close`` (Kimi's index as digits;
@@ -390,7 +394,8 @@ class TaggedCalls:
                     s.pos += len(m)
                     out.in_call = False
                     return
-                elif s.pos >= len(s.text) and s.ended:
+                elif cut(s, (self.call_open, self.section[1])):
+                    s.pos = len(s.text)
                     out.in_call = False
                     return
                 else:
@@ -419,6 +424,8 @@ class TaggedCalls:
             yield from skip_ws(s)
             m = yield from peek(s, (self.param_open, *closers))
             if m != self.param_open:
+                if cut(s, (self.param_open,)) and s.rest() and not cut(s, closers):
+                    raise ToolCallError("the reply ended inside a tool call")  # a parameter's cut marker
                 break
             s.pos += len(m)
             key, _ = yield from take_until(s, (self.key_end,), _KEY_LIMIT, "a parameter's name")

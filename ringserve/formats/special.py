@@ -40,7 +40,8 @@ __all__ = ["GemmaCalls", "HarmonyFormat", "LlamaCalls", "PythonicCalls", "Recipi
 Read = Generator[None, None, None]
 
 _HEADER_LIMIT = 512
-"""Characters a Harmony message header may take (channel, recipient, constraint)."""
+"""Characters a Harmony message header (channel, recipient, constraint) or a Functionary
+recipient may take."""
 
 
 # --- pythonic calls --------------------------------------------------------------------------
@@ -267,7 +268,12 @@ class RecipientFormat:
         def read(s: Stream, out: Out) -> Read:
             yield from accept(s, ">>>")
             while True:
-                recipient, _ = yield from take_until(s, ("\n",), 256, "a recipient")
+                parts: list[str] = []
+                if (yield from until(s, ("\n",), parts.append)) is None:
+                    return  # cut inside a recipient
+                recipient = "".join(parts)
+                if len(recipient) > _HEADER_LIMIT:
+                    raise ToolCallError(f"a recipient longer than {_HEADER_LIMIT} characters")
                 if table is None or recipient.strip() == "all":
                     marker = yield from until(s, (">>>",) if table is not None else (), out.text)
                 else:
@@ -338,8 +344,12 @@ class HarmonyFormat:
                 if opened:  # the generation prompt opened an analysis message
                     channel, recipient, opened = "analysis", "", False
                 else:
-                    header, _ = yield from take_until(s, ("<|message|>",), _HEADER_LIMIT, "a message header")
-                    channel, recipient = _header(header)
+                    parts: list[str] = []
+                    if (yield from until(s, ("<|message|>",), parts.append)) is None:
+                        return  # cut inside a header: nothing of it is shown
+                    if len("".join(parts)) > _HEADER_LIMIT:
+                        raise ToolCallError(f"a message header longer than {_HEADER_LIMIT} characters")
+                    channel, recipient = _header("".join(parts))
                 if recipient.startswith("functions.") and tools is not None:
                     yield from self._call(s, out, table, recipient[len("functions.") :])
                     marker = yield from until(s, _ENDS, lambda _text: None)

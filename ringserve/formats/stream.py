@@ -36,6 +36,7 @@ __all__ = [
     "Stream",
     "accept",
     "closing",
+    "cut",
     "expect",
     "json_string",
     "json_value",
@@ -325,15 +326,23 @@ def expect(s: Stream, marker: str, where: str) -> Generator[None, None, None]:
 
 def closing(s: Stream, marker: str, where: str) -> Generator[None, None, None]:
     """Consume whitespace and ``marker``, which closes something already complete: at the end
-    of the reply it may be missing.
+    of the reply it may be missing or cut.
 
     Raises:
         ToolCallError: other text instead.
     """
     yield from skip_ws(s)
-    if s.ended and s.pos >= len(s.text):
+    if (yield from accept(s, marker)):
         return
-    yield from expect(s, marker, where)
+    if not cut(s, (marker,)):
+        raise ToolCallError(f"{where}: expected {marker!r}, got {s.rest()[:40]!r}")
+    s.pos = len(s.text)
+
+
+def cut(s: Stream, markers: Sequence[str]) -> bool:
+    """The reply ended here, or inside one of ``markers`` (what is left is the start of one)."""
+    rest = s.text[s.pos :]
+    return s.ended and (not rest or any(m.startswith(rest) for m in markers))
 
 
 def skip_ws(s: Stream) -> Generator[None, None, None]:

@@ -179,6 +179,19 @@ def test_random_chunks_give_the_same_message(data: st.DataObject) -> None:
     assert _parse(run, chunks) == _parse(run, [text]), _id(run)
 
 
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_a_reply_cut_anywhere_ends_without_error(data: st.DataObject) -> None:
+    """What the parser gives at the end of a cut reply (the token budget) is no error: a
+    cut call stays open (``in_call``), and a cut marker after a complete one is dropped."""
+    runs, _ = _runs()
+    run = data.draw(st.sampled_from([r for r in runs if _parse(r, [r.case.input]) != "ToolCallError"]), label="case")
+    cut = data.draw(st.integers(0, len(run.case.input)), label="cut")
+    parser = run.format.parser(run.tools, reasoning_open=run.opened)
+    parser.feed(run.case.input[:cut])
+    parser.flush()
+
+
 @pytest.mark.parametrize("family", ["hermes", "qwen3-coder", "glm-4.5", "mistral", "mistral-nemo", "deepseek-r1",
                                     "deepseek-v3.2", "gpt-oss", "kimi-k2", "command-r7b", "functionary-v3.1",
                                     "functionary-v3.2"])

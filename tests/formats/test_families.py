@@ -1,7 +1,8 @@
 """Each family's own calls: the canonical form its grammar forces parses back into the call,
 the grammar refuses other tools and ill-typed arguments, and a thinking block may come first.
 
-The examples are ours, written in each family's syntax (llama.cpp's canned outputs are in
+The examples are ours, written in each family's syntax (``bench/format_parsers.py``'s
+``EXAMPLES``, which the benchmark parses too; llama.cpp's canned outputs are in
 test_canned.py); Llama 3.x, Granite 3.3, SmolLM3 and Command R+ have no canned calls there.
 """
 
@@ -11,74 +12,14 @@ import json
 
 import pytest
 
-from ringserve.core.events import ToolSpec
+from bench.format_parsers import EXAMPLES, TOOLS, WEATHER  # each family's call, as its grammar forces it
 from ringserve.core.toolcalls import ToolCallError
 from ringserve.formats.base import ToolRules
 from ringserve.formats.families import FAMILIES
 from tests.formats.support import call_gbnf, parse
 from tests.support.gbnf import accepts
 
-WEATHER = ToolSpec("get_weather", "", json.dumps({
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"],
-}))
-PYTHON = ToolSpec("python", "", json.dumps({"type": "object", "properties": {"code": {"type": "string"}},
-                                            "required": ["code"]}))
-TOOLS = [WEATHER, PYTHON]
 CALL = ("get_weather", {"city": "Paris", "days": 3})
-
-EXAMPLES = {
-    "generic": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
-    "generic-think": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
-    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
-    "qwen3-coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-                   "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
-    "seed-oss": "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n"
-                "<parameter=days>3</parameter>\n</function>\n</seed:tool_call>",
-    "glm-4.5": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
-               "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
-    "ling": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
-            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
-    "minimax-m2": '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
-                  '<parameter name="days">3</parameter>\n</invoke>\n</minimax:tool_call>',
-    "deepseek-r1": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
-                   '{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
-    "deepseek-v3.1": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
-                     '{"city": "Paris", "days": 3}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
-    "deepseek-v3.2": '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
-                     '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
-                     '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
-                     "</｜DSML｜invoke>\n</｜DSML｜function_calls>",
-    "deepseek-v4": '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
-                   '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
-                   '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
-                   "</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
-    "kimi-k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
-               '{"city": "Paris", "days": 3}<|tool_call_end|><|tool_calls_section_end|>',
-    "mistral-nemo": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]',
-    "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
-    "functionary-v3.1": '<function=get_weather>{"city": "Paris", "days": 3}</function>',
-    "functionary-v3.2": 'get_weather\n{"city": "Paris", "days": 3}',
-    "firefunction-v2": 'functools[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]',
-    "granite-3": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]',
-    "command-r7b": '<|START_ACTION|>[{"tool_name": "get_weather", "parameters": {"city": "Paris", "days": 3}}]'
-                   "<|END_ACTION|>",
-    "cohere2-moe": '<|START_ACTION|>[{"tool_name": "get_weather", "parameters": {"city": "Paris", "days": 3}}]'
-                   "<|END_ACTION|>",
-    "command-r-plus": 'Action:```json[{"tool_name": "get_weather", "parameters": {"city": "Paris", "days": 3}}]```',
-    "nemotron-nano-v2": '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]</TOOLCALL>',
-    "apriel-1.5": '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]</tool_calls>',
-    "apriel-1.6": '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]</tool_calls>',
-    "apertus": '<|tools_prefix|>[{"get_weather": {"city": "Paris", "days": 3}}]<|tools_suffix|>',
-    "llama-3": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
-    "gpt-oss": ' to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris", "days": 3}',
-    "minicpm5": '<function name="get_weather"><param name="city">Paris</param><param name="days">3</param></function>',
-    "gigachat-3": '<|message_sep|>function call<|role_sep|>{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}',
-    "gigachat-3.1": '<|function_call|>{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}',
-    "lfm2": '<|tool_call_start|>[get_weather(city="Paris", days=3)]<|tool_call_end|>',
-    "gemma-4": '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>',
-}
-"""One call of get_weather(city="Paris", days=3) in each family's syntax: the form its grammar
-forces (where it has one)."""
 
 NO_GRAMMAR = {"lfm2", "gemma-4"}
 NOT_SERVED = {"minimax-m3", "kimi-k3"}
