@@ -148,7 +148,6 @@ class _Parser:
 def accepts(grammar: str, text: str, root: str = "root") -> bool:
     """Whether ``grammar`` (GBNF text) derives exactly ``text`` from ``root``."""
     rules = _Parser(grammar).rules()
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), 20000))
 
     @lru_cache(maxsize=None)
     def ends(node: Any, pos: int) -> frozenset[int]:
@@ -189,4 +188,9 @@ def accepts(grammar: str, text: str, root: str = "root") -> bool:
             return frozenset(result)
         raise AssertionError(kind)
 
-    return len(text) in ends(("ref", root), 0)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20000))  # a right-recursive rule recurses once per character
+    try:
+        return len(text) in ends(("ref", root), 0)
+    finally:
+        sys.setrecursionlimit(limit)
