@@ -7,13 +7,12 @@ calls). This module reads them with a small evaluator of the C++ subset the file
 literals, raw strings, brace lists, the file's named tools and messages and its
 ``simple_assist_msg``-style helpers). A chain it cannot evaluate is kept with the reason, so the
 test counts it instead of losing it. Nothing of the file is copied: it is read from the sdist
-(:mod:`tests.support.corpus`) at test time.
+(:mod:`tests.support.llama_sdist`) at test time.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -405,6 +404,3 @@ def _chain(r: _Reader, templates: list[str], line: int) -> list[Case]:
             error = f"{method}: {exc}"
     return [Case(template=t, line=line, expect=expect, error=error, **fields) for t in templates]
 
-
-def iter_cases(root: Path) -> Iterator[Case]:
-    yield from cases(root / "tests" / "test-chat.cpp")

@@ -34,10 +34,12 @@ def message(pieces: Sequence[Piece]) -> Message:
                 calls.append([piece.name, ""])
             case CallArgs():
                 calls[-1][1] += piece.text
-    return "".join(content).strip(), "".join(reasoning).strip(), [(n, _json(a)) for n, a in calls]
+    return "".join(content).strip(), "".join(reasoning).strip(), [(n, json_value(a)) for n, a in calls]
 
 
-def _json(text: str) -> Any:
+def json_value(text: str) -> Any:
+    """The JSON value of ``text``; None when it is not JSON (a cut call's arguments, which
+    are compared as llama.cpp compares them: not at all)."""
     try:
         return json.loads(text)
     except ValueError:

@@ -16,21 +16,20 @@ other case must pass.
 from __future__ import annotations
 
 import functools
-import json
-from typing import Any
 
 import attrs
-import jinja2
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ringserve.core.events import ToolSpec
-from ringserve.core.toolcalls import CallArgs, CallStart, Text, ToolCallError
-from ringserve.formats.base import ChatFormat, Piece, Reasoning
+from ringserve.core.events import ChatMessage, ToolSpec
+from ringserve.core.toolcalls import ToolCallError
+from ringserve.formats.base import ChatFormat, Piece
 from ringserve.formats.detect import detect
+from ringserve.formats.template import ChatTemplate
 from tests.formats import canned
-from tests.support import corpus, render
+from tests.formats.support import Message, json_value, message
+from tests.support.llama_sdist import CorpusUnavailable, llama_cpp_chat_tests, llama_cpp_templates
 
 KNOWN: dict[tuple[str, int], str] = {
     ("Apriel-1.6-15b-Thinker-fixed", 6211): "llama.cpp puts the generation prompt's 'Here are my reasoning steps:' "
@@ -61,26 +60,34 @@ class Run:
 @functools.cache
 def _runs() -> tuple[tuple[Run, ...], dict[str, int]]:
     """The applicable cases, and how many were set aside for each reason."""
-    root = corpus.llama_cpp()
-    templates = corpus.templates()
+    try:
+        folder, chat_tests = llama_cpp_templates(), llama_cpp_chat_tests()
+    except CorpusUnavailable as e:
+        pytest.skip(f"llama.cpp's sdist is not available: {e}")
     runs = []
     aside: dict[str, int] = {}
-    for case in canned.cases(root / "tests" / "test-chat.cpp"):
-        fmt = detect(templates[case.template])
-        tools = [{"type": "function", "function": {"name": t.name, "description": "",
-                                                   "parameters": json.loads(t.parameters)}} for t in case.tools]
-        try:
-            prompt = render.generation_prompt(templates[case.template], tools, case.enable_thinking)
-        except jinja2.TemplateError:
-            prompt = ""  # Firefunction v2's template needs llama.cpp's Jinja (and opens no block)
+    templates: dict[str, ChatTemplate] = {}
+    for case in canned.cases(chat_tests):
+        if case.template not in templates:
+            templates[case.template] = ChatTemplate((folder / f"{case.template}.jinja").read_text(encoding="utf-8"))
+        template = templates[case.template]
+        fmt = detect(template.source)
+        specs = tuple(ToolSpec(t.name, "", t.parameters) for t in case.tools)
+        prompt = template.generation_prompt([ChatMessage("user", "Hey there!")], tools=specs,
+                                            enable_thinking=case.enable_thinking)
         opened = fmt.reasoning is not None and fmt.reasoning.opened_by(prompt)
         reason = _not_applicable(case, fmt, opened)
         if reason:
             aside[reason] = aside.get(reason, 0) + 1
             continue
-        specs = tuple(ToolSpec(t.name, "", t.parameters) for t in case.tools) or None
-        runs.append(Run(case, fmt, opened, specs))
+        runs.append(Run(case, fmt, opened, specs or None))
     return tuple(runs), aside
+
+
+@functools.cache
+def _readable() -> list[Run]:
+    """The applicable cases whose whole output parses without error."""
+    return [r for r in _runs()[0] if _parse(r, [r.case.input]) != "ToolCallError"]
 
 
 def _not_applicable(case: canned.Case, fmt: ChatFormat, opened: bool) -> str:
@@ -96,34 +103,12 @@ def _not_applicable(case: canned.Case, fmt: ChatFormat, opened: bool) -> str:
     return ""
 
 
-def _message(pieces: list[Piece]) -> tuple[str, str, list[tuple[str, Any]]]:
-    content, reasoning, calls = [], [], []
-    for piece in pieces:
-        match piece:
-            case Text():
-                content.append(piece.text)
-            case Reasoning():
-                reasoning.append(piece.text)
-            case CallStart():
-                calls.append([piece.name, ""])
-            case CallArgs():
-                calls[-1][1] += piece.text
-    return "".join(content).strip(), "".join(reasoning).strip(), [(n, _json(a)) for n, a in calls]
-
-
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None  # a cut call's arguments, compared as llama.cpp does: not at all
-
-
-def _expected(case: canned.Case) -> tuple[str, str, list[tuple[str, Any]]]:
+def _expected(case: canned.Case) -> Message:
     e = case.expect
-    return e.content.strip(), e.reasoning.strip(), [(c.name, _json(c.arguments)) for c in e.calls]
+    return e.content.strip(), e.reasoning.strip(), [(c.name, json_value(c.arguments)) for c in e.calls]
 
 
-def _parse(run: Run, chunks: list[str]) -> tuple[str, str, list[tuple[str, Any]]] | str:
+def _parse(run: Run, chunks: list[str]) -> Message | str:
     parser = run.format.parser(run.tools, reasoning_open=run.opened)
     pieces: list[Piece] = []
     try:
@@ -133,7 +118,7 @@ def _parse(run: Run, chunks: list[str]) -> tuple[str, str, list[tuple[str, Any]]
             pieces += parser.flush()
     except ToolCallError:
         return "ToolCallError"  # its message quotes what was buffered, which depends on the chunks
-    return _message(pieces)
+    return message(pieces)
 
 
 def _id(run: Run) -> str:
@@ -184,8 +169,7 @@ def test_random_chunks_give_the_same_message(data: st.DataObject) -> None:
 def test_a_reply_cut_anywhere_ends_without_error(data: st.DataObject) -> None:
     """What the parser gives at the end of a cut reply (the token budget) is no error: a
     cut call stays open (``in_call``), and a cut marker after a complete one is dropped."""
-    runs, _ = _runs()
-    run = data.draw(st.sampled_from([r for r in runs if _parse(r, [r.case.input]) != "ToolCallError"]), label="case")
+    run = data.draw(st.sampled_from(_readable()), label="case")
     cut = data.draw(st.integers(0, len(run.case.input)), label="cut")
     parser = run.format.parser(run.tools, reasoning_open=run.opened)
     parser.feed(run.case.input[:cut])

@@ -1,9 +1,10 @@
-"""llama.cpp's chat-template corpus, from the llama-cpp-python source distribution.
+"""llama.cpp's chat-template corpus and chat tests, from the llama-cpp-python source distribution.
 
-The templates are third-party files: they are not in the repository but read from the
-sdist of the installed llama-cpp-python (``vendor/llama.cpp/models/templates/*.jinja``),
-which pip downloads once into a cache folder (``$XDG_CACHE_HOME/ringserve`` or the
-repository's ``.cache/``).
+The templates (``vendor/llama.cpp/models/templates/*.jinja``) and the canned model outputs of
+``vendor/llama.cpp/tests/test-chat.cpp`` are third-party files: they are not in the repository
+but read from the sdist of the installed llama-cpp-python, which pip downloads into a cache
+folder (``$XDG_CACHE_HOME/ringserve`` or the repository's ``.cache/``) the first time each is
+asked for.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
@@ -29,9 +31,26 @@ def llama_cpp_templates() -> Path:
     Raises:
         CorpusUnavailable: the download failed (the message holds pip's last lines).
     """
+    return _extracted("templates", lambda parts: parts[-2:-1] == ["templates"] and parts[-1].endswith(".jinja")
+                      and parts[-5:-2] == ["vendor", "llama.cpp", "models"])
+
+
+def llama_cpp_chat_tests() -> Path:
+    """llama.cpp's ``tests/test-chat.cpp`` (its canned model outputs) from the same sdist.
+
+    Raises:
+        CorpusUnavailable: the download failed.
+    """
+    folder = _extracted("chat-tests", lambda parts: parts[-4:] == ["vendor", "llama.cpp", "tests", "test-chat.cpp"])
+    return folder / "test-chat.cpp"
+
+
+def _extracted(what: str, wanted: Callable[[list[str]], bool]) -> Path:
+    """A cache folder holding the sdist's files whose path (split at ``/``) is ``wanted``,
+    flat; pip downloads the sdist the first time."""
     release = version("llama-cpp-python")
     cache = Path(os.environ.get("XDG_CACHE_HOME") or REPO / ".cache") / "ringserve"
-    folder = cache / f"llama-cpp-python-{release}-templates"
+    folder = cache / f"llama-cpp-python-{release}-{what}"
     if (folder / ".complete").exists():
         return folder
     with tempfile.TemporaryDirectory() as tmp:
@@ -47,8 +66,7 @@ def llama_cpp_templates() -> Path:
         with tarfile.open(archives[0]) as tar:
             for member in tar.getmembers():
                 parts = member.name.split("/")
-                if member.isfile() and parts[-2:-1] == ["templates"] and parts[-1].endswith(".jinja") \
-                        and parts[-5:-2] == ["vendor", "llama.cpp", "models"]:
+                if member.isfile() and wanted(parts):
                     source = tar.extractfile(member)
                     assert source is not None
                     (folder / parts[-1]).write_bytes(source.read())
