@@ -51,6 +51,7 @@ __all__ = [
     "CallArgs",
     "CallEnd",
     "CallStart",
+    "JsonScan",
     "OPEN_MARK",
     "Piece",
     "Text",
@@ -177,6 +178,44 @@ class CallEnd:
 Piece = Text | CallStart | CallArgs | CallEnd
 
 
+@attrs.define
+class JsonScan:
+    """Where the text of a JSON object, array or string stands as it streams in: the bracket
+    depth, inside a string, after a backslash (the parsers of ``ringserve/formats`` share it)."""
+
+    depth: int = 0
+    in_string: bool = False
+    escape: bool = False
+
+    def end(self, text: str) -> int | None:
+        """Scan ``text``, the value's next part; the index just after the value's last
+        character when it ends in ``text``, else None (the state then covers ``text``)."""
+        depth, in_string, escape = self.depth, self.in_string, self.escape
+        end = None
+        for i, c in enumerate(text):
+            if in_string:
+                if escape:
+                    escape = False
+                elif c == "\\":
+                    escape = True
+                elif c == '"':
+                    in_string = False
+                    if depth == 0:
+                        end = i + 1
+                        break
+            elif c == '"':
+                in_string = True
+            elif c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    end = i + 1
+                    break
+        self.depth, self.in_string, self.escape = depth, in_string, escape
+        return end
+
+
 class ToolCallError(Exception):
     """The model wrote a tool call the parser cannot read (the message says how)."""
 
@@ -209,9 +248,7 @@ class ToolCallParser:
     _state: int = attrs.field(init=False, default=_State.TEXT)
     _buf: str = attrs.field(init=False, default="")
     _args: list[str] = attrs.field(init=False, factory=list)
-    _depth: int = attrs.field(init=False, default=0)
-    _in_string: bool = attrs.field(init=False, default=False)
-    _escape: bool = attrs.field(init=False, default=False)
+    _scan: JsonScan = attrs.field(init=False, factory=lambda: JsonScan())
     _after_call: bool = attrs.field(init=False, default=False)
     _head_limit: int = attrs.field(init=False, default=0)
     calls: int = attrs.field(init=False, default=0)
@@ -302,32 +339,12 @@ class ToolCallParser:
         self._buf = self._buf[m.end() :]
         self._state = _State.ARGS
         self._args = []
-        self._depth = 0
-        self._in_string = self._escape = False
+        self._scan = JsonScan()
         out.append(CallStart(name))
 
     def _arguments(self, out: list[Piece]) -> None:
         buf = self._buf
-        end = None
-        depth, in_string, escape = self._depth, self._in_string, self._escape
-        for i, c in enumerate(buf):
-            if in_string:
-                if escape:
-                    escape = False
-                elif c == "\\":
-                    escape = True
-                elif c == '"':
-                    in_string = False
-            elif c == '"':
-                in_string = True
-            elif c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    end = i + 1
-                    break
-        self._depth, self._in_string, self._escape = depth, in_string, escape
+        end = self._scan.end(buf)
         piece = buf if end is None else buf[:end]
         self._args.append(piece)
         if piece:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ringserve.formats.base import ChatFormat, ReasoningMarkers
 from ringserve.formats.generic import GENERIC
 from ringserve.formats.markup import JsonCalls, MarkupFormat, NamedCalls, TaggedCalls
-from ringserve.formats.special import GemmaCalls, HarmonyFormat, LlamaCalls, PythonicCalls, RecipientFormat
+from ringserve.formats.special import GEMMA_4, PYTHONIC, HarmonyFormat, LlamaCalls, RecipientFormat
 
 __all__ = ["FAMILIES", "THINK"]
 
@@ -93,7 +93,7 @@ _FORMATS: tuple[ChatFormat, ...] = (
     HarmonyFormat(),
     RecipientFormat(),
     MarkupFormat("llama-3", None, LlamaCalls()),
-    MarkupFormat("lfm2", THINK, PythonicCalls("<|tool_call_start|>", "<|tool_call_end|>")),
+    MarkupFormat("lfm2", THINK, PYTHONIC),
     MarkupFormat("minicpm5", THINK, TaggedCalls(
         call_open='<function name="', name_end=('">',), param_open='<param name="', key_end='">',
         value_close="</param>", func_close="</function>", nl="",
@@ -103,7 +103,7 @@ _FORMATS: tuple[ChatFormat, ...] = (
     MarkupFormat("minimax-m3", ReasoningMarkers("<mm:think>", "</mm:think>")),
     MarkupFormat("kimi-k3", ReasoningMarkers("<|open|>think<|sep|>", "<|close|>think<|sep|>"),
                  dropped=("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>")),
-    MarkupFormat("gemma-4", ReasoningMarkers("<|channel>thought", "<channel|>"), GemmaCalls(),
+    MarkupFormat("gemma-4", ReasoningMarkers("<|channel>thought", "<channel|>"), GEMMA_4,
                  dropped=("<|channel>thought", "<|channel>", "<channel|>")),
     MarkupFormat("apertus", ReasoningMarkers("<|inner_prefix|>", "<|inner_suffix|>"),
                  JsonCalls("<|tools_prefix|>", "<|tools_suffix|>", array=True, name_is_key=True)),

@@ -9,40 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["alternatives", "literal", "raw_text"]
+from ringserve.core.lark import _char  # GBNF's escapes, in one place
 
-_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+__all__ = ["alternatives", "literal", "raw_text"]
 
 
 def literal(text: str) -> str:
-    """``text`` as a GBNF string literal (``""`` for the empty string)."""
-    out = []
-    for c in text:
-        if c in _ESCAPES:
-            out.append(_ESCAPES[c])
-        elif ord(c) < 0x20 or ord(c) == 0x7F:
-            out.append(f"\\x{ord(c):02X}")
-        else:
-            out.append(c)
-    return '"' + "".join(out) + '"'
+    """``text`` as a GBNF string literal (``""`` for the empty string), escaped as
+    :mod:`ringserve.core.lark` escapes it."""
+    return '"' + "".join(_char(ord(c), in_class=False) for c in text) + '"'
 
 
 def alternatives(expressions: Sequence[str]) -> str:
     """``a | b | ...`` (``expressions`` is not empty)."""
     assert expressions, "no alternatives"
     return " | ".join(expressions)
-
-
-def _class_char(c: str) -> str:
-    if c in "\\]^-[":
-        return "\\" + c
-    if c == "\n":
-        return "\\n"
-    if c == "\r":
-        return "\\r"
-    if c == "\t":
-        return "\\t"
-    return c
 
 
 def raw_text(delimiter: str, name: str) -> tuple[tuple[str, str], ...]:
@@ -62,7 +43,7 @@ def raw_text(delimiter: str, name: str) -> tuple[tuple[str, str], ...]:
         for c, state in moves.items():
             if 0 < state < len(delimiter):
                 alts.append(f"{literal(c)} {name}-{state}")
-        others = "".join(_class_char(c) for c, state in moves.items() if state != 0)
+        others = "".join(_char(ord(c), in_class=True) for c, state in moves.items() if state != 0)
         alts.append(f"[^{others}] {name}-0")
         rules.append((f"{name}-{k}", " | ".join(alts)))
     return tuple(rules)

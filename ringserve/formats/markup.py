@@ -77,6 +77,13 @@ class CallSyntax(Protocol):
         """The GBNF of a unit (see :class:`~ringserve.formats.base.CallGrammar`)."""
 
 
+class InText:
+    """A call syntax whose units open only at markers in text (:meth:`CallSyntax.leading`: none)."""
+
+    def leading(self, tools: Tools) -> tuple[str, ...]:
+        return ()
+
+
 def _call(out: Out, tools: Tools, name: str) -> None:
     out.call_start(tools.check(name))
 
@@ -85,7 +92,7 @@ def _call(out: Out, tools: Tools, name: str) -> None:
 
 
 @attrs.frozen
-class JsonCalls:
+class JsonCalls(InText):
     """Calls as JSON objects after ``opener``: a JSON array of them (``array``: always), or
     objects one after another up to ``close`` (one object when there is no ``close``).
 
@@ -107,9 +114,6 @@ class JsonCalls:
 
     def openers(self, tools: Tools) -> tuple[str, ...]:
         return (self.opener,)
-
-    def leading(self, tools: Tools) -> tuple[str, ...]:
-        return ()
 
     def read(self, s: Stream, out: Out, tools: Tools, opener: str) -> Read:
         out.in_call = True
@@ -230,7 +234,7 @@ def _json_args(s: Stream, out: Out) -> Read:
 
 
 @attrs.frozen
-class NamedCalls:
+class NamedCalls(InText):
     """Calls ``call_open [name_prefix] NAME name_end [args_open] {arguments} [close...]``,
     alone in text or, when ``section`` is set, any number of them between the section's
     markers (a ``call_open`` alone in text also opens a call).
@@ -261,9 +265,6 @@ class NamedCalls:
 
     def openers(self, tools: Tools) -> tuple[str, ...]:
         return (self.call_open,) if self.section is None else (self.section[0], self.call_open)
-
-    def leading(self, tools: Tools) -> tuple[str, ...]:
-        return ()
 
     def read(self, s: Stream, out: Out, tools: Tools, opener: str) -> Read:
         if self.section is None or opener == self.call_open:
@@ -343,7 +344,7 @@ class NamedCalls:
 
 
 @attrs.frozen
-class TaggedCalls:
+class TaggedCalls(InText):
     """Calls whose name and parameters are markup:
     ``call_open [func_open] NAME name_end ( param_open KEY key_end [value_open] VALUE value_close )* func_close close``
     (whitespace allowed between the parts), alone in text or between ``section`` markers.
@@ -377,9 +378,6 @@ class TaggedCalls:
         if self.bare_open:
             opens += tuple(f"{self.bare_open}{name}{self.name_end[0]}" for name in sorted(tools.names))
         return opens
-
-    def leading(self, tools: Tools) -> tuple[str, ...]:
-        return ()
 
     def read(self, s: Stream, out: Out, tools: Tools, opener: str) -> Read:
         if self.section is not None and opener == self.section[0]:

@@ -14,8 +14,8 @@
   whole reply, or after ``<|python_tag|>`` (which also takes built-in tools' ``NAME.call(k=v)``
   and raw Python code for a ``python``/``ipython`` tool), per Meta's prompt format
   (https://www.llama.com/docs/model-cards-and-prompt-formats/llama3_1/).
-* Pythonic calls (:class:`PythonicCalls`): ``[f(a=1), g(b="x")]`` between markers (LFM2).
-* Gemma 4 (:class:`GemmaCalls`): ``<|tool_call>call:f{k:<|"|>v<|"|>}<tool_call|>``.
+* Calls that are not JSON, read whole (:class:`WholeCalls`): LFM2's Python
+  ``[f(a=1), g(b="x")]`` and Gemma 4's ``<|tool_call>call:f{k:<|"|>v<|"|>}<tool_call|>``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import ast
 import json
 import re
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import attrs
 
@@ -31,11 +31,11 @@ from ringserve.core.events import ToolSpec
 from ringserve.core.toolcalls import ToolCallError
 from ringserve.formats.base import CallGrammar, ReasoningMarkers, ToolRules, thinking_rules
 from ringserve.formats.gbnf import alternatives, literal
-from ringserve.formats.markup import JsonCalls, _json_args
+from ringserve.formats.markup import InText, JsonCalls, _json_args
 from ringserve.formats.stream import CoroutineParser, Out, Stream, accept, peek, skip_ws, take_until, until
 from ringserve.formats.tools import Tools
 
-__all__ = ["GemmaCalls", "HarmonyFormat", "LlamaCalls", "PythonicCalls", "RecipientFormat"]
+__all__ = ["GEMMA_4", "PYTHONIC", "HarmonyFormat", "LlamaCalls", "RecipientFormat", "WholeCalls"]
 
 Read = Generator[None, None, None]
 
@@ -91,29 +91,6 @@ def _pythonic(source: str, tools: Tools, out: Out) -> None:
         out.call_start(tools.check(name))
         out.args(json.dumps(args, ensure_ascii=False))
         out.call_end()
-
-
-@attrs.frozen
-class PythonicCalls:
-    """Calls written as Python, ``[f(a=1), g(b="x")]``, between ``opener`` and ``close``
-    (read whole, then parsed: the arguments come out at the closing marker)."""
-
-    opener: str
-    close: str
-
-    def openers(self, tools: Tools) -> tuple[str, ...]:
-        return (self.opener,)
-
-    def leading(self, tools: Tools) -> tuple[str, ...]:
-        return ()
-
-    def read(self, s: Stream, out: Out, tools: Tools, opener: str) -> Read:
-        out.in_call = True
-        source, _ = yield from take_until(s, (self.close,), 1 << 20, "tool calls")
-        _pythonic(source, tools, out)
-
-    def grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
-        raise NotImplementedError("pythonic calls are not forced by a grammar here")
 
 
 # --- Gemma 4 ---------------------------------------------------------------------------------
@@ -174,32 +151,50 @@ def _gemma_json(text: str) -> str:
     return "".join(out)
 
 
-@attrs.frozen
-class GemmaCalls:
-    """Gemma 4's calls, ``<|tool_call>call:NAME{ARGS}<tool_call|>`` (read whole: the
-    arguments come out at the closing marker)."""
+def _gemma_call(source: str, tools: Tools, out: Out) -> None:
+    """Put out the call ``call:NAME{ARGS}`` (Gemma 4's, between its markers).
 
-    opener: str = "<|tool_call>"
-    close: str = "<tool_call|>"
+    Raises:
+        ToolCallError: not that.
+    """
+    head, brace, args = source.partition("{")
+    if not head.startswith("call:") or not brace:
+        raise ToolCallError(f"a tool call that is not call:NAME{{...}}: {source[:80]!r}")
+    out.call_start(tools.check(head[len("call:") :].strip()))
+    out.args(_gemma_json(brace + args))
+    out.call_end()
+
+
+# --- calls read whole --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class WholeCalls(InText):
+    """Calls whose syntax is not JSON, read whole between ``opener`` and ``close`` and then
+    turned into calls by ``convert`` (their arguments come out at the closing marker):
+    :func:`_pythonic` (LFM2's ``[f(a=1), g(b="x")]``), :func:`_gemma_call` (Gemma 4's
+    ``call:f{k:<|"|>v<|"|>}``)."""
+
+    opener: str
+    close: str
+    convert: Callable[[str, Tools, Out], None]
 
     def openers(self, tools: Tools) -> tuple[str, ...]:
         return (self.opener,)
 
-    def leading(self, tools: Tools) -> tuple[str, ...]:
-        return ()
-
     def read(self, s: Stream, out: Out, tools: Tools, opener: str) -> Read:
         out.in_call = True
-        source, _ = yield from take_until(s, (self.close,), 1 << 20, "a tool call")
-        head, brace, args = source.partition("{")
-        if not head.startswith("call:") or not brace:
-            raise ToolCallError(f"a tool call that is not call:NAME{{...}}: {source[:80]!r}")
-        out.call_start(tools.check(head[len("call:") :].strip()))
-        out.args(_gemma_json(brace + args))
-        out.call_end()
+        source, _ = yield from take_until(s, (self.close,), 1 << 20, "tool calls")
+        self.convert(source, tools, out)
 
     def grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
-        raise NotImplementedError("Gemma 4's argument syntax is not JSON: its calls are not forced by a grammar here")
+        raise NotImplementedError("calls that are not JSON are not forced by a grammar here")
+
+
+PYTHONIC = WholeCalls("<|tool_call_start|>", "<|tool_call_end|>", _pythonic)
+"""LFM2's calls."""
+GEMMA_4 = WholeCalls("<|tool_call>", "<tool_call|>", _gemma_call)
+"""Gemma 4's calls."""
 
 
 # --- Llama 3.x -------------------------------------------------------------------------------

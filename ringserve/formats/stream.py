@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import attrs
 
-from ringserve.core.toolcalls import CallArgs, CallEnd, CallStart, Text, ToolCallError
+from ringserve.core.toolcalls import CallArgs, CallEnd, CallStart, JsonScan, Text, ToolCallError
 from ringserve.formats.base import Piece, Reasoning
 
 __all__ = [
@@ -378,37 +378,12 @@ def json_value(s: Stream, emit: Callable[[str], None], where: str) -> Generator[
                 s.pos = m.end()
                 return
             yield
-    depth = 0
-    in_string = escape = False
+    scan = JsonScan()
     while True:
-        text = s.text
-        i = s.pos
-        end = None
-        while i < len(text):
-            c = text[i]
-            if in_string:
-                if escape:
-                    escape = False
-                elif c == "\\":
-                    escape = True
-                elif c == '"':
-                    in_string = False
-                    if depth == 0:
-                        end = i + 1
-                        break
-            elif c == '"':
-                in_string = True
-            elif c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    end = i + 1
-                    break
-            i += 1
-        stop = len(text) if end is None else end
+        end = scan.end(s.text[s.pos :])
+        stop = len(s.text) if end is None else s.pos + end
         if stop > s.pos:
-            emit(text[s.pos : stop])
+            emit(s.text[s.pos : stop])
             s.pos = stop
         if end is not None:
             return
