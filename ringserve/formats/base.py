@@ -76,7 +76,13 @@ class OutputParser(Protocol):
 
     def flush(self) -> list[Piece]:
         """End of the reply: release held text (a call that is not complete stays so:
-        :attr:`in_call` tells). No more feeds."""
+        :attr:`in_call` tells; a closing marker cut after a complete call is dropped). No
+        more feeds.
+
+        Raises:
+            ToolCallError: text outside any call that breaks the syntax (a section of calls
+                that goes on with other text).
+        """
 
 
 @attrs.frozen
