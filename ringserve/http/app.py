@@ -458,7 +458,7 @@ def _served_model() -> ModelInfo:
     state = _state()
     if state.hub is None:
         raise RingserveError(ErrorKind.UNAVAILABLE, "the model is still loading")
-    return ModelInfo(state.model_id, state.started)
+    return ModelInfo(state.model_id, state.started, state.hub.runner.n_ctx_slot)
 
 
 async def models() -> Response:

@@ -107,14 +107,21 @@ def accepted_json(status: MessageStatus, token: StreamToken) -> dict[str, Any]:
 
 @attrs.frozen
 class ModelInfo:
-    """The served model: its id and when the server started (Unix seconds)."""
+    """The served model: its id, when the server started (Unix seconds), and its context window
+    (tokens of KV cache per slot, the prompt and the reply together)."""
 
     id: str
     started: float
+    context_window: int
 
 
 def model_json(model: ModelInfo) -> dict[str, Any]:
-    """The served model in a shape both SDKs read (OpenAI ``Model``, Anthropic ``ModelInfo``)."""
+    """The served model in a shape both SDKs read (OpenAI ``Model``, Anthropic ``ModelInfo``).
+
+    ``max_input_tokens`` is the context window, under the name of Anthropic's ``ModelInfo``
+    ("Maximum input context window size in tokens", ``anthropic/types/model_info.py``); OpenAI's
+    ``Model`` keeps it as an extra field. ``ringserve launch`` reads it.
+    """
     return {
         "id": model.id,
         "object": "model",
@@ -123,6 +130,7 @@ def model_json(model: ModelInfo) -> dict[str, Any]:
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(model.started)),
         "display_name": model.id,
         "owned_by": "ringserve",
+        "max_input_tokens": model.context_window,
     }
 
 

@@ -257,6 +257,7 @@ async def test_models_and_health(fake_server):
     state, client = fake_server
     models = (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == state.model_id
+    assert models["data"][0]["max_input_tokens"] == state.config.engine.ctx_per_slot == 4096  # the context window, per slot
     assert (await client.get("/health")).status_code == 200
 
 

@@ -107,10 +107,11 @@ def test_the_202_body_and_the_stream_token_body() -> None:
 
 
 def test_models_in_the_shape_both_sdks_read() -> None:
-    model = wire.ModelInfo("tiny", 86400.5)
+    model = wire.ModelInfo("tiny", 86400.5, 4096)
     one = wire.model_json(model)
     assert one == {"id": "tiny", "object": "model", "type": "model", "created": 86400,
-                   "created_at": "1970-01-02T00:00:00Z", "display_name": "tiny", "owned_by": "ringserve"}
+                   "created_at": "1970-01-02T00:00:00Z", "display_name": "tiny", "owned_by": "ringserve",
+                   "max_input_tokens": 4096}
     assert wire.models_json(model) == {"object": "list", "data": [one], "has_more": False,
                                        "first_id": "tiny", "last_id": "tiny"}
 
