@@ -1,6 +1,7 @@
 """Command line: ``ringserve serve [--config FILE] [--host H] [--port P] [--model PATH] [--slots N]``.
 
-Also ``ringserve chat "PROMPT"`` and ``ringserve tail MESSAGE_ID`` (clients; see ``ringserve/client/cli.py``).
+Also ``ringserve chat "PROMPT"`` and ``ringserve tail MESSAGE_ID`` (clients; see ``ringserve/client/cli.py``),
+and ``ringserve launch claude|codex`` (an agent on the server; see ``ringserve/launch.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from ringserve.client.cli import add_commands
 from ringserve.config import Config
+from ringserve.launch import add_command as add_launch, split_argv
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--slots", type=int, help="concurrent sequences decoded together (default 4)")
     serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     add_commands(sub)
+    add_launch(sub)
     return parser
 
 
@@ -42,7 +45,10 @@ def load_config(args: argparse.Namespace) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv, agent_args = split_argv(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    if agent_args:
+        args.agent_args = agent_args
     if getattr(args, "client_command", None) is not None:
         return args.client_command(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

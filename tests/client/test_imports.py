@@ -36,4 +36,4 @@ def test_importing_the_client_and_the_cli_does_not_load_llama_cpp() -> None:
     loaded = done.stdout.split()
     assert "ringserve.client._trio" in loaded and "ringserve.client.cli" in loaded
     assert [m for m in loaded if not m.startswith(("ringserve.client", "ringserve.core"))] == [
-        "ringserve", "ringserve.__main__", "ringserve.config"]
+        "ringserve", "ringserve.__main__", "ringserve.config", "ringserve.launch"]

@@ -1,0 +1,478 @@
+"""``ringserve launch claude`` and ``ringserve launch codex``: a coding agent on ringserve in one command.
+
+``ringserve launch AGENT [--config FILE] [--url URL] [--api-key KEY] [--keep-server] [--print] [-- AGENT ARGS]``
+
+The launcher looks for a server at the URL (``--url``, else ``$RINGSERVE_URL``, else the
+config's ``[server]`` host and port). When nothing answers there it starts ``ringserve serve``
+with the same config as a child process, in a session of its own (the terminal's Ctrl-C goes to
+the agent, not to the server) with its output in a log file, waits for ``GET /ready``, and stops
+it when the agent exits (SIGTERM, so it drains; ``--keep-server`` leaves it running). It reads
+the served model's name and context window from ``GET /v1/models`` (``max_input_tokens``), then
+runs the agent with the settings below, or prints them (``--print``: shell ``export`` lines and,
+for Codex, the ``config.toml`` that says the same). Arguments after ``--`` go to the agent. The
+exit status is the agent's (128 + N when signal N ended it); 2 and one line on stderr when the
+launcher cannot do its part.
+
+What each agent gets (the facts behind each are in ``docs/agents.md``, observed on the versions
+pinned in ``.ci/agents/package.json``):
+
+* Claude Code: ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY`` (the key; a placeholder when the
+  server needs none), the served model's name in ``ANTHROPIC_MODEL`` and in every variable that
+  picks the model of background and sub-agent calls, ``API_TIMEOUT_MS``,
+  ``DISABLE_TELEMETRY=1`` and ``CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1``.
+* Codex CLI: ``-c`` overrides on its command line, so the user's ``~/.codex/config.toml`` is read
+  but never written: a provider ``ringserve`` (``base_url``, ``wire_api = "responses"``, the key
+  in ``$RINGSERVE_API_KEY``, ``stream_idle_timeout_ms``), the model's name and
+  ``model_context_window``, and ``model_catalog_json``: a catalog of one model, the served one,
+  made from Codex's own entry for :data:`CODEX_TEMPLATE` (``codex debug models --bundled``). Codex
+  offers its freeform ``apply_patch`` tool only to models it has such metadata for; without it a
+  model gets its fallback tool set and a 272,000-token window.
+
+Both agents' request timers are set to the longest a ringserve stream may take
+(``[server] max_stream_seconds``, or :data:`AGENT_TIMEOUT_S` when it is 0, no limit): Claude Code
+gives a request 600 s and Codex 300 s of silence by default, and a retry after either starts the
+whole prefill again.
+
+This module imports nothing of the server: ``ringserve serve`` runs in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO, assert_never
+from urllib.parse import urlsplit
+
+import attrs
+import httpx
+import platformdirs
+
+from ringserve.config import Config
+
+__all__ = [
+    "AGENTS", "AGENT_TIMEOUT_S", "CODEX_TEMPLATE", "Agent", "AgentInfo", "LaunchError", "Served", "Settings",
+    "add_command", "claude_settings", "codex_model_entry", "codex_settings", "context_warning", "find_agent",
+    "render", "run", "split_argv",
+]
+
+
+class Agent(enum.StrEnum):
+    CLAUDE = "claude"
+    CODEX = "codex"
+
+
+@attrs.frozen
+class AgentInfo:
+    """What the launcher knows of one agent: its name, program, npm package and pinned version, and
+    the context its first request needs (tokens)."""
+
+    name: str
+    program: str
+    package: str
+    version: str
+    prompt_tokens: int
+
+
+#: The agents. ``version`` is the one pinned in ``.ci/agents/package.json`` (a test keeps them
+#: equal). ``prompt_tokens``: the first request of each as launched here (a model name the agent does
+#: not know; Codex with :data:`CODEX_TEMPLATE`'s metadata), rendered by the bundled model's template,
+#: rounded up: 12,697-12,936 and 7,914-8,482 tokens (``docs/agents.md``, "Context the default
+#: prompts need").
+AGENTS: dict[Agent, AgentInfo] = {
+    Agent.CLAUDE: AgentInfo("Claude Code", "claude", "@anthropic-ai/claude-code", "2.1.332", 13_000),
+    Agent.CODEX: AgentInfo("Codex CLI", "codex", "@openai/codex", "0.171.0", 8_500),
+}
+
+#: The agents' request timeout when ``[server] max_stream_seconds`` is 0 (no limit), in seconds.
+AGENT_TIMEOUT_S = 3600.0
+#: The model of Codex's bundled catalog whose metadata the served model gets: in Codex 0.171.0 the
+#: newest whose tools are functions plus the freeform ``apply_patch`` (later ones use "code mode").
+CODEX_TEMPLATE = "gpt-5.5"
+#: Codex's provider id for ringserve, and the environment variable its key is read from.
+CODEX_PROVIDER = "ringserve"
+CODEX_KEY_ENV = "RINGSERVE_API_KEY"
+#: The key an agent sends when the server has none configured (both agents want one).
+PLACEHOLDER_KEY = "ringserve"
+#: The repository's pinned copies of the agents (``npm ci --prefix .ci/agents``).
+PINNED_BIN = Path(__file__).resolve().parent.parent / ".ci" / "agents" / "node_modules" / ".bin"
+#: How long a started server may take to become ready (the model load), in seconds.
+READY_TIMEOUT_S = 600.0
+#: What starts a server: ``ringserve serve`` in this interpreter.
+SERVE = (sys.executable, "-m", "ringserve", "serve")
+
+
+class LaunchError(Exception):
+    """Something the launcher could not do; the message is one line for the terminal."""
+
+
+@attrs.frozen
+class Served:
+    """The server an agent talks to: its base URL (no trailing ``/``), the served model's name
+    and context window (tokens per slot), the key to send, and the request timeout (seconds)."""
+
+    url: str
+    model: str
+    context_window: int
+    api_key: str
+    timeout: float
+
+
+@attrs.frozen
+class Settings:
+    """What one agent gets: its environment's additions, the arguments before the user's, and (Codex)
+    the ``config.toml`` text that says the same as those arguments."""
+
+    env: dict[str, str]
+    args: tuple[str, ...] = ()
+    config_toml: str = ""
+
+
+def claude_settings(served: Served) -> Settings:
+    """Claude Code's environment (its variables: ``docs/agents.md``; names from its binary)."""
+    model = {name: served.model for name in (
+        "ANTHROPIC_MODEL",
+        "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+        "ANTHROPIC_SMALL_FAST_MODEL",  # the older name of the background calls' model
+        "CLAUDE_CODE_SUBAGENT_MODEL",
+    )}
+    return Settings({
+        "ANTHROPIC_BASE_URL": served.url,
+        "ANTHROPIC_API_KEY": served.api_key,
+        **model,
+        "API_TIMEOUT_MS": str(round(served.timeout * 1000)),
+        "DISABLE_TELEMETRY": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    })
+
+
+def _toml(value: str | int) -> str:
+    # A JSON string is a TOML basic string: the same escapes (\" \\ \n \t \uXXXX ...).
+    return json.dumps(value)
+
+
+def codex_settings(served: Served, catalog: Path | None) -> Settings:
+    """Codex's ``-c`` overrides and the ``config.toml`` they amount to (``catalog``: the file
+    :func:`codex_model_entry`'s catalog is in, or None for none)."""
+    root: dict[str, str | int] = {"model": served.model, "model_provider": CODEX_PROVIDER,
+                                  "model_context_window": served.context_window}
+    if catalog is not None:
+        root["model_catalog_json"] = str(catalog)
+    provider: dict[str, str | int] = {
+        "name": "ringserve",
+        "base_url": f"{served.url}/v1",
+        "wire_api": "responses",
+        "env_key": CODEX_KEY_ENV,
+        "stream_idle_timeout_ms": round(served.timeout * 1000),
+    }
+    table = f"model_providers.{CODEX_PROVIDER}"
+    pairs = [*root.items(), *((f"{table}.{key}", value) for key, value in provider.items())]
+    config = "".join(f"{key} = {_toml(value)}\n" for key, value in root.items())
+    config += f"\n[{table}]\n" + "".join(f"{key} = {_toml(value)}\n" for key, value in provider.items())
+    return Settings({CODEX_KEY_ENV: served.api_key},
+                    tuple(arg for key, value in pairs for arg in ("-c", f"{key}={_toml(value)}")), config)
+
+
+def codex_model_entry(catalog: Mapping[str, Any], served: Served) -> dict[str, Any] | None:
+    """The served model's entry for Codex's ``model_catalog_json``: :data:`CODEX_TEMPLATE`'s entry
+    in ``catalog`` (what ``codex debug models --bundled`` prints) under the served model's name and
+    context window, without an upgrade offer, availability notice or paid speed tiers. None when the
+    catalog has no such model."""
+    template = next((m for m in catalog.get("models", ()) if m.get("slug") == CODEX_TEMPLATE), None)
+    if template is None:
+        return None
+    cleared: dict[str, Any] = {"upgrade": None, "availability_nux": None, "additional_speed_tiers": [], "service_tiers": []}
+    return {
+        **template,
+        **{key: value for key, value in cleared.items() if key in template},
+        "slug": served.model,
+        "display_name": served.model,
+        "description": f"{served.model}, served by ringserve",
+        "context_window": served.context_window,
+        "max_context_window": served.context_window,
+    }
+
+
+def context_warning(agent: Agent, served: Served) -> str | None:
+    """One line when the served model's context is smaller than the agent's first request."""
+    info = AGENTS[agent]
+    if served.context_window >= info.prompt_tokens:
+        return None
+    return (f"ringserve: warning: {served.model} has {served.context_window:,} tokens of context per slot, and "
+            f"{info.name}'s first request alone is about {info.prompt_tokens:,}: expect a 400 (prompt too long); "
+            "serve a model with a longer context ([engine] ctx_per_slot)")
+
+
+def render(agent: Agent, served: Served, settings: Settings) -> str:
+    """The ``--print`` text: a comment naming the server, ``export`` lines, and for Codex its
+    ``config.toml``."""
+    info = AGENTS[agent]
+    lines = [f"# {info.name} on ringserve at {served.url}: model {served.model}, "
+             f"{served.context_window:,} tokens of context per slot"]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in settings.env.items()]
+    if settings.config_toml:
+        lines += ["# config.toml (~/.codex/ or $CODEX_HOME; `ringserve launch codex` passes these as -c overrides):",
+                  settings.config_toml.rstrip("\n")]
+    return "\n".join(lines) + "\n"
+
+
+def find_agent(info: AgentInfo, path: str | None, pinned: Path = PINNED_BIN) -> str | None:
+    """The agent's program: on ``path`` (``$PATH``), else the repository's pinned copy, else None."""
+    found = shutil.which(info.program, path=path)
+    if found is not None:
+        return found
+    copy = pinned / info.program
+    return str(copy) if copy.is_file() and os.access(copy, os.X_OK) else None
+
+
+def _missing(info: AgentInfo) -> LaunchError:
+    return LaunchError(f"{info.name} ({info.program}) is on neither PATH nor {PINNED_BIN}; "
+                       f"install it: npm install -g {info.package}@{info.version}")
+
+
+def server_url(config: Config) -> str:
+    """The URL the config's server listens on (a wildcard host is reached on loopback).
+
+    Raises:
+        LaunchError: ``[server] port`` is 0 (a port chosen at start cannot be found here).
+    """
+    server = config.server
+    if server.port == 0:
+        raise LaunchError("[server] port is 0, so the server's port is not known here: set it, or give --url")
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(server.host, server.host)
+    host = f"[{host}]" if ":" in host else host
+    return f"{'https' if server.certfile else 'http'}://{host}:{server.port}"
+
+
+def _serve_args(config_path: Path | None, url: str | None) -> list[str]:
+    """``ringserve serve``'s arguments: the config, and the host and port of a ``--url``."""
+    args = [] if config_path is None else ["--config", str(config_path)]
+    if url is not None:
+        parts = urlsplit(url)
+        if parts.hostname is None or parts.port is None:
+            raise LaunchError(f"--url {url}: no server answers there, and without a host and port none can be started")
+        args += ["--host", parts.hostname, "--port", str(parts.port)]
+    return args
+
+
+class _Readiness(enum.Enum):
+    NONE = "none"  # nothing listens
+    LOADING = "loading"  # a server, not ready yet (or draining)
+    READY = "ready"
+
+
+def _readiness(client: httpx.Client, url: str) -> _Readiness:
+    try:
+        status = client.get(f"{url}/ready").status_code
+    except httpx.TransportError:
+        return _Readiness.NONE
+    if status == 200:
+        return _Readiness.READY
+    if status == 503:
+        return _Readiness.LOADING
+    raise LaunchError(f"{url}/ready answered {status}: is this a ringserve server?")
+
+
+def _served_model(client: httpx.Client, url: str, api_key: str) -> tuple[str, int]:
+    """The served model's name and context window, from ``GET /v1/models``."""
+    response = client.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {api_key}"})
+    if response.status_code == 401:
+        raise LaunchError(f"{url} wants an API key: give --api-key or set RINGSERVE_API_KEY")
+    if response.status_code != 200:
+        raise LaunchError(f"{url}/v1/models answered {response.status_code}")
+    try:
+        model = response.json()["data"][0]
+        return str(model["id"]), int(model["max_input_tokens"])
+    except (ValueError, LookupError, TypeError):
+        raise LaunchError(f"{url}/v1/models does not give the model's context window (max_input_tokens): "
+                          "a ringserve older than this launcher?") from None
+
+
+class _ServerChild:
+    """``ringserve serve`` started by the launcher: its own session, output in ``log``."""
+
+    def __init__(self, argv: Sequence[str], log: Path) -> None:
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def stop(self, drain_timeout: float) -> None:
+        """SIGTERM (the server drains, up to ``drain_timeout`` s), then SIGKILL if it is still there."""
+        self.proc.terminate()
+        try:
+            self.proc.wait(drain_timeout + 10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _wait_ready(client: httpx.Client, url: str, child: _ServerChild | None) -> None:
+    """Wait until the server at ``url`` is ready (its model loaded): the one the launcher started
+    (``child``), or one that answered but was loading."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    where = url if child is None else f"{url} (log: {child.log})"
+    while (state := _readiness(client, url)) is not _Readiness.READY:
+        if child is not None and (status := child.proc.poll()) is not None:
+            lines = child.log.read_text(errors="replace").strip().splitlines() or ["(no output)"]
+            raise LaunchError(f"the server exited with status {status}: {lines[-1]} (log: {child.log})")
+        if child is None and state is _Readiness.NONE:
+            raise LaunchError(f"the server at {url} went away while it was loading")
+        if time.monotonic() > deadline:
+            raise LaunchError(f"the server at {where} is not ready after {READY_TIMEOUT_S:.0f} s")
+        time.sleep(0.2)
+
+
+def _codex_catalog(program: str | None, env: Mapping[str, str], served: Served, err: TextIO) -> Path | None:
+    """Write the served model's Codex catalog (a file named by its content, in the user's cache) and
+    return its path; None, with a warning, when Codex's own catalog cannot be read or lacks the
+    template model."""
+    why = "Codex is not installed"
+    if program is not None:
+        done = subprocess.run([program, "debug", "models", "--bundled"], env=env, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=60)
+        why = f"`codex debug models --bundled` failed (status {done.returncode})"
+        if done.returncode == 0:
+            try:
+                entry = codex_model_entry(json.loads(done.stdout), served)
+            except (ValueError, AttributeError):
+                entry = None
+            why = f"Codex's bundled catalog has no {CODEX_TEMPLATE} to copy"
+            if entry is not None:
+                text = json.dumps({"models": [entry]}, ensure_ascii=False)
+                path = (platformdirs.user_cache_path("ringserve") / "codex"
+                        / f"catalog-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+                return path
+    print(f"ringserve: warning: {why}: Codex gets no metadata for {served.model} (so no apply_patch tool)", file=err)
+    return None
+
+
+def _exit_on(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _run_agent(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run the agent to its end; the exit status (128 + N after signal N).
+
+    Ctrl-C is the agent's (the terminal sends SIGINT to it directly; Claude Code reads a second one
+    as "quit"), so the launcher ignores it; SIGTERM and SIGHUP sent to the launcher are passed on.
+    """
+    agent = subprocess.Popen(argv, env=dict(env))
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        agent.send_signal(signum)
+
+    handlers = {signal.SIGINT: lambda _signum, _frame: None, signal.SIGTERM: forward, signal.SIGHUP: forward}
+    previous = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
+    try:
+        status = agent.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return status if status >= 0 else 128 - status
+
+
+def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
+    """``ringserve launch``: find or start the server, then run the agent or print its settings.
+
+    ``serve`` is the command that starts a server, to which the config and the ``--url``'s host and
+    port are appended.
+    """
+    out, err = sys.stdout, sys.stderr
+    agent = Agent(args.agent)
+    info = AGENTS[agent]
+    previous = {signum: signal.signal(signum, _exit_on) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    child: _ServerChild | None = None
+    config = Config()
+    try:
+        if args.config is not None:
+            try:
+                config = Config.from_toml(args.config)
+            except (OSError, ValueError) as exc:
+                raise LaunchError(str(exc)) from None
+        url = (args.url or server_url(config)).rstrip("/")
+        api_key = args.api_key or next(iter(config.auth.api_keys), PLACEHOLDER_KEY)
+        program = find_agent(info, os.environ.get("PATH"), PINNED_BIN)
+        if program is None and not args.print:
+            raise _missing(info)
+        with httpx.Client(timeout=10) as client:
+            readiness = _readiness(client, url)
+            if readiness is _Readiness.NONE:
+                log = platformdirs.user_log_path("ringserve") / f"server-{urlsplit(url).port}.log"
+                config_path = None if args.config is None else args.config.resolve()
+                child = _ServerChild([*serve, *_serve_args(config_path, args.url)], log)
+                print(f"ringserve: no server at {url}; starting one (log: {log})", file=err)
+                _wait_ready(client, url, child)
+            elif readiness is _Readiness.LOADING:
+                _wait_ready(client, url, None)
+            model, context_window = _served_model(client, url, api_key)
+        served = Served(url, model, context_window, api_key, config.server.max_stream_seconds or AGENT_TIMEOUT_S)
+        warning = context_warning(agent, served)
+        if warning is not None:
+            print(warning, file=err)
+        env = {**os.environ}
+        match agent:
+            case Agent.CLAUDE:
+                settings = claude_settings(served)
+            case Agent.CODEX:
+                settings = codex_settings(served, _codex_catalog(program, env, served, err))
+            case _:
+                assert_never(agent)
+        if args.print:
+            out.write(render(agent, served, settings))
+            return 0
+        assert program is not None
+        return _run_agent([program, *settings.args, *args.agent_args], env | settings.env)
+    except LaunchError as exc:
+        print(f"ringserve: {exc}", file=err)
+        return 2
+    finally:
+        if child is not None:
+            if args.keep_server:
+                print(f"ringserve: the server goes on at {url} (pid {child.proc.pid}; log: {child.log})", file=err)
+            else:
+                child.stop(config.server.drain_timeout)
+                if args.print:
+                    print("ringserve: stopped the server it started (--keep-server leaves it running)", file=err)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``launch ... -- AGENT ARGS`` split at its first ``--`` (argparse in Python 3.11 loses a
+    ``--`` in a subcommand's arguments, and every later one); other commands are left whole."""
+    argv = list(argv)
+    if argv[:1] == ["launch"] and "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, []
+
+
+def add_command(sub: Any) -> None:
+    """Register ``launch`` on the CLI's subparsers (it sets ``client_command``, as ``chat`` does)."""
+    about = "run Claude Code or Codex CLI on ringserve, starting the server if none runs"
+    launch = sub.add_parser("launch", help=about, description=f"{about[0].upper()}{about[1:]} (docs/agents.md, Launch).",
+                            epilog="Arguments after -- go to the agent: ringserve launch codex -- exec 'Say hi'")
+    launch.add_argument("agent", choices=tuple(Agent), help="the agent")
+    launch.add_argument("--config", type=Path, help="TOML config file, for the URL, the key and a server to start")
+    launch.add_argument("--url", default=os.environ.get("RINGSERVE_URL"),
+                        help="the server's URL (default $RINGSERVE_URL, else the config's host and port)")
+    launch.add_argument("--api-key", default=os.environ.get("RINGSERVE_API_KEY"),
+                        help="API key (default $RINGSERVE_API_KEY, else the config's first key)")
+    launch.add_argument("--keep-server", action="store_true", help="leave a server this command started running")
+    launch.add_argument("--print", action="store_true", help="print the agent's settings instead of running it")
+    launch.set_defaults(client_command=run, agent_args=[])

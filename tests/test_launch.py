@@ -1,0 +1,303 @@
+"""``ringserve launch``: the settings each agent gets (pure functions, and ``--print``), and the whole
+command with a fake agent (an executable that records its argv and environment) against a server on
+the fake engine (``bench/fake_server.py``): started when none runs and stopped after, or used and
+left running when one does."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ringserve import launch
+from ringserve.__main__ import _parser
+from ringserve.launch import AGENTS, Agent, Served, Settings
+from tests.support.server import ServerProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE_SERVE = (sys.executable, str(ROOT / "bench" / "fake_server.py"))
+SERVED = Served("http://127.0.0.1:8080", "qwen3-8b", 32768, "k-1", 1800.0)
+
+
+def test_claude_code_gets_the_url_the_key_one_model_for_every_call_and_a_timeout():
+    assert launch.claude_settings(SERVED) == Settings({
+        "ANTHROPIC_BASE_URL": "http://127.0.0.1:8080",
+        "ANTHROPIC_API_KEY": "k-1",
+        "ANTHROPIC_MODEL": "qwen3-8b",
+        "ANTHROPIC_DEFAULT_OPUS_MODEL": "qwen3-8b",
+        "ANTHROPIC_DEFAULT_SONNET_MODEL": "qwen3-8b",
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": "qwen3-8b",
+        "ANTHROPIC_SMALL_FAST_MODEL": "qwen3-8b",
+        "CLAUDE_CODE_SUBAGENT_MODEL": "qwen3-8b",
+        "API_TIMEOUT_MS": "1800000",
+        "DISABLE_TELEMETRY": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    })
+
+
+def overrides(args: tuple[str, ...]) -> dict[str, Any]:
+    """Codex's ``-c key=value`` arguments as the nested table they set (values parsed as TOML, as Codex does)."""
+    table: dict[str, Any] = {}
+    assert args[::2] == ("-c",) * (len(args) // 2)
+    for pair in args[1::2]:
+        key, value = pair.split("=", 1)
+        *path, last = key.split(".")
+        node = table
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = tomllib.loads(f"v = {value}")["v"]
+    return table
+
+
+CODEX_CONFIG = {
+    "model": "qwen3-8b",
+    "model_provider": "ringserve",
+    "model_context_window": 32768,
+    "model_catalog_json": "/cache/catalog.json",
+    "model_providers": {"ringserve": {
+        "name": "ringserve",
+        "base_url": "http://127.0.0.1:8080/v1",
+        "wire_api": "responses",
+        "env_key": "RINGSERVE_API_KEY",
+        "stream_idle_timeout_ms": 1800000,
+    }},
+}
+
+
+def test_codex_gets_a_provider_and_the_model_as_overrides_that_say_what_the_printed_config_says():
+    settings = launch.codex_settings(SERVED, Path("/cache/catalog.json"))
+    assert settings.env == {"RINGSERVE_API_KEY": "k-1"}
+    assert overrides(settings.args) == tomllib.loads(settings.config_toml) == CODEX_CONFIG
+    without = launch.codex_settings(SERVED, None)
+    assert "model_catalog_json" not in tomllib.loads(without.config_toml)
+    assert overrides(without.args) == tomllib.loads(without.config_toml)
+
+
+def test_a_model_name_that_needs_escaping_stays_one_toml_string():
+    odd = Served('http://127.0.0.1:8080', 'a "b"\\c\u00e9', 8192, "k", 60.0)
+    settings = launch.codex_settings(odd, None)
+    assert overrides(settings.args)["model"] == tomllib.loads(settings.config_toml)["model"] == 'a "b"\\c\u00e9'
+
+
+def test_the_served_model_gets_the_template_models_codex_metadata_under_its_own_name_and_window():
+    template = {"slug": launch.CODEX_TEMPLATE, "display_name": "GPT", "description": "theirs", "context_window": 272000,
+                "max_context_window": 272000, "apply_patch_tool_type": "freeform", "upgrade": {"model": "newer"},
+                "service_tiers": [{"id": "priority"}], "base_instructions": "You are Codex."}
+    catalog = {"models": [{"slug": "other", "apply_patch_tool_type": None}, template]}
+    entry = launch.codex_model_entry(catalog, SERVED)
+    assert entry == {**template, "slug": "qwen3-8b", "display_name": "qwen3-8b",
+                     "description": "qwen3-8b, served by ringserve", "context_window": 32768,
+                     "max_context_window": 32768, "upgrade": None, "service_tiers": []}
+    assert launch.codex_model_entry({"models": [{"slug": "other"}]}, SERVED) is None
+
+
+@pytest.mark.parametrize(("context", "claude", "codex"), [(8192, True, True), (12288, True, False), (16384, False, False)])
+def test_a_context_smaller_than_the_agents_first_request_is_one_warning_line(context, claude, codex):
+    served = Served("http://h:1", "m", context, "k", 60.0)
+    for agent, warned in ((Agent.CLAUDE, claude), (Agent.CODEX, codex)):
+        warning = launch.context_warning(agent, served)
+        assert (warning is not None) is warned
+        if warning is not None:
+            assert "\n" not in warning and f"{context:,} tokens" in warning and AGENTS[agent].name in warning
+
+
+def test_print_is_export_lines_and_codexs_config_file():
+    claude = launch.render(Agent.CLAUDE, SERVED, Settings({"A": "1", "B": "two words"}))
+    assert claude == ("# Claude Code on ringserve at http://127.0.0.1:8080: model qwen3-8b, 32,768 tokens of context per slot\n"
+                      "export A=1\nexport B='two words'\n")
+    settings = launch.codex_settings(SERVED, Path("/cache/catalog.json"))
+    codex = launch.render(Agent.CODEX, SERVED, settings)
+    assert codex.startswith("# Codex CLI on ringserve")
+    assert "export RINGSERVE_API_KEY=k-1\n" in codex and codex.endswith(settings.config_toml)
+
+
+def executable(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def test_the_agent_is_found_on_path_first_then_in_the_pinned_copy(tmp_path):
+    on_path, pinned, empty = tmp_path / "bin", tmp_path / "pinned", tmp_path / "empty"
+    for folder in (on_path, pinned, empty):
+        folder.mkdir()
+    info = AGENTS[Agent.CODEX]
+    executable(pinned / "codex", "#!/bin/sh\n")
+    assert launch.find_agent(info, str(empty), pinned) == str(pinned / "codex")
+    executable(on_path / "codex", "#!/bin/sh\n")
+    assert launch.find_agent(info, f"{empty}:{on_path}", pinned) == str(on_path / "codex")
+    assert launch.find_agent(info, str(empty), empty) is None
+
+
+def test_a_missing_agent_is_one_line_with_the_npm_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(launch, "PINNED_BIN", tmp_path)
+    assert launch.run(args("claude", "--url", "http://127.0.0.1:9")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "npm install -g @anthropic-ai/claude-code@2.1.332" in err
+
+
+def test_the_pins_are_the_ci_agents():
+    pinned = json.loads((ROOT / ".ci" / "agents" / "package.json").read_text())["dependencies"]
+    assert pinned == {info.package: info.version for info in AGENTS.values()}
+
+
+def test_arguments_after_the_first_double_dash_are_the_agents():
+    assert launch.split_argv(["launch", "codex", "--print", "--", "exec", "--", "-x"]) == (
+        ["launch", "codex", "--print"], ["exec", "--", "-x"])
+    assert launch.split_argv(["chat", "--", "-x"]) == (["chat", "--", "-x"], [])
+
+
+def test_launch_imports_nothing_of_the_server():
+    code = ("import sys, ringserve.launch\n"
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('quart', 'hypercorn', 'llama_cpp', 'trio')"
+            " or m.startswith(('ringserve.http', 'ringserve.engine', 'ringserve.server', 'ringserve.live')))\n"
+            "assert not loaded, loaded\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+# --- the whole command -----------------------------------------------------------------------------
+
+FAKE_AGENT = """#!{python}
+import json, os, sys, urllib.request
+if sys.argv[1:] == ["debug", "models", "--bundled"]:
+    sys.stdout.write(open(os.environ["FAKE_CATALOG"]).read())
+    sys.exit(0)
+url = os.environ.get("ANTHROPIC_BASE_URL") or "http://127.0.0.1:" + os.environ["FAKE_PORT"]
+ready = urllib.request.urlopen(url + "/ready").status
+with open(os.environ["FAKE_AGENT_OUT"] + ".part", "w") as out:
+    json.dump({{"argv": sys.argv[1:], "env": dict(os.environ), "ready": ready}}, out)
+os.rename(os.environ["FAKE_AGENT_OUT"] + ".part", os.environ["FAKE_AGENT_OUT"])
+if os.environ.get("FAKE_AGENT_WAIT"):
+    sys.stdin.read()  # until a signal ends it
+sys.exit(3)
+"""
+
+
+def args(*argv: str) -> argparse.Namespace:
+    argv_, agent_args = launch.split_argv(["launch", *argv])
+    parsed = _parser().parse_args(argv_)
+    parsed.agent_args = agent_args or parsed.agent_args
+    return parsed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def agent_env(tmp_path, monkeypatch) -> dict[str, Path]:
+    """A fake ``claude`` and ``codex`` first on PATH, the log and cache folders in ``tmp_path``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for program in ("claude", "codex"):
+        executable(bin_dir / program, FAKE_AGENT.format(python=sys.executable))
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("FAKE_AGENT_OUT", str(tmp_path / "agent.json"))
+    monkeypatch.delenv("RINGSERVE_API_KEY", raising=False)
+    return {"out": tmp_path / "agent.json", "bin": bin_dir}
+
+
+def config_file(tmp_path: Path, port: int, extra: str = "") -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(f'[server]\nport = {port}\n[store]\npath = ":memory:"\n{extra}')
+    return path
+
+
+def refused(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/ready", timeout=5)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
+def test_launch_starts_a_server_runs_the_agent_with_its_settings_and_stops_the_server(tmp_path, agent_env, capsys):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = config_file(tmp_path, port, "[engine]\nctx_per_slot = 16384\n")
+    status = launch.run(args("claude", "--config", str(config), "--", "-p", "Say hi", "--", "x"), serve=FAKE_SERVE)
+    assert status == 3  # the agent's
+    seen = json.loads(agent_env["out"].read_text())
+    assert seen["ready"] == 200  # the server ran while the agent did
+    assert seen["argv"] == ["-p", "Say hi", "--", "x"]
+    expected = launch.claude_settings(Served(url, "fake", 16384, launch.PLACEHOLDER_KEY, launch.AGENT_TIMEOUT_S)).env
+    assert {k: seen["env"][k] for k in expected} == expected
+    assert refused(url)  # and stopped after it
+    err = capsys.readouterr().err
+    assert f"no server at {url}; starting one" in err and "warning" not in err
+    assert (tmp_path / "state" / "ringserve" / "log" / f"server-{port}.log").read_text().count("ready: model fake") == 1
+
+
+def test_launch_uses_a_running_server_and_leaves_it_running(tmp_path, agent_env, monkeypatch, capsys):
+    """Codex on a server that needs a key (the config's), ``--print``: settings with the model's metadata, and
+    the server that was running before is running after."""
+    port = free_port()
+    config = config_file(tmp_path, port, '[auth]\napi_keys = ["key-1"]\n')
+    server = ServerProcess(["--config", str(config)], command=list(FAKE_SERVE))
+    try:
+        catalog = {"models": [{"slug": launch.CODEX_TEMPLATE, "apply_patch_tool_type": "freeform", "base_instructions": "B"}]}
+        (tmp_path / "catalog.json").write_text(json.dumps(catalog))
+        monkeypatch.setenv("FAKE_CATALOG", str(tmp_path / "catalog.json"))
+        assert launch.run(args("codex", "--config", str(config), "--print"), serve=FAKE_SERVE) == 0
+        out, err = capsys.readouterr()
+        config_toml = tomllib.loads(out.split("passes these as -c overrides):\n", 1)[1])
+        assert config_toml["model"] == "fake" and config_toml["model_context_window"] == 4096
+        assert config_toml["model_providers"]["ringserve"]["base_url"] == f"{server.url}/v1"
+        assert "export RINGSERVE_API_KEY=key-1\n" in out
+        assert json.loads(Path(config_toml["model_catalog_json"]).read_text()) == {"models": [{
+            **catalog["models"][0], "slug": "fake", "display_name": "fake", "description": "fake, served by ringserve",
+            "context_window": 4096, "max_context_window": 4096}]}
+        assert "starting one" not in err
+        assert err.count("\n") == 1 and "4,096 tokens of context per slot" in err  # the context warning only
+        assert httpx.get(f"{server.url}/ready").status_code == 200
+        assert launch.run(args("codex", "--url", server.url, "--print"), serve=FAKE_SERVE) == 2  # no key
+        assert "wants an API key" in capsys.readouterr().err
+    finally:
+        server.stop()
+
+
+def test_a_server_that_cannot_start_is_one_line_with_its_own_last_line(tmp_path, agent_env, capsys):
+    port = free_port()
+    missing = tmp_path / "no-such-model.gguf"
+    config = config_file(tmp_path, port, f'[model]\npath = "{missing}"\n')
+    assert launch.run(args("claude", "--config", str(config))) == 2  # the real `ringserve serve`
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "starting one" in err[0]
+    assert err[1].startswith("ringserve: the server exited with status 2: ") and str(missing) in err[1]
+    assert not agent_env["out"].exists()  # the agent never ran
+
+
+def test_a_launcher_told_to_stop_passes_it_to_the_agent_and_stops_the_server(tmp_path, agent_env, monkeypatch):
+    port = free_port()
+    config = config_file(tmp_path, port)
+    monkeypatch.setenv("FAKE_AGENT_WAIT", "1")
+    code = (f"import sys; from tests.test_launch import args, FAKE_SERVE; from ringserve import launch; "
+            f"sys.exit(launch.run(args('claude', '--config', {str(config)!r}), serve=FAKE_SERVE))")
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not agent_env["out"].exists():  # the agent runs, so the server is ready
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read().decode()
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(60) == 128 + signal.SIGTERM  # the agent's status: the signal ended it
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert refused(f"http://127.0.0.1:{port}")
