@@ -3,7 +3,7 @@
 A :class:`Producer` owns everything between a generation's events and its
 stream log: the safety hold-back (``core/safety.py`` :class:`HoldBack`, for
 text blocks), coalescing (``core/coalesce.py``), rendering in the message's
-surface (a :class:`~ringserve.surfaces.base.Renderer`), event ids
+surface (a :class:`~ringserve.core.render.Renderer`), event ids
 ``<message_id>:<seq>`` and SSE encoding (``core/sse.py``), the message's
 status (``core/status.py``), its content blocks, and when to persist them.
 
@@ -47,11 +47,11 @@ from ringserve.core.events import (
     StopReason,
     Usage,
 )
+from ringserve.core.render import Renderer, WireEvent, render
 from ringserve.core.ringlog import LogState, format_event_id
 from ringserve.core.safety import Check, HoldBack, Verdict
 from ringserve.core.sse import encode_event
 from ringserve.core.status import CancelReason, MessageStatus, advance
-from ringserve.surfaces.base import Renderer, WireEvent, render
 
 
 #: :attr:`Trace.ops`: a block starts (its kind, name and call id are the stored block's).

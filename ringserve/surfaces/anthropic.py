@@ -37,6 +37,7 @@ from ringserve.core.events import (
     ToolSpec,
     Usage,
 )
+from ringserve.core.render import WireEvent
 from ringserve.surfaces.base import (
     check_enforced,
     CallIds,
@@ -44,7 +45,6 @@ from ringserve.surfaces.base import (
     MessageResult,
     ParsedRequest,
     Refused,
-    WireEvent,
     cancelled_fields,
     dumps,
     json_template,

@@ -17,14 +17,8 @@ import attrs
 from ringserve.core.errors import RingserveError, invalid
 from ringserve.core.grammar import check_repeats, check_schema, enforced_schemas
 from ringserve.core.events import (
-    BlockDelta,
     BlockKind,
-    BlockStart,
-    BlockStop,
     ContentBlock,
-    Failure,
-    Finish,
-    GenerationEvent,
     GenerationRequest,
     OutputFormat,
     OutputKind,
@@ -35,6 +29,7 @@ from ringserve.core.events import (
     ToolSpec,
     Usage,
 )
+from ringserve.core.render import Renderer
 
 
 T = TypeVar("T")
@@ -75,14 +70,6 @@ def json_template(build: Callable[[str], Any]) -> Callable[[str], str]:
         return head + encode(text) + tail
 
     return fill
-
-
-@attrs.frozen
-class WireEvent:
-    """One SSE event before encoding: optional event name and its data line(s)."""
-
-    data: str
-    event: str | None = None
 
 
 @attrs.frozen
@@ -135,49 +122,6 @@ class MessageResult:
     def text(self) -> str:
         """The text of the message's text blocks, joined."""
         return "".join(b.text for b in self.content if b.kind is BlockKind.TEXT)
-
-
-class Renderer(Protocol):
-    """Turns one message's events into wire events, in order.
-
-    ``start`` comes first, then the blocks in the order ``core/events.py``
-    guarantees (``block_start``, any number of ``delta``, ``block_stop``;
-    block after block), then exactly one of ``finish`` (every block stopped)
-    or ``fail`` (a block may be open). Renderers are per message and hold its
-    ids and what they need of its state (the open block's kind, say). The
-    producer appends every wire event a renderer returns to the log, in
-    order from seq 0, so the n-th wire event has seq n.
-    """
-
-    def start(self, usage: Usage) -> list[WireEvent]: ...
-
-    def block_start(self, start: BlockStart) -> list[WireEvent]: ...
-
-    def delta(self, delta: BlockDelta) -> list[WireEvent]: ...
-
-    def block_stop(self, stop: BlockStop) -> list[WireEvent]: ...
-
-    def finish(self, finish: Finish) -> list[WireEvent]: ...
-
-    def fail(self, failure: Failure) -> list[WireEvent]: ...
-
-
-def render(renderer: Renderer, event: GenerationEvent) -> list[WireEvent]:
-    """The wire events of one generation event (after ``renderer.start``): the one exhaustive
-    dispatch from event kinds to renderer methods, so a new kind is a type error here."""
-    match event:
-        case BlockStart():
-            return renderer.block_start(event)
-        case BlockDelta():
-            return renderer.delta(event)
-        case BlockStop():
-            return renderer.block_stop(event)
-        case Finish():
-            return renderer.finish(event)
-        case Failure():
-            return renderer.fail(event)
-        case _:
-            assert_never(event)
 
 
 class Surface(Protocol):

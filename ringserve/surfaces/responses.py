@@ -63,6 +63,7 @@ from ringserve.core.events import (
     Usage,
 )
 from ringserve.core.status import INTERRUPTED_MESSAGE, MessageStatus
+from ringserve.core.render import WireEvent
 from ringserve.surfaces.base import (
     check_enforced,
     CallIds,
@@ -70,7 +71,6 @@ from ringserve.surfaces.base import (
     MessageResult,
     ParsedRequest,
     Refused,
-    WireEvent,
     arguments_json,
     dumps,
     function_spec,

@@ -529,7 +529,7 @@ async def wait_until_final(client: httpx.AsyncClient, response_id: str) -> dict[
 
 def _render(events: list[Any], options: responses_surface.ResponseOptions | None = None) -> list[dict[str, Any]]:
     from ringserve.core.events import Usage
-    from ringserve.surfaces.base import render
+    from ringserve.core.render import render
 
     renderer = responses_surface.ResponsesRenderer("resp_ab", "m", 1, options or responses_surface.ResponseOptions())
     wire = renderer.start(Usage(3, 0))

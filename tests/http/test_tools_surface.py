@@ -42,7 +42,8 @@ from ringserve.core.events import (
 from ringserve.core.ringlog import format_event_id
 from ringserve.core.sse import SSEParser, encode_event
 from ringserve.surfaces.anthropic import AnthropicSurface
-from ringserve.surfaces.base import MAX_TOOLS, MessageResult, dumps, render
+from ringserve.core.render import render
+from ringserve.surfaces.base import MAX_TOOLS, MessageResult, dumps
 from ringserve.surfaces.openai import OpenAISurface
 from tests.support.conformance import check_answer, check_stream, stream_bytes
 from tests.support.server import fake_config, running_server

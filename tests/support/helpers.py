@@ -11,7 +11,7 @@ import httpx
 from ringserve.core.events import Usage
 from ringserve.core.producer import Producer
 from ringserve.core.sse import ServerSentEvent, SSEParser
-from ringserve.surfaces.base import WireEvent
+from ringserve.core.render import WireEvent
 
 ANTHROPIC_BODY = {"model": "any", "max_tokens": 64, "messages": [{"role": "user", "content": "hello"}]}
 OPENAI_BODY = {"model": "any", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 64}
