@@ -34,7 +34,7 @@ from ringserve.config import Config  # noqa: E402
 from ringserve.core.events import SamplingParams  # noqa: E402
 from ringserve.core.grammar import Constraint  # noqa: E402
 from ringserve.engine.fake import FakeEngine  # noqa: E402
-from ringserve.engine.protocol import Sampled, SlotFeed  # noqa: E402
+from ringserve.core.batch import Sampled, SlotFeed  # noqa: E402
 from ringserve.server import run_process  # noqa: E402
 
 REPLY_UNIT = "0123456789abcdef"

@@ -293,7 +293,7 @@ def engine_tokens_per_second(
     """
     from ringserve.core.events import SamplingParams
     from ringserve.engine.llama import LlamaEngine
-    from ringserve.engine.protocol import SlotFeed
+    from ringserve.core.batch import SlotFeed
 
     greedy = SamplingParams(temperature=0)
     engine = LlamaEngine(

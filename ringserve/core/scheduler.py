@@ -62,8 +62,8 @@ from types import MappingProxyType
 
 import attrs
 
+from ringserve.core.batch import SlotFeed
 from ringserve.core.errors import ErrorKind, RingserveError
-from ringserve.engine.protocol import SlotFeed
 
 __all__ = [
     "TRANSITIONS",

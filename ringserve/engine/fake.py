@@ -50,10 +50,11 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
 from ringserve.core.grammar import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.core.toolcalls import CLOSE_MARK, plain_messages
-from ringserve.engine.protocol import EngineError, KVCacheFull, Sampled, SlotFeed
+from ringserve.engine.protocol import EngineError, KVCacheFull
 
 __all__ = ["DEFAULT_REPLY", "EOG_TOKEN", "Begin", "DecodeCall", "FakeEngine", "Switched"]
 

@@ -43,11 +43,12 @@ import numpy as np
 from ringserve.engine._native import llama_cpp as lc
 
 from ringserve.config import decode_threads
+from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
 from ringserve.core.grammar import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.core.toolcalls import plain_messages
 from ringserve.engine.modelfile import ModelFileError, check_model_file
-from ringserve.engine.protocol import EngineError, KVCacheFull, Sampled, SlotFeed
+from ringserve.engine.protocol import EngineError, KVCacheFull
 
 __all__ = ["ChatTemplateError", "LlamaEngine"]
 

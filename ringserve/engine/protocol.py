@@ -30,35 +30,9 @@ from typing import Protocol
 
 import attrs
 
+from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
 from ringserve.core.grammar import Constraint, LazyCalls
-
-
-@attrs.frozen
-class SlotFeed:
-    """Tokens to append to one slot's sequence in a decode step.
-
-    Args:
-        slot: the slot (sequence id).
-        tokens: token ids to feed, at positions ``pos .. pos+len-1``.
-        pos: position of the first token in the slot's sequence.
-        sample: sample a next token from the logits of the last fed token.
-    """
-
-    slot: int
-    tokens: tuple[int, ...]
-    pos: int
-    sample: bool
-
-
-@attrs.frozen
-class Sampled:
-    """A token sampled for a slot: its id, its raw bytes and whether it ends generation."""
-
-    slot: int
-    token: int
-    piece: bytes
-    eog: bool
 
 
 class EngineError(Exception):

@@ -69,6 +69,7 @@ import trio
 import trio.testing
 
 from ringserve.config import EngineConfig
+from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.detokenizer import Detokenizer
 from ringserve.core.errors import PROMPT_PARAM, ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
@@ -91,7 +92,7 @@ from ringserve.core.blocks import BlockEvent
 from ringserve.core.reply import End, ReplyStage
 from ringserve.core.scheduler import Entry, Plan, Scheduler, SlotState
 from ringserve.core.toolcalls import ToolCallError
-from ringserve.engine.protocol import Engine, EngineError, KVCacheFull, Sampled, SlotFeed
+from ringserve.engine.protocol import Engine, EngineError, KVCacheFull
 from ringserve.engine.thread import EngineThread
 
 __all__ = ["Generation", "Prepared", "Runner", "RunnerStatistics"]

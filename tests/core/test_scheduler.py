@@ -17,7 +17,7 @@ from ringserve.core.scheduler import (
     choose_slot,
     common_prefix,
 )
-from ringserve.engine.protocol import SlotFeed
+from ringserve.core.batch import SlotFeed
 
 
 def sched(n_slots=2, n_batch=64, prefill_chunk=16, queue_size=4) -> Scheduler:

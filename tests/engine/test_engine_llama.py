@@ -13,7 +13,8 @@ import pytest
 
 from ringserve.core.events import ChatMessage, SamplingParams
 from ringserve.engine.modelfile import ModelFileError, default_model_path
-from ringserve.engine.protocol import EngineError, KVCacheFull, SlotFeed
+from ringserve.core.batch import SlotFeed
+from ringserve.engine.protocol import EngineError, KVCacheFull
 from tests.support.server import MODEL_THREADS
 
 llama = pytest.importorskip("ringserve.engine.llama")

@@ -155,7 +155,7 @@ def test_the_engine_s_openmp_threads_spin_while_the_decoding_thread_lives_and_st
         "import os, threading, time\n"
         "from ringserve.engine.llama import LlamaEngine\n"
         "from ringserve.engine.modelfile import default_model_path\n"
-        "from ringserve.engine.protocol import SlotFeed\n"
+        "from ringserve.core.batch import SlotFeed\n"
         "from ringserve.core.events import SamplingParams\n"
         "assert 'GOMP_SPINCOUNT' not in os.environ  # set for the import only\n"
         "e = LlamaEngine(default_model_path(), n_slots=1, n_ctx_slot=64, n_threads=2)\n"

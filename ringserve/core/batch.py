@@ -1,0 +1,35 @@
+"""What one decode step carries between the scheduler and an engine: the tokens fed to each
+slot, and the token sampled for it (values; ``core/scheduler.py`` plans the feeds,
+``engine/protocol.py`` ``Engine.decode`` takes them and returns the samples).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class SlotFeed:
+    """Tokens to append to one slot's sequence in a decode step.
+
+    Args:
+        slot: the slot (sequence id).
+        tokens: token ids to feed, at positions ``pos .. pos+len-1``.
+        pos: position of the first token in the slot's sequence.
+        sample: sample a next token from the logits of the last fed token.
+    """
+
+    slot: int
+    tokens: tuple[int, ...]
+    pos: int
+    sample: bool
+
+
+@attrs.frozen
+class Sampled:
+    """A token sampled for a slot: its id, its raw bytes and whether it ends generation."""
+
+    slot: int
+    token: int
+    piece: bytes
+    eog: bool
