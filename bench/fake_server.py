@@ -32,7 +32,7 @@ if __package__ in (None, ""):
 
 from ringserve.config import Config  # noqa: E402
 from ringserve.core.events import SamplingParams  # noqa: E402
-from ringserve.core.grammar import Constraint  # noqa: E402
+from ringserve.engine.gbnf import Constraint  # noqa: E402
 from ringserve.engine.fake import FakeEngine  # noqa: E402
 from ringserve.core.batch import Sampled, SlotFeed  # noqa: E402
 from ringserve.server import run_process  # noqa: E402

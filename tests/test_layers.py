@@ -54,7 +54,6 @@ ALLOWED: dict[str, frozenset[str]] = {
 #: Edges that break :data:`ALLOWED` today, each with the work that removes it. The list only
 #: shrinks: an edge listed here that no longer exists fails the test (delete its line).
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    ("ringserve.core.grammar", "ringserve.engine._native"): "the GBNF conversion: to engine/gbnf.py",
     ("ringserve.metrics", "ringserve.live.hub"): "removed by the path branch (Metrics.watch over statistics())",
 }
 

@@ -24,9 +24,9 @@ did to it:
   parameters are accepted and ignored. A slot begun with a ``constraint``
   (a forced tool call, JSON output) replies the constraint's ``example``
   instead: a text its grammar accepts, made from the schema
-  (:func:`ringserve.core.grammar.example_instance`). A slot begun with
-  :class:`~ringserve.core.grammar.LazyCalls` replies the scripted text, but
-  a :class:`~ringserve.core.grammar.CallWatch` follows it as on the real
+  (:func:`ringserve.engine.gbnf.example_instance`). A slot begun with
+  :class:`~ringserve.engine.gbnf.LazyCalls` replies the scripted text, but
+  a :class:`~ringserve.engine.gbnf.CallWatch` follows it as on the real
   engine: each grammar it puts on or takes off is recorded in
   :attr:`FakeEngine.switches`, and when one goes on, the rest of the scripted
   call (up to its ``</tool_call>``, or all the rest if there is none) is
@@ -52,7 +52,7 @@ import attrs
 
 from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
-from ringserve.core.grammar import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
+from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.core.toolcalls import CLOSE_MARK, plain_messages
 from ringserve.engine.protocol import EngineError, KVCacheFull
 

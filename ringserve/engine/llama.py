@@ -45,7 +45,7 @@ from ringserve.engine._native import llama_cpp as lc
 from ringserve.config import decode_threads
 from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
-from ringserve.core.grammar import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
+from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.core.toolcalls import plain_messages
 from ringserve.engine.modelfile import ModelFileError, check_model_file
 from ringserve.engine.protocol import EngineError, KVCacheFull

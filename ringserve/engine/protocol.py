@@ -32,7 +32,7 @@ import attrs
 
 from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
-from ringserve.core.grammar import Constraint, LazyCalls
+from ringserve.engine.gbnf import Constraint, LazyCalls
 
 
 class EngineError(Exception):
@@ -109,7 +109,7 @@ class Engine(Protocol):
                 free but each tool call, from the token after its
                 ``<tool_call>`` marker to the one that completes it, is
                 decoded under :meth:`LazyCalls.after`'s grammar: the engine
-                feeds a :class:`~ringserve.core.grammar.CallWatch` each token
+                feeds a :class:`~ringserve.engine.gbnf.CallWatch` each token
                 it samples and applies the switches before it samples the
                 next.
 

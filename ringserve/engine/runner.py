@@ -86,7 +86,7 @@ from ringserve.core.events import (
     ToolChoiceMode,
     Usage,
 )
-from ringserve.core.grammar import Constraint, LazyCalls, constraint_for
+from ringserve.engine.gbnf import Constraint, LazyCalls, constraint_for
 from ringserve.core.limits import message_texts, tool_texts
 from ringserve.core.blocks import BlockEvent
 from ringserve.core.reply import End, ReplyStage
@@ -119,7 +119,7 @@ class Prepared:
             it up ends with :attr:`StopReason.CONTEXT_FULL` instead of
             :attr:`StopReason.MAX_TOKENS`.
         constraint: the grammar the reply is decoded under
-            (:func:`~ringserve.core.grammar.constraint_for`), or None.
+            (:func:`~ringserve.engine.gbnf.constraint_for`), or None.
     """
 
     request: GenerationRequest
@@ -461,7 +461,7 @@ class Runner:
                 least 1 token must be left to generate). The message gives the
                 numbers (tokens, or bytes when refused
                 before tokenizing). ``INVALID_REQUEST`` from
-                :func:`~ringserve.core.grammar.constraint_for` first, when
+                :func:`~ringserve.engine.gbnf.constraint_for` first, when
                 the reply's grammar cannot be made (a schema keyword it
                 does not enforce, a forced tool that is not among the tools).
                 Nothing is enqueued.

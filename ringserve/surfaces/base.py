@@ -15,7 +15,6 @@ from typing import Any, Protocol, TypeVar, assert_never, overload
 import attrs
 
 from ringserve.core.errors import RingserveError, invalid
-from ringserve.core.grammar import check_repeats, check_schema, enforced_schemas
 from ringserve.core.events import (
     BlockKind,
     ContentBlock,
@@ -30,6 +29,7 @@ from ringserve.core.events import (
     Usage,
 )
 from ringserve.core.render import Renderer
+from ringserve.core.schema import check_repeats, check_schema, enforced_schemas
 
 
 T = TypeVar("T")
@@ -445,14 +445,14 @@ def schema_format(spec: dict[str, Any], where: str, param: str) -> OutputFormat:
 
 
 def check_enforced(request: GenerationRequest, tool_schema: str, output_schema: str) -> GenerationRequest:
-    """``request``, once the schemas its reply will be decoded under (``core/grammar.py``
+    """``request``, once the schemas its reply will be decoded under (``core/schema.py``
     ``enforced_schemas``) are known to be enforceable; errors name the surface's own fields:
     ``tool_schema`` with ``{i}`` for the tool's index (``tools[{i}].input_schema``), and
     ``output_schema`` (``output_config.format.schema``).
 
     Raises:
         RingserveError: ``INVALID_REQUEST`` naming the keyword that cannot be enforced, with
-        ``param`` the top-level field; or bounds over ``core/grammar.py``'s ``MAX_REPEATS``
+        ``param`` the top-level field; or bounds over ``core/schema.py``'s ``MAX_REPEATS``
         in all (``param`` the first enforced schema's top-level field).
     """
     enforced = enforced_schemas(request)

@@ -32,7 +32,7 @@ from ringserve.core.events import (
 )
 from ringserve.core.scheduler import SlotState
 from ringserve.core.toolcalls import format_call
-from ringserve.core.grammar import GrammarOff, GrammarOn, LazyCalls
+from ringserve.engine.gbnf import GrammarOff, GrammarOn, LazyCalls
 from ringserve.engine.fake import FakeEngine, Switched
 from ringserve.engine.runner import Runner
 

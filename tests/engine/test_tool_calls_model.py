@@ -17,7 +17,7 @@ import trio
 
 from bench.tool_calls import random_schema, run_calls
 from ringserve.config import EngineConfig
-from ringserve.core import grammar
+from ringserve.core.schema import MAX_OPTIONAL_REPEATS
 from ringserve.core.events import (
     BlockDelta,
     BlockKind,
@@ -34,10 +34,11 @@ from ringserve.core.events import (
     ToolChoiceMode,
     ToolSpec,
 )
+from ringserve.engine import gbnf
 from ringserve.engine.modelfile import default_model_path
 from ringserve.engine.runner import Runner
 
-from tests.core.test_grammar import ENFORCED
+from tests.engine.test_gbnf import ENFORCED
 
 llama = pytest.importorskip("ringserve.engine.llama")
 lc = pytest.importorskip("llama_cpp")
@@ -136,7 +137,7 @@ def allowed(sampler, token: int) -> bool:
     return data[0].logit != -math.inf
 
 
-def check_accepts_example(engine, constraint: grammar.Constraint, first_rejected: str, then: str = "") -> None:
+def check_accepts_example(engine, constraint: gbnf.Constraint, first_rejected: str, then: str = "") -> None:
     """llama.cpp parses the grammar; it rejects ``first_rejected`` at the start, accepts the
     example token by token, is complete only at its end, and then allows ``then`` too."""
     vocab = engine._vocab  # the engine's llama_vocab: the grammar sampler needs it
@@ -158,11 +159,11 @@ def check_accepts_example(engine, constraint: grammar.Constraint, first_rejected
 
 @pytest.mark.parametrize("schema", ENFORCED + [random_schema(random.Random(i)) for i in range(20)])
 def test_llama_parses_each_grammar_and_it_accepts_the_example(engine, schema):
-    check_accepts_example(engine, grammar.output_grammar(json.dumps(schema), "o"), "[")
+    check_accepts_example(engine, gbnf.output_grammar(json.dumps(schema), "o"), "[")
 
 
 def test_llama_parses_the_widest_bounds_the_checker_lets_through(engine):
-    span = grammar.MAX_OPTIONAL_REPEATS
+    span = MAX_OPTIONAL_REPEATS
     schema = {
         "type": "object",
         "properties": {
@@ -171,19 +172,19 @@ def test_llama_parses_the_widest_bounds_the_checker_lets_through(engine):
         },
         "required": ["s", "a"],
     }
-    check_accepts_example(engine, grammar.output_grammar(json.dumps(schema), "o"), "[")
+    check_accepts_example(engine, gbnf.output_grammar(json.dumps(schema), "o"), "[")
 
 
 def test_llama_parses_a_calls_grammar_of_two_tools(engine):
     other = ToolSpec("record", "", json.dumps(random_schema(random.Random(7))))
-    check_accepts_example(engine, grammar.calls_grammar([WEATHER, other], True), "{", then="\n")
+    check_accepts_example(engine, gbnf.calls_grammar([WEATHER, other], True), "{", then="\n")
 
 
 @pytest.mark.parametrize("tail", ["", "\n", '{"'])
 def test_llama_parses_a_call_grammar_after_the_marker_and_it_accepts_the_example(engine, tail):
     other = ToolSpec("record", "", json.dumps(random_schema(random.Random(7))), strict=True)
     loose = ToolSpec("loose", "", json.dumps({"type": "object", "properties": {"n": {"minimum": 1}}}))
-    constraint = grammar.LazyCalls((other, WEATHER, loose)).after(tail)
+    constraint = gbnf.LazyCalls((other, WEATHER, loose)).after(tail)
     assert constraint is not None
     check_accepts_example(engine, constraint, "x")
 
@@ -213,7 +214,7 @@ async def test_a_strict_tool_under_auto_is_called_under_its_grammar(engine):
     )
     async with served(engine) as runner:
         prepared = await runner.prepare(request)
-        assert isinstance(prepared.constraint, grammar.LazyCalls)
+        assert isinstance(prepared.constraint, gbnf.LazyCalls)
         async with runner.submit(prepared) as gen:
             content, finish = await gen.collect()
     calls = [b for b in content if b.kind is BlockKind.TOOL_CALL]

@@ -18,7 +18,7 @@ import pydantic
 import pytest
 import trio
 
-from ringserve.core import grammar
+from ringserve.core.schema import MAX_REPEATS
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import (
     BlockDelta,
@@ -999,7 +999,7 @@ def test_bounds_that_add_up_past_the_grammar_limit_are_a_400_not_a_stalled_decod
     assert error.param == "tools" and "add up to 2560000 repetitions" in error.message
     huge = {"type": "object", "properties": {"a": {"type": "string", "minLength": 10**7}}}
     error = refused(anthropic_request, {"output_config": {"format": {"type": "json_schema", "schema": huge}}})
-    assert error.param == "output_config" and f"over the limit of {grammar.MAX_REPEATS}" in error.message
+    assert error.param == "output_config" and f"over the limit of {MAX_REPEATS}" in error.message
     # at the limit it is fine, and bounds the model only reads (not strict, under auto) do not count
     at_limit = [{"type": "function", "function": {"name": f"f{i}", "parameters": _strings(10, 1000), "strict": True}}
                 for i in range(2)]

@@ -1,0 +1,408 @@
+"""Which JSON schemas ringserve decodes under a grammar: the keywords it enforces, refuses and
+drops, and the bounds that keep a grammar affordable (sans-I/O; no ``llama_cpp``).
+
+The grammar itself is made in ``engine/gbnf.py`` by llama-cpp-python's bundled copy of
+llama.cpp's ``examples/json-schema-to-grammar.py`` (``llama_cpp.llama_grammar.SchemaConverter``).
+That converter silently ignores much of JSON Schema, so every schema is first checked here: a
+keyword the converter would not enforce is refused with a 400 that names it (and where it is),
+never decoded as if it were not there. The surfaces check a request's schemas with these
+functions, in their own field names, before anything else sees them.
+
+What is enforced (per schema node, following the converter's own dispatch in
+``SchemaConverter.visit``):
+
+* ``$ref`` to the same document (``#/...``, ``$defs`` / ``definitions``,
+  recursion included), alone;
+* ``anyOf`` (a non-empty list), alone;
+* ``type`` as a list of JSON type names, alone;
+* ``const``; ``enum`` (non-empty); either with a ``type`` their values have;
+* objects: ``properties``, ``required`` (names among ``properties``),
+  ``additionalProperties``: ``false`` (absent means ``false`` too: the
+  grammar emits only the listed properties, which still validates), or,
+  without ``properties``, ``true`` or a schema (a map); next to
+  ``properties`` it is refused, as an extra key could repeat a listed one;
+* arrays: ``items`` (a schema) with ``minItems`` / ``maxItems``; ``prefixItems``
+  or ``items`` as a list (a tuple, exactly those items);
+* strings: ``minLength`` / ``maxLength``; ``format`` ``date``, ``time``,
+  ``date-time``, ``uuid``; a maximum at most :data:`MAX_OPTIONAL_REPEATS` above its
+  minimum (strings and arrays), and the bounds of all the schemas one request enforces
+  at most :data:`MAX_REPEATS` repetitions in all (:func:`check_repeats`);
+* the types ``string``, ``number``, ``integer``, ``boolean``, ``null``,
+  ``array``, ``object`` (any value of that type); ``{}`` is any object.
+
+Annotations are accepted and dropped (:data:`ANNOTATIONS`). Everything else
+is refused, among them (:data:`REFUSED` lists the standard ones) ``oneOf``
+(decoded as ``anyOf``, exclusivity not enforced), ``allOf``, ``not``,
+``pattern`` (the converter's regex translation is partial), ``minimum`` and the
+other numeric bounds, ``patternProperties``, ``uniqueItems``, other formats
+(``email``, ``uri``...), boolean schemas and unknown keywords.
+
+Checked schemas are cached (LRU, :data:`CACHE_SIZE` entries) keyed by their text.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ringserve.core.errors import invalid
+from ringserve.core.events import GenerationRequest, OutputKind, ToolChoiceMode
+
+__all__ = [
+    "ANNOTATIONS",
+    "CACHE_SIZE",
+    "MAX_OPTIONAL_REPEATS",
+    "MAX_REPEATS",
+    "REFUSED",
+    "check_repeats",
+    "check_schema",
+    "cleaned",
+    "enforced_schemas",
+]
+
+CACHE_SIZE = 256
+"""Checked schemas kept (entries)."""
+
+MAX_REPEATS = 20_000
+"""Most repetitions the length and item bounds of one request's enforced schemas may write in all.
+
+A bound of N writes N copies of its item's rule into the grammar (a few bytes of GBNF each),
+which llama.cpp parses on the decode thread at each begin, while every stream waits: 128
+strict tools of 20 strings with ``maxLength`` 1000 each (2.56 million repetitions, about
+140 KB of JSON) made a 20.7 MB grammar that took 7.0 s and 1.18 GB to parse; one
+``minLength`` of 10**7 a 50 MB one. 20,000 is at most a few hundred kilobytes.
+"""
+
+MAX_OPTIONAL_REPEATS = 1000
+"""Most optional repetitions a bound may leave (``maxLength - minLength``, ``maxItems - minItems``).
+
+The converter writes each optional repetition as one more nested group (``(c (c ...)?)?``).
+llama.cpp's grammar parser (``llama_sampler_init_grammar``, llama-cpp-python 0.3) refuses
+such a rule past about this many ("exceeds sane defaults": 1,000 parses, 1,024 does not), and
+from about 20,000 its recursive descent overflows the decode thread's stack: a segfault that
+kills the server (measured with the bundled model's vocabulary). A lower bound alone is a flat
+sequence, which it parses.
+"""
+
+
+ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$comment",
+        "$schema",
+        "$id",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "contentMediaType",
+        "contentEncoding",
+    }
+)
+"""Keywords that do not constrain a value (JSON Schema 2020-12 annotations): accepted, dropped."""
+
+_DEFS = ("$defs", "definitions")
+
+REFUSED = frozenset(
+    {
+        "oneOf",
+        "allOf",
+        "not",
+        "if",
+        "then",
+        "else",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "pattern",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "patternProperties",
+        "propertyNames",
+        "minProperties",
+        "maxProperties",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "additionalItems",
+        "$dynamicRef",
+        "$anchor",
+    }
+)
+"""Standard keywords the converter does not enforce (refused wherever they appear)."""
+
+_TYPES = frozenset({"string", "number", "integer", "boolean", "null", "array", "object"})
+_FORMATS = frozenset({"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"})
+
+class _Refused(Exception):
+    """A schema problem, with the JSON path of the node (``where``) it is at."""
+
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(message)
+        self.where = where
+        self.message = message
+
+
+def _type_ok(value: Any, typ: str) -> bool:
+    match typ:
+        case "string":
+            return isinstance(value, str)
+        case "number":
+            return isinstance(value, int | float) and not isinstance(value, bool)
+        case "integer":
+            return isinstance(value, int) and not isinstance(value, bool)
+        case "boolean":
+            return isinstance(value, bool)
+        case "null":
+            return value is None
+        case "array":
+            return isinstance(value, list)
+        case "object":
+            return isinstance(value, dict)
+    return False
+
+
+def _non_negative_int(node: dict[str, Any], key: str, where: str) -> None:
+    value = node.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise _Refused(where, f"'{key}' must be a non-negative integer")
+
+
+def _bounds(node: dict[str, Any], low: str, high: str, where: str) -> int:
+    """The repetitions a ``low``/``high`` pair (``minLength``/``maxLength``,
+    ``minItems``/``maxItems``) writes into the grammar: ``high``, or ``low`` without one.
+
+    Refuses a pair that is not two non-negative integers, has ``high`` below ``low``, or
+    leaves more than :data:`MAX_OPTIONAL_REPEATS` optional repetitions."""
+    _non_negative_int(node, low, where)
+    _non_negative_int(node, high, where)
+    if high not in node:
+        return int(node.get(low, 0))
+    span = node[high] - node.get(low, 0)
+    if span < 0:
+        raise _Refused(where, f"'{high}' is below '{low}'")
+    if span > MAX_OPTIONAL_REPEATS:
+        raise _Refused(
+            where, f"'{high}' more than {MAX_OPTIONAL_REPEATS} above '{low}' is not supported (llama.cpp's grammar limit)"
+        )
+    return int(node[high])
+
+
+class _Checker:
+    """Walks a schema: refuses what the converter would not enforce, returns a copy without
+    annotations (the converter mistakes an annotation-only node for an unknown type)."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self.repeats = 0  # what the bounds met so far write into the grammar (see _bounds)
+
+    def clean(self, node: Any, where: str) -> dict[str, Any]:
+        if not isinstance(node, dict):
+            raise _Refused(where, "a schema must be a JSON object (boolean schemas are not supported)")
+        for key in node:
+            if key in REFUSED:
+                raise _Refused(where, f"keyword '{key}' is not supported")
+        out: dict[str, Any] = {}
+        for key in _DEFS:
+            if key in node:
+                defs = node[key]
+                if not isinstance(defs, dict):
+                    raise _Refused(where, f"'{key}' must be an object of schemas")
+                out[key] = {k: self.clean(v, f"{where}.{key}.{k}") for k, v in defs.items()}
+        keys = {k for k in node if k not in ANNOTATIONS and k not in _DEFS}
+        allowed, children = self._dispatch(node, keys, where)
+        extra = sorted(keys - allowed)
+        if extra:
+            raise _Refused(where, f"keyword '{extra[0]}' is not supported here")
+        for key in keys:
+            out[key] = children.get(key, node[key])
+        return out
+
+    def _dispatch(self, node: dict[str, Any], keys: set[str], where: str) -> tuple[set[str], dict[str, Any]]:
+        """The keywords the converter's branch for ``node`` honours, and the cleaned children."""
+        typ = node.get("type")
+        fmt = node.get("format")
+        if "$ref" in keys:
+            self._resolve(node["$ref"], where)
+            return {"$ref"}, {}
+        if "anyOf" in keys:
+            alts = node["anyOf"]
+            if not isinstance(alts, list) or not alts:
+                raise _Refused(where, "'anyOf' must be a non-empty list of schemas")
+            return {"anyOf"}, {"anyOf": [self.clean(a, f"{where}.anyOf[{i}]") for i, a in enumerate(alts)]}
+        if isinstance(typ, list):
+            if not typ or not all(isinstance(t, str) and t in _TYPES for t in typ):
+                raise _Refused(where, f"'type' must name JSON types, got {str(typ)[:60]}")
+            return {"type"}, {}
+        if typ is not None and not (isinstance(typ, str) and typ in _TYPES):
+            raise _Refused(where, f"unknown type {str(typ)[:60]!r}")
+        if "const" in keys or "enum" in keys:
+            values = [node["const"]] if "const" in keys else node["enum"]
+            if not isinstance(values, list) or not values:
+                raise _Refused(where, "'enum' must be a non-empty list")
+            if typ is not None and not all(_type_ok(v, typ) for v in values):
+                raise _Refused(where, f"a value of 'enum'/'const' is not of type {typ!r}")
+            return {"const" if "const" in keys else "enum", "type"}, {}
+        required = node.get("required")
+        if typ in (None, "object") and "properties" not in keys and isinstance(required, list) and required:
+            raise _Refused(where, f"'required' names {required[0]!r}, which is not in 'properties' (there are none)")
+        additional = node.get("additionalProperties")
+        if typ in (None, "object") and ("properties" in keys or ("additionalProperties" in keys and additional is not True)):
+            return self._object(node, keys, where)
+        if typ in (None, "array") and ("items" in keys or "prefixItems" in keys):
+            return self._array(node, keys, where)
+        if typ in (None, "string") and isinstance(fmt, str) and fmt in _FORMATS:
+            return {"type", "format"}, {}
+        if "format" in keys:
+            raise _Refused(where, f"format {fmt!r} is not supported")
+        if typ == "string" and ("minLength" in keys or "maxLength" in keys):
+            self.repeats += _bounds(node, "minLength", "maxLength", where)
+            return {"type", "minLength", "maxLength"}, {}
+        if typ is None and keys:
+            raise _Refused(where, f"keyword '{sorted(keys)[0]}' is not supported without a matching 'type'")
+        if typ == "object" and additional is True:
+            return {"type", "additionalProperties"}, {}  # any object
+        return {"type"}, {}
+
+    def _object(self, node: dict[str, Any], keys: set[str], where: str) -> tuple[set[str], dict[str, Any]]:
+        props = node.get("properties", {})
+        if not isinstance(props, dict):
+            raise _Refused(where, "'properties' must be an object of schemas")
+        children: dict[str, Any] = {
+            "properties": {k: self.clean(v, f"{where}.properties.{k}") for k, v in props.items()}
+        }
+        required = node.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise _Refused(where, "'required' must be a list of property names")
+        missing = [r for r in required if r not in props]
+        if missing:
+            raise _Refused(where, f"'required' names {missing[0]!r}, which is not in 'properties'")
+        additional = node.get("additionalProperties", False)
+        if props and additional is not False:
+            # The grammar's extra keys may repeat a listed one, whose value then escapes its schema.
+            raise _Refused(where, "keyword 'additionalProperties' is supported next to 'properties' only as false")
+        if isinstance(additional, dict):
+            children["additionalProperties"] = self.clean(additional, f"{where}.additionalProperties")
+        elif not isinstance(additional, bool):
+            raise _Refused(where, "'additionalProperties' must be a boolean or a schema")
+        return {"type", "properties", "required", "additionalProperties"}, children
+
+    def _array(self, node: dict[str, Any], keys: set[str], where: str) -> tuple[set[str], dict[str, Any]]:
+        if "items" in keys and "prefixItems" in keys:
+            raise _Refused(where, "keyword 'prefixItems' is not supported together with 'items'")
+        key = "items" if "items" in keys else "prefixItems"
+        items = node[key]
+        if isinstance(items, list):
+            if not items:
+                raise _Refused(where, f"'{key}' must not be empty")
+            return {"type", key}, {key: [self.clean(s, f"{where}.{key}[{i}]") for i, s in enumerate(items)]}
+        if key == "prefixItems":
+            raise _Refused(where, "'prefixItems' must be a list of schemas")
+        self.repeats += _bounds(node, "minItems", "maxItems", where)
+        return {"type", "items", "minItems", "maxItems"}, {"items": self.clean(items, f"{where}.items")}
+
+    def _resolve(self, ref: Any, where: str) -> Any:
+        if not isinstance(ref, str) or not ref.startswith("#/") or "~" in ref or "%" in ref:
+            raise _Refused(where, f"'$ref' {ref!r} is not supported (only '#/...' paths into the same schema)")
+        target = self.root
+        for part in ref[2:].split("/"):
+            if not isinstance(target, dict) or part not in target:
+                raise _Refused(where, f"'$ref' {ref!r} does not resolve")
+            target = target[part]
+        return target
+
+
+def cleaned(text: str, where: str, param: str | None = None) -> dict[str, Any]:
+    """The cleaned schema of ``text`` (annotations dropped), an object schema.
+
+    Raises:
+        RingserveError: as :func:`check_schema`.
+    """
+    try:
+        return json.loads(_cached_clean(text)[0])  # type: ignore[no-any-return]
+    except _Refused as exc:
+        at = where + exc.where
+        raise invalid(f"{at}: {exc.message}", param or where) from None
+
+
+def check_schema(text: str, where: str, param: str | None = None) -> None:
+    """Check that ``text`` is an object schema the grammar can enforce.
+
+    Args:
+        text: the schema's JSON text.
+        where: the request field it came from, e.g. ``tools[0].input_schema``
+            (named in the message, and the error's ``param`` unless ``param`` is given).
+        param: the error's ``param``.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST``: not JSON, not an object schema, or
+            a keyword that is not enforced, e.g. ``tools[0].input_schema:
+            keyword 'patternProperties' is not supported``; a keyword below the
+            top is named with its path (``tools[0].input_schema.properties.a:
+            keyword 'minimum' is not supported``).
+    """
+    cleaned(text, where, param)
+
+
+def check_repeats(schemas: Sequence[str], param: str) -> None:
+    """Check that the schemas one request enforces (each already passed :func:`check_schema`)
+    write at most :data:`MAX_REPEATS` repetitions into its grammars in all.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` with ``param``, giving the total.
+    """
+    total = sum(_cached_clean(text)[1] for text in schemas)
+    if total > MAX_REPEATS:
+        raise invalid(
+            f"the schemas' minLength/maxLength/minItems/maxItems add up to {total} repetitions,"
+            f" over the limit of {MAX_REPEATS} for one request's grammar",
+            param,
+        )
+
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _cached_clean(text: str) -> tuple[str, int]:
+    """The cleaned schema's JSON text and the repetitions its bounds write (cached; failures
+    are not cached and raise :class:`_Refused`)."""
+    try:
+        schema = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise _Refused("", f"the schema is not valid JSON ({exc})") from None
+    checker = _Checker(schema)
+    try:
+        cleaned = checker.clean(schema, "")
+    except RecursionError:
+        raise _Refused("", "the schema is nested too deeply") from None
+    typ = cleaned.get("type")
+    if typ != "object" and not (typ is None and ("properties" in cleaned or "additionalProperties" in cleaned)):
+        raise _Refused("", 'the schema must be an object schema ("type": "object")')
+    return json.dumps(cleaned), checker.repeats
+
+
+
+def enforced_schemas(request: GenerationRequest) -> list[tuple[int | None, str]]:
+    """The schemas ``engine/gbnf.py`` ``constraint_for`` enforces or checks, as ``(tool index, schema text)``
+    (index None: the output schema): every tool's under ``REQUIRED``, the named tool's under
+    ``NAMED``; else the ``strict`` tools' under ``AUTO`` and a ``JSON_SCHEMA`` output's."""
+    tools, choice = request.tools, request.tool_choice
+    if tools and choice.mode is ToolChoiceMode.REQUIRED:
+        return [(i, t.parameters) for i, t in enumerate(tools)]
+    if tools and choice.mode is ToolChoiceMode.NAMED:
+        return [(i, t.parameters) for i, t in enumerate(tools) if t.name == choice.name]
+    schemas: list[tuple[int | None, str]] = []
+    if tools and choice.mode is ToolChoiceMode.AUTO:
+        schemas += [(i, t.parameters) for i, t in enumerate(tools) if t.strict]
+    if request.output.kind is OutputKind.JSON_SCHEMA:
+        schemas.append((None, request.output.schema))
+    return schemas

@@ -1,0 +1,408 @@
+"""JSON schema to GBNF grammar, for decoding tool calls and JSON answers under a grammar.
+
+The conversion is llama-cpp-python's bundled copy of llama.cpp's
+``examples/json-schema-to-grammar.py`` (``llama_cpp.llama_grammar.SchemaConverter``;
+pure Python, it does not load the native library, but importing it imports
+``llama_cpp``, so this module is on the engine's side). Every schema it converts has
+passed ``core/schema.py``, which decides what is enforced and refuses the rest.
+
+Two fixes over the bundled converter (it is an older copy than llama.cpp's
+current one): string characters exclude the control characters U+0000..U+001F
+(JSON forbids them raw, ``json.loads`` refuses them), and literals (property
+names, ``const`` / ``enum`` values) escape backslashes, so a name holding
+``\\`` is emitted as valid JSON. ``$ref`` targets get rule names of their own,
+so two tools' ``$defs`` of the same name never share a rule.
+
+Grammars are cached (LRU, :data:`CACHE_SIZE` entries) keyed by the schema
+texts; their rule ``root`` is where decoding starts.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from typing import Any, assert_never
+
+import attrs
+from ringserve.engine._native import llama_grammar as _lg
+
+from ringserve.core.detokenizer import Detokenizer
+from ringserve.core.errors import invalid
+from ringserve.core.events import GenerationRequest, OutputKind, ToolChoiceMode, ToolSpec
+from ringserve.core.schema import check_repeats, check_schema, cleaned, enforced_schemas
+from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN, OPEN_MARK, CallEnd, ToolCallError, ToolCallParser, format_call
+
+__all__ = [
+    "CACHE_SIZE",
+    "MAX_CALLS",
+    "CallWatch",
+    "Constraint",
+    "GrammarOff",
+    "GrammarOn",
+    "LazyCalls",
+    "calls_grammar",
+    "constraint_for",
+    "example_instance",
+    "output_grammar",
+]
+
+CACHE_SIZE = 256
+"""Grammars kept by each cache (entries)."""
+
+MAX_CALLS = 4
+"""Most tool calls in one reply when parallel calls are allowed."""
+
+_SAFE_CHAR = r'[^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+
+
+@attrs.frozen
+class Constraint:
+    """A sequence's output decoded under a grammar.
+
+    Attributes:
+        grammar: GBNF text (llama.cpp ``grammars/README.md``), start rule ``root``.
+        example: a text the grammar accepts (what the fake engine replies).
+    """
+
+    grammar: str
+    example: str
+
+
+class _Converter(_lg.SchemaConverter):
+    # llama_grammar is untyped: its calls below carry ignores for mypy's strict core flags.
+    """The bundled converter with the fixes the module docstring lists."""
+
+    def __init__(self) -> None:
+        super().__init__(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)  # type: ignore[no-untyped-call]
+        self._ref_names: dict[str, str] = {}
+
+    def _format_literal(self, literal: str) -> str:
+        escaped = literal.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+        return f'"{escaped}"'
+
+    def _resolve_ref(self, ref: str) -> str:
+        name = self._ref_names.get(ref)
+        if name is None:
+            name = self._ref_names[ref] = f"ref{len(self._ref_names)}"
+            body = self.visit(self._refs[ref], name)  # type: ignore[no-untyped-call]
+            if body != name:
+                self._rules[name] = body
+        return name
+
+    def add(self, schema: dict[str, Any], url: str, name: str) -> str:
+        """Visit one cleaned schema as rule ``name``; return the rule that matches it."""
+        return str(self.visit(self.resolve_refs(schema, url), name))  # type: ignore[no-untyped-call]
+
+    def rule(self, name: str, body: str) -> str:
+        return str(self._add_rule(name, body))  # type: ignore[no-untyped-call]
+
+    def literal(self, text: str) -> str:
+        return self._format_literal(text)
+
+    def grammar(self) -> str:
+        if "char" in self._rules:
+            self._rules["char"] = _SAFE_CHAR
+        return str(self.format_grammar())  # type: ignore[no-untyped-call]
+
+
+def _convert(schemas: Sequence[tuple[str, str]]) -> tuple[_Converter, list[str]]:
+    conv = _Converter()
+    rules = []
+    for i, (text, where) in enumerate(schemas):
+        schema = cleaned(text, where)
+        try:
+            rules.append(conv.add(schema, f"s{i}", f"s{i}"))
+        except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise invalid(f"{where}: the schema cannot be turned into a grammar ({exc})", where) from None
+    return conv, rules
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def output_grammar(schema: str, where: str) -> Constraint:
+    """The grammar of a JSON answer: an object valid under ``schema`` (``""``: any object).
+
+    Raises:
+        RingserveError: as :func:`check_schema`.
+    """
+    text = schema or '{"type": "object"}'
+    conv, (value,) = _convert([(text, where)])
+    conv.rule("root", value)
+    return Constraint(conv.grammar(), _example(text, where))
+
+
+def calls_grammar(tools: Sequence[ToolSpec], parallel: bool) -> Constraint:
+    """The grammar of a reply that is only tool calls, each naming one of ``tools``.
+
+    One call when ``parallel`` is False, else 1..:data:`MAX_CALLS`, separated by
+    a newline; each is :func:`~ringserve.core.toolcalls.format_call`'s syntax,
+    ``{"name": NAME, "arguments": ARGS}`` between the markers, with ARGS valid
+    under that tool's schema. ``example``
+    calls the first tool once.
+
+    Raises:
+        RingserveError: a schema the grammar cannot enforce (``param`` names
+            ``tools[i].parameters``).
+    """
+    return _calls_grammar(tuple(tools), parallel)
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _calls_grammar(tools: tuple[ToolSpec, ...], parallel: bool) -> Constraint:
+    conv, body = _call_bodies(tools, [t.parameters for t in tools])
+    call = conv.rule("call", f"{conv.literal(CALL_OPEN + _HEAD)} ( {body} ) {conv.literal('}' + CALL_CLOSE)}")
+    root = call if not parallel else f'{call} ("\\n" {call}){{0,{MAX_CALLS - 1}}}'
+    conv.rule("root", root)
+    first = tools[0]
+    return Constraint(conv.grammar(), format_call(first.name, _example(first.parameters, "tools[0].parameters")))
+
+
+_HEAD = "{" + json.dumps("name") + ": "
+"""What a call's JSON object starts with in the call syntax, before the tool's name."""
+
+
+def _call_bodies(tools: Sequence[ToolSpec], schemas: Sequence[str]) -> tuple[_Converter, str]:
+    """A converter holding the argument rules of ``tools`` (``schemas[i]`` for ``tools[i]``) and
+    the alternatives, one per tool, of what follows :data:`_HEAD`: the name, then the arguments."""
+    conv, rules = _convert([(text, f"tools[{i}].parameters") for i, text in enumerate(schemas)])
+    alts = []
+    for tool, args in zip(tools, rules, strict=True):
+        head = conv.literal(f"{json.dumps(tool.name)}, {json.dumps('arguments')}: ")
+        alts.append(f"{head} {args}")
+    return conv, " | ".join(alts)
+
+
+_ANY_OBJECT = json.dumps({"type": "object"})
+_LEAD_WS = 2
+"""Whitespace characters a call's grammar allows between the marker and the object."""
+
+
+@attrs.frozen
+class LazyCalls:
+    """Tool calls in a free reply (tool choice ``AUTO`` with a ``strict`` tool), each decoded
+    under a grammar from its ``<tool_call>`` marker to its closing marker; text outside calls
+    is free.
+
+    The engine follows the reply with a :class:`CallWatch` and puts the grammar
+    :meth:`after` the marker on the sequence's sampler chain from the next token.
+
+    Attributes:
+        tools: the request's tools: a ``strict`` tool's arguments are decoded under its
+            schema, another tool's under "any JSON object" (its schema was not checked
+            for what the grammar can enforce, and ``strict`` false asks for no more).
+    """
+
+    tools: tuple[ToolSpec, ...]
+
+    def after(self, text: str) -> Constraint | None:
+        """The grammar of the rest of a call whose text after the ``<tool_call>`` marker
+        is ``text`` (what the marker's token held after it, usually ``"\\n"`` or ``""``):
+        whitespace, ``{"name": NAME, "arguments": ARGS}`` with NAME one of :attr:`tools`
+        and ARGS valid for it, then ``\\n</tool_call>``, as
+        :func:`~ringserve.core.toolcalls.format_call` writes a call. ``example``
+        (what the fake engine writes) calls the first tool.
+
+        Returns None when ``text`` is not whitespace followed by a start of
+        ``{"name": `` (a token that holds the marker's end and more of the object; the
+        call is then not constrained).
+        """
+        return _lazy_rest(self.tools, text)
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _lazy_rest(tools: tuple[ToolSpec, ...], text: str) -> Constraint | None:
+    stripped = text.lstrip(" \t\n")
+    if not _HEAD.startswith(stripped):
+        return None
+    schemas = [t.parameters if t.strict else _ANY_OBJECT for t in tools]
+    conv, body = _call_bodies(tools, schemas)
+    head = _HEAD[len(stripped) :]
+    lead = "" if stripped else f"[ \\t\\n]{{0,{_LEAD_WS}}} "
+    literal = f"{conv.literal(head)} " if head else ""
+    conv.rule("root", f"{lead}{literal}( {body} ) {conv.literal('}' + CALL_CLOSE)}")
+    first = tools[0]
+    args = _example(schemas[0], "tools[0].parameters")
+    example = f"{head}{json.dumps(first.name)}, {json.dumps('arguments')}: {args}}}{CALL_CLOSE}"
+    return Constraint(conv.grammar(), example)
+
+
+@attrs.frozen
+class GrammarOn:
+    """Put ``constraint`` first on the sequence's sampler chain, from its next token on."""
+
+    constraint: Constraint
+
+
+@attrs.frozen
+class GrammarOff:
+    """Take the call's grammar off the sequence's sampler chain: the call is complete."""
+
+
+@attrs.define(eq=False)
+class CallWatch:
+    """Follows one sequence's sampled pieces and says when a call's grammar goes on and off
+    (sans-I/O; the engine calls :meth:`feed` right after it samples each token, so a switch
+    applies to the very next token).
+
+    It runs its own :class:`~ringserve.core.toolcalls.ToolCallParser` over the decoded
+    text, the same parser the reply stage runs, so both agree on where a call starts and
+    ends (a ``</tool_call>`` inside an argument string is not an end). On: the token that
+    completes ``<tool_call>``, with :meth:`LazyCalls.after` of what that token held
+    after the marker. Off: the token that completes the call (under the grammar, the
+    ``>`` of ``</tool_call>``); the next call turns it on again. A call that cannot be
+    constrained (:meth:`LazyCalls.after` is None) or read (``ToolCallError``, which the
+    reply stage reports too) ends the watch.
+    """
+
+    calls: LazyCalls
+    _parser: ToolCallParser = attrs.field(init=False)
+    _text: Detokenizer = attrs.field(init=False, factory=Detokenizer)
+    _tail: str = attrs.field(init=False, default="")
+    _on: bool = attrs.field(init=False, default=False)
+    _done: bool = attrs.field(init=False, default=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._parser = ToolCallParser(frozenset(t.name for t in self.calls.tools))
+
+    def feed(self, piece: bytes) -> GrammarOn | GrammarOff | None:
+        """The switch that the token of ``piece`` (its bytes) makes, if any."""
+        text = self._text.feed(piece)
+        if self._done or not text:
+            return None
+        was_in_call = self._parser.in_call
+        seen = self._tail + text
+        try:
+            pieces = self._parser.feed(text)
+        except ToolCallError:
+            self._done = True
+            return GrammarOff() if self._on else None
+        self._tail = "" if self._parser.in_call else seen[-(len(OPEN_MARK) - 1) :]
+        if self._on and any(isinstance(p, CallEnd) for p in pieces):
+            self._on = False
+            return GrammarOff()
+        if not was_in_call and self._parser.in_call:
+            constraint = self.calls.after(seen[seen.find(OPEN_MARK) + len(OPEN_MARK) :])
+            if constraint is None:
+                self._done = True
+                return None
+            self._on = True
+            return GrammarOn(constraint)
+        return None
+
+
+def _example(text: str, where: str) -> str:
+    """The JSON text of :func:`example_instance` for schema ``text``.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` naming ``where``: a schema with no finite
+            value, as one whose required properties lead back to it through ``$ref``.
+    """
+    try:
+        return json.dumps(example_instance(cleaned(text, where)))
+    except RecursionError:
+        raise invalid(f"{where}: the schema has no finite value (a '$ref' cycle through required properties)", where) from None
+
+
+def example_instance(schema: dict[str, Any], root: dict[str, Any] | None = None, depth: int = 0) -> Any:
+    """A value valid under a cleaned schema (from :func:`check_schema`'s rules) whose JSON
+    text (``json.dumps``) the schema's grammar accepts: the first alternative, the first
+    enum value, every property down to depth 3 (only the required ones below; required
+    ones first, as the grammar orders them), the fewest array items allowed but 1, short
+    strings."""
+    root = schema if root is None else root
+    if "$ref" in schema:
+        target: Any = root
+        for part in schema["$ref"][2:].split("/"):
+            target = target[part]
+        return example_instance(target, root, depth + 1)
+    if "anyOf" in schema:
+        return example_instance(schema["anyOf"][0], root, depth)
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return schema["enum"][0]
+    typ = schema.get("type")
+    if isinstance(typ, list):
+        typ = typ[0]
+    elif typ is None and "format" in schema:
+        typ = "string"
+    elif typ is None and ("items" in schema or "prefixItems" in schema):
+        typ = "array"
+    if "properties" in schema or typ in (None, "object"):
+        # The converter's order: the required properties, then the others, each in schema order.
+        props = schema.get("properties", {})
+        required = [k for k in props if k in schema.get("required", ())]
+        optional = [k for k in props if k not in required] if depth < 3 else []
+        return {k: example_instance(props[k], root, depth + 1) for k in required + optional}
+    match typ:
+        case "array":
+            items = schema.get("items", schema.get("prefixItems", {}))
+            if isinstance(items, list):
+                return [example_instance(s, root, depth + 1) for s in items]
+            n = max(schema.get("minItems", 0), min(1, schema.get("maxItems", 1)))
+            return [example_instance(items, root, depth + 1) for _ in range(n)]
+        case "string":
+            fmt = schema.get("format", "")
+            if fmt.startswith("uuid"):
+                return "123e4567-e89b-12d3-a456-426614174000"
+            if fmt in ("date", "time", "date-time"):
+                return {"date": "2024-01-02", "time": "12:30:00Z", "date-time": "2024-01-02T12:30:00Z"}[fmt]
+            n = max(schema.get("minLength", 0), min(7, schema.get("maxLength", 7)))
+            return ("example" * (n // 7 + 1))[:n]
+        case "number":
+            return 1.5
+        case "integer":
+            return 1
+        case "boolean":
+            return True
+        case "null":
+            return None
+    raise AssertionError(f"unexpected schema {schema!r}")  # pragma: no cover - cleaned schemas only
+
+
+
+def constraint_for(request: GenerationRequest) -> Constraint | LazyCalls | None:
+    """The grammar a request's reply is decoded under, or None for free text.
+
+    * a forced tool: ``REQUIRED``, calls of any of the tools, one or with
+      ``parallel`` up to :data:`MAX_CALLS`; ``NAMED``, one call of that tool
+      (a small model asked for "the" call repeats it until the limit):
+      :func:`calls_grammar`;
+    * otherwise ``JSON_OBJECT`` / ``JSON_SCHEMA`` output: :func:`output_grammar`
+      (with tools under ``AUTO`` the model then cannot call them);
+    * otherwise, ``AUTO`` with at least one ``strict`` tool: :class:`LazyCalls`,
+      free text whose calls are decoded under a grammar from their marker on;
+    * otherwise None.
+
+    The error fields are surface-neutral (``tools[i].parameters``,
+    ``output.schema``); surfaces check :func:`enforced_schemas` with their own
+    spellings first.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST``: a schema the grammar cannot
+            enforce, or a ``NAMED`` tool that is not among the tools.
+    """
+    enforced = enforced_schemas(request)
+    for index, schema in enforced:
+        check_schema(schema, "output.schema" if index is None else f"tools[{index}].parameters")
+    if enforced:
+        check_repeats([schema for _, schema in enforced], "output" if enforced[0][0] is None else "tools")
+    tools, choice = request.tools, request.tool_choice
+    if tools and choice.mode is ToolChoiceMode.REQUIRED:
+        return calls_grammar(tools, choice.parallel)
+    if tools and choice.mode is ToolChoiceMode.NAMED:
+        for tool in tools:
+            if tool.name == choice.name:
+                return calls_grammar([tool], False)
+        raise invalid(f"tool_choice names {choice.name!r}, which is not one of the tools", "tool_choice")
+    match request.output.kind:
+        case OutputKind.TEXT:
+            if tools and choice.mode is ToolChoiceMode.AUTO and any(t.strict for t in tools):
+                return LazyCalls(tuple(tools))
+            return None
+        case OutputKind.JSON_OBJECT:
+            return output_grammar("", "output")
+        case OutputKind.JSON_SCHEMA:
+            return output_grammar(request.output.schema, "output.schema")
+        case _:
+            assert_never(request.output.kind)
