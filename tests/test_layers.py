@@ -60,6 +60,11 @@ KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
 #: The only module that imports llama-cpp-python (every other takes it from there: see its docstring).
 NATIVE = "ringserve.engine._native"
 
+#: Modules only some others may import: what only tests need is never on a request's path.
+IMPORTED_ONLY_BY = {
+    "ringserve.engine.examples": {"ringserve.engine.fake"},  # the fake engine's replies to a grammar
+}
+
 
 class Kind(enum.StrEnum):
     RUNTIME = "runtime"
@@ -193,6 +198,12 @@ def test_only_the_native_module_imports_llama_cpp():
         {module for module, name, _, _ in imports(modules()) if name.split(".")[0] == "llama_cpp"}
     )
     assert importers == [NATIVE]
+
+
+def test_modules_for_tests_are_imported_only_where_listed():
+    for module, importers in IMPORTED_ONLY_BY.items():
+        found = {edge.source for edge in edges() if edge.target == module}
+        assert found <= importers, f"{module} is imported by {sorted(found - importers)}"
 
 
 def test_no_import_cycle():

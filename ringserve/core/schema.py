@@ -43,9 +43,13 @@ Checked schemas are cached (LRU, :data:`CACHE_SIZE` entries) keyed by their text
 from __future__ import annotations
 
 import functools
+import heapq
+import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import attrs
 
 from ringserve.core.errors import invalid
 from ringserve.core.events import GenerationRequest, OutputKind, ToolChoiceMode
@@ -60,6 +64,8 @@ __all__ = [
     "check_schema",
     "cleaned",
     "enforced_schemas",
+    "least_values",
+    "LeastValues",
 ]
 
 CACHE_SIZE = 256
@@ -322,6 +328,144 @@ class _Checker:
         return target
 
 
+# -- the least value under a cleaned schema -------------------------------------------------
+
+
+def _children(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """The schemas the converter visits below ``node`` (its ``$ref`` target aside)."""
+    out: list[dict[str, Any]] = [*node.get("properties", {}).values(), *node.get("anyOf", ())]
+    for key in ("items", "prefixItems", "additionalProperties"):
+        value = node.get(key)
+        if isinstance(value, dict):
+            out.append(value)
+        elif isinstance(value, list):
+            out += value
+    return out
+
+
+def _nodes(root: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every schema node of a cleaned schema, ``$defs`` / ``definitions`` included, in document order."""
+    found: list[dict[str, Any]] = []
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        found.append(node)
+        below = [d for key in _DEFS for d in node.get(key, {}).values()] + _children(node)
+        stack += reversed(below)
+    return found
+
+
+def _target(root: dict[str, Any], ref: str) -> Any:
+    """What the ``#/...`` path ``ref`` names in ``root``, or None."""
+    target: Any = root
+    for part in ref[2:].split("/"):
+        if not isinstance(target, dict) or part not in target:
+            return None
+        target = target[part]
+    return target
+
+
+@attrs.frozen
+class LeastValues:
+    """The least value of each node of one cleaned schema (by the node's ``id``), and the
+    choices that make it: what a reply under the schema must hold at the least.
+
+    A value's size counts repetitions: a string's ``minLength`` characters (at least 1), an
+    array's ``minItems`` times its item's size, an object the sizes of its required
+    properties added up (at least 1), any other value 1. ``sizes`` lacks a node with no
+    finite value (every value of it holds itself, through required properties or items).
+    ``choices`` gives, for a ``$ref`` or ``anyOf`` node, the target or alternative of its
+    least value; following choices, required properties and ``minItems`` items always ends.
+    """
+
+    sizes: Mapping[int, int]
+    choices: Mapping[int, dict[str, Any]]
+
+
+def least_values(root: dict[str, Any], cap: int) -> LeastValues:
+    """The :class:`LeastValues` of cleaned schema ``root``, sizes above ``cap`` counted as ``cap``.
+
+    Knuth's generalisation of Dijkstra's algorithm ("A generalization of Dijkstra's
+    algorithm", Information Processing Letters 6(1), 1977) over the nodes: a size depends on
+    those below it through sums and products that are never smaller than any of their
+    arguments, or a least alternative, so the nodes settle from the smallest size up;
+    ``O(n log n)`` for ``n`` nodes, ``$ref`` cycles included.
+    """
+    nodes = _nodes(root)
+    # per node: "min" over its deps (anyOf, $ref), "sum" of its deps plus base, or base * its one dep
+    specs: dict[int, tuple[str, int, list[dict[str, Any]]]] = {}
+    for node in nodes:
+        if "$ref" in node:
+            target = _target(root, node["$ref"])
+            specs[id(node)] = ("min", 0, [target]) if isinstance(target, dict) else ("sum", 1, [])
+        elif "anyOf" in node:
+            specs[id(node)] = ("min", 0, node["anyOf"])
+        elif "properties" in node:
+            props = node["properties"]
+            specs[id(node)] = ("sum", 0, [props[name] for name in dict.fromkeys(node.get("required", ()))])
+        elif isinstance(items := node.get("prefixItems", node.get("items")), list):
+            specs[id(node)] = ("sum", 0, items)
+        elif isinstance(items, dict) and node.get("minItems", 0) > 0:
+            specs[id(node)] = ("product", node["minItems"], [items])
+        elif node.get("type") == "string" and "const" not in node and "enum" not in node:
+            specs[id(node)] = ("sum", max(1, node.get("minLength", 0)), [])
+        else:
+            specs[id(node)] = ("sum", 1, [])
+    parents: dict[int, list[dict[str, Any]]] = {}
+    waiting: dict[int, int] = {}
+    queue: list[tuple[int, int, dict[str, Any], dict[str, Any] | None]] = []
+    order = itertools.count()
+    for node in nodes:
+        kind, base, deps = specs[id(node)]
+        for dep in deps:
+            parents.setdefault(id(dep), []).append(node)
+        if kind == "sum" and not deps:
+            heapq.heappush(queue, (min(cap, max(1, base)), next(order), node, None))
+        elif kind != "min":
+            waiting[id(node)] = len(deps)
+    sizes: dict[int, int] = {}
+    choices: dict[int, dict[str, Any]] = {}
+    while queue:
+        size, _, node, via = heapq.heappop(queue)
+        if id(node) in sizes:
+            continue
+        sizes[id(node)] = size
+        if via is not None:
+            choices[id(node)] = via
+        for parent in parents.get(id(node), ()):
+            if id(parent) in sizes:
+                continue
+            kind, base, deps = specs[id(parent)]
+            if kind == "min":
+                heapq.heappush(queue, (size, next(order), parent, node))
+                continue
+            waiting[id(parent)] -= 1
+            if waiting[id(parent)] == 0:
+                total = base * sizes[id(deps[0])] if kind == "product" else base + sum(sizes[id(d)] for d in deps)
+                heapq.heappush(queue, (min(cap, max(1, total)), next(order), parent, None))
+    return LeastValues(sizes, choices)
+
+
+def _check_values(root: dict[str, Any]) -> None:
+    """Refuse a schema with a node the converter visits that has no finite value: its grammar
+    could never be completed (llama.cpp decodes until ``max_tokens``)."""
+    least = least_values(root, 1)
+    seen = {id(root)}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) not in least.sizes:
+            raise _Refused("", "the schema has no finite value (a '$ref' cycle through required properties)")
+        below = _children(node)
+        target = _target(root, node["$ref"]) if "$ref" in node else None
+        if isinstance(target, dict):
+            below.append(target)
+        for child in below:
+            if id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+
+
 def cleaned(text: str, where: str, param: str | None = None) -> dict[str, Any]:
     """The cleaned schema of ``text`` (annotations dropped), an object schema.
 
@@ -387,6 +531,7 @@ def _cached_clean(text: str) -> tuple[str, int]:
     typ = cleaned.get("type")
     if typ != "object" and not (typ is None and ("properties" in cleaned or "additionalProperties" in cleaned)):
         raise _Refused("", 'the schema must be an object schema ("type": "object")')
+    _check_values(cleaned)
     return json.dumps(cleaned), checker.repeats
 
 

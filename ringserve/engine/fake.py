@@ -22,15 +22,15 @@ did to it:
   are cut into tokens of ``piece_bytes`` bytes, so multi-byte characters are
   split across tokens, then one EOG token (empty piece) ends it. Sampling
   parameters are accepted and ignored. A slot begun with a ``constraint``
-  (a forced tool call, JSON output) replies the constraint's ``example``
-  instead: a text its grammar accepts, made from the schema
-  (:func:`ringserve.engine.gbnf.example_instance`). A slot begun with
+  (a forced tool call, JSON output) replies the constraint's example
+  instead: a text its grammar accepts, made from the schema on the decode
+  thread (:func:`ringserve.engine.examples.example`). A slot begun with
   :class:`~ringserve.engine.gbnf.LazyCalls` replies the scripted text, but
   a :class:`~ringserve.engine.gbnf.CallWatch` follows it as on the real
   engine: each grammar it puts on or takes off is recorded in
   :attr:`FakeEngine.switches`, and when one goes on, the rest of the scripted
   call (up to its ``</tool_call>``, or all the rest if there is none) is
-  replaced by that grammar's ``example``, as a grammar would force a valid
+  replaced by that grammar's example, as a grammar would force a valid
   call.
 * The chat's tools and tool turns are rendered as text first
   (:func:`ringserve.core.toolcalls.plain_messages`), as on the real engine.
@@ -52,6 +52,7 @@ import attrs
 
 from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
+from ringserve.engine.examples import example
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.core.toolcalls import CLOSE_MARK, plain_messages
 from ringserve.engine.protocol import EngineError, KVCacheFull
@@ -266,7 +267,7 @@ class FakeEngine:
         constraint: Constraint | LazyCalls | None = None,
     ) -> None:
         """Start a sequence in ``slot`` holding the first ``keep`` cells of its own, or of ``source``'s, KV cells;
-        with a :class:`Constraint` its reply is ``constraint.example`` (:class:`LazyCalls`: see the module docstring).
+        with a :class:`Constraint` its reply is ``example(constraint)`` (:class:`LazyCalls`: see the module docstring).
 
         Raises:
             ValueError: a slot out of range, or fewer than ``keep`` cells
@@ -355,7 +356,7 @@ class FakeEngine:
             if pieces is None:
                 prompt = bytes(t for t in (*state.kv, *f.tokens) if t < 256)
                 if isinstance(state.constraint, Constraint):
-                    data = state.constraint.example.encode("utf-8")
+                    data = example(state.constraint).encode("utf-8")
                 else:
                     data = self.reply_for(_last_user_text(prompt)).encode("utf-8")
                 step = self.piece_bytes
@@ -403,7 +404,7 @@ class FakeEngine:
             rest = b"".join(state.pieces[state.samples :])
             close = rest.find(CLOSE_MARK.encode())
             after = rest[close + len(CLOSE_MARK) :] if close >= 0 else b""
-            data = switch.constraint.example.encode("utf-8") + after
+            data = example(switch.constraint).encode("utf-8") + after
             step = self.piece_bytes
             state.pieces = done + [data[i : i + step] for i in range(0, len(data), step)]
 

@@ -43,7 +43,6 @@ __all__ = [
     "LazyCalls",
     "calls_grammar",
     "constraint_for",
-    "example_instance",
     "output_grammar",
 ]
 
@@ -62,11 +61,16 @@ class Constraint:
 
     Attributes:
         grammar: GBNF text (llama.cpp ``grammars/README.md``), start rule ``root``.
-        example: a text the grammar accepts (what the fake engine replies).
+        value: the schema (checked JSON text) of the JSON value a text under the grammar holds:
+            the answer, or the first tool's arguments.
+        frame: the text before and after that value in the shortest such text (a call's
+            head and end). ``engine/examples.py`` makes a text the grammar accepts from these
+            two (the fake engine's reply); nothing on a request's path builds it.
     """
 
     grammar: str
-    example: str
+    value: str
+    frame: tuple[str, str] = ("", "")
 
 
 class _Converter(_lg.SchemaConverter):
@@ -128,7 +132,7 @@ def output_grammar(schema: str, where: str) -> Constraint:
     text = schema or '{"type": "object"}'
     conv, (value,) = _convert([(text, where)])
     conv.rule("root", value)
-    return Constraint(conv.grammar(), _example(text, where))
+    return Constraint(conv.grammar(), text)
 
 
 def calls_grammar(tools: Sequence[ToolSpec], parallel: bool) -> Constraint:
@@ -137,8 +141,8 @@ def calls_grammar(tools: Sequence[ToolSpec], parallel: bool) -> Constraint:
     One call when ``parallel`` is False, else 1..:data:`MAX_CALLS`, separated by
     a newline; each is :func:`~ringserve.core.toolcalls.format_call`'s syntax,
     ``{"name": NAME, "arguments": ARGS}`` between the markers, with ARGS valid
-    under that tool's schema. ``example``
-    calls the first tool once.
+    under that tool's schema. Its :attr:`~Constraint.value` is the first tool's arguments
+    in a call of that tool.
 
     Raises:
         RingserveError: a schema the grammar cannot enforce (``param`` names
@@ -154,7 +158,8 @@ def _calls_grammar(tools: tuple[ToolSpec, ...], parallel: bool) -> Constraint:
     root = call if not parallel else f'{call} ("\\n" {call}){{0,{MAX_CALLS - 1}}}'
     conv.rule("root", root)
     first = tools[0]
-    return Constraint(conv.grammar(), format_call(first.name, _example(first.parameters, "tools[0].parameters")))
+    head, _, tail = format_call(first.name, "\x00").partition("\x00")  # no tool name holds NUL
+    return Constraint(conv.grammar(), first.parameters, (head, tail))
 
 
 _HEAD = "{" + json.dumps("name") + ": "
@@ -199,8 +204,8 @@ class LazyCalls:
         is ``text`` (what the marker's token held after it, usually ``"\\n"`` or ``""``):
         whitespace, ``{"name": NAME, "arguments": ARGS}`` with NAME one of :attr:`tools`
         and ARGS valid for it, then ``\\n</tool_call>``, as
-        :func:`~ringserve.core.toolcalls.format_call` writes a call. ``example``
-        (what the fake engine writes) calls the first tool.
+        :func:`~ringserve.core.toolcalls.format_call` writes a call. Its
+        :attr:`~Constraint.value` is the first tool's arguments.
 
         Returns None when ``text`` is not whitespace followed by a start of
         ``{"name": `` (a token that holds the marker's end and more of the object; the
@@ -221,9 +226,8 @@ def _lazy_rest(tools: tuple[ToolSpec, ...], text: str) -> Constraint | None:
     literal = f"{conv.literal(head)} " if head else ""
     conv.rule("root", f"{lead}{literal}( {body} ) {conv.literal('}' + CALL_CLOSE)}")
     first = tools[0]
-    args = _example(schemas[0], "tools[0].parameters")
-    example = f"{head}{json.dumps(first.name)}, {json.dumps('arguments')}: {args}}}{CALL_CLOSE}"
-    return Constraint(conv.grammar(), example)
+    frame = (f"{head}{json.dumps(first.name)}, {json.dumps('arguments')}: ", "}" + CALL_CLOSE)
+    return Constraint(conv.grammar(), schemas[0], frame)
 
 
 @attrs.frozen
@@ -288,77 +292,6 @@ class CallWatch:
             self._on = True
             return GrammarOn(constraint)
         return None
-
-
-def _example(text: str, where: str) -> str:
-    """The JSON text of :func:`example_instance` for schema ``text``.
-
-    Raises:
-        RingserveError: ``INVALID_REQUEST`` naming ``where``: a schema with no finite
-            value, as one whose required properties lead back to it through ``$ref``.
-    """
-    try:
-        return json.dumps(example_instance(cleaned(text, where)))
-    except RecursionError:
-        raise invalid(f"{where}: the schema has no finite value (a '$ref' cycle through required properties)", where) from None
-
-
-def example_instance(schema: dict[str, Any], root: dict[str, Any] | None = None, depth: int = 0) -> Any:
-    """A value valid under a cleaned schema (from :func:`check_schema`'s rules) whose JSON
-    text (``json.dumps``) the schema's grammar accepts: the first alternative, the first
-    enum value, every property down to depth 3 (only the required ones below; required
-    ones first, as the grammar orders them), the fewest array items allowed but 1, short
-    strings."""
-    root = schema if root is None else root
-    if "$ref" in schema:
-        target: Any = root
-        for part in schema["$ref"][2:].split("/"):
-            target = target[part]
-        return example_instance(target, root, depth + 1)
-    if "anyOf" in schema:
-        return example_instance(schema["anyOf"][0], root, depth)
-    if "const" in schema:
-        return schema["const"]
-    if "enum" in schema:
-        return schema["enum"][0]
-    typ = schema.get("type")
-    if isinstance(typ, list):
-        typ = typ[0]
-    elif typ is None and "format" in schema:
-        typ = "string"
-    elif typ is None and ("items" in schema or "prefixItems" in schema):
-        typ = "array"
-    if "properties" in schema or typ in (None, "object"):
-        # The converter's order: the required properties, then the others, each in schema order.
-        props = schema.get("properties", {})
-        required = [k for k in props if k in schema.get("required", ())]
-        optional = [k for k in props if k not in required] if depth < 3 else []
-        return {k: example_instance(props[k], root, depth + 1) for k in required + optional}
-    match typ:
-        case "array":
-            items = schema.get("items", schema.get("prefixItems", {}))
-            if isinstance(items, list):
-                return [example_instance(s, root, depth + 1) for s in items]
-            n = max(schema.get("minItems", 0), min(1, schema.get("maxItems", 1)))
-            return [example_instance(items, root, depth + 1) for _ in range(n)]
-        case "string":
-            fmt = schema.get("format", "")
-            if fmt.startswith("uuid"):
-                return "123e4567-e89b-12d3-a456-426614174000"
-            if fmt in ("date", "time", "date-time"):
-                return {"date": "2024-01-02", "time": "12:30:00Z", "date-time": "2024-01-02T12:30:00Z"}[fmt]
-            n = max(schema.get("minLength", 0), min(7, schema.get("maxLength", 7)))
-            return ("example" * (n // 7 + 1))[:n]
-        case "number":
-            return 1.5
-        case "integer":
-            return 1
-        case "boolean":
-            return True
-        case "null":
-            return None
-    raise AssertionError(f"unexpected schema {schema!r}")  # pragma: no cover - cleaned schemas only
-
 
 
 def constraint_for(request: GenerationRequest) -> Constraint | LazyCalls | None:

@@ -104,7 +104,7 @@ class Engine(Protocol):
             constraint: when given, every token sampled for the sequence
                 keeps its text within ``constraint.grammar`` (llama.cpp's
                 grammar sampler; the fake engine replies
-                ``constraint.example``); end-of-generation is sampled once
+                ``engine/examples.py`` example); end-of-generation is sampled once
                 the grammar is complete. With :class:`LazyCalls`, the text is
                 free but each tool call, from the token after its
                 ``<tool_call>`` marker to the one that completes it, is

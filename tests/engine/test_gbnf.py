@@ -22,6 +22,7 @@ from ringserve.core.events import (
 from ringserve.core.schema import MAX_REPEATS, check_schema
 from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN
 from ringserve.engine import gbnf
+from ringserve.engine.examples import example
 
 from bench.tool_calls import random_schema  # the benchmark's schema generator
 
@@ -56,7 +57,7 @@ def test_a_recursive_schema_with_optional_recursion_converts() -> None:
     node = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}, "required": ["v"]}
     tree = {"type": "object", "properties": {"root": {"$ref": "#/$defs/node"}}, "required": ["root"], "$defs": {"node": node}}
     c = gbnf.calls_grammar([ToolSpec("f", "", json.dumps(tree))], False)
-    assert '"v": 1' in c.example
+    assert '"v": 1' in example(c)
 
 
 ENFORCED = [
@@ -93,7 +94,7 @@ def test_enforced_schemas_convert_and_their_example_validates(schema: dict[str, 
     check_schema(text, WHERE)
     constraint = gbnf.output_grammar(text, "output.schema")
     assert "root ::= " in constraint.grammar
-    jsonschema.validate(json.loads(constraint.example), schema)
+    jsonschema.validate(json.loads(example(constraint)), schema)
 
 
 def test_string_characters_exclude_control_characters() -> None:
@@ -135,8 +136,8 @@ def test_calls_grammar_one_call_or_up_to_max_calls() -> None:
     many = gbnf.calls_grammar([tool], True)
     assert "root ::= call\n" in one.grammar + "\n"
     assert f'root ::= call ("\\n" call){{0,{gbnf.MAX_CALLS - 1}}}' in many.grammar
-    assert one.example.startswith(CALL_OPEN) and one.example.endswith(CALL_CLOSE)
-    body = json.loads(one.example[len(CALL_OPEN) : -len(CALL_CLOSE)])
+    assert example(one).startswith(CALL_OPEN) and example(one).endswith(CALL_CLOSE)
+    body = json.loads(example(one)[len(CALL_OPEN) : -len(CALL_CLOSE)])
     assert body == {"name": "get_weather", "arguments": {"city": "example"}}
 
 
@@ -175,7 +176,7 @@ def test_constraint_for() -> None:
     with pytest.raises(RingserveError, match=r"tools\[1\]\.parameters"):
         gbnf.constraint_for(request(tools=strict))
     any_object = gbnf.constraint_for(request(output=OutputFormat(OutputKind.JSON_OBJECT)))
-    assert any_object is not None and json.loads(any_object.example) == {}
+    assert any_object is not None and json.loads(example(any_object)) == {}
     with pytest.raises(RingserveError, match=r"^output\.schema: "):
         gbnf.constraint_for(request(output=OutputFormat(OutputKind.JSON_SCHEMA, '{"type": "array"}')))
 
@@ -185,7 +186,7 @@ def test_constraint_for() -> None:
 def test_random_schemas_convert_and_examples_validate(rng: object) -> None:
     schema = random_schema(rng)  # type: ignore[arg-type]
     constraint = gbnf.calls_grammar([ToolSpec("t", "", json.dumps(schema))], False)
-    body = json.loads(constraint.example[len(CALL_OPEN) : -len(CALL_CLOSE)])
+    body = json.loads(example(constraint)[len(CALL_OPEN) : -len(CALL_CLOSE)])
     jsonschema.validate(body["arguments"], schema)
 
 
@@ -205,8 +206,8 @@ def test_strict_auto_gets_lazy_calls_and_others_stay_free() -> None:
 def test_lazy_calls_continue_what_the_marker_token_held(tail: str, head: str) -> None:
     constraint = gbnf.LazyCalls(STRICT).after(tail)
     assert constraint is not None
-    assert constraint.example == head + '"a", "arguments": {"x": 1}}' + CALL_CLOSE
-    body = (tail + constraint.example)[: -len(CALL_CLOSE)]
+    assert example(constraint) == head + '"a", "arguments": {"x": 1}}' + CALL_CLOSE
+    body = (tail + example(constraint))[: -len(CALL_CLOSE)]
     assert json.loads(body) == {"name": "a", "arguments": {"x": 1}}
     root = next(line for line in constraint.grammar.splitlines() if line.startswith("root ::= "))
     assert root.startswith("root ::= [ \\t\\n]{0,2} ") == (tail.strip() == "")

@@ -32,6 +32,7 @@ from ringserve.core.events import (
 )
 from ringserve.core.scheduler import SlotState
 from ringserve.core.toolcalls import format_call
+from ringserve.engine import examples
 from ringserve.engine.gbnf import GrammarOff, GrammarOn, LazyCalls
 from ringserve.engine.fake import FakeEngine, Switched
 from ringserve.engine.runner import Runner
@@ -286,7 +287,7 @@ async def test_strict_auto_decodes_each_call_under_the_grammar_from_its_marker()
     # Off on the sample that completes the call: the watch's parser saw its "</tool_call>".
     example = LazyCalls((STRICT_WEATHER, TIME)).after("")  # the marker ended a piece: nothing after it
     assert example is not None and switches[0].switch == GrammarOn(example)
-    assert switches[1].sample == switches[0].sample + -(-len(example.example) // 3)
+    assert switches[1].sample == switches[0].sample + -(-len(examples.example(example)) // 3)
     assert events[-1].stop_reason is StopReason.TOOL_USE  # text after calls: still a tool-use turn
 
 

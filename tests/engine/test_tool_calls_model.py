@@ -35,6 +35,7 @@ from ringserve.core.events import (
     ToolSpec,
 )
 from ringserve.engine import gbnf
+from ringserve.engine.examples import example
 from ringserve.engine.modelfile import default_model_path
 from ringserve.engine.runner import Runner
 
@@ -146,9 +147,9 @@ def check_accepts_example(engine, constraint: gbnf.Constraint, first_rejected: s
     try:
         assert not allowed(sampler, engine.tokenize(first_rejected)[0])
         eos = lc.llama_vocab_eos(vocab)
-        for token in engine.tokenize(constraint.example):
+        for token in engine.tokenize(example(constraint)):
             assert not allowed(sampler, eos)  # not complete before the example is
-            assert allowed(sampler, token), (constraint.example, engine.token_piece(token))
+            assert allowed(sampler, token), (example(constraint), engine.token_piece(token))
             lc.llama_sampler_accept(sampler, token)
         assert allowed(sampler, eos)
         if then:
