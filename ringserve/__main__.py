@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from ringserve.http.auth import AuthSetupError
     from ringserve.engine.modelfile import ModelFileError, check_model_file, default_model_path
     from ringserve.engine.protocol import EngineError
+    from ringserve.live.safety import SafetySetupError
     from ringserve.store.sqlite import StoreError
     from ringserve.server import run_process
 
@@ -66,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return run_process(config)  # 0 after a drain, 1 if a second signal cut it short
-    except (AuthSetupError, StoreError, EngineError, ModelFileError) as exc:
-        # a non-loopback host with no keys, a malformed key, a bad store file, a model or context that did not load
+    except (AuthSetupError, SafetySetupError, StoreError, EngineError, ModelFileError) as exc:
+        # a non-loopback host with no keys, a malformed key, a safety checker that does not load, a bad store
+        # file, a model or context that did not load
         print(f"ringserve: {exc}", file=sys.stderr)
         return 2
 

@@ -17,7 +17,7 @@ import attrs
 from attrs import validators as v
 
 from ringserve.core.status import Policy
-from ringserve.core.safety import compile_patterns, load_checker
+from ringserve.core.safety import check_checker_path, compile_patterns
 
 LOG_BACKENDS = ("memory", "redis")
 
@@ -292,7 +292,7 @@ def _pattern_list(value: Any) -> tuple[str, ...]:
 
 def _checker_path(_inst: object, _attribute: attrs.Attribute, value: str) -> None:
     if value:
-        load_checker(value)
+        check_checker_path(value)
 
 
 @attrs.frozen
@@ -303,7 +303,8 @@ class SafetyConfig:
     ``patterns`` are Python regular expressions that block the text they
     match; ``checker`` is ``"module:callable"``, a blocking
     ``fn(released, window) -> Verdict`` run on a worker thread, imported when
-    the config is loaded.
+    the server starts (``live/safety.py`` ``SafetyStage.from_config``; loading the
+    config only checks the name's shape).
     """
 
     window_tokens: int = attrs.field(default=0, validator=_non_negative)

@@ -26,6 +26,7 @@ from ringserve.core.sse import encode_event
 from ringserve.store.sqlite import MessageStore, StoredMessage, run_retention
 from ringserve.core.status import CancelReason
 from ringserve.live.hub import Hub
+from ringserve.live.safety import SafetyStage
 from ringserve.surfaces.registry import SURFACES
 from ringserve.logs.memory import LogStore, MemoryLogStore
 
@@ -182,10 +183,12 @@ async def serve(
         AuthSetupError: ``server.host`` is not loopback, no API key is
             configured and ``auth.allow_remote_without_keys`` is false; or
             an API key is malformed (checked before anything starts).
+        SafetySetupError: the ``[safety]`` checker cannot be loaded (checked before anything starts).
         StoreError: the message store cannot be opened or written (one line naming the path).
     """
     auth = Authenticator.from_config(config.auth)
     check_bind(config.server.host, auth, config.auth.allow_remote_without_keys)
+    safety = SafetyStage.from_config(config.safety, max_threads=config.engine.slots)
     isolate_connection_faults()
     logs = make_log_store(config)
     store = MessageStore.from_config(config.store) if isinstance(logs, MemoryLogStore) else _mirrored_store(config, logs)
@@ -231,7 +234,7 @@ async def serve(
                                     gpu=config.model.n_gpu_layers != 0)
             runner = Runner(engine, config.engine, on_cancel_freed=state.metrics.cancel_freed, overlap=overlap)
             await nursery.start(runner.run)
-            hub = Hub(config, runner, logs, store, nursery, metrics=state.metrics)
+            hub = Hub(config, runner, logs, store, nursery, safety=safety, metrics=state.metrics)
             state.metrics.watch(hub)
             if not isinstance(logs, MemoryLogStore):  # a cancel another replica relays; an owner that died
                 _relay_to(hub, logs)

@@ -39,6 +39,17 @@ def test_bad_config_is_one_line(tmp_path):
     assert "slots" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_safety_checker_that_does_not_load_is_one_line_at_start(tmp_path):
+    """Imported when the server starts (before it listens or loads the model), not by the config."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[server]\nport = 0\n[store]\npath = ":memory:"\n[safety]\nwindow_tokens = 2\nchecker = "no_such_module_xyz:fn"\n')
+    result = run("serve", "--config", str(cfg))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "ringserve: [safety] checker 'no_such_module_xyz:fn' cannot be loaded: No module named 'no_such_module_xyz'"
+    ]
+
+
 @pytest.mark.model
 def test_ctx_per_slot_above_the_trained_context_is_one_line(tmp_path):
     """Refused before llama.cpp allocates 4 x 99999999 KV cells: exit 2, one line with setting and limit."""

@@ -42,6 +42,7 @@ __all__ = [
     "HoldBack",
     "PatternChecker",
     "Verdict",
+    "check_checker_path",
     "compile_patterns",
     "load_checker",
 ]
@@ -99,6 +100,16 @@ CheckFunction = Callable[[str, str], Verdict]
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
+def check_checker_path(path: str) -> None:
+    """Check that ``path`` names a checker as :func:`load_checker` takes it, without importing it.
+
+    Raises:
+        ValueError: it does not look like ``"package.module:name"``.
+    """
+    if not _IMPORT_PATH.fullmatch(path):
+        raise ValueError(f"checker must look like 'package.module:callable', got {path!r}")
+
+
 def load_checker(path: str) -> CheckFunction:
     """Import a checker named ``"package.module:name"`` (``name`` may be dotted).
 
@@ -112,8 +123,7 @@ def load_checker(path: str) -> CheckFunction:
             carries the import error).
         TypeError: the object is neither.
     """
-    if not _IMPORT_PATH.fullmatch(path):
-        raise ValueError(f"checker must look like 'package.module:callable', got {path!r}")
+    check_checker_path(path)
     module_name, _, attr_path = path.partition(":")
     try:
         obj = importlib.import_module(module_name)

@@ -207,11 +207,12 @@ class Hub:
     """Owns live messages, their producers and the disconnect policy.
 
     Args:
-        config: the server config (stream, policy and safety tables are used).
+        config: the server config (stream and policy tables are used).
         runner: the engine's owner task.
         logs: the stream-log backend.
         store: the durable message store.
         nursery: the server-owned nursery producers run in.
+        safety: the output safety stage (:meth:`SafetyStage.from_config`), None when off.
         metrics: where TTFT, gaps, TPOT and in-band errors are observed
             (default: a private :class:`Metrics` nobody scrapes).
     """
@@ -224,11 +225,12 @@ class Hub:
         store: MessageStore,
         nursery: trio.Nursery,
         *,
+        safety: SafetyStage | None,
         metrics: Metrics | None = None,
     ):
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()
-        self.safety = SafetyStage.from_config(config.safety, max_threads=config.engine.slots)
+        self.safety = safety
         self.runner = runner
         self.logs = logs
         self.store = store

@@ -42,9 +42,13 @@ from ringserve.core.safety import Check, Checker, CheckFunction, PatternChecker,
 if TYPE_CHECKING:
     from ringserve.config import SafetyConfig
 
-__all__ = ["AsyncChecker", "InlineChecker", "SafetyStage", "ThreadedChecker"]
+__all__ = ["AsyncChecker", "InlineChecker", "SafetySetupError", "SafetyStage", "ThreadedChecker"]
 
 log = logging.getLogger("ringserve.safety")
+
+
+class SafetySetupError(ValueError):
+    """A ``[safety] checker`` the server cannot start with: one line, as a bad config value's."""
 
 
 class AsyncChecker(Protocol):
@@ -119,7 +123,8 @@ class SafetyStage:
                 slots: one check in flight per generation).
 
         Raises:
-            ValueError: as :func:`~ringserve.core.safety.load_checker`.
+            SafetySetupError: the checker cannot be loaded (as
+                :func:`~ringserve.core.safety.load_checker`, after ``[safety]``).
         """
         if config.window_tokens == 0:
             if config.patterns or config.checker:
@@ -129,7 +134,11 @@ class SafetyStage:
         if config.patterns:
             checkers.append(InlineChecker(PatternChecker(config.patterns)))
         if config.checker:
-            checkers.append(ThreadedChecker(load_checker(config.checker), max_threads=max_threads))
+            try:
+                check = load_checker(config.checker)
+            except (TypeError, ValueError) as exc:
+                raise SafetySetupError(f"[safety] {exc}") from None
+            checkers.append(ThreadedChecker(check, max_threads=max_threads))
         return cls(config.window_tokens, checkers)
 
     async def judge(self, check: Check) -> Verdict:

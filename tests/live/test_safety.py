@@ -44,7 +44,7 @@ from ringserve.core.safety import Check, HoldBack, PatternChecker, Verdict, comp
 from ringserve.core.sse import SSEParser
 from ringserve.engine.fake import DEFAULT_REPLY, FakeEngine
 from ringserve.engine.runner import Runner
-from ringserve.live.safety import InlineChecker, SafetyStage, ThreadedChecker
+from ringserve.live.safety import InlineChecker, SafetySetupError, SafetyStage, ThreadedChecker
 from tests.support import safety_checkers
 from tests.support.server import fake_config, running_server
 from tests.support.helpers import RecordingRenderer, anthropic_text, openai_text, sse_events
@@ -265,7 +265,6 @@ def test_safety_table_from_toml(tmp_path):
         ('[safety]\npatterns = ["("]\n', "patterns[0]"),
         ('[safety]\npatterns = "abc"\n', "patterns must be a list"),
         ("[safety]\nwindow_tokens = -1\n", "window_tokens"),
-        ('[safety]\nchecker = "no_such_module_xyz:fn"\n', "no_such_module_xyz"),
         ('[safety]\nchecker = "not a path"\n', "checker must look like"),
         ("[safety]\nwindow = 3\n", "window"),
     ],
@@ -276,6 +275,13 @@ def test_bad_safety_config_names_the_key(tmp_path, text, fragment):
     with pytest.raises(ValueError) as info:
         Config.from_toml(path)
     assert "[safety]" in str(info.value) and fragment in str(info.value)
+
+
+def test_a_checker_is_imported_where_the_stage_is_built_not_by_the_config():
+    config = SafetyConfig(2, (), "no_such_module_xyz:fn")  # only the name's shape is checked here
+    with pytest.raises(SafetySetupError) as info:
+        SafetyStage.from_config(config, max_threads=1)
+    assert str(info.value) == "[safety] checker 'no_such_module_xyz:fn' cannot be loaded: No module named 'no_such_module_xyz'"
 
 
 def test_stage_from_config(caplog):
