@@ -57,13 +57,19 @@ from ringserve.core.events import GenerationRequest, OutputKind, ToolChoiceMode
 __all__ = [
     "ANNOTATIONS",
     "CACHE_SIZE",
+    "MAX_DEPTH",
+    "MAX_GRAMMAR_BYTES",
+    "MAX_NODES",
+    "MAX_OPTIONAL_PROPERTIES",
     "MAX_OPTIONAL_REPEATS",
+    "MAX_REPEAT_PRODUCT",
     "MAX_REPEATS",
     "REFUSED",
     "check_repeats",
     "check_schema",
     "cleaned",
     "enforced_schemas",
+    "grammar_bytes",
     "least_values",
     "LeastValues",
 ]
@@ -92,6 +98,40 @@ kills the server (measured with the bundled model's vocabulary). A lower bound a
 sequence, which it parses.
 """
 
+MAX_REPEAT_PRODUCT = 20_000
+"""Most repetitions the least value of any node of a schema may hold (see :class:`LeastValues`).
+
+Bounds multiply along the nesting (arrays of arrays of strings, or a ``$ref`` used by many
+required properties), where the grammar adds them up: 1,000 x 1,000 x 200 (about 300 bytes
+of JSON, 2,200 repetitions in the grammar) forces 200 million characters into every value,
+which no reply can hold (issue 36: building one such value took the server to 3.19 GB).
+Equal to :data:`MAX_REPEATS`: a value no single bound may force more than.
+"""
+
+MAX_DEPTH = 64
+"""Most levels of nesting in one schema (a property, an item, an alternative, a definition is
+one level deeper): the checks and the converter recurse once per level."""
+
+MAX_NODES = 2000
+"""Most schema nodes (objects, arrays, strings... each ``{...}`` a schema) one request's
+enforced schemas may hold in all. The converter names each node's rule after its path and
+resolves names that clash after escaping by trying one after another: 2,000 properties whose
+names escape to one rule name took it 1.1 s."""
+
+MAX_OPTIONAL_PROPERTIES = 128
+"""Most optional properties (not in ``required``) of one object. The converter writes one rule
+per run of them, in time that grows with the square of their number and recursion as deep
+as their number: 500 took 0.43 s, 900 took 2.1 s, and about 1,000 exhaust Python's stack."""
+
+MAX_GRAMMAR_BYTES = 1 << 20
+"""Most bytes the grammar of one request's enforced schemas may hold, as :func:`grammar_bytes`
+estimates it before it is made (never below the size made: ``tests/engine/test_gbnf.py``).
+
+Rule names are the nodes' paths, so a long property name is written once per node below it:
+a 100 KB name over 100 properties made a 60 MB grammar in 6.6 s. llama.cpp parses a grammar
+on the decode thread while every stream waits, about 0.35 s and 60 MB per megabyte
+(:data:`MAX_REPEATS`); a 1 MiB grammar is some 5,000 nodes of ordinary names.
+"""
 
 ANNOTATIONS = frozenset(
     {
@@ -211,8 +251,23 @@ class _Checker:
     def __init__(self, root: Any) -> None:
         self.root = root
         self.repeats = 0  # what the bounds met so far write into the grammar (see _bounds)
+        self.nodes = 0  # the schema nodes cleaned so far
+        self._depth = 0  # the nesting of the node being cleaned
 
     def clean(self, node: Any, where: str) -> dict[str, Any]:
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise _Refused("", f"the schema holds more than {MAX_NODES} schemas (each {{...}} below it is one),"
+                               " over the limit for one request's grammar")
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise _Refused("", "the schema is nested too deeply")
+        try:
+            return self._clean(node, where)
+        finally:
+            self._depth -= 1
+
+    def _clean(self, node: Any, where: str) -> dict[str, Any]:
         if not isinstance(node, dict):
             raise _Refused(where, "a schema must be a JSON object (boolean schemas are not supported)")
         for key in node:
@@ -293,6 +348,10 @@ class _Checker:
         missing = [r for r in required if r not in props]
         if missing:
             raise _Refused(where, f"'required' names {missing[0]!r}, which is not in 'properties'")
+        optional = len(set(props) - set(required))
+        if optional > MAX_OPTIONAL_PROPERTIES:
+            raise _Refused(where, f"{optional} optional properties (in 'properties', not in 'required'),"
+                                  f" over the limit of {MAX_OPTIONAL_PROPERTIES} for one object")
         additional = node.get("additionalProperties", False)
         if props and additional is not False:
             # The grammar's extra keys may repeat a listed one, whose value then escapes its schema.
@@ -328,29 +387,33 @@ class _Checker:
         return target
 
 
-# -- the least value under a cleaned schema -------------------------------------------------
+# -- what a cleaned schema costs: its least value, its grammar's size -----------------------
 
 
-def _children(node: dict[str, Any]) -> list[dict[str, Any]]:
-    """The schemas the converter visits below ``node`` (its ``$ref`` target aside)."""
-    out: list[dict[str, Any]] = [*node.get("properties", {}).values(), *node.get("anyOf", ())]
+def _children(node: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+    """The schemas the converter visits below ``node`` (its ``$ref`` target aside), each with
+    its path below ``node`` as the checker writes it."""
+    out = [(v, f".properties.{k}") for k, v in node.get("properties", {}).items()]
+    out += [(v, f".anyOf[{i}]") for i, v in enumerate(node.get("anyOf", ()))]
     for key in ("items", "prefixItems", "additionalProperties"):
         value = node.get(key)
         if isinstance(value, dict):
-            out.append(value)
+            out.append((value, f".{key}"))
         elif isinstance(value, list):
-            out += value
+            out += [(v, f".{key}[{i}]") for i, v in enumerate(value)]
     return out
 
 
-def _nodes(root: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every schema node of a cleaned schema, ``$defs`` / ``definitions`` included, in document order."""
-    found: list[dict[str, Any]] = []
-    stack = [root]
+def _nodes(root: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+    """Every schema node of a cleaned schema, ``$defs`` / ``definitions`` included, with its
+    path, in document order."""
+    found: list[tuple[dict[str, Any], str]] = []
+    stack = [(root, "")]
     while stack:
-        node = stack.pop()
-        found.append(node)
-        below = [d for key in _DEFS for d in node.get(key, {}).values()] + _children(node)
+        node, where = stack.pop()
+        found.append((node, where))
+        below = [(d, f"{where}.{key}.{k}") for key in _DEFS for k, d in node.get(key, {}).items()]
+        below += [(child, where + path) for child, path in _children(node)]
         stack += reversed(below)
     return found
 
@@ -382,6 +445,31 @@ class LeastValues:
     choices: Mapping[int, dict[str, Any]]
 
 
+_Spec = tuple[str, int, list[dict[str, Any]]]
+
+
+def _spec(root: dict[str, Any], node: dict[str, Any]) -> _Spec:
+    """How the size of ``node``'s least value follows from others': ``("min", 0, deps)`` the
+    least of its deps (a ``$ref``'s target, ``anyOf``), ``("sum", base, deps)`` base plus
+    theirs, ``("product", n, [dep])`` n times its one dep's."""
+    if "$ref" in node:
+        target = _target(root, node["$ref"])
+        return ("min", 0, [target]) if isinstance(target, dict) else ("sum", 1, [])
+    if "anyOf" in node:
+        return "min", 0, node["anyOf"]
+    if "properties" in node:
+        props = node["properties"]
+        return "sum", 0, [props[name] for name in dict.fromkeys(node.get("required", ()))]
+    items = node.get("prefixItems", node.get("items"))
+    if isinstance(items, list):
+        return "sum", 0, items
+    if isinstance(items, dict) and node.get("minItems", 0) > 0:
+        return "product", node["minItems"], [items]
+    if node.get("type") == "string" and "const" not in node and "enum" not in node:
+        return "sum", max(1, node.get("minLength", 0)), []
+    return "sum", 1, []
+
+
 def least_values(root: dict[str, Any], cap: int) -> LeastValues:
     """The :class:`LeastValues` of cleaned schema ``root``, sizes above ``cap`` counted as ``cap``.
 
@@ -391,26 +479,8 @@ def least_values(root: dict[str, Any], cap: int) -> LeastValues:
     arguments, or a least alternative, so the nodes settle from the smallest size up;
     ``O(n log n)`` for ``n`` nodes, ``$ref`` cycles included.
     """
-    nodes = _nodes(root)
-    # per node: "min" over its deps (anyOf, $ref), "sum" of its deps plus base, or base * its one dep
-    specs: dict[int, tuple[str, int, list[dict[str, Any]]]] = {}
-    for node in nodes:
-        if "$ref" in node:
-            target = _target(root, node["$ref"])
-            specs[id(node)] = ("min", 0, [target]) if isinstance(target, dict) else ("sum", 1, [])
-        elif "anyOf" in node:
-            specs[id(node)] = ("min", 0, node["anyOf"])
-        elif "properties" in node:
-            props = node["properties"]
-            specs[id(node)] = ("sum", 0, [props[name] for name in dict.fromkeys(node.get("required", ()))])
-        elif isinstance(items := node.get("prefixItems", node.get("items")), list):
-            specs[id(node)] = ("sum", 0, items)
-        elif isinstance(items, dict) and node.get("minItems", 0) > 0:
-            specs[id(node)] = ("product", node["minItems"], [items])
-        elif node.get("type") == "string" and "const" not in node and "enum" not in node:
-            specs[id(node)] = ("sum", max(1, node.get("minLength", 0)), [])
-        else:
-            specs[id(node)] = ("sum", 1, [])
+    nodes = [node for node, _ in _nodes(root)]
+    specs = {id(node): _spec(root, node) for node in nodes}
     parents: dict[int, list[dict[str, Any]]] = {}
     waiting: dict[int, int] = {}
     queue: list[tuple[int, int, dict[str, Any], dict[str, Any] | None]] = []
@@ -447,16 +517,18 @@ def least_values(root: dict[str, Any], cap: int) -> LeastValues:
 
 
 def _check_values(root: dict[str, Any]) -> None:
-    """Refuse a schema with a node the converter visits that has no finite value: its grammar
-    could never be completed (llama.cpp decodes until ``max_tokens``)."""
-    least = least_values(root, 1)
+    """Refuse a schema with a node the converter visits that has no finite value (its grammar
+    could never be completed: llama.cpp decodes until ``max_tokens``), or whose least value
+    holds more than :data:`MAX_REPEAT_PRODUCT` repetitions, naming the keyword that multiplies
+    past it (a single bound past it is :func:`check_repeats`' to refuse)."""
+    least = least_values(root, MAX_REPEAT_PRODUCT + 1)
     seen = {id(root)}
     stack = [root]
     while stack:
         node = stack.pop()
         if id(node) not in least.sizes:
             raise _Refused("", "the schema has no finite value (a '$ref' cycle through required properties)")
-        below = _children(node)
+        below = [child for child, _ in _children(node)]
         target = _target(root, node["$ref"]) if "$ref" in node else None
         if isinstance(target, dict):
             below.append(target)
@@ -464,6 +536,65 @@ def _check_values(root: dict[str, Any]) -> None:
             if id(child) not in seen:
                 seen.add(id(child))
                 stack.append(child)
+    for node, where in _nodes(root):
+        kind, base, deps = _spec(root, node)
+        if id(node) not in least.sizes or least.sizes[id(node)] <= MAX_REPEAT_PRODUCT or not deps or kind == "min":
+            continue
+        if any(least.sizes.get(id(d), 0) > MAX_REPEAT_PRODUCT for d in deps):
+            continue  # past the limit below: that node is named
+        if kind == "product":
+            each = least.sizes[id(deps[0])]
+            why = f"'minItems' {base} times the {each} repetitions each item holds at the least is {base * each}"
+        else:
+            total = sum(least.sizes[id(d)] for d in deps)
+            keyword = "required" if "properties" in node else "prefixItems" if "prefixItems" in node else "items"
+            why = f"the {len(deps)} values '{keyword}' asks for hold {total} repetitions at the least"
+        raise _Refused(where, f"{why}, over the limit of {MAX_REPEAT_PRODUCT} for any value (bounds multiply"
+                              " along the nesting)")
+
+
+_RULE_BYTES = 4
+"""Times a node's rule name is written, at most: its rule, its parent's, an object's optional run."""
+
+_FIXED_BYTES = 4096
+"""What one grammar holds whatever its schemas: the primitive rules (``string``, ``number``,
+``char``, the formats...) and the root rule (measured: under 2 KB)."""
+
+
+def _estimate(root: dict[str, Any]) -> int:
+    """An estimate, never below the size the converter makes (``engine/gbnf.py``), of the bytes
+    the grammar of cleaned schema ``root`` holds: each node's rule name is its path (a
+    property's name added to its parent's), written a few times; each property's key and each
+    ``const`` / ``enum`` value is a literal; each repetition a bound writes names its item's rule.
+    """
+    total = 256  # a call's head and end around it, with its tool's name
+    stack = [(root, 8)]  # a node and the length of its rule name ("s12", "ref3", then paths)
+    while stack:
+        node, name = stack.pop()
+        total += _RULE_BYTES * (name + 8) + 16
+        for key in _DEFS:
+            stack += [(d, 8) for d in node.get(key, {}).values()]  # named "refN" where used
+        for key, child in node.get("properties", {}).items():
+            kv = name + len(key) + 12  # "<name>-<key>-kv", "<name>-<key>-rest"
+            total += 2 * _RULE_BYTES * kv + 2 * len(json.dumps(key)) + 32
+            stack.append((child, name + 1 + len(key)))
+        for i, alt in enumerate(node.get("anyOf", ())):
+            stack.append((alt, name + 2 + len(str(i))))
+        for i, item in enumerate(node.get("prefixItems", ())):
+            stack.append((item, name + 8 + len(str(i))))
+        items = node.get("items")
+        if isinstance(items, list):
+            stack += [(item, name + 8 + len(str(i))) for i, item in enumerate(items)]
+        elif isinstance(items, dict):
+            stack.append((items, name + 6))
+            total += (name + 32) * node.get("maxItems", node.get("minItems", 0))
+        if isinstance(node.get("additionalProperties"), dict):
+            stack.append((node["additionalProperties"], name + 18))
+            total += _RULE_BYTES * (name + 24)
+        total += 12 * node.get("maxLength", node.get("minLength", 0))
+        values = node.get("enum", [node["const"]] if "const" in node else [])
+        total += sum(2 * len(json.dumps(v)) + 16 for v in values)
+    return total
 
 
 def cleaned(text: str, where: str, param: str | None = None) -> dict[str, Any]:
@@ -473,7 +604,7 @@ def cleaned(text: str, where: str, param: str | None = None) -> dict[str, Any]:
         RingserveError: as :func:`check_schema`.
     """
     try:
-        return json.loads(_cached_clean(text)[0])  # type: ignore[no-any-return]
+        return json.loads(_cached_clean(text).text)  # type: ignore[no-any-return]
     except _Refused as exc:
         at = where + exc.where
         raise invalid(f"{at}: {exc.message}", param or where) from None
@@ -498,42 +629,64 @@ def check_schema(text: str, where: str, param: str | None = None) -> None:
     cleaned(text, where, param)
 
 
+def grammar_bytes(schemas: Sequence[str]) -> int:
+    """An estimate, never below the size made, of the bytes of the one grammar that enforces
+    ``schemas`` (each passed :func:`check_schema`): what :func:`check_repeats` bounds."""
+    return _FIXED_BYTES + sum(_cached_clean(text).grammar_bytes for text in schemas)
+
+
 def check_repeats(schemas: Sequence[str], param: str) -> None:
     """Check that the schemas one request enforces (each already passed :func:`check_schema`)
-    write at most :data:`MAX_REPEATS` repetitions into its grammars in all.
+    write at most :data:`MAX_REPEATS` repetitions into its grammars in all, hold at most
+    :data:`MAX_NODES` schema nodes, and make a grammar of at most :data:`MAX_GRAMMAR_BYTES`.
 
     Raises:
         RingserveError: ``INVALID_REQUEST`` with ``param``, giving the total.
     """
-    total = sum(_cached_clean(text)[1] for text in schemas)
+    checked = [_cached_clean(text) for text in schemas]
+    total = sum(c.repeats for c in checked)
     if total > MAX_REPEATS:
         raise invalid(
             f"the schemas' minLength/maxLength/minItems/maxItems add up to {total} repetitions,"
             f" over the limit of {MAX_REPEATS} for one request's grammar",
             param,
         )
+    nodes = sum(c.nodes for c in checked)
+    if nodes > MAX_NODES:
+        raise invalid(f"the schemas hold {nodes} schemas in all (each {{...}} in them is one),"
+                      f" over the limit of {MAX_NODES} for one request's grammar", param)
+    size = grammar_bytes(schemas)
+    if size > MAX_GRAMMAR_BYTES:
+        raise invalid(f"the schemas make a grammar of about {size} bytes (each rule is named after its"
+                      f" property names, nested), over the limit of {MAX_GRAMMAR_BYTES} for one request", param)
 
+
+
+@attrs.frozen
+class _Checked:
+    """A schema that passed the checks: its cleaned JSON ``text``, the ``repeats`` its bounds
+    write into a grammar, its schema ``nodes`` and the estimated ``grammar_bytes``."""
+
+    text: str
+    repeats: int
+    nodes: int
+    grammar_bytes: int
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
-def _cached_clean(text: str) -> tuple[str, int]:
-    """The cleaned schema's JSON text and the repetitions its bounds write (cached; failures
-    are not cached and raise :class:`_Refused`)."""
+def _cached_clean(text: str) -> _Checked:
+    """The checked schema of ``text`` (cached; failures are not cached and raise :class:`_Refused`)."""
     try:
         schema = json.loads(text)
     except (TypeError, ValueError) as exc:
         raise _Refused("", f"the schema is not valid JSON ({exc})") from None
     checker = _Checker(schema)
-    try:
-        cleaned = checker.clean(schema, "")
-    except RecursionError:
-        raise _Refused("", "the schema is nested too deeply") from None
+    cleaned = checker.clean(schema, "")
     typ = cleaned.get("type")
     if typ != "object" and not (typ is None and ("properties" in cleaned or "additionalProperties" in cleaned)):
         raise _Refused("", 'the schema must be an object schema ("type": "object")')
     _check_values(cleaned)
-    return json.dumps(cleaned), checker.repeats
-
+    return _Checked(json.dumps(cleaned), checker.repeats, checker.nodes, _estimate(cleaned))
 
 
 def enforced_schemas(request: GenerationRequest) -> list[tuple[int | None, str]]:

@@ -1,4 +1,4 @@
-"""core/schema.py: which schema keywords are refused, and the messages that name them."""
+"""core/schema.py: which schema keywords are refused, what a schema may cost, and the messages that name them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,16 @@ import json
 
 import pytest
 
-from ringserve.core.schema import REFUSED, check_schema
+from ringserve.core.schema import (
+    MAX_DEPTH,
+    MAX_GRAMMAR_BYTES,
+    MAX_NODES,
+    MAX_OPTIONAL_PROPERTIES,
+    MAX_REPEAT_PRODUCT,
+    REFUSED,
+    check_repeats,
+    check_schema,
+)
 from ringserve.core.errors import ErrorKind, RingserveError
 
 WHERE = "tools[0].input_schema"
@@ -103,3 +112,89 @@ def test_a_schema_nested_too_deeply_is_a_400_not_a_recursion_error() -> None:
 def test_not_json() -> None:
     with pytest.raises(RingserveError, match=r"^tools\[0\]\.input_schema: the schema is not valid JSON"):
         check_schema("{", WHERE)
+
+
+# -- what a schema may cost (issue 36 item 1) ------------------------------------------------
+
+#: The issue's schema: about 300 bytes, 2,200 repetitions in the grammar, 200 million characters in any value.
+BOMB = {
+    "type": "object",
+    "properties": {"a": {"type": "array", "minItems": 1000, "items": {
+        "type": "array", "minItems": 1000, "items": {"type": "string", "minLength": 200}}}},
+    "required": ["a"],
+}
+
+
+def test_bounds_that_multiply_past_the_limit_are_refused_where_they_multiply() -> None:
+    assert len(json.dumps(BOMB)) < 300
+    assert refused(BOMB) == (
+        f"{WHERE}.properties.a.items: 'minItems' 1000 times the 200 repetitions each item holds at the least"
+        f" is 200000, over the limit of {MAX_REPEAT_PRODUCT} for any value (bounds multiply along the nesting)"
+    )
+    # what multiplies to the limit is fine, optional or not
+    at = {"type": "array", "minItems": 100, "items": {"type": "string", "minLength": MAX_REPEAT_PRODUCT // 100}}
+    check_schema(json.dumps(obj(a=at)), WHERE)
+    check_schema(json.dumps({**obj(a=at), "required": ["a"]}), WHERE)
+
+
+def test_a_ref_used_by_many_required_properties_multiplies_too() -> None:
+    """Ten required properties of a definition of ten required properties of ... : 10**5 values."""
+    defs = {f"d{k}": {"type": "object", "properties": {f"p{i}": {"$ref": f"#/$defs/d{k + 1}"} for i in range(10)},
+                      "required": [f"p{i}" for i in range(10)]} for k in range(5)}
+    defs["d5"] = {"type": "integer"}
+    schema = {"type": "object", "$defs": defs, "properties": {"x": {"$ref": "#/$defs/d0"}}}
+    assert refused(schema) == (
+        f"{WHERE}.$defs.d0: the 10 values 'required' asks for hold 100000 repetitions at the least, over the"
+        f" limit of {MAX_REPEAT_PRODUCT} for any value (bounds multiply along the nesting)"
+    )
+
+
+def nested(levels: int) -> dict[str, object]:
+    return json.loads('{"type": "object", "properties": {"a": ' * (levels - 1) + '{"type": "string"}' + "}}" * (levels - 1))
+
+
+def test_nesting_is_bounded() -> None:
+    check_schema(json.dumps(nested(MAX_DEPTH)), WHERE)
+    assert refused(nested(MAX_DEPTH + 1)) == f"{WHERE}: the schema is nested too deeply"
+
+
+def test_optional_properties_of_one_object_are_bounded() -> None:
+    props = {f"p{i}": {"type": "integer"} for i in range(MAX_OPTIONAL_PROPERTIES + 1)}
+    check_schema(json.dumps({**obj(**props), "required": ["p0"]}), WHERE)
+    assert refused(obj(a=obj(**props))) == (
+        f"{WHERE}.properties.a: {MAX_OPTIONAL_PROPERTIES + 1} optional properties (in 'properties', not in"
+        f" 'required'), over the limit of {MAX_OPTIONAL_PROPERTIES} for one object"
+    )
+
+
+def refused_request(schemas: list[dict[str, object]]) -> str:
+    texts = [json.dumps(s) for s in schemas]
+    for text in texts:
+        check_schema(text, WHERE)
+    with pytest.raises(RingserveError) as info:
+        check_repeats(texts, "tools")
+    assert info.value.param == "tools"
+    return info.value.message
+
+
+def test_the_schema_nodes_of_a_request_are_bounded() -> None:
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(999)},
+            "required": [f"p{i}" for i in range(999)]}  # 1,000 nodes
+    check_repeats([json.dumps(wide)] * 2, "tools")
+    assert refused_request([wide, wide, obj()]) == (
+        f"the schemas hold 2001 schemas in all (each {{...}} in them is one), over the limit of {MAX_NODES}"
+        " for one request's grammar"
+    )
+    assert refused({**wide, "properties": {**wide["properties"], "q": obj(**{f"r{i}": {} for i in range(MAX_NODES)})}}) == (
+        f"{WHERE}: the schema holds more than {MAX_NODES} schemas (each {{...}} below it is one), over the limit"
+        " for one request's grammar"
+    )
+
+
+def test_long_property_names_count_into_the_grammar_size() -> None:
+    """Rule names are paths: a 100 KB name over 100 properties made a 60 MB grammar."""
+    long = obj(**{"A" * 100_000: obj(**{f"c{i}": {"type": "string"} for i in range(100)})})
+    message = refused_request([long])
+    assert message.startswith("the schemas make a grammar of about ")
+    assert message.endswith(f" bytes (each rule is named after its property names, nested), over the limit of"
+                            f" {MAX_GRAMMAR_BYTES} for one request")

@@ -19,7 +19,7 @@ from ringserve.core.events import (
     ToolChoiceMode,
     ToolSpec,
 )
-from ringserve.core.schema import MAX_REPEATS, check_schema
+from ringserve.core.schema import MAX_REPEATS, check_schema, grammar_bytes
 from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN
 from ringserve.engine import gbnf
 from ringserve.engine.examples import example
@@ -258,3 +258,45 @@ def test_constraint_for_refuses_bounds_over_the_grammar_limit_in_all() -> None:
     assert info.value.param == "tools"
     # under auto only strict tools are decoded under a grammar: these (not strict) are fine there
     assert gbnf.constraint_for(request(tools=over)) is None
+
+
+# -- what core/schema.py estimates a grammar's size to be, against the size made -------------
+
+names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=40)
+leaves = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["string", "number", "integer", "boolean", "null"])}),
+    st.builds(lambda lo, span: {"type": "string", "minLength": lo, "maxLength": lo + span},
+              st.integers(0, 50), st.integers(0, 50)),
+    st.builds(lambda values: {"enum": values}, st.lists(names | st.integers(), min_size=1, max_size=5)),
+    st.builds(lambda fmt: {"type": "string", "format": fmt}, st.sampled_from(["date", "time", "date-time", "uuid"])),
+)
+
+
+def _object(props: dict[str, object], flags: list[bool]) -> dict[str, object]:
+    return {"type": "object", "properties": props, "required": [k for k, f in zip(props, flags) if f]}
+
+
+schemas = st.recursive(
+    leaves,
+    lambda inner: st.one_of(
+        st.builds(_object, st.dictionaries(names, inner, max_size=5), st.lists(st.booleans(), min_size=5, max_size=5)),
+        st.builds(lambda item, lo, span: {"type": "array", "items": item, "minItems": lo, "maxItems": lo + span},
+                  inner, st.integers(0, 3), st.integers(0, 30)),
+        st.builds(lambda alts: {"anyOf": alts}, st.lists(inner, min_size=1, max_size=3)),
+        st.builds(lambda items: {"type": "array", "prefixItems": items}, st.lists(inner, min_size=1, max_size=3)),
+        st.builds(lambda value: {"type": "object", "additionalProperties": value}, inner),
+    ),
+    max_leaves=25,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.builds(lambda props: {"type": "object", "properties": props}, st.dictionaries(names, schemas, max_size=4)),
+                min_size=1, max_size=3))
+def test_the_grammar_size_estimate_is_never_below_the_size_made(tools: list[dict[str, object]]) -> None:
+    texts = [json.dumps(t) for t in tools]
+    for text in texts:
+        check_schema(text, WHERE)
+    specs = [ToolSpec(f"tool_{i}", "", text, strict=True) for i, text in enumerate(texts)]
+    made = [gbnf.calls_grammar(specs, True), gbnf.LazyCalls(tuple(specs)).after(""), gbnf.output_grammar(texts[0], "o")]
+    assert all(c is not None and len(c.grammar) <= grammar_bytes(texts) for c in made)
