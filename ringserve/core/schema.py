@@ -37,26 +37,29 @@ is refused, among them (:data:`REFUSED` lists the standard ones) ``oneOf``
 other numeric bounds, ``patternProperties``, ``uniqueItems``, other formats
 (``email``, ``uri``...), boolean schemas and unknown keywords.
 
-Checked schemas are cached (LRU, :data:`CACHE_SIZE` entries) keyed by their text.
+Checked schemas are cached (:data:`CHECKED_CACHE`, least recently used first out, at most
+:data:`CACHE_BYTES`) keyed by their text.
 """
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
+from ringserve.core.cache import ByteLRU
 from ringserve.core.errors import invalid
 from ringserve.core.events import GenerationRequest, OutputKind, ToolChoiceMode
 
 __all__ = [
     "ANNOTATIONS",
-    "CACHE_SIZE",
+    "CACHE_BYTES",
+    "CHECKED_CACHE",
     "MAX_DEPTH",
     "MAX_GRAMMAR_BYTES",
     "MAX_NODES",
@@ -74,8 +77,8 @@ __all__ = [
     "LeastValues",
 ]
 
-CACHE_SIZE = 256
-"""Checked schemas kept (entries)."""
+CACHE_BYTES = 16 << 20
+"""The most the checked schemas kept may hold: their texts, as given and cleaned (``sys.getsizeof``)."""
 
 MAX_REPEATS = 20_000
 """Most repetitions the length and item bounds of one request's enforced schemas may write in all.
@@ -673,9 +676,20 @@ class _Checked:
     grammar_bytes: int
 
 
-@functools.lru_cache(maxsize=CACHE_SIZE)
+CHECKED_CACHE: ByteLRU[_Checked] = ByteLRU(CACHE_BYTES, lambda text, checked: sys.getsizeof(text) + sys.getsizeof(checked.text))
+"""Every schema that passed the checks, by its text (failures are not kept)."""
+
+
 def _cached_clean(text: str) -> _Checked:
-    """The checked schema of ``text`` (cached; failures are not cached and raise :class:`_Refused`)."""
+    """The checked schema of ``text`` (from :data:`CHECKED_CACHE`).
+
+    Raises:
+        _Refused: it does not pass.
+    """
+    return CHECKED_CACHE.get(text, lambda: _check(text))
+
+
+def _check(text: str) -> _Checked:
     try:
         schema = json.loads(text)
     except (TypeError, ValueError) as exc:

@@ -13,20 +13,21 @@ names, ``const`` / ``enum`` values) escape backslashes, so a name holding
 ``\\`` is emitted as valid JSON. ``$ref`` targets get rule names of their own,
 so two tools' ``$defs`` of the same name never share a rule.
 
-Grammars are cached (LRU, :data:`CACHE_SIZE` entries) keyed by the schema
-texts; their rule ``root`` is where decoding starts.
+Grammars are cached (:data:`GRAMMAR_CACHE`, least recently used first out, at most
+:data:`CACHE_BYTES`) keyed by the schema texts; their rule ``root`` is where decoding starts.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Sequence
+import sys
+from collections.abc import Hashable, Sequence
 from typing import Any, assert_never
 
 import attrs
 from ringserve.engine._native import llama_grammar as _lg
 
+from ringserve.core.cache import ByteLRU
 from ringserve.core.detokenizer import Detokenizer
 from ringserve.core.errors import invalid
 from ringserve.core.events import GenerationRequest, OutputKind, ToolChoiceMode, ToolSpec
@@ -34,7 +35,8 @@ from ringserve.core.schema import check_repeats, check_schema, cleaned, enforced
 from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN, OPEN_MARK, CallEnd, ToolCallError, ToolCallParser, format_call
 
 __all__ = [
-    "CACHE_SIZE",
+    "CACHE_BYTES",
+    "GRAMMAR_CACHE",
     "MAX_CALLS",
     "CallWatch",
     "Constraint",
@@ -46,8 +48,13 @@ __all__ = [
     "output_grammar",
 ]
 
-CACHE_SIZE = 256
-"""Grammars kept by each cache (entries)."""
+CACHE_BYTES = 16 << 20
+"""The most the grammars kept may hold, their keys included (``sys.getsizeof`` of their texts).
+
+Measured: one tool's grammar (``get_weather``) is 454 bytes, the median of the benchmark's
+random tool schemas 800 (at most 2.4 KB), twenty strict tools' call grammar 10.6 KB; the
+largest a request may make (``core/schema.py`` ``MAX_GRAMMAR_BYTES``) under 1 MB, and a
+grammar larger than this whole budget is not kept."""
 
 MAX_CALLS = 4
 """Most tool calls in one reply when parallel calls are allowed."""
@@ -122,13 +129,39 @@ def _convert(schemas: Sequence[tuple[str, str]]) -> tuple[_Converter, list[str]]
     return conv, rules
 
 
-@functools.lru_cache(maxsize=CACHE_SIZE)
+def _texts(item: object) -> list[str]:
+    match item:
+        case str():
+            return [item]
+        case ToolSpec():
+            return [item.name, item.description, item.parameters]
+        case Constraint():
+            return [item.grammar, item.value, *item.frame]
+        case tuple():
+            return [text for part in item for text in _texts(part)]
+    return []
+
+
+def _entry_bytes(key: Hashable, value: Constraint | None) -> int:
+    return sum(sys.getsizeof(text) for text in (*_texts(key), *_texts(value)))
+
+
+GRAMMAR_CACHE: ByteLRU[Constraint | None] = ByteLRU(CACHE_BYTES, _entry_bytes)
+"""Every grammar made, by what it was made from."""
+
+
 def output_grammar(schema: str, where: str) -> Constraint:
     """The grammar of a JSON answer: an object valid under ``schema`` (``""``: any object).
 
     Raises:
         RingserveError: as :func:`check_schema`.
     """
+    constraint = GRAMMAR_CACHE.get(("output", schema, where), lambda: _output_grammar(schema, where))
+    assert constraint is not None
+    return constraint
+
+
+def _output_grammar(schema: str, where: str) -> Constraint:
     text = schema or '{"type": "object"}'
     conv, (value,) = _convert([(text, where)])
     conv.rule("root", value)
@@ -148,10 +181,12 @@ def calls_grammar(tools: Sequence[ToolSpec], parallel: bool) -> Constraint:
         RingserveError: a schema the grammar cannot enforce (``param`` names
             ``tools[i].parameters``).
     """
-    return _calls_grammar(tuple(tools), parallel)
+    key = ("calls", tuple(tools), parallel)
+    constraint = GRAMMAR_CACHE.get(key, lambda: _calls_grammar(tuple(tools), parallel))
+    assert constraint is not None
+    return constraint
 
 
-@functools.lru_cache(maxsize=CACHE_SIZE)
 def _calls_grammar(tools: tuple[ToolSpec, ...], parallel: bool) -> Constraint:
     conv, body = _call_bodies(tools, [t.parameters for t in tools])
     call = conv.rule("call", f"{conv.literal(CALL_OPEN + _HEAD)} ( {body} ) {conv.literal('}' + CALL_CLOSE)}")
@@ -211,10 +246,9 @@ class LazyCalls:
         ``{"name": `` (a token that holds the marker's end and more of the object; the
         call is then not constrained).
         """
-        return _lazy_rest(self.tools, text)
+        return GRAMMAR_CACHE.get(("lazy", self.tools, text), lambda: _lazy_rest(self.tools, text))
 
 
-@functools.lru_cache(maxsize=CACHE_SIZE)
 def _lazy_rest(tools: tuple[ToolSpec, ...], text: str) -> Constraint | None:
     stripped = text.lstrip(" \t\n")
     if not _HEAD.startswith(stripped):

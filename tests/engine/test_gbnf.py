@@ -142,13 +142,25 @@ def test_calls_grammar_one_call_or_up_to_max_calls() -> None:
 
 
 def test_grammars_are_cached_by_schema_text() -> None:
-    gbnf.output_grammar.cache_clear()
+    gbnf.GRAMMAR_CACHE.clear()
     text = json.dumps(obj(cached={"type": "integer"}))
     first = gbnf.output_grammar(text, "o")
     assert gbnf.output_grammar(text, "o") is first
-    assert gbnf.output_grammar.cache_info().hits == 1
+    assert gbnf.GRAMMAR_CACHE.statistics().hits == 1
     tools = [ToolSpec("t", "", text)]
     assert gbnf.calls_grammar(tools, True) is gbnf.calls_grammar(tools, True)
+
+
+def test_the_grammar_cache_holds_at_most_its_bytes() -> None:
+    """Distinct schemas near the size limit (about 330 KB of grammar each) fill it past its
+    budget: the oldest go, and what it holds stays within CACHE_BYTES."""
+    gbnf.GRAMMAR_CACHE.clear()
+    n = 2 * gbnf.CACHE_BYTES // 300_000
+    for i in range(n):
+        schema = obj(**{f"p{i}": {"type": "array", "items": {"type": "integer"}, "minItems": MAX_REPEATS}})
+        assert len(gbnf.output_grammar(json.dumps(schema), "o").grammar) > 300_000
+    held = gbnf.GRAMMAR_CACHE.statistics()
+    assert 0 < held.entries < n and held.held <= gbnf.CACHE_BYTES == held.max_bytes
 
 
 def request(**kw: object) -> GenerationRequest:
