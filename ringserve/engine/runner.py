@@ -428,9 +428,11 @@ class Runner:
     # -- consumer side -----------------------------------------------------
 
     async def prepare(self, request: GenerationRequest) -> Prepared:
-        """Tokenize a request on a worker thread and check it fits a slot (C4).
+        """Make a request's grammar and tokenize it on a worker thread, and check it fits a slot (C4).
 
-        Text longer than ``n_ctx_slot * engine.max_token_bytes`` bytes (UTF-8)
+        The grammar (:func:`~ringserve.engine.gbnf.constraint_for`) is made first, on a
+        thread under the tokenizer's limiter: its cost grows with the schemas' bounds, which
+        the event loop must not wait on. Text longer than ``n_ctx_slot * engine.max_token_bytes`` bytes (UTF-8)
         cannot fit and is refused before it is tokenized: the message texts
         (contents, and the tool calls in the history) and, unless the tool
         choice is ``NONE``, the tool definitions
@@ -470,7 +472,9 @@ class Runner:
         engine (:func:`ringserve.core.toolcalls.plain_messages`), so the
         prompt tokens (``usage.input_tokens``) count them.
         """
-        constraint = constraint_for(request)
+        constraint = await trio.to_thread.run_sync(
+            constraint_for, request, limiter=self._tokenize_limiter, abandon_on_cancel=False
+        )
         ctx = self.n_ctx_slot
         per_token = self._engine.max_token_bytes
         rendered = request.tool_choice.mode is not ToolChoiceMode.NONE  # the tools go into the prompt

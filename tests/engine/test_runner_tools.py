@@ -4,6 +4,7 @@ reasons, malformed calls, and a cancel during constrained decoding."""
 from __future__ import annotations
 
 import json
+import threading
 from contextlib import asynccontextmanager
 
 import jsonschema
@@ -33,7 +34,8 @@ from ringserve.core.events import (
 from ringserve.core.scheduler import SlotState
 from ringserve.core.toolcalls import format_call
 from ringserve.engine import examples
-from ringserve.engine.gbnf import GrammarOff, GrammarOn, LazyCalls
+from ringserve.engine import runner as runner_module
+from ringserve.engine.gbnf import GrammarOff, GrammarOn, LazyCalls, constraint_for
 from ringserve.engine.fake import FakeEngine, Switched
 from ringserve.engine.runner import Runner
 
@@ -332,3 +334,18 @@ async def test_the_byte_bound_before_tokenizing_counts_the_tools():
         # With tool choice none the tools are not rendered: the prompt fits.
         await runner.prepare(req("hi", tools=(big,), choice=ToolChoice(ToolChoiceMode.NONE)))
         assert tokenized == [1]
+
+
+async def test_the_grammar_is_made_on_a_worker_thread(monkeypatch):
+    """Its cost grows with the schemas' bounds: the event loop never waits on it."""
+    made_on = []
+
+    def spy(request):
+        made_on.append(threading.current_thread())
+        return constraint_for(request)
+
+    monkeypatch.setattr(runner_module, "constraint_for", spy)
+    async with serving(FakeEngine()) as runner:
+        prepared = await runner.prepare(req(choice=ToolChoice(ToolChoiceMode.REQUIRED)))
+    assert prepared.constraint is not None and len(made_on) == 1
+    assert made_on[0] is not threading.current_thread()
