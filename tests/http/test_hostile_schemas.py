@@ -1,0 +1,196 @@
+"""Hostile JSON schemas on every request form that takes one (issue 36 items 1, 3, 4): a 400 in
+the surface's shape naming the field, never a 500; refused before any grammar is made; a
+server's memory stays bounded; a grammar that fails in one slot leaves the others alone.
+
+The forms: Anthropic ``tools[i].input_schema`` and ``output_config.format.schema`` on
+``/v1/messages`` and ``/v1/messages/count_tokens``; OpenAI Chat ``tools[i].function.parameters``
+and ``response_format.json_schema.schema``; Responses ``tools[i].parameters`` and
+``text.format.schema`` on ``/v1/responses`` and ``/v1/responses/input_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+
+from ringserve.engine import examples, gbnf
+from tests.http.test_drain import FakeServerProcess
+from tests.http.test_hostile import ThreadedServer, assert_answer, client  # noqa: F401 - client: over this module's server
+from tests.support.server import fake_config
+
+#: The issue's schema: about 300 bytes, 2,200 repetitions in the grammar, 200 million characters in any value.
+BOMB = {
+    "type": "object",
+    "properties": {"a": {"type": "array", "minItems": 1000, "items": {
+        "type": "array", "minItems": 1000, "items": {"type": "string", "minLength": 200}}}},
+    "required": ["a"],
+}
+USER = [{"role": "user", "content": "hi"}]
+
+
+@attrs.frozen
+class Form:
+    """One place a request takes a schema: the route, the body around the schema, the error's
+    ``param`` (None: Anthropic's errors have none) and the schema's path in the message."""
+
+    name: str
+    path: str
+    body: Callable[[Any], dict[str, Any]]
+    param: str | None
+    where: str
+
+    @property
+    def surface(self) -> str:
+        return "anthropic" if self.path.startswith("/v1/messages") else "openai"
+
+
+def _anthropic_tool(schema: Any) -> dict[str, Any]:
+    return {"model": "m", "max_tokens": 16, "messages": USER,
+            "tools": [{"name": "f", "input_schema": schema, "strict": True}]}
+
+
+def _anthropic_output(schema: Any) -> dict[str, Any]:
+    return {"model": "m", "max_tokens": 16, "messages": USER,
+            "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+
+
+def _count(body: Callable[[Any], dict[str, Any]]) -> Callable[[Any], dict[str, Any]]:
+    def without_max_tokens(schema: Any) -> dict[str, Any]:
+        return {k: v for k, v in body(schema).items() if k != "max_tokens"}
+
+    return without_max_tokens
+
+
+def _openai_tool(schema: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": USER,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": schema, "strict": True}}]}
+
+
+def _openai_format(schema: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": USER,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+def _responses_tool(schema: Any) -> dict[str, Any]:
+    return {"model": "m", "input": "hi", "tools": [{"type": "function", "name": "f", "parameters": schema, "strict": True}]}
+
+
+def _responses_format(schema: Any) -> dict[str, Any]:
+    return {"model": "m", "input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}
+
+
+FORMS = [
+    Form("anthropic tool", "/v1/messages", _anthropic_tool, None, "tools[0].input_schema"),
+    Form("anthropic output", "/v1/messages", _anthropic_output, None, "output_config.format.schema"),
+    Form("count_tokens tool", "/v1/messages/count_tokens", _count(_anthropic_tool), None, "tools[0].input_schema"),
+    Form("count_tokens output", "/v1/messages/count_tokens", _count(_anthropic_output), None,
+         "output_config.format.schema"),
+    Form("chat tool", "/v1/chat/completions", _openai_tool, "tools", "tools[0].function.parameters"),
+    Form("chat response_format", "/v1/chat/completions", _openai_format, "response_format",
+         "response_format.json_schema.schema"),
+    Form("responses tool", "/v1/responses", _responses_tool, "tools", "tools[0].parameters"),
+    Form("responses text.format", "/v1/responses", _responses_format, "text", "text.format.schema"),
+    Form("input_tokens tool", "/v1/responses/input_tokens", _responses_tool, "tools", "tools[0].parameters"),
+    Form("input_tokens text.format", "/v1/responses/input_tokens", _responses_format, "text", "text.format.schema"),
+]
+FORM_IDS = [form.name for form in FORMS]
+
+
+def refusal(form: Form, response: httpx.Response) -> str:
+    """The message of a 400 in the form's surface shape (with the form's ``param`` on OpenAI's)."""
+    assert response.status_code == 400, (form.name, response.status_code, response.text[:300])
+    assert_answer(form.surface, response.status_code, response.content)
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    if form.param is not None:
+        assert error["param"] == form.param
+    return str(error["message"])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadedServer]:
+    srv = ThreadedServer(fake_config(tmp_path_factory.mktemp("schemas"), engine={"slots": 4, "ctx_per_slot": 2048}))
+    yield srv
+    srv.close()
+
+
+@attrs.define
+class Probe:
+    """Counts the grammars made and the examples built while it is on."""
+
+    grammars: int = 0
+    examples: int = 0
+
+
+@pytest.fixture
+def probe(monkeypatch: pytest.MonkeyPatch) -> Probe:
+    counts = Probe()
+    convert, instance = gbnf._convert, examples.example_instance
+
+    def counted_convert(*args: Any) -> Any:
+        counts.grammars += 1
+        return convert(*args)
+
+    def counted_instance(*args: Any) -> Any:
+        counts.examples += 1
+        return instance(*args)
+
+    monkeypatch.setattr(gbnf, "_convert", counted_convert)
+    monkeypatch.setattr(examples, "example_instance", counted_instance)
+    return counts
+
+
+# -- item 1: a schema is bounded by what it can cost -------------------------------------------
+
+
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+def test_the_bomb_is_a_400_naming_the_keyword_before_any_grammar_is_made(client, probe, form):
+    message = refusal(form, client.post(form.path, json=form.body(BOMB)))
+    assert message.startswith(f"{form.where}.properties.a.items: 'minItems' 1000 times the 200 repetitions")
+    assert probe.grammars == 0 and probe.examples == 0
+
+
+@pytest.mark.parametrize("form", [f for f in FORMS if "output" in f.name or "format" in f.name],
+                         ids=lambda f: f.name)
+def test_the_probe_sees_the_grammars_made(client, probe, form):
+    fine = client.post(form.path, json=form.body({"type": "object", "properties": {form.name: {"type": "integer"}}}))
+    assert fine.status_code == 200, fine.text[:300]
+    assert probe.grammars == 1
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident set (``VmHWM`` in ``/proc/PID/status``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_server_process_under_the_bomb_stays_within_its_memory(tmp_path):
+    """The issue's request took a server from 74 MB to 3.19 GB. Every form, three times over
+    (distinct schemas, so no cache answers): refused, and the peak grows by less than 32 MB."""
+    server = FakeServerProcess(tmp_path, {"engine": {"slots": 2, "ctx_per_slot": 2048}}, {})
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            fine = client.post("/v1/messages", json=_anthropic_output({"type": "object"}))
+            assert fine.status_code == 200
+            before = peak_rss_bytes(server.proc.pid)
+            for round_ in range(3):
+                for form in FORMS:
+                    bomb = {**BOMB, "title": f"round {round_}"}
+                    refusal(form, client.post(form.path, json=form.body(bomb)))
+            after = peak_rss_bytes(server.proc.pid)
+    finally:
+        assert server.stop() == 0
+    assert after - before < 32 << 20, (before, after)
