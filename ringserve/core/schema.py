@@ -74,6 +74,8 @@ __all__ = [
     "enforced_schemas",
     "grammar_bytes",
     "least_values",
+    "ref_target",
+    "subschemas",
     "LeastValues",
 ]
 
@@ -255,20 +257,38 @@ class _Checker:
         self.root = root
         self.repeats = 0  # what the bounds met so far write into the grammar (see _bounds)
         self.nodes = 0  # the schema nodes cleaned so far
-        self._depth = 0  # the nesting of the node being cleaned
+        self.positions: set[tuple[str, ...]] = set()  # where a '$ref' may point: the nodes' key paths
+        self.refs: list[tuple[str, str]] = []  # every '$ref' met, and where
+        self._paths: list[tuple[str, ...] | None] = []  # the key path of each node being cleaned
 
-    def clean(self, node: Any, where: str) -> dict[str, Any]:
+    def clean(self, node: Any, where: str, step: tuple[str, ...] | None = None) -> dict[str, Any]:
+        """Clean ``node``, at ``where``; ``step``: the keys from its parent to it (None in a list)."""
         self.nodes += 1
         if self.nodes > MAX_NODES:
             raise _Refused("", f"the schema holds more than {MAX_NODES} schemas (each {{...}} below it is one),"
                                " over the limit for one request's grammar")
-        self._depth += 1
-        if self._depth > MAX_DEPTH:
+        if len(self._paths) >= MAX_DEPTH:
             raise _Refused("", "the schema is nested too deeply")
+        parent = self._paths[-1] if self._paths else ()
+        path = None if step is None or parent is None else parent + step
+        if path is not None:
+            self.positions.add(path)
+        self._paths.append(path)
         try:
             return self._clean(node, where)
         finally:
-            self._depth -= 1
+            self._paths.pop()
+
+    def check_refs(self) -> None:
+        """Refuse a ``$ref`` that names no schema of the document (run once it is all cleaned)."""
+        for ref, where in self.refs:
+            if tuple(ref[2:].split("/")) in self.positions:
+                continue
+            target = _target(self.root, ref)
+            if target is None:
+                raise _Refused(where, f"'$ref' {ref!r} does not resolve")
+            what = {list: "a list", str: "a string", bool: "a boolean", dict: "an object"}.get(type(target), "a value")
+            raise _Refused(where, f"'$ref' {ref!r} names {what} that is not a schema (a keyword's value)")
 
     def _clean(self, node: Any, where: str) -> dict[str, Any]:
         if not isinstance(node, dict):
@@ -282,7 +302,7 @@ class _Checker:
                 defs = node[key]
                 if not isinstance(defs, dict):
                     raise _Refused(where, f"'{key}' must be an object of schemas")
-                out[key] = {k: self.clean(v, f"{where}.{key}.{k}") for k, v in defs.items()}
+                out[key] = {k: self.clean(v, f"{where}.{key}.{k}", (key, k)) for k, v in defs.items()}
         keys = {k for k in node if k not in ANNOTATIONS and k not in _DEFS}
         allowed, children = self._dispatch(node, keys, where)
         extra = sorted(keys - allowed)
@@ -297,7 +317,10 @@ class _Checker:
         typ = node.get("type")
         fmt = node.get("format")
         if "$ref" in keys:
-            self._resolve(node["$ref"], where)
+            ref = node["$ref"]
+            if not isinstance(ref, str) or not ref.startswith("#/") or "~" in ref or "%" in ref:
+                raise _Refused(where, f"'$ref' {ref!r} is not supported (only '#/...' paths into the same schema)")
+            self.refs.append((ref, where))
             return {"$ref"}, {}
         if "anyOf" in keys:
             alts = node["anyOf"]
@@ -343,7 +366,7 @@ class _Checker:
         if not isinstance(props, dict):
             raise _Refused(where, "'properties' must be an object of schemas")
         children: dict[str, Any] = {
-            "properties": {k: self.clean(v, f"{where}.properties.{k}") for k, v in props.items()}
+            "properties": {k: self.clean(v, f"{where}.properties.{k}", ("properties", k)) for k, v in props.items()}
         }
         required = node.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
@@ -360,7 +383,7 @@ class _Checker:
             # The grammar's extra keys may repeat a listed one, whose value then escapes its schema.
             raise _Refused(where, "keyword 'additionalProperties' is supported next to 'properties' only as false")
         if isinstance(additional, dict):
-            children["additionalProperties"] = self.clean(additional, f"{where}.additionalProperties")
+            children["additionalProperties"] = self.clean(additional, f"{where}.additionalProperties", ("additionalProperties",))
         elif not isinstance(additional, bool):
             raise _Refused(where, "'additionalProperties' must be a boolean or a schema")
         return {"type", "properties", "required", "additionalProperties"}, children
@@ -377,17 +400,7 @@ class _Checker:
         if key == "prefixItems":
             raise _Refused(where, "'prefixItems' must be a list of schemas")
         self.repeats += _bounds(node, "minItems", "maxItems", where)
-        return {"type", "items", "minItems", "maxItems"}, {"items": self.clean(items, f"{where}.items")}
-
-    def _resolve(self, ref: Any, where: str) -> Any:
-        if not isinstance(ref, str) or not ref.startswith("#/") or "~" in ref or "%" in ref:
-            raise _Refused(where, f"'$ref' {ref!r} is not supported (only '#/...' paths into the same schema)")
-        target = self.root
-        for part in ref[2:].split("/"):
-            if not isinstance(target, dict) or part not in target:
-                raise _Refused(where, f"'$ref' {ref!r} does not resolve")
-            target = target[part]
-        return target
+        return {"type", "items", "minItems", "maxItems"}, {"items": self.clean(items, f"{where}.items", ("items",))}
 
 
 # -- what a cleaned schema costs: its least value, its grammar's size -----------------------
@@ -421,14 +434,27 @@ def _nodes(root: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
     return found
 
 
-def _target(root: dict[str, Any], ref: str) -> Any:
+def _target(root: Any, ref: str) -> Any:
     """What the ``#/...`` path ``ref`` names in ``root``, or None."""
-    target: Any = root
+    target = root
     for part in ref[2:].split("/"):
         if not isinstance(target, dict) or part not in target:
             return None
         target = target[part]
     return target
+
+
+def ref_target(root: dict[str, Any], ref: str) -> dict[str, Any]:
+    """The schema node a checked ``$ref`` of cleaned schema ``root`` names (every one names a node)."""
+    target = _target(root, ref)
+    assert isinstance(target, dict), ref
+    return target
+
+
+def subschemas(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """The schema nodes right below a cleaned node: its definitions, properties, items,
+    alternatives and ``additionalProperties`` schema (not a ``$ref``'s target)."""
+    return [d for key in _DEFS for d in node.get(key, {}).values()] + [child for child, _ in _children(node)]
 
 
 @attrs.frozen
@@ -456,8 +482,7 @@ def _spec(root: dict[str, Any], node: dict[str, Any]) -> _Spec:
     least of its deps (a ``$ref``'s target, ``anyOf``), ``("sum", base, deps)`` base plus
     theirs, ``("product", n, [dep])`` n times its one dep's."""
     if "$ref" in node:
-        target = _target(root, node["$ref"])
-        return ("min", 0, [target]) if isinstance(target, dict) else ("sum", 1, [])
+        return "min", 0, [ref_target(root, node["$ref"])]
     if "anyOf" in node:
         return "min", 0, node["anyOf"]
     if "properties" in node:
@@ -532,9 +557,8 @@ def _check_values(root: dict[str, Any]) -> None:
         if id(node) not in least.sizes:
             raise _Refused("", "the schema has no finite value (a '$ref' cycle through required properties)")
         below = [child for child, _ in _children(node)]
-        target = _target(root, node["$ref"]) if "$ref" in node else None
-        if isinstance(target, dict):
-            below.append(target)
+        if "$ref" in node:
+            below.append(ref_target(root, node["$ref"]))
         for child in below:
             if id(child) not in seen:
                 seen.add(id(child))
@@ -695,7 +719,8 @@ def _check(text: str) -> _Checked:
     except (TypeError, ValueError) as exc:
         raise _Refused("", f"the schema is not valid JSON ({exc})") from None
     checker = _Checker(schema)
-    cleaned = checker.clean(schema, "")
+    cleaned = checker.clean(schema, "", ())
+    checker.check_refs()
     typ = cleaned.get("type")
     if typ != "object" and not (typ is None and ("properties" in cleaned or "additionalProperties" in cleaned)):
         raise _Refused("", 'the schema must be an object schema ("type": "object")')

@@ -31,7 +31,7 @@ from ringserve.core.cache import ByteLRU
 from ringserve.core.detokenizer import Detokenizer
 from ringserve.core.errors import invalid
 from ringserve.core.events import GenerationRequest, OutputKind, ToolChoiceMode, ToolSpec
-from ringserve.core.schema import check_repeats, check_schema, cleaned, enforced_schemas
+from ringserve.core.schema import check_repeats, check_schema, cleaned, enforced_schemas, ref_target, subschemas
 from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN, OPEN_MARK, CallEnd, ToolCallError, ToolCallParser, format_call
 
 __all__ = [
@@ -102,8 +102,20 @@ class _Converter(_lg.SchemaConverter):
         return name
 
     def add(self, schema: dict[str, Any], url: str, name: str) -> str:
-        """Visit one cleaned schema as rule ``name``; return the rule that matches it."""
-        return str(self.visit(self.resolve_refs(schema, url), name))  # type: ignore[no-untyped-call]
+        """Visit one cleaned schema as rule ``name``; return the rule that matches it.
+
+        Its ``$ref`` targets are registered by walking its schema nodes only (the bundled
+        ``resolve_refs`` walks every object, ``const`` and ``enum`` values included, and
+        rewrote a ``"$ref"`` key there), each ref made unique by prefixing ``url``."""
+        stack = [schema]
+        while stack:
+            node = stack.pop()
+            if "$ref" in node:
+                full = url + node["$ref"]
+                self._refs[full] = ref_target(schema, node["$ref"])
+                node["$ref"] = full
+            stack += subschemas(node)
+        return str(self.visit(schema, name))  # type: ignore[no-untyped-call]
 
     def rule(self, name: str, body: str) -> str:
         return str(self._add_rule(name, body))  # type: ignore[no-untyped-call]

@@ -198,3 +198,26 @@ def test_long_property_names_count_into_the_grammar_size() -> None:
     assert message.startswith("the schemas make a grammar of about ")
     assert message.endswith(f" bytes (each rule is named after its property names, nested), over the limit of"
                             f" {MAX_GRAMMAR_BYTES} for one request")
+
+
+# -- a $ref names a schema of the document (issue 36 item 3) -----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ref", "what"),
+    [("#/required", "a list"), ("#/properties", "an object"), ("#/properties/a/description", "a string"),
+     ("#/properties/k/const", "an object"), ("#/properties/b/anyOf", "a list")],
+)
+def test_a_ref_to_what_is_not_a_schema_is_named(ref: str, what: str) -> None:
+    schema = {"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "string", "description": "d"}, "b": {"anyOf": [{"type": "null"}]}, "k": {"const": {"type": "string"}},
+        "c": {"$ref": ref}}}
+    assert refused(schema) == f"{WHERE}.properties.c: '$ref' {ref!r} names {what} that is not a schema (a keyword's value)"
+
+
+def test_refs_name_every_kind_of_schema_position() -> None:
+    schema = {"type": "object", "$defs": {"d": {"type": "integer"}}, "properties": {
+        "a": {"type": "array", "items": {"type": "string"}}, "m": {"type": "object", "additionalProperties": {"type": "null"}},
+        "r1": {"$ref": "#/$defs/d"}, "r2": {"$ref": "#/properties/a/items"}, "r3": {"$ref": "#/properties/m/additionalProperties"},
+        "r4": {"$ref": "#/properties/a"}}}
+    check_schema(json.dumps(schema), WHERE)

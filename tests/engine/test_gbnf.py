@@ -312,3 +312,11 @@ def test_the_grammar_size_estimate_is_never_below_the_size_made(tools: list[dict
     specs = [ToolSpec(f"tool_{i}", "", text, strict=True) for i, text in enumerate(texts)]
     made = [gbnf.calls_grammar(specs, True), gbnf.LazyCalls(tuple(specs)).after(""), gbnf.output_grammar(texts[0], "o")]
     assert all(c is not None and len(c.grammar) <= grammar_bytes(texts) for c in made)
+
+
+def test_a_ref_key_in_a_const_value_is_a_value_not_a_reference() -> None:
+    """The bundled resolve_refs walked const values too: it rewrote this one (a silently different
+    answer) and raised AttributeError (a 500) on a "$ref" that is not a string."""
+    for value in ({"$ref": "#/properties"}, {"$ref": 5}):
+        schema = obj(a={"const": value})
+        assert json.dumps(json.dumps(value))[1:-1] in gbnf.output_grammar(json.dumps(schema), "o").grammar

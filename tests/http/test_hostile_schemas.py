@@ -194,3 +194,15 @@ def test_a_server_process_under_the_bomb_stays_within_its_memory(tmp_path):
     finally:
         assert server.stop() == 0
     assert after - before < 32 << 20, (before, after)
+
+
+# -- item 3: a $ref that names what is not a schema --------------------------------------------
+
+REF_TO_A_LIST = {"type": "object", "properties": {"a": {"$ref": "#/required"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+def test_a_ref_to_a_list_is_a_400_naming_the_reference(client, form):
+    """Was a 500 on every form: the converter took the list for a schema (AttributeError)."""
+    message = refusal(form, client.post(form.path, json=form.body(REF_TO_A_LIST)))
+    assert message == f"{form.where}.properties.a: '$ref' '#/required' names a list that is not a schema (a keyword's value)"
