@@ -580,6 +580,41 @@ def _check_values(root: dict[str, Any]) -> None:
                               " along the nesting)")
 
 
+def _check_left_recursion(root: dict[str, Any]) -> None:
+    """Refuse a ``$ref`` that leads back to itself through ``$ref`` and ``anyOf`` alone, before
+    any character: a left-recursive grammar (``ref0 ::= ref0-0 | integer``), which llama.cpp's
+    grammar parser refuses, so the engine could not start the request."""
+    placed = _nodes(root)
+    where = {id(node): at for node, at in placed}
+
+    def first(node: dict[str, Any]) -> list[dict[str, Any]]:
+        if "$ref" in node:
+            return [ref_target(root, node["$ref"])]
+        return list(node.get("anyOf", ()))
+
+    state: dict[int, bool] = {}  # False while its descendants are walked, True once done
+    for start, _ in placed:
+        if id(start) in state:
+            continue
+        state[id(start)] = False
+        path = [start]
+        stack = [iter(first(start))]
+        while stack:
+            node = next(stack[-1], None)
+            if node is None:
+                state[id(path.pop())] = True
+                stack.pop()
+            elif id(node) not in state:
+                state[id(node)] = False
+                path.append(node)
+                stack.append(iter(first(node)))
+            elif not state[id(node)]:  # on the path: a cycle, which passes a $ref
+                cycle = path[[id(n) for n in path].index(id(node)):]
+                ref = next(n for n in cycle if "$ref" in n)
+                raise _Refused(where[id(ref)], f"'$ref' {ref['$ref']!r} leads back to itself through '$ref' and"
+                                               " 'anyOf' alone (left recursion, which llama.cpp's grammar parser refuses)")
+
+
 _RULE_BYTES = 4
 """Times a node's rule name is written, at most: its rule, its parent's, an object's optional run."""
 
@@ -725,6 +760,7 @@ def _check(text: str) -> _Checked:
     if typ != "object" and not (typ is None and ("properties" in cleaned or "additionalProperties" in cleaned)):
         raise _Refused("", 'the schema must be an object schema ("type": "object")')
     _check_values(cleaned)
+    _check_left_recursion(cleaned)
     return _Checked(json.dumps(cleaned), checker.repeats, checker.nodes, _estimate(cleaned))
 
 

@@ -20,6 +20,7 @@ Grammars are cached (:data:`GRAMMAR_CACHE`, least recently used first out, at mo
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Hashable, Sequence
 from typing import Any, assert_never
@@ -29,10 +30,12 @@ from ringserve.engine._native import llama_grammar as _lg
 
 from ringserve.core.cache import ByteLRU
 from ringserve.core.detokenizer import Detokenizer
-from ringserve.core.errors import invalid
+from ringserve.core.errors import RingserveError, invalid
 from ringserve.core.events import GenerationRequest, OutputKind, ToolChoiceMode, ToolSpec
 from ringserve.core.schema import check_repeats, check_schema, cleaned, enforced_schemas, ref_target, subschemas
 from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN, OPEN_MARK, CallEnd, ToolCallError, ToolCallParser, format_call
+
+log = logging.getLogger("ringserve.engine")
 
 __all__ = [
     "CACHE_BYTES",
@@ -300,8 +303,10 @@ class CallWatch:
     completes ``<tool_call>``, with :meth:`LazyCalls.after` of what that token held
     after the marker. Off: the token that completes the call (under the grammar, the
     ``>`` of ``</tool_call>``); the next call turns it on again. A call that cannot be
-    constrained (:meth:`LazyCalls.after` is None) or read (``ToolCallError``, which the
-    reply stage reports too) ends the watch.
+    constrained (:meth:`LazyCalls.after` is None, or its grammar cannot be made: logged, as
+    ``engine/llama.py`` logs a grammar llama.cpp cannot parse) or read (``ToolCallError``,
+    which the reply stage reports too) ends the watch: it never raises, so one sequence's
+    grammar never fails the engine's other slots.
     """
 
     calls: LazyCalls
@@ -331,7 +336,11 @@ class CallWatch:
             self._on = False
             return GrammarOff()
         if not was_in_call and self._parser.in_call:
-            constraint = self.calls.after(seen[seen.find(OPEN_MARK) + len(OPEN_MARK) :])
+            try:
+                constraint = self.calls.after(seen[seen.find(OPEN_MARK) + len(OPEN_MARK) :])
+            except RingserveError as exc:  # made at admission for the same tools: not expected here
+                log.error("a tool call's grammar could not be made; the call is not constrained: %s", exc)
+                constraint = None
             if constraint is None:
                 self._done = True
                 return None
@@ -350,7 +359,8 @@ def constraint_for(request: GenerationRequest) -> Constraint | LazyCalls | None:
     * otherwise ``JSON_OBJECT`` / ``JSON_SCHEMA`` output: :func:`output_grammar`
       (with tools under ``AUTO`` the model then cannot call them);
     * otherwise, ``AUTO`` with at least one ``strict`` tool: :class:`LazyCalls`,
-      free text whose calls are decoded under a grammar from their marker on;
+      free text whose calls are decoded under a grammar from their marker on (the
+      grammar is made here once, so a schema it cannot take fails as a forced tool's);
     * otherwise None.
 
     The error fields are surface-neutral (``tools[i].parameters``,
@@ -377,7 +387,9 @@ def constraint_for(request: GenerationRequest) -> Constraint | LazyCalls | None:
     match request.output.kind:
         case OutputKind.TEXT:
             if tools and choice.mode is ToolChoiceMode.AUTO and any(t.strict for t in tools):
-                return LazyCalls(tuple(tools))
+                calls = LazyCalls(tuple(tools))
+                calls.after("")  # made now (and kept), so a schema it cannot take is refused before admission
+                return calls
             return None
         case OutputKind.JSON_OBJECT:
             return output_grammar("", "output")

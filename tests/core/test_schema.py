@@ -221,3 +221,15 @@ def test_refs_name_every_kind_of_schema_position() -> None:
         "r1": {"$ref": "#/$defs/d"}, "r2": {"$ref": "#/properties/a/items"}, "r3": {"$ref": "#/properties/m/additionalProperties"},
         "r4": {"$ref": "#/properties/a"}}}
     check_schema(json.dumps(schema), WHERE)
+
+
+def test_a_ref_that_leads_back_to_itself_before_any_character_is_refused() -> None:
+    """``ref0 ::= ref0-0 | integer``: llama.cpp's grammar parser refuses left recursion, so the
+    engine could not start such a request (a 500); a recursion behind a character is fine."""
+    schema = {"type": "object", "$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "integer"}]}},
+              "properties": {"x": {"$ref": "#/$defs/a"}}}
+    assert refused(schema) == (f"{WHERE}.$defs.a.anyOf[0]: '$ref' '#/$defs/a' leads back to itself through '$ref'"
+                               " and 'anyOf' alone (left recursion, which llama.cpp's grammar parser refuses)")
+    behind = {"type": "object", "$defs": {"a": {"anyOf": [{"type": "array", "items": {"$ref": "#/$defs/a"}},
+                                                          {"type": "integer"}]}}, "properties": {"x": {"$ref": "#/$defs/a"}}}
+    check_schema(json.dumps(behind), WHERE)

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from ringserve.config import EngineConfig
-from ringserve.core.errors import ErrorKind, RingserveError
+from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
     BlockDelta,
     BlockKind,
@@ -33,7 +33,7 @@ from ringserve.core.events import (
 )
 from ringserve.core.scheduler import SlotState
 from ringserve.core.toolcalls import format_call
-from ringserve.engine import examples
+from ringserve.engine import examples, gbnf
 from ringserve.engine import runner as runner_module
 from ringserve.engine.gbnf import GrammarOff, GrammarOn, LazyCalls, constraint_for
 from ringserve.engine.fake import FakeEngine, Switched
@@ -349,3 +349,71 @@ async def test_the_grammar_is_made_on_a_worker_thread(monkeypatch):
         prepared = await runner.prepare(req(choice=ToolChoice(ToolChoiceMode.REQUIRED)))
     assert prepared.constraint is not None and len(made_on) == 1
     assert made_on[0] is not threading.current_thread()
+
+
+BROKEN = ToolSpec("broken", "", json.dumps({"type": "object", "properties": {"q": {"type": "string"}}}), strict=True)
+
+
+def _fail_for_broken(monkeypatch) -> None:
+    """Making a grammar of BROKEN's schema fails (as the converter could on a schema the checks let through)."""
+    convert = gbnf._convert
+
+    def failing(schemas):
+        if any(text == BROKEN.parameters for text, _ in schemas):
+            raise invalid("tools[0].parameters: cannot be made", "tools[0].parameters")
+        return convert(schemas)
+
+    gbnf.GRAMMAR_CACHE.clear()
+    monkeypatch.setattr(gbnf, "_convert", failing)
+
+
+async def test_a_strict_tool_under_auto_whose_grammar_cannot_be_made_is_refused_as_if_forced(monkeypatch):
+    """Was admitted, then failed at the engine's begin (the real engine: a 500 'the engine could not
+    start'; the fake: during decoding, failing every active slot)."""
+    _fail_for_broken(monkeypatch)
+    engine = FakeEngine()
+    async with serving(engine) as runner:
+        errors = []
+        for choice in (ToolChoice(ToolChoiceMode.REQUIRED), ToolChoice()):
+            with pytest.raises(RingserveError) as info:
+                await runner.prepare(req(tools=(BROKEN,), choice=choice))
+            errors.append((info.value.kind, info.value.message, info.value.param))
+    assert errors[0] == errors[1] == (ErrorKind.INVALID_REQUEST, "tools[0].parameters: cannot be made", "tools[0].parameters")
+    assert engine.begins == []
+
+
+async def test_a_grammar_that_fails_in_one_slot_leaves_the_other_slots_alone(monkeypatch):
+    """Two requests decode together; the call grammar of one cannot be made when its call starts
+    (injected once both are admitted). That call is left unconstrained and logged, as a grammar
+    llama.cpp cannot parse is; the other request is untouched. (The fake engine raised out of
+    decode, which failed every active slot.)"""
+    after = gbnf.LazyCalls.after
+    admitted = trio.Event()
+
+    def failing_after(self, text):
+        if admitted.is_set():
+            raise invalid("injected", "tools")
+        return after(self, text)
+
+    monkeypatch.setattr(gbnf.LazyCalls, "after", failing_after)
+    call = "Checking." + format_call("get_weather", '{"city": 5}')
+    engine = FakeEngine(piece_bytes=4, reply=lambda text: call if "weather" in text else "A plain answer, " * 8)
+    results: dict[str, list] = {}
+    async with serving(engine) as runner:
+        requests = {"call": req("What is the weather?", tools=(STRICT_WEATHER, TIME), choice=ToolChoice()),
+                    "plain": req("Say something.", tools=())}
+        prepared = {name: await runner.prepare(request) for name, request in requests.items()}
+        admitted.set()
+
+        async def one(name):
+            async with runner.submit(prepared[name]) as gen:
+                results[name] = [e async for e in gen]
+
+        async with trio.open_nursery() as nursery:
+            for name in prepared:
+                nursery.start_soon(one, name)
+    assert engine.switches == []  # no grammar went on
+    assert isinstance(results["call"][-1], Finish) and results["call"][-1].stop_reason is StopReason.TOOL_USE
+    assert json.loads(blocks(results["call"])[1].text) == {"city": 5}  # unconstrained
+    assert isinstance(results["plain"][-1], Finish) and blocks(results["plain"])[0].text == "A plain answer, " * 8
+    assert len({e.slot for e in engine.begins}) == 2  # they were decoded side by side

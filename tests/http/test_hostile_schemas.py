@@ -206,3 +206,21 @@ def test_a_ref_to_a_list_is_a_400_naming_the_reference(client, form):
     """Was a 500 on every form: the converter took the list for a schema (AttributeError)."""
     message = refusal(form, client.post(form.path, json=form.body(REF_TO_A_LIST)))
     assert message == f"{form.where}.properties.a: '$ref' '#/required' names a list that is not a schema (a keyword's value)"
+
+
+# -- item 4: a strict tool under auto is refused as the forced one is --------------------------
+
+LEFT_RECURSIVE = {"type": "object", "$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "integer"}]}},
+                  "properties": {"x": {"$ref": "#/$defs/a"}}}
+
+
+@pytest.mark.parametrize("form", [f for f in FORMS if "tool" in f.name], ids=lambda f: f.name)
+def test_a_strict_tool_under_auto_is_refused_as_the_forced_one(client, form):
+    """A schema llama.cpp cannot take as a grammar (left recursion): under auto the request was
+    admitted and failed with a 500 at the engine's start ("the engine could not start")."""
+    auto = form.body(LEFT_RECURSIVE)
+    forced = {**auto, "tool_choice": {"type": "any"} if form.surface == "anthropic" else "required"}
+    messages = [refusal(form, client.post(form.path, json=body)) for body in (auto, forced)]
+    assert messages[0] == messages[1] == (f"{form.where}.$defs.a.anyOf[0]: '$ref' '#/$defs/a' leads back to itself"
+                                          " through '$ref' and 'anyOf' alone (left recursion, which llama.cpp's"
+                                          " grammar parser refuses)")
