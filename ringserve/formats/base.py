@@ -13,7 +13,7 @@ the end of the reply. A call the parser cannot read raises
 
 The grammar side (:meth:`ChatFormat.call_grammar`) spells a forced call in the family's own
 syntax as GBNF; the JSON-schema-to-GBNF conversion of the arguments stays in
-``core/grammar.py``, which passes the rules it made as :class:`ToolRules`.
+``engine/gbnf.py``, which passes the rules it made as :class:`ToolRules`.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class Thinking:
 
 @attrs.frozen
 class CallGrammar:
-    """Calls in a family's syntax, as GBNF (``core/grammar.py`` adds these rules to its
+    """Calls in a family's syntax, as GBNF (``engine/gbnf.py`` adds these rules to its
     converter, whose rules they refer to: those of :class:`ToolRules`).
 
     A unit is ``trigger head one``: one call, or a section holding the calls (the syntax

@@ -3,7 +3,7 @@
 The prompt that teaches it and its parser live in :mod:`ringserve.core.toolcalls`
 (``<tool_call>`` + ``{"name": ..., "arguments": ...}`` + ``</tool_call>``); this is that
 format behind the :class:`~ringserve.formats.base.ChatFormat` interface, unchanged: the same
-parser (whitespace and all), and the grammar ``core/grammar.py`` builds today
+parser (whitespace and all), and the grammar ``engine/gbnf.py`` builds today
 (``CALL_OPEN`` + ``{"name": NAME, "arguments": ARGS}`` + ``CALL_CLOSE``). It has no thinking
 block.
 """

@@ -1,6 +1,6 @@
 """Helpers of the formats tests: a parsed message, and a family's whole call grammar.
 
-:func:`call_gbnf` assembles a forced-call grammar as ``core/grammar.py`` is to: the
+:func:`call_gbnf` assembles a forced-call grammar as ``engine/gbnf.py`` is to: the
 arguments' rules from the bundled JSON-schema converter (``_Converter``), one rule per
 property for the XML-style syntaxes, then the family's :class:`~ringserve.formats.base.CallGrammar`.
 """
@@ -11,7 +11,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ringserve.core import grammar
+from ringserve.core import schema as core_schema
+from ringserve.engine import gbnf as grammar
 from ringserve.core.events import ToolSpec
 from ringserve.core.toolcalls import CallArgs, CallStart, Text
 from ringserve.formats.base import ChatFormat, ParamRule, Piece, Reasoning, ToolRules
@@ -59,7 +60,7 @@ def tool_rules(conv: Any, tools: Sequence[ToolSpec]) -> list[ToolRules]:
     out = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}].parameters"
-        schema = grammar._checked(tool.parameters, where)
+        schema = core_schema.cleaned(tool.parameters, where)
         args = conv.add(schema, where, f"tool{i}-args")
         params = []
         for name, prop in schema.get("properties", {}).items():

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringserve.core import grammar
+from ringserve.engine import gbnf as grammar
 from ringserve.core.events import ToolSpec
 from ringserve.core.toolcalls import Text, ToolCallError, ToolCallParser, format_call
 from ringserve.formats.base import ReasoningMarkers
