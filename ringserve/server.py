@@ -231,7 +231,7 @@ async def serve(
             cores = os.cpu_count() or 1
             threads = decode_threads(config.model.n_threads, cores)
             overlap = overlap_steps(config.engine.overlap, threads=threads, cores=cores,
-                                    gpu=config.model.n_gpu_layers != 0)
+                                    gpu=engine.offload.layers > 0)
             runner = Runner(engine, config.engine, on_cancel_freed=state.metrics.cancel_freed, overlap=overlap)
             await nursery.start(runner.run)
             hub = Hub(config, runner, logs, store, nursery, safety=safety, metrics=state.metrics)
@@ -242,9 +242,9 @@ async def serve(
             state.hub = hub
             log.info(
                 "ready: model %s, %d slots, %d tokens of context per slot, decode threads %d of %d cores,"
-                " overlapped steps %s, at %s",
+                " overlapped steps %s, GPU offload %s, at %s",
                 runner.model_id, config.engine.slots, runner.n_ctx_slot, threads, cores, "on" if overlap else "off",
-                ", ".join(urls),
+                engine.offload.describe(), ", ".join(urls),
             )
             task_status.started(state)
             await stop.wait()

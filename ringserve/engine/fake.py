@@ -55,6 +55,7 @@ from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolS
 from ringserve.engine.examples import example
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.core.toolcalls import CLOSE_MARK, plain_messages
+from ringserve.engine.offload import Offload
 from ringserve.engine.protocol import EngineError, KVCacheFull
 
 __all__ = ["DEFAULT_REPLY", "EOG_TOKEN", "Begin", "DecodeCall", "FakeEngine", "Switched"]
@@ -169,6 +170,8 @@ class FakeEngine:
 
     max_token_bytes = 1
     """Bytes of message text one prompt token stands for, at most (one token per byte)."""
+    offload = Offload(0, 0)
+    """No layers and no GPU device."""
 
     def __init__(
         self,

@@ -28,6 +28,7 @@ callback (which prints to ``sys.stderr``) stays in place.
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import os
 import random
@@ -48,6 +49,7 @@ from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolS
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.core.toolcalls import plain_messages
 from ringserve.engine.modelfile import ModelFileError, check_model_file
+from ringserve.engine.offload import ALL_LAYERS, plan_offload
 from ringserve.engine.protocol import EngineError, KVCacheFull
 
 __all__ = ["ChatTemplateError", "LlamaEngine"]
@@ -89,6 +91,43 @@ def _call_if_bound(name: str, *args: object) -> object:
     return None if fn is None else fn(*args)
 
 
+class _DeviceType(enum.IntEnum):
+    """``enum ggml_backend_dev_type`` (``ggml/include/ggml-backend.h``)."""
+
+    CPU = 0
+    GPU = 1
+    IGPU = 2  # an integrated GPU using host memory
+    ACCEL = 3  # BLAS, AMX: works beside the CPU, never an offload target
+
+
+def gpu_devices() -> tuple[str, ...]:
+    """The devices llama.cpp offloads layers to, each ``NAME (DESCRIPTION)``: the GPUs ggml
+    registered, or, when there is none, the integrated GPUs (as ``llama_model_load_from_file_impl``
+    in llama.cpp's ``src/llama.cpp`` picks them). Empty on a CPU-only build.
+
+    ggml's device registry (``ggml_backend_dev_*``, ``ggml/include/ggml-backend.h``) has no
+    binding in llama-cpp-python; its functions are reached through ``libllama``'s handle, which
+    resolves the symbols of the ggml libraries it links. Call after ``llama_backend_init``.
+    """
+    lib = lc.llama_cpp._lib
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p]
+        getattr(lib, name).restype = ctypes.c_char_p
+    found: dict[_DeviceType, list[str]] = {_DeviceType.GPU: [], _DeviceType.IGPU: []}
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        kind = lib.ggml_backend_dev_type(dev)
+        if kind in found:
+            name = lib.ggml_backend_dev_name(dev).decode(errors="replace")
+            found[_DeviceType(kind)].append(f"{name} ({lib.ggml_backend_dev_description(dev).decode(errors='replace')})")
+    return tuple(found[_DeviceType.GPU] or found[_DeviceType.IGPU])
+
+
 class ChatTemplateError(ModelFileError):
     """The GGUF's chat template is one llama.cpp cannot apply (one line, names the path)."""
 
@@ -115,7 +154,9 @@ class LlamaEngine:
         n_ctx_slot: KV cells (tokens) per slot: prompt plus generated tokens.
         n_batch: most tokens per :meth:`decode`, summed over slots; also the
             physical micro-batch (``n_ubatch``).
-        n_gpu_layers: layers to offload to a GPU (-1: all, 0: none).
+        n_gpu_layers: layers to offload to the GPU devices llama.cpp finds
+            (:func:`gpu_devices`): a count, or -1 (the default) for every layer;
+            with no GPU device none is offloaded, whatever the value.
         n_threads: CPU threads for decoding; 0 means
             :func:`ringserve.config.decode_threads` (every core but one).
         use_extra_bufts: let llama.cpp use extra CPU buffer types (weight
@@ -150,11 +191,14 @@ class LlamaEngine:
             None for other vocabulary types (the runner then does not bound
             the text before tokenizing).
         n_threads: CPU threads used.
+        offload: the layers on GPU devices (:func:`~ringserve.engine.offload.plan_offload`
+            from ``n_gpu_layers``, ``llama_model_n_layer`` and :func:`gpu_devices`).
         path: the checked, absolute model path.
 
     Raises:
         ModelFileError: the file is missing, unreadable or not GGUF, or
-            llama.cpp could not load it.
+            llama.cpp could not load it (the message suggests a lower
+            ``n_gpu_layers`` when layers were to go to a GPU).
         ChatTemplateError: the model's chat template is not one llama.cpp
             supports.
         ValueError: a size argument is out of range.
@@ -170,7 +214,7 @@ class LlamaEngine:
         n_slots: int = 4,
         n_ctx_slot: int = 4096,
         n_batch: int = 512,
-        n_gpu_layers: int = 0,
+        n_gpu_layers: int = ALL_LAYERS,
         n_threads: int = 0,
         use_extra_bufts: bool = False,
         flash_attn: bool | None = False,
@@ -209,10 +253,13 @@ class LlamaEngine:
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
         mparams.use_extra_bufts = use_extra_bufts
+        devices = gpu_devices()
         self._model = lc.llama_model_load_from_file(str(path).encode(), mparams)
         if not self._model:
-            raise ModelFileError(f"llama.cpp could not load the model: {path}", path)
+            on_gpu = f" (offloading to {', '.join(devices)}: lower [model] n_gpu_layers if it does not fit)"
+            raise ModelFileError(f"llama.cpp could not load the model: {path}{on_gpu if devices and n_gpu_layers else ''}", path)
         try:
+            self.offload = plan_offload(n_gpu_layers, lc.llama_model_n_layer(self._model), devices)
             self._vocab = lc.llama_model_get_vocab(self._model)
             self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
             self._bos = lc.llama_vocab_bos(self._vocab)

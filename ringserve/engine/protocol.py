@@ -33,6 +33,7 @@ import attrs
 from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
 from ringserve.engine.gbnf import Constraint, LazyCalls
+from ringserve.engine.offload import Offload
 
 
 class EngineError(Exception):
@@ -63,6 +64,8 @@ class Engine(Protocol):
 
     Message text of more than ``n_ctx_slot * max_token_bytes`` bytes cannot fit
     a slot, so the runner refuses it without tokenizing it."""
+    offload: Offload
+    """The model's layers on GPU devices (the ready line says it; ``[engine] overlap`` ``auto`` reads it)."""
     prefix_cache: bool
     """Whether ``begin`` and ``release`` may keep a prefix of a slot's cells (``keep > 0``)
     and ``begin`` may copy one from another slot; False for models whose memory cannot

@@ -14,6 +14,7 @@ import pytest
 from ringserve.core.events import ChatMessage, SamplingParams
 from ringserve.engine.modelfile import ModelFileError, default_model_path
 from ringserve.core.batch import SlotFeed
+from ringserve.engine.offload import Offload
 from ringserve.engine.protocol import EngineError, KVCacheFull
 from tests.support.server import MODEL_THREADS
 
@@ -73,6 +74,15 @@ def test_attributes(engine):
     assert engine.model_id == "SmolLM2-135M-Instruct.Q4_1"
     assert (engine.n_slots, engine.n_ctx_slot, engine.n_batch) == (N_SLOTS, N_CTX_SLOT, N_BATCH)
     assert engine.n_ctx_seq == N_CTX_SLOT
+
+
+def test_default_offload_is_every_layer_on_a_gpu_and_none_without(engine):
+    """The engine's (and ``[model]``'s) default ``n_gpu_layers`` puts all of SmolLM2-135M's 31
+    offloadable layers (30 repeating and the output layer) on the GPU devices llama.cpp finds; on a
+    CPU build (the tests' llama-cpp-python) there are none, and no layer leaves the CPU."""
+    devices = llama.gpu_devices()
+    assert bool(devices) == llama.lc.llama_supports_gpu_offload()
+    assert engine.offload == Offload(31 if devices else 0, 31, devices)
 
 
 def test_multi_token_prompt_decodes(eng, prompt):

@@ -158,7 +158,8 @@ async def test_the_ready_line_says_the_decode_threads_and_the_mode(tmp_path, cap
     caplog.set_level(logging.INFO, logger="ringserve")
     async with running_server(fake_config(tmp_path, model={"n_threads": 3}, engine={"overlap": "off"})):
         pass
-    assert f"decode threads 3 of {os.cpu_count()} cores, overlapped steps off, at http://127.0.0.1:" in caplog.text
+    assert (f"decode threads 3 of {os.cpu_count()} cores, overlapped steps off, GPU offload none (no GPU device),"
+            " at http://127.0.0.1:") in caplog.text
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
