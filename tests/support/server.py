@@ -75,14 +75,17 @@ class ServerProcess:
 
     READY = r"ready: .* at (http://\S+)"
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, command: list[str] | None = None) -> None:
-        # ``command`` replaces ``python -m ringserve serve --port 0`` (tests/http/test_drain.py runs bench/fake_server.py with it).
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, command: list[str] | None = None,
+                 *, inherit_env: bool = True, cwd: Path | None = None) -> None:
+        # ``command`` replaces ``python -m ringserve serve --port 0`` (tests/http/test_drain.py runs bench/fake_server.py
+        # with it); ``inherit_env`` False gives the server ``env`` alone (tests/system/test_binary.py).
         self.proc = subprocess.Popen(
             [*(command or [sys.executable, "-m", "ringserve", "serve", "--port", "0"]), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, **(env or {})},
+            env={**(os.environ if inherit_env else {}), **(env or {})},
+            cwd=cwd,
         )
         self.lines: list[str] = []
         self._ended = False  # the output reached EOF

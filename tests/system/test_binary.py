@@ -1,0 +1,258 @@
+"""The one-file executable (``packaging/ringserve.spec``), run where nothing else is.
+
+The module builds the binary with PyInstaller (about a minute on 2 cores; ``[build]`` is part of
+``[test]``), or takes the one ``$RINGSERVE_BINARY`` names (a CUDA build, a release to check). Each
+run of it gets an empty working directory, ``HOME`` and ``TMPDIR`` fresh folders, and an
+environment of those and ``PATH=/usr/bin:/bin`` alone: no ``PYTHONPATH``, no ``VIRTUAL_ENV``, no
+Python package on any path. What it must do there as the installed package does: ``ready:``, one
+streamed answer on each surface (Anthropic Messages, OpenAI Chat Completions, OpenAI Responses; the
+official SDKs too) from the bundled model, a resume after a dropped connection, ``chat`` and
+``tail``, the same exit codes and messages, and a drain on SIGTERM that exits 0 and leaves nothing
+behind in ``TMPDIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from ringserve.core.sse import ServerSentEvent, SSEParser
+from tests.support.server import MODEL_TOML, ServerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = ROOT / "packaging" / "ringserve.spec"
+BINARY_ENV = "RINGSERVE_BINARY"
+PROMPT = "Say hello in French."
+MAX_TOKENS = 8
+#: Enough time for a build on a loaded 2-core machine, and the runs after it.
+pytestmark = [pytest.mark.model, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def binary(tmp_path_factory) -> Path:
+    """``$RINGSERVE_BINARY``, or a binary built from this checkout into a temporary folder."""
+    if given := os.environ.get(BINARY_ENV):
+        path = Path(given).resolve()
+        assert path.is_file() and os.access(path, os.X_OK), f"{BINARY_ENV}={given} is not an executable file"
+        return path
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        pytest.skip(f"the one-file build is made and tested on Linux x86-64, not {sys.platform} {platform.machine()}")
+    pytest.importorskip("PyInstaller", reason=f"PyInstaller builds the binary: pip install -e '.[build]' (or set {BINARY_ENV})")
+    out = tmp_path_factory.mktemp("build")
+    build = subprocess.run(
+        [sys.executable, "-m", "PyInstaller", "--noconfirm", "--log-level", "WARN",
+         "--distpath", str(out / "dist"), "--workpath", str(out / "work"), str(SPEC)],
+        capture_output=True, text=True, timeout=800,
+    )
+    assert build.returncode == 0, build.stdout + build.stderr
+    return out / "dist" / "ringserve"
+
+
+class Clean:
+    """An empty working directory, fresh ``HOME`` and ``TMPDIR``, and an environment of those alone."""
+
+    def __init__(self, root: Path) -> None:
+        self.cwd, self.home, self.tmp = root / "cwd", root / "home", root / "tmp"
+        for folder in (self.cwd, self.home, self.tmp):
+            folder.mkdir()
+        self.env = {"PATH": "/usr/bin:/bin", "HOME": str(self.home), "TMPDIR": str(self.tmp)}
+
+    def run(self, binary: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(binary), *args], cwd=self.cwd, env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> Clean:
+    return Clean(tmp_path_factory.mktemp("clean"))
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    """The config file the server reads: two slots of 1,024 tokens, a drain long enough to finish a reply."""
+    path = tmp_path_factory.mktemp("config") / "ringserve.toml"
+    path.write_text('[server]\nport = 0\ndrain_timeout = 120\n[engine]\nslots = 2\nctx_per_slot = 1024\n' + MODEL_TOML)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(binary, clean, config):
+    """``ringserve serve --config FILE`` from the binary, in the clean environment, for the module."""
+    server = ServerProcess(["--config", str(config)], command=[str(binary), "serve"], env=clean.env,
+                           inherit_env=False, cwd=clean.cwd)
+    yield server
+    server.stop()
+
+
+def stream(client: httpx.Client, method: str, url: str, **kwargs) -> list[ServerSentEvent]:
+    parser = SSEParser()
+    events: list[ServerSentEvent] = []
+    with client.stream(method, url, **kwargs) as resp:
+        assert resp.status_code == 200, resp.read()
+        for chunk in resp.iter_raw():
+            events += parser.feed(chunk)
+    return events
+
+
+def anthropic_text(events: list[ServerSentEvent]) -> str:
+    return "".join(json.loads(e.data)["delta"]["text"] for e in events if e.event == "content_block_delta")
+
+
+def anthropic_body(max_tokens: int = MAX_TOKENS, prompt: str = PROMPT) -> dict:
+    return {"model": "smollm2", "max_tokens": max_tokens, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": prompt}]}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def greedy_text(client) -> str:
+    """The bundled model's greedy reply to :data:`PROMPT` on the Anthropic surface, as it streamed."""
+    events = stream(client, "POST", "/v1/messages", json=anthropic_body())
+    assert [e.event for e in events][-1] == "message_stop"
+    text = anthropic_text(events)
+    assert text.strip()
+    return text
+
+
+def test_ready_line_names_the_model_the_config_and_the_offload(server):
+    ready = server.wait_for_log(ServerProcess.READY, 0)
+    assert f"ready: model SmolLM2-135M-Instruct.Q4_1, 2 slots, 1024 tokens of context per slot" in ready
+    assert re.search(r"GPU offload (none \(no GPU device\)|\d+ of 31 layers on .+), at http://127\.0\.0\.1:\d+", ready)
+
+
+def test_the_server_uses_nothing_of_the_host_python(server):
+    """No library mapped into the bootloader or the Python process it starts comes from this Python
+    installation or its packages: everything is from the binary (unpacked into ``TMPDIR``) or the system."""
+    pids = [server.proc.pid, *map(int, Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split())]
+    assert len(pids) == 2  # PyInstaller's bootloader and the Python process it runs
+    host = tuple({str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+    mapped = {line.split(maxsplit=5)[5] for pid in pids for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+              if len(line.split(maxsplit=5)) == 6 and line.split(maxsplit=5)[5].startswith("/")}
+    assert any("libllama.so" in path for path in mapped)
+    assert [path for path in mapped if path.startswith(host)] == []
+
+
+def test_anthropic_messages_stream(greedy_text):
+    assert greedy_text  # the fixture checks the stream's end and text
+
+
+def test_openai_chat_completions_stream_gives_the_same_greedy_text(client, greedy_text):
+    body = {"model": "smollm2", "max_tokens": MAX_TOKENS, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": PROMPT}]}
+    events = stream(client, "POST", "/v1/chat/completions", json=body)
+    assert events[-1].data == "[DONE]"
+    chunks = [json.loads(e.data) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == greedy_text
+
+
+def test_openai_responses_stream_gives_the_same_greedy_text(client, greedy_text):
+    body = {"model": "smollm2", "max_output_tokens": MAX_TOKENS, "stream": True, "temperature": 0, "input": PROMPT}
+    events = stream(client, "POST", "/v1/responses", json=body)
+    assert events[-1].event == "response.incomplete"
+    assert json.loads(events[-1].data)["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    text = "".join(json.loads(e.data)["delta"] for e in events if e.event == "response.output_text.delta")
+    assert text == greedy_text
+
+
+def test_the_official_sdks_stream_from_it(server, greedy_text):
+    with anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0) as a:
+        # The SDK's stream() has no temperature argument (any more); the server takes the field.
+        with a.messages.stream(model="smollm2", max_tokens=MAX_TOKENS, extra_body={"temperature": 0},
+                               messages=[{"role": "user", "content": PROMPT}]) as s:
+            assert "".join(s.text_stream) == greedy_text
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as o:
+        chunks = o.chat.completions.create(model="smollm2", max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                           messages=[{"role": "user", "content": PROMPT}])
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == greedy_text
+
+
+def test_a_dropped_stream_resumes_with_last_event_id(client):
+    """The first connection is dropped after the first text delta; the resume gives every event after
+    it, to ``message_stop``, and the two parts make the stored message's text."""
+    parser = SSEParser()
+    first: list[ServerSentEvent] = []
+    headers = {"Ringserve-Disconnect-Policy": "continue"}
+    with client.stream("POST", "/v1/messages", json=anthropic_body(48), headers=headers) as resp:
+        for chunk in resp.iter_raw():
+            first += parser.feed(chunk)
+            if any(e.event == "content_block_delta" for e in first):
+                break  # leaving the block closes the connection mid-stream
+    message_id, seq = first[-1].id.rsplit(":", 1)
+    rest = stream(client, "GET", f"/v1/messages/{message_id}/stream", headers={"Last-Event-ID": first[-1].id})
+    assert rest[0].id == f"{message_id}:{int(seq) + 1}"
+    assert rest[-1].event == "message_stop"
+    stored = client.get(f"/v1/messages/{message_id}").json()
+    assert anthropic_text(first) + anthropic_text(rest) == stored["text"]
+    assert len(stored["text"]) > len(anthropic_text(first))
+
+
+def test_chat_and_tail(binary, clean, server, greedy_text):
+    chat = clean.run(binary, "chat", "--url", server.url, "--max-tokens", str(MAX_TOKENS), "--temperature", "0", PROMPT)
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout == greedy_text + "\n"
+    message_id = re.search(r"\b(msg_\w+)", chat.stderr + chat.stdout)
+    assert message_id, chat.stderr
+    tail = clean.run(binary, "tail", "--url", server.url, message_id.group(1))
+    assert (tail.returncode, tail.stdout) == (0, chat.stdout), tail.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--help",),
+        ("serve", "--model", "/nonexistent/model.gguf", "--port", "0"),
+        ("serve", "--config", "{config}"),
+        ("serve", "--config", "/nonexistent/ringserve.toml"),
+        ("chat", "--url", "http://127.0.0.1:9", "--timeout", "1", "hello"),
+    ],
+    ids=["help", "missing-model", "bad-config", "missing-config", "no-server"],
+)
+def test_same_output_and_exit_status_as_the_package(binary, clean, tmp_path, args):
+    """The same status, output and last line of the error output (the lines before it, if any, are the
+    client's reconnect notes, whose delays are random)."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[engine]\nslots = -1\n")
+    args = tuple(a.format(config=bad) for a in args)
+    runs = [clean.run(binary, *args),
+            subprocess.run([sys.executable, "-m", "ringserve", *args], capture_output=True, text=True, timeout=120)]
+    frozen, package = ((r.returncode, r.stdout, r.stderr.strip().splitlines()[-1:]) for r in runs)
+    assert frozen == package
+    assert "Traceback" not in runs[0].stderr
+
+
+def test_sigterm_drains_the_running_generation_and_exits_0(server, clean, client):
+    """Last: SIGTERM to the binary (the bootloader, which passes it on) while a reply streams; the drain
+    begins while the request is open, the reply ends normally (within ``drain_timeout``), the process
+    exits 0 and removes what it unpacked."""
+    parser = SSEParser()
+    events: list[ServerSentEvent] = []
+    body = anthropic_body(64, "Write a long story about a dragon and a knight.")
+    with client.stream("POST", "/v1/messages", json=body) as resp:
+        for chunk in resp.iter_raw():
+            if not events:
+                server.proc.send_signal(signal.SIGTERM)
+            events += parser.feed(chunk)
+    assert events[-1].event == "message_stop"  # a generation cut by the drain would end with an error event
+    assert json.loads(next(e.data for e in events if e.event == "message_delta"))["delta"]["stop_reason"] == "max_tokens"
+    assert server.proc.wait(60) == 0
+    message_id = events[0].id.split(":")[0]
+    lines = [line for line in server.lines if "draining: refusing new generations" in line or message_id in line]
+    assert "draining" in lines[0] and '"route":"/v1/messages"' in lines[1], lines  # the access log line comes at the end
+    assert list(clean.tmp.iterdir()) == []
