@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import time
 from pathlib import Path
+from types import FrameType
 
 from ringserve.client.cli import add_commands
 from ringserve.config import Config
+from ringserve.core.signals import ECHO_SECONDS, EchoFilter
 from ringserve.launch import add_command as add_launch, split_argv
 
 
@@ -44,12 +48,25 @@ def load_config(args: argparse.Namespace) -> Config:
     return config
 
 
+def _interrupt_once(window: float) -> None:
+    """Ctrl-C raises ``KeyboardInterrupt`` once, not again for its echo (:mod:`ringserve.core.signals`)."""
+    echoes = EchoFilter(window)
+
+    def on_sigint(_signum: int, _frame: FrameType | None) -> None:
+        if not echoes.is_echo(time.monotonic()):
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv, agent_args = split_argv(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     if agent_args:
         args.agent_args = agent_args
     if getattr(args, "client_command", None) is not None:
+        if ECHO_SECONDS:  # the one-file executable
+            _interrupt_once(ECHO_SECONDS)
         return args.client_command(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ringserve.http.auth import AuthSetupError

@@ -22,6 +22,7 @@ from ringserve.engine.runner import Runner
 from ringserve.core.errors import ErrorKind
 from ringserve.core.events import Failure
 from ringserve.core.ringlog import format_event_id
+from ringserve.core.signals import ECHO_SECONDS, EchoFilter
 from ringserve.core.sse import encode_event
 from ringserve.store.sqlite import MessageStore, StoredMessage, run_retention
 from ringserve.core.status import CancelReason
@@ -174,7 +175,8 @@ async def serve(
     client that stopped reading) is reset. So the process exits within
     ``drain_timeout`` plus about one second (:data:`DRAIN_FLUSH_SECONDS` and
     a half, plus the cancellation), whatever the clients do; a second signal
-    resets every connection at once.
+    resets every connection at once (in the one-file executable, one that comes
+    more than a second after the first: :mod:`ringserve.core.signals`).
 
     Returns:
         The exit status: 0 after a drain, 1 when a second signal cut it short.
@@ -325,8 +327,11 @@ async def _serve_http(
 
 async def _watch_signals(stop: trio.Event, stop_now: Callable[[], None]) -> None:
     # Receiving until cancelled: a later signal must not get the default action (death by signal).
+    echoes = EchoFilter(ECHO_SECONDS)  # the one-file executable's bootloader passes on what it gets too
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
+            if echoes.is_echo(trio.current_time()):
+                continue
             if stop.is_set():
                 stop_now()  # second signal
             else:

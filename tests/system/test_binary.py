@@ -237,22 +237,54 @@ def test_same_output_and_exit_status_as_the_package(binary, clean, tmp_path, arg
     assert "Traceback" not in runs[0].stderr
 
 
-def test_sigterm_drains_the_running_generation_and_exits_0(server, clean, client):
-    """Last: SIGTERM to the binary (the bootloader, which passes it on) while a reply streams; the drain
-    begins while the request is open, the reply ends normally (within ``drain_timeout``), the process
-    exits 0 and removes what it unpacked."""
-    parser = SSEParser()
-    events: list[ServerSentEvent] = []
-    body = anthropic_body(64, "Write a long story about a dragon and a knight.")
-    with client.stream("POST", "/v1/messages", json=body) as resp:
-        for chunk in resp.iter_raw():
-            if not events:
-                server.proc.send_signal(signal.SIGTERM)
-            events += parser.feed(chunk)
+def test_ctrl_c_in_chat_cancels_the_generation_once(binary, clean, server):
+    """Ctrl-C in a terminal signals the whole process group: PyInstaller's bootloader and the Python
+    process, which the bootloader passes its copy on to. ``chat`` cancels the generation and exits 130,
+    as the package does, instead of being interrupted again inside its cancel."""
+    chat = subprocess.Popen(
+        [str(binary), "chat", "--url", server.url, "--max-tokens", "200", "Write a long story about a dragon."],
+        cwd=clean.cwd, env=clean.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        assert chat.stdout.read(1)  # the reply has begun
+        os.killpg(chat.pid, signal.SIGINT)
+        _, err = chat.communicate(timeout=60)
+    finally:
+        if chat.poll() is None:
+            chat.kill()
+    assert chat.returncode == 130, err
+    assert re.search(r"\[cancelled msg_\w+: cancelled, \d+ output tokens\]", err), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("to", ["bootloader", "both"])
+def test_sigterm_drains_the_running_generation_and_exits_0(binary, tmp_path, config, to):
+    """SIGTERM while a reply streams, sent to the bootloader alone (``docker stop``, ``kill PID``) or to it
+    and the Python process (systemd's ``KillMode=control-group``, ``kill -- -PGID``): the drain begins
+    while the request is open, the reply ends normally (within ``drain_timeout``), the process exits 0
+    and removes what it unpacked."""
+    own = Clean(tmp_path)
+    server = ServerProcess(["--config", str(config)], command=[str(binary), "serve"], env=own.env,
+                           inherit_env=False, cwd=own.cwd)
+    try:
+        children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
+        pids = [server.proc.pid, *map(int, children)] if to == "both" else [server.proc.pid]
+        parser = SSEParser()
+        events: list[ServerSentEvent] = []
+        body = anthropic_body(64, "Write a long story about a dragon and a knight.")
+        with httpx.Client(base_url=server.url, timeout=120) as client, client.stream("POST", "/v1/messages", json=body) as resp:
+            for chunk in resp.iter_raw():
+                if not events:
+                    for pid in pids:
+                        os.kill(pid, signal.SIGTERM)
+                events += parser.feed(chunk)
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
     assert events[-1].event == "message_stop"  # a generation cut by the drain would end with an error event
     assert json.loads(next(e.data for e in events if e.event == "message_delta"))["delta"]["stop_reason"] == "max_tokens"
-    assert server.proc.wait(60) == 0
     message_id = events[0].id.split(":")[0]
     lines = [line for line in server.lines if "draining: refusing new generations" in line or message_id in line]
     assert "draining" in lines[0] and '"route":"/v1/messages"' in lines[1], lines  # the access log line comes at the end
-    assert list(clean.tmp.iterdir()) == []
+    assert not any("second signal" in line for line in server.lines)
+    assert list(own.tmp.iterdir()) == []
