@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -235,6 +236,43 @@ def test_same_output_and_exit_status_as_the_package(binary, clean, tmp_path, arg
     frozen, package = ((r.returncode, r.stdout, r.stderr.strip().splitlines()[-1:]) for r in runs)
     assert frozen == package
     assert "Traceback" not in runs[0].stderr
+
+
+#: What the one-file executable needs of the system: glibc's libraries, which PyInstaller leaves to it,
+#: and zlib, which the bootloader links. Everything else comes from inside the file.
+SYSTEM_LIBRARIES = ["/lib64/ld-linux-x86-64.so.2", *(f"/lib/x86_64-linux-gnu/{name}" for name in (
+    "libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1", "libutil.so.1", "libz.so.1"))]
+
+
+def test_it_serves_from_a_root_that_holds_only_the_c_library(binary, tmp_path, greedy_text):
+    """In a chroot that holds the binary, glibc, zlib, ``/dev/null`` and ``/proc``, and nothing else (no
+    Python, no shell, no compiler, no /usr): ready, the same greedy answer, a drain on SIGTERM."""
+    if os.geteuid() != 0:
+        pytest.skip("the chroot and its mounts need root (CI runs as root)")
+    root = tmp_path / "root"
+    for folder in ("tmp", "proc", "home", "dev", "lib64", "lib/x86_64-linux-gnu"):
+        (root / folder).mkdir(parents=True)
+    for path in SYSTEM_LIBRARIES:
+        shutil.copy(path, root / path.lstrip("/"))  # with its mode: the loader must be executable
+    (root / "dev" / "null").touch()  # a mount point: llama-cpp-python opens /dev/null as it loads
+    shutil.copy(binary, root / "ringserve")
+    # A mount namespace of its own, so that the mounts go with the process.
+    script = f'mount -t proc proc {root}/proc && mount --bind /dev/null {root}/dev/null && exec chroot {root} "$@"'
+    server = ServerProcess(["/ringserve", "serve", "--port", "0", "--log-level", "INFO"],
+                           command=["unshare", "--mount", "--propagation", "private", "--fork", "sh", "-c", script, "sh"],
+                           env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/home", "TMPDIR": "/tmp"},
+                           inherit_env=False)  # PATH for unshare, mount and chroot; the root has none of them
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            events = stream(client, "POST", "/v1/messages", json=anthropic_body())
+        assert anthropic_text(events) == greedy_text
+        bootloader = int(Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()[0])
+        os.kill(bootloader, signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+    assert (root / "home" / ".local" / "share" / "ringserve" / "messages.sqlite3").is_file()
+    assert list((root / "tmp").iterdir()) == []
 
 
 def test_ctrl_c_in_chat_cancels_the_generation_once(binary, clean, server):
