@@ -122,13 +122,14 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def greedy_text(client) -> str:
+def greedy_events(client) -> list[ServerSentEvent]:
     """The bundled model's greedy reply to :data:`PROMPT` on the Anthropic surface, as it streamed."""
-    events = stream(client, "POST", "/v1/messages", json=anthropic_body())
-    assert [e.event for e in events][-1] == "message_stop"
-    text = anthropic_text(events)
-    assert text.strip()
-    return text
+    return stream(client, "POST", "/v1/messages", json=anthropic_body())
+
+
+@pytest.fixture(scope="module")
+def greedy_text(greedy_events) -> str:
+    return anthropic_text(greedy_events)
 
 
 def test_ready_line_names_the_model_the_config_and_the_offload(server):
@@ -149,8 +150,13 @@ def test_the_server_uses_nothing_of_the_host_python(server):
     assert [path for path in mapped if path.startswith(host)] == []
 
 
-def test_anthropic_messages_stream(greedy_text):
-    assert greedy_text  # the fixture checks the stream's end and text
+def test_anthropic_messages_stream(greedy_events, greedy_text):
+    assert [e.event for e in greedy_events][:2] == ["message_start", "content_block_start"]
+    assert greedy_events[-1].event == "message_stop"
+    delta = json.loads(next(e.data for e in greedy_events if e.event == "message_delta"))
+    assert (delta["delta"]["stop_reason"], delta["usage"]["output_tokens"]) == ("max_tokens", MAX_TOKENS)
+    assert json.loads(greedy_events[0].data)["message"]["model"] == "SmolLM2-135M-Instruct.Q4_1"
+    assert greedy_text.strip()
 
 
 def test_openai_chat_completions_stream_gives_the_same_greedy_text(client, greedy_text):
