@@ -29,6 +29,7 @@ import openai
 import pytest
 
 from ringserve.core.sse import ServerSentEvent, SSEParser
+from tests.support.helpers import anthropic_text
 from tests.support.server import MODEL_TOML, ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,10 +107,6 @@ def stream(client: httpx.Client, method: str, url: str, **kwargs) -> list[Server
     return events
 
 
-def anthropic_text(events: list[ServerSentEvent]) -> str:
-    return "".join(json.loads(e.data)["delta"]["text"] for e in events if e.event == "content_block_delta")
-
-
 def anthropic_body(max_tokens: int = MAX_TOKENS, prompt: str = PROMPT) -> dict:
     return {"model": "smollm2", "max_tokens": max_tokens, "stream": True, "temperature": 0,
             "messages": [{"role": "user", "content": prompt}]}
@@ -134,7 +131,7 @@ def greedy_text(greedy_events) -> str:
 
 def test_ready_line_names_the_model_the_config_and_the_offload(server):
     ready = server.wait_for_log(ServerProcess.READY, 0)
-    assert f"ready: model SmolLM2-135M-Instruct.Q4_1, 2 slots, 1024 tokens of context per slot" in ready
+    assert "ready: model SmolLM2-135M-Instruct.Q4_1, 2 slots, 1024 tokens of context per slot" in ready
     assert re.search(r"GPU offload (none \(no GPU device\)|\d+ of 31 layers on .+), at http://127\.0\.0\.1:\d+", ready)
 
 
