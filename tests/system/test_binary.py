@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import anthropic
@@ -135,16 +136,23 @@ def test_ready_line_names_the_model_the_config_and_the_offload(server):
     assert re.search(r"GPU offload (none \(no GPU device\)|\d+ of 31 layers on .+), at http://127\.0\.0\.1:\d+", ready)
 
 
-def test_the_server_uses_nothing_of_the_host_python(server):
-    """No library mapped into the bootloader or the Python process it starts comes from this Python
-    installation or its packages: everything is from the binary (unpacked into ``TMPDIR``) or the system."""
+def test_the_server_uses_nothing_of_the_host_python(server, clean):
+    """Python and llama.cpp are mapped into the server from what the binary unpacked into ``TMPDIR``, and
+    nothing mapped into it or its bootloader comes from this Python's standard library, its packages or
+    its virtual environment."""
     pids = [server.proc.pid, *map(int, Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split())]
     assert len(pids) == 2  # PyInstaller's bootloader and the Python process it runs
-    host = tuple({str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
-    mapped = {line.split(maxsplit=5)[5] for pid in pids for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
-              if len(line.split(maxsplit=5)) == 6 and line.split(maxsplit=5)[5].startswith("/")}
-    assert any("libllama.so" in path for path in mapped)
-    assert [path for path in mapped if path.startswith(host)] == []
+    mapped = {fields[5] for pid in pids for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+              if len(fields := line.split(maxsplit=5)) == 6 and fields[5].startswith("/")}
+    unpacked = str(clean.tmp.resolve())
+    for library in ("libpython3", "libllama.so", "_multiarray_umath"):
+        paths = [path for path in mapped if library in path]
+        assert paths and all(path.startswith(unpacked) for path in paths), (library, paths)
+    paths = sysconfig.get_paths()
+    host = {str(Path(paths[key]).resolve()) for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    if sys.prefix != sys.base_prefix:
+        host.add(str(Path(sys.prefix).resolve()))
+    assert [path for path in mapped if path.startswith(tuple(host))] == []
 
 
 def test_anthropic_messages_stream(greedy_events, greedy_text):
