@@ -17,7 +17,7 @@ import attrs
 from attrs import validators as v
 
 from ringserve.core.status import Policy
-from ringserve.engine.offload import ALL_LAYERS
+from ringserve.core.offload import ALL_LAYERS
 from ringserve.core.safety import check_checker_path, compile_patterns
 
 LOG_BACKENDS = ("memory", "redis")
@@ -101,7 +101,7 @@ class ModelConfig:
     ``n_gpu_layers`` is how many layers go to the GPU devices llama.cpp finds: -1 (the
     default) every layer, 0 none, N the last N; with no GPU device (a CPU build of
     llama-cpp-python, or no GPU on the machine) none go, whatever it says. The ``ready:``
-    line gives the outcome (``ringserve/engine/offload.py``).
+    line gives the outcome (``ringserve/core/offload.py``).
     ``use_extra_bufts`` false avoids llama.cpp's AMX/extra CPU buffer types,
     whose ``ggml_backend_amx_mul_mat`` crashes on some CPUs with native builds.
     ``n_threads`` is llama.cpp's decode and prefill threads; 0 (the default)

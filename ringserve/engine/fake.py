@@ -55,7 +55,7 @@ from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolS
 from ringserve.engine.examples import example
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.core.toolcalls import CLOSE_MARK, plain_messages
-from ringserve.engine.offload import Offload
+from ringserve.core.offload import Offload
 from ringserve.engine.protocol import EngineError, KVCacheFull
 
 __all__ = ["DEFAULT_REPLY", "EOG_TOKEN", "Begin", "DecodeCall", "FakeEngine", "Switched"]

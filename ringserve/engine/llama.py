@@ -49,7 +49,7 @@ from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolS
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.core.toolcalls import plain_messages
 from ringserve.engine.modelfile import ModelFileError, check_model_file
-from ringserve.engine.offload import ALL_LAYERS, plan_offload
+from ringserve.core.offload import ALL_LAYERS, plan_offload
 from ringserve.engine.protocol import EngineError, KVCacheFull
 
 __all__ = ["ChatTemplateError", "LlamaEngine"]
@@ -191,7 +191,7 @@ class LlamaEngine:
             None for other vocabulary types (the runner then does not bound
             the text before tokenizing).
         n_threads: CPU threads used.
-        offload: the layers on GPU devices (:func:`~ringserve.engine.offload.plan_offload`
+        offload: the layers on GPU devices (:func:`~ringserve.core.offload.plan_offload`
             from ``n_gpu_layers``, ``llama_model_n_layer`` and :func:`gpu_devices`).
         path: the checked, absolute model path.
 

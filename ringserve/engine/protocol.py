@@ -33,7 +33,7 @@ import attrs
 from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
 from ringserve.engine.gbnf import Constraint, LazyCalls
-from ringserve.engine.offload import Offload
+from ringserve.core.offload import Offload
 
 
 class EngineError(Exception):

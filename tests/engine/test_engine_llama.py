@@ -14,7 +14,7 @@ import pytest
 from ringserve.core.events import ChatMessage, SamplingParams
 from ringserve.engine.modelfile import ModelFileError, default_model_path
 from ringserve.core.batch import SlotFeed
-from ringserve.engine.offload import Offload
+from ringserve.core.offload import Offload
 from ringserve.engine.protocol import EngineError, KVCacheFull
 from tests.support.server import MODEL_THREADS
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 
 import httpx
@@ -18,6 +19,7 @@ import trio.testing
 
 from ringserve.config import Config, EngineConfig, decode_threads, overlap_steps
 from ringserve.core.events import ChatMessage, GenerationRequest, SamplingParams
+from ringserve.core.offload import Offload
 from ringserve.engine.fake import DEFAULT_REPLY, FakeEngine
 from ringserve.engine.runner import Runner
 from tests.support.server import fake_config, running_server
@@ -160,6 +162,33 @@ async def test_the_ready_line_says_the_decode_threads_and_the_mode(tmp_path, cap
         pass
     assert (f"decode threads 3 of {os.cpu_count()} cores, overlapped steps off, GPU offload none (no GPU device),"
             " at http://127.0.0.1:") in caplog.text
+
+
+class _GpuFake(FakeEngine):
+    offload = Offload(31, 31, ("CUDA0 (NVIDIA H200)",))
+
+
+READY = re.compile(r"overlapped steps (on|off), GPU offload (.+), at http://")
+
+
+@pytest.mark.parametrize(
+    ("engine", "overlap", "words"),
+    [(_GpuFake, "on", "31 of 31 layers on CUDA0 (NVIDIA H200)"), (FakeEngine, "off", "none (no GPU device)")],
+)
+async def test_ready_line_gives_the_offload_and_layers_on_a_gpu_overlap_steps(tmp_path, caplog, engine, overlap, words):
+    """With the decode threads on every core, ``[engine] overlap = "auto"`` overlaps steps only when
+    layers run on a GPU: the engine's offload decides, not the ``n_gpu_layers`` setting (whose default,
+    every layer, offloads none on a CPU build)."""
+    cores = os.cpu_count() or 1
+    config = fake_config(tmp_path, model={"n_threads": cores})
+    caplog.set_level(logging.INFO, logger="ringserve")
+    async with running_server(config, lambda _c: engine(n_slots=config.engine.slots)):
+        pass
+    ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready:")]
+    assert len(ready) == 1
+    match = READY.search(ready[0])
+    assert match is not None, ready[0]
+    assert match.groups() == (overlap, words)
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
