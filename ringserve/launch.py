@@ -60,6 +60,7 @@ import httpx
 import platformdirs
 
 from ringserve.config import Config
+from ringserve.frozen import SELF
 
 __all__ = [
     "AGENTS", "AGENT_TIMEOUT_S", "CODEX_TEMPLATE", "Agent", "AgentInfo", "LaunchError", "Served", "Settings",
@@ -109,8 +110,8 @@ PLACEHOLDER_KEY = "ringserve"
 PINNED_BIN = Path(__file__).resolve().parent.parent / ".ci" / "agents" / "node_modules" / ".bin"
 #: How long a started server may take to become ready (the model load), in seconds.
 READY_TIMEOUT_S = 600.0
-#: What starts a server: ``ringserve serve`` in this interpreter.
-SERVE = (sys.executable, "-m", "ringserve", "serve")
+#: What starts a server: ``ringserve serve``, from this interpreter or this one-file executable.
+SERVE = (*SELF, "serve")
 
 
 class LaunchError(Exception):

@@ -16,12 +16,9 @@ executable nothing echoes and the window is 0.
 
 from __future__ import annotations
 
-import sys
-
 import attrs
 
-#: Whether this process is the one-file executable's (PyInstaller sets ``sys.frozen``).
-FROZEN = bool(getattr(sys, "frozen", False))
+from ringserve.frozen import FROZEN
 
 #: Seconds after a signal in which another is its echo: 1 s in the one-file executable (the echo
 #: comes within milliseconds, a person's second Ctrl-C later), 0 (no echo) elsewhere.

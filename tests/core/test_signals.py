@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from ringserve.core.signals import ECHO_SECONDS, FROZEN, EchoFilter
+from ringserve.core.signals import ECHO_SECONDS, EchoFilter
+from ringserve.frozen import FROZEN, SELF
 
 
 def echoes(window: float, times: list[float]) -> list[bool]:
@@ -29,5 +32,7 @@ def test_signals_within_the_window_are_echoes(times, expected):
     assert echoes(1.0, times) == expected
 
 
-def test_only_the_one_file_executable_has_a_window():
-    assert FROZEN is False and ECHO_SECONDS == 0.0  # the tests run from the package; test_binary.py runs the binary
+def test_the_package_has_no_window_and_runs_itself_with_python():
+    """The tests run from the package (tests/system/test_binary.py runs the one-file executable)."""
+    assert FROZEN is False and ECHO_SECONDS == 0.0
+    assert SELF == (sys.executable, "-m", "ringserve")

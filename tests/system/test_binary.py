@@ -19,6 +19,7 @@ import platform
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -233,15 +234,20 @@ def test_chat_and_tail(binary, clean, server, greedy_text):
         ("serve", "--config", "{config}"),
         ("serve", "--config", "/nonexistent/ringserve.toml"),
         ("chat", "--url", "http://127.0.0.1:9", "--timeout", "1", "hello"),
+        # no server there: the launcher starts `ringserve serve` (the binary itself), prints, stops it
+        ("launch", "claude", "--print", "--url", "http://127.0.0.1:{port}"),
     ],
-    ids=["help", "missing-model", "bad-config", "missing-config", "no-server"],
+    ids=["help", "missing-model", "bad-config", "missing-config", "no-server", "launch"],
 )
 def test_same_output_and_exit_status_as_the_package(binary, clean, tmp_path, args):
     """The same status, output and last line of the error output (the lines before it, if any, are the
     client's reconnect notes, whose delays are random)."""
     bad = tmp_path / "bad.toml"
     bad.write_text("[engine]\nslots = -1\n")
-    args = tuple(a.format(config=bad) for a in args)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    args = tuple(a.format(config=bad, port=port) for a in args)
     runs = [clean.run(binary, *args),
             subprocess.run([sys.executable, "-m", "ringserve", *args], capture_output=True, text=True, timeout=120)]
     frozen, package = ((r.returncode, r.stdout, r.stderr.strip().splitlines()[-1:]) for r in runs)
