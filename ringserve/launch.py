@@ -60,7 +60,7 @@ import httpx
 import platformdirs
 
 from ringserve.config import Config
-from ringserve.frozen import SELF
+from ringserve.core.frozen import SELF
 
 __all__ = [
     "AGENTS", "AGENT_TIMEOUT_S", "CODEX_TEMPLATE", "Agent", "AgentInfo", "LaunchError", "Served", "Settings",

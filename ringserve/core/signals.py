@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import attrs
 
-from ringserve.frozen import FROZEN
+from ringserve.core.frozen import FROZEN
 
 #: Seconds after a signal in which another is its echo: 1 s in the one-file executable (the echo
 #: comes within milliseconds, a person's second Ctrl-C later), 0 (no echo) elsewhere.

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from ringserve.core.signals import ECHO_SECONDS, EchoFilter
-from ringserve.frozen import FROZEN, SELF
+from ringserve.core.frozen import FROZEN, SELF
 
 
 def echoes(window: float, times: list[float]) -> list[bool]:
