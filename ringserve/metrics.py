@@ -10,10 +10,11 @@ never share a number. Two kinds of metric:
   disconnects, truncated streams, HTTP errors) and the runner (cancel to KV
   freed, through its ``on_cancel_freed`` hook).
 * **Snapshot metrics**, read at scrape time from ``statistics()`` of the
-  runner, of the log store and of the message store, and from the hub
-  (:meth:`Metrics.watch`): slots, queue, KV cells, tokens, zombie tokens,
-  readers, ring entries and bytes, append latency, store size and sweeps.
-  They cost nothing between scrapes.
+  sources given to :meth:`Metrics.watch` (the runner, the log store, the
+  message store and the hub; each returns a frozen value this module reads):
+  slots, queue, KV cells, tokens, zombie tokens, readers, ring entries and
+  bytes, append latency, store size and sweeps, generations. They cost
+  nothing between scrapes.
 
 Names follow the Prometheus conventions: base units (seconds, bytes),
 ``_total`` on counters, ``ringserve_`` prefix. ``configs/grafana-dashboard.json``
@@ -23,7 +24,7 @@ plots them. Core modules never import this one.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol, assert_never
 
 import attrs
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -31,12 +32,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ringserve.core.errors import ErrorKind
-from ringserve.core.events import Finish, StopReason
+from ringserve.engine.runner import RunnerStatistics
+from ringserve.logs.memory import LogStoreStatistics
+from ringserve.store.sqlite import StoreStatistics
 
-if TYPE_CHECKING:
-    from ringserve.live.hub import Hub
-
-__all__ = ["CONTENT_TYPE", "Metrics", "StreamTimer"]
+__all__ = ["CONTENT_TYPE", "GenerationStatistics", "Metrics", "Source"]
 
 #: The ``Content-Type`` of :meth:`Metrics.render` (Prometheus text format 0.0.4).
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -51,13 +51,27 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 FREE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
-@attrs.define
-class StreamTimer:
-    """When one generation started and released its first and latest text (seconds, any monotonic clock)."""
+@attrs.frozen
+class GenerationStatistics:
+    """What the owner of the generations reports (``live/hub.py`` ``Hub.statistics``).
 
-    started: float
-    first: float | None = None
-    last: float | None = None
+    Attributes:
+        active_generations: generations whose terminal event is not yet in their log.
+        unsaved_messages: ended messages whose final state the store failed to write.
+    """
+
+    active_generations: int
+    unsaved_messages: int
+
+
+#: What :meth:`Metrics.watch` reads a snapshot of.
+Statistics = RunnerStatistics | LogStoreStatistics | StoreStatistics | GenerationStatistics
+
+
+class Source(Protocol):
+    """Anything with a ``statistics()`` snapshot that :meth:`Metrics.watch` knows how to read."""
+
+    def statistics(self) -> Statistics: ...
 
 
 class Metrics:
@@ -117,9 +131,10 @@ class Metrics:
 
     # -- wiring ---------------------------------------------------------------------------
 
-    def watch(self, hub: Hub) -> None:
-        """Expose the snapshot metrics of ``hub``, its runner and its log store; call it once per server."""
-        self.registry.register(_SnapshotCollector(hub))
+    def watch(self, *sources: Source) -> None:
+        """Expose the snapshot metrics of ``sources`` (the runner, the log store, the message store,
+        the hub), read at each scrape; call it once per server."""
+        self.registry.register(_SnapshotCollector(sources))
 
     def render(self) -> bytes:
         """The Prometheus text exposition (``Content-Type``: :data:`CONTENT_TYPE`)."""
@@ -127,24 +142,17 @@ class Metrics:
 
     # -- events: generations (hub) --------------------------------------------------------
 
-    def text_released(self, timer: StreamTimer, now: float) -> None:
-        """A generation appended text to its log at ``now``: TTFT once, then the gap."""
-        if timer.last is None:  # first and last are set together
-            timer.first = now
-            self.ttft.observe(now - timer.started)
-        else:
-            self.gap.observe(now - timer.last)
-        timer.last = now
+    def first_text(self, seconds: float) -> None:
+        """A generation appended its first text to its log ``seconds`` after its request (TTFT)."""
+        self.ttft.observe(seconds)
 
-    def finished(self, timer: StreamTimer, now: float, finish: Finish) -> None:
-        """A generation finished at ``now``: TPOT = (now - first text) / (output tokens - 1).
+    def text_gap(self, seconds: float) -> None:
+        """A generation appended text ``seconds`` after its previous text."""
+        self.gap.observe(seconds)
 
-        Cancelled generations and those with fewer than 2 tokens or no text
-        are not observed (they say nothing about decode speed).
-        """
-        tokens = finish.usage.output_tokens
-        if finish.stop_reason is not StopReason.CANCELLED and timer.first is not None and tokens > 1:
-            self.tpot.observe((now - timer.first) / (tokens - 1))
+    def time_per_token(self, seconds: float) -> None:
+        """A generation finished: ``seconds`` per output token after the first (TPOT)."""
+        self.tpot.observe(seconds)
 
     def cancel_freed(self, seconds: float) -> None:
         """The runner removed a cancelled generation's KV cells ``seconds`` after the cancel."""
@@ -178,76 +186,95 @@ class Metrics:
 class _SnapshotCollector(Collector):
     """Reads ``statistics()`` snapshots at scrape time (see the module docstring)."""
 
-    def __init__(self, hub: Hub) -> None:
-        self._hub = hub
+    def __init__(self, sources: tuple[Source, ...]) -> None:
+        self._sources = sources
 
     def collect(self) -> Iterator[Metric]:
-        hub = self._hub
-        s = hub.runner.statistics()
-        logs = hub.logs.statistics()
+        for source in self._sources:
+            stats = source.statistics()
+            match stats:
+                case RunnerStatistics():
+                    yield from _runner(stats)
+                case LogStoreStatistics():
+                    yield from _logs(stats)
+                case StoreStatistics():
+                    yield from _store(stats)
+                case GenerationStatistics():
+                    yield _gauge("ringserve_active_generations", "Generations whose producer is running.",
+                                 stats.active_generations)
+                    yield _gauge("ringserve_store_unsaved_messages",
+                                 "Ended messages whose final state the store failed to write; retried every second.",
+                                 stats.unsaved_messages)
+                case _:
+                    assert_never(stats)
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, value=value)
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(name, doc, value=value)
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
 
-        queue = GaugeMetricFamily("ringserve_queue_depth", "Requests waiting for a slot, by priority.", labels=["priority"])
-        for priority, n in sorted(s.queue_depth.items()):
-            queue.add_metric([str(priority)], n)
-        yield queue
-        yield gauge("ringserve_active_generations", "Generations whose producer is running.", hub.active_generations)
-        yield gauge("ringserve_connected_readers", "Readers of stream logs (SSE connections and non-stream waits).",
-                    logs.readers)
-        yield gauge("ringserve_slots_busy", "Slots holding a request or being released.", s.slots_busy)
-        yield gauge("ringserve_slots_total", "Slots decoded together.", s.slots_total)
-        yield gauge("ringserve_kv_cells_used",
-                    "KV-cache cells (tokens) held by requests over all slots (prefix-cache cells not counted).",
-                    s.kv_cells_used)
-        yield gauge("ringserve_kv_cells_total", "KV-cache cells (tokens) over all slots.", s.kv_cells_total)
-        yield counter("ringserve_prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens_total)
-        yield counter("ringserve_prompt_tokens_prefilled", "Prompt tokens fed to the engine (not reused from the prefix cache).",
-                      s.prompt_tokens_prefilled_total)
-        yield counter("ringserve_prefix_cache_lookup_tokens",
-                      "Prompt tokens of requests admitted with the prompt-prefix cache on.",
-                      s.prefix_cache_lookup_tokens_total)
-        yield counter("ringserve_prefix_cache_hit_tokens",
-                      "Prompt tokens whose KV cells were reused from the prefix cache instead of prefilled.",
-                      s.prefix_cache_hit_tokens_total)
-        yield gauge("ringserve_prefix_cache_cells", "KV-cache cells (tokens) that free slots keep as prefix-cache entries.",
-                    s.prefix_cache_cells)
-        yield counter("ringserve_generated_tokens", "Tokens sampled for live requests.", s.generated_tokens_total)
-        yield counter("ringserve_zombie_tokens",
-                      "Tokens decoded for a generation after its cancel (its last reader gone under abort,"
-                      " or a cancel request): 0, or 1 per cancel that raced a decode step.",
-                      s.tokens_after_cancel_total)
-        yield counter("ringserve_cancels", "Generations cancelled by their consumer.", s.cancels)
-        yield counter("ringserve_decode_steps", "Decode calls that succeeded.", s.steps)
-        yield counter("ringserve_decode_seconds", "Wall seconds spent in decode calls.", s.decode_seconds_total)
-        yield gauge("ringserve_ring_logs", "Stream logs held (live and completed).", logs.logs)
-        yield gauge("ringserve_ring_entries", "Entries held over all stream logs.", logs.entries)
-        yield gauge("ringserve_ring_bytes", "Entry bytes held over all stream logs.", logs.bytes)
-        yield gauge("ringserve_ring_memory_cap_bytes", "The memory cap over all stream logs.", logs.memory_cap_bytes)
-        yield counter("ringserve_ring_appended_entries", "Entries appended to stream logs.", logs.appends_total)
-        yield counter("ringserve_ring_appended_bytes", "Bytes appended to stream logs.", logs.append_bytes_total)
-        yield counter("ringserve_ring_evicted_entries",
-                      "Entries that left a full ring (a lagging reader of that log gets 410).",
-                      logs.entries_evicted_total)
-        yield SummaryMetricFamily("ringserve_ring_append_seconds", "Wall seconds per stream-log append.",
-                                  count_value=logs.appends_total, sum_value=logs.append_seconds_total)
-        store = hub.store.statistics()
-        yield gauge("ringserve_store_bytes", "Bytes of the message store's database in use (WAL excluded).",
-                    store.used_bytes)
-        yield gauge("ringserve_store_free_bytes", "Free pages of the message store not yet given back, in bytes.",
-                    store.free_bytes)
-        yield counter("ringserve_store_swept_messages", "Finished messages deleted by the store's retention.",
-                      store.swept_total)
-        yield gauge("ringserve_store_longest_sweep_step_seconds",
-                    "The longest single retention batch or vacuum step so far (the event loop waited that long).",
-                    store.longest_step_seconds)
-        yield counter("ringserve_store_write_failures",
-                      "Message-store writes that failed (full disk, I/O error, a lock held too long).",
-                      store.write_failures_total)
-        yield gauge("ringserve_store_unsaved_messages",
-                    "Ended messages whose final state the store failed to write; retried every second.",
-                    hub.unsaved_messages)
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _runner(s: RunnerStatistics) -> Iterator[Metric]:
+    queue = GaugeMetricFamily("ringserve_queue_depth", "Requests waiting for a slot, by priority.", labels=["priority"])
+    for priority, n in sorted(s.queue_depth.items()):
+        queue.add_metric([str(priority)], n)
+    yield queue
+    yield _gauge("ringserve_slots_busy", "Slots holding a request or being released.", s.slots_busy)
+    yield _gauge("ringserve_slots_total", "Slots decoded together.", s.slots_total)
+    yield _gauge("ringserve_kv_cells_used",
+                 "KV-cache cells (tokens) held by requests over all slots (prefix-cache cells not counted).",
+                 s.kv_cells_used)
+    yield _gauge("ringserve_kv_cells_total", "KV-cache cells (tokens) over all slots.", s.kv_cells_total)
+    yield _counter("ringserve_prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens_total)
+    yield _counter("ringserve_prompt_tokens_prefilled", "Prompt tokens fed to the engine (not reused from the prefix cache).",
+                   s.prompt_tokens_prefilled_total)
+    yield _counter("ringserve_prefix_cache_lookup_tokens",
+                   "Prompt tokens of requests admitted with the prompt-prefix cache on.",
+                   s.prefix_cache_lookup_tokens_total)
+    yield _counter("ringserve_prefix_cache_hit_tokens",
+                   "Prompt tokens whose KV cells were reused from the prefix cache instead of prefilled.",
+                   s.prefix_cache_hit_tokens_total)
+    yield _gauge("ringserve_prefix_cache_cells", "KV-cache cells (tokens) that free slots keep as prefix-cache entries.",
+                 s.prefix_cache_cells)
+    yield _counter("ringserve_generated_tokens", "Tokens sampled for live requests.", s.generated_tokens_total)
+    yield _counter("ringserve_zombie_tokens",
+                   "Tokens decoded for a generation after its cancel (its last reader gone under abort,"
+                   " or a cancel request): 0, or 1 per cancel that raced a decode step.",
+                   s.tokens_after_cancel_total)
+    yield _counter("ringserve_cancels", "Generations cancelled by their consumer.", s.cancels)
+    yield _counter("ringserve_decode_steps", "Decode calls that succeeded.", s.steps)
+    yield _counter("ringserve_decode_seconds", "Wall seconds spent in decode calls.", s.decode_seconds_total)
+
+
+def _logs(logs: LogStoreStatistics) -> Iterator[Metric]:
+    yield _gauge("ringserve_connected_readers", "Readers of stream logs (SSE connections and non-stream waits).",
+                 logs.readers)
+    yield _gauge("ringserve_ring_logs", "Stream logs held (live and completed).", logs.logs)
+    yield _gauge("ringserve_ring_entries", "Entries held over all stream logs.", logs.entries)
+    yield _gauge("ringserve_ring_bytes", "Entry bytes held over all stream logs.", logs.bytes)
+    yield _gauge("ringserve_ring_memory_cap_bytes", "The memory cap over all stream logs.", logs.memory_cap_bytes)
+    yield _counter("ringserve_ring_appended_entries", "Entries appended to stream logs.", logs.appends_total)
+    yield _counter("ringserve_ring_appended_bytes", "Bytes appended to stream logs.", logs.append_bytes_total)
+    yield _counter("ringserve_ring_evicted_entries",
+                   "Entries that left a full ring (a lagging reader of that log gets 410).",
+                   logs.entries_evicted_total)
+    yield SummaryMetricFamily("ringserve_ring_append_seconds", "Wall seconds per stream-log append.",
+                              count_value=logs.appends_total, sum_value=logs.append_seconds_total)
+
+
+def _store(store: StoreStatistics) -> Iterator[Metric]:
+    yield _gauge("ringserve_store_bytes", "Bytes of the message store's database in use (WAL excluded).",
+                 store.used_bytes)
+    yield _gauge("ringserve_store_free_bytes", "Free pages of the message store not yet given back, in bytes.",
+                 store.free_bytes)
+    yield _counter("ringserve_store_swept_messages", "Finished messages deleted by the store's retention.",
+                   store.swept_total)
+    yield _gauge("ringserve_store_longest_sweep_step_seconds",
+                 "The longest single retention batch or vacuum step so far (the event loop waited that long).",
+                 store.longest_step_seconds)
+    yield _counter("ringserve_store_write_failures",
+                   "Message-store writes that failed (full disk, I/O error, a lock held too long).",
+                   store.write_failures_total)

@@ -237,7 +237,7 @@ async def serve(
             runner = Runner(engine, config.engine, on_cancel_freed=state.metrics.cancel_freed, overlap=overlap)
             await nursery.start(runner.run)
             hub = Hub(config, runner, logs, store, nursery, safety=safety, metrics=state.metrics)
-            state.metrics.watch(hub)
+            state.metrics.watch(runner, logs, store, hub)
             if not isinstance(logs, MemoryLogStore):  # a cancel another replica relays; an owner that died
                 _relay_to(hub, logs)
             state.model_id = runner.model_id

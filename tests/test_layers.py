@@ -53,9 +53,7 @@ ALLOWED: dict[str, frozenset[str]] = {
 
 #: Edges that break :data:`ALLOWED` today, each with the work that removes it. The list only
 #: shrinks: an edge listed here that no longer exists fails the test (delete its line).
-KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    ("ringserve.metrics", "ringserve.live.hub"): "removed by the path branch (Metrics.watch over statistics())",
-}
+KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {}
 
 #: The only module that imports llama-cpp-python (every other takes it from there: see its docstring).
 NATIVE = "ringserve.engine._native"

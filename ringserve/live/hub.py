@@ -48,7 +48,7 @@ from ringserve.store.sqlite import (
     stored_render,
     stored_trace,
 )
-from ringserve.metrics import Metrics, StreamTimer
+from ringserve.metrics import GenerationStatistics, Metrics
 from ringserve.logs.memory import KeyHolder, LogStore, MemoryMessageLog, MessageLog
 from ringserve.logs.reader import tail
 from ringserve.live.safety import SafetyStage
@@ -147,6 +147,34 @@ class LiveMessage:
             usage=snap.usage,
             cancelled=snap.status is MessageStatus.CANCELLED,
         )
+
+
+@attrs.define
+class StreamTimer:
+    """When one generation started and released its first and latest text (seconds, the Trio clock)."""
+
+    started: float
+    first: float | None = None
+    last: float | None = None
+
+    def released(self, now: float, metrics: Metrics) -> None:
+        """Text reached the log at ``now``: its TTFT the first time, else the gap since the last text."""
+        if self.last is None:  # first and last are set together
+            self.first = now
+            metrics.first_text(now - self.started)
+        else:
+            metrics.text_gap(now - self.last)
+        self.last = now
+
+    def finished(self, now: float, finish: Finish, metrics: Metrics) -> None:
+        """The generation finished at ``now``: TPOT = (now - first text) / (output tokens - 1).
+
+        Cancelled generations and those with fewer than 2 tokens or no text
+        are not observed (they say nothing about decode speed).
+        """
+        tokens = finish.usage.output_tokens
+        if finish.stop_reason is not StopReason.CANCELLED and self.first is not None and tokens > 1:
+            metrics.time_per_token((now - self.first) / (tokens - 1))
 
 
 def request_hash(body: bytes) -> str:
@@ -476,7 +504,7 @@ class Hub:
             log_.append(entry)
         now = trio.current_time()
         if step.released:
-            self.metrics.text_released(msg.timer, now)
+            msg.timer.released(now, self.metrics)
         if step.end is not None:
             log_.close(step.end.state)
         if step.persist is not None:
@@ -485,7 +513,7 @@ class Hub:
             return
         match step.end.terminal:
             case Finish() as finish:
-                self.metrics.finished(msg.timer, now, finish)
+                msg.timer.finished(now, finish, self.metrics)
             case Failure() as failure:
                 self.metrics.error(failure.kind, "generation")
         msg.done.set()
@@ -601,15 +629,12 @@ class Hub:
 
     # -- finding and reading -------------------------------------------------------------
 
-    @property
-    def active_generations(self) -> int:
-        """Generations whose terminal event is not yet in their log."""
-        return sum(1 for msg in self._live.values() if not msg.done.is_set())
-
-    @property
-    def unsaved_messages(self) -> int:
-        """Ended messages whose final state the store failed to write (:meth:`save_unsaved` retries)."""
-        return len(self._unsaved)
+    def statistics(self) -> GenerationStatistics:
+        """Its generations now (for ``metrics.py``): those whose terminal event is not yet in their
+        log, and ended ones whose final state the store failed to write (:meth:`save_unsaved`
+        retries them)."""
+        active = sum(1 for msg in self._live.values() if not msg.done.is_set())
+        return GenerationStatistics(active_generations=active, unsaved_messages=len(self._unsaved))
 
     def live(self, message_id: str) -> LiveMessage | None:
         """The message if its generation is still running, or it ended and the store failed to

@@ -15,7 +15,7 @@ from ringserve.core.events import BlockDelta, BlockKind, BlockStart, BlockStop, 
 from ringserve.core.producer import Producer
 from ringserve.core.status import CancelReason, MessageStatus, Policy
 from ringserve.store.sqlite import StoredMessage
-from ringserve.metrics import StreamTimer
+from ringserve.live.hub import StreamTimer
 from ringserve.http.decide import (
     Accepted,
     Answer,

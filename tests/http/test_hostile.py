@@ -434,10 +434,10 @@ async def test_concurrent_readers_per_message_and_per_client_are_429(tmp_path):
                 assert resp.json()["error"] == {**resp.json()["error"], "type": "rate_limit_error",
                                                 "code": "rate_limit_exceeded"}
                 # a new generation is refused before anything is started
-                active = state.hub.active_generations
+                active = state.hub.statistics().active_generations
                 resp = await client.post("/v1/messages", json={**ANTHROPIC_BODY, "stream": True})
                 assert resp.status_code == 429
-                assert state.hub.active_generations == active
+                assert state.hub.statistics().active_generations == active
         # every place is given back when the connections end
         with trio.fail_after(5):
             while state.gate.readers("127.0.0.1"):

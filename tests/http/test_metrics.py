@@ -102,7 +102,7 @@ async def test_a_stream_a_cancel_and_resumes_are_counted(tmp_path):
             assert m("ringserve_slots_busy") == 1
             assert m("ringserve_kv_cells_used") > 0
             assert m("ringserve_ring_entries") > len(events)
-        await wait_until(lambda: state.hub.active_generations == 0)
+        await wait_until(lambda: state.hub.statistics().active_generations == 0)
         await runner.wait_idle()
         m = await scrape(client)
         stats = runner.statistics()
@@ -152,7 +152,7 @@ async def test_a_reader_that_falls_out_of_the_ring_is_counted_as_lagged(tmp_path
         async with client.stream("GET", f"/v1/messages/{mid}/stream") as resp:
             assert resp.status_code == 200
             # not reading: ~24 MiB are produced, far more than the socket buffers take
-            await wait_until(lambda: state.hub.active_generations == 0)
+            await wait_until(lambda: state.hub.statistics().active_generations == 0)
             parser = SSEParser()
             events = [e async for chunk in resp.aiter_raw() for e in parser.feed(chunk)]
         assert events and events[-1].event != "message_stop"

@@ -314,7 +314,7 @@ async def test_a_store_that_fails_during_a_generation_loses_nothing(tmp_path, ca
         assert len(logged) == 1, logged
 
         db.failing = False
-        await wait_until(lambda: _true(hub.unsaved_messages == 0))
+        await wait_until(lambda: _true(hub.statistics().unsaved_messages == 0))
         stored = store.get(message_id)
         assert stored.status == "complete" and stored.text == expected and stored.final_seq is not None
         assert hub.live(message_id) is None
@@ -356,7 +356,7 @@ async def test_the_drain_writes_a_final_state_the_store_failed_to_write(tmp_path
         accepted = await client.post("/v1/messages", json=anthropic(LONG_ECHO), headers=ASYNC)
         message_id = accepted.json()["id"]
         db.failing = True
-        await wait_until(lambda: _true(hub.unsaved_messages == 1))
+        await wait_until(lambda: _true(hub.statistics().unsaved_messages == 1))
         db.failing = False
     stored = MessageStore(config.store.path).get(message_id)
     assert stored.status == "complete" and len(stored.text) > 1000
@@ -382,7 +382,7 @@ async def test_writes_are_not_tried_again_until_the_retry_is_due(tmp_path, monke
                     db.failing = True
         assert events[-1].event == "message_stop" and len(anthropic_text(events)) > 1000
         message_id = json.loads(events[0].data)["message"]["id"]
-        assert store.statistics().write_failures_total == 1 and hub.unsaved_messages == 1
+        assert store.statistics().write_failures_total == 1 and hub.statistics().unsaved_messages == 1
         # a new message is refused at once (503, each surface's shape), its row not tried either
         for path, body in (("/v1/messages", anthropic("hi")), ("/v1/chat/completions", openai("hi"))):
             refused = await client.post(path, json=body)
