@@ -75,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     from ringserve.live.safety import SafetySetupError
     from ringserve.store.sqlite import StoreError
     from ringserve.server import run_process
+    from ringserve.surfaces.registry import SURFACES
 
     try:
         config = load_config(args)
+        SURFACES.check_policies(config.policy)  # a [policy] key that names no surface
         check_model_file(config.model.path or default_model_path())
     except (OSError, ValueError, ModelFileError) as exc:
         print(f"ringserve: {exc}", file=sys.stderr)

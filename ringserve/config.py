@@ -54,7 +54,6 @@ _TYPE_CHECKS: dict[str, tuple[str, Any]] = {
     "str": ("a string", lambda x: isinstance(x, str)),
     "bool": ("true or false", lambda x: isinstance(x, bool)),
     "tuple[str, ...]": ("a list of strings", lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x)),
-    "Policy": ("a string", lambda x: isinstance(x, str)),  # which strings: the field's validator
 }
 
 
@@ -219,18 +218,55 @@ class StreamConfig:
         return url
 
 
-def _policy(value: object) -> object:
-    """The :class:`Policy` spelled ``value``; anything else is left for the validator, which names the key."""
-    return Policy(value) if isinstance(value, str) and value in tuple(Policy) else value
+def _policies(value: object) -> object:
+    """``{surface name: Policy}`` from ``{surface name: "abort" | "continue"}``; anything else is left
+    for the validator, which names the key."""
+    if not isinstance(value, Mapping):
+        return value
+    return {name: Policy(p) if isinstance(p, str) and p in tuple(Policy) else p for name, p in value.items()}
+
+
+def _policy_values(_inst: object, _attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, Mapping):
+        raise ValueError("surfaces must be a table of surface names")
+    choices = ", ".join(repr(p.value) for p in Policy)
+    for name, policy in value.items():
+        if not isinstance(policy, Policy):
+            raise ValueError(f"{name} must be one of {choices}, got {policy!r}")
 
 
 @attrs.frozen
 class PolicyConfig:
-    """What happens to a generation when its last reader leaves, per surface."""
+    """What happens to a generation when its last reader leaves, per surface.
 
-    anthropic: Policy = attrs.field(default=Policy.ABORT, converter=_policy, validator=_one_of(*(p.value for p in Policy)))
-    openai: Policy = attrs.field(default=Policy.ABORT, converter=_policy, validator=_one_of(*(p.value for p in Policy)))
+    ``surfaces`` maps a surface's name (the TOML keys of ``[policy]`` other than
+    ``grace_seconds``: ``anthropic``, ``openai``, ``responses``) to its
+    :class:`Policy`. A surface not in it takes the policy that
+    ``surfaces/registry.py`` names for it (``responses``: ``openai``'s), else
+    ``abort``; the names are checked against the registry when the server
+    starts (``Surfaces.check_policies``).
+    """
+
+    surfaces: Mapping[str, Policy] = attrs.field(
+        factory=lambda: {"anthropic": Policy.ABORT, "openai": Policy.ABORT}, converter=_policies,
+        validator=_policy_values,
+    )
     grace_seconds: float = attrs.field(default=0.0, validator=_non_negative)
+
+    @classmethod
+    def from_table(cls, values: Mapping[str, Any], base: PolicyConfig | None = None) -> PolicyConfig:
+        """The ``[policy]`` table (or ``Config.replace``'s changes to ``base``): ``grace_seconds``
+        and a policy per surface name.
+
+        Raises:
+            ValueError: a policy that is not a string, or not ``abort`` or ``continue``.
+        """
+        base = base or cls()
+        for name, value in values.items():
+            if name != "grace_seconds" and not isinstance(value, (str, Policy)):
+                raise ValueError(f"{name} must be a string, got {value!r}")
+        surfaces = {**base.surfaces, **{k: v for k, v in values.items() if k != "grace_seconds"}}
+        return cls(surfaces, values.get("grace_seconds", base.grace_seconds))
 
 
 @attrs.frozen
@@ -352,13 +388,20 @@ class Config:
             ValueError: unknown table or key, a value of the wrong type, or a
                 value out of range; one line naming the table, the key and the value.
         """
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         for name, value in data.items():
             section = _SECTIONS.get(name)
             if section is None:
                 raise ValueError(f"unknown config table [{name}]")
             if not isinstance(value, dict):
                 raise ValueError(f"[{name}] must be a table")
+            if section is PolicyConfig:  # a table of surface names (checked by the registry) and grace_seconds
+                _check_types(name, section, {k: v for k, v in value.items() if k == "grace_seconds"})
+                try:
+                    kwargs[name] = PolicyConfig.from_table(value)
+                except ValueError as exc:
+                    raise ValueError(f"[{name}] {exc}") from None
+                continue
             known = {a.name for a in attrs.fields(section)}
             unknown = sorted(set(value) - known)
             if unknown:
@@ -387,4 +430,6 @@ class Config:
 
     def replace(self, section: str, **changes: Any) -> Config:
         """A copy with some keys of one table changed (validated)."""
+        if section == "policy":
+            return attrs.evolve(self, policy=PolicyConfig.from_table(changes, self.policy))
         return attrs.evolve(self, **{section: attrs.evolve(getattr(self, section), **changes)})

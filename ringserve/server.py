@@ -187,7 +187,9 @@ async def serve(
             an API key is malformed (checked before anything starts).
         SafetySetupError: the ``[safety]`` checker cannot be loaded (checked before anything starts).
         StoreError: the message store cannot be opened or written (one line naming the path).
+        ValueError: a ``[policy]`` key names no surface.
     """
+    SURFACES.check_policies(config.policy)
     auth = Authenticator.from_config(config.auth)
     check_bind(config.server.host, auth, config.auth.allow_remote_without_keys)
     safety = SafetyStage.from_config(config.safety, max_threads=config.engine.slots)

@@ -70,3 +70,26 @@ def test_a_wrong_type_or_choice_is_one_clear_line(tmp_path, text, line):
     with pytest.raises(ValueError) as info:
         Config.from_toml(path)
     assert str(info.value) == line
+
+
+def test_policy_is_a_table_keyed_by_surface_name_and_responses_follows_openai():
+    from ringserve.core.status import Policy
+    from ringserve.surfaces.registry import ANTHROPIC, OPENAI, SURFACES
+    from ringserve.surfaces.responses import RESPONSES
+
+    config = Config.from_dict({"policy": {"openai": "continue", "grace_seconds": 2}})
+    assert config.policy.grace_seconds == 2.0
+    policies = {s.name: SURFACES.policy(config.policy, s) for s in (ANTHROPIC, OPENAI, RESPONSES)}
+    assert policies == {"anthropic": Policy.ABORT, "openai": Policy.CONTINUE, "responses": Policy.CONTINUE}
+    config = config.replace("policy", responses="abort")
+    assert SURFACES.policy(config.policy, RESPONSES) is Policy.ABORT
+    assert SURFACES.policy(config.policy, OPENAI) is Policy.CONTINUE
+
+
+def test_a_policy_key_that_names_no_surface_is_refused_at_start(tmp_path, capsys):
+    from ringserve.__main__ import main
+
+    path = tmp_path / "c.toml"
+    path.write_text('[policy]\nantropic = "continue"\n')
+    assert main(["serve", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == "ringserve: unknown key(s) in [policy]: antropic\n"

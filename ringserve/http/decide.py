@@ -36,6 +36,7 @@ from ringserve.core.status import CancelReason, MessageStatus, Policy
 from ringserve.store.sqlite import StoredMessage
 from ringserve.live.hub import LiveMessage, request_hash
 from ringserve.surfaces.base import MessageResult, ParsedRequest, Surface
+from ringserve.surfaces.registry import SURFACES
 
 #: The preference (RFC 7240 §4.1) that asks for a 202 and the message's URL instead of the answer.
 RESPOND_ASYNC = "respond-async"
@@ -136,7 +137,7 @@ def disconnect_policy(policies: PolicyConfig, surface: Surface, *, respond_async
 
     ``Ringserve-Disconnect-Policy`` wins; else ``Prefer: respond-async`` means
     ``continue`` (nobody is reading yet); else the surface's ``[policy]`` setting
-    (the field named like the surface).
+    (``Surfaces.policy``: the key named like the surface).
 
     Raises:
         RingserveError: ``INVALID_REQUEST`` for an override other than ``abort``/``continue``.
@@ -147,9 +148,7 @@ def disconnect_policy(policies: PolicyConfig, surface: Surface, *, respond_async
         return Policy(override)
     if respond_async:
         return Policy.CONTINUE
-    policy = getattr(policies, surface.name)
-    assert isinstance(policy, Policy), f"[policy] has no setting for surface {surface.name!r}"
-    return policy
+    return SURFACES.policy(policies, surface)
 
 
 def parse_body(parse: Callable[[Any], ParsedRequest], raw: bytes, config: Config, model_id: str) -> ParsedRequest:

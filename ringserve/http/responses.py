@@ -49,7 +49,6 @@ from ringserve.http.decide import Refuse, disconnect_policy, finished
 from ringserve.live.hub import Hub, LiveMessage, StreamEnded, request_hash
 from ringserve.logs.memory import store_unavailable
 from ringserve.surfaces.base import Surface
-from ringserve.surfaces.openai import OpenAISurface
 from ringserve.surfaces.responses import (
     RESPONSES,
     ResponseCreate,
@@ -67,9 +66,6 @@ from ringserve.surfaces.responses import (
 
 #: The most responses a ``previous_response_id`` chain may go back.
 MAX_CHAIN = 256
-
-#: The disconnect policy of a foreground response is the Chat Completions one (``[policy] openai``).
-_POLICY_SURFACE = OpenAISurface()
 
 
 @attrs.frozen
@@ -252,7 +248,7 @@ def register_responses(app: Any, kit: RouteKit) -> None:
         create = parse_create(body)
         parsed = generation(hub, create)
         options = create.options
-        policy = disconnect_policy(config.policy, _POLICY_SURFACE, respond_async=options.background,
+        policy = disconnect_policy(config.policy, RESPONSES, respond_async=options.background,
                                    override=request.headers.get("Ringserve-Disconnect-Policy"))
         kit.admit_reader()
         msg, _created = await hub.create(

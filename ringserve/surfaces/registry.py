@@ -6,7 +6,8 @@ surface (:attr:`Surfaces.routes`); a message id maps to the surface that made
 it by its prefix (:meth:`Surfaces.for_message`); any other request (a 404, a
 401, ``/v1/models``) is answered in the error shape that
 :meth:`Surfaces.for_request` finds by path prefix, then by a header only one
-SDK sends. A new surface is one more entry in :data:`SURFACES`.
+SDK sends. A new surface is one more entry in :data:`SURFACES`; its ``[policy]``
+key is its name (:meth:`Surfaces.policy`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Mapping, Set
 
 import attrs
 
+from ringserve.config import PolicyConfig
+from ringserve.core.status import Policy
 from ringserve.surfaces.anthropic import AnthropicSurface
 from ringserve.surfaces.base import Surface
 from ringserve.surfaces.openai import OpenAISurface
@@ -46,6 +49,8 @@ class Surfaces:
         headers: a request header (lower-cased) that only one SDK sends → that surface
             (``anthropic-version``: ``/v1/models`` is read by both SDKs).
         default: the surface of every other request (also outside ``/v1``).
+        policy_like: a surface name → the surface whose ``[policy]`` setting it takes when it
+            has none of its own (:meth:`policy`).
     """
 
     surfaces: tuple[Surface, ...] = attrs.field(validator=_check_prefixes)
@@ -53,6 +58,27 @@ class Surfaces:
     paths: Mapping[str, Surface]
     headers: Mapping[str, Surface]
     default: Surface
+    policy_like: Mapping[str, str] = attrs.Factory(dict)
+
+    def policy(self, policies: PolicyConfig, surface: Surface) -> Policy:
+        """The disconnect policy of ``surface``'s messages: its ``[policy]`` key, else that of the
+        surface :attr:`policy_like` names for it, else ``abort``."""
+        name: str | None = surface.name
+        while name is not None:
+            if name in policies.surfaces:
+                return policies.surfaces[name]
+            name = self.policy_like.get(name)
+        return Policy.ABORT
+
+    def check_policies(self, policies: PolicyConfig) -> None:
+        """Refuse a ``[policy]`` key that names no surface (a typo would else be ignored).
+
+        Raises:
+            ValueError: one line naming the unknown keys.
+        """
+        unknown = sorted(set(policies.surfaces) - {s.name for s in self.surfaces})
+        if unknown:
+            raise ValueError(f"unknown key(s) in [policy]: {', '.join(unknown)}")
 
     def by_name(self, name: str) -> Surface:
         """The surface called ``name`` (the store keeps a message's surface by name).
@@ -102,4 +128,5 @@ SURFACES = Surfaces(
     paths={"/v1/messages": ANTHROPIC, "/v1/responses": RESPONSES},  # POST /v1/responses: http/responses.py
     headers={"anthropic-version": ANTHROPIC},
     default=OPENAI,
+    policy_like={"responses": "openai"},  # a foreground response follows [policy] openai unless [policy] responses
 )

@@ -156,7 +156,7 @@ def test_the_disconnect_policy_header_wins_else_the_surfaces_setting() -> None:
     both = RequestHeaders(prefer=("respond-async",), disconnect_policy="abort")
     assert admitted(headers=both).policy is Policy.ABORT
     assert admitted(headers=RequestHeaders(disconnect_policy="continue")).policy is Policy.CONTINUE
-    config = Config(policy=PolicyConfig(anthropic="abort", openai="continue"))
+    config = Config(policy=PolicyConfig({"anthropic": "abort", "openai": "continue"}))
     assert admitted(config=config).policy is Policy.ABORT
     assert admitted(OPENAI_BODY, config=config, surface=OPENAI).policy is Policy.CONTINUE
     error = refused(headers=RequestHeaders(disconnect_policy="ABORT"))
