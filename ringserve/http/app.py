@@ -37,8 +37,8 @@ from ringserve.http.transport import SendWatchdog
 from ringserve.core import health as core_health
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.limits import ReaderGate
-from ringserve.core.status import FINAL_STATUSES, CancelReason
-from ringserve.store.sqlite import StoredMessage, store_failed
+from ringserve.core.view import MessageView
+from ringserve.store.sqlite import store_failed
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ringserve.metrics import Metrics
 from ringserve.http.responses import RouteKit, register_responses
@@ -57,7 +57,6 @@ from ringserve.http.decide import (
     answer,
     finished,
     parse_body,
-    stored_answer,
 )
 from ringserve.live.hub import Hub, LiveMessage, StreamEnded
 from ringserve.logs.memory import MessageLog, store_unavailable
@@ -65,7 +64,7 @@ from ringserve.logs.reader import ReaderLagged
 from ringserve.surfaces import ringserve as ringserve_json
 from ringserve.surfaces.base import Surface, dumps
 from ringserve.surfaces.registry import ANTHROPIC, SURFACES
-from ringserve.surfaces.ringserve import MessageStatusView, ModelInfo, StreamToken, message_url
+from ringserve.surfaces.ringserve import ModelInfo, StreamToken, message_url
 
 log = logging.getLogger("ringserve")
 
@@ -208,21 +207,15 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
     return Response(dumps(obj), status, headers=headers, content_type="application/json")
 
 
-def message_status_json(msg: LiveMessage | StoredMessage) -> dict[str, Any]:
+def message_status_json(view: MessageView) -> dict[str, Any]:
     """``GET /v1/messages/{id}``: the message's status, text and content blocks (so far, in its
     surface's shape), stop reason and usage (``surfaces/ringserve.py``)."""
-    match msg:
-        case LiveMessage():
-            snap = msg.snapshot()
-            view = MessageStatusView(msg.id, msg.surface, msg.model, msg.created, msg.status, snap.content,
-                                     snap.stop_reason, snap.stop_sequence, snap.usage, snap.error)
-        case StoredMessage():
-            view = MessageStatusView(msg.id, SURFACES.by_name(msg.surface), msg.model, msg.created, msg.status,
-                                     msg.blocks, msg.stop_reason, msg.stop_sequence,
-                                     msg.usage, msg.error)
-        case _:
-            assert_never(msg)
-    return ringserve_json.message_status_json(view)
+    return ringserve_json.message_status_json(view, SURFACES.by_name(view.surface))
+
+
+def object_surface(view: MessageView) -> Surface:
+    """The surface that spells ``view``'s objects: its own, restored with what it echoes."""
+    return SURFACES.by_name(view.surface).restored(view.echo)
 
 
 def _request_headers() -> RequestHeaders:
@@ -326,7 +319,7 @@ async def generate(surface: Surface) -> Response:
         if isinstance(start, Refuse):
             return _error_response(surface, start.error)
         _admit_reader()
-        msg, _created = await hub.create(
+        created = await hub.create(
             surface,
             start.parsed,
             body_hash=start.body_hash,
@@ -336,12 +329,13 @@ async def generate(surface: Surface) -> Response:
         )
     except RingserveError as exc:
         return _error_response(surface, exc)
-    _access().message_id = msg.id
-    return await respond(hub, surface, answer(start, msg))
+    _access().message_id = created.view.id
+    return await respond(hub, surface, answer(start, created.view), created.live)
 
 
-async def respond(hub: Hub, surface: Surface, decision: Decision) -> Response:
-    """The response to a started request's :data:`Decision`: the one map from decisions to responses."""
+async def respond(hub: Hub, surface: Surface, decision: Decision, live: LiveMessage | None = None) -> Response:
+    """The response to a started request's :data:`Decision`: the one map from decisions to responses.
+    ``live`` is the message's handle when it is live here (:class:`StreamLive`, :class:`WaitLive`)."""
     match decision:
         case Refuse():
             return _error_response(surface, decision.error)
@@ -349,7 +343,8 @@ async def respond(hub: Hub, surface: Surface, decision: Decision) -> Response:
             headers = {"Location": message_url(msg.id), "Preference-Applied": RESPOND_ASYNC, "X-Message-Id": msg.id}
             return _json(ringserve_json.accepted_json(msg.status, _stream_token(msg.id)), 202, headers)
         case StreamLive(message=msg):
-            return _sse_response(hub, msg.open_log, None, msg.id)
+            assert live is not None, "a live decision comes with the live message"
+            return _sse_response(hub, live.open_log, None, msg.id)
         case ReplayStored(message=stored):
             try:
                 log_, after = await hub.open_log(stored.id, None)  # GONE once the log expired
@@ -361,13 +356,14 @@ async def respond(hub: Hub, surface: Surface, decision: Decision) -> Response:
                 stored = await hub.settled(stored)  # generated on another replica: wait for its end
             except RingserveError as exc:
                 return _error_response(surface, exc)
-            return await respond(hub, surface, stored_answer(stored))
-        case WaitLive(message=msg):
-            with msg.open_log.reader():  # a reader, so that the abort policy does not fire
-                await msg.done.wait()
-            return await respond(hub, surface, finished(msg))
-        case Answer(result=result):
-            return _json(surface.message_json(result), headers={"X-Message-Id": result.message_id})
+            return await respond(hub, surface, finished(stored))
+        case WaitLive():
+            assert live is not None, "a live decision comes with the live message"
+            with live.open_log.reader():  # a reader, so that the abort policy does not fire
+                await live.done.wait()
+            return await respond(hub, surface, finished(live.view()))
+        case Answer(message=msg):
+            return _json(object_surface(msg).message_json(msg), headers={"X-Message-Id": msg.id})
         case _:
             assert_never(decision)
 
@@ -442,13 +438,7 @@ async def cancel_message(message_id: str) -> Response:
     """``POST /v1/messages/{id}/cancel``: cancel it (here or on its replica), answer its status once ended."""
     try:
         hub = _hub()
-        msg = await hub.find(message_id)
-        if isinstance(msg, LiveMessage):
-            hub.cancel(msg, CancelReason.REQUESTED)
-            await msg.done.wait()
-        elif msg.status not in FINAL_STATUSES:  # another replica generates it
-            msg = await hub.cancel_elsewhere(msg)
-        return _json(message_status_json(msg))
+        return _json(message_status_json(await hub.ended(await hub.find(message_id))))
     except RingserveError as exc:
         return _error_response(request_surface(), exc)
 

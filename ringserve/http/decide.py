@@ -12,12 +12,13 @@ first attempt, Redis, the generation itself) stays in the hub:
    :class:`Start` (the parsed request, its disconnect policy, whether the
    client prefers ``respond-async``). ``Hub.create`` then starts the
    generation, or finds the message an ``Idempotency-Key`` already names.
-2. :func:`answer` takes the :class:`Start` and what ``Hub.create`` returned:
-   :class:`Accepted` (202), :class:`StreamLive` (its log, from the start: a
-   retry replays it), :class:`WaitLive` (then :func:`finished`),
-   :class:`ReplayStored` (the stored log of a finished retry), :class:`Answer`
-   (a stored answer), or :class:`Refuse` (a retry of a message that another
-   replica still generates: 409).
+2. :func:`answer` takes the :class:`Start` and the view of the message
+   ``Hub.create`` started or found (``core/view.py``): :class:`Accepted` (202),
+   :class:`StreamLive` (its log, from the start: a retry replays it),
+   :class:`WaitLive` (then :func:`finished`), :class:`ReplayStored` (the
+   stored log of a finished retry), :class:`WaitStored` (a retry of a message
+   that another replica still generates: wait for its end, then
+   :func:`finished`), or :func:`finished` itself (a stored answer).
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from ringserve.config import Config, PolicyConfig
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.limits import check_request
 from ringserve.core.prefer import parse_prefer
-from ringserve.core.status import CancelReason, MessageStatus, Policy
-from ringserve.store.sqlite import StoredMessage
-from ringserve.live.hub import LiveMessage, request_hash
-from ringserve.surfaces.base import MessageResult, ParsedRequest, Surface
+from ringserve.core.status import MessageStatus, Policy
+from ringserve.core.view import MessageView
+from ringserve.live.hub import request_hash
+from ringserve.surfaces.base import ParsedRequest, Surface
 from ringserve.surfaces.registry import SURFACES
 
 #: The preference (RFC 7240 §4.1) that asks for a 202 and the message's URL instead of the answer.
@@ -89,43 +90,43 @@ class Start:
 class Accepted:
     """202 with the message's URL and a stream token (``Prefer: respond-async``), new or retried."""
 
-    message: LiveMessage | StoredMessage
+    message: MessageView
 
 
 @attrs.frozen
 class StreamLive:
-    """The message's log as SSE from its first event (for a retry: a replay, then live)."""
+    """The live message's log as SSE from its first event (for a retry: a replay, then live)."""
 
-    message: LiveMessage
+    message: MessageView
 
 
 @attrs.frozen
 class WaitLive:
-    """Wait for the message to end (as a reader, so ``abort`` does not fire), then :func:`finished`."""
+    """Wait for the live message to end (as a reader, so ``abort`` does not fire), then :func:`finished`."""
 
-    message: LiveMessage
+    message: MessageView
 
 
 @attrs.frozen
 class ReplayStored:
-    """A streaming retry of a finished message: its log from the start (410 once the log expired)."""
+    """A streaming retry of a message not live here: its log from the start (410 once the log expired)."""
 
-    message: StoredMessage
+    message: MessageView
 
 
 @attrs.frozen
 class WaitStored:
     """A JSON retry of a message another replica is generating: wait for its end (``Hub.settled``),
-    then :func:`stored_answer`."""
+    then :func:`finished`."""
 
-    message: StoredMessage
+    message: MessageView
 
 
 @attrs.frozen
 class Answer:
     """The message as the surface's non-stream JSON."""
 
-    result: MessageResult
+    message: MessageView
 
 
 #: What :func:`answer` (and :func:`finished`) decide.
@@ -208,52 +209,40 @@ def admit(surface: Surface, raw: bytes, headers: RequestHeaders, config: Config,
     )
 
 
-def answer(start: Start, message: LiveMessage | StoredMessage) -> Decision:
-    """What a started request gets, given the message ``Hub.create`` returned.
+def answer(start: Start, message: MessageView) -> Decision:
+    """What a started request gets, given the view of the message ``Hub.create`` started or found.
 
-    ``Hub.create`` returns a live message (new, or a retry of one still
-    generating here) or, for an idempotent retry, the stored one (complete or
-    cancelled; or ``queued``/``generating`` on another replica, which a JSON
-    retry waits for: :class:`WaitStored`): a failed or interrupted one is
-    generated again by ``Hub.create`` itself.
+    ``Hub.create`` gives a live message (new, or a retry of one still
+    generating here) or, for an idempotent retry, the one its key names
+    elsewhere (complete or cancelled; or ``queued``/``generating`` on another
+    replica, which a JSON retry waits for: :class:`WaitStored`): a failed or
+    interrupted one is generated again by ``Hub.create`` itself.
     """
     if start.respond_async:
         return Accepted(message)
-    match message:
-        case LiveMessage():
-            return StreamLive(message) if start.parsed.stream else WaitLive(message)
-        case StoredMessage():
-            if start.parsed.stream:
-                return ReplayStored(message)
-            if not message.status.final:
-                return WaitStored(message)
-            return stored_answer(message)
-        case _:
-            assert_never(message)
+    if message.live:
+        return StreamLive(message) if start.parsed.stream else WaitLive(message)
+    if start.parsed.stream:
+        return ReplayStored(message)
+    if not message.status.final:
+        return WaitStored(message)
+    return finished(message)
 
 
-def stored_answer(message: StoredMessage) -> Answer | Refuse:
-    """The non-stream answer of a stored message that has ended (on another replica, while a retry
+def finished(message: MessageView) -> Answer | Refuse:
+    """The non-stream answer of a message that has ended (here, or on another replica while a retry
     waited for it): complete and cancelled ones are answered; a failed or interrupted one is the
     error its first attempt's client got (:func:`generation_error`); one still ``queued`` or
     ``generating`` (its end was not seen) is a 409 naming its status."""
     match message.status:
         case MessageStatus.COMPLETE | MessageStatus.CANCELLED:
-            return Answer(stored_result(message))
+            return Answer(message)
         case MessageStatus.FAILED | MessageStatus.INTERRUPTED:
             return generation_error(message.error, interrupted=message.status is MessageStatus.INTERRUPTED)
         case MessageStatus.QUEUED | MessageStatus.GENERATING:
             return Refuse(RingserveError(ErrorKind.CONFLICT, f"message {message.id} is {message.status.value}"))
         case _:
             assert_never(message.status)
-
-
-def finished(message: LiveMessage) -> Answer | Refuse:
-    """The non-stream answer of a live message that has ended (``message.done``): complete and
-    cancelled messages are answered; a failed one is :func:`generation_error`."""
-    if message.status in (MessageStatus.FAILED, MessageStatus.INTERRUPTED):
-        return generation_error(message.snapshot().error, interrupted=message.cancel_reason is CancelReason.DRAIN)
-    return Answer(message.result())
 
 
 def generation_error(error: str | None, *, interrupted: bool) -> Refuse:
@@ -263,17 +252,3 @@ def generation_error(error: str | None, *, interrupted: bool) -> Refuse:
     that waited for it, on any replica."""
     kind = ErrorKind.UNAVAILABLE if interrupted else ErrorKind.API_ERROR
     return Refuse(RingserveError(kind, error or "generation failed", retryable=True))
-
-
-def stored_result(message: StoredMessage) -> MessageResult:
-    """A stored message as the non-stream answer needs it."""
-    return MessageResult(
-        message_id=message.id,
-        model=message.model,
-        created=message.created,
-        content=message.blocks,
-        stop_reason=message.stop_reason,
-        stop_sequence=message.stop_sequence,
-        usage=message.usage,
-        cancelled=message.status is MessageStatus.CANCELLED,
-    )

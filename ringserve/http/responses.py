@@ -43,24 +43,20 @@ from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import ChatMessage
 from ringserve.core.limits import check_request
 from ringserve.core.ringlog import format_event_id
-from ringserve.core.status import FINAL_STATUSES, CancelReason, MessageStatus
-from ringserve.store.sqlite import StoredMessage, stored_render
+from ringserve.core.status import FINAL_STATUSES, MessageStatus
+from ringserve.core.view import MessageView
 from ringserve.http.decide import Refuse, disconnect_policy, finished
-from ringserve.live.hub import Hub, LiveMessage, StreamEnded, request_hash
+from ringserve.live.hub import Hub, StreamEnded, request_hash
 from ringserve.logs.memory import store_unavailable
 from ringserve.surfaces.base import Surface
 from ringserve.surfaces.responses import (
     RESPONSES,
     ResponseCreate,
-    ResponseOptions,
     ResponsesSurface,
-    echoed_options,
     history_messages,
     parse_count,
     options_echo,
     parse_create,
-    response_json,
-    status_outcome,
     stored_create,
 )
 
@@ -103,29 +99,9 @@ def _not_found(response_id: str) -> RingserveError:
                           " was deleted, or passed the store's retention ([store] max_age_seconds, max_bytes)")
 
 
-def _options(msg: LiveMessage | StoredMessage) -> ResponseOptions:
-    """What the response's object echoes (defaults when the store kept no request body)."""
-    if isinstance(msg, LiveMessage):
-        surface = msg.surface
-        return surface.options if isinstance(surface, ResponsesSurface) else ResponseOptions()
-    args = stored_render(msg)
-    if args is not None:
-        return echoed_options(args.echo)
-    create = stored_create(msg.request)  # a row written before schema 5
-    return ResponseOptions() if create is None else create.options
-
-
-def response_object(msg: LiveMessage | StoredMessage) -> dict[str, Any]:
+def response_object(msg: MessageView) -> dict[str, Any]:
     """The Response object of a live or stored message (usage once it ended)."""
-    options = _options(msg)
-    if isinstance(msg, LiveMessage):
-        snap = msg.snapshot()
-        blocks, usage, stop_reason, error = snap.content, snap.usage, snap.stop_reason, snap.error
-    else:
-        blocks, usage, stop_reason, error = msg.blocks, msg.usage, msg.stop_reason, msg.error
-    outcome = status_outcome(msg.status, stop_reason, error, options.background)
-    return response_json(msg.id, model=msg.model, created=msg.created, options=options, outcome=outcome,
-                         blocks=blocks, usage=usage if msg.status in FINAL_STATUSES else None)
+    return RESPONSES.restored(msg.echo).message_json(msg)
 
 
 def _history(hub: Hub, previous_id: str) -> tuple[ChatMessage, ...]:
@@ -147,13 +123,13 @@ def _history(hub: Hub, previous_id: str) -> tuple[ChatMessage, ...]:
             raise RingserveError(ErrorKind.NOT_FOUND, f"previous_response_id: {_not_found(next_id)}",
                                  param="previous_response_id")
         try:
-            msg = hub.lookup(next_id)
+            msg = None if hub.live(next_id) is not None else hub.stored(next_id)
         except RingserveError as exc:
             if exc.kind is not ErrorKind.NOT_FOUND:
                 raise
             raise RingserveError(ErrorKind.NOT_FOUND, f"previous_response_id: {_not_found(next_id)}",
                                  param="previous_response_id") from None
-        if isinstance(msg, LiveMessage) or msg.status not in FINAL_STATUSES:
+        if msg is None or msg.status not in FINAL_STATUSES:
             raise invalid(f"previous_response_id: response {next_id} is still in progress",
                           param="previous_response_id")
         create = stored_create(msg.request)
@@ -190,7 +166,7 @@ def register_responses(app: Any, kit: RouteKit) -> None:
 
         return route
 
-    async def find(response_id: str) -> LiveMessage | StoredMessage:
+    async def find(response_id: str) -> MessageView:
         """The live or stored response (``NOT_FOUND`` for an id of another surface)."""
         if not response_id.startswith(RESPONSES.id_prefix):
             raise _not_found(response_id)
@@ -200,7 +176,7 @@ def register_responses(app: Any, kit: RouteKit) -> None:
             if exc.kind is not ErrorKind.NOT_FOUND:
                 raise
             raise _not_found(response_id) from None
-        if (msg.surface if isinstance(msg, StoredMessage) else msg.surface.name) != RESPONSES.name:
+        if msg.surface != RESPONSES.name:
             raise _not_found(response_id)
         return msg
 
@@ -229,15 +205,6 @@ def register_responses(app: Any, kit: RouteKit) -> None:
             raise RingserveError(ErrorKind.NOT_FOUND, f"model {parsed.model[:100]!r} is not served here", param="model")
         return parsed
 
-    async def ended(hub: Hub, msg: LiveMessage | StoredMessage) -> LiveMessage | StoredMessage:
-        """``msg`` once it has ended: cancelled if it still runs here or on another replica."""
-        if isinstance(msg, LiveMessage):
-            hub.cancel(msg, CancelReason.REQUESTED)
-            await msg.done.wait()
-        elif msg.status not in FINAL_STATUSES:  # another replica generates it
-            msg = await hub.cancel_elsewhere(msg)
-        return msg
-
     @app.post("/v1/responses")
     @answering_errors
     async def create_response() -> Response:
@@ -251,31 +218,32 @@ def register_responses(app: Any, kit: RouteKit) -> None:
         policy = disconnect_policy(config.policy, RESPONSES, respond_async=options.background,
                                    override=request.headers.get("Ringserve-Disconnect-Policy"))
         kit.admit_reader()
-        msg, _created = await hub.create(
+        created = await hub.create(
             ResponsesSurface(options), parsed, body_hash=request_hash(raw),
             request_json=raw.decode("utf-8", "replace"), policy=policy,
             idempotency_key=request.headers.get("Idempotency-Key"),
-            echo=options_echo(body, config.store.keep_prompts),
+            echo=options_echo(body, True), kept_echo=options_echo(body, config.store.keep_prompts),
         )
-        kit.note_message(msg.id)
-        headers = {"X-Message-Id": msg.id}
-        if isinstance(msg, StoredMessage):  # an idempotent retry of a finished response
+        view, live = created.view, created.live
+        kit.note_message(view.id)
+        headers = {"X-Message-Id": view.id}
+        if live is None:  # an idempotent retry of a finished response
             if parsed.stream:
-                log_, after = await hub.open_log(msg.id, None)  # GONE once the log expired
-                return kit.sse_response(hub, log_, after, msg.id)
-            return kit.json_response(response_object(msg), 200, headers)
+                log_, after = await hub.open_log(view.id, None)  # GONE once the log expired
+                return kit.sse_response(hub, log_, after, view.id)
+            return kit.json_response(response_object(view), 200, headers)
         if not options.store:
-            kit.on_request_end(lambda: hub.delete_when_done(msg))  # store: false
+            kit.on_request_end(lambda: hub.delete_when_done(live))  # store: false
         if parsed.stream:
-            return kit.sse_response(hub, msg.open_log, None, msg.id)
+            return kit.sse_response(hub, live.open_log, None, view.id)
         if options.background:
-            return kit.json_response(response_object(msg), 200, headers)
-        with msg.open_log.reader():  # a reader, so that the abort policy does not fire
-            await msg.done.wait()
-        ended = finished(msg)  # failed and interrupted are errors, as on the other surfaces
+            return kit.json_response(response_object(view), 200, headers)
+        with live.open_log.reader():  # a reader, so that the abort policy does not fire
+            await live.done.wait()
+        ended = finished(live.view())  # failed and interrupted are errors, as on the other surfaces
         if isinstance(ended, Refuse):
             raise ended.error
-        return kit.json_response(response_object(msg), 200, headers)
+        return kit.json_response(response_object(live.view()), 200, headers)
 
     @app.post("/v1/responses/input_tokens")
     @answering_errors
@@ -322,23 +290,23 @@ def register_responses(app: Any, kit: RouteKit) -> None:
         kit.note_message(response_id)
         hub = kit.hub()
         msg = await find(response_id)
-        # (a stored response whose request was not kept may have been a background one)
-        known = isinstance(msg, LiveMessage) or stored_create(msg.request) is not None
-        if known and not _options(msg).background:
+        # (a response stored before schema 5 whose request was not kept may have been a background one)
+        known = msg.live or msg.echo != ""
+        if known and not RESPONSES.restored(msg.echo).options.background:
             raise invalid(f"response {response_id} was not created with background: true; only background"
                           " responses can be cancelled")
-        if isinstance(msg, StoredMessage) and msg.status is not MessageStatus.CANCELLED and msg.status.final:
+        if not msg.live and msg.status is not MessageStatus.CANCELLED and msg.status.final:
             status = response_object(msg)["status"]
             raise invalid(f"response {response_id} is already {status}; only a queued or in-progress response"
                           " can be cancelled")
-        return kit.json_response(response_object(await ended(hub, msg)), 200)
+        return kit.json_response(response_object(await hub.ended(msg)), 200)
 
     @app.delete("/v1/responses/<response_id>")
     @answering_errors
     async def delete_response(response_id: str) -> Response:
         kit.note_message(response_id)
         hub = kit.hub()
-        await ended(hub, await find(response_id))
+        await hub.ended(await find(response_id))
         hub.store.delete(response_id)
         hub.logs.forget(response_id)
         return kit.json_response({"id": response_id, "object": "response.deleted", "deleted": True}, 200)

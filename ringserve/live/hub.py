@@ -37,6 +37,7 @@ from ringserve.core.producer import Producer, Snapshot, Step, replay
 from ringserve.core.ringlog import Gap, LogState, RingLog, parse_event_id
 from ringserve.core.safety import Check
 from ringserve.core.status import INTERRUPTED_MESSAGE, CancelReason, MessageStatus, Policy
+from ringserve.core.view import MessageView
 from ringserve.engine.runner import Generation, Runner
 from ringserve.store.sqlite import (
     MessageStore,
@@ -52,7 +53,7 @@ from ringserve.metrics import GenerationStatistics, Metrics
 from ringserve.logs.memory import KeyHolder, LogStore, MemoryMessageLog, MessageLog
 from ringserve.logs.reader import tail
 from ringserve.live.safety import SafetyStage
-from ringserve.surfaces.base import MessageResult, ParsedRequest, Surface
+from ringserve.surfaces.base import ParsedRequest, Surface
 from ringserve.surfaces.registry import SURFACES
 
 log = logging.getLogger("ringserve.hub")
@@ -97,7 +98,9 @@ class LiveMessage:
     ``replaces`` is the id of the ``interrupted`` or ``failed`` message whose
     ``Idempotency-Key`` this one takes over. ``unsaved``: its last store write
     failed, so the store holds an older state (``store_failed``: one did,
-    which was logged).
+    which was logged). ``echo`` is what its objects echo while it is live
+    (``Surface.restored``; the store may keep less: no prompt text without
+    ``[store] keep_prompts``).
     """
 
     id: str
@@ -107,6 +110,7 @@ class LiveMessage:
     include_usage: bool
     policy: Policy
     request_hash: str
+    echo: str = ""
     idempotency_key: str | None = None
     replaces: str | None = None
     start_error: RingserveError | None = None
@@ -135,18 +139,26 @@ class LiveMessage:
     def status(self) -> MessageStatus:
         return MessageStatus.QUEUED if self.producer is None else self.producer.status
 
-    def result(self) -> MessageResult:
-        snap = self.snapshot()
-        return MessageResult(
-            message_id=self.id,
-            model=self.model,
-            created=self.created,
-            content=snap.content,
-            stop_reason=snap.stop_reason,
-            stop_sequence=snap.stop_sequence,
-            usage=snap.usage,
-            cancelled=snap.status is MessageStatus.CANCELLED,
+    def view(self) -> MessageView:
+        """Its view now (``core/view.py``): the content released so far, live."""
+        snap = None if self.producer is None else self.producer.snapshot()
+        if snap is None:
+            return MessageView(self.id, self.surface.name, self.model, self.created, MessageStatus.QUEUED,
+                               echo=self.echo, request_hash=self.request_hash, live=True)
+        return MessageView(
+            id=self.id, surface=self.surface.name, model=self.model, created=self.created, status=snap.status,
+            content=snap.content, stop_reason=snap.stop_reason, stop_sequence=snap.stop_sequence, usage=snap.usage,
+            error=snap.error, echo=self.echo, request_hash=self.request_hash, live=True,
         )
+
+
+@attrs.frozen
+class Created:
+    """What ``Hub.create`` gives: the message's view and, when it is live here, its handle (taken
+    with the view, so that a generation that ends at once is still the request's to wait for)."""
+
+    view: MessageView
+    live: LiveMessage | None = None
 
 
 @attrs.define
@@ -188,16 +200,17 @@ def _key_reused() -> RingserveError:
     )
 
 
-def _retry_answer(existing: LiveMessage | StoredMessage, body_hash: str) -> LiveMessage | StoredMessage | None:
+def _retry_answer(existing: MessageView, body_hash: str) -> MessageView | None:
     """What an idempotent retry with ``body_hash`` returns of the message its key names: that
-    message, or ``None`` when it ended ``failed``/``interrupted`` and is generated again.
+    message, or ``None`` when it ended ``failed``/``interrupted`` (not live here) and is generated
+    again.
 
     Raises:
         RingserveError: ``UNPROCESSABLE``: the key was used with another body.
     """
     if existing.request_hash != body_hash:
         raise _key_reused()
-    if isinstance(existing, StoredMessage) and existing.status in REGENERATED_STATUSES:
+    if not existing.live and existing.status in REGENERATED_STATUSES:
         return None
     return existing
 
@@ -282,11 +295,13 @@ class Hub:
         policy: Policy,
         idempotency_key: str | None = None,
         echo: str = "",
-    ) -> tuple[LiveMessage | StoredMessage, bool]:
+        kept_echo: str | None = None,
+    ) -> Created:
         """Start a generation, or find the one an ``Idempotency-Key`` already started.
 
-        ``echo`` is the surface's state that its renderer needs again to rebuild the stream
-        from the store (``Surface.restored``); it is stored whatever ``[store] keep_prompts``.
+        ``echo`` is the surface's state that its objects echo and its renderer needs
+        (``Surface.restored``); ``kept_echo`` (default: ``echo``) is what the store keeps of it, to
+        rebuild the stream from the store, whatever ``[store] keep_prompts``.
 
         A retry with the key of a message that ended ``interrupted`` (a crash
         or a drain) or ``failed`` starts a new generation under a new id, and
@@ -296,8 +311,8 @@ class Hub:
         is still starting wait for it, and get its error if it failed to start.
 
         Returns:
-            ``(message, created)``: ``created`` is False for an idempotent retry,
-            whose message may be live or only stored.
+            The message's view, with its handle when it is live here (an idempotent retry's
+            message may be live, or only stored here or on another replica).
 
         Raises:
             RingserveError: ``UNPROCESSABLE`` (key reused with another body),
@@ -317,7 +332,7 @@ class Hub:
             existing = await self._by_key(idempotency_key)
             if existing is not None:
                 if (answer := _retry_answer(existing, body_hash)) is not None:
-                    return answer, False
+                    return Created(answer, self.live(answer.id))
                 replaces = existing.id
         if self._store_error is not None and trio.current_time() < self._store_retry_at:
             raise store_failed(self._store_error)  # a new row's write is not tried either (see _persist)
@@ -330,6 +345,7 @@ class Hub:
             include_usage=parsed.include_usage,
             policy=policy,
             request_hash=body_hash,
+            echo=echo,
             idempotency_key=idempotency_key,
             replaces=replaces,
         )
@@ -342,7 +358,7 @@ class Hub:
                 claimed = KeyHolder(msg.id, body_hash)  # from the claim's round trip on: it may name msg
                 elsewhere = await self._claim(idempotency_key, msg)
                 if elsewhere is not None:
-                    return elsewhere, False
+                    return Created(elsewhere, self.live(elsewhere.id))
             row = StoredMessage(
                 id=msg.id,
                 surface=surface.name,
@@ -353,7 +369,8 @@ class Hub:
                 request_hash=body_hash,
                 idempotency_key=idempotency_key,
                 input_tokens=len(prepared.prompt_tokens),
-                render=render_json(RenderArgs(parsed.include_usage, self.config.server.retry_ms, echo)),
+                render=render_json(RenderArgs(parsed.include_usage, self.config.server.retry_ms,
+                                              echo if kept_echo is None else kept_echo)),
             )
             await self._nursery.start(self._produce, msg, prepared, row)
         except BaseException as exc:
@@ -371,9 +388,9 @@ class Hub:
             if idempotency_key is not None and msg.log is None:
                 del self._keys[idempotency_key]
             msg.started.set()
-        return msg, True
+        return Created(msg.view(), msg)
 
-    async def _claim(self, key: str, msg: LiveMessage) -> LiveMessage | StoredMessage | None:
+    async def _claim(self, key: str, msg: LiveMessage) -> MessageView | None:
         """Make ``key`` name ``msg`` on every replica (``LogStore.claim_key``), or find what it names.
 
         Another replica's attempt under ``key`` is followed: to its message,
@@ -398,7 +415,7 @@ class Hub:
             if holder.request_hash != msg.request_hash:
                 raise _key_reused()
             try:
-                existing: LiveMessage | StoredMessage | None = await self.find(holder.message_id)
+                existing: MessageView | None = await self.find(holder.message_id)
             except RingserveError as exc:
                 if exc.kind is not ErrorKind.NOT_FOUND:
                     raise
@@ -413,7 +430,7 @@ class Hub:
                 await trio.sleep(KEY_POLL_SECONDS)
         return None
 
-    async def _by_key(self, key: str) -> LiveMessage | StoredMessage | None:
+    async def _by_key(self, key: str) -> MessageView | None:
         """The message ``key`` names once no attempt under it is still starting: live, stored or None.
 
         Raises:
@@ -426,7 +443,10 @@ class Hub:
             if pending.start_error is not None:
                 raise pending.start_error
             # else it started, or was cancelled before it did: look again
-        return self._keys.get(key) or self.store.by_idempotency_key(key)
+        if (live := self._keys.get(key)) is not None:
+            return live.view()
+        stored = self.store.by_idempotency_key(key)
+        return None if stored is None else stored.view()
 
     async def _produce(self, msg: LiveMessage, prepared: Any, row: StoredMessage, *, task_status: Any) -> None:
         stream = self.config.stream
@@ -641,16 +661,14 @@ class Hub:
         write its final state (which is then answered from memory)."""
         return self._live.get(message_id)
 
-    def lookup(self, message_id: str) -> LiveMessage | StoredMessage:
-        """The live message, else the stored one.
+    def stored(self, message_id: str) -> StoredMessage:
+        """The store's row of ``message_id``.
 
         Raises:
-            RingserveError: ``NOT_FOUND`` when no such message exists, or it was
-            deleted by the store's retention (``messages.MessageStore.sweep``).
+            RingserveError: ``NOT_FOUND`` when no such message exists, or it was deleted by the
+            store's retention (``store/sqlite.py`` ``MessageStore.sweep``); ``UNAVAILABLE`` when
+            the store fails to read.
         """
-        msg = self.live(message_id)
-        if msg is not None:
-            return msg
         try:
             stored = self.store.get(message_id)
         except sqlite3.DatabaseError as exc:
@@ -663,7 +681,16 @@ class Hub:
             )
         return stored
 
-    async def find(self, message_id: str) -> LiveMessage | StoredMessage:
+    def lookup(self, message_id: str) -> MessageView:
+        """The message's view: live, else stored.
+
+        Raises:
+            RingserveError: as :meth:`stored`.
+        """
+        msg = self.live(message_id)
+        return msg.view() if msg is not None else self.stored(message_id).view()
+
+    async def find(self, message_id: str) -> MessageView:
         """:meth:`lookup`, else the state another replica wrote (Redis backend: ``LogStore.find_message``).
 
         Raises:
@@ -672,34 +699,49 @@ class Hub:
         """
         try:
             return self.lookup(message_id)
-        except RingserveError:
+        except RingserveError as exc:
+            if exc.kind is not ErrorKind.NOT_FOUND:
+                raise
             shared = await self.logs.find_message(message_id)
             if shared is None:
                 raise
-            return shared
+            return shared.view()
 
-    async def cancel_elsewhere(self, msg: StoredMessage) -> StoredMessage:
-        """Ask the replica generating ``msg`` to cancel it; wait (at most :data:`CANCEL_WAIT_SECONDS`)
-        for its log to end, and return the state it then wrote (``msg`` if none)."""
-        await self.logs.request_cancel(msg.id)
-        return await self.settled(msg, CANCEL_WAIT_SECONDS)
-
-    async def settled(self, msg: StoredMessage, seconds: float = math.inf) -> StoredMessage:
-        """``msg`` as it ended: at once if its status is final, else once its log (generated by another
-        replica) has ended, waiting at most ``seconds`` as a reader of it (so the abort policy counts
-        the wait); the state its owner then wrote (``msg`` if none).
+    async def ended(self, message: MessageView) -> MessageView:
+        """``message`` once it has ended: cancelled (``REQUESTED``) if it still runs, here or on
+        another replica (then the state that replica wrote once its log ended, waiting at most
+        :data:`CANCEL_WAIT_SECONDS`).
 
         Raises:
             RingserveError: ``UNAVAILABLE``: the shared store is unreachable.
         """
-        if msg.status.final:
-            return msg
-        log = await self.logs.find(msg.id)
+        live = self.live(message.id)
+        if live is not None:
+            self.cancel(live, CancelReason.REQUESTED)
+            await live.done.wait()
+            return live.view()
+        if message.status.final:
+            return message
+        await self.logs.request_cancel(message.id)  # another replica generates it
+        return await self.settled(message, CANCEL_WAIT_SECONDS)
+
+    async def settled(self, message: MessageView, seconds: float = math.inf) -> MessageView:
+        """``message`` as it ended: at once if its status is final, else once its log (generated by
+        another replica) has ended, waiting at most ``seconds`` as a reader of it (so the abort
+        policy counts the wait); the state its owner then wrote (``message`` if none).
+
+        Raises:
+            RingserveError: ``UNAVAILABLE``: the shared store is unreachable.
+        """
+        if message.status.final:
+            return message
+        log = await self.logs.find(message.id)
         if log is not None:
             with log.reader(), trio.move_on_after(seconds):
                 while not log.closed:
                     await log.wait_for_entries(log.next_seq - 1 if log.next_seq else None)
-        return await self.logs.find_message(msg.id) or msg
+        shared = await self.logs.find_message(message.id)
+        return message if shared is None else shared.view()
 
     async def open_log(self, message_id: str, last_event_id: str | None) -> tuple[MessageLog, int | None]:
         """The log to resume and the seq to resume after (None: from the start).
@@ -721,10 +763,10 @@ class Hub:
         after = None if last_event_id is None else _resume_after(last_event_id, message_id)
         log = await self.logs.find(message_id, after)  # a replica's copy may first catch up to after
         if log is None or (log.closed and not _holds_from(log, after)):
-            msg = self.lookup(message_id)  # raises NOT_FOUND for an unknown id
-            if after is not None and isinstance(msg, StoredMessage) and msg.final_seq == after:
+            row = None if self.live(message_id) is not None else self.stored(message_id)  # NOT_FOUND: unknown
+            if after is not None and row is not None and row.final_seq == after:
                 raise StreamEnded(message_id)
-            log = self.rebuilt(msg) if isinstance(msg, StoredMessage) else None
+            log = None if row is None else self.rebuilt(row)
             if log is None:
                 raise RingserveError(
                     ErrorKind.GONE,

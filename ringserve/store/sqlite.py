@@ -51,6 +51,7 @@ from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import BlockKind, ContentBlock, StopReason, Usage
 from ringserve.core.producer import Snapshot, Trace
 from ringserve.core.status import FINAL_STATUSES, MessageStatus
+from ringserve.core.view import MessageView
 
 log = logging.getLogger("ringserve.store")
 
@@ -178,6 +179,17 @@ class StoredMessage:
         return tuple(
             ContentBlock(BlockKind(b["kind"]), b["text"], b.get("name", ""), b.get("call_id", ""))
             for b in json.loads(self.content)
+        )
+
+    def view(self) -> MessageView:
+        """The message as its readers see it (not live here). Its echo is the one its renderer was
+        made with; a row written before schema 5 kept none, and its request body stands for it
+        (``Surface.restored`` reads what it echoes from it; "" when prompts are not kept)."""
+        args = stored_render(self)
+        return MessageView(
+            id=self.id, surface=self.surface, model=self.model, created=self.created, status=self.status,
+            content=self.blocks, stop_reason=self.stop_reason, stop_sequence=self.stop_sequence, usage=self.usage,
+            error=self.error, echo=self.request if args is None else args.echo, request_hash=self.request_hash,
         )
 
 

@@ -38,11 +38,11 @@ from ringserve.core.events import (
     Usage,
 )
 from ringserve.core.render import WireEvent
+from ringserve.core.view import MessageView
 from ringserve.surfaces.base import (
     check_enforced,
     CallIds,
     FieldTable,
-    MessageResult,
     ParsedRequest,
     Refused,
     cancelled_fields,
@@ -536,18 +536,18 @@ class AnthropicSurface:
     def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> AnthropicRenderer:
         return AnthropicRenderer(message_id, model)
 
-    def message_json(self, result: MessageResult) -> dict[str, Any]:
+    def message_json(self, view: MessageView) -> dict[str, Any]:
         """The non-stream ``Message`` object."""
         return {
-            "id": result.message_id,
+            "id": view.id,
             "type": "message",
             "role": "assistant",
-            "content": self.content_json(result.content),
-            "model": result.model,
-            "stop_reason": None if result.stop_reason is None else STOP_REASONS[result.stop_reason],
-            "stop_sequence": result.stop_sequence,
-            **cancelled_fields(result.cancelled),
-            "usage": _usage(result.usage),
+            "content": self.content_json(view.content),
+            "model": view.model,
+            "stop_reason": None if view.stop_reason is None else STOP_REASONS[view.stop_reason],
+            "stop_sequence": view.stop_sequence,
+            **cancelled_fields(view.cancelled),
+            "usage": _usage(view.usage),
         }
 
     def content_json(self, blocks: tuple[ContentBlock, ...]) -> list[dict[str, Any]]:

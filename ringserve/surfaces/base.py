@@ -16,7 +16,6 @@ import attrs
 
 from ringserve.core.errors import RingserveError, invalid
 from ringserve.core.events import (
-    BlockKind,
     ContentBlock,
     GenerationRequest,
     OutputFormat,
@@ -26,9 +25,9 @@ from ringserve.core.events import (
     ToolChoice,
     ToolChoiceMode,
     ToolSpec,
-    Usage,
 )
 from ringserve.core.render import Renderer
+from ringserve.core.view import MessageView
 from ringserve.core.schema import check_repeats, check_schema, enforced_schemas
 
 
@@ -101,31 +100,8 @@ def cancelled_fields(cancelled: bool) -> dict[str, bool]:
     return {CANCELLED_KEY: True} if cancelled else {}
 
 
-@attrs.frozen
-class MessageResult:
-    """A finished (or cancelled, or failed) message as the non-stream answer needs it.
-
-    ``stop_reason`` is surface-neutral (the surface spells it); ``cancelled`` marks a message ended
-    by a cancel (its stop reason is then spelled as the surface's plain end of turn).
-    """
-
-    message_id: str
-    model: str
-    created: int
-    content: tuple[ContentBlock, ...]
-    stop_reason: StopReason | None
-    stop_sequence: str | None
-    usage: Usage
-    cancelled: bool = False
-
-    @property
-    def text(self) -> str:
-        """The text of the message's text blocks, joined."""
-        return "".join(b.text for b in self.content if b.kind is BlockKind.TEXT)
-
-
 class Surface(Protocol):
-    """One API dialect (Anthropic Messages or OpenAI Chat Completions)."""
+    """One API dialect (Anthropic Messages, OpenAI Chat Completions, OpenAI Responses)."""
 
     name: str
     id_prefix: str
@@ -139,7 +115,9 @@ class Surface(Protocol):
 
     def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> Renderer: ...
 
-    def message_json(self, result: MessageResult) -> dict[str, Any]: ...
+    def message_json(self, view: MessageView) -> dict[str, Any]:
+        """The surface's object of a message (its non-stream answer, once it ended)."""
+        ...
 
     def content_json(self, blocks: tuple[ContentBlock, ...]) -> Any:
         """A message's content blocks as the surface spells a message's content (``GET``)."""

@@ -32,11 +32,11 @@ from ringserve.core.events import (
     Usage,
 )
 from ringserve.core.render import WireEvent
+from ringserve.core.view import MessageView
 from ringserve.surfaces.base import (
     check_enforced,
     CallIds,
     FieldTable,
-    MessageResult,
     ParsedRequest,
     Refused,
     cancelled_fields,
@@ -443,23 +443,23 @@ class OpenAISurface:
     def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> OpenAIRenderer:
         return OpenAIRenderer(message_id, model, created, include_usage)
 
-    def message_json(self, result: MessageResult) -> dict[str, Any]:
+    def message_json(self, view: MessageView) -> dict[str, Any]:
         """The non-stream ``chat.completion`` object."""
         return {
-            "id": result.message_id,
+            "id": view.id,
             "object": "chat.completion",
-            "created": result.created,
-            "model": result.model,
+            "created": view.created,
+            "model": view.model,
             "choices": [
                 {
                     "index": 0,
-                    "message": self.content_json(result.content),
+                    "message": self.content_json(view.content),
                     "logprobs": None,
-                    "finish_reason": None if result.stop_reason is None else FINISH_REASONS[result.stop_reason],
-                    **cancelled_fields(result.cancelled),
+                    "finish_reason": None if view.stop_reason is None else FINISH_REASONS[view.stop_reason],
+                    **cancelled_fields(view.cancelled),
                 }
             ],
-            "usage": _usage(result.usage),
+            "usage": _usage(view.usage),
         }
 
     def content_json(self, blocks: tuple[ContentBlock, ...]) -> dict[str, Any]:

@@ -64,11 +64,11 @@ from ringserve.core.events import (
 )
 from ringserve.core.status import INTERRUPTED_MESSAGE, MessageStatus
 from ringserve.core.render import WireEvent
+from ringserve.core.view import MessageView
 from ringserve.surfaces.base import (
     check_enforced,
     CallIds,
     FieldTable,
-    MessageResult,
     ParsedRequest,
     Refused,
     arguments_json,
@@ -847,11 +847,12 @@ class ResponsesSurface:
     def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> ResponsesRenderer:
         return ResponsesRenderer(message_id, model, created, self.options)
 
-    def message_json(self, result: MessageResult) -> dict[str, Any]:
-        """The Response object of a message that ended."""
-        outcome = finish_outcome(StopReason.CANCELLED if result.cancelled else result.stop_reason or StopReason.END)
-        return response_json(result.message_id, model=result.model, created=result.created, options=self.options,
-                             outcome=outcome, blocks=result.content, usage=result.usage)
+    def message_json(self, view: MessageView) -> dict[str, Any]:
+        """The Response object of a message, whatever its status (usage once it ended); ``self`` is
+        the surface ``restored`` from the message's echo."""
+        outcome = status_outcome(view.status, view.stop_reason, view.error, self.options.background)
+        return response_json(view.id, model=view.model, created=view.created, options=self.options,
+                             outcome=outcome, blocks=view.content, usage=view.usage if view.status.final else None)
 
     def content_json(self, blocks: tuple[ContentBlock, ...]) -> list[dict[str, Any]]:
         """The message's content (``GET /v1/messages/{id}``): an ``output_text`` part per text

@@ -15,9 +15,9 @@ from typing import Any
 
 import attrs
 
-from ringserve.core.events import BlockKind, ContentBlock, StopReason, Usage
 from ringserve.core.health import Health, Readiness
 from ringserve.core.status import MessageStatus
+from ringserve.core.view import MessageView
 from ringserve.surfaces.base import Surface
 
 #: The ``object`` of a message status body.
@@ -34,30 +34,9 @@ def stream_url(message_id: str) -> str:
     return f"{message_url(message_id)}/stream"
 
 
-@attrs.frozen
-class MessageStatusView:
-    """A message, live or stored, as ``GET /v1/messages/{id}`` shows it.
-
-    ``content`` is its content blocks released so far; ``stop_reason`` is surface-neutral; both
-    are spelled by ``surface``, the surface that made the message.
-    """
-
-    id: str
-    surface: Surface
-    model: str
-    created: int
-    status: MessageStatus
-    content: tuple[ContentBlock, ...]
-    stop_reason: StopReason | None
-    stop_sequence: str | None
-    usage: Usage
-    error: str | None
-
-
-def message_status_json(view: MessageStatusView) -> dict[str, Any]:
+def message_status_json(view: MessageView, surface: Surface) -> dict[str, Any]:
     """``GET /v1/messages/{id}`` (and the cancel answer): status, the text and content blocks so far
-    (``content`` in the message's surface's shape), stop reason, usage."""
-    surface = view.surface
+    (``content`` in the shape of ``surface``, the one that made the message), stop reason, usage."""
     return {
         "id": view.id,
         "object": MESSAGE_OBJECT,
@@ -65,7 +44,7 @@ def message_status_json(view: MessageStatusView) -> dict[str, Any]:
         "model": view.model,
         "created": view.created,
         "status": view.status.value,
-        "text": "".join(b.text for b in view.content if b.kind is BlockKind.TEXT),
+        "text": view.text,
         "content": surface.content_json(view.content),
         "stop_reason": None if view.stop_reason is None else surface.stop_reason(view.stop_reason),
         "stop_sequence": view.stop_sequence,

@@ -21,9 +21,10 @@ from ringserve.core.events import Usage as ServerUsage
 from ringserve.core.sse import encode_event
 from ringserve.core.status import MessageStatus
 from ringserve.surfaces import anthropic, openai, responses
-from ringserve.surfaces.base import CANCELLED_KEY, MessageResult
+from ringserve.core.view import MessageView
+from ringserve.surfaces.base import CANCELLED_KEY
 from ringserve.surfaces.registry import SURFACES
-from ringserve.surfaces.ringserve import MessageStatusView, message_status_json
+from ringserve.surfaces.ringserve import message_status_json
 from tests.support.helpers import rendered
 
 SURFACE_NAMES = [surface.name for surface in SURFACES.surfaces]
@@ -209,9 +210,9 @@ BLOCKS = (ContentBlock(BlockKind.TEXT, "Let me check."), ContentBlock(BlockKind.
 
 @pytest.mark.parametrize("surface", ["anthropic", "openai"])
 def test_the_stored_message_status_with_its_content_in_the_surfaces_shape(surface: str) -> None:
-    view = MessageStatusView(IDS[surface], SURFACES.by_name(surface), "fake", 0, MessageStatus.COMPLETE, BLOCKS,
-                             StopReason.TOOL_USE, None, ServerUsage(7, 12, cached_tokens=3), None)
-    stored = _wires.wire(surface).stored(json.loads(json.dumps(message_status_json(view))))
+    view = MessageView(IDS[surface], surface, "fake", 0, MessageStatus.COMPLETE, BLOCKS,
+                       StopReason.TOOL_USE, None, ServerUsage(7, 12, cached_tokens=3), None)
+    stored = _wires.wire(surface).stored(json.loads(json.dumps(message_status_json(view, SURFACES.by_name(surface)))))
     assert stored == _wires.Stored(
         running=False, text="Let me check.", tool_calls=(ToolCall(CALL_PREFIX[surface] + CALL_A, "get_weather",
                                                                    '{"city":"Paris"}' if surface == "anthropic"
@@ -227,16 +228,17 @@ def test_the_stored_message_status_with_its_content_in_the_surfaces_shape(surfac
 ])
 def test_a_stored_status_says_running_failed_or_ended(status: MessageStatus, running: bool,
                                                       error: tuple[str, str] | None) -> None:
-    view = MessageStatusView(IDS["anthropic"], SURFACES.by_name("anthropic"), "fake", 0, status, BLOCKS[:1], None,
-                             None, ServerUsage(7, 1), "it broke" if status is MessageStatus.FAILED else None)
-    stored = _wires.wire("anthropic").stored(message_status_json(view))
+    view = MessageView(IDS["anthropic"], "anthropic", "fake", 0, status, BLOCKS[:1], None,
+                       None, ServerUsage(7, 1), "it broke" if status is MessageStatus.FAILED else None)
+    stored = _wires.wire("anthropic").stored(message_status_json(view, SURFACES.by_name("anthropic")))
     assert (stored.running, stored.error, stored.cancelled) == (running, error, status is MessageStatus.CANCELLED)
 
 
 @pytest.mark.parametrize("reason", [StopReason.TOOL_USE, StopReason.MAX_TOKENS, StopReason.CANCELLED])
 def test_the_stored_response_object(reason: StopReason) -> None:
-    result = MessageResult(IDS["responses"], "fake", 0, BLOCKS, None if reason is StopReason.CANCELLED else reason,
-                           None, ServerUsage(7, 12, 3), cancelled=reason is StopReason.CANCELLED)
+    status = MessageStatus.CANCELLED if reason is StopReason.CANCELLED else MessageStatus.COMPLETE
+    result = MessageView(IDS["responses"], "responses", "fake", 0, status, BLOCKS,
+                         None if reason is StopReason.CANCELLED else reason, None, ServerUsage(7, 12, 3))
     stored = _wires.wire("responses").stored(responses.RESPONSES.message_json(result))
     assert stored == _wires.Stored(running=False, text="Let me check.", tool_calls=(
         ToolCall("call_" + CALL_A, "get_weather", '{"city": "Paris"}'),), stop_reason=stop_spelling("responses", reason),

@@ -14,6 +14,7 @@ from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import BlockDelta, BlockKind, BlockStart, BlockStop, ContentBlock, Failure, Finish, StopReason, Usage
 from ringserve.core.producer import Producer
 from ringserve.core.status import CancelReason, MessageStatus, Policy
+from ringserve.core.view import MessageView
 from ringserve.store.sqlite import StoredMessage
 from ringserve.live.hub import StreamTimer
 from ringserve.http.decide import (
@@ -30,8 +31,6 @@ from ringserve.http.decide import (
     answer,
     disconnect_policy,
     finished,
-    stored_answer,
-    stored_result,
 )
 from ringserve.live.hub import LiveMessage
 from ringserve.surfaces.registry import ANTHROPIC, OPENAI
@@ -58,9 +57,9 @@ def refused(body: Any = ANTHROPIC_BODY, headers: RequestHeaders = RequestHeaders
     return decision.error
 
 
-def live(*events: Any, **fields: Any) -> LiveMessage:
-    """A live message whose producer has taken ``events`` (a ``CancelReason`` stands for a cancel
-    from outside)."""
+def live(*events: Any, **fields: Any) -> MessageView:
+    """The view of a live message whose producer has taken ``events`` (a ``CancelReason`` stands
+    for a cancel from outside)."""
     msg = LiveMessage(id="msg_1", surface=ANTHROPIC, model=SERVED, created=1700000000, include_usage=False,
                       policy=Policy.ABORT, request_hash="h", timer=StreamTimer(0.0), **fields)
     producer = msg.producer = Producer("msg_1", ANTHROPIC.renderer("msg_1", SERVED, 1700000000, False), Usage(3, 0),
@@ -71,15 +70,15 @@ def live(*events: Any, **fields: Any) -> LiveMessage:
             producer.interrupted(event, Usage(3, 1), 0.0)
         else:
             producer.event(event, Usage(3, 1), 0.0)
-    return msg
+    return msg.view()
 
 
 TEXT = (BlockStart(0, BlockKind.TEXT), BlockDelta(0, "he", 1), BlockDelta(0, "llo", 1), BlockStop(0))
 
 
-def stored(status: MessageStatus, **fields: Any) -> StoredMessage:
+def stored(status: MessageStatus, **fields: Any) -> MessageView:
     return StoredMessage(id="msg_2", surface="anthropic", model=SERVED, created=1700000001, status=status,
-                         request="{}", request_hash="h", **fields)
+                         request="{}", request_hash="h", **fields).view()
 
 
 # -- admit ------------------------------------------------------------------------------------
@@ -205,12 +204,12 @@ def test_a_retry_of_a_finished_message_gets_the_stored_answer() -> None:
                      input_tokens=5, output_tokens=2)
     decision = answer(started(stream=False), message)
     assert isinstance(decision, Answer)
-    result = decision.result
-    assert (result.message_id, result.model, result.created) == ("msg_2", SERVED, 1700000001)
+    result = decision.message
+    assert (result.id, result.model, result.created) == ("msg_2", SERVED, 1700000001)
     assert result.content == (ContentBlock(BlockKind.TEXT, "hi"),)  # a row from before schema 4: its text
     assert (result.stop_reason, result.stop_sequence, result.usage) == (StopReason.STOP_SEQUENCE, "\n", Usage(5, 2))
     assert not result.cancelled
-    assert stored_result(stored(MessageStatus.CANCELLED)).cancelled
+    assert stored(MessageStatus.CANCELLED).cancelled
 
 
 def test_a_json_retry_of_a_message_still_generating_elsewhere_waits_for_its_end() -> None:
@@ -228,16 +227,16 @@ def test_a_stored_message_that_ended_failed_or_interrupted_elsewhere_is_the_erro
     ]
     for status, first in cases:
         owner = finished(first)
-        decision = stored_answer(stored(status, error=first.snapshot().error))
+        decision = finished(stored(status, error=first.error))
         assert isinstance(owner, Refuse) and isinstance(decision, Refuse)
         seen = [(d.error.kind, d.error.status, d.error.message, d.error.retryable) for d in (decision, owner)]
         assert seen[0] == seen[1] and seen[0][1] in (500, 503), seen
     for status in (MessageStatus.QUEUED, MessageStatus.GENERATING):  # its end was never seen
-        decision = stored_answer(stored(status))
+        decision = finished(stored(status))
         assert isinstance(decision, Refuse)
         assert decision.error.kind is ErrorKind.CONFLICT and decision.error.status == 409
         assert decision.error.message == f"message msg_2 is {status.value}"
-    assert stored_answer(stored(MessageStatus.COMPLETE)) == Answer(stored_result(stored(MessageStatus.COMPLETE)))
+    assert finished(stored(MessageStatus.COMPLETE)) == Answer(stored(MessageStatus.COMPLETE))
 
 
 # -- finished ---------------------------------------------------------------------------------
@@ -246,10 +245,10 @@ def test_a_stored_message_that_ended_failed_or_interrupted_elsewhere_is_the_erro
 def test_a_finished_live_message_is_answered() -> None:
     decision = finished(live(*TEXT, Finish(StopReason.END, Usage(3, 4))))
     assert isinstance(decision, Answer)
-    result = decision.result
+    result = decision.message
     assert (result.text, result.stop_reason, result.usage, result.cancelled) == ("hello", StopReason.END, Usage(3, 4), False)
     cancelled = finished(live(*TEXT, CancelReason.REQUESTED))
-    assert isinstance(cancelled, Answer) and cancelled.result.cancelled and cancelled.result.text == "hello"
+    assert isinstance(cancelled, Answer) and cancelled.message.cancelled and cancelled.message.text == "hello"
 
 
 def test_a_failed_or_interrupted_live_message_is_a_retryable_error() -> None:

@@ -60,7 +60,7 @@ async def test_concurrent_retries_of_an_attempt_that_fails_to_start_all_get_its_
         busy = None
         if not too_long:  # one generation holds the only slot, nothing may queue
             busy = (await client.post(path, json=body_for(path, "occupy"), headers=ASYNC)).json()["id"]
-            await wait_until(lambda: state.hub.live(busy).result().text)
+            await wait_until(lambda: state.hub.live(busy).view().text)
         # 60 bytes of text pass the byte bound; with the template they are 69 tokens, over the 64 of a slot
         body = body_for(path, "x" * 60 if too_long else "go", stream=stream, max_tokens=8)
         armed.set()
@@ -99,7 +99,7 @@ async def first_attempt_cut_by_drain(config, path: str, body: dict) -> tuple[str
                 answers.append(await post(client, url, body))
 
             nursery.start_soon(attempt, state.urls[0] + path)
-            await wait_until(lambda: any(m.result().text for m in state.hub._live.values()))
+            await wait_until(lambda: any(m.view().text for m in state.hub._live.values()))
             (message_id,) = state.hub._live
         # leaving the server's block drained it; the answer came during the drain
     status, _, answer = answers[0]
@@ -126,7 +126,7 @@ async def test_a_retry_after_a_crash_or_drain_generates_the_message_again_under_
         async with running_server(config, step_seconds=0.01) as state, \
                 httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
             old = (await client.post(path, json=body, headers={**KEY, **ASYNC})).json()["id"]
-            await wait_until(lambda: state.hub.live(old).result().text)
+            await wait_until(lambda: state.hub.live(old).view().text)
         store = MessageStore(config.store.path)
         store.update(old, status="generating")  # what kill -9 leaves behind
         store.close()
@@ -169,7 +169,7 @@ async def test_failed_messages_are_generated_again_and_cancelled_ones_returned_a
             body = body_for(path, LONG_TEXT, stream=stream)
             headers = {"Idempotency-Key": f"cancelled-{stream}"}
             cancelled = (await client.post(path, json=body, headers={**headers, **ASYNC})).json()["id"]
-            await wait_until(lambda: state.hub.live(cancelled).result().text)
+            await wait_until(lambda: state.hub.live(cancelled).view().text)
             await client.post(f"/v1/messages/{cancelled}/cancel")
             prompt_tokens = state.hub.runner.statistics().prompt_tokens_total
             if stream:

@@ -182,7 +182,7 @@ async def test_explicit_cancel_ends_every_reader_with_a_terminal_event(tmp_path)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reader)
             nursery.start_soon(reader)
-            await wait_until(lambda: state.hub.live(created["id"]).result().text)
+            await wait_until(lambda: state.hub.live(created["id"]).view().text)
             answer = await client.post(f"/v1/messages/{created['id']}/cancel")
         assert answer.status_code == 200
         assert answer.json()["status"] == "cancelled"
@@ -272,7 +272,7 @@ async def test_restart_marks_generating_messages_interrupted(tmp_path):
     async with running_server(config, step_seconds=0.01) as state, \
             httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
         created = (await client.post("/v1/messages", headers=ASYNC, json=body_for("/v1/messages", LONG_TEXT))).json()
-        await wait_until(lambda: state.hub.live(created["id"]).result().text)
+        await wait_until(lambda: state.hub.live(created["id"]).view().text)
         # simulate a crash: the row stays "generating" in the file while a new process starts
         crashed = MessageStore(config.store.path)
         assert crashed.get(created["id"]).status == "generating"

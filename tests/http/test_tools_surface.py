@@ -43,7 +43,9 @@ from ringserve.core.ringlog import format_event_id
 from ringserve.core.sse import SSEParser, encode_event
 from ringserve.surfaces.anthropic import AnthropicSurface
 from ringserve.core.render import render
-from ringserve.surfaces.base import MAX_TOOLS, MessageResult, dumps
+from ringserve.core.status import MessageStatus
+from ringserve.core.view import MessageView
+from ringserve.surfaces.base import MAX_TOOLS, dumps
 from ringserve.surfaces.openai import OpenAISurface
 from tests.support.conformance import check_answer, check_stream, stream_bytes
 from tests.support.server import fake_config, running_server
@@ -590,8 +592,9 @@ def collected(events: list[Any]) -> tuple[ContentBlock, ...]:
 
 def answer(surface: str, events: list[Any]) -> httpx.Response:
     finish = events[-1]
-    result = MessageResult(MSG[surface], "m", 1700000000, collected(events), finish.stop_reason, None, finish.usage)
-    return httpx.Response(200, json=SURFACES[surface].message_json(result))
+    view = MessageView(MSG[surface], surface, "m", 1700000000, MessageStatus.COMPLETE, collected(events),
+                       finish.stop_reason, None, finish.usage)
+    return httpx.Response(200, json=SURFACES[surface].message_json(view))
 
 
 def calls(seen) -> list[tuple[str, Any]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
+from ringserve.core.view import MessageView
 from ringserve.core.events import BlockKind, ContentBlock, StopReason, Usage
 from ringserve.core.health import Health, Readiness, health, readiness
 from ringserve.core.status import MessageStatus
@@ -83,16 +84,16 @@ def test_ids_and_names_must_not_overlap() -> None:
 
 def test_message_status_json_spells_content_and_stop_reason_in_the_message_surface() -> None:
     blocks = (ContentBlock(BlockKind.TEXT, "h"), ContentBlock(BlockKind.TEXT, "i"))
-    view = wire.MessageStatusView("chatcmpl-1", OPENAI, "m", 17, MessageStatus.COMPLETE, blocks, StopReason.MAX_TOKENS,
-                                  None, Usage(3, 2), None)
-    assert wire.message_status_json(view) == {
+    view = MessageView("chatcmpl-1", "openai", "m", 17, MessageStatus.COMPLETE, blocks, StopReason.MAX_TOKENS,
+                       None, Usage(3, 2), None)
+    assert wire.message_status_json(view, OPENAI) == {
         "id": "chatcmpl-1", "object": "ringserve.message", "surface": "openai", "model": "m", "created": 17,
         "status": "complete", "text": "hi", "content": {"role": "assistant", "content": "hi", "refusal": None},
         "stop_reason": "length", "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 2},
         "error": None, "stream_url": "/v1/messages/chatcmpl-1/stream",
     }
-    queued = attrs.evolve(view, surface=ANTHROPIC, status=MessageStatus.QUEUED, stop_reason=None)
-    body = wire.message_status_json(queued)
+    queued = attrs.evolve(view, surface="anthropic", status=MessageStatus.QUEUED, stop_reason=None)
+    body = wire.message_status_json(queued, ANTHROPIC)
     assert body["stop_reason"] is None
     assert body["content"] == [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
 
