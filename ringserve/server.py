@@ -12,7 +12,8 @@ import hypercorn.trio
 from hypercorn.typing import ASGIFramework
 import trio
 
-from ringserve.http.app import ServerState, create_app
+from ringserve.http.app import create_app
+from ringserve.http.context import ServerState
 from ringserve.http.auth import Authenticator, check_bind
 from ringserve.config import Config, decode_threads, overlap_steps
 from ringserve.http.transport import HypercornConfig, isolate_connection_faults

@@ -24,13 +24,15 @@ first attempt, Redis, the generation itself) stays in the hub:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any, assert_never
 
 import attrs
 
 from ringserve.config import Config, PolicyConfig
-from ringserve.core.errors import ErrorKind, RingserveError
+from ringserve.core.errors import ErrorKind, RingserveError, invalid
+from ringserve.core.events import ChatMessage
 from ringserve.core.limits import check_request
 from ringserve.core.prefer import parse_prefer
 from ringserve.core.status import MessageStatus, Policy
@@ -124,7 +126,8 @@ class WaitStored:
 
 @attrs.frozen
 class Answer:
-    """The message as the surface's non-stream JSON."""
+    """The message as the surface's non-stream JSON (its object: a ``background`` request's at once,
+    whatever its status)."""
 
     message: MessageView
 
@@ -152,19 +155,38 @@ def disconnect_policy(policies: PolicyConfig, surface: Surface, *, respond_async
     return SURFACES.policy(policies, surface)
 
 
-def parse_body(parse: Callable[[Any], ParsedRequest], raw: bytes, config: Config, model_id: str) -> ParsedRequest:
-    """The request in ``raw``, parsed by ``parse`` (``Surface.parse_request``, or Anthropic's
-    ``parse_count_tokens``) and within ``[limits]`` and ``[model] strict_model_name``.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A JSON escape of a UTF-16 surrogate: only a body holding one can hold a lone surrogate."""
+
+
+def parse_json(raw: bytes, *, refuse_lone_surrogates: bool = False) -> Any:
+    """The JSON value of a request body.
 
     Raises:
-        RingserveError: ``INVALID_REQUEST`` (not JSON, not a valid request, over a limit) or
-            ``NOT_FOUND`` (a model that is not served, with ``strict_model_name``).
+        RingserveError: ``INVALID_REQUEST``: not JSON; or, with ``refuse_lone_surrogates``
+            (``Surface.refuses_lone_surrogates``), a body holding a lone surrogate, which UTF-8
+            cannot encode.
     """
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise RingserveError(ErrorKind.INVALID_REQUEST, f"request body is not valid JSON: {exc}") from None
-    parsed = parse(body)
+    if refuse_lone_surrogates and _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise invalid("request body holds a lone surrogate (a \\uD800-\\uDFFF escape that is not"
+                          " half of a pair), which UTF-8 cannot encode") from None
+    return body
+
+
+def checked(parsed: ParsedRequest, config: Config, model_id: str) -> ParsedRequest:
+    """``parsed``, once it is within ``[limits]`` and ``[model] strict_model_name``.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` (over a limit) or ``NOT_FOUND`` (a model that is not
+            served, with ``strict_model_name``).
+    """
     limits = config.limits
     check_request(parsed.request, max_messages=limits.max_messages, max_text_chars=limits.max_message_chars)
     if config.model.strict_model_name and parsed.model and parsed.model != model_id:
@@ -172,14 +194,43 @@ def parse_body(parse: Callable[[Any], ParsedRequest], raw: bytes, config: Config
     return parsed
 
 
+def parse_body(surface: Surface, parse: Callable[[Any], ParsedRequest], raw: bytes, config: Config,
+               model_id: str) -> ParsedRequest:
+    """The request in ``raw``, parsed by ``parse`` (``surface``'s ``parse_request`` or
+    ``parse_count``) and :func:`checked`; a request that continues a stored conversation is
+    checked once that is in it (:func:`continued`).
+
+    Raises:
+        RingserveError: as :func:`parse_json`, ``parse`` and :func:`checked`.
+    """
+    parsed = parse(parse_json(raw, refuse_lone_surrogates=surface.refuses_lone_surrogates))
+    return parsed if parsed.continues is not None else checked(parsed, config, model_id)
+
+
+def continued(parsed: ParsedRequest, history: tuple[ChatMessage, ...], config: Config, model_id: str) -> ParsedRequest:
+    """A request that continues a stored conversation, with ``history`` (its conversation, read by
+    ``parsed.continues.history``) in it, then :func:`checked`.
+
+    Raises:
+        RingserveError: the request does not fit the conversation (an answer to no call of it), or
+            as :func:`checked`.
+    """
+    assert parsed.continues is not None, "the request continues no conversation"
+    return checked(parsed.continues.apply(history), config, model_id)
+
+
 def admit(surface: Surface, raw: bytes, headers: RequestHeaders, config: Config, model_id: str) -> Start | Refuse:
     """Decide whether a generation request may start, and how.
 
-    Checks, in order: the body is JSON and a valid request of ``surface``
-    (``Surface.parse_request``); ``[limits]`` ``max_messages`` and
-    ``max_message_chars`` (``core/limits.py``); with ``[model]
-    strict_model_name``, a ``model`` other than ``model_id`` is a 404; a
-    malformed ``Ringserve-Disconnect-Policy`` is a 400.
+    Checks, in order: the body is JSON (and, on a surface that echoes request fields, holds no
+    lone surrogate) and a valid request of ``surface`` (``Surface.parse_request``); ``[limits]``
+    ``max_messages`` and ``max_message_chars`` (``core/limits.py``); with ``[model]
+    strict_model_name``, a ``model`` other than ``model_id`` is a 404 (both once the stored
+    conversation a request continues is in it: :func:`continued`); a malformed
+    ``Ringserve-Disconnect-Policy`` is a 400.
+
+    ``Prefer: respond-async`` (on a surface that takes it) and the request's own ``background``
+    make the disconnect policy ``continue``.
 
     Args:
         surface: the route's surface.
@@ -192,17 +243,17 @@ def admit(surface: Surface, raw: bytes, headers: RequestHeaders, config: Config,
         :class:`Start`, or :class:`Refuse` with the first failed check's error.
     """
     try:
-        parsed = parse_body(surface.parse_request, raw, config, model_id)
-        respond_async = RESPOND_ASYNC in parse_prefer(",".join(headers.prefer))
+        parsed = parse_body(surface, surface.parse_request, raw, config, model_id)
+        prefer = surface.prefer_respond_async and RESPOND_ASYNC in parse_prefer(",".join(headers.prefer))
         policy = disconnect_policy(
-            config.policy, surface, respond_async=respond_async, override=headers.disconnect_policy
+            config.policy, surface, respond_async=prefer or parsed.background, override=headers.disconnect_policy
         )
     except RingserveError as exc:
         return Refuse(exc)
     return Start(
         parsed=parsed,
         policy=policy,
-        respond_async=respond_async,
+        respond_async=prefer,
         idempotency_key=headers.idempotency_key,
         body_hash=request_hash(raw),
         request_json=raw.decode("utf-8", "replace"),
@@ -220,6 +271,8 @@ def answer(start: Start, message: MessageView) -> Decision:
     """
     if start.respond_async:
         return Accepted(message)
+    if start.parsed.background and not start.parsed.stream:
+        return Answer(message)  # the object at once, whatever its status
     if message.live:
         return StreamLive(message) if start.parsed.stream else WaitLive(message)
     if start.parsed.stream:

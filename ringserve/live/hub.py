@@ -294,14 +294,12 @@ class Hub:
         request_json: str,
         policy: Policy,
         idempotency_key: str | None = None,
-        echo: str = "",
-        kept_echo: str | None = None,
     ) -> Created:
         """Start a generation, or find the one an ``Idempotency-Key`` already started.
 
-        ``echo`` is the surface's state that its objects echo and its renderer needs
-        (``Surface.restored``); ``kept_echo`` (default: ``echo``) is what the store keeps of it, to
-        rebuild the stream from the store, whatever ``[store] keep_prompts``.
+        The message is rendered by ``surface.restored(parsed.echo)`` (a surface with state of its
+        own renders with the request's); the store keeps that echo (without prompt text unless
+        ``[store] keep_prompts``), to rebuild the stream and answer its objects once it ended.
 
         A retry with the key of a message that ended ``interrupted`` (a crash
         or a drain) or ``failed`` starts a new generation under a new id, and
@@ -339,13 +337,13 @@ class Hub:
         model = self.runner.model_id
         msg = LiveMessage(
             id=f"{surface.id_prefix}{secrets.token_hex(12)}",
-            surface=surface,
+            surface=surface.restored(parsed.echo),
             model=model,
             created=int(time.time()),
             include_usage=parsed.include_usage,
             policy=policy,
             request_hash=body_hash,
-            echo=echo,
+            echo=parsed.echo,
             idempotency_key=idempotency_key,
             replaces=replaces,
         )
@@ -370,7 +368,8 @@ class Hub:
                 idempotency_key=idempotency_key,
                 input_tokens=len(prepared.prompt_tokens),
                 render=render_json(RenderArgs(parsed.include_usage, self.config.server.retry_ms,
-                                              echo if kept_echo is None else kept_echo)),
+                                              parsed.echo if self.config.store.keep_prompts
+                                              else parsed.echo_without_prompts)),
             )
             await self._nursery.start(self._produce, msg, prepared, row)
         except BaseException as exc:
@@ -680,6 +679,25 @@ class Hub:
                 " retention time ([store] max_age_seconds, max_bytes)",
             )
         return stored
+
+    def stored_request(self, message_id: str) -> tuple[MessageView, str] | None:
+        """A stored message's view and its request body as received ("" when prompts are not kept),
+        None when the store has no such message (``surfaces/base.py`` ``LoadStored``). It reads the
+        store without Trio, so it may run on a worker thread.
+
+        Raises:
+            RingserveError: ``UNAVAILABLE`` when the store fails to read.
+        """
+        try:
+            stored = self.store.get(message_id)
+        except sqlite3.DatabaseError as exc:
+            raise store_failed(exc) from None
+        return None if stored is None else (stored.view(), stored.request)
+
+    def delete(self, message_id: str) -> None:
+        """Delete a message that has ended: its stored row and its log (``DELETE /v1/responses/{id}``)."""
+        self.store.delete(message_id)
+        self.logs.forget(message_id)
 
     def lookup(self, message_id: str) -> MessageView:
         """The message's view: live, else stored.

@@ -471,6 +471,8 @@ class AnthropicSurface:
 
     name = "anthropic"
     id_prefix = "msg_"
+    prefer_respond_async = True
+    refuses_lone_surrogates = False
 
     def restored(self, echo: str) -> AnthropicSurface:
         """Itself: it keeps no state of its own (``echo`` is "")."""
@@ -515,7 +517,7 @@ class AnthropicSurface:
         )
         return ParsedRequest(request=request, stream=get_bool(body, "stream"), model=model)
 
-    def parse_count_tokens(self, body: Any) -> ParsedRequest:
+    def parse_count(self, body: Any) -> ParsedRequest:
         """Validate a ``POST /v1/messages/count_tokens`` body (:data:`COUNT_TOKENS_FIELDS`).
 
         The conversation is read as :meth:`parse_request` reads it (system
@@ -529,7 +531,7 @@ class AnthropicSurface:
         COUNT_TOKENS_FIELDS.check(body)
         return ParsedRequest(request=conversation(body), stream=False, model=get_str(body, "model", required=True))
 
-    def count_tokens_json(self, input_tokens: int) -> dict[str, int]:
+    def count_json(self, input_tokens: int) -> dict[str, Any]:
         """The ``POST /v1/messages/count_tokens`` answer (``anthropic.types.MessageTokensCount``)."""
         return {"input_tokens": input_tokens}
 

@@ -16,6 +16,7 @@ import attrs
 
 from ringserve.core.errors import RingserveError, invalid
 from ringserve.core.events import (
+    ChatMessage,
     ContentBlock,
     GenerationRequest,
     OutputFormat,
@@ -71,6 +72,11 @@ def json_template(build: Callable[[str], Any]) -> Callable[[str], str]:
     return fill
 
 
+#: ``load(message_id)``: a stored message's view and its request body as received ("" when
+#: ``[store] keep_prompts`` is false), or None when the store has no such message.
+LoadStored = Callable[[str], tuple[MessageView, str] | None]
+
+
 @attrs.frozen
 class ParsedRequest:
     """A surface request after validation.
@@ -80,12 +86,50 @@ class ParsedRequest:
         stream: whether the client asked for an SSE stream.
         model: the model name the client sent (may be empty).
         include_usage: OpenAI ``stream_options.include_usage``.
+        background: the request runs on without a reader (policy ``continue``), and one that does
+            not stream is answered at once with the message's object (the Responses API's
+            ``background``).
+        store: False when the message is deleted once generated (the Responses API's ``store:
+            false``).
+        echo: the surface's own state, which the message's objects echo (``Surface.restored``;
+            "" for a surface with none).
+        echo_without_prompts: ``echo`` without prompt text, what the store keeps of it when
+            ``[store] keep_prompts`` is false.
+        continues: the stored conversation the request continues, still to be put into
+            ``request`` (:class:`Continuation`); None for a request whole as it is.
     """
 
     request: GenerationRequest
     stream: bool
     model: str = ""
     include_usage: bool = False
+    background: bool = False
+    store: bool = True
+    echo: str = ""
+    echo_without_prompts: str = ""
+    continues: Continuation | None = None
+
+
+@attrs.frozen(eq=False)
+class Continuation:
+    """A request that continues the conversation of a stored message (the Responses API's
+    ``previous_response_id``).
+
+    Attributes:
+        previous_id: the stored message it continues.
+        history: ``(load, max_bytes) -> turns``: the conversation so far, oldest first, read with
+            ``load`` (it blocks: the shell runs it on a worker thread), the stored bodies it reads
+            at most ``max_bytes`` in all.
+
+            Raises ``RingserveError`` in the surface's terms (an unknown or unfinished message, a
+            conversation too long).
+        apply: ``turns -> ParsedRequest``: the request with that conversation in it (``continues``
+            None); raises ``RingserveError`` when the request does not fit it.
+    """
+
+    previous_id: str
+    history: Callable[[LoadStored, int], tuple[ChatMessage, ...]]
+    apply: Callable[[tuple[ChatMessage, ...]], ParsedRequest]
 
 
 #: ringserve's extension key, next to the stop reason of a cancelled message on both surfaces:
@@ -101,10 +145,21 @@ def cancelled_fields(cancelled: bool) -> dict[str, bool]:
 
 
 class Surface(Protocol):
-    """One API dialect (Anthropic Messages, OpenAI Chat Completions, OpenAI Responses)."""
+    """One API dialect (Anthropic Messages, OpenAI Chat Completions, OpenAI Responses).
+
+    Attributes:
+        name: its name: the store keeps a message's surface by it, and its ``[policy]`` key.
+        id_prefix: the start of its messages' ids (no other surface's starts with it).
+        prefer_respond_async: it takes ringserve's ``Prefer: respond-async`` (a 202 with the
+            message's URL); the Responses API has its own ``background`` instead.
+        refuses_lone_surrogates: its objects echo request fields, which the store keeps as UTF-8
+            text: a body holding a lone surrogate is a 400 before it is parsed.
+    """
 
     name: str
     id_prefix: str
+    prefer_respond_async: bool
+    refuses_lone_surrogates: bool
 
     def parse_request(self, body: Any) -> ParsedRequest: ...
 
@@ -130,6 +185,18 @@ class Surface(Protocol):
         ...
 
     def error_json(self, error: RingserveError) -> dict[str, Any]: ...
+
+
+class Counting(Surface, Protocol):
+    """A surface with a route that counts a request's prompt tokens without generating."""
+
+    def parse_count(self, body: Any) -> ParsedRequest:
+        """A counting request's body, as the generation request whose prompt it counts."""
+        ...
+
+    def count_json(self, input_tokens: int) -> dict[str, Any]:
+        """The counting route's answer."""
+        ...
 
 
 # -- validation helpers shared by both parsers ----------------------------------------------

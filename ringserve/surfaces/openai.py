@@ -362,6 +362,8 @@ class OpenAISurface:
 
     name = "openai"
     id_prefix = "chatcmpl-"
+    prefer_respond_async = True
+    refuses_lone_surrogates = False
 
     def restored(self, echo: str) -> OpenAISurface:
         """Itself: it keeps no state of its own (``echo`` is "")."""

@@ -19,7 +19,7 @@ import attrs
 from ringserve.config import PolicyConfig
 from ringserve.core.status import Policy
 from ringserve.surfaces.anthropic import AnthropicSurface
-from ringserve.surfaces.base import Surface
+from ringserve.surfaces.base import Counting, Surface
 from ringserve.surfaces.openai import OpenAISurface
 from ringserve.surfaces.responses import RESPONSES
 
@@ -49,6 +49,7 @@ class Surfaces:
         headers: a request header (lower-cased) that only one SDK sends → that surface
             (``anthropic-version``: ``/v1/models`` is read by both SDKs).
         default: the surface of every other request (also outside ``/v1``).
+        counts: ``POST`` path → the surface whose prompt tokens that route counts.
         policy_like: a surface name → the surface whose ``[policy]`` setting it takes when it
             has none of its own (:meth:`policy`).
     """
@@ -58,6 +59,7 @@ class Surfaces:
     paths: Mapping[str, Surface]
     headers: Mapping[str, Surface]
     default: Surface
+    counts: Mapping[str, Counting] = attrs.Factory(dict)
     policy_like: Mapping[str, str] = attrs.Factory(dict)
 
     def policy(self, policies: PolicyConfig, surface: Surface) -> Policy:
@@ -124,9 +126,10 @@ OPENAI = OpenAISurface()
 #: The surfaces this server speaks.
 SURFACES = Surfaces(
     surfaces=(ANTHROPIC, OPENAI, RESPONSES),
-    routes={"/v1/messages": ANTHROPIC, "/v1/chat/completions": OPENAI},
-    paths={"/v1/messages": ANTHROPIC, "/v1/responses": RESPONSES},  # POST /v1/responses: http/responses.py
+    routes={"/v1/messages": ANTHROPIC, "/v1/chat/completions": OPENAI, "/v1/responses": RESPONSES},
+    paths={"/v1/messages": ANTHROPIC, "/v1/responses": RESPONSES},
     headers={"anthropic-version": ANTHROPIC},
     default=OPENAI,
+    counts={"/v1/messages/count_tokens": ANTHROPIC, "/v1/responses/input_tokens": RESPONSES},
     policy_like={"responses": "openai"},  # a foreground response follows [policy] openai unless [policy] responses
 )

@@ -37,6 +37,7 @@ HTTP errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, assert_never
 
@@ -68,6 +69,8 @@ from ringserve.core.view import MessageView
 from ringserve.surfaces.base import (
     check_enforced,
     CallIds,
+    Continuation,
+    LoadStored,
     FieldTable,
     ParsedRequest,
     Refused,
@@ -530,6 +533,119 @@ def stored_create(request_json: str) -> ResponseCreate | None:
         return None
 
 
+#: The most responses a ``previous_response_id`` chain may go back.
+MAX_CHAIN = 256
+
+
+def parsed_request(create: ResponseCreate, body: dict[str, Any]) -> ParsedRequest:
+    """A parsed create (or count) as the surface-neutral request: ``background``, ``store`` and
+    the echo (the body but its ``input``: :func:`options_echo`) as its fields, and a
+    ``previous_response_id`` as its :class:`~ringserve.surfaces.base.Continuation`."""
+    options = create.options
+    parsed = attrs.evolve(create.parsed, background=options.background, store=options.store,
+                          echo=options_echo(body, True), echo_without_prompts=options_echo(body, False))
+    previous = options.previous_response_id
+    if previous is None:
+        return attrs.evolve(parsed, request=create.generation().request)
+
+    def apply(history: tuple[ChatMessage, ...]) -> ParsedRequest:
+        return attrs.evolve(parsed, request=create.generation(history).request)
+
+    return attrs.evolve(parsed, continues=Continuation(previous, functools.partial(conversation, previous), apply))
+
+
+def not_found(response_id: str) -> RingserveError:
+    """OpenAI's 404 for an unknown response (``Response with id '...' not found.``), with why."""
+    return RingserveError(ErrorKind.NOT_FOUND, f"Response with id {response_id[:80]!r} not found: the id is unknown,"
+                          " was deleted, or passed the store's retention ([store] max_age_seconds, max_bytes)")
+
+
+def conversation(previous_id: str, load: LoadStored, max_bytes: int) -> tuple[ChatMessage, ...]:
+    """The conversation a ``previous_response_id`` continues: oldest response first, each with its
+    input turns and its output (not its ``instructions``, as OpenAI documents). It blocks (``load``
+    reads the store): the shell runs it on a worker thread.
+
+    Args:
+        previous_id: the response continued.
+        load: reads a stored response (:data:`~ringserve.surfaces.base.LoadStored`).
+        max_bytes: the most bytes of stored request bodies and outputs the chain may hold in all
+            (``server.max_body_bytes``, the bound of one request body).
+
+    Raises:
+        RingserveError: ``NOT_FOUND`` (an unknown id), ``INVALID_REQUEST`` (a response still in
+        progress, or whose request was not kept; a chain longer than :data:`MAX_CHAIN`, or a loop,
+        or larger than ``max_bytes``; an output that ends in the middle of a function call).
+    """
+    turns: list[tuple[ChatMessage, ...]] = []
+    seen: set[str] = set()
+    size = 0
+    next_id: str | None = previous_id
+    while next_id is not None:
+        if next_id in seen or len(seen) >= MAX_CHAIN:
+            raise invalid(f"previous_response_id: the chain of previous responses is longer than {MAX_CHAIN}",
+                          param="previous_response_id")
+        seen.add(next_id)
+        stored = load(next_id) if next_id.startswith(ResponsesSurface.id_prefix) else None
+        if stored is None:
+            raise RingserveError(ErrorKind.NOT_FOUND, f"previous_response_id: {not_found(next_id)}",
+                                 param="previous_response_id")
+        view, request_json = stored
+        if not view.status.final:
+            raise invalid(f"previous_response_id: response {next_id} is still in progress",
+                          param="previous_response_id")
+        size += len(request_json) + sum(len(b.text) for b in view.content)
+        if size > max_bytes:
+            raise invalid(f"previous_response_id: the conversation of the previous responses is larger than"
+                          f" server.max_body_bytes ({max_bytes} bytes)", param="previous_response_id")
+        create = stored_create(request_json)
+        if create is None:
+            raise invalid(f"previous_response_id: the input of {next_id} is not kept ([store] keep_prompts = false)",
+                          param="previous_response_id")
+        turns.append(create.input + history_messages(view.content, next_id))
+        next_id = create.options.previous_response_id
+    return tuple(m for turn in reversed(turns) for m in turn)
+
+
+def starting_after(raw: str | None) -> int | None:
+    """The ``starting_after`` query parameter of a resume: the last ``sequence_number`` seen.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` unless it is a non-negative integer.
+    """
+    if raw is None:
+        return None
+    if not raw.isascii() or not raw.isdigit():
+        raise invalid(f"starting_after: must be a non-negative integer, got {raw[:40]!r}", param="starting_after")
+    return int(raw)
+
+
+def resume_error(error: RingserveError, response_id: str, starting_after: int | None) -> RingserveError:
+    """A resume's error as the Responses routes spell it: an event never sent named by
+    ``starting_after`` (None: the resume named none, or ``Last-Event-ID`` won), and a log that
+    expired pointing at the response's own route."""
+    if error.kind is ErrorKind.INVALID_REQUEST and starting_after is not None:
+        return invalid(f"starting_after: no event {starting_after} was sent in this stream", param="starting_after")
+    if error.kind is ErrorKind.GONE:  # a row written before schema 5, or a live log longer than the ring
+        return RingserveError(ErrorKind.GONE, f"the event log of {response_id} has expired or left the ring;"
+                              f" GET /v1/responses/{response_id} has the response")
+    return error
+
+
+def cancel_refusal(view: MessageView) -> RingserveError | None:
+    """Why the response of ``view`` cannot be cancelled (None: it can): only a background response
+    that is queued or in progress (or was cancelled: the same object again) can."""
+    # (a response stored before schema 5 whose request was not kept may have been a background one)
+    known = view.live or view.echo != ""
+    if known and not echoed_options(view.echo).background:
+        return invalid(f"response {view.id} was not created with background: true; only background"
+                       " responses can be cancelled")
+    if not view.live and view.status is not MessageStatus.CANCELLED and view.status.final:
+        status = status_outcome(view.status, view.stop_reason, view.error, background=True).status
+        return invalid(f"response {view.id} is already {status}; only a queued or in-progress response"
+                       " can be cancelled")
+    return None
+
+
 # -- the Response object ---------------------------------------------------------------------
 
 
@@ -823,15 +939,17 @@ class ResponsesRenderer:
 
 
 class ResponsesSurface:
-    """The OpenAI Responses API: one instance per request carries what its objects echo.
+    """The OpenAI Responses API: one instance per message carries what its objects echo.
 
-    The module's :data:`RESPONSES` (default options) answers errors and stored responses;
-    ``http/responses.py`` makes one with a request's :class:`ResponseOptions` for ``Hub.create``,
-    so the hub's producer renders with them.
+    The module's :data:`RESPONSES` (default options) parses requests and answers errors; the
+    hub and the routes take the one :meth:`restored` from a message's echo, which renders its
+    stream and spells its objects with the message's own :class:`ResponseOptions`.
     """
 
     name = "responses"
     id_prefix = "resp_"
+    prefer_respond_async = False  # background: true instead
+    refuses_lone_surrogates = True  # the object echoes request fields
 
     def __init__(self, options: ResponseOptions = ResponseOptions()) -> None:
         self.options = options
@@ -841,8 +959,20 @@ class ResponsesSurface:
         return ResponsesSurface(echoed_options(echo))
 
     def parse_request(self, body: Any) -> ParsedRequest:
-        """:func:`parse_create` without a previous response's conversation."""
-        return parse_create(body).generation()
+        """A ``POST /v1/responses`` body (:func:`parse_create`, then :func:`parsed_request`)."""
+        return parsed_request(parse_create(body), body)
+
+    def parse_count(self, body: Any) -> ParsedRequest:
+        """A ``POST /v1/responses/input_tokens`` body (:func:`parse_count`, then :func:`parsed_request`)."""
+        return parsed_request(parse_count(body), body)
+
+    def count_json(self, input_tokens: int) -> dict[str, Any]:
+        """The ``POST /v1/responses/input_tokens`` answer (``openai.types.responses.InputTokenCountResponse``)."""
+        return {"object": "response.input_tokens", "input_tokens": input_tokens}
+
+    def deleted_json(self, response_id: str) -> dict[str, Any]:
+        """The ``DELETE /v1/responses/{id}`` answer, as OpenAI's API gives it."""
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> ResponsesRenderer:
         return ResponsesRenderer(message_id, model, created, self.options)

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from ringserve.http.app import message_status_json
+from ringserve.http.messages import message_status_json
 from ringserve.config import Config
 from ringserve.core.sse import SSEParser
 from tests.support.server import fake_config, running_server

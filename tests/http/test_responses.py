@@ -9,6 +9,7 @@ against ``openai.types.responses.ResponseStreamEvent``; every object against
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,23 @@ async def test_background_stream_read_to_10_then_resume_after_10(slow_server):
     _resp, raw = await stream_bytes(client, "GET", f"/v1/responses/{response_id}", params={"stream": "true"},
                             headers={"Last-Event-ID": f"{response_id}:10"})
     assert check_stream(raw, first=11).text == tail
+
+
+async def test_a_responses_resume_counts_in_the_resume_metric(fake_server):
+    """``GET /v1/responses/{id}?stream=true`` is a resume, counted in ``ringserve_resumes_total`` by its
+    result as ``GET /v1/messages/{id}/stream`` is: ok, ended (204) and rejected (an event never sent)."""
+    _state, client = fake_server
+    rid = check_object(await client.post("/v1/responses", json={"model": "any", "input": "hello"}))["id"]
+    _resp, raw = await stream_bytes(client, "GET", f"/v1/responses/{rid}", params={"stream": "true"})
+    last = SSEParser().feed(raw)[-1].id
+    ended = await client.get(f"/v1/responses/{rid}", params={"stream": "true"}, headers={"Last-Event-ID": last})
+    assert ended.status_code == 204
+    check_error(await client.get(f"/v1/responses/{rid}", params={"stream": "true", "starting_after": "9999"}), 400,
+                "starting_after")
+    metrics = (await client.get("/metrics")).text
+    counted = {result: float(re.search(rf'^ringserve_resumes_total{{result="{result}"}} (\S+)$', metrics, re.M)[1])
+               for result in ("ok", "ended", "rejected")}
+    assert counted == {"ok": 1, "ended": 1, "rejected": 1}
 
 
 async def test_curl_follows_a_background_response(slow_server):

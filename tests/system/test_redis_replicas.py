@@ -316,6 +316,32 @@ async def test_idempotent_retries_through_b_follow_the_message_a_generates(tmp_p
             assert again_id == new_id and again == blocks  # the key names the new message now
 
 
+async def test_a_json_retry_through_b_of_a_response_generating_on_a_waits_for_its_end(tmp_path):
+    """The Responses API follows the one idempotent-retry rule: a JSON retry of a response that
+    another replica still generates waits for its end and answers the finished object (it was
+    answered at once, ``in_progress``)."""
+    # 300 tokens of 10 ms: the first attempt is live on A for about 3 s
+    with two_replicas(tmp_path, {"piece_bytes": 2, "step_seconds": 0.01}, reply_bytes=600) as (a, b):
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"model": "any", "input": "hello", "max_output_tokens": 400}
+            key = {"Idempotency-Key": "k-response"}
+            answers: dict[str, httpx.Response] = {}
+
+            async def first() -> None:
+                answers["a"] = await client.post(f"{a.url}/v1/responses", json=body, headers=key)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(first)
+                with trio.fail_after(30):
+                    while not _metric((await client.get(f"{a.url}/metrics")).text, "ringserve_active_generations"):
+                        await trio.sleep(0.02)
+                answers["b"] = await client.post(f"{b.url}/v1/responses", json=body, headers=key)
+            on_a, on_b = answers["a"].json(), answers["b"].json()
+            assert answers["b"].status_code == 200 and on_b["id"] == on_a["id"], on_b
+            assert on_a["status"] == on_b["status"] == "completed"
+            assert on_b["output"] == on_a["output"] and on_b["output"][0]["content"][0]["text"] != ""
+
+
 @pytest.mark.model
 async def test_a_real_model_stream_generated_on_a_resumes_on_b_byte_for_byte(tmp_path):
     redis = RedisServer(tmp_path)

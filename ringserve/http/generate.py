@@ -1,0 +1,133 @@
+"""The one generation path: ``POST`` on any surface's generation or counting route.
+
+:func:`generate` serves every route of ``SURFACES.routes`` (``/v1/messages``,
+``/v1/chat/completions``, ``/v1/responses``): :func:`~ringserve.http.decide.admit`
+decides from the body and the headers, the stored conversation a request
+continues is read off the event loop (:func:`history`), ``Hub.create`` starts
+the generation or finds the one its ``Idempotency-Key`` names, and
+:func:`respond` maps :func:`~ringserve.http.decide.answer`'s decision to the
+response. What differs between surfaces is in the surface (its parse, its
+objects, whether it takes ``Prefer: respond-async``), never in a branch here.
+:func:`count_tokens` serves ``SURFACES.counts`` the same way.
+"""
+
+from __future__ import annotations
+
+from typing import assert_never
+
+import attrs
+import trio
+from quart import Response
+
+from ringserve.core.errors import RingserveError
+from ringserve.core.events import ChatMessage
+from ringserve.http import context
+from ringserve.http.context import error_response, json_response, object_surface
+from ringserve.http.decide import (
+    RESPOND_ASYNC,
+    Accepted,
+    Answer,
+    Decision,
+    Refuse,
+    ReplayStored,
+    StreamLive,
+    WaitLive,
+    WaitStored,
+    admit,
+    answer,
+    continued,
+    finished,
+    parse_body,
+)
+from ringserve.live.hub import Hub, LiveMessage
+from ringserve.logs.memory import store_unavailable
+from ringserve.surfaces import ringserve as ringserve_json
+from ringserve.surfaces.base import Continuation, Counting, ParsedRequest, Surface
+from ringserve.surfaces.ringserve import message_url
+
+
+async def history(hub: Hub, continuation: Continuation) -> tuple[ChatMessage, ...]:
+    """The stored conversation a request continues, read on a worker thread (the stored bodies it
+    parses may be many and large), bounded by ``server.max_body_bytes`` in all."""
+    max_bytes = context.state().config.server.max_body_bytes
+    return await trio.to_thread.run_sync(continuation.history, hub.stored_request, max_bytes)
+
+
+async def _whole(hub: Hub, parsed: ParsedRequest) -> ParsedRequest:
+    """``parsed`` with the conversation it continues in it (``decide.continued``), or as it is."""
+    if parsed.continues is None:
+        return parsed
+    config = context.state().config
+    return continued(parsed, await history(hub, parsed.continues), config, context.state().model_id)
+
+
+async def generate(surface: Surface) -> Response:
+    """``POST`` on ``surface``'s generation route: ``admit``, ``Hub.create``, then :func:`respond`."""
+    state = context.state()
+    try:
+        hub = context.hub()
+        if not hub.logs.available:
+            raise store_unavailable()
+        start = admit(surface, await context.body(), context.request_headers(), state.config, state.model_id)
+        if isinstance(start, Refuse):
+            return error_response(surface, start.error)
+        start = attrs.evolve(start, parsed=await _whole(hub, start.parsed))
+        context.admit_reader()
+        created = await hub.create(surface, start.parsed, body_hash=start.body_hash, request_json=start.request_json,
+                                   policy=start.policy, idempotency_key=start.idempotency_key)
+    except RingserveError as exc:
+        return error_response(surface, exc)
+    live = created.live
+    context.access().message_id = created.view.id
+    if not start.parsed.store and live is not None:
+        context.on_request_end(lambda: hub.delete_when_done(live))  # deleted once generated, read or not
+    return await respond(hub, surface, answer(start, created.view), live)
+
+
+async def respond(hub: Hub, surface: Surface, decision: Decision, live: LiveMessage | None = None) -> Response:
+    """The response to a started request's :data:`Decision`: the one map from decisions to responses.
+    ``live`` is the message's handle when it is live here (:class:`StreamLive`, :class:`WaitLive`)."""
+    match decision:
+        case Refuse():
+            return error_response(surface, decision.error)
+        case Accepted(message=msg):
+            headers = {"Location": message_url(msg.id), "Preference-Applied": RESPOND_ASYNC, "X-Message-Id": msg.id}
+            return json_response(ringserve_json.accepted_json(msg.status, context.stream_token(msg.id)), 202, headers)
+        case StreamLive(message=msg):
+            assert live is not None, "a live decision comes with the live message"
+            return context.sse_response(hub, live.open_log, None, msg.id)
+        case ReplayStored(message=stored):
+            try:
+                log, after = await hub.open_log(stored.id, None)  # GONE once the log expired
+            except RingserveError as exc:
+                return error_response(surface, exc)
+            return context.sse_response(hub, log, after, stored.id)
+        case WaitStored(message=stored):
+            try:
+                stored = await hub.settled(stored)  # generated on another replica: wait for its end
+            except RingserveError as exc:
+                return error_response(surface, exc)
+            return await respond(hub, surface, finished(stored))
+        case WaitLive():
+            assert live is not None, "a live decision comes with the live message"
+            with live.open_log.reader():  # a reader, so that the abort policy does not fire
+                await live.done.wait()
+            return await respond(hub, surface, finished(live.view()))
+        case Answer(message=msg):
+            return json_response(object_surface(msg).message_json(msg), headers={"X-Message-Id": msg.id})
+        case _:
+            assert_never(decision)
+
+
+async def count_tokens(surface: Counting) -> Response:
+    """``POST`` on ``surface``'s counting route: the prompt the same generation request would be
+    given, in tokens (system prompt, tools and output format included; its usage's ``input_tokens``).
+    Nothing is generated; a prompt that cannot fit a slot is the same 400 as there."""
+    state = context.state()
+    try:
+        hub = context.hub()
+        parsed = parse_body(surface, surface.parse_count, await context.body(), state.config, state.model_id)
+        prepared = await hub.runner.prepare((await _whole(hub, parsed)).request)
+    except RingserveError as exc:
+        return error_response(surface, exc)
+    return json_response(surface.count_json(len(prepared.prompt_tokens)))
