@@ -20,16 +20,12 @@ from ringserve.http.transport import HypercornConfig, isolate_connection_faults
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.protocol import Engine, EngineError
 from ringserve.engine.runner import Runner
-from ringserve.core.errors import ErrorKind
-from ringserve.core.events import Failure
-from ringserve.core.ringlog import format_event_id
 from ringserve.core.signals import ECHO_SECONDS, EchoFilter
-from ringserve.core.sse import encode_event
-from ringserve.store.sqlite import MessageStore, StoredMessage, run_retention
+from ringserve.store.sqlite import MessageStore, run_retention
 from ringserve.core.status import CancelReason
-from ringserve.live.hub import Hub
 from ringserve.live.safety import SafetyStage
 from ringserve.surfaces.registry import SURFACES
+from ringserve.live.hub import Hub, owner_lost_entries
 from ringserve.logs.memory import LogStore, MemoryLogStore
 
 log = logging.getLogger("ringserve")
@@ -98,16 +94,7 @@ def _relay_to(hub: Hub, logs: LogStore) -> None:
 
     assert isinstance(logs, RedisLogStore), "only the Redis backend relays between replicas"
     logs.on_cancel = lambda message_id: _cancel_live(hub, message_id)
-    logs.on_owner_lost = _owner_lost_entries
-
-
-def _owner_lost_entries(stored: StoredMessage, seq: int) -> list[bytes]:
-    """The retryable in-band error that ends a stream whose owning replica died, from entry ``seq`` on."""
-    from ringserve.logs.redis import OWNER_LOST_MESSAGE
-
-    failure = Failure(ErrorKind.UNAVAILABLE, OWNER_LOST_MESSAGE, stored.usage, True)
-    events = SURFACES.by_name(stored.surface).renderer(stored.id, stored.model, stored.created, False).fail(failure)
-    return [encode_event(ev.data, event=ev.event, id=format_event_id(stored.id, seq + i)) for i, ev in enumerate(events)]
+    logs.on_owner_lost = owner_lost_entries
 
 
 def _cancel_live(hub: Hub, message_id: str) -> None:

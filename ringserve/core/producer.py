@@ -201,6 +201,11 @@ class Producer:
         """The seq of the last entry produced (-1 before :meth:`start`)."""
         return self._seq - 1
 
+    def continue_at(self, seq: int) -> None:
+        """Number the next entries from ``seq``: the log they go to holds entries this producer did
+        not make (:func:`replay` of a message whose owner died after its last snapshot)."""
+        self._seq = seq
+
     def snapshot(self) -> Snapshot:
         """The message's state as the store should hold it now."""
         return Snapshot(self.status, self.content, self.usage, self.stop_reason, self.stop_sequence, self.error,
@@ -385,8 +390,8 @@ class Producer:
         out = []
         for ev in wire:
             retry, self.retry_ms = self.retry_ms, None  # the reconnection hint rides on the first entry
-            out.append(encode_event(ev.data, event=ev.event, id=format_event_id(self.message_id, self._seq),
-                                    retry=retry))
+            event_id = format_event_id(self.message_id, self._seq)
+            out.append(encode_event(ev.text(self._seq), event=ev.event, id=event_id, retry=retry))
             self._seq += 1
         return tuple(out)
 
@@ -422,6 +427,8 @@ def replay(
     trace: Trace,
     terminal: Finish | Failure | None,
     retry_ms: int | None,
+    *,
+    terminal_seq: int | None = None,
 ) -> tuple[bytes, ...]:
     """A message's log entries rendered again from its stored state: the same seqs and bytes as
     the producer that made the ``trace`` appended, when ``renderer``, ``usage`` (before
@@ -429,6 +436,11 @@ def replay(
 
     A producer with no coalescing window and no safety stage is driven with the trace's
     events, one delta per op, then ``terminal`` (None: the entries so far, no end).
+
+    With ``terminal_seq``, only ``terminal``'s entries are returned, numbered from
+    ``terminal_seq``: the end of a log that holds more than the trace (its producer died after
+    its last snapshot; ``live/resume.py`` ``owner_lost_entries``). They render what the trace
+    holds (the response object of a Responses failure: the stored output).
 
     Raises:
         ValueError: the trace does not fit ``blocks`` (a block or text it does not have).
@@ -453,6 +465,9 @@ def replay(
                 raise ValueError(f"the trace cuts {op} characters past the text of block {index}")
             event, offset = BlockDelta(index, text, 1), offset + op
         entries += producer.event(event, usage, 0.0).entries
+    if terminal_seq is not None:
+        producer.continue_at(terminal_seq)
+        entries = []
     if terminal is not None:
         entries += producer.event(terminal, terminal.usage, 0.0).entries
     return tuple(entries)

@@ -7,6 +7,7 @@ event's bytes.
 
 from __future__ import annotations
 
+import json
 from typing import Protocol, assert_never
 
 import attrs
@@ -14,12 +15,28 @@ import attrs
 from ringserve.core.events import BlockDelta, BlockStart, BlockStop, Failure, Finish, GenerationEvent, Usage
 
 
+SEQ_VALUE = "\x00ringserve seq\x00"
+"""What a renderer puts where a ``numbered`` :class:`WireEvent`'s seq goes (its JSON is replaced by
+the number; it comes before any text of the event, which is then never taken for it)."""
+_SEQ_JSON = json.dumps(SEQ_VALUE)
+
+
 @attrs.frozen
 class WireEvent:
-    """One SSE event before encoding: optional event name and its data line(s)."""
+    """One SSE event before encoding: optional event name and its data line(s).
+
+    ``numbered``: the data holds the JSON of :data:`SEQ_VALUE` where the event's seq (its number
+    in the message's log) goes, for a format that numbers its events in their data (the Responses
+    API's ``sequence_number``): the producer, which counts the seqs, fills it in (:meth:`text`).
+    """
 
     data: str
     event: str | None = None
+    numbered: bool = False
+
+    def text(self, seq: int) -> str:
+        """The data of the event with seq ``seq``."""
+        return self.data.replace(_SEQ_JSON, str(seq), 1) if self.numbered else self.data
 
 
 class Renderer(Protocol):

@@ -33,7 +33,7 @@ import trio
 from ringserve.config import Config
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import Failure, Finish, StopReason, Usage
-from ringserve.core.producer import Producer, Snapshot, Step, replay
+from ringserve.core.producer import Producer, Snapshot, Step, Trace, replay
 from ringserve.core.ringlog import Gap, LogState, RingLog, parse_event_id
 from ringserve.core.safety import Check
 from ringserve.core.status import INTERRUPTED_MESSAGE, CancelReason, MessageStatus, Policy
@@ -232,6 +232,30 @@ def _holds_from(log: MessageLog, after: int | None) -> bool:
         return not isinstance(log.read_from(after, limit=0), Gap)
     except ValueError:
         return True
+
+
+def owner_lost_entries(stored: StoredMessage, seq: int) -> list[bytes]:
+    """The end of a stream whose owning replica died, from entry ``seq`` on (``logs/redis.py``
+    writes them into the stream): the retryable in-band failure the producer renders after the
+    stored state (``core/producer.py`` :func:`replay` with the stored trace), so it carries the
+    message's own fields (a Responses object's options, its output so far) and its seqs follow
+    the log's (a Response event's ``sequence_number`` too)."""
+    from ringserve.logs.redis import OWNER_LOST_MESSAGE
+
+    failure = Failure(ErrorKind.UNAVAILABLE, OWNER_LOST_MESSAGE, stored.usage, True)
+    args = stored_render(stored) or RenderArgs(include_usage=False, retry_ms=None)
+    renderer = SURFACES.by_name(stored.surface).restored(args.echo).renderer(
+        stored.id, stored.model, stored.created, args.include_usage)
+    start = Usage(stored.input_tokens, 0)
+    try:
+        entries = replay(stored.id, renderer, start, stored.blocks, stored_trace(stored) or Trace(()), failure,
+                         args.retry_ms, terminal_seq=seq)
+    except ValueError:  # a trace that does not fit its text: the failure alone
+        log.exception("the stored trace of message %s does not fit its text", stored.id)
+        renderer = SURFACES.by_name(stored.surface).restored(args.echo).renderer(
+            stored.id, stored.model, stored.created, args.include_usage)
+        entries = replay(stored.id, renderer, start, (), Trace(()), failure, args.retry_ms, terminal_seq=seq)
+    return list(entries)
 
 
 class StreamEnded(Exception):

@@ -5,9 +5,9 @@ Shapes follow the official ``openai`` SDK's types (3.57): the request is
 ``openai.types.responses.Response``, and every stream event is one of
 ``openai.types.responses.ResponseStreamEvent``. A stream is ``event: <type>``
 plus data JSON with the same ``type`` and a ``sequence_number`` equal to the
-event's seq in the message's ring log (the hub appends every wire event a
-renderer returns, in order, from seq 0, so the renderer counts them; the hub
-puts ``id: <response_id>:<seq>`` on every event). No ``[DONE]``.
+event's seq in the message's ring log (the renderer leaves it to the producer,
+``core/producer.py``, which counts the seqs and puts ``id: <response_id>:<seq>``
+on every event). No ``[DONE]``.
 
 A text answer streams as::
 
@@ -64,7 +64,7 @@ from ringserve.core.events import (
     Usage,
 )
 from ringserve.core.status import INTERRUPTED_MESSAGE, MessageStatus
-from ringserve.core.render import WireEvent
+from ringserve.core.render import SEQ_VALUE, WireEvent
 from ringserve.core.view import MessageView
 from ringserve.surfaces.base import (
     check_enforced,
@@ -834,7 +834,8 @@ def response_json(
 
 
 class ResponsesRenderer:
-    """Renders one response's events as typed Responses stream events, counting their seqs.
+    """Renders one response's events as typed Responses stream events (``numbered``: the producer
+    puts each one's seq in its ``sequence_number``).
 
     Each content block is an output item (``output_index`` = the block's index): a text block a
     message item with one ``output_text`` part, a tool call a ``function_call`` item whose
@@ -845,15 +846,14 @@ class ResponsesRenderer:
 
     def __init__(self, response_id: str, model: str, created: int, options: ResponseOptions) -> None:
         self._id, self._model, self._created, self._options = response_id, model, created, options
-        self._seq = 0
         self._starts: list[BlockStart] = []  # each block's start
         self._items: list[list[str]] = []  # the text (or argument fragments) of each block
         self._open: int | None = None  # a block started and not stopped
         self._stopped: int | None = None  # a stopped block whose done events are due
 
     def _event(self, type_: str, **fields: Any) -> WireEvent:
-        seq, self._seq = self._seq, self._seq + 1
-        return WireEvent(dumps({"type": type_, "sequence_number": seq, **fields}), event=type_)
+        """An event whose ``sequence_number`` is its seq, which the producer fills in (``numbered``)."""
+        return WireEvent(dumps({"type": type_, "sequence_number": SEQ_VALUE, **fields}), event=type_, numbered=True)
 
     def _block(self, index: int) -> ContentBlock:
         start = self._starts[index]

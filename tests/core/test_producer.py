@@ -246,3 +246,47 @@ def test_replay_of_a_trace_that_does_not_fit_the_text_is_a_value_error():
         replay("m_1", RecordingRenderer(), USAGE, (ContentBlock(BlockKind.TEXT, "ab"),), Trace((0, 3, -1)), None, None)
     with pytest.raises(ValueError, match="starts block 1"):
         replay("m_1", RecordingRenderer(), USAGE, (ContentBlock(BlockKind.TEXT, "ab"),), Trace((0, -1, 0)), None, None)
+
+
+def test_a_numbered_event_carries_the_producers_seq_in_its_data():
+    """One counter: a format that numbers its events in their data (the Responses API's
+    ``sequence_number``) gets the producer's seq, the one in the event's id."""
+    import json
+
+    from ringserve.surfaces.responses import RESPONSES
+
+    p = Producer("resp_1", RESPONSES.renderer("resp_1", "model", 7, False), USAGE, flush_seconds=0.0,
+                 flush_tokens=1, persist_seconds=1e9)
+    entries = list(p.start().entries)
+    for event in (TEXT, BlockDelta(0, "a", 1), BlockDelta(0, "b", 1), BlockStop(0), Finish(StopReason.END, USAGE)):
+        entries += p.event(event, USAGE, 0.0).entries
+    events = [e for entry in entries for e in SSEParser().feed(entry)]
+    assert [json.loads(e.data)["sequence_number"] for e in events] == [int(e.id.rsplit(":", 1)[1]) for e in events]
+    assert len(events) > 5
+
+
+def test_replay_with_a_terminal_seq_numbers_the_end_after_a_log_that_holds_more_than_the_trace():
+    """The end of a log whose producer died after its last snapshot (``live/resume.py``
+    ``owner_lost_entries``): only the terminal entries, from the seq the log reached, rendered
+    after the stored trace (a Response object's output is the stored text)."""
+    import json
+
+    from ringserve.surfaces.responses import ResponseOptions, ResponsesSurface
+
+    surface = ResponsesSurface(ResponseOptions(metadata={"k": "v"}, background=True))
+    p = Producer("resp_1", surface.renderer("resp_1", "model", 7, False), USAGE, flush_seconds=0.0, flush_tokens=1,
+                 persist_seconds=1e9)
+    p.start()
+    for event in (TEXT, BlockDelta(0, "par", 1)):
+        p.event(event, USAGE, 0.0)
+    snap = p.snapshot()  # then the log went on to seq 40 before its owner died
+    failure = Failure(ErrorKind.UNAVAILABLE, "gone; retry", Usage(5, 30), retryable=True)
+    end = replay("resp_1", surface.renderer("resp_1", "model", 7, False), USAGE, snap.content, snap.trace, failure,
+                 None, terminal_seq=41)
+    events = [e for entry in end for e in SSEParser().feed(entry)]
+    seqs = [json.loads(e.data)["sequence_number"] for e in events]
+    assert seqs == [int(e.id.rsplit(":", 1)[1]) for e in events] == list(range(41, 41 + len(events)))
+    final = json.loads(events[-1].data)
+    assert final["type"] == "response.failed" and final["response"]["metadata"] == {"k": "v"}
+    assert final["response"]["background"] is True
+    assert final["response"]["output"][0]["content"][0]["text"] == "par"

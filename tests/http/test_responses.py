@@ -555,7 +555,7 @@ def _render(events: list[Any], options: responses_surface.ResponseOptions | None
         wire += render(renderer, event)
     out = []
     for seq, w in enumerate(wire):
-        data = json.loads(w.data)
+        data = json.loads(w.text(seq))
         EVENT.validate_python(data, strict=True)
         assert data["sequence_number"] == seq and data["type"] == w.event
         out.append(data)

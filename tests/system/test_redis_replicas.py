@@ -226,6 +226,110 @@ async def test_kill_9_of_the_owner_ends_the_stream_on_b_with_an_in_band_error_an
             assert ended and b"event: error" in blocks[-1]
 
 
+def _kill(server: FakeServerProcess) -> None:
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait(10)
+
+
+async def _started(client: httpx.AsyncClient, url: str, path: str, body: dict[str, Any]) -> str:
+    """POST a long stream (policy continue) on ``url`` and drop it after its first event: its message id."""
+    async with client.stream("POST", f"{url}{path}", json=body,
+                             headers={"Ringserve-Disconnect-Policy": "continue"}) as resp:
+        assert resp.status_code == 200
+        async for chunk in resp.aiter_raw():
+            if b"\n\n" in chunk:
+                return resp.headers["X-Message-Id"]
+    raise AssertionError("the stream ended before its first event")
+
+
+@pytest.mark.parametrize("surface", ["anthropic", "openai"])
+async def test_kill_9_of_the_owner_ends_the_stream_read_through_b_with_an_error_the_sdk_raises(tmp_path, surface):
+    """Read through B with the surface's official SDK (its stream type, on the resume route), the
+    owner-lost end is the error event each SDK raises on, with the retry hint."""
+    import anthropic
+    import openai
+    from anthropic.types import RawMessageStreamEvent
+    from openai.types.chat import ChatCompletionChunk
+
+    from ringserve.logs.redis import LEASE_MS
+
+    with two_replicas(tmp_path, {"piece_bytes": 2, "step_seconds": 0.02}) as (a, b):  # 40 s if left to run
+        async with httpx.AsyncClient(timeout=60) as client:
+            if surface == "anthropic":
+                message_id = await _started(client, a.url, "/v1/messages",
+                                            {**ANTHROPIC_BODY, "max_tokens": TOKENS + 10, "stream": True})
+                sdk_client: Any = anthropic.Anthropic(base_url=b.url, api_key="unused", max_retries=0)
+                path, cast_to, stream_cls = (f"/v1/messages/{message_id}/stream", RawMessageStreamEvent,
+                                             anthropic.Stream[RawMessageStreamEvent])
+                raised: type[Exception] = anthropic.APIError
+            else:
+                body = {"model": "any", "messages": [{"role": "user", "content": "hello"}],
+                        "max_tokens": TOKENS + 10, "stream": True}
+                message_id = await _started(client, a.url, "/v1/chat/completions", body)
+                sdk_client = openai.OpenAI(base_url=b.url + "/v1", api_key="unused", max_retries=0)
+                path, cast_to, stream_cls = (f"/messages/{message_id}/stream", ChatCompletionChunk,
+                                             openai.Stream[ChatCompletionChunk])
+                raised = openai.APIError
+
+            def read() -> tuple[int, Exception | None]:
+                seen = 0
+                try:
+                    for _event in sdk_client.get(path, cast_to=cast_to, stream=True, stream_cls=stream_cls):
+                        seen += 1
+                        if seen == 5:
+                            _kill(a)
+                except Exception as exc:  # what the SDK raised: judged below
+                    return seen, exc
+                return seen, None
+
+            with trio.fail_after(LEASE_MS / 1000 + 30):
+                seen, error = await trio.to_thread.run_sync(read)
+            assert seen >= 5 and isinstance(error, raised), (seen, error)
+            assert "retry" in str(error)
+            status = (await client.get(f"{b.url}/v1/messages/{message_id}")).json()
+            assert status["status"] == "interrupted" and status["text"]
+
+
+async def test_kill_9_of_the_owner_ends_a_responses_stream_with_response_failed_the_sdk_sees(tmp_path):
+    """Issue 36 item 2: the official SDK's ``responses.stream(response_id=..., starting_after=3)``
+    through B sees the owner-lost end: ``response.failed`` with the next ``sequence_number``, the
+    response's own fields (background, metadata, model) and the output generated so far."""
+    import openai
+
+    from ringserve.logs.redis import LEASE_MS
+
+    with two_replicas(tmp_path, {"piece_bytes": 2, "step_seconds": 0.02}) as (a, b):  # 40 s if left to run
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"model": "any", "input": "hello", "max_output_tokens": TOKENS + 10, "stream": True,
+                    "background": True, "metadata": {"k": "v"}}
+            response_id = await _started(client, a.url, "/v1/responses", body)
+            sdk_client = openai.OpenAI(base_url=b.url + "/v1", api_key="unused", max_retries=0)
+
+            def read() -> list[Any]:
+                events = []
+                with sdk_client.responses.stream(response_id=response_id, starting_after=3) as stream:
+                    for event in stream:
+                        events.append(event)
+                        if len(events) == 80:  # past the first timed snapshot ([stream] persist_seconds 1)
+                            _kill(a)
+                return events
+
+            with trio.fail_after(LEASE_MS / 1000 + 30):
+                events = await trio.to_thread.run_sync(read)
+            served = (await client.get(f"{b.url}/v1/models")).json()["data"][0]["id"]
+    seqs = [event.sequence_number for event in events]
+    assert len(events) > 80 and seqs == list(range(4, 4 + len(events))), seqs[-5:]
+    failed = events[-1]
+    assert failed.type == "response.failed", [event.type for event in events[-5:]]
+    response = failed.response
+    assert response.id == response_id and response.status == "failed" and "retry" in response.error.message
+    assert response.background is True and response.metadata == {"k": "v"}
+    assert response.model == served
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    output = response.output[0].content[0].text
+    assert output and text.startswith(output)  # the stored output: what was generated up to the last snapshot
+
+
 async def _prompt_tokens(client: httpx.AsyncClient, *replicas: FakeServerProcess) -> float:
     """Prompt tokens admitted, over ``replicas`` (each counts the generations it runs)."""
     return sum([_metric((await client.get(f"{r.url}/metrics")).text, "ringserve_prompt_tokens_total") for r in replicas])
