@@ -25,7 +25,8 @@ from ringserve.store.sqlite import MessageStore, run_retention
 from ringserve.core.status import CancelReason
 from ringserve.live.safety import SafetyStage
 from ringserve.surfaces.registry import SURFACES
-from ringserve.live.hub import Hub, owner_lost_entries
+from ringserve.live.hub import Hub
+from ringserve.live.resume import owner_lost_entries
 from ringserve.logs.memory import LogStore, MemoryLogStore
 
 log = logging.getLogger("ringserve")
@@ -100,7 +101,7 @@ def _relay_to(hub: Hub, logs: LogStore) -> None:
 def _cancel_live(hub: Hub, message_id: str) -> None:
     msg = hub.live(message_id)
     if msg is not None:
-        hub.cancel(msg, CancelReason.REQUESTED)
+        msg.cancel(CancelReason.REQUESTED)
 
 
 #: Seconds the drain gives readers to write their terminal events once every generation
@@ -246,7 +247,7 @@ async def serve(
                 await hub.wait_all_done()
             hub.cancel_all(CancelReason.DRAIN)
             await hub.wait_all_done()
-            if unsaved := hub.save_unsaved():
+            if unsaved := hub.persister.save_unsaved():
                 log.warning("the message store failed to write the final state of %d message(s); they stay"
                             " 'generating' in it, and the next start marks them interrupted", unsaved)
             # Every log now ends in a terminal event; stop hypercorn and let readers write them.

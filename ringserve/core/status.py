@@ -50,6 +50,10 @@ TRANSITIONS: dict[MessageStatus, frozenset[MessageStatus]] = {
 #: as its Response object and its rebuilt stream say.
 INTERRUPTED_MESSAGE = "the server stopped (a restart or a crash) while generating; the output is the text so far"
 
+#: The error of a message whose owning replica died mid-generation (in-band and in its status:
+#: ``live/resume.py`` ``owner_lost_entries``, ``logs/redis.py``).
+OWNER_LOST_MESSAGE = "the replica generating this message stopped; retry the request"
+
 #: Statuses after which the message never changes again (retention may delete it).
 FINAL_STATUSES = frozenset(status for status in MessageStatus if status.final)
 

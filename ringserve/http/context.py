@@ -214,7 +214,7 @@ def sse_response(hub: Hub, log: MessageLog, after: int | None, message_id: str) 
     async def chunks() -> AsyncIterator[bytes]:
         nonlocal truncated
         try:
-            async with aclosing(hub.stream(log, after, on_heartbeat=metrics.heartbeat)) as stream:
+            async with aclosing(hub.resume.stream(log, after, on_heartbeat=metrics.heartbeat)) as stream:
                 async for chunk in stream:
                     yield chunk
             truncated = None

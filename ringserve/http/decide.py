@@ -23,6 +23,7 @@ first attempt, Redis, the generation itself) stays in the hub:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Callable
@@ -37,9 +38,13 @@ from ringserve.core.limits import check_request
 from ringserve.core.prefer import parse_prefer
 from ringserve.core.status import MessageStatus, Policy
 from ringserve.core.view import MessageView
-from ringserve.live.hub import request_hash
 from ringserve.surfaces.base import ParsedRequest, Surface
 from ringserve.surfaces.registry import SURFACES
+
+def request_hash(body: bytes) -> str:
+    """Fingerprint of a request body, for ``Idempotency-Key`` checks (hex SHA-256)."""
+    return hashlib.sha256(body).hexdigest()
+
 
 #: The preference (RFC 7240 §4.1) that asks for a 202 and the message's URL instead of the answer.
 RESPOND_ASYNC = "respond-async"

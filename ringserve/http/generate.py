@@ -39,7 +39,8 @@ from ringserve.http.decide import (
     finished,
     parse_body,
 )
-from ringserve.live.hub import Hub, LiveMessage
+from ringserve.live.hub import Hub
+from ringserve.live.message import LiveMessage
 from ringserve.logs.memory import store_unavailable
 from ringserve.surfaces import ringserve as ringserve_json
 from ringserve.surfaces.base import Continuation, Counting, ParsedRequest, Surface
@@ -98,7 +99,7 @@ async def respond(hub: Hub, surface: Surface, decision: Decision, live: LiveMess
             return context.sse_response(hub, live.open_log, None, msg.id)
         case ReplayStored(message=stored):
             try:
-                log, after = await hub.open_log(stored.id, None)  # GONE once the log expired
+                log, after = await hub.resume.open_log(stored.id, None)  # GONE once the log expired
             except RingserveError as exc:
                 return error_response(surface, exc)
             return context.sse_response(hub, log, after, stored.id)

@@ -16,7 +16,7 @@ from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.view import MessageView
 from ringserve.http import context
 from ringserve.http.context import answering_errors, error_response, json_response
-from ringserve.live.hub import StreamEnded
+from ringserve.live.resume import StreamEnded
 from ringserve.surfaces import ringserve as ringserve_json
 from ringserve.surfaces.base import Surface
 from ringserve.surfaces.registry import SURFACES
@@ -38,7 +38,7 @@ async def resume(surface: Surface, message_id: str, last_event_id: str | None,
     record.message_id, record.resume = message_id, True
     try:
         hub = context.hub()
-        log, after = await hub.open_log(message_id, last_event_id)
+        log, after = await hub.resume.open_log(message_id, last_event_id)
         context.admit_reader(log.readers)
     except StreamEnded:
         metrics.resumed("ended")

@@ -82,6 +82,7 @@ from coredis.tokens import PureToken
 
 from ringserve.config import StreamConfig
 from ringserve.core.ringlog import LogState, RingLog
+from ringserve.core.status import OWNER_LOST_MESSAGE
 from ringserve.store.sqlite import MessageStore, StoredMessage
 from ringserve.logs.memory import (
     KeyHolder,
@@ -101,7 +102,6 @@ __all__ = [
     "LIVE_KEY_SECONDS",
     "MESSAGE_KEY_SECONDS",
     "MESSAGE_PREFIX",
-    "OWNER_LOST_MESSAGE",
     "PUMP_BLOCK_MS",
     "WRITER_CONNECTIONS",
     "MirroredMessageStore",
@@ -167,8 +167,6 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
-#: The error of a message whose owner died mid-generation (in-band and in its status).
-OWNER_LOST_MESSAGE = "the replica generating this message stopped; retry the request"
 #: The longest one pump XREAD blocks, in milliseconds (it is woken early for a new stream).
 PUMP_BLOCK_MS = 1000
 #: Seconds past its expected end after which the pump gives up on a Redis call (and counts Redis

@@ -16,7 +16,7 @@ from ringserve.core.producer import Producer
 from ringserve.core.status import CancelReason, MessageStatus, Policy
 from ringserve.core.view import MessageView
 from ringserve.store.sqlite import StoredMessage
-from ringserve.live.hub import StreamTimer
+from ringserve.live.message import StreamTimer
 from ringserve.http.decide import (
     Accepted,
     Answer,
@@ -32,7 +32,7 @@ from ringserve.http.decide import (
     disconnect_policy,
     finished,
 )
-from ringserve.live.hub import LiveMessage
+from ringserve.live.message import LiveMessage
 from ringserve.surfaces.registry import ANTHROPIC, OPENAI
 from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY
 

@@ -23,7 +23,7 @@ import trio
 
 from ringserve.core.sse import SSEParser, encode_comment
 from ringserve.engine.fake import DEFAULT_REPLY
-from ringserve.live.hub import CancelReason
+from ringserve.core.status import CancelReason
 from tests.support.conformance import PATHS, Seen, check_answer, check_stream, sdk_answer, sdk_stream_text, stream_bytes
 from tests.support.server import fake_config, running_server
 from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY

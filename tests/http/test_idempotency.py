@@ -73,8 +73,8 @@ async def test_concurrent_retries_of_an_attempt_that_fails_to_start_all_get_its_
             for _ in range(4):
                 nursery.start_soon(attempt)
             key = f"{PATHS[path]}:{KEY['Idempotency-Key']}"
-            await wait_until(lambda: tokenizing and key in state.hub._keys
-                             and state.hub._keys[key].started.statistics().tasks_waiting == 3)
+            await wait_until(lambda: tokenizing and key in state.hub.keys.pending
+                             and state.hub.keys.pending[key].started.statistics().tasks_waiting == 3)
             gate.set()
         if busy is not None:
             await client.post(f"/v1/messages/{busy}/cancel")
@@ -83,7 +83,7 @@ async def test_concurrent_retries_of_an_attempt_that_fails_to_start_all_get_its_
         assert statuses == [expected] * 4
         assert all(answer == answers[0][2] for _, _, answer in answers)  # one error, the first attempt's
         assert len(tokenizing) == 1  # the retries did not start attempts of their own
-        assert state.hub._keys == {}
+        assert state.hub.keys.pending == {}
 
 
 # -- item 4: a retry after a crash, a drain or a failure generates the message again --------------

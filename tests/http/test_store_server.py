@@ -344,9 +344,9 @@ async def test_a_retention_sweep_the_store_fails_is_tried_again_and_ends_nothing
 async def test_the_drain_writes_a_final_state_the_store_failed_to_write(tmp_path, monkeypatch):
     """A message ended unsaved and the store works again by the drain: the drain writes it, even if the
     retry is not due (an hour here)."""
-    import ringserve.live.hub as hub_module
+    import ringserve.live.persist as persist_module
 
-    monkeypatch.setattr(hub_module, "STORE_RETRY_SECONDS", 3600.0)
+    monkeypatch.setattr(persist_module, "STORE_RETRY_SECONDS", 3600.0)
     config = fake_config(tmp_path)
     async with running_server(config, step_seconds=0.002) as state, \
             httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
@@ -366,9 +366,9 @@ async def test_writes_are_not_tried_again_until_the_retry_is_due(tmp_path, monke
     """A locked store holds the event loop for its busy_timeout (1 s) at each write: after one failed,
     neither the later snapshots, nor the final state, nor a new message's row are tried until the
     retry is due (an hour here)."""
-    import ringserve.live.hub as hub_module
+    import ringserve.live.persist as persist_module
 
-    monkeypatch.setattr(hub_module, "STORE_RETRY_SECONDS", 3600.0)
+    monkeypatch.setattr(persist_module, "STORE_RETRY_SECONDS", 3600.0)
     config = fake_config(tmp_path, stream={"persist_seconds": 0.01})
     async with running_server(config, step_seconds=0.002) as state, \
             httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
@@ -390,5 +390,5 @@ async def test_writes_are_not_tried_again_until_the_retry_is_due(tmp_path, monke
             assert "database is locked" in refused.json()["error"]["message"]
         assert store.statistics().write_failures_total == 1
         db.failing = False
-        assert hub.save_unsaved() == 0
+        assert hub.persister.save_unsaved() == 0
         assert store.get(message_id).status == "complete"

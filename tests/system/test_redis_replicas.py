@@ -345,7 +345,7 @@ async def _post_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]
 
 
 async def test_idempotent_retries_through_b_follow_the_message_a_generates(tmp_path):
-    from ringserve.live.hub import KEY_WAIT_SECONDS
+    from ringserve.live.idempotency import KEY_WAIT_SECONDS
 
     # 300 tokens of 10 ms: each generation is live for about 3 s
     with two_replicas(tmp_path, {"piece_bytes": 2, "step_seconds": 0.01}, reply_bytes=600) as (a, b):
@@ -505,13 +505,13 @@ async def test_a_claim_whose_first_attempt_never_started_is_taken_over_at_once(t
     fails; the request is cancelled): a retry through B proceeds at once, not after KEY_WAIT_SECONDS."""
     import sqlite3
 
-    import ringserve.live.hub as hub_module
+    import ringserve.live.idempotency as idempotency_module
     from ringserve.http.decide import RequestHeaders, Start, admit
     from ringserve.logs.redis import RedisLogStore
     from ringserve.surfaces.registry import SURFACES
     from tests.support.server import fake_config, running_server
 
-    monkeypatch.setattr(hub_module, "KEY_WAIT_SECONDS", 3600.0)  # a retry that waits for the claim hangs
+    monkeypatch.setattr(idempotency_module, "KEY_WAIT_SECONDS", 3600.0)  # a retry that waits for the claim hangs
     redis = RedisServer(tmp_path)
     try:
         configs = [fake_config(tmp_path / name, stream={"backend": "redis", "redis_url": redis.url}) for name in "ab"]

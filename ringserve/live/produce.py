@@ -1,0 +1,166 @@
+"""The Trio shell around ``core/producer.py``: one producer task per message.
+
+Every generation runs in the server-owned nursery, not in the request's. Its
+producer passes the runner's events through the safety stage
+(``live/safety.py``, when ``[safety] window_tokens`` > 0), renders them in the
+message's surface format, encodes them (``core/sse.py``) with the id
+``<message_id>:<seq>``, and appends them to the message's ring log, coalesced
+by ``core/coalesce.py``. :class:`Production` only performs what the producer's
+steps say (append, close, persist through ``live/persist.py``, observe), and
+waits for the next event or the coalescing deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Final
+
+import attrs
+import trio
+
+from ringserve.config import Config
+from ringserve.core.errors import ErrorKind
+from ringserve.core.events import Failure, Finish, GenerationEvent, Usage
+from ringserve.core.producer import Producer, Step
+from ringserve.core.safety import Check
+from ringserve.engine.runner import Generation, Prepared, Runner
+from ringserve.live.message import LiveMessage
+from ringserve.live.persist import Persister
+from ringserve.live.safety import SafetyStage
+from ringserve.logs.memory import LogStore
+from ringserve.metrics import Metrics
+from ringserve.store.sqlite import MessageStore, StoredMessage
+
+log = logging.getLogger("ringserve.hub")
+
+
+class _NotYet:
+    """No event came before the coalescing deadline."""
+
+
+_NOT_YET: Final = _NotYet()
+
+
+@attrs.frozen
+class Production:
+    """What a producer task needs of the server, and the task itself (:meth:`run`).
+
+    Args:
+        config: the server config (``[stream]``, ``[server] retry_ms``).
+        runner: the engine's owner task.
+        logs: the stream-log backend.
+        store: the durable message store (the new row, and the key a retry takes over).
+        persister: the snapshot writes and what follows a message's end.
+        metrics: TTFT, gaps, TPOT and in-band errors.
+        safety: the output safety stage (None: off).
+        registered: called once the message's log exists and the generation runs (the hub
+            registers it and wires its disconnect policy).
+    """
+
+    config: Config
+    runner: Runner
+    logs: LogStore
+    store: MessageStore
+    persister: Persister
+    metrics: Metrics
+    safety: SafetyStage | None
+    registered: Callable[[LiveMessage], None]
+
+    def producer(self, msg: LiveMessage, prepared: Prepared) -> Producer:
+        stream = self.config.stream
+        return Producer(
+            msg.id,
+            msg.surface.renderer(msg.id, msg.model, msg.created, msg.include_usage),
+            Usage(len(prepared.prompt_tokens), 0),
+            flush_seconds=stream.flush_ms / 1000,
+            flush_tokens=stream.flush_tokens,
+            persist_seconds=stream.persist_seconds,
+            window_tokens=0 if self.safety is None else self.safety.window_tokens,
+            # The reconnection hint rides on the first event: a standalone "retry:"
+            # block is dispatched as an empty event by the OpenAI SDK's decoder.
+            retry_ms=self.config.server.retry_ms,
+        )
+
+    async def run(self, msg: LiveMessage, prepared: Prepared, row: StoredMessage, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Generate ``msg`` to its end: its row and its log first (``task_status.started()`` then),
+        then every event of the generation through its producer. Cancelled by
+        ``msg.cancel_scope``: the producer's ``interrupted`` end."""
+        msg.producer = producer = self.producer(msg, prepared)
+        gen = None
+        try:
+            with msg.cancel_scope:
+                async with self.runner.submit(prepared) as gen:
+                    if msg.replaces is not None:
+                        self.store.update(msg.replaces, idempotency_key=None)  # the key moves to this message
+                    self.store.insert(row)
+                    msg.log = self.logs.create(msg.id)
+                    self.registered(msg)
+                    task_status.started()
+                    self._perform(msg, producer.start())
+                    await self._pump(msg, producer, gen)
+        finally:
+            if msg.log is not None and not msg.log.closed:
+                usage = producer.usage if gen is None else gen.usage
+                self._perform(msg, producer.interrupted(msg.cancel_reason, usage, trio.current_time()))
+
+    async def _pump(self, msg: LiveMessage, producer: Producer, gen: Generation) -> None:
+        """Feed the generation's events to the producer until the message ends; leaving
+        returns to the runner's ``submit`` block, which cancels a generation still running."""
+        events = gen.__aiter__()
+        while not producer.ended:
+            event: GenerationEvent | _NotYet | None = _NOT_YET
+            deadline = producer.deadline
+            if deadline == math.inf:  # nothing waits for a flush: no cancel scope per event
+                event = await anext(events, None)
+            else:
+                with trio.move_on_at(deadline):
+                    event = await anext(events, None)
+            if isinstance(event, _NotYet):
+                await self.runner.between_steps()
+                step = producer.tick(trio.current_time())
+            elif event is None:
+                failure = Failure(ErrorKind.API_ERROR, "generation ended without a result", gen.usage, True)
+                step = producer.event(failure, gen.usage, trio.current_time())
+            else:
+                step = producer.event(event, gen.usage, trio.current_time())
+            # A safety check runs outside the flush deadline's scope, which must not cut it short.
+            while step.check is not None:
+                self._perform(msg, step)
+                step = await self._judge(msg, producer, step.check)
+            self._perform(msg, step)
+
+    async def _judge(self, msg: LiveMessage, producer: Producer, check: Check) -> Step:
+        assert self.safety is not None
+        try:
+            verdict = await self.safety.judge(check)
+        except Exception as exc:
+            log.exception("the safety check of message %s failed", msg.id)
+            return producer.check_failed(type(exc).__name__, trio.current_time())
+        if not verdict.allowed:
+            log.info("safety stage refused message %s: %s", msg.id, verdict.reason)
+        return producer.verdict(verdict, trio.current_time())
+
+    def _perform(self, msg: LiveMessage, step: Step) -> None:
+        """Do what a producer step says: append, persist, observe, and close at the end."""
+        log_ = msg.open_log
+        for entry in step.entries:
+            log_.append(entry)
+        now = trio.current_time()
+        if step.released:
+            msg.timer.released(now, self.metrics)
+        if step.end is not None:
+            log_.close(step.end.state)
+        if step.persist is not None:
+            self.persister.write(msg, step.persist)
+        if step.end is None:
+            return
+        match step.end.terminal:
+            case Finish() as finish:
+                msg.timer.finished(now, finish, self.metrics)
+            case Failure() as failure:
+                self.metrics.error(failure.kind, "generation")
+        msg.done.set()
+        self.persister.ended(msg)

@@ -1,0 +1,229 @@
+"""The hub without HTTP: a fake-engine runner, a memory log store, a ``:memory:`` store, and Trio's
+autojump clock (waits and grace periods take no real time; the engine thread decodes in real time).
+
+Create, stream, cancel, the abort policy with its grace, resume and rebuild, idempotent retries,
+and the store's failure back-off.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from ringserve.config import Config
+from ringserve.core.errors import ErrorKind, RingserveError
+from ringserve.core.sse import SSEParser
+from ringserve.core.status import CancelReason, MessageStatus, Policy
+from ringserve.engine.fake import FakeEngine
+from ringserve.engine.runner import Runner
+from ringserve.live.hub import Hub
+from ringserve.live.message import Created, LiveMessage
+from ringserve.live.persist import STORE_RETRY_SECONDS
+from ringserve.live.resume import StreamEnded
+from ringserve.logs.memory import MemoryLogStore
+from ringserve.store.sqlite import MessageStore
+from ringserve.surfaces.registry import ANTHROPIC
+from tests.support.helpers import anthropic_text
+from tests.support.wait import wait_until
+
+LONG = "echo:" + " ".join(f"w{i}" for i in range(400))
+
+
+@asynccontextmanager
+async def running_hub(config: Config = Config(), **fake: Any) -> AsyncIterator[Hub]:
+    """A hub over a :class:`FakeEngine` (``fake``: its arguments), a memory log store and a
+    ``:memory:`` message store; everything is cancelled at the end."""
+    engine = FakeEngine(n_slots=config.engine.slots, n_ctx_slot=config.engine.ctx_per_slot, **fake)
+    store = MessageStore(":memory:")
+    try:
+        async with trio.open_nursery() as nursery:
+            runner = Runner(engine, config.engine)
+            await nursery.start(runner.run)
+            logs = MemoryLogStore(config.stream)
+            await nursery.start(logs.run)
+            yield Hub(config, runner, logs, store, nursery, safety=None)
+            nursery.cancel_scope.cancel()
+    finally:
+        store.close()
+
+
+def request(text: str, **fields: Any) -> Any:
+    return ANTHROPIC.parse_request({"model": "fake", "max_tokens": 4000, "stream": True,
+                                    "messages": [{"role": "user", "content": text}], **fields})
+
+
+async def create(hub: Hub, text: str = "echo:hello world", *, policy: Policy = Policy.CONTINUE,
+                 key: str | None = None, body_hash: str = "h") -> Created:
+    return await hub.create(ANTHROPIC, request(text), body_hash=body_hash, request_json="{}", policy=policy,
+                            idempotency_key=key)
+
+
+def live(created: Created) -> LiveMessage:
+    assert created.live is not None
+    return created.live
+
+
+async def read_to_end(msg: LiveMessage) -> list[Any]:
+    """Every event of ``msg``'s log, read as a reader to its end."""
+    with msg.open_log.reader():
+        await msg.done.wait()
+    entries = msg.open_log.read_from(None)
+    assert isinstance(entries, list)
+    return [event for entry in entries for event in SSEParser().feed(entry.data)]
+
+
+async def test_a_message_is_generated_into_its_log_and_the_store_answers_once_it_ended(autojump_clock):
+    async with running_hub() as hub:
+        created = await create(hub)
+        msg = live(created)
+        assert created.view.live and hub.live(msg.id) is msg and created.view.status is MessageStatus.QUEUED
+        events = await read_to_end(msg)
+        assert anthropic_text(events) == "hello world" and events[-1].event == "message_stop"
+        assert [int(e.id.rsplit(":", 1)[1]) for e in events] == list(range(len(events)))
+        assert hub.live(msg.id) is None  # ended and written: the store answers for it
+        view = hub.lookup(msg.id)
+        assert (view.status, view.text, view.live) == (MessageStatus.COMPLETE, "hello world", False)
+        assert hub.store.get(msg.id).final_seq == len(events) - 1
+        assert hub.statistics().active_generations == 0
+
+
+async def test_cancel_ends_every_reader_with_a_terminal_event_and_frees_the_slot(autojump_clock):
+    async with running_hub(step_seconds=0.001) as hub:
+        msg = live(await create(hub, LONG))
+        reading = []
+
+        async def reader() -> None:
+            reading.append(await read_to_end(msg))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await wait_until(lambda: msg.view().text)
+            ended = await hub.ended(msg.view())
+        assert ended.status is MessageStatus.CANCELLED and 0 < ended.usage.output_tokens < 400
+        assert reading[0][-1].event == "message_stop"
+        assert json.loads(reading[0][-2].data)["delta"]["ringserve_cancelled"] is True
+        await hub.runner.wait_idle()
+        stats = hub.runner.statistics()
+        assert (stats.slots_busy, stats.kv_cells_used, stats.cancels) == (0, 0, 1)
+        steps = stats.steps
+        await trio.sleep(3600)  # an hour: no decode step for the cancelled message
+        assert hub.runner.statistics().steps == steps
+        assert hub.store.get(msg.id).status is MessageStatus.CANCELLED
+
+
+async def test_abort_policy_cancels_after_the_grace_unless_a_reader_comes_back(autojump_clock):
+    """Ported from the HTTP test of the same policy: the generation survives a reader that comes
+    back within the grace, and is cancelled no earlier than the grace after its last reader left."""
+    grace = 1.0
+    async with running_hub(Config().replace("policy", grace_seconds=grace), step_seconds=0.001) as hub:
+        msg = live(await create(hub, LONG, policy=Policy.ABORT))
+        with msg.open_log.reader():
+            await wait_until(lambda: msg.view().text)
+        t0 = trio.current_time()  # the last reader left: the grace starts
+        await trio.sleep(grace / 2)
+        with msg.open_log.reader():  # a reader comes back within the grace
+            await trio.sleep(grace * 2)
+            assert not msg.done.is_set()
+        t1 = trio.current_time()
+        await msg.done.wait()
+        assert trio.current_time() - t1 >= grace and t1 - t0 > grace  # the first grace did not end it
+        assert (msg.cancel_reason, msg.status) == (CancelReason.CLIENT_GONE, MessageStatus.CANCELLED)
+        assert hub.lookup(msg.id).usage.output_tokens > 0
+        await hub.runner.wait_idle()
+        assert hub.runner.statistics().kv_cells_used == 0
+
+
+async def test_continue_policy_finishes_with_no_reader(autojump_clock):
+    async with running_hub(Config().replace("policy", grace_seconds=0.0)) as hub:
+        msg = live(await create(hub, LONG, policy=Policy.CONTINUE))
+        with msg.open_log.reader():
+            pass  # the only reader leaves at once
+        await msg.done.wait()
+        assert hub.lookup(msg.id).status is MessageStatus.COMPLETE
+        assert hub.lookup(msg.id).text == LONG.removeprefix("echo:")
+
+
+async def test_resume_after_an_event_after_the_end_and_after_the_log_expired(autojump_clock):
+    async with running_hub() as hub:
+        msg = live(await create(hub, LONG))
+        events = await read_to_end(msg)
+        log, after = await hub.resume.open_log(msg.id, f"{msg.id}:2")
+        assert after == 2 and log is msg.open_log
+        with pytest.raises(StreamEnded):
+            await hub.resume.open_log(msg.id, events[-1].id)
+        for bad, kind in (("garbage", ErrorKind.INVALID_REQUEST), (f"{msg.id}:99999", ErrorKind.INVALID_REQUEST)):
+            with pytest.raises(RingserveError) as info:
+                await hub.resume.open_log(msg.id, bad)
+            assert info.value.kind is kind
+        with pytest.raises(RingserveError) as info:
+            await hub.resume.open_log("msg_unknown", None)
+        assert info.value.kind is ErrorKind.NOT_FOUND
+        # the log is gone: rebuilt from the store, the same bytes, and its end is still the end
+        hub.logs.forget(msg.id)
+        rebuilt, after = await hub.resume.open_log(msg.id, None)
+        assert rebuilt is not msg.open_log and after is None
+        assert rebuilt.read_from(None) == msg.open_log.read_from(None)
+        with pytest.raises(StreamEnded):
+            await hub.resume.open_log(msg.id, events[-1].id)
+
+
+async def test_an_idempotent_retry_finds_its_message_live_or_stored_and_regenerates_a_failed_one(autojump_clock):
+    async with running_hub(step_seconds=0.001) as hub:
+        first = await create(hub, LONG, key="k")
+        again = await create(hub, LONG, key="k")
+        assert again.view.id == first.view.id and again.live is first.live  # live: the same handle
+        with pytest.raises(RingserveError) as info:
+            await create(hub, LONG, key="k", body_hash="another body")
+        assert info.value.kind is ErrorKind.UNPROCESSABLE
+        await read_to_end(live(first))
+        stored = await create(hub, LONG, key="k")
+        assert (stored.view.id, stored.live, stored.view.status) == (first.view.id, None, MessageStatus.COMPLETE)
+        assert hub.runner.statistics().prompt_tokens_total == first.view.usage.input_tokens  # one generation
+        hub.store.update(first.view.id, status=MessageStatus.FAILED)  # as if it had failed
+        retried = await create(hub, LONG, key="k")
+        assert retried.view.id != first.view.id and retried.live is not None
+        await read_to_end(retried.live)
+        assert hub.store.by_idempotency_key("anthropic:k").id == retried.view.id  # the key moved
+        assert hub.keys.pending == {}
+
+
+async def test_a_store_that_fails_leaves_the_message_in_memory_until_it_is_written(autojump_clock):
+    async with running_hub() as hub:
+        update = hub.store.update
+
+        def failing(message_id: str, **fields: object) -> None:
+            raise sqlite3.OperationalError("disk I/O error")
+
+        hub.store.update = failing  # type: ignore[method-assign]
+        msg = live(await create(hub))
+        await read_to_end(msg)
+        assert msg.unsaved and hub.live(msg.id) is msg and hub.statistics().unsaved_messages == 1
+        assert hub.lookup(msg.id).status is MessageStatus.COMPLETE  # answered from memory
+        with pytest.raises(RingserveError) as info:  # no new row is tried while the writes fail
+            await create(hub)
+        assert info.value.kind is ErrorKind.UNAVAILABLE and info.value.retry_after is not None
+        hub.store.update = update  # type: ignore[method-assign]
+        await trio.sleep(STORE_RETRY_SECONDS * 1.5)  # the next retry writes it
+        assert hub.live(msg.id) is None and hub.statistics().unsaved_messages == 0
+        assert hub.store.get(msg.id).status is MessageStatus.COMPLETE
+
+
+async def test_a_drain_refuses_new_messages_and_interrupts_the_running_ones(autojump_clock):
+    async with running_hub(step_seconds=0.001) as hub:
+        msg = live(await create(hub, LONG))
+        hub.drain()
+        with pytest.raises(RingserveError) as info:
+            await create(hub)
+        assert info.value.kind is ErrorKind.UNAVAILABLE
+        hub.cancel_all(CancelReason.DRAIN)
+        await hub.wait_all_done()
+        view = hub.lookup(msg.id)
+        assert view.status is MessageStatus.INTERRUPTED and view.error is not None
+        assert attrs.asdict(hub.statistics()) == {"active_generations": 0, "unsaved_messages": 0}
