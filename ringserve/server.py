@@ -8,6 +8,7 @@ import os
 import signal
 from collections.abc import Callable
 
+import attrs
 import hypercorn.trio
 from hypercorn.typing import ASGIFramework
 import trio
@@ -27,6 +28,7 @@ from ringserve.live.safety import SafetyStage
 from ringserve.surfaces.registry import SURFACES
 from ringserve.live.hub import Hub
 from ringserve.live.resume import owner_lost_entries
+from ringserve.logs.cluster import Cluster, LocalCluster
 from ringserve.logs.memory import LogStore, MemoryLogStore
 
 log = logging.getLogger("ringserve")
@@ -61,45 +63,43 @@ def load_llama_engine(config: Config) -> Engine:
         raise EngineError(f"[engine] slots = {engine.slots}, ctx_per_slot = {engine.ctx_per_slot}: {exc}") from None
 
 
-def make_log_store(config: Config) -> LogStore:
-    """The ``[stream] backend``: in-process memory, or Redis (``logs/redis.py``).
+@attrs.frozen
+class Backend:
+    """The stream logs, what the replicas share, and the message store of one ``[stream] backend``."""
+
+    logs: LogStore
+    cluster: Cluster
+    store: MessageStore
+
+
+def make_backend(config: Config, cancel: Callable[[str], None]) -> Backend:
+    """The ``[stream] backend``: in-process memory (one replica), or Redis (``logs/redis.py``:
+    replicas that share their logs, their messages' state and their keys; ``cancel`` is called with
+    the id of a message of this replica that another one asks to cancel).
 
     Raises:
         SystemExit: backend ``redis`` without coredis installed (one-line message).
         ValueError: a ``RINGSERVE_REDIS_URL`` with an unknown scheme.
+        StoreError: the message store cannot be opened or written (one line naming the path).
     """
     match config.stream.backend:
         case "memory":
-            return MemoryLogStore(config.stream)
+            return Backend(MemoryLogStore(config.stream), LocalCluster(), MessageStore.from_config(config.store))
         case "redis":
             try:
-                from ringserve.logs.redis import RedisLogStore
+                from ringserve.logs.redis import MirroredMessageStore, RedisCluster, RedisLogStore
             except ImportError as exc:
                 raise SystemExit(f"[stream] backend = \"redis\" needs coredis: pip install 'ringserve[redis]' ({exc})") from None
-            return RedisLogStore(config.stream, config.stream.redis_url_from(os.environ))
+            logs = RedisLogStore(config.stream, config.stream.redis_url_from(os.environ), on_cancel=cancel,
+                                 on_owner_lost=owner_lost_entries)
+            return Backend(logs, RedisCluster(logs), MirroredMessageStore.from_config(config.store).mirror_to(logs))
         case other:
             raise AssertionError(f"unknown stream backend {other!r}")  # the config validator lists them
 
 
-def _mirrored_store(config: Config, logs: LogStore) -> MessageStore:
-    from ringserve.logs.redis import MirroredMessageStore, RedisLogStore
-
-    assert isinstance(logs, RedisLogStore), "only the Redis backend shares message state"
-    return MirroredMessageStore.from_config(config.store).mirror_to(logs)
-
-
-def _relay_to(hub: Hub, logs: LogStore) -> None:
-    """Point the Redis backend's relays at ``hub``: cancels that other replicas ask for, and the
-    in-band error that ends a stream whose owner died."""
-    from ringserve.logs.redis import RedisLogStore
-
-    assert isinstance(logs, RedisLogStore), "only the Redis backend relays between replicas"
-    logs.on_cancel = lambda message_id: _cancel_live(hub, message_id)
-    logs.on_owner_lost = owner_lost_entries
-
-
-def _cancel_live(hub: Hub, message_id: str) -> None:
-    msg = hub.live(message_id)
+def _cancel_live(state: ServerState, message_id: str) -> None:
+    """Cancel ``message_id`` if it is live here (a cancel another replica relays)."""
+    msg = None if state.hub is None else state.hub.live(message_id)
     if msg is not None:
         msg.cancel(CancelReason.REQUESTED)
 
@@ -183,8 +183,9 @@ async def serve(
     check_bind(config.server.host, auth, config.auth.allow_remote_without_keys)
     safety = SafetyStage.from_config(config.safety, max_threads=config.engine.slots)
     isolate_connection_faults()
-    logs = make_log_store(config)
-    store = MessageStore.from_config(config.store) if isinstance(logs, MemoryLogStore) else _mirrored_store(config, logs)
+    state = ServerState(config, auth=auth)
+    backend = make_backend(config, lambda message_id: _cancel_live(state, message_id))
+    store = backend.store
     log.info(
         "message store: %s (finished messages kept %s, up to %s%s)",
         store.path, _limit(config.store.max_age_seconds, "s"), _limit(config.store.max_bytes, " bytes"),
@@ -193,10 +194,8 @@ async def serve(
     interrupted = store.mark_interrupted()
     if interrupted:
         log.info("marked %d message(s) left generating by a previous run as interrupted", interrupted)
-    state = ServerState(config, auth=auth)
     app = create_app(state)
     stop = trio.Event() if shutdown_trigger is None else shutdown_trigger
-    listener_stop = trio.Event()
     hc = hypercorn_config(config)
     status = 0
     try:
@@ -211,58 +210,69 @@ async def serve(
                 hc.reset_connections()
                 nursery.cancel_scope.cancel()
 
-            await nursery.start(logs.run)
+            await nursery.start(backend.logs.run)
             await nursery.start(run_retention, store, config.store)
             await nursery.start(state.watchdog.run)
             if handle_signals:
                 nursery.start_soon(_watch_signals, stop, stop_now)
-            http_done = trio.Event()
-            urls = await nursery.start(_serve_http, app, hc, listener_stop, http_done)
-            state.urls = urls
-            log.info("listening on %s (loading the model)", ", ".join(urls))
-            engine = await trio.to_thread.run_sync(engine_factory, config)
-            cores = os.cpu_count() or 1
-            threads = decode_threads(config.model.n_threads, cores)
-            overlap = overlap_steps(config.engine.overlap, threads=threads, cores=cores,
-                                    gpu=engine.offload.layers > 0)
-            runner = Runner(engine, config.engine, on_cancel_freed=state.metrics.cancel_freed, overlap=overlap)
-            await nursery.start(runner.run)
-            hub = Hub(config, runner, logs, store, nursery, safety=safety, metrics=state.metrics)
-            state.metrics.watch(runner, logs, store, hub)
-            if not isinstance(logs, MemoryLogStore):  # a cancel another replica relays; an owner that died
-                _relay_to(hub, logs)
-            state.model_id = runner.model_id
-            state.hub = hub
-            log.info(
-                "ready: model %s, %d slots, %d tokens of context per slot, decode threads %d of %d cores,"
-                " overlapped steps %s, GPU offload %s, at %s",
-                runner.model_id, config.engine.slots, runner.n_ctx_slot, threads, cores, "on" if overlap else "off",
-                engine.offload.describe(), ", ".join(urls),
-            )
+            http = _Http(hc)
+            state.urls = await nursery.start(_serve_http, app, http)
+            log.info("listening on %s (loading the model)", ", ".join(state.urls))
+            hub = await _load(config, engine_factory, backend, safety, state, nursery)
             task_status.started(state)
             await stop.wait()
-            log.info("draining: refusing new generations, waiting up to %.0f s", config.server.drain_timeout)
-            hub.drain()
-            with trio.move_on_after(config.server.drain_timeout):
-                await hub.wait_all_done()
-            hub.cancel_all(CancelReason.DRAIN)
-            await hub.wait_all_done()
-            if unsaved := hub.persister.save_unsaved():
-                log.warning("the message store failed to write the final state of %d message(s); they stay"
-                            " 'generating' in it, and the next start marks them interrupted", unsaved)
-            # Every log now ends in a terminal event; stop hypercorn and let readers write them.
-            listener_stop.set()
-            with trio.move_on_after(DRAIN_FLUSH_SECONDS):
-                await http_done.wait()
-            if not http_done.is_set():
-                reset = hc.reset_connections()
-                log.warning("reset %d connection(s) whose client stopped reading", reset)
-                with trio.move_on_after(DRAIN_FLUSH_SECONDS / 2):
-                    await http_done.wait()
+            await _drain(hub, http, config.server.drain_timeout)
             nursery.cancel_scope.cancel()
     finally:
         store.close()
     return status
+
+
+async def _load(config: Config, engine_factory: Callable[[Config], Engine], backend: Backend,
+                safety: SafetyStage | None, state: ServerState, nursery: trio.Nursery) -> Hub:
+    """Load the model (on a worker thread), start its runner and the hub: ``state`` is then ready."""
+    engine = await trio.to_thread.run_sync(engine_factory, config)
+    cores = os.cpu_count() or 1
+    threads = decode_threads(config.model.n_threads, cores)
+    overlap = overlap_steps(config.engine.overlap, threads=threads, cores=cores, gpu=engine.offload.layers > 0)
+    runner = Runner(engine, config.engine, on_cancel_freed=state.metrics.cancel_freed, overlap=overlap)
+    await nursery.start(runner.run)
+    hub = Hub(config, runner, backend.logs, backend.cluster, backend.store, nursery, safety=safety,
+              metrics=state.metrics)
+    state.metrics.watch(runner, backend.logs, backend.store, hub)
+    state.model_id = runner.model_id
+    state.hub = hub
+    log.info(
+        "ready: model %s, %d slots, %d tokens of context per slot, decode threads %d of %d cores,"
+        " overlapped steps %s, GPU offload %s, at %s",
+        runner.model_id, config.engine.slots, runner.n_ctx_slot, threads, cores, "on" if overlap else "off",
+        engine.offload.describe(), ", ".join(state.urls),
+    )
+    return hub
+
+
+async def _drain(hub: Hub, http: _Http, drain_timeout: float) -> None:
+    """The drain (``serve``'s docstring): refuse new generations, give the running ones
+    ``drain_timeout`` seconds, end the rest, persist; then stop hypercorn and let readers write
+    their terminal events for :data:`DRAIN_FLUSH_SECONDS`, and reset the connections still open."""
+    log.info("draining: refusing new generations, waiting up to %.0f s", drain_timeout)
+    hub.drain()
+    with trio.move_on_after(drain_timeout):
+        await hub.wait_all_done()
+    hub.cancel_all(CancelReason.DRAIN)
+    await hub.wait_all_done()
+    if unsaved := hub.persister.save_unsaved():
+        log.warning("the message store failed to write the final state of %d message(s); they stay"
+                    " 'generating' in it, and the next start marks them interrupted", unsaved)
+    # Every log now ends in a terminal event; stop hypercorn and let readers write them.
+    http.stop.set()
+    with trio.move_on_after(DRAIN_FLUSH_SECONDS):
+        await http.done.wait()
+    if not http.done.is_set():
+        reset = http.config.reset_connections()
+        log.warning("reset %d connection(s) whose client stopped reading", reset)
+        with trio.move_on_after(DRAIN_FLUSH_SECONDS / 2):
+            await http.done.wait()
 
 
 def _limit(value: float, unit: str) -> str:
@@ -302,18 +312,20 @@ def run_process(config: Config, engine_factory: Callable[[Config], Engine] = loa
         gc.freeze()
 
 
-async def _serve_http(
-    app: ASGIFramework,
-    hc: HypercornConfig,
-    stop: trio.Event,
-    done: trio.Event,
-    *,
-    task_status: trio.TaskStatus[list[str]],
-) -> None:
+@attrs.frozen
+class _Http:
+    """hypercorn's config, and the events that stop it and say it has stopped."""
+
+    config: HypercornConfig
+    stop: trio.Event = attrs.Factory(trio.Event)
+    done: trio.Event = attrs.Factory(trio.Event)
+
+
+async def _serve_http(app: ASGIFramework, http: _Http, *, task_status: trio.TaskStatus[list[str]]) -> None:
     try:
-        await hypercorn.trio.serve(app, hc, shutdown_trigger=stop.wait, task_status=task_status)
+        await hypercorn.trio.serve(app, http.config, shutdown_trigger=http.stop.wait, task_status=task_status)
     finally:
-        done.set()
+        http.done.set()
 
 
 async def _watch_signals(stop: trio.Event, stop_now: Callable[[], None]) -> None:

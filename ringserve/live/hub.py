@@ -36,6 +36,7 @@ from ringserve.live.persist import Persister
 from ringserve.live.produce import Production
 from ringserve.live.resume import Resume
 from ringserve.live.safety import SafetyStage
+from ringserve.logs.cluster import Cluster
 from ringserve.logs.memory import LogStore
 from ringserve.metrics import GenerationStatistics, Metrics
 from ringserve.store.sqlite import MessageStore, RenderArgs, StoredMessage, render_json, store_failed
@@ -54,6 +55,7 @@ class Hub:
         config: the server config (stream and policy tables are used).
         runner: the engine's owner task.
         logs: the stream-log backend.
+        cluster: what the replicas share (``logs/cluster.py``; one replica: ``LocalCluster``).
         store: the durable message store.
         nursery: the server-owned nursery producers run in.
         safety: the output safety stage (:meth:`SafetyStage.from_config`), None when off.
@@ -72,6 +74,7 @@ class Hub:
         config: Config,
         runner: Runner,
         logs: LogStore,
+        cluster: Cluster,
         store: MessageStore,
         nursery: trio.Nursery,
         *,
@@ -83,13 +86,14 @@ class Hub:
         self.safety = safety
         self.runner = runner
         self.logs = logs
+        self.cluster = cluster
         self.store = store
         self._nursery = nursery
         self._live: dict[str, LiveMessage] = {}
-        self.keys = Keys(logs, store, find=self.find)
+        self.keys = Keys(cluster, store, find=self.find)
         self.persister = Persister(store, nursery, written=self._forget)
         self._production = Production(config, runner, logs, store, self.persister, self.metrics, self.safety,
-                                      registered=self._registered)
+                                      registered=self._live.__setitem__, on_idle=self._on_idle)
         self.resume = Resume(config.server, logs, nursery, stored=self.stored, is_live=self._live.__contains__)
         self.draining = False
 
@@ -187,11 +191,6 @@ class Hub:
                 del self.keys.pending[key]
             msg.started.set()
         return Created(msg.view(), msg)
-
-    def _registered(self, msg: LiveMessage) -> None:
-        """``msg``'s log exists and its generation runs: it is live here, under its disconnect policy."""
-        msg.open_log.on_idle = lambda: self._on_idle(msg)
-        self._live[msg.id] = msg
 
     def _forget(self, msg: LiveMessage) -> None:
         """An ended message leaves the hub: from now on the store answers for it."""
@@ -304,7 +303,7 @@ class Hub:
         return msg.view() if msg is not None else self.stored(message_id).view()
 
     async def find(self, message_id: str) -> MessageView:
-        """:meth:`lookup`, else the state another replica wrote (Redis backend: ``LogStore.find_message``).
+        """:meth:`lookup`, else the state another replica wrote (``Cluster.find_message``).
 
         Raises:
             RingserveError: ``NOT_FOUND`` when no replica has such a message;
@@ -315,7 +314,7 @@ class Hub:
         except RingserveError as exc:
             if exc.kind is not ErrorKind.NOT_FOUND:
                 raise
-            shared = await self.logs.find_message(message_id)
+            shared = await self.cluster.find_message(message_id)
             if shared is None:
                 raise
             return shared.view()
@@ -335,7 +334,7 @@ class Hub:
             return live.view()
         if message.status.final:
             return message
-        await self.logs.request_cancel(message.id)  # another replica generates it
+        await self.cluster.request_cancel(message.id)  # another replica generates it
         return await self.settled(message, CANCEL_WAIT_SECONDS)
 
     async def settled(self, message: MessageView, seconds: float = math.inf) -> MessageView:
@@ -353,5 +352,5 @@ class Hub:
             with log_.reader(), trio.move_on_after(seconds):
                 while not log_.closed:
                     await log_.wait_for_entries(log_.next_seq - 1 if log_.next_seq else None)
-        shared = await self.logs.find_message(message.id)
+        shared = await self.cluster.find_message(message.id)
         return message if shared is None else shared.view()

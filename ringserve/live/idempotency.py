@@ -3,7 +3,7 @@
 A key names one request body on one surface. :class:`Keys` holds the keys of
 this replica's attempts while they start (a retry that comes meanwhile waits
 for the attempt, and gets its error if it failed to start), and makes a key
-name one message on every replica (``LogStore.claim_key``): two first attempts
+name one message on every replica (``Cluster.claim_key``): two first attempts
 on two replicas make one generation. What a retry gets of the message its key
 names is :func:`retry_answer`'s.
 """
@@ -19,7 +19,7 @@ from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.status import MessageStatus
 from ringserve.core.view import MessageView
 from ringserve.live.message import LiveMessage
-from ringserve.logs.memory import KeyHolder, LogStore
+from ringserve.logs.cluster import Cluster, KeyHolder
 from ringserve.store.sqlite import MessageStore
 
 #: Stored statuses that an idempotent retry generates again instead of returning.
@@ -33,7 +33,7 @@ KEY_POLL_SECONDS = 0.05
 #: message exists for any other reason lets its claim go at once: ``Hub.create``).
 KEY_WAIT_SECONDS = 5.0
 #: Seconds an attempt that failed to start spends at most letting its ``Idempotency-Key`` claim go
-#: (``LogStore.release_key``), even when its request was cancelled.
+#: (``Cluster.release_key``), even when its request was cancelled.
 RELEASE_SECONDS = 2.0
 
 
@@ -74,12 +74,12 @@ class Keys:
     """The keys of this replica's messages, and their claims on every replica.
 
     Args:
-        logs: the log backend, which claims keys across replicas.
+        cluster: what the replicas share (their claims of keys).
         store: the durable store (a key of a message that ended here).
         find: the view of a message on any replica (``Hub.find``).
     """
 
-    logs: LogStore
+    cluster: Cluster
     store: MessageStore
     find: Callable[[str], Awaitable[MessageView]]
     pending: dict[str, LiveMessage] = attrs.field(factory=dict, init=False)
@@ -104,7 +104,7 @@ class Keys:
         return None if stored is None else stored.view()
 
     async def claim(self, key: str, msg: LiveMessage) -> MessageView | None:
-        """Make ``key`` name ``msg`` on every replica (``LogStore.claim_key``), or find what it names.
+        """Make ``key`` name ``msg`` on every replica (``Cluster.claim_key``), or find what it names.
 
         Another replica's attempt under ``key`` is followed: to its message,
         which a retry returns (live or ended), unless it ended ``failed`` or
@@ -123,8 +123,8 @@ class Keys:
         """
         replaces = msg.replaces
         deadline = trio.current_time() + KEY_WAIT_SECONDS
-        while (holder := await self.logs.claim_key(key, KeyHolder(msg.id, msg.request_hash),
-                                                   replaces=replaces)) is not None:
+        while (holder := await self.cluster.claim_key(key, KeyHolder(msg.id, msg.request_hash),
+                                                      replaces=replaces)) is not None:
             if holder.request_hash != msg.request_hash:
                 raise key_reused()
             try:
@@ -148,4 +148,4 @@ class Keys:
         a retry through another replica would else wait :data:`KEY_WAIT_SECONDS` for a message
         that never appears), taking at most :data:`RELEASE_SECONDS`, even when cancelled."""
         with trio.move_on_after(RELEASE_SECONDS, shield=True):
-            await self.logs.release_key(key, KeyHolder(msg.id, msg.request_hash))
+            await self.cluster.release_key(key, KeyHolder(msg.id, msg.request_hash))

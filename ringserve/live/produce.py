@@ -55,8 +55,10 @@ class Production:
         persister: the snapshot writes and what follows a message's end.
         metrics: TTFT, gaps, TPOT and in-band errors.
         safety: the output safety stage (None: off).
-        registered: called once the message's log exists and the generation runs (the hub
-            registers it and wires its disconnect policy).
+        registered: called with the message's id and the message once its log exists and its
+            generation runs (the hub registers it as live).
+        on_idle: called with the message each time its log's last reader leaves (the hub's
+            disconnect policy).
     """
 
     config: Config
@@ -66,7 +68,8 @@ class Production:
     persister: Persister
     metrics: Metrics
     safety: SafetyStage | None
-    registered: Callable[[LiveMessage], None]
+    registered: Callable[[str, LiveMessage], None]
+    on_idle: Callable[[LiveMessage], None]
 
     def producer(self, msg: LiveMessage, prepared: Prepared) -> Producer:
         stream = self.config.stream
@@ -96,8 +99,8 @@ class Production:
                     if msg.replaces is not None:
                         self.store.update(msg.replaces, idempotency_key=None)  # the key moves to this message
                     self.store.insert(row)
-                    msg.log = self.logs.create(msg.id)
-                    self.registered(msg)
+                    msg.log = self.logs.create(msg.id, on_idle=lambda: self.on_idle(msg))
+                    self.registered(msg.id, msg)
                     task_status.started()
                     self._perform(msg, producer.start())
                     await self._pump(msg, producer, gen)

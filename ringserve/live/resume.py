@@ -24,9 +24,9 @@ from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import Failure, Finish, StopReason, Usage
 from ringserve.core.producer import Trace, replay
 from ringserve.core.render import Renderer
-from ringserve.core.ringlog import Gap, LogState, RingLog, parse_event_id
+from ringserve.core.ringlog import LogState, RingLog, parse_event_id
 from ringserve.core.status import INTERRUPTED_MESSAGE, OWNER_LOST_MESSAGE, MessageStatus
-from ringserve.logs.memory import LogStore, MemoryMessageLog, MessageLog
+from ringserve.logs.memory import LogStore, MemoryMessageLog, MessageLog, Position
 from ringserve.logs.reader import tail
 from ringserve.store.sqlite import RenderArgs, StoredMessage, stored_render, stored_trace
 from ringserve.surfaces.registry import SURFACES
@@ -52,15 +52,6 @@ def _resume_after(value: str, message_id: str) -> int:
         return parse_event_id(value, message_id)
     except ValueError as exc:
         raise RingserveError(ErrorKind.INVALID_REQUEST, str(exc)[:300], param="Last-Event-ID") from None
-
-
-def _holds_from(log: MessageLog, after: int | None) -> bool:
-    """Whether ``log`` still holds what follows ``after`` (an id never sent counts: it is the
-    caller's 400)."""
-    try:
-        return not isinstance(log.read_from(after, limit=0), Gap)
-    except ValueError:
-        return True
 
 
 def _renderer(stored: StoredMessage, args: RenderArgs) -> Renderer:
@@ -167,7 +158,7 @@ class Resume:
         """
         after = None if last_event_id is None else _resume_after(last_event_id, message_id)
         log_ = await self.logs.find(message_id, after)  # a replica's copy may first catch up to after
-        if log_ is None or (log_.closed and not _holds_from(log_, after)):
+        if log_ is None or (log_.closed and log_.position(after) is Position.LEFT_RING):
             row = None if self.is_live(message_id) else self.stored(message_id)  # NOT_FOUND: unknown
             if after is not None and row is not None and row.final_seq == after:
                 raise StreamEnded(message_id)
@@ -179,19 +170,20 @@ class Resume:
                 )
         if log_.closed and after is not None and after == log_.next_seq - 1:
             raise StreamEnded(message_id)
-        try:
-            check = log_.read_from(after, limit=0)
-        except ValueError:
-            raise RingserveError(
-                ErrorKind.INVALID_REQUEST, "Last-Event-ID names an event that was never sent", param="Last-Event-ID"
-            ) from None
-        if isinstance(check, Gap):
-            raise RingserveError(
-                ErrorKind.GONE,
-                f"{'the start of the stream' if after is None else f'the events after {last_event_id}'} has left"
-                f" the ring; GET /v1/messages/{message_id} has the text",
-            )
-        return log_, after
+        match where := log_.position(after):
+            case Position.HELD:
+                return log_, after
+            case Position.NEVER_SENT:
+                raise RingserveError(ErrorKind.INVALID_REQUEST, "Last-Event-ID names an event that was never sent",
+                                     param="Last-Event-ID")
+            case Position.LEFT_RING:
+                raise RingserveError(
+                    ErrorKind.GONE,
+                    f"{'the start of the stream' if after is None else f'the events after {last_event_id}'} has left"
+                    f" the ring; GET /v1/messages/{message_id} has the text",
+                )
+            case _:
+                assert_never(where)
 
     def stream(
         self, log_: MessageLog, after: int | None, on_heartbeat: Callable[[], None] | None = None

@@ -9,7 +9,10 @@ Two small Protocols, so another backend can replace the in-memory one without
 touching readers or producers:
 
 * :class:`MessageLog`: what a producer and a reader use.
-* :class:`LogStore`: what the app uses to create and find logs.
+* :class:`LogStore`: what the hub uses to create and find logs.
+
+What replicas share beyond the logs (a message's state, cancels, idempotency
+keys) is the ``logs/cluster.py`` ``Cluster``'s.
 
 In-memory backend: :class:`MemoryLogStore` and :class:`MemoryMessageLog`.
 Redis backend (``[stream] backend = "redis"``): ``logs/redis.py``,
@@ -49,10 +52,9 @@ Protocol                       Redis
 ``reader()`` / ``on_idle``     a reader on another replica is reported to the
                                owner (``XADD readers * id <id> d +1|-1``, read by
                                every pump); ``readers`` counts both.
-``evicted(id)``                a tombstone key ``gone:{id}`` with a longer TTL.
-``find_message(id)``           ``HGETALL msg:{id}``: the status the owner wrote.
-``request_cancel(id)``         ``XADD cancel * id <id>``, read by every pump.
-``claim_key(key, holder)``     ``SET idem:{key} [id, hash] NX EX`` in a script that
+``Cluster.find_message(id)``   ``HGETALL msg:{id}``: the status the owner wrote.
+``Cluster.request_cancel(id)`` ``XADD cancel * id <id>``, read by every pump.
+``Cluster.claim_key``          ``SET idem:{key} [id, hash] NX EX`` in a script that
                                also replaces the holder it is told to replace
                                (compare and set); ``release_key`` deletes it if
                                it still names the holder.
@@ -69,6 +71,7 @@ memory cap                     ``maxmemory`` with ``volatile-ttl`` eviction.
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -80,16 +83,15 @@ import trio
 from ringserve.config import StreamConfig
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.ringlog import Entry, Gap, LogState, RingLog
-from ringserve.store.sqlite import StoredMessage
 
 __all__ = [
-    "KeyHolder",
     "LogMirror",
     "LogStore",
     "LogStoreStatistics",
     "MemoryLogStore",
     "MemoryMessageLog",
     "MessageLog",
+    "Position",
     "holds",
     "store_unavailable",
     "wait_until_holds",
@@ -102,18 +104,27 @@ def store_unavailable() -> RingserveError:
                           retry_after=1, retryable=True)
 
 
+class Position(enum.Enum):
+    """Where a resume point (the last seq a reader has; None: none) stands in a log
+    (:meth:`MessageLog.position`)."""
+
+    HELD = "held"  # every entry after it is held (or none has come yet)
+    LEFT_RING = "left the ring"  # an entry after it was evicted: a Gap
+    NEVER_SENT = "never sent"  # it names an entry the log never had
+
+
 @runtime_checkable
 class MessageLog(Protocol):
     """One message's log, as its producer and its readers see it.
 
     Producer side: :meth:`append` and :meth:`close`. Reader side:
-    :meth:`read_from`, :meth:`wait_for_entries`, :meth:`reader`. The
-    semantics of ``append``/``close``/``read_from`` are ``RingLog``'s
-    (``core/ringlog.py``).
+    :meth:`read_from`, :meth:`wait_for_entries`, :meth:`reader`, :meth:`position`.
+    The semantics of ``append``/``close``/``read_from`` are ``RingLog``'s
+    (``core/ringlog.py``). Its ``on_idle`` (the disconnect policy's hook) is given
+    when the log is made (``LogStore.create``).
     """
 
     message_id: str
-    on_idle: Callable[[], None] | None
 
     @property
     def next_seq(self) -> int: ...
@@ -133,48 +144,32 @@ class MessageLog(Protocol):
 
     def read_from(self, after: int | None, limit: int | None = None) -> list[Entry] | Gap: ...
 
+    def position(self, after: int | None) -> Position: ...
+
     async def wait_for_entries(self, after: int | None) -> None: ...
 
     def reader(self) -> contextlib.AbstractContextManager[None]: ...
 
 
-@attrs.frozen
-class KeyHolder:
-    """The message an ``Idempotency-Key`` names on every replica, and its request body's fingerprint.
-
-    Attributes:
-        message_id: the message.
-        request_hash: ``hub.request_hash`` of the request body (hex SHA-256).
-    """
-
-    message_id: str
-    request_hash: str
-
-
 @runtime_checkable
 class LogStore(Protocol):
-    """Creates and finds message logs by message id; expires finished ones."""
+    """Creates and finds message logs by message id; expires finished ones.
 
-    def create(self, message_id: str) -> MessageLog: ...
+    ``create``'s ``on_idle`` is called each time the new log's last reader leaves.
+    ``available`` is False while what the store is built on cannot be reached
+    (new messages get a 503 then).
+    """
+
+    def create(self, message_id: str, *, on_idle: Callable[[], None] | None = None) -> MessageLog: ...
 
     def get(self, message_id: str) -> MessageLog | None: ...
 
     async def find(self, message_id: str, after: int | None = None) -> MessageLog | None: ...
 
-    async def find_message(self, message_id: str) -> StoredMessage | None: ...
-
-    async def request_cancel(self, message_id: str) -> None: ...
-
-    async def claim_key(self, key: str, holder: KeyHolder, *, replaces: str | None = None) -> KeyHolder | None: ...
-
-    async def release_key(self, key: str, holder: KeyHolder) -> None: ...
-
     @property
     def available(self) -> bool: ...
 
     def forget(self, message_id: str) -> None: ...
-
-    def evicted(self, message_id: str) -> bool: ...
 
     def statistics(self) -> LogStoreStatistics: ...
 
@@ -331,6 +326,14 @@ class MemoryMessageLog:
         """See ``RingLog.read_from``: entries, ``[]`` (not yet) or a ``Gap``."""
         return self._ring.read_from(after, limit)
 
+    def position(self, after: int | None) -> Position:
+        """Whether the entries after ``after`` are all held, one left the ring, or ``after`` was never sent."""
+        try:
+            held = self._ring.read_from(after, 0)
+        except ValueError:
+            return Position.NEVER_SENT
+        return Position.LEFT_RING if isinstance(held, Gap) else Position.HELD
+
     async def wait_for_entries(self, after: int | None) -> None:
         """Park until there is an entry after ``after``, or the log is closed.
 
@@ -483,8 +486,8 @@ class MemoryLogStore:
 
     # -- LogStore -----------------------------------------------------------
 
-    def create(self, message_id: str) -> MemoryMessageLog:
-        """A new, empty, OPEN log for ``message_id``.
+    def create(self, message_id: str, *, on_idle: Callable[[], None] | None = None) -> MemoryMessageLog:
+        """A new, empty, OPEN log for ``message_id`` (``on_idle``: its :attr:`MemoryMessageLog.on_idle`).
 
         Raises:
             ValueError: the store already holds a log with that id.
@@ -492,7 +495,7 @@ class MemoryLogStore:
         if message_id in self._logs:
             raise ValueError(f"a stream log for message {message_id!r} already exists")
         ring = RingLog(self.config.ring_max_entries, self.config.ring_max_bytes)
-        log = MemoryMessageLog(message_id, ring, clock=self.clock)
+        log = MemoryMessageLog(message_id, ring, clock=self.clock, on_idle=on_idle)
         log._store = self
         self._logs[message_id] = log
         self._gone.pop(message_id, None)
@@ -517,22 +520,6 @@ class MemoryLogStore:
         """
         await trio.lowlevel.checkpoint()
         return self.get(message_id)
-
-    async def find_message(self, message_id: str) -> None:
-        """Always ``None``: no other replica writes message state here (the Redis store's does)."""
-        await trio.lowlevel.checkpoint()
-
-    async def request_cancel(self, message_id: str) -> None:
-        """Nothing to do: every message of a memory store is this process's (``Hub.cancel`` stops it)."""
-        await trio.lowlevel.checkpoint()
-
-    async def claim_key(self, key: str, holder: KeyHolder, *, replaces: str | None = None) -> None:
-        """Always ``None`` (the key is ``holder``'s): no other process takes keys (``Hub`` keeps its own)."""
-        await trio.lowlevel.checkpoint()
-
-    async def release_key(self, key: str, holder: KeyHolder) -> None:
-        """Nothing to do (see :meth:`claim_key`)."""
-        await trio.lowlevel.checkpoint()
 
     @property
     def available(self) -> bool:

@@ -11,8 +11,8 @@ the log (``LogStore.get``), registers as a reader, and writes what
 :func:`tail` yields. Typical use in a route::
 
     after = parse_event_id(last_event_id, message_id) if last_event_id else None
-    probe = log.read_from(after, limit=0)   # ValueError: future id -> 400;
-                                            # Gap: lagged already -> 410/fallback
+    where = log.position(after)             # NEVER_SENT: future id -> 400;
+                                            # LEFT_RING: lagged already -> 410/fallback
     with log.reader():                      # counts the reader; on_idle on exit
         async with contextlib.aclosing(
             tail(log, after, heartbeat_interval=cfg.heartbeat_interval,

@@ -41,9 +41,9 @@ through anyio; redis-py's asyncio client does not.
 
 Message state: :class:`MirroredMessageStore` copies every write of the
 owner's SQLite store to a hash ``ringserve:msg:{id}`` in the same pipeline,
-which :meth:`RedisLogStore.find_message` reads on any replica. Cancel:
-:meth:`RedisLogStore.request_cancel` adds the id to :data:`CANCEL_STREAM`,
-which every replica's pump reads; the owner calls :attr:`RedisLogStore.on_cancel`.
+which :meth:`RedisCluster.find_message` reads on any replica. Cancel:
+:meth:`RedisCluster.request_cancel` adds the id to :data:`CANCEL_STREAM`,
+which every replica's pump reads; the owner calls its ``on_cancel``.
 
 Reader counts: each reader of a remote copy entering and leaving is queued
 (``+1``/``-1``) for :data:`READERS_STREAM`, which the owner's pump adds to
@@ -52,11 +52,11 @@ abort policy (after ``grace_seconds``) sees readers on every replica.
 
 Owner lease: each pump renews ``ringserve:replica:{replica}`` (:data:`LEASE_MS`);
 a replica tailing a stream whose owner's lease lapsed writes the surface's
-retryable in-band error (:attr:`RedisLogStore.on_owner_lost`) and the end into
-the stream, and ``interrupted`` into the status, in one Lua script that does
-nothing if the stream moved on meanwhile.
+retryable in-band error (its ``on_owner_lost``: ``live/resume.py``
+``owner_lost_entries``) and the end into the stream, and ``interrupted`` into
+the status, in one Lua script that does nothing if the stream moved on meanwhile.
 
-Idempotency keys: :meth:`RedisLogStore.claim_key` makes a key name one
+Idempotency keys: :meth:`RedisCluster.claim_key` makes a key name one
 message on every replica (``ringserve:idem:{key}``, set only if absent or
 still naming the message being replaced), so two first attempts on two
 replicas make one generation; ``Hub.create`` follows the key to the message
@@ -84,8 +84,8 @@ from ringserve.config import StreamConfig
 from ringserve.core.ringlog import LogState, RingLog
 from ringserve.core.status import OWNER_LOST_MESSAGE
 from ringserve.store.sqlite import MessageStore, StoredMessage
+from ringserve.logs.cluster import KeyHolder
 from ringserve.logs.memory import (
-    KeyHolder,
     LogStoreStatistics,
     MemoryLogStore,
     MemoryMessageLog,
@@ -105,6 +105,7 @@ __all__ = [
     "PUMP_BLOCK_MS",
     "WRITER_CONNECTIONS",
     "MirroredMessageStore",
+    "RedisCluster",
     "RedisLogStore",
     "stream_key",
 ]
@@ -312,7 +313,13 @@ class RedisLogStore:
     Args:
         config: ring bounds, memory cap, TTL and flush interval (``flush_ms``).
         url: the Redis server (``StreamConfig.redis_url_from``).
+        on_cancel: called with a message id when any replica asks for the cancel of a message
+            this one owns (the hub cancels it).
+        on_owner_lost: renders the in-band error that ends a stream whose owner died: called
+            with the message's shared state and the seq of the first entry to write; returns
+            those entries' SSE bytes (``live/resume.py`` ``owner_lost_entries``).
         clock: seconds; ``trio.current_time`` by default.
+        replica: this replica's name in Redis (random).
 
     :meth:`run` must be running (it holds the connections) before any other
     awaitable method is called.
@@ -320,8 +327,10 @@ class RedisLogStore:
 
     config: StreamConfig
     url: str
-    clock: Callable[[], float] = trio.current_time
-    replica: str = attrs.Factory(lambda: secrets.token_hex(8))
+    on_cancel: Callable[[str], None] | None = attrs.field(default=None, kw_only=True)
+    on_owner_lost: Callable[[StoredMessage, int], list[bytes]] | None = attrs.field(default=None, kw_only=True)
+    clock: Callable[[], float] = attrs.field(default=trio.current_time, kw_only=True)
+    replica: str = attrs.field(factory=lambda: secrets.token_hex(8), kw_only=True)
     local: MemoryLogStore = attrs.field(init=False)
     _writer: _Writer = attrs.field(factory=_Writer, init=False)
     _remote: dict[str, MemoryMessageLog] = attrs.field(factory=dict, init=False)
@@ -330,11 +339,6 @@ class RedisLogStore:
     _pump_blocked: bool = attrs.field(default=False, init=False)
     _client: coredis.Redis[bytes] = attrs.field(init=False)
     round_trips_total: int = attrs.field(default=0, init=False)
-    #: Called with a message id when any replica asks for its cancel (the server points it at the hub).
-    on_cancel: Callable[[str], None] | None = attrs.field(default=None, init=False)
-    #: Renders the in-band error that ends a stream whose owner died: called with the message's
-    #: status and the seq of the first entry to write; returns those entries' SSE bytes.
-    on_owner_lost: Callable[[StoredMessage, int], list[bytes]] | None = attrs.field(default=None, init=False)
     _owners: dict[str, str] = attrs.field(factory=dict, init=False)  # remote copy -> its owner replica
     _waiting: dict[str, int] = attrs.field(factory=dict, init=False)  # remote copy -> finds waiting on it
 
@@ -346,15 +350,20 @@ class RedisLogStore:
     def _wake_key(self) -> str:
         return f"ringserve:wake:{self.replica}"
 
+    @property
+    def client(self) -> coredis.Redis[bytes]:
+        """The writer pool's client (:class:`RedisCluster` sends on it too)."""
+        return self._client
+
     # -- LogStore -----------------------------------------------------------
 
-    def create(self, message_id: str) -> MemoryMessageLog:
+    def create(self, message_id: str, *, on_idle: Callable[[], None] | None = None) -> MemoryMessageLog:
         """A new OPEN log owned by this replica; its entries go to Redis at the next flush.
 
         Raises:
             ValueError: this replica already holds a log with that id.
         """
-        log_ = self.local.create(message_id)
+        log_ = self.local.create(message_id, on_idle=on_idle)
         log_.mirror = self._writer
         return log_
 
@@ -438,7 +447,7 @@ class RedisLogStore:
             owner = pipe.hget(MESSAGE_PREFIX + message_id, "owner")
         return await entries, await owner
 
-    async def find_message(self, message_id: str) -> StoredMessage | None:
+    async def message_state(self, message_id: str) -> StoredMessage | None:
         """The status its owner last wrote to Redis (``request`` left empty), or ``None``.
 
         Raises:
@@ -451,47 +460,6 @@ class RedisLogStore:
         values = {name.decode(): json.loads(value) for name, value in fields.items()}
         values.pop("owner", None)
         return StoredMessage(**{**values, "request": ""})
-
-    async def request_cancel(self, message_id: str) -> None:
-        """Ask the replica that owns ``message_id`` to cancel it (an entry in :data:`CANCEL_STREAM`).
-
-        Raises:
-            RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable.
-        """
-        with _unavailable_if_down():
-            await self._client.xadd(CANCEL_STREAM, {b"id": message_id.encode()}, trim_strategy=PureToken.MAXLEN,
-                                    threshold=CANCEL_STREAM_MAXLEN, trim_operator=PureToken.APPROXIMATELY)
-
-    async def claim_key(self, key: str, holder: KeyHolder, *, replaces: str | None = None) -> KeyHolder | None:
-        """Make ``key`` name ``holder`` on every replica unless it names another message (one script).
-
-        Args:
-            key: the ``Idempotency-Key`` (with its surface).
-            holder: this replica's new message.
-            replaces: the id of the message the key names now that ``holder``
-                takes it over (one that ended ``failed``/``interrupted``, or whose
-                attempt never started): replaced only if the key still names it.
-
-        Returns:
-            ``None`` once ``key`` names ``holder`` (for :data:`MESSAGE_KEY_SECONDS`,
-            as long as the status hashes live), else the holder it names.
-
-        Raises:
-            RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable.
-        """
-        with _unavailable_if_down():
-            current = await self._client.eval(_CLAIM, keys=[IDEMPOTENCY_PREFIX + key],
-                                              args=[_holder_json(holder), replaces or "", MESSAGE_KEY_SECONDS])
-        return None if current is None else KeyHolder(*json.loads(current))  # type: ignore[arg-type]  # bytes
-
-    async def release_key(self, key: str, holder: KeyHolder) -> None:
-        """Let ``key`` go if it still names ``holder`` (its attempt failed to start).
-
-        Never raises: a claim left behind (Redis unreachable) is taken over by the
-        next attempt once its message has not appeared for ``hub.KEY_WAIT_SECONDS``.
-        """
-        with contextlib.suppress(*_REDIS_ERRORS):
-            await self._client.eval(_RELEASE, keys=[IDEMPOTENCY_PREFIX + key], args=[_holder_json(holder)])
 
     def forget(self, message_id: str) -> None:
         """Drop a log from this replica now (its Redis key expires by itself)."""
@@ -646,7 +614,7 @@ class RedisLogStore:
 
     async def _take_over(self, message_id: str, copy: MemoryMessageLog) -> None:
         """The owner is gone: write the in-band error and the end into its stream (once, atomically)."""
-        stored = await self.find_message(message_id)
+        stored = await self.message_state(message_id)
         if stored is None or self.on_owner_lost is None or copy.next_seq == 0:
             return
         log.warning("redis: the replica generating %s is gone; ending its stream", message_id)
@@ -729,13 +697,69 @@ class RedisLogStore:
                     _deliver(copy, entry.identifier, dict(entry.field_values))  # type: ignore[arg-type]
 
 
+@attrs.frozen
+class RedisCluster:
+    """The :class:`~ringserve.logs.cluster.Cluster` of replicas that share a Redis (see the module
+    docstring), over the connections of their :class:`RedisLogStore`.
+
+    Args:
+        logs: this replica's Redis log store (its :meth:`RedisLogStore.run` holds the connections).
+    """
+
+    logs: RedisLogStore
+
+    async def find_message(self, message_id: str) -> StoredMessage | None:
+        """The status its owner last wrote to Redis (``RedisLogStore.message_state``)."""
+        return await self.logs.message_state(message_id)
+
+    async def request_cancel(self, message_id: str) -> None:
+        """Ask the replica that owns ``message_id`` to cancel it (an entry in :data:`CANCEL_STREAM`).
+
+        Raises:
+            RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable.
+        """
+        with _unavailable_if_down():
+            await self.logs.client.xadd(CANCEL_STREAM, {b"id": message_id.encode()}, trim_strategy=PureToken.MAXLEN,
+                                        threshold=CANCEL_STREAM_MAXLEN, trim_operator=PureToken.APPROXIMATELY)
+
+    async def claim_key(self, key: str, holder: KeyHolder, *, replaces: str | None = None) -> KeyHolder | None:
+        """Make ``key`` name ``holder`` on every replica unless it names another message (one script).
+
+        Args:
+            key: the ``Idempotency-Key`` (with its surface).
+            holder: this replica's new message.
+            replaces: the id of the message the key names now that ``holder``
+                takes it over (one that ended ``failed``/``interrupted``, or whose
+                attempt never started): replaced only if the key still names it.
+
+        Returns:
+            ``None`` once ``key`` names ``holder`` (for :data:`MESSAGE_KEY_SECONDS`,
+            as long as the status hashes live), else the holder it names.
+
+        Raises:
+            RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable.
+        """
+        with _unavailable_if_down():
+            current = await self.logs.client.eval(_CLAIM, keys=[IDEMPOTENCY_PREFIX + key],
+                                                  args=[_holder_json(holder), replaces or "", MESSAGE_KEY_SECONDS])
+        return None if current is None else KeyHolder(*json.loads(current))  # type: ignore[arg-type]  # bytes
+
+    async def release_key(self, key: str, holder: KeyHolder) -> None:
+        """Let ``key`` go if it still names ``holder`` (its attempt failed to start).
+
+        Never raises: a claim left behind (Redis unreachable) is taken over by the
+        next attempt once its message has not appeared for ``idempotency.KEY_WAIT_SECONDS``.
+        """
+        with contextlib.suppress(*_REDIS_ERRORS):
+            await self.logs.client.eval(_RELEASE, keys=[IDEMPOTENCY_PREFIX + key], args=[_holder_json(holder)])
+
 class MirroredMessageStore(MessageStore):
     """The SQLite :class:`~ringserve.store.sqlite.MessageStore`, whose every write also goes to Redis.
 
     Build it as a :class:`MessageStore` (``from_config``), then :meth:`mirror_to`
     the Redis log store. Each :meth:`insert` and :meth:`update` then queues an
     ``HSET`` of the fields written (with ``owner``, this replica) on that
-    store's next pipelined flush, so that :meth:`RedisLogStore.find_message`
+    store's next pipelined flush, so that :meth:`RedisCluster.find_message`
     on any replica reads the status, the text so far and the usage (as fresh
     as ``[stream] persist_seconds``).
     """

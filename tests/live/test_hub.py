@@ -27,6 +27,7 @@ from ringserve.live.hub import Hub
 from ringserve.live.message import Created, LiveMessage
 from ringserve.live.persist import STORE_RETRY_SECONDS
 from ringserve.live.resume import StreamEnded
+from ringserve.logs.cluster import LocalCluster
 from ringserve.logs.memory import MemoryLogStore
 from ringserve.store.sqlite import MessageStore
 from ringserve.surfaces.registry import ANTHROPIC
@@ -48,7 +49,7 @@ async def running_hub(config: Config = Config(), **fake: Any) -> AsyncIterator[H
             await nursery.start(runner.run)
             logs = MemoryLogStore(config.stream)
             await nursery.start(logs.run)
-            yield Hub(config, runner, logs, store, nursery, safety=None)
+            yield Hub(config, runner, logs, LocalCluster(), store, nursery, safety=None)
             nursery.cancel_scope.cancel()
     finally:
         store.close()

@@ -308,7 +308,7 @@ async def test_a_state_the_owners_sqlite_fails_to_write_still_reaches_the_other_
 
     from ringserve.core.status import MessageStatus
     from ringserve.store.sqlite import StoredMessage
-    from ringserve.logs.redis import MirroredMessageStore
+    from ringserve.logs.redis import MirroredMessageStore, RedisCluster
     from tests.http.test_store_server import FailingDb
 
     async with stores(redis_server.url) as (a, b):
@@ -321,10 +321,10 @@ async def test_a_state_the_owners_sqlite_fails_to_write_still_reaches_the_other_
             store.update("msg_m", status=MessageStatus.COMPLETE, text="the whole answer", final_seq=9)
 
         async def seen_on_b() -> bool:
-            found = await b.find_message("msg_m")
+            found = await RedisCluster(b).find_message("msg_m")
             return found is not None and found.status is MessageStatus.COMPLETE
 
         await until(seen_on_b)
-        found = await b.find_message("msg_m")
+        found = await RedisCluster(b).find_message("msg_m")
         assert (found.text, found.final_seq) == ("the whole answer", 9)
         assert store.statistics().write_failures_total == 1

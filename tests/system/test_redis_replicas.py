@@ -507,7 +507,7 @@ async def test_a_claim_whose_first_attempt_never_started_is_taken_over_at_once(t
 
     import ringserve.live.idempotency as idempotency_module
     from ringserve.http.decide import RequestHeaders, Start, admit
-    from ringserve.logs.redis import RedisLogStore
+    from ringserve.logs.redis import RedisCluster
     from ringserve.surfaces.registry import SURFACES
     from tests.support.server import fake_config, running_server
 
@@ -536,16 +536,16 @@ async def test_a_claim_whose_first_attempt_never_started_is_taken_over_at_once(t
 
             # A's attempt is cancelled (its client gone) right after its claim
             claimed = trio.Event()
-            claim = RedisLogStore.claim_key
+            claim = RedisCluster.claim_key
 
-            async def claim_then_hang(logs: RedisLogStore, *args: Any, **kwargs: Any) -> Any:
-                holder = await claim(logs, *args, **kwargs)
-                if logs is a.hub.logs:
+            async def claim_then_hang(cluster: RedisCluster, *args: Any, **kwargs: Any) -> Any:
+                holder = await claim(cluster, *args, **kwargs)
+                if cluster is a.hub.cluster:
                     claimed.set()
                     await trio.sleep_forever()
                 return holder
 
-            monkeypatch.setattr(RedisLogStore, "claim_key", claim_then_hang)
+            monkeypatch.setattr(RedisCluster, "claim_key", claim_then_hang)
             surface = SURFACES.by_name("anthropic")
             raw = json.dumps(ANTHROPIC_BODY).encode()
             start = admit(surface, raw, RequestHeaders(idempotency_key="k-cancelled"), a.config, a.model_id)
@@ -562,7 +562,7 @@ async def test_a_claim_whose_first_attempt_never_started_is_taken_over_at_once(t
                 nursery.start_soon(first_attempt)
                 await claimed.wait()
                 scope.cancel()
-            monkeypatch.setattr(RedisLogStore, "claim_key", claim)
+            monkeypatch.setattr(RedisCluster, "claim_key", claim)
             with trio.fail_after(30):
                 retry = await client.post(f"{b.urls[0]}/v1/messages", json=ANTHROPIC_BODY,
                                           headers={"Idempotency-Key": "k-cancelled"})
