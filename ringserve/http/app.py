@@ -18,15 +18,21 @@ from ringserve.store.sqlite import store_failed
 
 log = logging.getLogger("ringserve")
 
-#: Route endpoints that a ``?stream_token=`` opens (for the one message it was made for).
-STREAM_ENDPOINTS = ("resume_stream", "retrieve_response")
+def _stream_route() -> bool:
+    """Whether this request reads a message's stream, the one thing a ``?stream_token=`` opens:
+    ``GET /v1/messages/{id}/stream``, or ``GET /v1/responses/{id}`` with ``stream=true`` (without
+    it, the route answers the whole Response object)."""
+    if request.endpoint == "resume_stream":
+        return True
+    return request.endpoint == "retrieve_response" and request.args.get("stream") == "true"
 
 
 async def authenticate() -> Response | None:
     """Note the route for the access log; refuse /v1 requests without a valid key (401).
 
-    ``GET /v1/messages/{id}/stream`` also takes ``?stream_token=`` for that
-    message. /health, /ready and /metrics stay open.
+    A stream route (``GET /v1/messages/{id}/stream``, ``GET /v1/responses/{id}?stream=true``)
+    also takes ``?stream_token=`` for that message, and no other route does. /health, /ready
+    and /metrics stay open.
     """
     if request.url_rule is not None:
         context.access().route = request.url_rule.rule
@@ -35,7 +41,7 @@ async def authenticate() -> Response | None:
         return None
     message = "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"
     token = request.args.get("stream_token")
-    if request.endpoint in STREAM_ENDPOINTS and token is not None:
+    if token is not None and _stream_route():
         view_args = request.view_args or {}  # None only when no route matched
         message_id = view_args.get("message_id") or view_args["response_id"]
         if auth.token_ok(token, message_id):

@@ -1,24 +1,28 @@
 """The POST decision, without I/O: what a generation request gets, as a value.
 
-A ``POST /v1/messages`` or ``/v1/chat/completions`` is decided in two steps,
-both plain functions of values; the route handlers only map a decision to a
-response (an exhaustive ``match``), and the waiting (the idempotency key's
-first attempt, Redis, the generation itself) stays in the hub:
+A ``POST`` on any surface's generation route (``/v1/messages``,
+``/v1/chat/completions``, ``/v1/responses``) is decided in two steps, both plain
+functions of values; ``http/generate.py`` only maps a decision to a response
+(an exhaustive ``match``), and the waiting (the idempotency key's first
+attempt, Redis, the generation itself) stays in the hub:
 
 1. :func:`admit` takes the raw body, the headers that steer it
    (:class:`RequestHeaders`) and the config, and gives :class:`Refuse` (the
    body is not JSON or not a valid request, a limit is exceeded, the model
    name is not served, the disconnect-policy override is malformed) or
    :class:`Start` (the parsed request, its disconnect policy, whether the
-   client prefers ``respond-async``). ``Hub.create`` then starts the
-   generation, or finds the message an ``Idempotency-Key`` already names.
+   client prefers ``respond-async``); a request that continues a stored
+   conversation is checked once it is in it (:func:`continued`).
+   ``Hub.create`` then starts the generation, or finds the message an
+   ``Idempotency-Key`` already names.
 2. :func:`answer` takes the :class:`Start` and the view of the message
    ``Hub.create`` started or found (``core/view.py``): :class:`Accepted` (202),
    :class:`StreamLive` (its log, from the start: a retry replays it),
    :class:`WaitLive` (then :func:`finished`), :class:`ReplayStored` (the
    stored log of a finished retry), :class:`WaitStored` (a retry of a message
    that another replica still generates: wait for its end, then
-   :func:`finished`), or :func:`finished` itself (a stored answer).
+   :func:`finished`), :class:`Answer` at once for a ``background`` request, or
+   :func:`finished` itself (a stored answer).
 """
 
 from __future__ import annotations

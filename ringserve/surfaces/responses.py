@@ -709,13 +709,26 @@ def history_messages(blocks: tuple[ContentBlock, ...], where: str) -> tuple[Chat
 
     Raises:
         RingserveError: ``INVALID_REQUEST`` (``param`` ``previous_response_id``) for a call whose
-            arguments are not a JSON object (one cut by ``max_output_tokens``).
+            arguments are not a JSON object (the response ended in the middle of it).
     """
     text = "".join(b.text for b in blocks if b.kind is BlockKind.TEXT)
-    calls = tuple(ToolCall(tool_call_id(b.call_id), b.name,
-                           arguments_json(b.text, f"{where}.output[{i}].arguments", "previous_response_id"))
+    calls = tuple(ToolCall(tool_call_id(b.call_id), b.name, _whole_arguments(b, where, i))
                   for i, b in enumerate(blocks) if b.kind is BlockKind.TOOL_CALL)
     return (ChatMessage("assistant", text, tool_calls=calls),) if text or calls else ()
+
+
+def _whole_arguments(call: ContentBlock, response_id: str, index: int) -> str:
+    """A stored call's arguments, which are whole JSON unless the response ended in the middle of
+    the call: then the conversation cannot go on from it (its call cannot be answered, nor sent to
+    the model again as it was), and the 400 says so."""
+    try:
+        return arguments_json(call.text, f"{response_id}.output[{index}].arguments", "previous_response_id")
+    except RingserveError:
+        raise invalid(f"previous_response_id: response {response_id} ended in the middle of its call of"
+                      f" {call.name!r} (output[{index}]: cut by max_output_tokens, cancelled, or interrupted"
+                      " by a drain or a crash), so its arguments are not a whole JSON object and no"
+                      " conversation can go on from it; continue from the response before it, or send"
+                      " the conversation as input", param="previous_response_id") from None
 
 
 @attrs.frozen

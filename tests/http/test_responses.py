@@ -441,6 +441,24 @@ async def test_stream_token_lets_an_eventsource_follow_a_response(tmp_path):
             assert check_stream(raw).final["status"] == "completed"
 
 
+async def test_a_stream_token_opens_only_the_stream_it_was_made_for(tmp_path):
+    """Issue 36 item 6: the token opens ``GET /v1/responses/{id}?stream=true``, not the whole Response
+    object at ``GET /v1/responses/{id}`` (a 401, as on every route but the streams)."""
+    async with running_server(fake_config(tmp_path, auth={"api_keys": ["k-123456789012345678901234"]})) as state:
+        auth = {"Authorization": "Bearer k-123456789012345678901234"}
+        async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+            rid = check_object(await client.post("/v1/responses", json={"model": "any", "input": "hello"},
+                                                 headers=auth))["id"]
+            token = (await client.post(f"/v1/messages/{rid}/stream_token", headers=auth)).json()["stream_token"]
+            for params in ({}, {"stream": "false"}):
+                check_error(await client.get(f"/v1/responses/{rid}", params={**params, "stream_token": token}), 401)
+            for route in (f"/v1/responses/{rid}/cancel", f"/v1/messages/{rid}/cancel"):
+                check_error(await client.post(route, params={"stream_token": token}), 401)
+            check_error(await client.get(f"/v1/messages/{rid}", params={"stream_token": token}), 401)
+            resp = await client.get(f"/v1/responses/{rid}", params={"stream": "true", "stream_token": token})
+            assert resp.status_code == 200 and check_stream(resp.content).final["status"] == "completed"
+
+
 # -- bad input ----------------------------------------------------------------------------------
 
 BAD_CREATE = [
@@ -623,3 +641,36 @@ async def test_without_kept_prompts_objects_answer_and_previous_response_id_is_a
                                                                         "background": True}))["id"]
             assert check_object(await client.post(f"/v1/responses/{rid}/cancel"))["status"] == "cancelled"
             assert check_object(await client.post(f"/v1/responses/{rid}/cancel"))["status"] == "cancelled"
+
+
+async def test_a_previous_response_id_chain_is_read_off_the_event_loop_and_bounded_like_a_body(tmp_path, monkeypatch):
+    """Issue 36 item 5: the stored responses a chain continues are read on a worker thread (a probe
+    records the thread of every read: none on the event loop's), so a long chain stalls no
+    stream; and their stored bodies and outputs are bounded by ``server.max_body_bytes`` in all."""
+    import threading
+
+    from ringserve.live.hub import Hub
+
+    read_on: list[threading.Thread] = []
+    stored_request = Hub.stored_request
+
+    def probe(hub: Hub, message_id: str) -> Any:
+        read_on.append(threading.current_thread())
+        return stored_request(hub, message_id)
+
+    monkeypatch.setattr(Hub, "stored_request", probe)
+    word = "echo:" + "x" * 600  # a body of about 650 bytes, an output of 600 characters
+    async with running_server(fake_config(tmp_path, server={"max_body_bytes": 2000})) as state:
+        async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+            first = check_object(await client.post("/v1/responses", json={"model": "any", "input": word}))["id"]
+            second = check_object(await client.post("/v1/responses", json={
+                "model": "any", "input": word, "previous_response_id": first}))["id"]
+            count = await client.post("/v1/responses/input_tokens",
+                                      json={"model": "any", "input": "x", "previous_response_id": first})
+            assert count.status_code == 200
+            assert len(read_on) == 2 and threading.main_thread() not in read_on
+            # on the second: the two stored bodies and outputs are over 2000 bytes in all
+            error = check_error(await client.post("/v1/responses", json={
+                "model": "any", "input": "x", "previous_response_id": second}), 400, "previous_response_id")
+            assert "server.max_body_bytes (2000 bytes)" in error["message"]
+            assert len(read_on) == 4 and threading.main_thread() not in read_on

@@ -232,3 +232,15 @@ def test_renderer_text_then_a_call():
                    Finish(StopReason.MAX_TOKENS, Usage(3, 2))])
     assert cut[-1]["type"] == "response.incomplete" and cut[-1]["response"]["output"][0]["status"] == "incomplete"
     assert responses_surface.RESPONSES.content_json(()) == []
+
+
+async def test_a_response_that_ended_inside_a_call_cannot_be_chained_and_the_400_says_why(fake_server):
+    """Issue 36 (documented, not fixed): a response cut, cancelled or drained in the middle of a
+    call holds arguments that are not whole JSON; chaining on it is a 400 that says why."""
+    _state, client = fake_server
+    cut = check_object(await client.post("/v1/responses", json={**FORCED, "max_output_tokens": 16}))
+    assert cut["status"] == "incomplete" and cut["output"][0]["type"] == "function_call"
+    error = check_error(await client.post("/v1/responses", json={
+        "model": "any", "input": "go on", "previous_response_id": cut["id"]}), 400, "previous_response_id")
+    assert "ended in the middle of its call of 'get_weather'" in error["message"]
+    assert "cancelled" in error["message"] and "not a whole JSON object" in error["message"]
