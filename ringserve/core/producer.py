@@ -10,7 +10,7 @@ status (``core/status.py``), its content blocks, and when to persist them.
 It never awaits and never reads a clock: every move takes the current time
 (seconds, any monotonic clock) and returns a :class:`Step` saying which SSE
 entries to append, which safety check to ask, what to write to the store, and
-whether the message ended. The Trio shell (``live/hub.py``) performs the
+whether the message ended. The Trio shell (``live/produce.py``) performs the
 step and, for a check, hands the verdict back with :meth:`Producer.verdict`
 before the next move.
 

@@ -1,6 +1,6 @@
 """A message as its readers see it, live or stored: one frozen value.
 
-The hub builds it from a live message's producer (``live/hub.py``
+The hub builds it from a live message's producer (``live/message.py``
 ``LiveMessage.view``), from the store's row (``store/sqlite.py``
 ``StoredMessage.view``) or from what another replica shared; the HTTP
 decisions (``http/decide.py``) and every JSON body of a message

@@ -61,7 +61,7 @@ Protocol                       Redis
 memory cap                     ``maxmemory`` with ``volatile-ttl`` eviction.
 ``get(id)`` / ``find(id)``     ``get`` answers from what this process holds, so
                                it stays sync; ``find`` (awaitable, used by
-                               ``Hub.open_log``) also looks in Redis:
+                               ``Resume.open_log``) also looks in Redis:
                                ``XRANGE log:{id} - +`` (bounded by MAXLEN), and
                                gives a copy behind a resume's event id a bounded
                                time to catch up (:func:`wait_until_holds`).

@@ -164,7 +164,7 @@ class Surface(Protocol):
     def parse_request(self, body: Any) -> ParsedRequest: ...
 
     def restored(self, echo: str) -> Surface:
-        """The surface that renders a stored message again (``Hub.rebuilt``), from the ``echo`` the
+        """The surface that renders a stored message again (``live/resume.py`` ``rebuilt``), from the ``echo`` the
         route passed to ``Hub.create`` ("" for a surface with no state of its own)."""
         ...
 

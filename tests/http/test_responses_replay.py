@@ -1,7 +1,7 @@
 """Issue 15: a response's event stream stays replayable for as long as the response can be retrieved.
 
 Once its ring log has expired (ttl), left the ring (caps) or the process restarted, the stream is
-rebuilt from the store (``Hub.rebuilt``): the same seqs and the same bytes as the original read,
+rebuilt from the store (``live/resume.py`` ``rebuilt``): the same seqs and the same bytes as the original read,
 so ``starting_after=N`` and the SDK's ``responses.stream(response_id=..., starting_after=N)``
 (which re-reads from seq 0) work; a crash ends the rebuilt stream with the ``response.failed``
 that GET shows.

@@ -121,4 +121,4 @@ async def test_the_memory_backend_does_not_wait(autojump_clock):
     assert await store.find("m", 5) is log
     assert trio.current_time() == start
     with pytest.raises(ValueError):
-        log.read_from(5, limit=0)  # Hub.open_log: 400 "never sent", at once
+        log.read_from(5, limit=0)  # Resume.open_log: 400 "never sent", at once
