@@ -108,6 +108,11 @@ class ModelConfig:
     and without a prompt-prefix cache hit; ``on`` or ``auto`` (llama.cpp's
     choice: on where supported) may be faster, on GPUs above all, but a reply
     after a cache hit can then differ from a full prefill's.
+    ``chat_template_file`` is a file of Jinja source that replaces the GGUF's
+    chat template (``tokenizer.chat_template``); ``chat_format`` the name of the
+    model family whose output format (thinking markers, tool-call syntax) to
+    read, instead of the one detected from the template (``ringserve/formats``,
+    docs/formats.md). Empty: the GGUF's template, the detected family.
     """
 
     path: str = ""
@@ -117,6 +122,8 @@ class ModelConfig:
     flash_attn: str = attrs.field(default="off", validator=_one_of("auto", "on", "off"))
     strict_model_name: bool = False
     name: str = ""
+    chat_template_file: str = ""
+    chat_format: str = ""
 
 
 @attrs.frozen

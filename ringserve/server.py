@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
 import attrs
 import hypercorn.trio
@@ -38,7 +39,9 @@ def load_llama_engine(config: Config) -> Engine:
     """Load the configured GGUF (the bundled model when ``model.path`` is empty).
 
     Raises:
-        ModelFileError: the file is missing, unreadable or not GGUF (one-line message).
+        ModelFileError: the file is missing, unreadable or not GGUF, the
+            ``chat_template_file`` cannot be read, the chat template does not
+            compile or ``chat_format`` names no family (one-line message).
         EngineError: ``ctx_per_slot`` is above the model's trained context, or
             llama.cpp could not create the context (one line naming the settings).
     """
@@ -47,6 +50,12 @@ def load_llama_engine(config: Config) -> Engine:
 
     path = check_model_file(config.model.path or default_model_path())
     engine = config.engine
+    template = None
+    if config.model.chat_template_file:
+        try:
+            template = Path(config.model.chat_template_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ModelFileError(f"[model] chat_template_file cannot be read: {exc}", config.model.chat_template_file) from None
     try:
         return LlamaEngine(
             path,
@@ -58,6 +67,8 @@ def load_llama_engine(config: Config) -> Engine:
             use_extra_bufts=config.model.use_extra_bufts,
             flash_attn={"auto": None, "on": True, "off": False}[config.model.flash_attn],
             model_id=config.model.name or None,
+            chat_template=template,
+            chat_format=config.model.chat_format or None,
         )
     except EngineError as exc:  # name the settings behind the engine's sizes
         raise EngineError(f"[engine] slots = {engine.slots}, ctx_per_slot = {engine.ctx_per_slot}: {exc}") from None
@@ -243,10 +254,10 @@ async def _load(config: Config, engine_factory: Callable[[Config], Engine], back
     state.model_id = runner.model_id
     state.hub = hub
     log.info(
-        "ready: model %s, %d slots, %d tokens of context per slot, decode threads %d of %d cores,"
+        "ready: model %s, chat format %s, %d slots, %d tokens of context per slot, decode threads %d of %d cores,"
         " overlapped steps %s, GPU offload %s, at %s",
-        runner.model_id, config.engine.slots, runner.n_ctx_slot, threads, cores, "on" if overlap else "off",
-        engine.offload.describe(), ", ".join(state.urls),
+        runner.model_id, runner.chat_format.name, config.engine.slots, runner.n_ctx_slot, threads, cores,
+        "on" if overlap else "off", engine.offload.describe(), ", ".join(state.urls),
     )
     return hub
 

@@ -49,7 +49,7 @@ class BlockKind(enum.StrEnum):
 
     ``TEXT`` deltas are text; ``TOOL_CALL`` deltas are fragments of the call's
     arguments, JSON text (their concatenation is one JSON object);
-    ``REASONING`` is reserved for reasoning text (nothing emits it yet).
+    ``REASONING`` deltas are the text of the model's thinking (its markers removed).
     """
 
     TEXT = "text"

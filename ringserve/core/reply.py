@@ -1,15 +1,16 @@
 """From a generation's decoded text to its content-block events (sans-I/O).
 
 One :class:`ReplyStage` per generation sits after the detokenizer. It runs the
-tool-call parser (:mod:`ringserve.core.toolcalls`) when the request's tools
-may be called, the stop-string matcher (:mod:`ringserve.core.stop`) on the
-text outside calls (a stop string inside a call's arguments is not a stop),
-and has a :class:`~ringserve.core.blocks.BlockSequencer` number the blocks:
-text opens a ``TEXT`` block, a call closes it and is a ``TOOL_CALL`` block of
-its own (``BlockStart`` with the name and a fresh call
-id, ``BlockDelta`` per arguments fragment, ``BlockStop`` when the call is
-complete), and text after a call opens a new ``TEXT`` block. The order is the
-one :class:`~ringserve.core.events.BlockStart` documents.
+model format's output parser (:class:`~ringserve.core.toolcalls.OutputParser`,
+one per reply: ``ringserve/formats``), the stop-string matcher
+(:mod:`ringserve.core.stop`) on the text (a stop string inside a call's
+arguments or the reasoning is not a stop), and has a
+:class:`~ringserve.core.blocks.BlockSequencer` number the blocks: reasoning is
+a ``REASONING`` block, text a ``TEXT`` block, a call a ``TOOL_CALL`` block of its
+own (``BlockStart`` with the name and a fresh call id, ``BlockDelta`` per
+arguments fragment, ``BlockStop`` when the call is complete), and what follows
+a block of another kind opens a new one. The order is the one
+:class:`~ringserve.core.events.BlockStart` documents.
 
 How a generation ends:
 
@@ -19,7 +20,8 @@ How a generation ends:
   (:meth:`ReplyStage.finish` turns ``END`` into it);
 * the token budget inside a call: the call's block is stopped with the
   arguments decoded so far (they do not parse) and the reason stays
-  ``MAX_TOKENS`` / ``CONTEXT_FULL``, as the Anthropic API does;
+  ``MAX_TOKENS`` / ``CONTEXT_FULL``, as the Anthropic API does; inside the
+  reasoning, the reasoning block is stopped with what was decoded;
 * an end-of-generation token inside a call, or a call the parser cannot
   read: :class:`~ringserve.core.toolcalls.ToolCallError` (the runner fails
   the message).
@@ -36,7 +38,17 @@ import attrs
 from ringserve.core.blocks import BlockEvent, BlockSequencer
 from ringserve.core.events import BlockKind, StopReason
 from ringserve.core.stop import StopMatcher
-from ringserve.core.toolcalls import CallArgs, CallEnd, CallStart, Text, ToolCallError, ToolCallParser
+from ringserve.core.toolcalls import (
+    CallArgs,
+    CallEnd,
+    CallStart,
+    OutputParser,
+    Piece,
+    PlainText,
+    Reasoning,
+    Text,
+    ToolCallError,
+)
 
 __all__ = ["End", "ReplyStage", "new_call_id"]
 
@@ -60,23 +72,23 @@ class ReplyStage:
 
     Args:
         stops: the request's stop strings.
-        tools: the names of the tools the model may call; None: the reply is
-            not parsed for calls (no tools, or tool choice ``NONE``).
+        parser: the reply's output parser (the model format's, for the request's tools:
+            none, or tool choice ``NONE``, parses no calls); the default reads the reply as
+            plain text.
         parallel: more than one call may be made.
-        forced: the reply is decoded under a calls grammar (a forced tool), so it
-            is only calls: text held at the end as the start of a ``<tool_call>``
-            marker is that marker cut by the budget, and is dropped as a cut call
-            head is, never released as text.
+        forced: the reply is decoded under a calls grammar (a forced tool), so it is only
+            calls (after the thinking block): text held at the end as the start of a call's
+            marker is that marker cut by the budget, and is dropped as a cut call head is,
+            never released as text.
         new_id: makes call ids (tests pass a counter).
     """
 
     stops: tuple[str, ...] = ()
-    tools: frozenset[str] | None = None
+    parser: OutputParser = attrs.Factory(PlainText)
     parallel: bool = True
     forced: bool = False
     new_id: Callable[[], str] = new_call_id
     _stopper: StopMatcher = attrs.field(init=False)
-    _parser: ToolCallParser | None = attrs.field(init=False)
     _blocks: BlockSequencer = attrs.field(init=False, factory=BlockSequencer)
     _tokens: int = attrs.field(init=False, default=0)
     _calls: int = attrs.field(init=False, default=0)
@@ -84,7 +96,6 @@ class ReplyStage:
 
     def __attrs_post_init__(self) -> None:
         self._stopper = StopMatcher(self.stops)
-        self._parser = None if self.tools is None else ToolCallParser(self.tools)
 
     @property
     def calls(self) -> int:
@@ -104,11 +115,39 @@ class ReplyStage:
         """
         assert self._end is None, "feed after the end"
         out: list[BlockEvent] = []
-        pieces = [Text(text)] if self._parser is None else self._parser.feed(text)
+        self._pieces(out, self.parser.feed(text))
+        return out, self._end
+
+    def finish(self, reason: StopReason) -> tuple[list[BlockEvent], End]:
+        """The generation ended for ``reason`` (``END``, ``MAX_TOKENS``...): release held
+        text, stop the open block, and give the final reason (see the module docstring).
+
+        Raises:
+            ToolCallError: ``END`` inside a call, or held text that breaks the syntax.
+        """
+        out: list[BlockEvent] = []
+        if self._end is None:
+            pieces = self.parser.flush()
+            if self.parser.in_call and reason is StopReason.END:
+                raise ToolCallError("the reply ended inside a tool call")
+            if self.forced:
+                pieces = [p for p in pieces if not isinstance(p, Text)]
+            self._pieces(out, pieces)
+        if self._end is None:
+            self._release_held(out)
+            self._end = End(StopReason.TOOL_USE if reason is StopReason.END and self._calls else reason)
+        out += self._blocks.end()
+        return out, self._end
+
+    def _pieces(self, out: list[BlockEvent], pieces: list[Piece]) -> None:
         for piece in pieces:
             match piece:
                 case Text():
                     self._text(out, piece.text)
+                case Reasoning():
+                    if self._blocks.open_kind is not BlockKind.REASONING:
+                        self._release_held(out)
+                    self._delta(out, BlockKind.REASONING, piece.text)
                 case CallStart():
                     self._release_held(out)
                     out += self._blocks.start(BlockKind.TOOL_CALL, name=piece.name, call_id=self.new_id())
@@ -123,30 +162,7 @@ class ReplyStage:
                     assert_never(piece)
             if self._end is not None:
                 out += self._blocks.stop()
-                break
-        return out, self._end
-
-    def finish(self, reason: StopReason) -> tuple[list[BlockEvent], End]:
-        """The generation ended for ``reason`` (``END``, ``MAX_TOKENS``...): release held
-        text, stop the open block, and give the final reason (see the module docstring).
-
-        Raises:
-            ToolCallError: ``END`` inside a call.
-        """
-        out: list[BlockEvent] = []
-        parser = self._parser
-        if parser is not None:
-            if parser.in_call and reason is StopReason.END:
-                raise ToolCallError("the reply ended inside a tool call")
-            for piece in parser.flush():
-                assert isinstance(piece, Text)
-                if not self.forced:
-                    self._text(out, piece.text)
-        if self._end is None:
-            self._release_held(out)
-            self._end = End(StopReason.TOOL_USE if reason is StopReason.END and self._calls else reason)
-        out += self._blocks.end()
-        return out, self._end
+                return
 
     def _text(self, out: list[BlockEvent], text: str) -> None:
         if self._end is not None:
@@ -158,7 +174,7 @@ class ReplyStage:
             self._end = End(StopReason.STOP_SEQUENCE, match.stop)
 
     def _release_held(self, out: list[BlockEvent]) -> None:
-        """Text held back as a possible stop string is text: a call (or the end) follows it."""
+        """Text held back as a possible stop string is text: another block (or the end) follows it."""
         held = self._stopper.flush()
         if held:
             self._delta(out, BlockKind.TEXT, held)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 
@@ -53,7 +54,10 @@ __all__ = [
     "CallStart",
     "JsonScan",
     "OPEN_MARK",
+    "OutputParser",
     "Piece",
+    "PlainText",
+    "Reasoning",
     "Text",
     "ToolCallError",
     "ToolCallParser",
@@ -175,7 +179,48 @@ class CallEnd:
     """The open call is complete: its arguments parsed as a JSON object."""
 
 
-Piece = Text | CallStart | CallArgs | CallEnd
+@attrs.frozen
+class Reasoning:
+    """Text of the reply's thinking block (its markers removed)."""
+
+    text: str
+
+
+Piece = Text | Reasoning | CallStart | CallArgs | CallEnd
+"""What an output parser gives: text, reasoning, and the tool calls as a start (the tool's
+name), fragments of the arguments' JSON text (their concatenation is one JSON object) and an
+end."""
+
+
+class OutputParser(Protocol):
+    """Splits one reply's streamed text into :data:`Piece` values, in order (a model family's
+    parser: ``ringserve/formats``; :class:`ToolCallParser` is the generic format's). No marker
+    ever reaches a piece: text that may be the start of one is held back until it is decided."""
+
+    @property
+    def in_call(self) -> bool:
+        """A call's opening marker was seen and the call is not complete."""
+
+    @property
+    def in_reasoning(self) -> bool:
+        """The reply is inside its thinking block (its end marker not seen yet)."""
+
+    def feed(self, text: str) -> list[Piece]:
+        """Add decoded text; return the pieces it completes, in order.
+
+        Raises:
+            ToolCallError: a call that cannot be read.
+        """
+
+    def flush(self) -> list[Piece]:
+        """End of the reply: release held text (a call that is not complete stays so:
+        :attr:`in_call` tells; a closing marker cut after a complete call is dropped). No
+        more feeds.
+
+        Raises:
+            ToolCallError: text outside any call that breaks the syntax (a section of calls
+                that goes on with other text).
+        """
 
 
 @attrs.define
@@ -214,6 +259,26 @@ class JsonScan:
                     break
         self.depth, self.in_string, self.escape = depth, in_string, escape
         return end
+
+
+@attrs.define(eq=False)
+class PlainText:
+    """The :class:`OutputParser` of a reply that is text as it comes (the generic format
+    without tools: no markers to read)."""
+
+    @property
+    def in_call(self) -> bool:
+        return False
+
+    @property
+    def in_reasoning(self) -> bool:
+        return False
+
+    def feed(self, text: str) -> list[Piece]:
+        return [Text(text)] if text else []
+
+    def flush(self) -> list[Piece]:
+        return []
 
 
 class ToolCallError(Exception):
@@ -260,6 +325,11 @@ class ToolCallParser:
     def in_call(self) -> bool:
         """A call has begun (its marker was seen) and is not complete."""
         return self._state != _State.TEXT
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Never: the generic format has no thinking block."""
+        return False
 
     @property
     def in_arguments(self) -> bool:

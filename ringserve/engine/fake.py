@@ -51,12 +51,18 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from ringserve.core.batch import Sampled, SlotFeed
-from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
+from ringserve.core.events import ChatMessage, GenerationRequest, SamplingParams
+from ringserve.core.toolcalls import CLOSE_MARK, plain_messages
 from ringserve.engine.examples import example
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
-from ringserve.core.toolcalls import CLOSE_MARK, plain_messages
 from ringserve.core.offload import Offload
-from ringserve.engine.protocol import EngineError, KVCacheFull
+from ringserve.core.toolcalls import CLOSE_MARK, plain_messages
+from ringserve.engine.protocol import ChatPrompt, EngineError, KVCacheFull
+from ringserve.formats.base import ChatFormat
+from ringserve.formats.detect import detect
+from ringserve.formats.families import FAMILIES
+from ringserve.formats.prompt import render_request
+from ringserve.formats.template import ChatTemplate, TemplateRenderError
 
 __all__ = ["DEFAULT_REPLY", "EOG_TOKEN", "Begin", "DecodeCall", "FakeEngine", "Switched"]
 
@@ -161,6 +167,14 @@ class FakeEngine:
             every grammar switch in :attr:`switches`, for the tests that read them; False
             for a long run, which they would grow without bound (``bench/fake_server.py``:
             about 13 KiB per short response).
+        chat_format: the name of the model family whose output format the runner reads
+            the replies with (:data:`~ringserve.formats.families.FAMILIES`); None: the one
+            detected from ``chat_template``, else ``generic``.
+        chat_template: a chat template's Jinja source: the prompt is then rendered with it
+            (:func:`~ringserve.formats.prompt.render_request`) and tokenized one token per
+            byte; None: the ``"<|role|>content\\n"`` lines.
+        generation_prompt: text after those lines (``"<think>\\n"`` opens the thinking
+            block of a ``<think>`` format).
 
     Thread safety: every method but :meth:`tokenize_chat` takes one lock, so
     a test may read :meth:`kv_cells_used` while the runner's worker thread
@@ -187,6 +201,9 @@ class FakeEngine:
         reply: str | Callable[[str], str] | None = None,
         tokenize_hook: Callable[[], object] | None = None,
         record: bool = True,
+        chat_format: str | None = None,
+        chat_template: str | None = None,
+        generation_prompt: str = "",
     ) -> None:
         if n_slots < 1 or n_ctx_slot < 1 or n_batch < 1 or piece_bytes < 1:
             raise ValueError("n_slots, n_ctx_slot, n_batch and piece_bytes must be >= 1")
@@ -214,6 +231,14 @@ class FakeEngine:
         self._vocab: dict[bytes, int] = {}
         self._pieces: dict[int, bytes] = {EOG_TOKEN: b""}
         self._crashed = False
+        self.chat_template = None if chat_template is None else ChatTemplate(chat_template)
+        self.generation_prompt = generation_prompt
+        if chat_format is not None:
+            self.chat_format: ChatFormat = FAMILIES[chat_format]
+        else:
+            self.chat_format = detect(chat_template) if chat_template is not None else FAMILIES["generic"]
+        markers = self.chat_format.reasoning
+        self.reasoning_close = () if markers is None else (self._token_for(markers.closing.encode("utf-8")),)
 
     # -- tokens --------------------------------------------------------------
 
@@ -222,19 +247,30 @@ class FakeEngine:
         """The prompt text: one ``"<|role|>content\\n"`` line per message."""
         return "".join(f"<|{m.role}|>{m.content}\n" for m in messages)
 
-    def tokenize_chat(
-        self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (), choice: ToolChoice = ToolChoice()
-    ) -> list[int]:
-        """One token per UTF-8 byte of :meth:`render_chat` of the :func:`plain_messages`
-        (token id = byte value).
+    def tokenize_chat(self, request: GenerationRequest) -> ChatPrompt:
+        """One token per UTF-8 byte (token id = byte value) of :meth:`render_chat` of the
+        :func:`plain_messages` and the ``generation_prompt``, or of the ``chat_template``'s
+        rendering; the prompt opened the format's thinking block where its end is that
+        block's opening marker (:meth:`~ringserve.formats.base.ReasoningMarkers.opened_by`).
 
         Raises:
-            ValueError: as :func:`plain_messages`.
+            ValueError: as :func:`plain_messages`, or the template refused the request.
         """
         self._check_open()
         if self.tokenize_hook is not None:
             self.tokenize_hook()
-        return list(self.render_chat(plain_messages(messages, tools, choice)).encode("utf-8"))
+        if self.chat_template is not None:
+            try:
+                rendered = render_request(self.chat_template, self.chat_format, request)
+            except TemplateRenderError as exc:
+                raise ValueError(str(exc)) from None
+            text, opened = rendered.prompt.text, rendered.reasoning_open
+        else:
+            plain = plain_messages(request.messages, request.tools, request.tool_choice)
+            text = self.render_chat(plain) + self.generation_prompt
+            markers = self.chat_format.reasoning
+            opened = markers is not None and markers.opened_by(text)
+        return ChatPrompt(text, tuple(text.encode("utf-8")), opened)
 
     def reply_for(self, last_user_text: str) -> str:
         """The reply the fake gives to a last user message (see the module docstring)."""

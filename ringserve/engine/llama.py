@@ -45,19 +45,32 @@ from ringserve.engine._native import llama_cpp as lc
 
 from ringserve.config import decode_threads
 from ringserve.core.batch import Sampled, SlotFeed
-from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
-from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
+from ringserve.core.events import ChatMessage, GenerationRequest, SamplingParams
 from ringserve.core.toolcalls import plain_messages
+from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.engine.modelfile import ModelFileError, check_model_file
 from ringserve.core.offload import ALL_LAYERS, plan_offload
-from ringserve.engine.protocol import EngineError, KVCacheFull
+from ringserve.engine.protocol import ChatPrompt, EngineError, KVCacheFull
+from ringserve.formats.base import ChatFormat
+from ringserve.formats.detect import detect
+from ringserve.formats.families import FAMILIES
+from ringserve.formats.prompt import render_request
+from ringserve.formats.template import (
+    ChatTemplate,
+    SpecialToken,
+    SpecialTokens,
+    TemplateLoadError,
+    TemplateRenderError,
+    prompt_fragments,
+)
 
 __all__ = ["ChatTemplateError", "LlamaEngine"]
 
 log = logging.getLogger("ringserve.engine")
 
 FALLBACK_CHAT_TEMPLATE = b"chatml"
-"""llama.cpp built-in template used when the GGUF has no ``tokenizer.chat_template``."""
+"""llama.cpp's built-in template (``llama_chat_apply_template``), used when the GGUF has no
+``tokenizer.chat_template`` and none is configured."""
 
 _DECODE_ERRORS = {
     2: "llama_decode aborted",
@@ -129,7 +142,8 @@ def gpu_devices() -> tuple[str, ...]:
 
 
 class ChatTemplateError(ModelFileError):
-    """The GGUF's chat template is one llama.cpp cannot apply (one line, names the path)."""
+    """The model's chat template cannot be loaded, or the configured chat format is not a
+    family ringserve knows (one line, names the path)."""
 
 
 def _address(pointer: Any) -> int:
@@ -170,6 +184,12 @@ class LlamaEngine:
             prompt fed in other batch shapes) can differ from a full
             prefill's; off, it does not.
         model_id: name reported to clients; default the file's stem.
+        chat_template: the chat template's Jinja source, over the GGUF's
+            ``tokenizer.chat_template`` (``[model] chat_template_file``); None:
+            the GGUF's.
+        chat_format: the name of the model's family
+            (:data:`~ringserve.formats.families.FAMILIES`), over the one
+            detected from the template (``[model] chat_format``); None: detected.
 
     Attributes:
         model_id, n_slots, n_ctx_slot, n_batch: as the arguments
@@ -194,13 +214,22 @@ class LlamaEngine:
         offload: the layers on GPU devices (:func:`~ringserve.core.offload.plan_offload`
             from ``n_gpu_layers``, ``llama_model_n_layer`` and :func:`gpu_devices`).
         path: the checked, absolute model path.
+        chat_template: the loaded chat template; None when the GGUF has none
+            and none was configured (llama.cpp's ChatML is then used, with
+            the generic format).
+        chat_format: the model's format: the configured family, else the one
+            :func:`~ringserve.formats.detect.detect` finds in the template
+            (the generic one without a template).
+        reasoning_close: the tokens of the format's
+            :attr:`~ringserve.formats.base.ReasoningMarkers.closing` (empty
+            for a format without a thinking block).
 
     Raises:
         ModelFileError: the file is missing, unreadable or not GGUF, or
             llama.cpp could not load it (the message suggests a lower
             ``n_gpu_layers`` when layers were to go to a GPU).
-        ChatTemplateError: the model's chat template is not one llama.cpp
-            supports.
+        ChatTemplateError: the chat template does not compile, or
+            ``chat_format`` names no family.
         ValueError: a size argument is out of range.
         EngineError: ``n_ctx_slot`` is above ``n_ctx_train`` (refused, as
             a context past it gives garbage and may not fit in memory), or
@@ -219,6 +248,8 @@ class LlamaEngine:
         use_extra_bufts: bool = False,
         flash_attn: bool | None = False,
         model_id: str | None = None,
+        chat_template: str | None = None,
+        chat_format: str | None = None,
     ) -> None:
         self._model = None
         self._ctx = None
@@ -263,8 +294,9 @@ class LlamaEngine:
             self._vocab = lc.llama_model_get_vocab(self._model)
             self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
             self._bos = lc.llama_vocab_bos(self._vocab)
-            self.max_token_bytes = self._longest_piece()
-            self._template = self._resolve_template()
+            self._add_bos = bool(lc.llama_vocab_get_add_bos(self._vocab))
+            self.max_token_bytes, specials = self._scan_vocab()
+            self._load_chat(chat_template, chat_format, specials)
             self.n_ctx_train = lc.llama_model_n_ctx_train(self._model)
             if n_ctx_slot > self.n_ctx_train > 0:
                 # Refused before llama.cpp allocates n_slots * n_ctx_slot KV cells (GBs for a typo).
@@ -323,112 +355,141 @@ class LlamaEngine:
 
     # -- chat template and tokens ------------------------------------------
 
-    def _resolve_template(self) -> bytes:
-        """The GGUF's chat template if llama.cpp can apply it, else :data:`FALLBACK_CHAT_TEMPLATE`.
-
-        Raises:
-            ChatTemplateError: the GGUF has a template llama.cpp does not recognise.
-        """
-        tmpl = lc.llama_model_chat_template(self._model, None)
-        if not tmpl:
-            return FALLBACK_CHAT_TEMPLATE
-        probe = (lc.llama_chat_message * 1)(lc.llama_chat_message(b"user", b"hi"))
-        if lc.llama_chat_apply_template(tmpl, probe, 1, True, None, 0) < 0:
-            raise ChatTemplateError(
-                f"the model's chat template is not supported by llama.cpp: {self.path}", self.path
-            )
-        return tmpl
-
-    def _longest_piece(self) -> int | None:
-        """Bytes of the longest token piece, for BPE and SPM vocabularies (None for others)."""
-        if lc.llama_vocab_type(self._vocab) not in (lc.LLAMA_VOCAB_TYPE_SPM, lc.LLAMA_VOCAB_TYPE_BPE):
-            return None
+    def _scan_vocab(self) -> tuple[int | None, SpecialTokens]:
+        """One pass over the vocabulary: the bytes of the longest token piece (for BPE and SPM
+        vocabularies; None for others) and the special tokens (control and unknown ones, the
+        tokens only ``parse_special`` makes: the chat template's markers)."""
+        byte_sized = lc.llama_vocab_type(self._vocab) in (lc.LLAMA_VOCAB_TYPE_SPM, lc.LLAMA_VOCAB_TYPE_BPE)
+        special_attrs = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN
         buf = ctypes.create_string_buffer(256)
         longest = 1
+        specials = []
         for token in range(self.n_vocab):
-            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-            longest = max(longest, abs(n))  # negative: the piece needs -n bytes
-        return longest
+            if byte_sized:
+                n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+                longest = max(longest, abs(n))  # negative: the piece needs -n bytes
+            attr = lc.llama_vocab_get_attr(self._vocab, token)
+            if attr & special_attrs:
+                text = self._special_text(token)
+                if text:
+                    specials.append(SpecialToken(text, lstrip=bool(attr & lc.LLAMA_TOKEN_ATTR_LSTRIP),
+                                                 rstrip=bool(attr & lc.LLAMA_TOKEN_ATTR_RSTRIP)))
+        return (longest if byte_sized else None), SpecialTokens(specials)
 
-    def tokenize_chat(
-        self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (), choice: ToolChoice = ToolChoice()
-    ) -> list[int]:
-        """Render ``messages`` with the model's chat template and tokenize the result.
+    def _special_text(self, token: int) -> str:
+        """A token's text with special tokens rendered (``<|im_start|>``), ``""`` for none."""
+        if token < 0:
+            return ""
+        buf = ctypes.create_string_buffer(256)
+        n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+        return buf.raw[:n].decode("utf-8", errors="replace")
 
-        Tools, ``tool`` turns and assistant ``tool_calls`` are first rendered as
-        text in the generic format of :mod:`ringserve.core.toolcalls`
-        (:func:`~ringserve.core.toolcalls.plain_messages`): llama.cpp's
-        ``llama_chat_apply_template`` has no tools parameter.
-
-        Safe to call while another thread decodes: it reads only the
-        vocabulary and the chat template (llama.cpp's ``llama_tokenize`` keeps
-        its working state per call; ``tools/server`` tokenizes on its HTTP
-        threads while the main loop decodes).
-
-        See :meth:`render_chat` for the template. Only the template's own text
-        is tokenized with special tokens parsed (``parse_special=True``);
-        message contents are tokenized as plain text, so a message holding
-        ``<|im_end|>`` or ``<|im_start|>system`` cannot forge a turn. BOS is
-        added if the model asks for it (a BOS the template already wrote is
-        not doubled).
-
-        When the last message is the assistant's, its turn is left open
-        (assistant prefill, as the Anthropic Messages API does): no generation
-        prompt is added, the template's end-of-turn after it is cut, and the
-        reply continues that text.
-
-        Args:
-            messages: the conversation, oldest first.
-
-        Returns:
-            The prompt as token ids.
+    def _load_chat(self, source: str | None, family: str | None, specials: SpecialTokens) -> None:
+        """The chat template (``source``, else the GGUF's), the format (``family``, else the
+        detected one) and the tokens that close its thinking block.
 
         Raises:
-            ValueError: as :meth:`render_chat` and :func:`plain_messages`.
+            ChatTemplateError: the template does not compile, or ``family`` is unknown.
         """
-        messages = plain_messages(messages, tools, choice)
-        for i, m in enumerate(messages):
+        if source is None:
+            raw = lc.llama_model_chat_template(self._model, None)
+            source = raw.decode("utf-8", errors="replace") if raw else None
+        self.chat_template: ChatTemplate | None = None
+        if source:
+            try:
+                self.chat_template = ChatTemplate(
+                    source,
+                    bos_token=self._special_text(self._bos),
+                    eos_token=self._special_text(lc.llama_vocab_eos(self._vocab)),
+                    special_tokens=specials,
+                    strip_bos=self._add_bos,
+                    strip_eos=bool(lc.llama_vocab_get_add_eos(self._vocab)),
+                )
+            except TemplateLoadError as exc:
+                raise ChatTemplateError(f"{exc}: {self.path}", self.path) from None
+        if family is not None:
+            if family not in FAMILIES:
+                raise ChatTemplateError(
+                    f"unknown chat format {family!r} (one of {', '.join(sorted(FAMILIES))}): {self.path}", self.path
+                )
+            self.chat_format: ChatFormat = FAMILIES[family]
+        else:
+            self.chat_format = detect(source) if source else FAMILIES["generic"]
+        markers = self.chat_format.reasoning
+        self.reasoning_close = () if markers is None else tuple(self.tokenize(markers.closing, parse_special=True))
+
+    def tokenize_chat(self, request: GenerationRequest) -> ChatPrompt:
+        """Render the request with the model's chat template and tokenize the result.
+
+        The template is rendered by :func:`~ringserve.formats.prompt.render_request` (where
+        the tools go, the reasoning switches, a final assistant turn left open), and the
+        prompt is tokenized as llama-server tokenizes it: BOS if the model asks for it, then
+        the template's text with its special tokens parsed, and the request's own text
+        (message contents, tools, kwargs) as plain text
+        (:func:`~ringserve.formats.template.prompt_fragments`), so a message holding
+        ``<|im_end|>`` or ``<|im_start|>system`` cannot forge a turn.
+
+        A model without a template (and none configured) is rendered by llama.cpp's
+        ``llama_chat_apply_template`` with ChatML (:meth:`_tokenize_builtin`).
+
+        Safe to call while another thread decodes: it reads only the vocabulary and the
+        chat template (llama.cpp's ``llama_tokenize`` keeps its working state per call;
+        ``tools/server`` tokenizes on its HTTP threads while the main loop decodes).
+
+        Raises:
+            ValueError: a NUL character in a message, a template that refused the request
+                or failed on it (the message says why), a call's arguments that are not JSON.
+        """
+        for i, m in enumerate(request.messages):
             if "\x00" in m.content:
                 raise ValueError(f"message {i} contains a NUL character")
+        template = self.chat_template
+        if template is None:
+            return self._tokenize_builtin(plain_messages(request.messages, request.tools, request.tool_choice))
+        try:
+            rendered = render_request(template, self.chat_format, request)
+        except TemplateRenderError as exc:
+            raise ValueError(str(exc)) from None
+        tokens = [self._bos] if self._add_bos else []
+        for text, special in prompt_fragments(rendered.prompt, template.special_tokens):
+            tokens += self.tokenize(text, parse_special=special)
+        return ChatPrompt(rendered.prompt.text, tuple(tokens), rendered.reasoning_open)
+
+    def _tokenize_builtin(self, messages: Sequence[ChatMessage]) -> ChatPrompt:
+        """A prompt rendered by llama.cpp's built-in ChatML: the template's text with special
+        tokens parsed, the contents as plain text; BOS if the model asks for it (not doubled).
+        A final assistant turn stays open (no end-of-turn after it)."""
         marker = f"\x01{secrets.token_hex(8)}:"
         holders = [ChatMessage(m.role, f"{marker}{i}\x01") for i, m in enumerate(messages)]
         prefill = messages[-1].role == "assistant" if messages else False
-        text = self.render_chat(holders, add_generation_prompt=not prefill)
+        text = self._apply_builtin(holders, add_generation_prompt=not prefill)
         parts = re.split(re.escape(marker) + r"(\d+)\x01", text)
         if len(parts) != 2 * len(messages) + 1:
             raise ValueError("the chat template did not copy every message verbatim")
         if prefill:
             parts[-1] = ""  # the assistant's turn stays open
         tokens: list[int] = []
+        texts: list[str] = []
         for j, part in enumerate(parts):
             if j % 2:  # a message's content: plain text
-                tokens += self.tokenize(messages[int(part)].content, parse_special=False)
+                content = messages[int(part)].content
+                texts.append(content)
+                tokens += self.tokenize(content, parse_special=False)
             elif part:  # the template's own text: markers are special tokens
+                texts.append(part)
                 tokens += self.tokenize(part, add_special=j == 0, parse_special=True)
         if len(tokens) >= 2 and tokens[0] == tokens[1] == self._bos:
             del tokens[0]  # the template already wrote BOS as text
-        return tokens
+        return ChatPrompt("".join(texts), tuple(tokens))
 
-    def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the model's chat template (generation prompt appended by default).
-
-        The template is the GGUF's ``tokenizer.chat_template`` as llama.cpp's
-        ``llama_chat_apply_template`` understands it: llama.cpp recognises
-        known template families and does not run Jinja, so a template's
-        extras (such as SmolLM2's default system prompt) are not added. A
-        model without a template falls back to llama.cpp's ChatML; a
-        template llama.cpp does not know fails at construction
-        (:class:`ChatTemplateError`).
-
-        Args:
-            messages: the conversation, oldest first.
-
-        Returns:
-            The prompt text.
+    def _apply_builtin(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
+        """``messages`` through ``llama_chat_apply_template`` with :data:`FALLBACK_CHAT_TEMPLATE`.
 
         Raises:
-            ValueError: no messages, a NUL character in a message, or
-                llama.cpp failed to apply the template to these messages.
+            ValueError: no messages, or llama.cpp failed to apply the template.
         """
         self._check_open()
         if not messages:
@@ -436,15 +497,13 @@ class LlamaEngine:
         chat = (lc.llama_chat_message * len(messages))()
         size = 256
         for i, m in enumerate(messages):
-            if "\x00" in m.content:
-                raise ValueError(f"message {i} contains a NUL character")
             content = m.content.encode("utf-8")
             chat[i].role = m.role.encode("ascii")
             chat[i].content = content
             size += 2 * len(content) + 32
         while True:
             buf = ctypes.create_string_buffer(size)
-            n = lc.llama_chat_apply_template(self._template, chat, len(messages), add_generation_prompt, buf, size)
+            n = lc.llama_chat_apply_template(FALLBACK_CHAT_TEMPLATE, chat, len(messages), add_generation_prompt, buf, size)
             if n < 0:
                 raise ValueError("llama.cpp could not apply the chat template to these messages")
             if n <= size:
@@ -481,7 +540,9 @@ class LlamaEngine:
             cap = -n
 
     def token_piece(self, token: int) -> bytes:
-        """Raw bytes of ``token`` as generated text (special tokens render empty)."""
+        """Raw bytes of ``token`` as generated text: its piece, special tokens' text included
+        (``<|channel|>``, ``[TOOL_CALLS]``: the formats' parsers read them), except the
+        end-of-generation tokens', which render empty."""
         return self._piece(token)[0]
 
     def token_is_eog(self, token: int) -> bool:
@@ -493,12 +554,13 @@ class LlamaEngine:
         hit = self._pieces.get(token)
         if hit is not None:
             return hit
+        eog = bool(lc.llama_vocab_is_eog(self._vocab, token))
         buf = self._piece_buf
-        n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, not eog)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-        hit = (buf.raw[:n], bool(lc.llama_vocab_is_eog(self._vocab, token)))
+            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, not eog)
+        hit = (buf.raw[:n], eog)
         self._pieces[token] = hit
         return hit
 
@@ -644,8 +706,8 @@ class LlamaEngine:
 
         Returns:
             One :class:`Sampled` per feed with ``sample=True``, in feed order.
-            ``piece`` is the token's text bytes (empty for special tokens such
-            as ``<|im_end|>``); ``eog`` marks an end-of-generation token.
+            ``piece`` is the token's text bytes (:meth:`token_piece`: empty for
+            an end-of-generation token such as ``<|im_end|>``); ``eog`` marks one.
 
         Raises:
             ValueError: too many tokens, an empty feed, a slot out of range or

@@ -31,9 +31,27 @@ from typing import Protocol
 import attrs
 
 from ringserve.core.batch import Sampled, SlotFeed
-from ringserve.core.events import ChatMessage, SamplingParams, ToolChoice, ToolSpec
+from ringserve.core.events import GenerationRequest, SamplingParams
 from ringserve.engine.gbnf import Constraint, LazyCalls
 from ringserve.core.offload import Offload
+from ringserve.formats.base import ChatFormat
+
+
+@attrs.frozen
+class ChatPrompt:
+    """A request's prompt as the engine renders it.
+
+    Attributes:
+        text: the rendered prompt (the chat template's output; special tokens as text).
+        tokens: its token ids, as decoded.
+        reasoning_open: the prompt opens the model's thinking block and leaves it open
+            (:meth:`~ringserve.formats.base.ReasoningMarkers.opened_by`), so the reply starts
+            inside it.
+    """
+
+    text: str
+    tokens: tuple[int, ...]
+    reasoning_open: bool = False
 
 
 class EngineError(Exception):
@@ -71,17 +89,22 @@ class Engine(Protocol):
     and ``begin`` may copy one from another slot; False for models whose memory cannot
     drop a sequence's tail (recurrent, hybrid or sliding-window attention)."""
 
-    def tokenize_chat(
-        self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (), choice: ToolChoice = ToolChoice()
-    ) -> list[int]:
-        """Render ``messages`` with the model's chat template (generation prompt added) and tokenize.
+    chat_format: ChatFormat
+    """The model's output format (its family: thinking markers, call syntax, parser and
+    call grammar), chosen once at load (:func:`ringserve.formats.detect.detect`)."""
 
-        ``tool`` turns, assistant ``tool_calls`` and the ``tools`` themselves
-        (unless ``choice`` is ``NONE``) are rendered as text first
+    def tokenize_chat(self, request: GenerationRequest) -> ChatPrompt:
+        """Render the request's conversation with the model's chat template (generation prompt
+        added, or the last assistant turn left open) and tokenize it.
+
+        The tools go to the template where the format has a call syntax of its own;
+        otherwise ``tool`` turns, assistant ``tool_calls`` and the tools (unless the tool
+        choice is ``NONE``) are first rendered as text in ringserve's generic format
         (:func:`ringserve.core.toolcalls.plain_messages`).
 
         Raises:
-            ValueError: the messages cannot be rendered.
+            ValueError: the request cannot be rendered (the message says why: a template
+                that refused it, a call's arguments that are not JSON...).
         """
 
     def begin(

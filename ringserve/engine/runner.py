@@ -92,8 +92,10 @@ from ringserve.core.blocks import BlockEvent
 from ringserve.core.reply import End, ReplyStage
 from ringserve.core.scheduler import Entry, Plan, Scheduler, SlotState
 from ringserve.core.toolcalls import ToolCallError
-from ringserve.engine.protocol import Engine, EngineError, KVCacheFull
+from ringserve.engine.protocol import ChatPrompt, Engine, EngineError, KVCacheFull
 from ringserve.engine.thread import EngineThread
+from ringserve.formats.base import ChatFormat
+from ringserve.formats.generic import GENERIC
 
 __all__ = ["Generation", "Prepared", "Runner", "RunnerStatistics"]
 
@@ -120,6 +122,9 @@ class Prepared:
             :attr:`StopReason.MAX_TOKENS`.
         constraint: the grammar the reply is decoded under
             (:func:`~ringserve.engine.gbnf.constraint_for`), or None.
+        chat_format: the model's format: the reply is read by its parser.
+        reasoning_open: the prompt left the format's thinking block open (the
+            reply starts inside it).
     """
 
     request: GenerationRequest
@@ -127,6 +132,8 @@ class Prepared:
     max_tokens: int
     context_bound: bool = False
     constraint: Constraint | LazyCalls | None = None
+    chat_format: ChatFormat = GENERIC
+    reasoning_open: bool = False
 
 
 @attrs.frozen
@@ -221,12 +228,13 @@ class Generation:
 
     def __attrs_post_init__(self) -> None:
         if self._stage is None:
-            request = self.prepared.request
+            prepared = self.prepared
+            request = prepared.request
             choice = request.tool_choice
             parsed = bool(request.tools) and choice.mode is not ToolChoiceMode.NONE
             self._stage = ReplyStage(
                 request.stop,
-                frozenset(t.name for t in request.tools) if parsed else None,
+                prepared.chat_format.parser(request.tools if parsed else None, reasoning_open=prepared.reasoning_open),
                 parallel=choice.parallel and choice.mode is not ToolChoiceMode.NAMED,
                 forced=parsed and choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED),
             )
@@ -391,6 +399,11 @@ class Runner:
         return self._engine.model_id
 
     @property
+    def chat_format(self) -> ChatFormat:
+        """The model's output format (its family)."""
+        return self._engine.chat_format
+
+    @property
     def n_ctx_slot(self) -> int:
         """KV cells (tokens) per slot: prompt plus generated tokens must fit."""
         return self._engine.n_ctx_slot
@@ -468,9 +481,11 @@ class Runner:
                 does not enforce, a forced tool that is not among the tools).
                 Nothing is enqueued.
 
-        The tools and tool choice are rendered into the prompt by the
-        engine (:func:`ringserve.core.toolcalls.plain_messages`), so the
-        prompt tokens (``usage.input_tokens``) count them.
+        The tools are rendered into the prompt by the engine (by the model's
+        chat template, or :func:`ringserve.core.toolcalls.plain_messages`), so
+        the prompt tokens (``usage.input_tokens``) count them. The prepared
+        request carries the model's format and whether the prompt opened its
+        thinking block, for the reply's parser.
         """
         constraint = await trio.to_thread.run_sync(
             constraint_for, request, limiter=self._tokenize_limiter, abandon_on_cancel=False
@@ -489,21 +504,13 @@ class Runner:
                 )
         self._tokenizing += 1
         try:
-            tokens = await trio.to_thread.run_sync(
-                self._engine.tokenize_chat,
-                request.messages,
-                request.tools,
-                request.tool_choice,
-                limiter=self._tokenize_limiter,
-                abandon_on_cancel=False,
-            )
-        except ValueError as exc:  # the engine's "cannot render these messages"
-            raise invalid(f"the messages cannot be rendered: {exc}", PROMPT_PARAM) from None
+            prompt = await self._tokenize(request)
         finally:
             self._tokenizing -= 1
             self._tokenize_ended += 1
             self._tokenized.set()
             self._tokenized = trio.Event()
+        tokens = prompt.tokens
         n_prompt = len(tokens)
         if n_prompt == 0:
             raise invalid("the prompt is empty", PROMPT_PARAM)
@@ -515,9 +522,25 @@ class Runner:
             )
         room = ctx - n_prompt
         asked = request.max_tokens
-        if asked is None or asked > room:
-            return Prepared(request, tuple(tokens), room, context_bound=True, constraint=constraint)
-        return Prepared(request, tuple(tokens), asked, constraint=constraint)
+        budget = room if asked is None or asked > room else asked
+        return Prepared(
+            request, tokens, budget, context_bound=budget != asked, constraint=constraint,
+            chat_format=self.chat_format, reasoning_open=prompt.reasoning_open,
+        )
+
+    async def _tokenize(self, request: GenerationRequest) -> ChatPrompt:
+        """``engine.tokenize_chat`` on a worker thread under the tokenizer's limiter.
+
+        Raises:
+            RingserveError: ``INVALID_REQUEST`` naming ``messages``: the engine cannot
+                render the request (it says why).
+        """
+        try:
+            return await trio.to_thread.run_sync(
+                self._engine.tokenize_chat, request, limiter=self._tokenize_limiter, abandon_on_cancel=False
+            )
+        except ValueError as exc:  # the engine's "cannot render these messages"
+            raise invalid(f"the messages cannot be rendered: {exc}", PROMPT_PARAM) from None
 
     @asynccontextmanager
     async def submit(self, prepared: Prepared) -> AsyncIterator[Generation]:

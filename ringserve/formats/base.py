@@ -24,7 +24,7 @@ from typing import Protocol
 import attrs
 
 from ringserve.core.events import ToolSpec
-from ringserve.core.toolcalls import CallArgs, CallEnd, CallStart, Text, ToolCallError
+from ringserve.core.toolcalls import CallArgs, CallEnd, CallStart, OutputParser, Piece, Reasoning, Text, ToolCallError
 from ringserve.formats.gbnf import literal, raw_text
 
 __all__ = [
@@ -47,53 +47,23 @@ __all__ = [
 
 
 @attrs.frozen
-class Reasoning:
-    """Text of the reply's thinking block (its markers removed)."""
-
-    text: str
-
-
-Piece = Text | Reasoning | CallStart | CallArgs | CallEnd
-
-
-class OutputParser(Protocol):
-    """Splits one reply's streamed text into pieces (see the module docstring)."""
-
-    @property
-    def in_call(self) -> bool:
-        """A call's opening marker was seen and the call is not complete."""
-
-    @property
-    def in_reasoning(self) -> bool:
-        """The reply is inside its thinking block (its end marker not seen yet)."""
-
-    def feed(self, text: str) -> list[Piece]:
-        """Add decoded text; return the pieces it completes, in order.
-
-        Raises:
-            ToolCallError: a call that cannot be read.
-        """
-
-    def flush(self) -> list[Piece]:
-        """End of the reply: release held text (a call that is not complete stays so:
-        :attr:`in_call` tells; a closing marker cut after a complete call is dropped). No
-        more feeds.
-
-        Raises:
-            ToolCallError: text outside any call that breaks the syntax (a section of calls
-                that goes on with other text).
-        """
-
-
-@attrs.frozen
 class ReasoningMarkers:
     """A thinking block's markers as the model writes them (``<think>``, ``</think>``).
 
     ``start`` is ``""`` for a family whose thinking block has no opening marker in the output
-    (the generation prompt always opens it)."""
+    (the generation prompt always opens it). ``close`` is what a reasoning budget forces the
+    model to write to end the block and go on with its answer (``""``: ``end``; gpt-oss: the
+    end of the ``analysis`` message and the header of the ``final`` one), :attr:`closing`.
+    """
 
     start: str
     end: str
+    close: str = ""
+
+    @property
+    def closing(self) -> str:
+        """The text that ends the block when the budget is spent: ``close``, else ``end``."""
+        return self.close or self.end
 
     def opened_by(self, generation_prompt: str) -> bool:
         """Whether a reply that follows ``generation_prompt`` (what the template appends for
@@ -216,7 +186,7 @@ class ChatFormat(Protocol):
     @property
     def reasoning(self) -> ReasoningMarkers | None:
         """The thinking block's markers; None for a family without one. A reasoning budget
-        ends the block by forcing :attr:`ReasoningMarkers.end`."""
+        ends the block by forcing :attr:`ReasoningMarkers.closing`."""
 
     def parser(self, tools: Sequence[ToolSpec] | None, *, reasoning_open: bool = False) -> OutputParser:
         """A parser for one reply.

@@ -16,51 +16,11 @@ from collections.abc import Sequence
 import attrs
 
 from ringserve.core.events import ToolSpec
-from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN, OPEN_MARK, Text, ToolCallParser
-from ringserve.formats.base import CallGrammar, Piece, ReasoningMarkers, ToolRules
+from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN, OPEN_MARK, PlainText, ToolCallParser
+from ringserve.formats.base import CallGrammar, ReasoningMarkers, ToolRules
 from ringserve.formats.gbnf import alternatives, literal
 
 __all__ = ["GENERIC", "GenericFormat"]
-
-
-@attrs.define(eq=False)
-class _Calls:
-    """:class:`~ringserve.core.toolcalls.ToolCallParser` as an output parser."""
-
-    parser: ToolCallParser
-
-    @property
-    def in_call(self) -> bool:
-        return self.parser.in_call
-
-    @property
-    def in_reasoning(self) -> bool:
-        return False
-
-    def feed(self, text: str) -> list[Piece]:
-        return list(self.parser.feed(text))
-
-    def flush(self) -> list[Piece]:
-        return list(self.parser.flush())
-
-
-@attrs.define(eq=False)
-class _Plain:
-    """The reply is text, as it comes (tools are not parsed)."""
-
-    @property
-    def in_call(self) -> bool:
-        return False
-
-    @property
-    def in_reasoning(self) -> bool:
-        return False
-
-    def feed(self, text: str) -> list[Piece]:
-        return [Text(text)] if text else []
-
-    def flush(self) -> list[Piece]:
-        return []
 
 
 @attrs.frozen
@@ -70,10 +30,10 @@ class GenericFormat:
     name: str = "generic"
     reasoning: ReasoningMarkers | None = None
 
-    def parser(self, tools: Sequence[ToolSpec] | None, *, reasoning_open: bool = False) -> _Calls | _Plain:
+    def parser(self, tools: Sequence[ToolSpec] | None, *, reasoning_open: bool = False) -> ToolCallParser | PlainText:
         if tools is None:
-            return _Plain()
-        return _Calls(ToolCallParser(frozenset(t.name for t in tools)))
+            return PlainText()
+        return ToolCallParser(frozenset(t.name for t in tools))
 
     def triggers(self, tools: Sequence[ToolSpec]) -> tuple[str, ...]:
         return (OPEN_MARK,)

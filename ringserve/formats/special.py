@@ -325,7 +325,9 @@ class HarmonyFormat:
     ``<|start|>assistant``, so the reply starts with a message's header."""
 
     name: str = "gpt-oss"
-    reasoning: ReasoningMarkers | None = ReasoningMarkers("<|channel|>analysis<|message|>", "<|end|>")
+    reasoning: ReasoningMarkers | None = ReasoningMarkers(
+        "<|channel|>analysis<|message|>", "<|end|>", close="<|end|><|start|>assistant<|channel|>final<|message|>"
+    )
 
     def parser(self, tools: Sequence[ToolSpec] | None, *, reasoning_open: bool = False) -> CoroutineParser:
         table = Tools.of(tools or ())

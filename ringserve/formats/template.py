@@ -39,6 +39,7 @@ import bisect
 import datetime as dt
 import enum
 import functools
+import hashlib
 import json
 import os
 import re
@@ -813,6 +814,19 @@ def _patched(source: str) -> str:
     return source
 
 
+#: Mistral's templates refuse a call id that is not 9 characters ("Tool call IDs should be
+#: alphanumeric strings with length 9!"); ringserve's ids are longer, so they are mapped.
+_NINE_CHAR_IDS = "|length != 9"
+
+
+def _nine_chars(call_id: str) -> str:
+    """A 9-character alphanumeric id for ``call_id`` (itself when it is one), the same for the
+    same id, so a call and its result keep matching."""
+    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
+    return hashlib.sha256(call_id.encode("utf-8")).hexdigest()[:9]
+
+
 #: StepFun's templates, whose message contents llama-server trims (llama.cpp issue 24181).
 _TRIMMED_MARK = "You have access to the following functions in JSONSchema format"
 
@@ -974,6 +988,7 @@ class ChatTemplate:
         self.default_kwargs = dict(default_kwargs)
         self._family = _family(self.source)
         self._trim = _TRIMMED_MARK in self.source
+        self._ids: Callable[[str], str] = _nine_chars if _NINE_CHAR_IDS in self.source else str
         self.special_tokens = special_tokens or SpecialTokens()
         self._token_texts = [t.text for t in self.special_tokens.tokens]
         self._protected = re.compile(f"{self.special_tokens.pattern.pattern}|{_PLACEHOLDER_RE.pattern}")
@@ -995,6 +1010,8 @@ class ChatTemplate:
         Args:
             messages: the conversation, oldest first. A ``tool`` turn gets the ``name`` of
                 the call it answers (the latest earlier call with its ``tool_call_id``).
+                Call ids go to Mistral's templates, which take only 9 alphanumerics, as
+                such ids (the first 9 hex digits of the id's SHA-256 where it is not one).
             tools: the tools (rendered by the template, if it reads ``tools``).
             add_generation_prompt: open the assistant's turn at the end.
             enable_thinking: the template's thinking switch (``enable_thinking``), unless
@@ -1132,11 +1149,11 @@ class ChatTemplate:
             if m.role == "tool" and names.get(m.tool_call_id):
                 item["name"] = names[m.tool_call_id]
             if m.tool_call_id:
-                item["tool_call_id"] = m.tool_call_id
+                item["tool_call_id"] = self._ids(m.tool_call_id)
             if m.tool_calls:
                 item["tool_calls"] = [
                     {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                    | ({"id": c.call_id} if c.call_id else {})
+                    | ({"id": self._ids(c.call_id)} if c.call_id else {})
                     for c in m.tool_calls
                 ]
                 names.update((c.call_id, c.name) for c in m.tool_calls)

@@ -34,6 +34,7 @@ from ringserve.core.toolcalls import (
     plain_messages,
 )
 from ringserve.engine.fake import FakeEngine
+from tests.support.helpers import prompt_tokens
 
 NAMES = frozenset({"get_weather", "get_time"})
 CALL = format_call("get_weather", '{"city": "Pa\\"ris }", "n": [1, {"x": "]"}]}')
@@ -156,7 +157,7 @@ def stage_run(stage: ReplyStage, chunks: list[str], reason: StopReason = StopRea
 
 def ids() -> ReplyStage:
     counter = itertools.count()
-    return ReplyStage((), NAMES, new_id=lambda: f"id{next(counter)}")
+    return ReplyStage((), ToolCallParser(NAMES), new_id=lambda: f"id{next(counter)}")
 
 
 def test_stage_numbers_blocks_and_ends_with_tool_use() -> None:
@@ -181,14 +182,14 @@ def test_stage_without_tools_is_text_and_stop_strings() -> None:
 
 
 def test_stop_strings_do_not_apply_inside_arguments() -> None:
-    stage = ReplyStage(("Paris",), NAMES)
+    stage = ReplyStage(("Paris",), ToolCallParser(NAMES))
     events, end = stage_run(stage, ["Go ", format_call("get_time", '{"city": "Paris"}')])
     assert end == End(StopReason.TOOL_USE)
     assert "".join(e.text for e in events if isinstance(e, BlockDelta) and e.index == 1) == '{"city": "Paris"}'
 
 
 def test_held_stop_prefix_before_a_call_is_text() -> None:
-    stage = ReplyStage(("ok!",), NAMES)
+    stage = ReplyStage(("ok!",), ToolCallParser(NAMES))
     events, _ = stage_run(stage, ["so ok", format_call("get_time", "{}")])
     assert [e for e in events if isinstance(e, BlockDelta) and e.index == 0] == [
         BlockDelta(0, "so ", 1),
@@ -212,16 +213,16 @@ def test_budget_inside_a_call_head_emits_nothing() -> None:
 
 
 def test_budget_inside_the_marker_of_a_forced_call_emits_no_marker_text() -> None:
-    forced = ReplyStage((), NAMES, forced=True)
+    forced = ReplyStage((), ToolCallParser(NAMES), forced=True)
     events, end = stage_run(forced, ["<tool_c"], StopReason.MAX_TOKENS)
     assert events == [BlockStart(0, BlockKind.TEXT), BlockStop(0)] and end == End(StopReason.MAX_TOKENS)
     # Free (auto) text that happens to end like the marker is text.
-    events, _ = stage_run(ReplyStage((), NAMES), ["<tool_c"], StopReason.MAX_TOKENS)
+    events, _ = stage_run(ReplyStage((), ToolCallParser(NAMES)), ["<tool_c"], StopReason.MAX_TOKENS)
     assert BlockDelta(0, "<tool_c", 1) in events
 
 
 def test_not_parallel_ends_after_the_first_call() -> None:
-    stage = ReplyStage((), NAMES, parallel=False)
+    stage = ReplyStage((), ToolCallParser(NAMES), parallel=False)
     events, end = stage_run(stage, [REPLY])
     assert end == End(StopReason.TOOL_USE)
     assert events[-1] == BlockStop(1) and sum(isinstance(e, BlockStart) for e in events) == 2
@@ -294,7 +295,7 @@ def test_fake_engine_renders_tool_turns() -> None:
         ChatMessage("assistant", "", tool_calls=(ToolCall("c1", "get_weather", "{}"),)),
         ChatMessage("tool", "sunny", tool_call_id="c1"),
     )
-    text = bytes(FakeEngine().tokenize_chat(history, (WEATHER,))).decode()
+    text = bytes(prompt_tokens(FakeEngine(), history, (WEATHER,))).decode()
     assert text.startswith("<|system|>You can call tools.")
     assert "<|assistant|>" + format_call("get_weather", "{}").split("\n")[0] in text
     assert '<|user|><tool_response>\n{"call_id": "c1", "name": "get_weather", "content": "sunny"}' in text

@@ -162,6 +162,14 @@ async def test_the_ready_line_says_the_decode_threads_and_the_mode(tmp_path, cap
         pass
     assert (f"decode threads 3 of {os.cpu_count()} cores, overlapped steps off, GPU offload none (no GPU device),"
             " at http://127.0.0.1:") in caplog.text
+    assert "ready: model fake, chat format generic, " in caplog.text
+
+
+async def test_the_ready_line_names_the_chat_format(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="ringserve")
+    async with running_server(fake_config(tmp_path), chat_format="qwen3-coder"):
+        pass
+    assert "ready: model fake, chat format qwen3-coder, " in caplog.text
 
 
 class _GpuFake(FakeEngine):

@@ -18,7 +18,7 @@ from ringserve.core.events import BlockDelta, ChatMessage, Finish, GenerationReq
 from ringserve.engine.fake import Begin, FakeEngine
 from ringserve.engine.runner import Runner
 from tests.support.server import MODEL_THREADS, fake_config, running_server
-from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY, sse_events
+from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY, prompt_tokens, sse_events
 from tests.engine.test_runner import serving
 
 REAL_GUARD = 180  # seconds: a hang guard on the real model, never a wait
@@ -58,8 +58,8 @@ async def test_turn_two_reports_the_shared_prefix_and_prefills_only_the_rest():
         text2, last2, gen2 = await turn(runner, second)
         await runner.wait_idle()
         after = runner.statistics()
-    n1 = len(engine.tokenize_chat(first))
-    n2 = len(engine.tokenize_chat(second))
+    n1 = len(prompt_tokens(engine, first))
+    n2 = len(prompt_tokens(engine, second))
     # turn 1's cells are its prompt then its reply; turn 2's prompt has "<|assistant|>" where the
     # reply's cells start, so the shared prefix is exactly turn 1's prompt
     assert (text1, text2) == ("a answer 0", "a answer 1")
@@ -79,10 +79,10 @@ async def test_a_repeated_prompt_feeds_its_last_token_again():
         messages = conversation("r", 1)
         text1, _, _ = await turn(runner, messages)
         text2, last2, _ = await turn(runner, messages)
-    n = len(engine.tokenize_chat(messages))
+    n = len(prompt_tokens(engine, messages))
     assert text1 == text2 == "r answer 0"
     assert last2.usage.cached_tokens == n - 1  # the last prompt token gives the first sample's logits
-    assert engine.log[-len(text2) - 1].feeds[0].tokens == (engine.tokenize_chat(messages)[-1],)
+    assert engine.log[-len(text2) - 1].feeds[0].tokens == (prompt_tokens(engine, messages)[-1],)
 
 
 async def test_two_conversations_alternating_on_two_slots_keep_their_own_slot():
@@ -95,7 +95,7 @@ async def test_two_conversations_alternating_on_two_slots_keep_their_own_slot():
                 assert text == f"{name} answer {i - 1}"
                 slots[name].add(gen.slot)
                 if i > 1:  # every later turn hits its own cache
-                    assert last.usage.cached_tokens == len(engine.tokenize_chat(conversation(name, i - 1)))
+                    assert last.usage.cached_tokens == len(prompt_tokens(engine, conversation(name, i - 1)))
     assert len(slots["a"]) == len(slots["b"]) == 1 and slots["a"] != slots["b"]
     # only b's first turn copied (a's system prompt), into the slot a was not in
     assert [b.source for b in engine.begins] == [None, *slots["a"], *[None] * 6]
@@ -106,9 +106,9 @@ async def test_a_new_conversation_copies_the_system_prompt_from_another_slot():
     async with serving(engine, slots=2) as runner:
         await turn(runner, conversation("a", 1))
         text, last, gen = await turn(runner, conversation("b", 1))
-    shared = len(engine.tokenize_chat([ChatMessage("system", SYSTEM)]))
-    b_prompt = engine.tokenize_chat(conversation("b", 1))
-    a_prompt = engine.tokenize_chat(conversation("a", 1))
+    shared = len(prompt_tokens(engine, [ChatMessage("system", SYSTEM)]))
+    b_prompt = prompt_tokens(engine, conversation("b", 1))
+    a_prompt = prompt_tokens(engine, conversation("a", 1))
     common = next(i for i, (x, y) in enumerate(zip(a_prompt, b_prompt)) if x != y)
     assert common >= shared
     assert text == "b answer 0" and last.usage.cached_tokens == common
@@ -131,7 +131,7 @@ async def test_a_cancelled_turn_then_the_same_conversation_gives_the_right_answe
         text, last, gen2 = await turn(runner, messages, max_tokens=200)
         await runner.wait_idle()
         stats = runner.statistics()
-    n = len(engine.tokenize_chat(messages))
+    n = len(prompt_tokens(engine, messages))
     assert gen.cancelled and n <= cached_cells < n + gen.usage.output_tokens
     assert text == reply and last.stop_reason is StopReason.END
     assert last.usage.cached_tokens == n - 1
@@ -245,8 +245,8 @@ async def test_real_turn_two_reports_the_shared_prefix_and_prefills_only_the_res
                    ChatMessage("assistant", text1), ChatMessage("user", REAL_QUESTIONS[1])]
         _, last2, _ = await turn(runner, history, 12)
         after = runner.statistics()
-    prompt1 = eng.tokenize_chat(history[:2])
-    prompt2 = eng.tokenize_chat(history)
+    prompt1 = prompt_tokens(eng, history[:2])
+    prompt2 = prompt_tokens(eng, history)
     # turn 1's cells: its prompt, then its sampled tokens but the last (never fed); greedy SmolLM2
     # samples the tokens the tokenizer gives for its text
     cells1 = prompt1 + eng.tokenize(text1)[: last1.usage.output_tokens - 1]

@@ -35,6 +35,7 @@ from ringserve.core.events import (
 from ringserve.core.scheduler import SlotState
 from ringserve.engine.fake import DEFAULT_REPLY, DecodeCall, FakeEngine
 from ringserve.engine.runner import Generation, Runner, RunnerStatistics
+from tests.support.helpers import prompt_tokens
 
 GUARD = 10  # seconds: no test should come near this
 
@@ -59,10 +60,10 @@ class HookedEngine(FakeEngine):
         self.threads: set[int] = set()
         self.tokenize_threads: set[int] = set()
 
-    def tokenize_chat(self, messages, *tools_and_choice):
+    def tokenize_chat(self, request):
         self.tokenize_threads.add(threading.get_ident())
         time.sleep(self.tokenize_seconds)
-        return super().tokenize_chat(messages, *tools_and_choice)
+        return super().tokenize_chat(request)
 
     def begin(self, slot, sampling, keep=0, source=None, constraint=None):
         self.threads.add(threading.get_ident())
@@ -142,7 +143,7 @@ async def test_text_equals_fake_reply_and_usage_counts_tokens_sampled():
     assert all(isinstance(e, BlockDelta) and e.index == 0 and e.text for e in events[1:-2])
     expected_tokens = engine.reply_tokens("hello")  # pieces + EOG
     assert last == Finish(StopReason.END, gen.usage)
-    assert gen.usage.input_tokens == len(engine.tokenize_chat([ChatMessage("user", "hello")]))
+    assert gen.usage.input_tokens == len(prompt_tokens(engine, [ChatMessage("user", "hello")]))
     assert gen.usage.output_tokens == expected_tokens == sample_feeds(engine, gen.slot)
     assert sum(e.tokens for e in events[1:-2]) <= expected_tokens
     stats = runner.statistics()

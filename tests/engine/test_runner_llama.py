@@ -25,6 +25,7 @@ from ringserve.core.events import (
 )
 from ringserve.engine.modelfile import default_model_path
 from ringserve.engine.runner import Runner
+from tests.support.helpers import prompt_tokens
 from tests.support.server import MODEL_THREADS
 
 llama = pytest.importorskip("ringserve.engine.llama")
@@ -72,8 +73,9 @@ async def Served(engine):  # noqa: N802 - reads like the class it replaces
         nursery.cancel_scope.cancel()
 
 
-async def run_one(runner: Runner, text: str, log: list | None = None, tag: int = 0):
-    """Generate to the end: (text, terminal event, generation, tokens per delta)."""
+async def run_one(runner: Runner, text: str, log: list | None = None, tag: int = 0, started: trio.Event | None = None):
+    """Generate to the end: (text, terminal event, generation, tokens per delta); ``started`` is
+    set at the first delta."""
     prepared = await runner.prepare(req(text))
     parts = []
     async with runner.submit(prepared) as gen:
@@ -81,6 +83,8 @@ async def run_one(runner: Runner, text: str, log: list | None = None, tag: int =
             if isinstance(event, BlockDelta):
                 if not parts and log is not None:
                     log.append(("first", tag))
+                if started is not None:
+                    started.set()
                 parts.append(event.text)
             elif isinstance(event, Finish | Failure):
                 if log is not None:
@@ -123,8 +127,8 @@ async def test_greedy_output_alone_equals_output_under_concurrency(engine):
     """Batching does not change greedy output on this build.
 
     The request alone is decoded in batches of 1 token per step; under
-    concurrency the same slot shares each batch with 3 others (and with their
-    prompt chunks at the start). llama.cpp's CPU kernels could in principle sum
+    concurrency the same slot shares its batches with 3 others (and with their
+    prompt chunks, once it started). llama.cpp's CPU kernels could in principle sum
     in a different order for a different batch shape and flip an argmax; with a
     per-sequence KV cache on this CPU build they do not (as also checked at the
     engine level in test_engine_llama.py), so the texts and usage are equal.
@@ -133,12 +137,18 @@ async def test_greedy_output_alone_equals_output_under_concurrency(engine):
         async with Served(engine) as runner:
             alone, alone_last, _ = await run_one(runner, PROMPTS[1])
             results = {}
+            started = trio.Event()
 
-            async def one(i):
-                results[i] = await run_one(runner, PROMPTS[i])
+            async def one(i, started=None):
+                results[i] = await run_one(runner, PROMPTS[i], started=started)
 
+            # PROMPTS[1] is admitted first, to the slot that holds its cached prompt: the prompts
+            # share SmolLM2's default system prompt, so another one admitted first would take that
+            # slot for the shared prefix.
             async with trio.open_nursery() as nursery:
-                for i in range(4):
+                nursery.start_soon(one, 1, started)
+                await started.wait()
+                for i in (0, 2, 3):
                     nursery.start_soon(one, i)
     together, together_last, _ = results[1]
     assert together == alone
@@ -179,7 +189,7 @@ async def test_usage_counts(engine):
         async with Served(engine) as runner:
             text, last, gen = await run_one(runner, PROMPTS[2])
             stats = runner.statistics()
-    prompt = engine.tokenize_chat(req(PROMPTS[2]).messages)
+    prompt = prompt_tokens(engine, req(PROMPTS[2]).messages)
     assert last.usage == gen.usage
     assert last.usage.input_tokens == len(prompt)
     assert 1 <= last.usage.output_tokens <= MAX_TOKENS

@@ -7,6 +7,7 @@ import json
 import threading
 from contextlib import asynccontextmanager
 
+import attrs
 import jsonschema
 import pytest
 import trio
@@ -178,9 +179,7 @@ async def test_choice_none_neither_renders_nor_parses():
     events = await run(engine, request)
     assert blocks(events) == [ContentBlock(BlockKind.TEXT, reply)]
     assert events[-1].stop_reason is StopReason.END
-    assert engine.tokenize_chat(request.messages, request.tools, request.tool_choice) == engine.tokenize_chat(
-        request.messages
-    )
+    assert engine.tokenize_chat(request) == engine.tokenize_chat(attrs.evolve(request, tools=()))
 
 
 async def test_a_malformed_auto_call_fails_the_message():

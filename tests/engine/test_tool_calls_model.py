@@ -40,6 +40,7 @@ from ringserve.engine.modelfile import default_model_path
 from ringserve.engine.runner import Runner
 
 from tests.engine.test_gbnf import ENFORCED
+from tests.support.helpers import prompt_tokens
 
 llama = pytest.importorskip("ringserve.engine.llama")
 lc = pytest.importorskip("llama_cpp")
@@ -196,11 +197,11 @@ def test_llama_tokenize_chat_renders_tool_turns(engine):
         ChatMessage("assistant", "", tool_calls=(ToolCall("toolu_1", "get_weather", '{"city": "Paris", "unit": "celsius"}'),)),
         ChatMessage("tool", "18 C and sunny", tool_call_id="toolu_1"),
     )
-    tokens = engine.tokenize_chat(history, (WEATHER,))
+    tokens = prompt_tokens(engine, history, (WEATHER,))
     text = "".join(engine.token_piece(t).decode("utf-8", "replace") for t in tokens)
     assert "You can call tools." in text and '"name": "get_weather"' in text
     assert '<tool_response>\n{"call_id": "toolu_1", "name": "get_weather", "content": "18 C and sunny"}' in text
-    assert len(tokens) < len(engine.tokenize_chat(history, (WEATHER,), ToolChoice(ToolChoiceMode.AUTO))) + 1
+    assert len(tokens) < len(prompt_tokens(engine, history, (WEATHER,), ToolChoice(ToolChoiceMode.AUTO))) + 1
 
 
 async def test_a_strict_tool_under_auto_is_called_under_its_grammar(engine):

@@ -4,6 +4,7 @@ template gets, the shaping by capabilities, errors, and special-token text in re
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 
 import pytest
@@ -107,6 +108,28 @@ def test_tools_and_calls_in_the_openai_shape() -> None:
             {"type": "function", "function": {"name": "get_time", "arguments": {"city": "Paris"}}, "id": "call00001"}]},
         {"role": "tool", "content": "12:00", "name": "get_time", "tool_call_id": "call00001"},
     ]
+
+
+def test_mistrals_templates_get_call_ids_of_nine_alphanumerics() -> None:
+    """Mistral's templates refuse other ids; a client's ids map to 9 hex digits, the same for a
+    call and its result, and a 9-alphanumeric id stays."""
+    source = (
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{% if c.id|length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+        "{% endif %}call {{ c.id }};{% endfor %}{% if m.role == 'tool' %}result {{ m.tool_call_id }};{% endif %}"
+        "{% endfor %}"
+    )
+    calls = (ToolCall("toolu_0123456789abcdef01234567", "f", "{}"), ToolCall("abc123XYZ", "f", "{}"))
+    messages = [
+        ChatMessage("user", "Hi"),
+        ChatMessage("assistant", "", tool_calls=calls),
+        ChatMessage("tool", "1", tool_call_id="toolu_0123456789abcdef01234567"),
+        ChatMessage("tool", "2", tool_call_id="abc123XYZ"),
+    ]
+    mapped = hashlib.sha256(b"toolu_0123456789abcdef01234567").hexdigest()[:9]
+    assert render(source, messages) == f"call {mapped};call abc123XYZ;result {mapped};result abc123XYZ;"
+    # Other templates get the ids as they are.
+    assert render("{{ messages[1].tool_calls[0].id }}", messages) == "toolu_0123456789abcdef01234567"
 
 
 def test_tool_parameters_that_are_no_json_are_the_callers_error() -> None:

@@ -4,17 +4,33 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 
-from ringserve.core.events import Usage
+from ringserve.core.events import ChatMessage, GenerationRequest, ToolChoice, ToolSpec, Usage
 from ringserve.core.producer import Producer
 from ringserve.core.sse import ServerSentEvent, SSEParser
 from ringserve.core.render import WireEvent
+from ringserve.engine.protocol import ChatPrompt
 
 ANTHROPIC_BODY = {"model": "any", "max_tokens": 64, "messages": [{"role": "user", "content": "hello"}]}
 OPENAI_BODY = {"model": "any", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 64}
+
+
+def chat_prompt(
+    engine: Any, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (), choice: ToolChoice = ToolChoice()
+) -> ChatPrompt:
+    """What ``engine.tokenize_chat`` gives for a conversation with ``tools``."""
+    return engine.tokenize_chat(GenerationRequest(tuple(messages), None, tools=tuple(tools), tool_choice=choice))
+
+
+def prompt_tokens(
+    engine: Any, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (), choice: ToolChoice = ToolChoice()
+) -> list[int]:
+    """The prompt's token ids of :func:`chat_prompt`."""
+    return list(chat_prompt(engine, messages, tools, choice).tokens)
 
 
 async def sse_events(client: httpx.AsyncClient, method: str, url: str, **kwargs: Any) -> tuple[httpx.Response, list[ServerSentEvent], bytes]:
