@@ -9,6 +9,7 @@ attrs value, so tests can assert ``events == [...]``.
 from __future__ import annotations
 
 import enum
+import json
 from typing import Any
 
 import attrs
@@ -151,6 +152,54 @@ class SamplingParams:
     seed: int | None = None
 
 
+class Effort(enum.StrEnum):
+    """How much the model should think: OpenAI's ``reasoning_effort`` (``minimal`` ..
+    ``xhigh``; its ``none`` is :attr:`ReasoningConfig.enabled` false), Anthropic's
+    ``output_config.effort`` (``low`` .. ``max``). The value goes to the chat template as its
+    ``reasoning_effort`` (gpt-oss reads ``low``, ``medium`` and ``high``)."""
+
+    MINIMAL = "minimal"
+    LOW = "low"
+    MEDIUM = "medium"
+    HIGH = "high"
+    XHIGH = "xhigh"
+    MAX = "max"
+
+
+def _budget(_inst: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
+    if value is not None and value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+@attrs.frozen
+class ReasoningConfig:
+    """The request's reasoning controls.
+
+    Args:
+        enabled: thinking on or off (the chat template's ``enable_thinking``); None: the
+            model's default (on for a model whose format has a thinking block).
+        effort: how much to think (the template's ``reasoning_effort``); None: not given.
+        budget_tokens: most tokens the thinking block may take; once they are spent the
+            runner makes the model close the block (it forces the format's closing marker)
+            and answer. None: no budget but ``max_tokens``.
+    """
+
+    enabled: bool | None = None
+    effort: Effort | None = None
+    budget_tokens: int | None = attrs.field(default=None, validator=_budget)
+
+
+def _json_object(_inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if not value:
+        return
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        raise ValueError(f"{attribute.name} must be the JSON text of an object") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{attribute.name} must be the JSON text of an object")
+
+
 @attrs.frozen
 class GenerationRequest:
     """A surface-neutral request to generate a reply.
@@ -168,6 +217,10 @@ class GenerationRequest:
         tools: the tools the model may call (names unique).
         tool_choice: how it may call them (ignored when ``tools`` is empty).
         output: the form of the text answer (structured output).
+        reasoning: the reasoning controls (thinking on or off, effort, budget).
+        template_kwargs: the JSON text of an object (``""``: none) whose members are
+            variables of the model's chat template (OpenAI-style ``chat_template_kwargs``, as
+            llama-server takes them: ``{"enable_thinking": false}``...); JSON values only.
     """
 
     messages: tuple[ChatMessage, ...]
@@ -178,6 +231,8 @@ class GenerationRequest:
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
     output: OutputFormat = OutputFormat()
+    reasoning: ReasoningConfig = ReasoningConfig()
+    template_kwargs: str = attrs.field(default="", validator=_json_object)
 
 
 @attrs.frozen

@@ -11,8 +11,11 @@ open, and says whether the prompt opened the model's thinking block.
   spell no calls) get ringserve's generic tools prompt and turns instead
   (:func:`~ringserve.core.toolcalls.plain_messages`), which teach the ``<tool_call>`` syntax
   their parser reads.
-* **Reasoning.** The template's ``enable_thinking`` is on where the format has a thinking
-  block, as llama-server turns it on where its parser finds thinking.
+* **Reasoning.** :class:`~ringserve.core.events.ReasoningConfig` ``enabled`` is the
+  template's ``enable_thinking`` (by default on where the format has a thinking block, as
+  llama-server turns it on where its parser finds thinking); ``effort`` its
+  ``reasoning_effort``; the request's ``template_kwargs`` go over both
+  (``{"enable_thinking": false}``), as llama-server's ``chat_template_kwargs`` do.
 * **Prefill.** A final assistant turn is continued, as llama-server's
   ``prefill_assistant`` does (``tools/server/server-common.cpp``): the conversation before it
   is rendered with the generation prompt, then its text follows (plain text, never special
@@ -23,6 +26,7 @@ open, and says whether the prompt opened the model's thinking block.
 from __future__ import annotations
 
 import datetime as dt
+import json
 
 import attrs
 
@@ -72,8 +76,17 @@ def render_request(
         if prefill.tool_calls:
             raise TemplateRenderError("an assistant turn that holds tool calls cannot be continued")
         messages = messages[:-1]
+    reasoning = request.reasoning
+    enabled = reasoning.enabled
+    if enabled is None:
+        enabled = fmt.reasoning is not None and prefill is None
     rendered = template.render(
-        messages, tools=tools, enable_thinking=fmt.reasoning is not None and prefill is None, now=now
+        messages,
+        tools=tools,
+        enable_thinking=enabled,
+        reasoning_effort=reasoning.effort.value if reasoning.effort is not None and enabled else None,
+        template_kwargs=json.loads(request.template_kwargs) if request.template_kwargs else None,
+        now=now,
     )
     # The whole prompt decides as its generation prompt does: the last opening marker is
     # the generation prompt's when it opens the block (what follows it is then whitespace).

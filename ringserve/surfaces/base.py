@@ -343,6 +343,23 @@ def get_str(body: dict[str, Any], key: str, *, required: bool = False, default: 
     return value
 
 
+def template_kwargs(body: dict[str, Any], key: str = "chat_template_kwargs") -> str:
+    """llama-server's ``chat_template_kwargs``: an object whose members are variables of the
+    model's chat template (``{"enable_thinking": false}``); its JSON text for
+    :attr:`GenerationRequest.template_kwargs <ringserve.core.events.GenerationRequest>`
+    (``""`` when absent or null).
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST``: not an object.
+    """
+    value = body.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, dict):
+        raise invalid(f"{key}: must be an object", param=key)
+    return json.dumps(value, ensure_ascii=False)
+
+
 _KIND_NAMES: dict[type, str] = {bool: "a boolean", str: "a string"}
 
 

@@ -48,6 +48,7 @@ from ringserve.surfaces.base import (
     sampling_params,
     require_object,
     stop_list,
+    template_kwargs,
     text_content,
     arguments_json,
     function_spec,
@@ -106,7 +107,7 @@ REQUEST_FIELDS = FieldTable(
         "model", "messages", "max_completion_tokens", "max_tokens", "temperature", "top_p", "stop", "seed",
         "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "response_format",
         # extensions, as llama.cpp's server accepts them
-        "top_k", "min_p",
+        "top_k", "min_p", "chat_template_kwargs",
     }),
     ignored=frozenset({
         # bookkeeping, caching and routing that cannot change the text
@@ -391,7 +392,8 @@ class OpenAISurface:
         (a non-empty string or a list of them), ``seed``, ``stream``,
         ``stream_options`` (only with ``stream: true``, as the SDK documents;
         :data:`STREAM_OPTIONS_FIELDS`); and, as llama.cpp's
-        server does, ``top_k`` and ``min_p``. Bookkeeping fields (``user``,
+        server does, ``top_k``, ``min_p`` and ``chat_template_kwargs``
+        (variables of the model's chat template). Bookkeeping fields (``user``,
         ``metadata``, ``store``, ...) are accepted and ignored; fields that
         would change the answer and are not implemented (``functions``,
         custom tools, ``logprobs``, ``n`` > 1, image parts, ...) and
@@ -438,6 +440,7 @@ class OpenAISurface:
             tools=tools,
             tool_choice=choice,
             output=_response_format(body.get("response_format")),
+            template_kwargs=template_kwargs(body),
         )
         check_enforced(request, "tools[{i}].function.parameters", "response_format.json_schema.schema")
         return ParsedRequest(request=request, stream=stream, model=model, include_usage=include_usage)

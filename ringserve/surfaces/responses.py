@@ -85,6 +85,7 @@ from ringserve.surfaces.base import (
     require_object,
     sampling_params,
     schema_format,
+    template_kwargs,
     tool_list,
     tool_name,
 )
@@ -104,7 +105,7 @@ REQUEST_FIELDS = FieldTable(
         "stream_options", "background", "store", "metadata", "previous_response_id", "text",
         "tools", "tool_choice", "parallel_tool_calls",
         # extensions, as llama.cpp's server accepts them on its other routes
-        "top_k", "min_p", "seed",
+        "top_k", "min_p", "seed", "chat_template_kwargs",
     }),
     ignored=frozenset({
         # bookkeeping, caching and routing that cannot change the text
@@ -458,7 +459,8 @@ def parse_create(body: Any) -> ResponseCreate:
     max_tokens = get_int(body, "max_output_tokens", lo=1, hi=MAX_OUTPUT_TOKENS_LIMIT)
     sampling = sampling_params(body, max_temperature=2.0)
     request = check_enforced(GenerationRequest(messages=messages, max_tokens=max_tokens, sampling=sampling,
-                                               tools=tools, tool_choice=choice, output=output),
+                                               tools=tools, tool_choice=choice, output=output,
+                                               template_kwargs=template_kwargs(body)),
                              "tools[{i}].parameters", "text.format.schema")
     return ResponseCreate(
         options=ResponseOptions(

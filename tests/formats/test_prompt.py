@@ -4,12 +4,15 @@ prompt opened the thinking block (small templates of our own, and the corpus for
 from __future__ import annotations
 
 import datetime as dt
+import json
 
 import pytest
 
 from ringserve.core.events import (
     ChatMessage,
+    Effort,
     GenerationRequest,
+    ReasoningConfig,
     ToolCall,
     ToolChoice,
     ToolChoiceMode,
@@ -28,7 +31,7 @@ TOOL = ToolSpec("get_time", "Local time.", '{"type": "object", "properties": {}}
 #: A template with tools and a thinking switch: what it got, one line per variable.
 PROBE = ChatTemplate(
     "tools={{ tools | map(attribute='function.name') | list if tools is defined else none }}\n"
-    "thinking={{ enable_thinking }}\n"
+    "thinking={{ enable_thinking }} effort={{ reasoning_effort | default('') }} extra={{ extra | default('') }}\n"
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% if enable_thinking %}<think>\n{% endif %}{% endif %}"
 )
@@ -66,10 +69,22 @@ def test_the_generic_families_get_ringserves_tools_prompt_and_turns() -> None:
 
 def test_thinking_is_on_by_default_only_for_a_format_with_a_thinking_block() -> None:
     assert render("hermes", request()) == (
-        "tools=None\nthinking=True\n<user>Hi\n<assistant><think>\n", True
+        "tools=None\nthinking=True effort= extra=\n<user>Hi\n<assistant><think>\n", True
     )
-    assert render("generic", request())[0].endswith("thinking=False\n<user>Hi\n<assistant>")
+    assert render("generic", request())[0].endswith("thinking=False effort= extra=\n<user>Hi\n<assistant>")
     assert render("generic", request())[1] is False
+
+
+def test_the_requests_reasoning_controls_are_the_templates_switches() -> None:
+    off, opened = render("hermes", request(reasoning=ReasoningConfig(enabled=False, effort=Effort.HIGH)))
+    assert "thinking=False effort= " in off and not opened
+    on, opened = render("generic", request(reasoning=ReasoningConfig(enabled=True, effort=Effort.LOW)))
+    assert "thinking=True effort=low " in on  # the generic format has no markers: nothing opened
+    assert not opened
+    # chat_template_kwargs go over both: enable_thinking among them, any other variable too.
+    kwargs = json.dumps({"enable_thinking": False, "extra": "x<y"})
+    text, opened = render("hermes", request(template_kwargs=kwargs))
+    assert "thinking=False effort= extra=x<y\n" in text and not opened
 
 
 def test_a_final_assistant_turn_is_continued_with_thinking_off() -> None:
@@ -99,7 +114,8 @@ def test_special_token_text_of_a_continued_turn_stays_text() -> None:
 OPENED_WITHOUT_GENERATION_PROMPT = {"llama-cpp-rwkv-world.jinja"}
 
 
-def test_the_whole_prompt_opens_the_thinking_block_as_its_generation_prompt_does() -> None:
+@pytest.mark.parametrize("thinking", [True, False])
+def test_the_whole_prompt_opens_the_thinking_block_as_its_generation_prompt_does(thinking: bool) -> None:
     """render_request reads the rendered prompt's end instead of rendering twice more for the
     generation prompt: the same answer for every corpus template of a family with markers
     (but :data:`OPENED_WITHOUT_GENERATION_PROMPT`)."""
@@ -109,8 +125,7 @@ def test_the_whole_prompt_opens_the_thinking_block_as_its_generation_prompt_does
         pytest.skip(f"llama.cpp's template corpus is not available: {e}")
     history = (ChatMessage("user", "Hi"), ChatMessage("assistant", "Hello.", reasoning="Greet back."),
                ChatMessage("user", "Time?"))
-    req = GenerationRequest(history, None)
-    thinking = True
+    req = GenerationRequest(history, None, reasoning=ReasoningConfig(enabled=thinking))
     checked = 0
     for path in sorted(folder.glob("*.jinja")):
         source = path.read_text()
@@ -127,3 +142,11 @@ def test_the_whole_prompt_opens_the_thinking_block_as_its_generation_prompt_does
         assert rendered.reasoning_open == expected, path.name
         checked += 1
     assert checked > 30
+
+
+def test_the_request_holds_only_a_json_object_of_kwargs_and_a_budget_of_zero_or_more() -> None:
+    for bad in ("[1]", "{", "null"):
+        with pytest.raises(ValueError, match="template_kwargs"):
+            request(template_kwargs=bad)
+    with pytest.raises(ValueError, match="budget_tokens"):
+        ReasoningConfig(budget_tokens=-1)
