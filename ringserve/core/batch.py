@@ -17,12 +17,17 @@ class SlotFeed:
         tokens: token ids to feed, at positions ``pos .. pos+len-1``.
         pos: position of the first token in the slot's sequence.
         sample: sample a next token from the logits of the last fed token.
+        forced: with ``sample``, the token to take instead of sampling one, as if
+            sampled (the sampler chain accepts it: a grammar advances over it): the
+            closing marker of a thinking block whose reasoning budget is spent. None:
+            sample.
     """
 
     slot: int
     tokens: tuple[int, ...]
     pos: int
     sample: bool
+    forced: int | None = None
 
 
 @attrs.frozen

@@ -237,16 +237,22 @@ class GenerationRequest:
 
 @attrs.frozen
 class Usage:
-    """Token counts: prompt tokens, sampled tokens (EOG included), and cached prompt tokens.
+    """Token counts: prompt tokens, sampled tokens (EOG included), cached prompt tokens, and
+    reasoning tokens.
 
     ``cached_tokens`` (<= ``input_tokens``) are the leading prompt tokens whose
     KV cells were reused from the prompt-prefix cache instead of being
     prefilled; ``input_tokens`` counts the whole prompt, cached or not.
+    ``reasoning_tokens`` (<= ``output_tokens``) are the sampled tokens of the
+    thinking block: those sampled while the reply's parser was inside it
+    (its closing marker included, a reply's own opening marker not); OpenAI's
+    ``completion_tokens_details.reasoning_tokens``.
     """
 
     input_tokens: int
     output_tokens: int
     cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
 
 @attrs.frozen

@@ -81,6 +81,9 @@ class ReplyStage:
             marker is that marker cut by the budget, and is dropped as a cut call head is,
             never released as text.
         new_id: makes call ids (tests pass a counter).
+
+    Attributes:
+        reasoning_tokens: the sampled tokens counted inside the thinking block.
     """
 
     stops: tuple[str, ...] = ()
@@ -88,6 +91,7 @@ class ReplyStage:
     parallel: bool = True
     forced: bool = False
     new_id: Callable[[], str] = new_call_id
+    reasoning_tokens: int = attrs.field(init=False, default=0)
     _stopper: StopMatcher = attrs.field(init=False)
     _blocks: BlockSequencer = attrs.field(init=False, factory=BlockSequencer)
     _tokens: int = attrs.field(init=False, default=0)
@@ -102,9 +106,18 @@ class ReplyStage:
         """Complete calls so far."""
         return self._calls
 
+    @property
+    def in_reasoning(self) -> bool:
+        """The reply is inside its thinking block."""
+        return self.parser.in_reasoning
+
     def sampled(self) -> None:
-        """Count one sampled token (it goes on the next delta's ``tokens``)."""
+        """Count one sampled token (it goes on the next delta's ``tokens``; and on
+        :attr:`reasoning_tokens` when it was sampled inside the thinking block, before its
+        text is fed)."""
         self._tokens += 1
+        if self.parser.in_reasoning:
+            self.reasoning_tokens += 1
 
     def feed(self, text: str) -> tuple[list[BlockEvent], End | None]:
         """Add decoded text; return the events it releases and, if it ends the

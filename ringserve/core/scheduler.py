@@ -332,6 +332,9 @@ class Entry:
         kept: the tokens whose cells its slot keeps as a cache entry once it
             drains (set when it ends; empty without the cache or after a
             failure).
+        forced: the tokens its next samples must be, in order (:meth:`Scheduler.force`):
+            each sampling feed carries the first as :attr:`SlotFeed.forced`, and
+            :meth:`Scheduler.on_sampled` takes it off.
     """
 
     id: int
@@ -348,6 +351,7 @@ class Entry:
     source: int | None = None
     sampled: list[int] = attrs.Factory(list)
     kept: tuple[int, ...] = ()
+    forced: list[int] = attrs.Factory(list)
 
     @property
     def cells(self) -> tuple[int, ...]:
@@ -607,7 +611,8 @@ class Scheduler:
         for entry in self._admit_order:
             if entry.state is SlotState.DECODE:
                 assert entry.next_token is not None and entry.slot is not None
-                feeds.append(SlotFeed(entry.slot, (entry.next_token,), entry.pos, True))
+                forced = entry.forced[0] if entry.forced else None
+                feeds.append(SlotFeed(entry.slot, (entry.next_token,), entry.pos, True, forced))
                 owners.append(entry)
                 room -= 1
         for entry in self._admit_order:
@@ -618,7 +623,9 @@ class Scheduler:
                 n = min(self.prefill_chunk, len(entry.prompt) - entry.pos, room)
                 end = entry.pos + n
                 chunk = entry.prompt[entry.pos : end]
-                feeds.append(SlotFeed(entry.slot, chunk, entry.pos, end == len(entry.prompt)))
+                last = end == len(entry.prompt)
+                forced = entry.forced[0] if last and entry.forced else None
+                feeds.append(SlotFeed(entry.slot, chunk, entry.pos, last, forced))
                 owners.append(entry)
                 room -= n
         return Plan(tuple(admitted), tuple(feeds), tuple(owners))
@@ -653,7 +660,8 @@ class Scheduler:
         """Record a token sampled for ``slot``: it is fed back at the next step.
 
         The first sample of a request (its prompt fully fed) moves it
-        PREFILL -> DECODE. Counts the token in ``generated``.
+        PREFILL -> DECODE. Counts the token in ``generated``; a forced token
+        (:attr:`Entry.forced`) is taken off.
 
         Returns:
             The slot's request.
@@ -674,7 +682,14 @@ class Scheduler:
         entry.generated += 1
         entry.next_token = token
         entry.sampled.append(token)
+        if entry.forced:
+            del entry.forced[0]
         return entry
+
+    def force(self, entry: Entry, tokens: Sequence[int]) -> None:
+        """Make the next samples of a queued or live request ``tokens``, in order (a reasoning
+        budget's closing marker): the plans' sampling feeds carry them one at a time."""
+        entry.forced = list(tokens)
 
     # -- ending --------------------------------------------------------------
 

@@ -398,13 +398,14 @@ class FakeEngine:
                     data = example(state.constraint).encode("utf-8")
                 else:
                     data = self.reply_for(_last_user_text(prompt)).encode("utf-8")
-                step = self.piece_bytes
-                pieces = [data[i : i + step] for i in range(0, len(data), step)]
+                pieces = self._cut(data)
             if self.fail_after_tokens is not None and state.samples >= self.fail_after_tokens:
                 raise EngineError(
                     f"fake engine failure on slot {f.slot} after {state.samples} tokens", [f.slot]
                 )
             i = state.samples
+            if f.forced is not None:
+                pieces = self._forced(pieces, i, self._pieces[f.forced])
             piece, eog = (pieces[i], False) if i < len(pieces) else (b"", True)
             planned.append((f, pieces, piece, eog))
 
@@ -426,9 +427,22 @@ class FakeEngine:
             state.samples += 1
             if state.watch is not None:
                 self._watch(f.slot, state, piece)
-            token = EOG_TOKEN if eog else self._token_for(piece)
+            token = f.forced if f.forced is not None else EOG_TOKEN if eog else self._token_for(piece)
             result.append(Sampled(f.slot, token, piece, eog))
         return result
+
+    def _cut(self, data: bytes) -> list[bytes]:
+        """A reply's bytes as its tokens' pieces."""
+        step = self.piece_bytes
+        return [data[i : i + step] for i in range(0, len(data), step)]
+
+    def _forced(self, pieces: list[bytes], i: int, piece: bytes) -> list[bytes]:
+        """The reply when its token number ``i`` is forced to ``piece`` (a thinking block's
+        closing marker): the script goes on after that text where it holds it (the model
+        answers), else with what it had."""
+        rest = b"".join(pieces[i:])
+        at = rest.find(piece)
+        return pieces[:i] + [piece] + self._cut(rest[at + len(piece) :] if at >= 0 else rest)
 
     def _watch(self, slot: int, state: _SlotState, piece: bytes) -> None:
         """Feed the slot's call watch; record its switch, and script a valid call when it goes on."""
@@ -443,9 +457,7 @@ class FakeEngine:
             rest = b"".join(state.pieces[state.samples :])
             close = rest.find(CLOSE_MARK.encode())
             after = rest[close + len(CLOSE_MARK) :] if close >= 0 else b""
-            data = example(switch.constraint).encode("utf-8") + after
-            step = self.piece_bytes
-            state.pieces = done + [data[i : i + step] for i in range(0, len(data), step)]
+            state.pieces = done + self._cut(example(switch.constraint).encode("utf-8") + after)
 
     def release(self, slot: int, keep: int = 0) -> None:
         """Keep the slot's first ``keep`` KV cells (0: none), remove the rest, forget its reply. Idempotent."""

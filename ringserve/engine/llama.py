@@ -695,7 +695,9 @@ class LlamaEngine:
         All feeds go into the one shared ``llama_batch`` (tokens at their
         positions, sequence id = slot, output flag on the last token of each
         sampling feed), then a single ``llama_decode``. Each sampling feed's
-        chain then samples from the logits of its last token; a slot begun
+        chain then samples from the logits of its last token (a feed with
+        ``forced`` takes that token instead, which the chain accepts as if it
+        had sampled it: a grammar advances over it); a slot begun
         with :class:`LazyCalls` has its :class:`CallWatch` fed the token right
         away, so a call's grammar goes on (or off) before the slot's next
         token is sampled, however the caller pipelines steps.
@@ -728,7 +730,7 @@ class LlamaEngine:
         tok, pos, seq, out = self._tok, self._pos, self._seq, self._out
         n = 0
         seen: set[int] = set()
-        sample_at: list[tuple[int, int]] = []  # (feed slot, batch index)
+        sample_at: list[tuple[int, int, int | None]] = []  # (feed slot, batch index, forced token)
         full: list[int] = []  # slots that would pass n_ctx_slot
         for f in feeds:
             slot = f.slot
@@ -754,13 +756,13 @@ class LlamaEngine:
             for i in range(n, end):
                 seq[i][0] = slot
             if f.sample:
-                sample_at.append((slot, end - 1))
+                sample_at.append((slot, end - 1, f.forced))
             n = end
         if full:
             msg = f"slot(s) {full} would exceed n_ctx_slot={self.n_ctx_slot} tokens"
             raise KVCacheFull(msg, full)
         ctypes.memset(self._out_addr, 0, n)
-        for _, i in sample_at:
+        for _, i, _ in sample_at:
             out[i] = 1
         batch = self._batch
         assert batch is not None, "decode() after close()"
@@ -777,8 +779,11 @@ class LlamaEngine:
             raise EngineError(msg, slots)
 
         result = []
-        for slot, i in sample_at:
-            if self._argmax[slot] and not self._call_grammar[slot]:
+        for slot, i, forced in sample_at:
+            if forced is not None:
+                token = forced
+                lc.llama_sampler_accept(self._chains[slot], token)
+            elif self._argmax[slot] and not self._call_grammar[slot]:
                 token = self._sample_argmax(i)
             else:
                 token = lc.llama_sampler_sample(self._chains[slot], self._ctx, i)

@@ -92,6 +92,9 @@ class Engine(Protocol):
     chat_format: ChatFormat
     """The model's output format (its family: thinking markers, call syntax, parser and
     call grammar), chosen once at load (:func:`ringserve.formats.detect.detect`)."""
+    reasoning_close: tuple[int, ...]
+    """The tokens of the format's :attr:`~ringserve.formats.base.ReasoningMarkers.closing`
+    (what a spent reasoning budget forces); empty for a format without a thinking block."""
 
     def tokenize_chat(self, request: GenerationRequest) -> ChatPrompt:
         """Render the request's conversation with the model's chat template (generation prompt
@@ -146,7 +149,8 @@ class Engine(Protocol):
         """
 
     def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
-        """Decode one batch holding every feed; return one :class:`Sampled` per feed with ``sample``.
+        """Decode one batch holding every feed; return one :class:`Sampled` per feed with ``sample``
+        (its ``forced`` token, where it has one: taken as if sampled).
 
         Raises:
             KVCacheFull: no room in the KV cache for this batch.

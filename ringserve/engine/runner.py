@@ -125,6 +125,10 @@ class Prepared:
         chat_format: the model's format: the reply is read by its parser.
         reasoning_open: the prompt left the format's thinking block open (the
             reply starts inside it).
+        reasoning_budget: the most tokens the reply may sample inside its
+            thinking block before the runner forces the block's closing marker
+            (``request.reasoning.budget_tokens``, where the format has a
+            thinking block); None: no budget.
     """
 
     request: GenerationRequest
@@ -134,6 +138,7 @@ class Prepared:
     constraint: Constraint | LazyCalls | None = None
     chat_format: ChatFormat = GENERIC
     reasoning_open: bool = False
+    reasoning_budget: int | None = None
 
 
 @attrs.frozen
@@ -222,6 +227,7 @@ class Generation:
     _receive: trio.MemoryReceiveChannel[GenerationEvent]
     _detokenizer: Detokenizer = attrs.field(factory=Detokenizer)
     _stage: ReplyStage = attrs.field(default=None)
+    _reasoning_budget: int | None = None  # the prepared one until its closing marker is forced
     _outcome: Finish | Failure | None = None
     _cancel_time: float | None = None
     tokens_after_cancel: int = 0
@@ -238,6 +244,7 @@ class Generation:
                 parallel=choice.parallel and choice.mode is not ToolChoiceMode.NAMED,
                 forced=parsed and choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED),
             )
+        self._reasoning_budget = self.prepared.reasoning_budget
 
     @property
     def id(self) -> int:
@@ -246,12 +253,14 @@ class Generation:
 
     @property
     def usage(self) -> Usage:
-        """Live token counts: prompt tokens, tokens sampled so far (EOG counted), and
-        prompt tokens reused from the prefix cache (0 until admitted).
+        """Live token counts: prompt tokens, tokens sampled so far (EOG counted),
+        prompt tokens reused from the prefix cache (0 until admitted), and the
+        sampled tokens of the thinking block.
 
         Valid at any time, including after a cancel (it then stays as it was).
         """
-        return Usage(len(self.prepared.prompt_tokens), self._entry.generated, self._entry.cached)
+        entry = self._entry
+        return Usage(len(self.prepared.prompt_tokens), entry.generated, entry.cached, self._stage.reasoning_tokens)
 
     @property
     def state(self) -> SlotState:
@@ -526,6 +535,7 @@ class Runner:
         return Prepared(
             request, tokens, budget, context_bound=budget != asked, constraint=constraint,
             chat_format=self.chat_format, reasoning_open=prompt.reasoning_open,
+            reasoning_budget=request.reasoning.budget_tokens if self._engine.reasoning_close else None,
         )
 
     async def _tokenize(self, request: GenerationRequest) -> ChatPrompt:
@@ -583,6 +593,8 @@ class Runner:
         send, receive = trio.open_memory_channel[GenerationEvent](4 * prepared.max_tokens + 4)
         gen = Generation(prepared, entry, send, receive)
         entry.tag = gen
+        if gen._reasoning_budget is not None:
+            self._close_reasoning(gen)  # a budget of 0 in a block the prompt opened
         self._poke()
         return gen
 
@@ -881,7 +893,8 @@ class Runner:
     # -- turning tokens into events ----------------------------------------
 
     def _on_token(self, gen: Generation, sampled: Sampled) -> None:
-        """Count, detokenize and run one sampled token through the reply stage; emit what it releases."""
+        """Count, detokenize and run one sampled token through the reply stage; emit what it
+        releases; force the end of the thinking block when its budget is spent."""
         gen._stage.sampled()
         if sampled.eog:
             self._finish(gen, StopReason.END)
@@ -891,6 +904,22 @@ class Runner:
             return
         if gen._entry.budget_left <= 0:
             self._finish(gen, StopReason.CONTEXT_FULL if gen.prepared.context_bound else StopReason.MAX_TOKENS)
+        elif gen._reasoning_budget is not None:
+            self._close_reasoning(gen)
+
+    def _close_reasoning(self, gen: Generation) -> None:
+        """Once the reply has sampled its reasoning budget inside the thinking block (and no
+        character is cut in two), make its next samples the format's closing marker
+        (``engine.reasoning_close``), once: the model then answers. The forced tokens are
+        decoded as sampled ones (their text goes through the reply stage, a grammar accepts
+        them), as llama.cpp's reasoning budget forces its end tags
+        (``common/reasoning-budget.cpp``)."""
+        stage = gen._stage
+        budget = gen._reasoning_budget
+        assert budget is not None
+        if stage.in_reasoning and stage.reasoning_tokens >= budget and not gen._detokenizer.pending_bytes:
+            gen._reasoning_budget = None
+            self._scheduler.force(gen._entry, self._engine.reasoning_close)
 
     def _finish(self, gen: Generation, reason: StopReason) -> None:
         """End a generation normally: flush held text, stop the open block, emit Finish, free the slot.

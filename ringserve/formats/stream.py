@@ -164,6 +164,16 @@ class CoroutineParser:
     _run: Generator[None, None, None] | None = attrs.field(init=False, default=None)
     _done: bool = attrs.field(init=False, default=False)
 
+    def __attrs_post_init__(self) -> None:
+        # The reader runs up to its first wait, so the state before any text is its own (a
+        # reply that starts inside the thinking block is in_reasoning from the start); with
+        # no text it puts nothing out, and whatever it would is kept for the first feed.
+        self._run = self.reader(self._stream, self._out)
+        try:
+            next(self._run)
+        except StopIteration:
+            self._done = True
+
     @property
     def in_call(self) -> bool:
         return self._out.in_call
@@ -197,8 +207,7 @@ class CoroutineParser:
 
     def _step(self) -> list[Piece]:
         """Run the reader until it waits; return the pieces it put out."""
-        if self._run is None:
-            self._run = self.reader(self._stream, self._out)
+        assert self._run is not None
         if not self._done:
             try:
                 next(self._run)

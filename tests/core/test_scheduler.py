@@ -288,6 +288,23 @@ def test_plan_is_idempotent_until_commit_so_a_failed_batch_can_be_retried():
     assert a.state is SlotState.DECODE
 
 
+def test_forced_tokens_ride_the_sampling_feeds_one_at_a_time_and_survive_a_retry():
+    s = sched(n_slots=1, prefill_chunk=4)
+    a = s.enqueue(prompt(6), 9)
+    s.force(a, (70, 71))  # before admission: the first sample is forced already
+    first = s.plan()
+    assert [f.forced for f in first.feeds] == [None]  # a chunk that does not sample
+    run_step(s)
+    last_chunk = s.plan()
+    assert last_chunk.feeds[0].sample and last_chunk.feeds[0].forced == 70
+    assert s.plan().feeds == last_chunk.feeds  # a failed decode is retried with the same token
+    s.commit(last_chunk)
+    s.on_sampled(a.slot, 70)
+    assert s.plan().feeds[0] == SlotFeed(a.slot, (70,), 6, True, 71)
+    run_step(s, 71)
+    assert s.plan().feeds[0].forced is None and a.sampled == [70, 71]
+
+
 def test_commit_skips_requests_cancelled_in_flight():
     s = sched()
     a = s.enqueue(prompt(3), 9)

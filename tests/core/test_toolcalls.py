@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,6 +28,8 @@ from ringserve.core.toolcalls import (
     CallArgs,
     CallEnd,
     CallStart,
+    Piece,
+    Reasoning,
     Text,
     ToolCallError,
     ToolCallParser,
@@ -226,6 +229,59 @@ def test_not_parallel_ends_after_the_first_call() -> None:
     events, end = stage_run(stage, [REPLY])
     assert end == End(StopReason.TOOL_USE)
     assert events[-1] == BlockStop(1) and sum(isinstance(e, BlockStart) for e in events) == 2
+
+
+@attrs.define
+class Scripted:
+    """An output parser that gives each feed's pieces from a script (inside the thinking block
+    until its first non-reasoning piece), and ``flushed`` at the end."""
+
+    script: list[list[Piece]]
+    flushed: list[Piece] = attrs.Factory(list)
+    in_reasoning: bool = True
+    in_call: bool = False
+
+    def feed(self, text: str) -> list[Piece]:
+        pieces = self.script.pop(0)
+        if any(not isinstance(p, Reasoning) for p in pieces):
+            self.in_reasoning = False
+        return pieces
+
+    def flush(self) -> list[Piece]:
+        return self.flushed
+
+
+def test_reasoning_pieces_are_a_reasoning_block_and_their_tokens_count() -> None:
+    stage = ReplyStage(("STOP",), Scripted([[Reasoning("Think ")], [Reasoning("STOP")], [Text("Yes.")]]))
+    events: list = []
+    for _ in range(3):
+        stage.sampled()
+        out, end = stage.feed("x")
+        events += out
+        assert end is None  # no stop string inside the reasoning
+    out, end = stage.finish(StopReason.END)
+    assert events + out == [
+        BlockStart(0, BlockKind.REASONING), BlockDelta(0, "Think ", 1), BlockDelta(0, "STOP", 1), BlockStop(0),
+        BlockStart(1, BlockKind.TEXT), BlockDelta(1, "Yes.", 1), BlockStop(1),
+    ]
+    # All three were sampled inside the block: the third's text is what ends it (its closing marker).
+    assert stage.reasoning_tokens == 3 and end == End(StopReason.END)
+
+
+def test_text_held_as_a_stop_prefix_is_released_before_reasoning() -> None:
+    stage = ReplyStage(("STOP",), Scripted([[Text("a ST")], [Reasoning("more")]], in_reasoning=False))
+    events = stage.feed("x")[0] + stage.feed("y")[0]
+    assert events == [BlockStart(0, BlockKind.TEXT), BlockDelta(0, "a ", 0), BlockDelta(0, "ST", 0), BlockStop(0),
+                      BlockStart(1, BlockKind.REASONING), BlockDelta(1, "more", 0)]
+
+
+def test_a_reply_cut_inside_reasoning_stops_its_block_with_what_the_parser_held() -> None:
+    stage = ReplyStage((), Scripted([[Reasoning("Half")]], flushed=[Reasoning(" a thought")]))
+    events, _ = stage.feed("x")
+    out, end = stage.finish(StopReason.MAX_TOKENS)
+    assert events + out == [BlockStart(0, BlockKind.REASONING), BlockDelta(0, "Half", 0),
+                            BlockDelta(0, " a thought", 0), BlockStop(0)]
+    assert end == End(StopReason.MAX_TOKENS)
 
 
 # -- the prompt ---------------------------------------------------------------------------

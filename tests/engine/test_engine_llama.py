@@ -255,6 +255,22 @@ def test_end_of_generation_token(engine):
     assert not engine.token_is_eog(word(engine))
 
 
+def test_a_forced_token_is_taken_as_if_sampled(eng, prompt):
+    """A feed's ``forced`` token (a reasoning budget's closing marker) comes back instead of a
+    sample, and the sequence goes on from it as from a prompt that held it."""
+    forced = word(eng)
+    for params in (GREEDY, SamplingParams(temperature=0.8, seed=7)):
+        eng.begin(0, params)
+        [s] = eng.decode([SlotFeed(0, prompt, 0, True, forced)])
+        assert (s.token, s.piece, s.eog) == (forced, eng.token_piece(forced), False)
+        [after] = eng.decode([SlotFeed(0, (forced,), len(prompt), True)])
+        eng.begin(1, params)
+        [fresh] = eng.decode([SlotFeed(1, (*prompt, forced), 0, True)])
+        assert after.token == fresh.token
+        eng.release(0)
+        eng.release(1)
+
+
 def test_seeded_sampling_repeats(eng, prompt):
     params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, seed=1234)
 

@@ -1,0 +1,119 @@
+"""The runner reads each reply with the model format's parser (the fake engine given a family):
+thinking blocks become REASONING blocks, reasoning tokens are counted, a reply cut inside its
+thinking ends cleanly, and a reasoning budget forces the block's end."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringserve.core.errors import ErrorKind, RingserveError
+from ringserve.core.events import (
+    BlockKind,
+    ChatMessage,
+    ContentBlock,
+    Finish,
+    GenerationRequest,
+    ReasoningConfig,
+    SamplingParams,
+    StopReason,
+)
+from ringserve.engine.fake import FakeEngine
+from tests.engine.test_runner import generate, serving
+
+THINK = "<think>I should greet them back politely.</think>\n\nHello there!"
+
+
+def req(text: str = "hi", max_tokens: int | None = 256, **fields: object) -> GenerationRequest:
+    return GenerationRequest((ChatMessage("user", text),), max_tokens, SamplingParams(temperature=0), **fields)  # type: ignore[arg-type]
+
+
+async def collect(engine: FakeEngine, request: GenerationRequest) -> tuple[tuple[ContentBlock, ...], Finish]:
+    async with serving(engine) as runner:
+        prepared = await runner.prepare(request)
+        async with runner.submit(prepared) as gen:
+            blocks, terminal = await gen.collect()
+    assert isinstance(terminal, Finish)
+    return blocks, terminal
+
+
+async def test_a_thinking_block_is_a_reasoning_block_and_its_tokens_are_counted():
+    engine = FakeEngine(chat_format="hermes", reply=THINK, piece_bytes=4)
+    blocks, finish = await collect(engine, req())
+    assert blocks == (
+        ContentBlock(BlockKind.REASONING, "I should greet them back politely."),
+        ContentBlock(BlockKind.TEXT, "Hello there!"),
+    )
+    assert finish.stop_reason is StopReason.END
+    # Sampled inside the block: the tokens after the one that completes "<think>", up to the one
+    # that completes "</think>".
+    end = THINK.index("</think>") + len("</think>")
+    assert finish.usage.reasoning_tokens == sum(len("<think>") <= start < end for start in range(0, len(THINK), 4))
+    assert finish.usage.output_tokens == -(-len(THINK) // 4) + 1
+
+
+async def test_the_generation_prompt_may_open_the_block():
+    engine = FakeEngine(chat_format="hermes", generation_prompt="<think>\n", reply="Plan.</think>Done.", piece_bytes=2)
+    blocks, finish = await collect(engine, req())
+    assert blocks == (ContentBlock(BlockKind.REASONING, "Plan."), ContentBlock(BlockKind.TEXT, "Done."))
+    assert finish.usage.reasoning_tokens == len("Plan.</think>") // 2 + 1
+
+
+async def test_stop_strings_do_not_apply_to_reasoning():
+    engine = FakeEngine(chat_format="hermes", reply=THINK)
+    blocks, finish = await collect(engine, req(stop=("greet", "there")))
+    assert blocks == (ContentBlock(BlockKind.REASONING, "I should greet them back politely."),
+                      ContentBlock(BlockKind.TEXT, "Hello "))
+    assert finish.stop_reason is StopReason.STOP_SEQUENCE and finish.stop_sequence == "there"
+
+
+async def test_a_reply_cut_inside_its_thinking_ends_cleanly():
+    engine = FakeEngine(chat_format="hermes", reply=THINK, piece_bytes=4)
+    blocks, finish = await collect(engine, req(max_tokens=5))  # "<thi" "nk>I" " sho" "uld " "gree"
+    assert blocks == (ContentBlock(BlockKind.REASONING, "I should gree"),)
+    assert finish.stop_reason is StopReason.MAX_TOKENS
+    assert finish.usage.reasoning_tokens == 3
+
+
+async def test_a_spent_reasoning_budget_forces_the_end_of_the_block():
+    engine = FakeEngine(chat_format="hermes", reply=THINK, piece_bytes=4)
+    blocks, finish = await collect(engine, req(reasoning=ReasoningConfig(budget_tokens=3)))
+    # Three tokens inside the block (" sho", "uld ", "gree"), then the forced "</think>"; the
+    # model answers after it.
+    assert blocks == (ContentBlock(BlockKind.REASONING, "I should gree"), ContentBlock(BlockKind.TEXT, "Hello there!"))
+    assert finish.usage.reasoning_tokens == 4 and finish.stop_reason is StopReason.END
+    forced = [f for call in engine.log for f in call.feeds if f.forced is not None]
+    assert [f.forced for f in forced] == list(engine.reasoning_close)
+
+
+async def test_a_budget_of_zero_closes_a_block_the_prompt_opened_at_once():
+    engine = FakeEngine(chat_format="hermes", generation_prompt="<think>\n", reply="Plan.</think>Done.")
+    blocks, finish = await collect(engine, req(reasoning=ReasoningConfig(budget_tokens=0)))
+    assert blocks == (ContentBlock(BlockKind.TEXT, "Done."),)
+    assert finish.usage.reasoning_tokens == 1  # the forced closing marker
+    first_sample = next(f for call in engine.log for f in call.feeds if f.sample)
+    assert first_sample.forced == engine.reasoning_close[0]
+
+
+async def test_gpt_oss_budget_forces_the_final_channel():
+    reply = ("<|channel|>analysis<|message|>The user greets. Greet back.<|end|>"
+             "<|start|>assistant<|channel|>final<|message|>Hi!")
+    engine = FakeEngine(chat_format="gpt-oss", reply=reply, piece_bytes=5)
+    blocks, _ = await collect(engine, req(reasoning=ReasoningConfig(budget_tokens=2)))
+    assert [b.kind for b in blocks] == [BlockKind.REASONING, BlockKind.TEXT]
+    assert blocks[1].text == "Hi!" and len(blocks[0].text) < len("The user greets. Greet back.")
+
+
+async def test_a_format_without_a_thinking_block_has_no_budget():
+    engine = FakeEngine(chat_format="mistral-nemo", reply="<think>no markers here</think>ok")
+    async with serving(engine) as runner:
+        prepared = await runner.prepare(req(reasoning=ReasoningConfig(budget_tokens=1)))
+    assert prepared.reasoning_budget is None and engine.reasoning_close == ()
+
+
+async def test_a_template_that_refuses_the_request_is_a_400_naming_messages():
+    source = "{% if messages[0].role != 'system' %}{{ raise_exception('A system turn comes first') }}{% endif %}"
+    async with serving(FakeEngine(chat_template=source)) as runner:
+        with pytest.raises(RingserveError) as refused:
+            await runner.prepare(req())
+    assert refused.value.kind is ErrorKind.INVALID_REQUEST and refused.value.param == "messages"
+    assert "A system turn comes first" in str(refused.value)
