@@ -18,9 +18,12 @@ did to it:
 * The reply is chosen when a slot's prompt is complete (its first sample),
   from the prompt bytes in its KV cells: the last user message's text after
   ``"echo:"`` if it starts so, else ``reply`` (a str, or a callable taking
-  the last user message's text), else :data:`DEFAULT_REPLY`. Its UTF-8 bytes
-  are cut into tokens of ``piece_bytes`` bytes, so multi-byte characters are
-  split across tokens, then one EOG token (empty piece) ends it. Sampling
+  the last user message's text), else :data:`DEFAULT_REPLY`. It is model
+  text: with a ``chat_format``, the runner reads it with that family's parser,
+  so it may hold the family's thinking block and tool calls, written as the
+  model writes them. Its UTF-8 bytes are cut into tokens of ``piece_bytes``
+  bytes (or by ``split``), so multi-byte characters and markers are split
+  across tokens, then one EOG token (empty piece) ends it. Sampling
   parameters are accepted and ignored. A slot begun with a ``constraint``
   (a forced tool call, JSON output) replies the constraint's example
   instead: a text its grammar accepts, made from the schema on the decode
@@ -31,9 +34,11 @@ did to it:
   :attr:`FakeEngine.switches`, and when one goes on, the rest of the scripted
   call (up to its ``</tool_call>``, or all the rest if there is none) is
   replaced by that grammar's example, as a grammar would force a valid
-  call.
+  call. A token forced by the runner (a reasoning budget's closing
+  marker) comes back as sampled, and the script goes on after that text.
 * The chat's tools and tool turns are rendered as text first
-  (:func:`ringserve.core.toolcalls.plain_messages`), as on the real engine.
+  (:func:`ringserve.core.toolcalls.plain_messages`), as on the real engine
+  for a template without a call syntax; or by ``chat_template``.
 * A failed :meth:`decode` changes nothing (no KV cells, no reply progress),
   so the runner may feed the same batch again.
 
@@ -148,6 +153,8 @@ class FakeEngine:
         n_ctx_slot: KV cells (tokens) per slot.
         n_batch: most tokens per decode call.
         piece_bytes: bytes per reply token (>= 1).
+        split: cuts a reply's UTF-8 bytes into its tokens' pieces (tests give random
+            splits); None: ``piece_bytes`` each.
         step_seconds: blocking sleep in every decode call (seconds).
         prefill_seconds: blocking sleep once per prompt fed from position 0,
             in the decode call that feeds its first chunk (seconds); a prompt
@@ -194,6 +201,7 @@ class FakeEngine:
         n_ctx_slot: int = 4096,
         n_batch: int = 512,
         piece_bytes: int = 4,
+        split: Callable[[bytes], list[bytes]] | None = None,
         step_seconds: float = 0.0,
         prefill_seconds: float = 0.0,
         fail_after_tokens: int | None = None,
@@ -212,6 +220,7 @@ class FakeEngine:
         self.n_ctx_slot = n_ctx_slot
         self.n_batch = n_batch
         self.piece_bytes = piece_bytes
+        self.split = split
         self.step_seconds = step_seconds
         self.prefill_seconds = prefill_seconds
         self.fail_after_tokens = fail_after_tokens
@@ -282,8 +291,7 @@ class FakeEngine:
 
     def reply_tokens(self, last_user_text: str) -> int:
         """How many tokens the reply to ``last_user_text`` takes, EOG included."""
-        n = len(self.reply_for(last_user_text).encode("utf-8"))
-        return -(-n // self.piece_bytes) + 1
+        return len(self._cut(self.reply_for(last_user_text).encode("utf-8"))) + 1
 
     def _token_for(self, piece: bytes) -> int:
         if len(piece) == 1:
@@ -433,6 +441,8 @@ class FakeEngine:
 
     def _cut(self, data: bytes) -> list[bytes]:
         """A reply's bytes as its tokens' pieces."""
+        if self.split is not None:
+            return [piece for piece in self.split(data) if piece]
         step = self.piece_bytes
         return [data[i : i + step] for i in range(0, len(data), step)]
 

@@ -18,8 +18,8 @@ syntax as GBNF; the JSON-schema-to-GBNF conversion of the arguments stays in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import attrs
 
@@ -208,6 +208,16 @@ class ChatFormat(Protocol):
 
         Raises:
             NotImplementedError: a family whose calls cannot be forced by a grammar here.
+        """
+
+    def write_call(self, name: str, arguments: Mapping[str, Any]) -> str:
+        """One call of tool ``name`` with ``arguments`` (a JSON object's value) as the family's
+        call grammar writes it: a whole unit, its trigger first (the fake engine's replies to
+        a grammar, and tests). A string value of a syntax that writes parameters apart is
+        written as raw text, another as its JSON.
+
+        Raises:
+            NotImplementedError: as :meth:`call_grammar`.
         """
 
 

@@ -11,12 +11,13 @@ block.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 
 from ringserve.core.events import ToolSpec
-from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN, OPEN_MARK, PlainText, ToolCallParser
+from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN, OPEN_MARK, PlainText, ToolCallParser, format_call
 from ringserve.formats.base import CallGrammar, ReasoningMarkers, ToolRules
 from ringserve.formats.gbnf import alternatives, literal
 
@@ -37,6 +38,9 @@ class GenericFormat:
 
     def triggers(self, tools: Sequence[ToolSpec]) -> tuple[str, ...]:
         return (OPEN_MARK,)
+
+    def write_call(self, name: str, arguments: Mapping[str, Any]) -> str:
+        return format_call(name, json.dumps(arguments, ensure_ascii=False))
 
     def call_grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
         head = CALL_OPEN[len(OPEN_MARK) :] + "{" + json.dumps("name") + ": "

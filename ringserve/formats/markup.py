@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Generator, Sequence
-from typing import Protocol
+from collections.abc import Callable, Generator, Mapping, Sequence
+from typing import Any, Protocol
 
 import attrs
 
@@ -75,6 +75,10 @@ class CallSyntax(Protocol):
 
     def grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
         """The GBNF of a unit (see :class:`~ringserve.formats.base.CallGrammar`)."""
+
+    def write(self, name: str, arguments: Mapping[str, Any]) -> str:
+        """One call as a unit its :meth:`grammar` takes (:meth:`ChatFormat.write_call
+        <ringserve.formats.base.ChatFormat.write_call>`)."""
 
 
 class InText:
@@ -212,6 +216,18 @@ class JsonCalls(InText):
                                repeat=parallel)
         return CallGrammar(rules, self.opener, self.head + start, "fmt-call", separator="", repeat=parallel)
 
+    def write(self, name: str, arguments: Mapping[str, Any]) -> str:
+        args = json.dumps(arguments, ensure_ascii=False)
+        if self.name_is_key:
+            call = f"{{{json.dumps(name)}: {args}}}"
+        else:
+            call = f"{{{json.dumps(self.name_keys[0])}: {json.dumps(name)}, {json.dumps(self.args_keys[0])}: {args}}}"
+        if self.array:
+            return f"{self.opener}{self.head}[{call}]{self.close}"
+        if self.close:
+            return f"{self.opener}{self.head}\n{call}\n{self.close}"
+        return f"{self.opener}{self.head}{call}"
+
 
 def _starts_object(s: Stream) -> Generator[None, None, bool]:
     yield from skip_ws(s)
@@ -338,6 +354,19 @@ class NamedCalls(InText):
         call = f"{literal(self.call_open + self.name_prefix)} fmt-call"
         more = f" ( {call} )*" if parallel else ""
         return CallGrammar(rules, start, "", f"{call}{more} {literal(stop)}")
+
+    def write(self, name: str, arguments: Mapping[str, Any]) -> str:
+        end = self.name_end[0]
+        args = json.dumps(arguments, ensure_ascii=False)
+        if self.typed is not None:
+            kind, typed_end, typed_close = self.typed
+            call = f"{kind}{end}{name}\n{typed_end}\n{args}\n{''.join(typed_close)}"
+        else:
+            index = f"{self.id_suffix}0" if self.id_suffix else ""
+            args_open = self.args_open if end != self.args_open else ""
+            call = f"{name}{index}{end}{args_open}{args}{''.join(self.close)}"
+        call = self.call_open + self.name_prefix + call
+        return call if self.section is None else self.section[0] + call + self.section[1]
 
 
 # --- a name and each parameter in markup ----------------------------------------------------
@@ -500,6 +529,22 @@ class TaggedCalls(InText):
         more = f" ( {call} )*" if parallel else ""
         return CallGrammar(tuple(rules), start, nl, f"{call}{more} {literal(stop)}")
 
+    def write(self, name: str, arguments: Mapping[str, Any]) -> str:
+        nl = self.nl
+        trim = "\n" if self.trim else ""
+        parts = [self.func_open + name + self.name_end[0] + (nl if self.name_end[0] != nl else "")]
+        for key, value in arguments.items():
+            raw = isinstance(value, str)
+            text = value if raw else json.dumps(value, ensure_ascii=False)
+            tag = f'{key}{self.key_end}{"true" if raw else "false"}">' if self.type_attr else key + self.key_end
+            value_open = f"{nl}{self.value_open}" if self.value_open else ""
+            parts.append(f"{self.param_open}{tag}{value_open}{trim}{text}{trim}{self.value_close}{nl}")
+        end = "".join(m + nl for m in (self.func_close, self.close) if m)
+        call = "".join(parts) + (end if self.section else end.rstrip("\n"))
+        if self.section is None:
+            return self.call_open + (nl if self.func_open else "") + call
+        return self.section[0] + nl + self.call_open + call + self.section[1]
+
 
 @attrs.define
 class _Held:
@@ -591,6 +636,11 @@ class MarkupFormat:
         grammar = self.calls.grammar(tools, parallel)
         rules, thinking = thinking_rules(self.reasoning)
         return attrs.evolve(grammar, rules=grammar.rules + rules, thinking=thinking)
+
+    def write_call(self, name: str, arguments: Mapping[str, Any]) -> str:
+        if self.calls is None:
+            raise NotImplementedError(f"{self.name}: its tool calls are not served")
+        return self.calls.write(name, arguments)
 
 
 def _reasoning(s: Stream, out: Out, markers: ReasoningMarkers, opened: bool, openers: tuple[str, ...]) -> Read:

@@ -23,7 +23,8 @@ from __future__ import annotations
 import ast
 import json
 import re
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -190,6 +191,9 @@ class WholeCalls(InText):
     def grammar(self, tools: Sequence[ToolRules], parallel: bool) -> CallGrammar:
         raise NotImplementedError("calls that are not JSON are not forced by a grammar here")
 
+    def write(self, name: str, arguments: Mapping[str, Any]) -> str:
+        raise NotImplementedError("calls that are not JSON are not forced by a grammar here")
+
 
 PYTHONIC = WholeCalls("<|tool_call_start|>", "<|tool_call_end|>", _pythonic)
 """LFM2's calls."""
@@ -241,6 +245,9 @@ class LlamaCalls:
         templates take one call per turn)."""
         alts = [f"{literal(json.dumps(t.name) + ', ' + json.dumps('parameters') + ': ')} {t.arguments}" for t in tools]
         return CallGrammar((("fmt-call", f"( {alternatives(alts)} ) {literal('}')}"),), '{"name": ', "", "fmt-call")
+
+    def write(self, name: str, arguments: Mapping[str, Any]) -> str:
+        return f'{{"name": {json.dumps(name)}, "parameters": {json.dumps(arguments, ensure_ascii=False)}}}'
 
 
 _JSON_CALL = JsonCalls("", args_keys=("parameters", "arguments"))
@@ -304,6 +311,9 @@ class RecipientFormat:
         the first ``>>>``, so the trigger is empty: a lazy grammar cannot start from it)."""
         alts = [f"{literal(t.name + chr(10))} {t.arguments}" for t in tools]
         return CallGrammar((("fmt-call", alternatives(alts)),), "", "", "fmt-call", separator=">>>", repeat=parallel)
+
+    def write_call(self, name: str, arguments: Mapping[str, Any]) -> str:
+        return f"{name}\n{json.dumps(arguments, ensure_ascii=False)}"
 
 
 # --- gpt-oss ---------------------------------------------------------------------------------
@@ -388,3 +398,7 @@ class HarmonyFormat:
         rules, thinking = thinking_rules(self.reasoning, then="<|start|>assistant")
         return CallGrammar((("fmt-call", alternatives(alts)), *rules), " to=functions.", "", "fmt-call",
                            thinking=thinking)
+
+    def write_call(self, name: str, arguments: Mapping[str, Any]) -> str:
+        args = json.dumps(arguments, ensure_ascii=False)
+        return f" to=functions.{name}<|channel|>commentary <|constrain|>json<|message|>{args}"

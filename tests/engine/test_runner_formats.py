@@ -1,8 +1,12 @@
 """The runner reads each reply with the model format's parser (the fake engine given a family):
 thinking blocks become REASONING blocks, reasoning tokens are counted, a reply cut inside its
-thinking ends cleanly, and a reasoning budget forces the block's end."""
+thinking ends cleanly, a reasoning budget forces the block's end, and every family's replies
+come out as their blocks."""
 
 from __future__ import annotations
+
+import json
+import random
 
 import pytest
 
@@ -17,7 +21,10 @@ from ringserve.core.events import (
     SamplingParams,
     StopReason,
 )
+from bench.format_parsers import EXAMPLES, TOOLS
+from bench.format_parsers import reply as bench_reply
 from ringserve.engine.fake import FakeEngine
+from ringserve.formats.families import FAMILIES
 from tests.engine.test_runner import generate, serving
 
 THINK = "<think>I should greet them back politely.</think>\n\nHello there!"
@@ -117,3 +124,41 @@ async def test_a_template_that_refuses_the_request_is_a_400_naming_messages():
             await runner.prepare(req())
     assert refused.value.kind is ErrorKind.INVALID_REQUEST and refused.value.param == "messages"
     assert "A system turn comes first" in str(refused.value)
+
+
+def random_split(seed: int):
+    """Cuts a reply's bytes into pieces of 1 to 6 bytes at random (markers and characters too)."""
+    rng = random.Random(seed)
+
+    def split(data: bytes) -> list[bytes]:
+        pieces, i = [], 0
+        while i < len(data):
+            n = rng.randint(1, 6)
+            pieces.append(data[i : i + n])
+            i += n
+        return pieces
+
+    return split
+
+
+@pytest.mark.parametrize("family", sorted(EXAMPLES))
+@pytest.mark.parametrize("seed", range(3))
+async def test_every_familys_reply_comes_out_as_its_blocks_whatever_the_token_splits(family, seed):
+    """The fake engine plays a reply in the family's syntax (its thinking, text, then a call:
+    bench/format_parsers.py's) cut into random tokens; the runner gives the reasoning, text and
+    call blocks."""
+    fmt = FAMILIES[family]
+    engine = FakeEngine(chat_format=family, reply=bench_reply(family, fmt, 8), split=random_split(seed))
+    blocks, finish = await collect(engine, req(tools=tuple(TOOLS)))
+    kinds = [b.kind for b in blocks]
+    expected = [BlockKind.TOOL_CALL]
+    if family != "llama-3":
+        expected = [BlockKind.TEXT, *expected]
+    if fmt.reasoning is not None and family != "functionary-v3.2":
+        expected = [BlockKind.REASONING, *expected]
+    assert kinds == expected, [(b.kind, b.text[:40]) for b in blocks]
+    words = "the weather in Paris depends on the season"  # bench_reply's 8 words
+    assert all(b.text.strip() == words for b in blocks if b.kind is not BlockKind.TOOL_CALL)
+    assert (blocks[-1].name, json.loads(blocks[-1].text)) == ("get_weather", {"city": "Paris", "days": 3})
+    assert finish.stop_reason is StopReason.TOOL_USE
+    assert (finish.usage.reasoning_tokens > 0) == (BlockKind.REASONING in kinds)

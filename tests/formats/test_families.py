@@ -36,6 +36,18 @@ def test_the_example_parses_into_the_call(family: str) -> None:
 
 
 @pytest.mark.parametrize("family", sorted(set(EXAMPLES) - NO_GRAMMAR))
+def test_the_family_writes_its_call_as_the_example(family: str) -> None:
+    """write_call (the fake engine's replies) writes the canonical form, which is written by hand here."""
+    assert FAMILIES[family].write_call(*CALL) == EXAMPLES[family]
+
+
+@pytest.mark.parametrize("family", sorted(NO_GRAMMAR | NOT_SERVED))
+def test_a_family_without_a_call_grammar_writes_no_call(family: str) -> None:
+    with pytest.raises(NotImplementedError):
+        FAMILIES[family].write_call(*CALL)
+
+
+@pytest.mark.parametrize("family", sorted(set(EXAMPLES) - NO_GRAMMAR))
 def test_the_forced_grammar_takes_the_example_and_refuses_other_calls(family: str) -> None:
     fmt = FAMILIES[family]
     gbnf = call_gbnf(fmt, TOOLS, parallel=False)
