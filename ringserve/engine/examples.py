@@ -14,6 +14,7 @@ from typing import Any
 
 from ringserve.core.schema import LeastValues, cleaned, least_values
 from ringserve.engine.gbnf import Constraint
+from ringserve.formats.families import FAMILIES
 
 __all__ = ["EXPANDED_DEPTH", "example", "example_instance"]
 
@@ -24,9 +25,14 @@ least value (required properties, ``minItems`` items, the least alternative), wh
 
 def example(constraint: Constraint) -> str:
     """A text ``constraint.grammar`` accepts: :func:`example_instance` of its value's schema, in
-    its frame."""
+    its frame; for calls, in a call of the model family's syntax
+    (:meth:`~ringserve.formats.base.ChatFormat.write_call`)."""
     head, tail = constraint.frame
-    return head + json.dumps(example_instance(cleaned(constraint.value, "schema"))) + tail
+    value = example_instance(cleaned(constraint.value, "schema"))
+    call = constraint.call
+    if call is None:
+        return head + json.dumps(value) + tail
+    return head + FAMILIES[call.family].write_call(call.tool, value)[call.skip :] + tail
 
 
 def example_instance(schema: dict[str, Any]) -> Any:

@@ -27,14 +27,15 @@ did to it:
   parameters are accepted and ignored. A slot begun with a ``constraint``
   (a forced tool call, JSON output) replies the constraint's example
   instead: a text its grammar accepts, made from the schema on the decode
-  thread (:func:`ringserve.engine.examples.example`). A slot begun with
+  thread, a call in the family's syntax
+  (:func:`ringserve.engine.examples.example`). A slot begun with
   :class:`~ringserve.engine.gbnf.LazyCalls` replies the scripted text, but
   a :class:`~ringserve.engine.gbnf.CallWatch` follows it as on the real
   engine: each grammar it puts on or takes off is recorded in
   :attr:`FakeEngine.switches`, and when one goes on, the rest of the scripted
-  call (up to its ``</tool_call>``, or all the rest if there is none) is
-  replaced by that grammar's example, as a grammar would force a valid
-  call. A token forced by the runner (a reasoning budget's closing
+  unit of calls (as the family's parser reads it, or all the rest if it does
+  not end) is replaced by that grammar's example, as a grammar would force a
+  valid call. A token forced by the runner (a reasoning budget's closing
   marker) comes back as sampled, and the script goes on after that text.
 * The chat's tools and tool turns are rendered as text first
   (:func:`ringserve.core.toolcalls.plain_messages`), as on the real engine
@@ -57,7 +58,7 @@ import attrs
 
 from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.events import ChatMessage, GenerationRequest, SamplingParams
-from ringserve.core.toolcalls import CLOSE_MARK, plain_messages
+from ringserve.core.toolcalls import CallEnd, Text, ToolCallError, plain_messages
 from ringserve.engine.examples import example
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.core.offload import Offload
@@ -129,6 +130,30 @@ class _SlotState:
     begun: bool = True
     constraint: Constraint | LazyCalls | None = None
     watch: CallWatch | None = None
+
+
+def _after_unit(calls: LazyCalls, script: str) -> str:
+    """What a scripted reply holds after the unit of calls it starts with (at its trigger): the
+    format's parser, fed it a character at a time, completes a call and then gives text or
+    opens the next unit. Nothing where units hold several calls (the grammar then stays on,
+    and only lets the reply end after the unit) or the unit does not end."""
+    if not calls.one_call_units:
+        return ""
+    parser = calls.chat_format.parser(calls.tools)
+    ended = False
+    for i, char in enumerate(script):
+        try:
+            pieces = parser.feed(char)
+        except ToolCallError:
+            return ""
+        for piece in pieces:
+            if isinstance(piece, CallEnd):
+                ended = True
+            elif ended and isinstance(piece, Text):
+                return script[i + 1 - len(piece.text) :]
+        if ended and parser.in_call:
+            return script[script.rfind(calls.trigger, 0, i + 1) :]
+    return ""
 
 
 def _last_user_text(prompt: bytes) -> str:
@@ -463,10 +488,12 @@ class FakeEngine:
         if self.record:
             self.switches.append(Switched(slot, state.samples, switch))
         if isinstance(switch, GrammarOn):
+            assert isinstance(state.constraint, LazyCalls)
             done = state.pieces[: state.samples]
-            rest = b"".join(state.pieces[state.samples :])
-            close = rest.find(CLOSE_MARK.encode())
-            after = rest[close + len(CLOSE_MARK) :] if close >= 0 else b""
+            written = b"".join(done)
+            unit = written[written.rfind(state.constraint.trigger.encode("utf-8")) :]
+            script = (unit + b"".join(state.pieces[state.samples :])).decode("utf-8", "replace")
+            after = _after_unit(state.constraint, script).encode("utf-8")
             state.pieces = done + self._cut(example(switch.constraint).encode("utf-8") + after)
 
     def release(self, slot: int, keep: int = 0) -> None:

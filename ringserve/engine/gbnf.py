@@ -13,8 +13,16 @@ names, ``const`` / ``enum`` values) escape backslashes, so a name holding
 ``\\`` is emitted as valid JSON. ``$ref`` targets get rule names of their own,
 so two tools' ``$defs`` of the same name never share a rule.
 
+Tool calls are spelled in the model's own syntax: the arguments' rules come from the
+converter (one per tool, and one per property for syntaxes that write parameters apart,
+:class:`~ringserve.formats.base.ToolRules`), and the model format's
+:meth:`~ringserve.formats.base.ChatFormat.call_grammar` puts them in its markup; a forced
+reply may start with the format's thinking block, which a JSON answer may too
+(:func:`~ringserve.formats.base.answer_start`).
+
 Grammars are cached (:data:`GRAMMAR_CACHE`, least recently used first out, at most
-:data:`CACHE_BYTES`) keyed by the schema texts; their rule ``root`` is where decoding starts.
+:data:`CACHE_BYTES`) keyed by the schema texts and the format; their rule ``root`` is where
+decoding starts.
 """
 
 from __future__ import annotations
@@ -33,7 +41,10 @@ from ringserve.core.detokenizer import Detokenizer
 from ringserve.core.errors import RingserveError, invalid
 from ringserve.core.events import GenerationRequest, OutputKind, ToolChoiceMode, ToolSpec
 from ringserve.core.schema import check_repeats, check_schema, cleaned, enforced_schemas, ref_target, subschemas
-from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN, OPEN_MARK, CallEnd, ToolCallError, ToolCallParser, format_call
+from ringserve.core.toolcalls import CallEnd, OutputParser, ToolCallError
+from ringserve.formats.base import CallGrammar, ChatFormat, ParamRule, ToolRules, answer_start
+from ringserve.formats.generic import GENERIC
+from ringserve.formats.tools import raw_param
 
 log = logging.getLogger("ringserve.engine")
 
@@ -43,6 +54,7 @@ __all__ = [
     "MAX_CALLS",
     "CallWatch",
     "Constraint",
+    "ExampleCall",
     "GrammarOff",
     "GrammarOn",
     "LazyCalls",
@@ -66,6 +78,17 @@ _SAFE_CHAR = r'[^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F]
 
 
 @attrs.frozen
+class ExampleCall:
+    """How a text under a calls grammar writes its first call: the call of ``tool`` as family
+    ``family`` writes it (:meth:`~ringserve.formats.base.ChatFormat.write_call`), less its
+    first ``skip`` characters (the trigger and head a lazy grammar starts after)."""
+
+    family: str
+    tool: str
+    skip: int = 0
+
+
+@attrs.frozen
 class Constraint:
     """A sequence's output decoded under a grammar.
 
@@ -73,14 +96,17 @@ class Constraint:
         grammar: GBNF text (llama.cpp ``grammars/README.md``), start rule ``root``.
         value: the schema (checked JSON text) of the JSON value a text under the grammar holds:
             the answer, or the first tool's arguments.
-        frame: the text before and after that value in the shortest such text (a call's
-            head and end). ``engine/examples.py`` makes a text the grammar accepts from these
-            two (the fake engine's reply); nothing on a request's path builds it.
+        frame: the text before and after that value (or :attr:`call`) in the shortest such
+            text (a thinking block's end, a call's head and end).
+        call: for calls, how the value is written: in a call of the format's syntax.
+            ``engine/examples.py`` makes a text the grammar accepts from these (the fake
+            engine's reply); nothing on a request's path builds it.
     """
 
     grammar: str
     value: str
     frame: tuple[str, str] = ("", "")
+    call: ExampleCall | None = None
 
 
 class _Converter(_lg.SchemaConverter):
@@ -104,24 +130,30 @@ class _Converter(_lg.SchemaConverter):
                 self._rules[name] = body
         return name
 
-    def add(self, schema: dict[str, Any], url: str, name: str) -> str:
+    def add(self, schema: dict[str, Any], url: str, name: str, root: dict[str, Any] | None = None) -> str:
         """Visit one cleaned schema as rule ``name``; return the rule that matches it.
 
         Its ``$ref`` targets are registered by walking its schema nodes only (the bundled
         ``resolve_refs`` walks every object, ``const`` and ``enum`` values included, and
-        rewrote a ``"$ref"`` key there), each ref made unique by prefixing ``url``."""
+        rewrote a ``"$ref"`` key there), each ref made unique by prefixing ``url``, and
+        resolved in ``root`` (the schema itself by default; the whole schema for a node of
+        it, such as a property, added under the same ``url``)."""
         stack = [schema]
         while stack:
             node = stack.pop()
             if "$ref" in node:
                 full = url + node["$ref"]
-                self._refs[full] = ref_target(schema, node["$ref"])
+                self._refs[full] = ref_target(schema if root is None else root, node["$ref"])
                 node["$ref"] = full
             stack += subschemas(node)
         return str(self.visit(schema, name))  # type: ignore[no-untyped-call]
 
     def rule(self, name: str, body: str) -> str:
         return str(self._add_rule(name, body))  # type: ignore[no-untyped-call]
+
+    def any_value(self) -> str:
+        """The rule of any JSON value."""
+        return str(self._add_primitive("value", _lg.PRIMITIVE_RULES["value"]))
 
     def literal(self, text: str) -> str:
         return self._format_literal(text)
@@ -133,6 +165,11 @@ class _Converter(_lg.SchemaConverter):
 
 
 def _convert(schemas: Sequence[tuple[str, str]]) -> tuple[_Converter, list[str]]:
+    """A converter holding the rules ``s<i>`` of ``schemas`` (``(text, where)``), and those rules.
+
+    Raises:
+        RingserveError: a schema the converter cannot take (naming its ``where``).
+    """
     conv = _Converter()
     rules = []
     for i, (text, where) in enumerate(schemas):
@@ -151,132 +188,219 @@ def _texts(item: object) -> list[str]:
         case ToolSpec():
             return [item.name, item.description, item.parameters]
         case Constraint():
-            return [item.grammar, item.value, *item.frame]
+            return [item.grammar, item.value, *item.frame, *_texts(item.call)]
+        case ExampleCall():
+            return [item.family, item.tool]
+        case _Lazy():
+            return [item.rules, item.value, item.calls.trigger, item.calls.head, item.calls.one]
         case tuple():
             return [text for part in item for text in _texts(part)]
     return []
 
 
-def _entry_bytes(key: Hashable, value: Constraint | None) -> int:
+def _entry_bytes(key: Hashable, value: Constraint | _Lazy | None) -> int:
     return sum(sys.getsizeof(text) for text in (*_texts(key), *_texts(value)))
 
 
-GRAMMAR_CACHE: ByteLRU[Constraint | None] = ByteLRU(CACHE_BYTES, _entry_bytes)
-"""Every grammar made, by what it was made from."""
+GRAMMAR_CACHE: ByteLRU[Constraint | _Lazy | None] = ByteLRU(CACHE_BYTES, _entry_bytes)
+"""Every grammar made, by what it was made from (the format by its name)."""
 
 
-def output_grammar(schema: str, where: str) -> Constraint:
-    """The grammar of a JSON answer: an object valid under ``schema`` (``""``: any object).
+def output_grammar(schema: str, where: str, chat_format: ChatFormat = GENERIC, reasoning_open: bool = False) -> Constraint:
+    """The grammar of a JSON answer: an object valid under ``schema`` (``""``: any object),
+    after the format's thinking block where it has one (:func:`~ringserve.formats.base.answer_start`).
 
     Raises:
         RingserveError: as :func:`check_schema`.
     """
-    constraint = GRAMMAR_CACHE.get(("output", schema, where), lambda: _output_grammar(schema, where))
-    assert constraint is not None
+    key = ("output", schema, where, chat_format.name, reasoning_open)
+    constraint = GRAMMAR_CACHE.get(key, lambda: _output_grammar(schema, where, chat_format, reasoning_open))
+    assert isinstance(constraint, Constraint)
     return constraint
 
 
-def _output_grammar(schema: str, where: str) -> Constraint:
+def _output_grammar(schema: str, where: str, chat_format: ChatFormat, reasoning_open: bool) -> Constraint:
     text = schema or '{"type": "object"}'
     conv, (value,) = _convert([(text, where)])
-    conv.rule("root", value)
-    return Constraint(conv.grammar(), text)
+    start = answer_start(chat_format.reasoning, reasoning_open)
+    for name, body in start.rules:
+        conv.rule(name, body)
+    conv.rule("root", f"{start.expression} {value}" if start.expression else value)
+    return Constraint(conv.grammar(), text, (start.shortest, ""))
 
 
-def calls_grammar(tools: Sequence[ToolSpec], parallel: bool) -> Constraint:
-    """The grammar of a reply that is only tool calls, each naming one of ``tools``.
+def _tool_rules(tools: Sequence[ToolSpec], schemas: Sequence[str]) -> tuple[_Converter, list[ToolRules]]:
+    """The :class:`ToolRules` of ``tools`` (``schemas[i]`` for ``tools[i]``) and the converter
+    holding their rules: the arguments' rule ``s<i>`` (:func:`_convert`), and one per property. A tool decoded under "any
+    object" (``_ANY_OBJECT``, a lazy grammar's loose tool) keeps its own schema's property
+    names, each any JSON value, none required."""
+    conv, arguments = _convert([(text, f"tools[{i}].parameters") for i, text in enumerate(schemas)])
+    rules = []
+    for i, (tool, text, args) in enumerate(zip(tools, schemas, arguments, strict=True)):
+        where = f"tools[{i}].parameters"
+        if text == _ANY_OBJECT:
+            any_value = conv.any_value()
+            params = tuple(ParamRule(name, any_value, raw_param(prop), False) for name, prop in _properties(tool))
+        else:
+            schema = cleaned(text, where)
+            required = schema.get("required", ())
+            try:
+                params = tuple(
+                    ParamRule(name, conv.add(prop, f"s{i}", f"s{i}-p{j}", schema), raw_param(prop), name in required)
+                    for j, (name, prop) in enumerate(schema.get("properties", {}).items())
+                )
+            except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as exc:
+                raise invalid(f"{where}: the schema cannot be turned into a grammar ({exc})", where) from None
+        rules.append(ToolRules(tool.name, args, params))
+    return conv, rules
 
-    One call when ``parallel`` is False, else 1..:data:`MAX_CALLS`, separated by
-    a newline; each is :func:`~ringserve.core.toolcalls.format_call`'s syntax,
-    ``{"name": NAME, "arguments": ARGS}`` between the markers, with ARGS valid
-    under that tool's schema. Its :attr:`~Constraint.value` is the first tool's arguments
-    in a call of that tool.
+
+def _properties(tool: ToolSpec) -> list[tuple[str, Any]]:
+    """The properties a tool's schema names (none when it is not JSON or names none)."""
+    try:
+        schema = json.loads(tool.parameters)
+    except ValueError:
+        return []
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    return list(props.items()) if isinstance(props, dict) else []
+
+
+def _forced_grammar(chat_format: ChatFormat, rules: Sequence[ToolRules], parallel: bool) -> CallGrammar:
+    """The format's call grammar for a forced tool.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` naming ``tool_choice``: the format's calls cannot
+            be forced by a grammar.
+    """
+    try:
+        return chat_format.call_grammar(rules, parallel)
+    except NotImplementedError:
+        raise invalid(f"tool_choice: this model's tool calls ({chat_format.name}) cannot be forced", "tool_choice") from None
+
+
+def calls_grammar(
+    tools: Sequence[ToolSpec], parallel: bool, chat_format: ChatFormat = GENERIC, reasoning_open: bool = False
+) -> Constraint:
+    """The grammar of a reply that is only tool calls, each naming one of ``tools``, in the
+    format's syntax, after its thinking block where it has one (required when the prompt
+    opened it).
+
+    One call when ``parallel`` is False, else several (a unit per call up to
+    :data:`MAX_CALLS`, or the calls of one section, as the syntax has it), each with
+    arguments valid under that tool's schema. Its :attr:`~Constraint.value` is the first tool's
+    arguments, written as :attr:`~Constraint.call` says.
 
     Raises:
         RingserveError: a schema the grammar cannot enforce (``param`` names
-            ``tools[i].parameters``).
+            ``tools[i].parameters``), or a format whose calls cannot be forced.
     """
-    key = ("calls", tuple(tools), parallel)
-    constraint = GRAMMAR_CACHE.get(key, lambda: _calls_grammar(tuple(tools), parallel))
-    assert constraint is not None
+    key = ("calls", tuple(tools), parallel, chat_format.name, reasoning_open)
+    constraint = GRAMMAR_CACHE.get(key, lambda: _calls_grammar(tuple(tools), parallel, chat_format, reasoning_open))
+    assert isinstance(constraint, Constraint)
     return constraint
 
 
-def _calls_grammar(tools: tuple[ToolSpec, ...], parallel: bool) -> Constraint:
-    conv, body = _call_bodies(tools, [t.parameters for t in tools])
-    call = conv.rule("call", f"{conv.literal(CALL_OPEN + _HEAD)} ( {body} ) {conv.literal('}' + CALL_CLOSE)}")
-    root = call if not parallel else f'{call} ("\\n" {call}){{0,{MAX_CALLS - 1}}}'
-    conv.rule("root", root)
-    first = tools[0]
-    head, _, tail = format_call(first.name, "\x00").partition("\x00")  # no tool name holds NUL
-    return Constraint(conv.grammar(), first.parameters, (head, tail))
-
-
-_HEAD = "{" + json.dumps("name") + ": "
-"""What a call's JSON object starts with in the call syntax, before the tool's name."""
-
-
-def _call_bodies(tools: Sequence[ToolSpec], schemas: Sequence[str]) -> tuple[_Converter, str]:
-    """A converter holding the argument rules of ``tools`` (``schemas[i]`` for ``tools[i]``) and
-    the alternatives, one per tool, of what follows :data:`_HEAD`: the name, then the arguments."""
-    conv, rules = _convert([(text, f"tools[{i}].parameters") for i, text in enumerate(schemas)])
-    alts = []
-    for tool, args in zip(tools, rules, strict=True):
-        head = conv.literal(f"{json.dumps(tool.name)}, {json.dumps('arguments')}: ")
-        alts.append(f"{head} {args}")
-    return conv, " | ".join(alts)
+def _calls_grammar(tools: tuple[ToolSpec, ...], parallel: bool, chat_format: ChatFormat, reasoning_open: bool) -> Constraint:
+    conv, rules = _tool_rules(tools, [t.parameters for t in tools])
+    grammar = _forced_grammar(chat_format, rules, parallel)
+    for name, body in grammar.rules:
+        conv.rule(name, body)
+    conv.rule("root", grammar.forced(MAX_CALLS if parallel else 1, reasoning_open))
+    frame = (grammar.forced_prefix(reasoning_open), "")
+    return Constraint(conv.grammar(), tools[0].parameters, frame, ExampleCall(chat_format.name, tools[0].name))
 
 
 _ANY_OBJECT = json.dumps({"type": "object"})
-_LEAD_WS = 2
-"""Whitespace characters a call's grammar allows between the marker and the object."""
+
+
+@attrs.frozen
+class _Lazy:
+    """A lazy grammar's parts but its root: every other rule (GBNF), the format's call
+    grammar, the first tool's schema."""
+
+    rules: str
+    calls: CallGrammar
+    value: str
 
 
 @attrs.frozen
 class LazyCalls:
     """Tool calls in a free reply (tool choice ``AUTO`` with a ``strict`` tool), each decoded
-    under a grammar from its ``<tool_call>`` marker to its closing marker; text outside calls
-    is free.
+    under a grammar from its trigger (the format's call marker, ``<tool_call>``...) to the end
+    of its unit; text outside calls is free.
 
     The engine follows the reply with a :class:`CallWatch` and puts the grammar
-    :meth:`after` the marker on the sequence's sampler chain from the next token.
+    :meth:`after` the trigger on the sequence's sampler chain from the next token.
 
     Attributes:
         tools: the request's tools: a ``strict`` tool's arguments are decoded under its
             schema, another tool's under "any JSON object" (its schema was not checked
             for what the grammar can enforce, and ``strict`` false asks for no more).
+        chat_format: the model's format: the calls' syntax and the reply's parser.
+        reasoning_open: the prompt opened the format's thinking block (the watch starts
+            inside it).
+        parallel: a unit may hold more than one call (syntaxes with a section of calls).
     """
 
     tools: tuple[ToolSpec, ...]
+    chat_format: ChatFormat = GENERIC
+    reasoning_open: bool = False
+    parallel: bool = True
+
+    @property
+    def trigger(self) -> str:
+        """The text that starts a call's unit (``""``: none can, the calls stay free)."""
+        return self._parts().calls.trigger
+
+    @property
+    def one_call_units(self) -> bool:
+        """Each unit holds one call, so the grammar goes off at the call's end; otherwise (a
+        section of parallel calls) it stays on to the end of the reply, which after the section
+        may only stop, as llama-server's lazy grammar has it."""
+        calls = self._parts().calls
+        return calls.repeat or not self.parallel
 
     def after(self, text: str) -> Constraint | None:
-        """The grammar of the rest of a call whose text after the ``<tool_call>`` marker
-        is ``text`` (what the marker's token held after it, usually ``"\\n"`` or ``""``):
-        whitespace, ``{"name": NAME, "arguments": ARGS}`` with NAME one of :attr:`tools`
-        and ARGS valid for it, then ``\\n</tool_call>``, as
-        :func:`~ringserve.core.toolcalls.format_call` writes a call. Its
-        :attr:`~Constraint.value` is the first tool's arguments.
+        """The grammar of the rest of a unit whose trigger the last token completed, with
+        ``text`` after it in that token (:meth:`~ringserve.formats.base.CallGrammar.after`):
+        the rest of the call's head, then its calls with the arguments valid for their tool.
+        Its :attr:`~Constraint.value` is the first tool's arguments.
 
-        Returns None when ``text`` is not whitespace followed by a start of
-        ``{"name": `` (a token that holds the marker's end and more of the object; the
-        call is then not constrained).
+        Returns None when ``text`` goes beyond the head (a token that holds the marker's end
+        and more; the call is then not constrained).
+
+        Raises:
+            RingserveError: a strict tool's schema the grammar cannot enforce.
+            NotImplementedError: a format whose calls cannot be decoded under a grammar.
         """
-        return GRAMMAR_CACHE.get(("lazy", self.tools, text), lambda: _lazy_rest(self.tools, text))
+        key = ("lazy", self.tools, self.chat_format.name, self.reasoning_open, self.parallel, text)
+        constraint = GRAMMAR_CACHE.get(key, lambda: self._after(text))
+        assert not isinstance(constraint, _Lazy)
+        return constraint
 
+    def _parts(self) -> _Lazy:
+        key = ("lazy", self.tools, self.chat_format.name, self.parallel)
+        parts = GRAMMAR_CACHE.get(key, self._make_parts)
+        assert isinstance(parts, _Lazy)
+        return parts
 
-def _lazy_rest(tools: tuple[ToolSpec, ...], text: str) -> Constraint | None:
-    stripped = text.lstrip(" \t\n")
-    if not _HEAD.startswith(stripped):
-        return None
-    schemas = [t.parameters if t.strict else _ANY_OBJECT for t in tools]
-    conv, body = _call_bodies(tools, schemas)
-    head = _HEAD[len(stripped) :]
-    lead = "" if stripped else f"[ \\t\\n]{{0,{_LEAD_WS}}} "
-    literal = f"{conv.literal(head)} " if head else ""
-    conv.rule("root", f"{lead}{literal}( {body} ) {conv.literal('}' + CALL_CLOSE)}")
-    first = tools[0]
-    frame = (f"{head}{json.dumps(first.name)}, {json.dumps('arguments')}: ", "}" + CALL_CLOSE)
-    return Constraint(conv.grammar(), schemas[0], frame)
+    def _make_parts(self) -> _Lazy:
+        schemas = [t.parameters if t.strict else _ANY_OBJECT for t in self.tools]
+        conv, rules = _tool_rules(self.tools, schemas)
+        calls = self.chat_format.call_grammar(rules, self.parallel)
+        for name, body in calls.rules:
+            conv.rule(name, body)
+        return _Lazy(conv.grammar(), calls, schemas[0])
+
+    def _after(self, text: str) -> Constraint | None:
+        parts = self._parts()
+        calls = parts.calls
+        root, rest = calls.after(text), calls.rest(text)
+        if root is None or rest is None:
+            return None
+        skip = len(calls.trigger) + len(calls.head)
+        call = ExampleCall(self.chat_format.name, self.tools[0].name, skip)
+        return Constraint(f"{parts.rules}\nroot ::= {root}", parts.value, (rest, ""), call)
 
 
 @attrs.frozen
@@ -297,70 +421,86 @@ class CallWatch:
     (sans-I/O; the engine calls :meth:`feed` right after it samples each token, so a switch
     applies to the very next token).
 
-    It runs its own :class:`~ringserve.core.toolcalls.ToolCallParser` over the decoded
-    text, the same parser the reply stage runs, so both agree on where a call starts and
-    ends (a ``</tool_call>`` inside an argument string is not an end). On: the token that
-    completes ``<tool_call>``, with :meth:`LazyCalls.after` of what that token held
-    after the marker. Off: the token that completes the call (under the grammar, the
-    ``>`` of ``</tool_call>``); the next call turns it on again. A call that cannot be
-    constrained (:meth:`LazyCalls.after` is None, or its grammar cannot be made: logged, as
+    It runs its own parser of the model's format over the decoded text, the one the reply
+    stage runs, so both agree on where the thinking block is (a trigger inside it is
+    thinking, not a call) and where a call ends (a ``</tool_call>`` inside an argument string
+    is not an end). On: the token that completes the trigger outside the thinking block,
+    with :meth:`LazyCalls.after` of what that token held after it. Off: the token that
+    completes the call, where units hold one call (:attr:`LazyCalls.one_call_units`; the
+    next trigger turns it on again). A call that cannot be constrained
+    (:meth:`LazyCalls.after` is None, or its grammar cannot be made: logged, as
     ``engine/llama.py`` logs a grammar llama.cpp cannot parse) or read (``ToolCallError``,
     which the reply stage reports too) ends the watch: it never raises, so one sequence's
     grammar never fails the engine's other slots.
     """
 
     calls: LazyCalls
-    _parser: ToolCallParser = attrs.field(init=False)
+    _parser: OutputParser = attrs.field(init=False)
     _text: Detokenizer = attrs.field(init=False, factory=Detokenizer)
+    _trigger: str = attrs.field(init=False)
     _tail: str = attrs.field(init=False, default="")
     _on: bool = attrs.field(init=False, default=False)
     _done: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
-        self._parser = ToolCallParser(frozenset(t.name for t in self.calls.tools))
+        calls = self.calls
+        self._parser = calls.chat_format.parser(calls.tools, reasoning_open=calls.reasoning_open)
+        self._trigger = calls.trigger
+        self._done = not self._trigger
 
     def feed(self, piece: bytes) -> GrammarOn | GrammarOff | None:
         """The switch that the token of ``piece`` (its bytes) makes, if any."""
         text = self._text.feed(piece)
         if self._done or not text:
             return None
-        was_in_call = self._parser.in_call
-        seen = self._tail + text
         try:
             pieces = self._parser.feed(text)
         except ToolCallError:
             self._done = True
             return GrammarOff() if self._on else None
-        self._tail = "" if self._parser.in_call else seen[-(len(OPEN_MARK) - 1) :]
-        if self._on and any(isinstance(p, CallEnd) for p in pieces):
-            self._on = False
-            return GrammarOff()
-        if not was_in_call and self._parser.in_call:
-            try:
-                constraint = self.calls.after(seen[seen.find(OPEN_MARK) + len(OPEN_MARK) :])
-            except RingserveError as exc:  # made at admission for the same tools: not expected here
-                log.error("a tool call's grammar could not be made; the call is not constrained: %s", exc)
-                constraint = None
-            if constraint is None:
-                self._done = True
-                return None
-            self._on = True
-            return GrammarOn(constraint)
-        return None
+        if self._on:
+            if self.calls.one_call_units and any(isinstance(p, CallEnd) for p in pieces):
+                self._on = False
+                return GrammarOff()
+            return None
+        if self._parser.in_reasoning:
+            self._tail = ""
+            return None
+        seen = self._tail + text
+        at = seen.rfind(self._trigger)
+        if at < 0:
+            self._tail = seen[-(len(self._trigger) - 1) :] if len(self._trigger) > 1 else ""
+            return None
+        self._tail = ""
+        try:
+            constraint = self.calls.after(seen[at + len(self._trigger) :])
+        except RingserveError as exc:  # made at admission for the same tools: not expected here
+            log.error("a tool call's grammar could not be made; the call is not constrained: %s", exc)
+            constraint = None
+        if constraint is None:
+            self._done = True
+            return None
+        self._on = True
+        return GrammarOn(constraint)
 
 
-def constraint_for(request: GenerationRequest) -> Constraint | LazyCalls | None:
-    """The grammar a request's reply is decoded under, or None for free text.
+def constraint_for(
+    request: GenerationRequest, chat_format: ChatFormat = GENERIC, reasoning_open: bool = False
+) -> Constraint | LazyCalls | None:
+    """The grammar a request's reply is decoded under, or None for free text, in the syntax
+    of the model's format (``reasoning_open``: the prompt opened its thinking block).
 
     * a forced tool: ``REQUIRED``, calls of any of the tools, one or with
-      ``parallel`` up to :data:`MAX_CALLS`; ``NAMED``, one call of that tool
+      ``parallel`` several; ``NAMED``, one call of that tool
       (a small model asked for "the" call repeats it until the limit):
       :func:`calls_grammar`;
     * otherwise ``JSON_OBJECT`` / ``JSON_SCHEMA`` output: :func:`output_grammar`
       (with tools under ``AUTO`` the model then cannot call them);
     * otherwise, ``AUTO`` with at least one ``strict`` tool: :class:`LazyCalls`,
-      free text whose calls are decoded under a grammar from their marker on (the
-      grammar is made here once, so a schema it cannot take fails as a forced tool's);
+      free text whose calls are decoded under a grammar from their trigger on (the
+      grammar is made here once, so a schema it cannot take fails as a forced tool's),
+      unless the format's calls cannot be decoded under a grammar (or have no trigger):
+      then free, as without ``strict``;
     * otherwise None.
 
     The error fields are surface-neutral (``tools[i].parameters``,
@@ -369,7 +509,8 @@ def constraint_for(request: GenerationRequest) -> Constraint | LazyCalls | None:
 
     Raises:
         RingserveError: ``INVALID_REQUEST``: a schema the grammar cannot
-            enforce, or a ``NAMED`` tool that is not among the tools.
+            enforce, a ``NAMED`` tool that is not among the tools, or a forced
+            tool of a format whose calls cannot be decoded under a grammar.
     """
     enforced = enforced_schemas(request)
     for index, schema in enforced:
@@ -378,22 +519,34 @@ def constraint_for(request: GenerationRequest) -> Constraint | LazyCalls | None:
         check_repeats([schema for _, schema in enforced], "output" if enforced[0][0] is None else "tools")
     tools, choice = request.tools, request.tool_choice
     if tools and choice.mode is ToolChoiceMode.REQUIRED:
-        return calls_grammar(tools, choice.parallel)
+        return calls_grammar(tools, choice.parallel, chat_format, reasoning_open)
     if tools and choice.mode is ToolChoiceMode.NAMED:
         for tool in tools:
             if tool.name == choice.name:
-                return calls_grammar([tool], False)
+                return calls_grammar([tool], False, chat_format, reasoning_open)
         raise invalid(f"tool_choice names {choice.name!r}, which is not one of the tools", "tool_choice")
     match request.output.kind:
         case OutputKind.TEXT:
             if tools and choice.mode is ToolChoiceMode.AUTO and any(t.strict for t in tools):
-                calls = LazyCalls(tuple(tools))
-                calls.after("")  # made now (and kept), so a schema it cannot take is refused before admission
-                return calls
+                return _lazy_calls(LazyCalls(tuple(tools), chat_format, reasoning_open, choice.parallel))
             return None
         case OutputKind.JSON_OBJECT:
-            return output_grammar("", "output")
+            return output_grammar("", "output", chat_format, reasoning_open)
         case OutputKind.JSON_SCHEMA:
-            return output_grammar(request.output.schema, "output.schema")
+            return output_grammar(request.output.schema, "output.schema", chat_format, reasoning_open)
         case _:
             assert_never(request.output.kind)
+
+
+def _lazy_calls(calls: LazyCalls) -> LazyCalls | None:
+    """``calls``, its grammar made now (and kept), so a schema it cannot take is refused
+    before admission; None for a format whose calls cannot be decoded under a grammar, or
+    start at no trigger (they stay free)."""
+    try:
+        trigger = calls.trigger
+    except NotImplementedError:
+        return None
+    if not trigger:
+        return None
+    calls.after("")
+    return calls

@@ -487,8 +487,11 @@ class Runner:
                 before tokenizing). ``INVALID_REQUEST`` from
                 :func:`~ringserve.engine.gbnf.constraint_for` first, when
                 the reply's grammar cannot be made (a schema keyword it
-                does not enforce, a forced tool that is not among the tools).
-                Nothing is enqueued.
+                does not enforce, a forced tool that is not among the tools
+                or of a format whose calls cannot be forced); it is made in
+                the model's format, right after the prompt (which says
+                whether it opened the thinking block), in the same hop to the
+                tokenizer's thread. Nothing is enqueued.
 
         The tools are rendered into the prompt by the engine (by the model's
         chat template, or :func:`ringserve.core.toolcalls.plain_messages`), so
@@ -496,9 +499,6 @@ class Runner:
         request carries the model's format and whether the prompt opened its
         thinking block, for the reply's parser.
         """
-        constraint = await trio.to_thread.run_sync(
-            constraint_for, request, limiter=self._tokenize_limiter, abandon_on_cancel=False
-        )
         ctx = self.n_ctx_slot
         per_token = self._engine.max_token_bytes
         rendered = request.tool_choice.mode is not ToolChoiceMode.NONE  # the tools go into the prompt
@@ -513,7 +513,9 @@ class Runner:
                 )
         self._tokenizing += 1
         try:
-            prompt = await self._tokenize(request)
+            prompt, constraint = await trio.to_thread.run_sync(
+                self._prompt_sync, request, limiter=self._tokenize_limiter, abandon_on_cancel=False
+            )
         finally:
             self._tokenizing -= 1
             self._tokenize_ended += 1
@@ -538,17 +540,26 @@ class Runner:
             reasoning_budget=request.reasoning.budget_tokens if self._engine.reasoning_close else None,
         )
 
-    async def _tokenize(self, request: GenerationRequest) -> ChatPrompt:
-        """``engine.tokenize_chat`` on a worker thread under the tokenizer's limiter.
+    def _prompt_sync(self, request: GenerationRequest) -> tuple[ChatPrompt, Constraint | LazyCalls | None]:
+        """Worker thread: the request's prompt, then the grammar its reply is decoded under (in
+        the model's format; whether the prompt opened the thinking block decides how it starts).
+
+        Raises:
+            RingserveError: ``INVALID_REQUEST``: as :meth:`_tokenize_sync` and
+                :func:`~ringserve.engine.gbnf.constraint_for`.
+        """
+        prompt = self._tokenize_sync(request)
+        return prompt, constraint_for(request, self.chat_format, prompt.reasoning_open)
+
+    def _tokenize_sync(self, request: GenerationRequest) -> ChatPrompt:
+        """Worker thread: ``engine.tokenize_chat``.
 
         Raises:
             RingserveError: ``INVALID_REQUEST`` naming ``messages``: the engine cannot
                 render the request (it says why).
         """
         try:
-            return await trio.to_thread.run_sync(
-                self._engine.tokenize_chat, request, limiter=self._tokenize_limiter, abandon_on_cancel=False
-            )
+            return self._engine.tokenize_chat(request)
         except ValueError as exc:  # the engine's "cannot render these messages"
             raise invalid(f"the messages cannot be rendered: {exc}", PROMPT_PARAM) from None
 

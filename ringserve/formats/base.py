@@ -28,6 +28,7 @@ from ringserve.core.toolcalls import CallArgs, CallEnd, CallStart, OutputParser,
 from ringserve.formats.gbnf import literal, raw_text
 
 __all__ = [
+    "AnswerStart",
     "CallArgs",
     "CallEnd",
     "CallGrammar",
@@ -42,6 +43,7 @@ __all__ = [
     "Thinking",
     "ToolCallError",
     "ToolRules",
+    "answer_start",
     "thinking_rules",
 ]
 
@@ -155,14 +157,44 @@ class CallGrammar:
             return f"{block} {root}"
         return f"( {literal(t.start)} {block} )? {root}"
 
+    def forced_prefix(self, reasoning_open: bool = False) -> str:
+        """The shortest text :meth:`forced` takes before the first unit: the thinking block's
+        end where the block is required (the prompt opened it, or it has no opening marker),
+        else nothing."""
+        t = self.thinking
+        if t is None or (t.start and not reasoning_open):
+            return ""
+        return t.end + t.then
+
     def after(self, text: str) -> str | None:
         """The root expression of the rest of a unit whose trigger was just decoded, with
         ``text`` after it in the same token; None when ``text`` goes beyond :attr:`head`
-        (the unit is then not constrained)."""
-        if not self.head.startswith(text):
+        (the unit is then not constrained).
+
+        Where :attr:`head` starts with whitespace, the model may write other whitespace
+        there: ``text``'s own is skipped, and a ``text`` of whitespace only lets up to
+        :data:`LEAD_WS` more come before the rest of the head."""
+        rest = self.rest(text)
+        if rest is None:
             return None
-        rest = self.head[len(text) :]
-        return f"{literal(rest)} {self.one}" if rest else self.one
+        body = self.head.lstrip(_WS)
+        lead = f"[ \\t\\n]{{0,{LEAD_WS}}} " if body != self.head and not text.lstrip(_WS) else ""
+        return f"{lead}{literal(rest)} {self.one}" if rest else f"{lead}{self.one}"
+
+    def rest(self, text: str) -> str | None:
+        """The part of :attr:`head` that is still to come after ``text`` (:meth:`after`); None
+        when ``text`` goes beyond it."""
+        body = self.head.lstrip(_WS)
+        if body != self.head:
+            text = text.lstrip(_WS)
+            return body[len(text) :] if body.startswith(text) else None
+        return self.head[len(text) :] if self.head.startswith(text) else None
+
+
+_WS = " \t\n"
+LEAD_WS = 2
+"""Whitespace characters a lazy grammar lets a model write where its call's head starts with
+whitespace (after ``<tool_call>``: ``\\n`` or nothing, usually)."""
 
 
 THINK_RULE = "fmt-think"
@@ -174,6 +206,35 @@ def thinking_rules(markers: ReasoningMarkers | None, then: str = "") -> tuple[tu
     if markers is None:
         return (), None
     return raw_text(markers.end, THINK_RULE), Thinking(markers.start, markers.end, then)
+
+
+@attrs.frozen
+class AnswerStart:
+    """What a grammar-constrained answer (a JSON output) lets stand before it: ``rules``
+    (``(name, body)``), the GBNF ``expression`` to put before the answer's (``""``: none),
+    and ``shortest``, the shortest text it takes."""
+
+    rules: tuple[tuple[str, str], ...] = ()
+    expression: str = ""
+    shortest: str = ""
+
+
+def answer_start(markers: ReasoningMarkers | None, reasoning_open: bool = False) -> AnswerStart:
+    """The thinking block before a constrained answer: any text, then the block's
+    :attr:`~ReasoningMarkers.closing` and whitespace. Optional, after its opening marker;
+    required when the prompt opened the block, when the block has no opening marker, or when
+    its closing text opens the answer (gpt-oss: its ``final`` channel, where the answer must
+    stand)."""
+    if markers is None:
+        return AnswerStart()
+    rules = raw_text(markers.end, THINK_RULE)
+    block = f"{THINK_RULE}-0 {literal(markers.closing)} [ \\t\\n]*"
+    if reasoning_open or not markers.start:
+        return AnswerStart(rules, block, markers.closing)
+    opened = f"{literal(markers.start)} {block}"
+    if markers.close:
+        return AnswerStart(rules, opened, markers.start + markers.closing)
+    return AnswerStart(rules, f"( {opened} )?", "")
 
 
 class ChatFormat(Protocol):

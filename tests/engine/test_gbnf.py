@@ -20,11 +20,12 @@ from ringserve.core.events import (
     ToolSpec,
 )
 from ringserve.core.schema import MAX_REPEATS, check_schema, grammar_bytes
-from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN
+from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN, format_call
 from ringserve.engine import gbnf
 from ringserve.engine.examples import example
 
 from bench.tool_calls import random_schema  # the benchmark's schema generator
+from tests.support.gbnf import accepts
 
 WHERE = "tools[0].input_schema"
 
@@ -134,8 +135,10 @@ def test_calls_grammar_one_call_or_up_to_max_calls() -> None:
     tool = ToolSpec("get_weather", "", json.dumps(obj(city={"type": "string"})))
     one = gbnf.calls_grammar([tool], False)
     many = gbnf.calls_grammar([tool], True)
-    assert "root ::= call\n" in one.grammar + "\n"
-    assert f'root ::= call ("\\n" call){{0,{gbnf.MAX_CALLS - 1}}}' in many.grammar
+    call = format_call("get_weather", '{"city": "x"}')
+    assert accepts(one.grammar, call) and not accepts(one.grammar, call + "\n" + call)
+    assert accepts(many.grammar, "\n".join([call] * gbnf.MAX_CALLS))
+    assert not accepts(many.grammar, "\n".join([call] * (gbnf.MAX_CALLS + 1)))
     assert example(one).startswith(CALL_OPEN) and example(one).endswith(CALL_CLOSE)
     body = json.loads(example(one)[len(CALL_OPEN) : -len(CALL_CLOSE)])
     assert body == {"name": "get_weather", "arguments": {"city": "example"}}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 
+import attrs
 import pytest
 
 from ringserve.core.errors import ErrorKind, RingserveError
@@ -17,9 +18,14 @@ from ringserve.core.events import (
     ContentBlock,
     Finish,
     GenerationRequest,
+    OutputFormat,
+    OutputKind,
     ReasoningConfig,
     SamplingParams,
     StopReason,
+    ToolChoice,
+    ToolChoiceMode,
+    ToolSpec,
 )
 from bench.format_parsers import EXAMPLES, TOOLS
 from bench.format_parsers import reply as bench_reply
@@ -162,3 +168,52 @@ async def test_every_familys_reply_comes_out_as_its_blocks_whatever_the_token_sp
     assert (blocks[-1].name, json.loads(blocks[-1].text)) == ("get_weather", {"city": "Paris", "days": 3})
     assert finish.stop_reason is StopReason.TOOL_USE
     assert (finish.usage.reasoning_tokens > 0) == (BlockKind.REASONING in kinds)
+
+
+WEATHER = ToolSpec("get_weather", "", json.dumps({
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"],
+}))
+
+
+@pytest.mark.parametrize(("family", "prompt"), [("qwen3-coder", ""), ("qwen3-coder", "<think>\n"), ("gpt-oss", ""),
+                                                ("deepseek-v3.2", ""), ("mistral", "")])
+async def test_a_forced_call_is_decoded_in_the_familys_syntax(family, prompt):
+    """The fake engine writes what the family's call grammar forces (its example); the runner
+    reads it with the family's parser into a call block."""
+    engine = FakeEngine(chat_format=family, generation_prompt=prompt, piece_bytes=3)
+    request = req(tools=(WEATHER,), tool_choice=ToolChoice(ToolChoiceMode.REQUIRED))
+    blocks, finish = await collect(engine, request)
+    assert engine.begins[-1].constraint.call.family == family
+    assert [(b.kind, b.name, json.loads(b.text)) for b in blocks] == [
+        (BlockKind.TOOL_CALL, "get_weather", {"city": "example", "days": 1})]
+    assert finish.stop_reason is StopReason.TOOL_USE
+
+
+async def test_strict_calls_are_decoded_under_the_grammar_from_the_familys_trigger():
+    """The call after the thinking block is decoded under the grammar from its trigger (the fake
+    writes the grammar's example over the scripted invalid arguments), and the text after the
+    call is the script's."""
+    strict = attrs.evolve(WEATHER, strict=True)
+    reply = ('<think>maybe a call</think>Checking.<tool_call>\n<function=get_weather>\n'
+             '<parameter=days>\nmany\n</parameter>\n</function>\n</tool_call> Done.')
+    engine = FakeEngine(chat_format="qwen3-coder", reply=reply, piece_bytes=1)  # the marker's last byte ends a token
+    blocks, finish = await collect(engine, req(tools=(strict,)))
+    assert [b.kind for b in blocks] == [BlockKind.REASONING, BlockKind.TEXT, BlockKind.TOOL_CALL, BlockKind.TEXT]
+    assert blocks[0].text == "maybe a call" and blocks[1].text == "Checking."
+    assert json.loads(blocks[2].text) == {"city": "example", "days": 1} and blocks[3].text == "Done."
+    assert [type(s.switch).__name__ for s in engine.switches] == ["GrammarOn", "GrammarOff"]
+    assert finish.stop_reason is StopReason.TOOL_USE
+
+
+async def test_a_json_answer_may_follow_the_thinking_block_the_prompt_opened():
+    engine = FakeEngine(chat_format="hermes", generation_prompt="<think>\n")
+    blocks, _ = await collect(engine, req(output=OutputFormat(OutputKind.JSON_OBJECT)))
+    assert blocks == (ContentBlock(BlockKind.TEXT, "{}"),)
+    assert engine.begins[-1].constraint.frame == ("</think>", "")
+
+
+async def test_a_forced_call_of_a_family_without_a_call_grammar_is_refused():
+    async with serving(FakeEngine(chat_format="lfm2")) as runner:
+        with pytest.raises(RingserveError, match="cannot be forced") as refused:
+            await runner.prepare(req(tools=(WEATHER,), tool_choice=ToolChoice(ToolChoiceMode.REQUIRED)))
+    assert refused.value.param == "tool_choice"

@@ -339,9 +339,9 @@ async def test_the_grammar_is_made_on_a_worker_thread(monkeypatch):
     """Its cost grows with the schemas' bounds: the event loop never waits on it."""
     made_on = []
 
-    def spy(request):
+    def spy(request, *format_and_prompt):
         made_on.append(threading.current_thread())
-        return constraint_for(request)
+        return constraint_for(request, *format_and_prompt)
 
     monkeypatch.setattr(runner_module, "constraint_for", spy)
     async with serving(FakeEngine()) as runner:

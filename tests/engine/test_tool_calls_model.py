@@ -34,10 +34,12 @@ from ringserve.core.events import (
     ToolChoiceMode,
     ToolSpec,
 )
+from ringserve.core.batch import SlotFeed
 from ringserve.engine import gbnf
 from ringserve.engine.examples import example
 from ringserve.engine.modelfile import default_model_path
 from ringserve.engine.runner import Runner
+from ringserve.formats.families import FAMILIES
 
 from tests.engine.test_gbnf import ENFORCED
 from tests.support.helpers import prompt_tokens
@@ -224,3 +226,24 @@ async def test_a_strict_tool_under_auto_is_called_under_its_grammar(engine):
     jsonschema.validate(json.loads(calls[0].text), WEATHER_SCHEMA)
     # Free text again after the call: the model goes on (here until max_tokens).
     assert content[-1].kind is BlockKind.TEXT and isinstance(finish, Finish), (content, finish)
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"lfm2", "gemma-4", "minimax-m3", "kimi-k3"}))
+def test_llama_cpp_takes_every_familys_call_grammars(engine, family):
+    """Forced calls (a thinking block first or not), a JSON answer after the thinking block and a
+    lazy call's rest, in each family's syntax: llama.cpp parses them at begin (it would refuse the
+    slot with an EngineError) and a greedy slot decodes under them."""
+    fmt = FAMILIES[family]
+    weather = ToolSpec(WEATHER.name, WEATHER.description, WEATHER.parameters, strict=True)
+    constraints = [gbnf.calls_grammar([weather], True, fmt, opened) for opened in (False, True)]
+    constraints.append(gbnf.output_grammar(json.dumps(WEATHER_SCHEMA), "output.schema", fmt, True))
+    lazy = gbnf.LazyCalls((weather,), fmt)
+    prompt = tuple(prompt_tokens(engine, [ChatMessage("user", "Weather in Paris?")]))
+    try:
+        for constraint in [*constraints, lazy]:
+            engine.begin(0, SamplingParams(temperature=0), constraint=constraint)
+            [sampled] = engine.decode([SlotFeed(0, prompt, 0, True)])
+            assert not sampled.eog
+            engine.release(0)
+    finally:
+        engine.release(0)

@@ -1,9 +1,5 @@
-"""Helpers of the formats tests: a parsed message, and a family's whole call grammar.
-
-:func:`call_gbnf` assembles a forced-call grammar as ``engine/gbnf.py`` is to: the
-arguments' rules from the bundled JSON-schema converter (``_Converter``), one rule per
-property for the XML-style syntaxes, then the family's :class:`~ringserve.formats.base.CallGrammar`.
-"""
+"""Helpers of the formats tests: a parsed message, and a family's whole call grammar
+(:func:`call_gbnf`, ``engine/gbnf.py``'s)."""
 
 from __future__ import annotations
 
@@ -11,12 +7,12 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ringserve.core import schema as core_schema
+import attrs
+
 from ringserve.engine import gbnf as grammar
 from ringserve.core.events import ToolSpec
 from ringserve.core.toolcalls import CallArgs, CallStart, Text
-from ringserve.formats.base import ChatFormat, ParamRule, Piece, Reasoning, ToolRules
-from ringserve.formats.tools import raw_param
+from ringserve.formats.base import ChatFormat, Piece, Reasoning
 
 Message = tuple[str, str, list[tuple[str, Any]]]
 
@@ -55,35 +51,14 @@ def parse(fmt: ChatFormat, chunks: Sequence[str], tools: Sequence[ToolSpec] | No
     return message(pieces + parser.flush())
 
 
-def tool_rules(conv: Any, tools: Sequence[ToolSpec]) -> list[ToolRules]:
-    """The :class:`ToolRules` of ``tools``, their rules added to ``conv``."""
-    out = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}].parameters"
-        schema = core_schema.cleaned(tool.parameters, where)
-        args = conv.add(schema, where, f"tool{i}-args")
-        params = []
-        for name, prop in schema.get("properties", {}).items():
-            value = conv.add(prop, where, f"tool{i}-{name}")
-            params.append(ParamRule(name, value, raw_param(prop), name in schema.get("required", ())))
-        out.append(ToolRules(tool.name, args, tuple(params)))
-    return out
-
-
-def call_gbnf(fmt: ChatFormat, tools: Sequence[ToolSpec], parallel: bool, *, max_units: int = 4,
+def call_gbnf(fmt: ChatFormat, tools: Sequence[ToolSpec], parallel: bool, *,
               reasoning_open: bool = False, lazy_after: str | None = None) -> str:
-    """The whole GBNF of calls of ``tools`` in ``fmt``'s syntax: forced, or with ``lazy_after``
-    the rest of a unit after its trigger and that text."""
-    conv = grammar._Converter()
-    rules = tool_rules(conv, tools)
-    cg = fmt.call_grammar(rules, parallel)
-    for name, body in cg.rules:
-        conv.rule(name, body)
+    """The whole GBNF of calls of ``tools`` in ``fmt``'s syntax, as ``engine/gbnf.py`` makes it:
+    forced, or with ``lazy_after`` the rest of a unit after its trigger and that text (every
+    tool strict)."""
     if lazy_after is None:
-        root = cg.forced(max_units, reasoning_open)
-    else:
-        after = cg.after(lazy_after)
-        assert after is not None
-        root = after
-    conv.rule("root", root)
-    return str(conv.grammar())
+        return grammar.calls_grammar(tools, parallel, fmt, reasoning_open).grammar
+    strict = tuple(attrs.evolve(t, strict=True) for t in tools)
+    after = grammar.LazyCalls(strict, fmt, reasoning_open, parallel).after(lazy_after)
+    assert after is not None
+    return after.grammar
