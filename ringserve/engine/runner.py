@@ -540,6 +540,23 @@ class Runner:
             reasoning_budget=request.reasoning.budget_tokens if self._engine.reasoning_close else None,
         )
 
+    async def render(self, request: GenerationRequest) -> ChatPrompt:
+        """The request's prompt as the model gets it: the rendered text (special tokens as
+        text) and its token ids, as :meth:`prepare` makes them (llama-server's
+        ``/apply-template`` and ``/tokenize`` in one, for people debugging a model's prompt).
+        Nothing is generated or enqueued; the prompt may be longer than a slot's context.
+
+        Runs ``engine.tokenize_chat`` on the tokenizer's thread, under its limiter, beside
+        decoding; cancelling the caller takes effect once it returns.
+
+        Raises:
+            RingserveError: ``INVALID_REQUEST`` naming ``messages``: the request cannot be
+                rendered (the template refused it, a call's arguments are not JSON...).
+        """
+        return await trio.to_thread.run_sync(
+            self._tokenize_sync, request, limiter=self._tokenize_limiter, abandon_on_cancel=False
+        )
+
     def _prompt_sync(self, request: GenerationRequest) -> tuple[ChatPrompt, Constraint | LazyCalls | None]:
         """Worker thread: the request's prompt, then the grammar its reply is decoded under (in
         the model's format; whether the prompt opened the thinking block decides how it starts).

@@ -217,3 +217,19 @@ async def test_a_forced_call_of_a_family_without_a_call_grammar_is_refused():
         with pytest.raises(RingserveError, match="cannot be forced") as refused:
             await runner.prepare(req(tools=(WEATHER,), tool_choice=ToolChoice(ToolChoiceMode.REQUIRED)))
     assert refused.value.param == "tool_choice"
+
+
+async def test_render_gives_the_prompt_text_and_tokens_prepare_decodes():
+    source = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>{{ '<think>' if enable_thinking }}"
+    engine = FakeEngine(chat_template=source, chat_format="hermes")
+    request = req("What <think>?", tools=(WEATHER,))
+    async with serving(engine) as runner:
+        rendered = await runner.render(request)
+        prepared = await runner.prepare(request)
+        off = await runner.render(attrs.evolve(request, reasoning=ReasoningConfig(enabled=False)))
+        with pytest.raises(RingserveError) as refused:
+            await runner.render(req(template_kwargs='{"messages": 1}'))
+    assert rendered.text == "<user>What <think>?<assistant><think>" and rendered.reasoning_open
+    assert rendered.tokens == prepared.prompt_tokens == tuple(rendered.text.encode())
+    assert off.text == "<user>What <think>?<assistant>" and not off.reasoning_open
+    assert refused.value.param == "messages" and "cannot be rendered" in refused.value.message

@@ -25,6 +25,7 @@ from ringserve.core.events import (
 )
 from ringserve.engine.modelfile import default_model_path
 from ringserve.engine.runner import Runner
+from tests.engine.test_engine_llama import BUNDLED
 from tests.support.helpers import prompt_tokens
 from tests.support.server import MODEL_THREADS
 
@@ -198,3 +199,14 @@ async def test_usage_counts(engine):
     assert stats.generated_tokens_total == last.usage.output_tokens
     assert stats.prompt_tokens_total == len(prompt)
     assert text
+
+
+async def test_render_is_llama_servers_prompt(engine):
+    """The runner's render of a request: llama-server's /apply-template and /tokenize for the bundled
+    model (tests/data/templates/bundled.json), SmolLM2's default system prompt included."""
+    case = BUNDLED["user"]
+    with trio.fail_after(GUARD):
+        async with Served(engine) as runner:
+            rendered = await runner.render(req(case["messages"][0]["content"]))
+    assert rendered.text == case["prompt"]
+    assert list(rendered.tokens) == [int(t) for t in case["tokens"].split()] and len(rendered.tokens) == 37
