@@ -128,7 +128,8 @@ class Prepared:
         reasoning_budget: the most tokens the reply may sample inside its
             thinking block before the runner forces the block's closing marker
             (``request.reasoning.budget_tokens``, where the format has a
-            thinking block); None: no budget.
+            thinking block and the reply's grammar takes its closing text:
+            :meth:`Runner._reasoning_budget`); None: no budget.
     """
 
     request: GenerationRequest
@@ -537,8 +538,20 @@ class Runner:
         return Prepared(
             request, tokens, budget, context_bound=budget != asked, constraint=constraint,
             chat_format=self.chat_format, reasoning_open=prompt.reasoning_open,
-            reasoning_budget=request.reasoning.budget_tokens if self._engine.reasoning_close else None,
+            reasoning_budget=self._reasoning_budget(request, constraint),
         )
+
+    def _reasoning_budget(self, request: GenerationRequest, constraint: Constraint | LazyCalls | None) -> int | None:
+        """The request's reasoning budget, where the runner can force the end of the thinking
+        block: the format has one, and its closing text is one the reply's grammar takes (a
+        forced call's grammar goes on from the block's end marker to the calls, where gpt-oss's
+        closing opens its final channel: no budget there)."""
+        markers = self.chat_format.reasoning
+        if markers is None or not self._engine.reasoning_close:
+            return None
+        if isinstance(constraint, Constraint) and constraint.call is not None and markers.close:
+            return None
+        return request.reasoning.budget_tokens
 
     async def render(self, request: GenerationRequest) -> ChatPrompt:
         """The request's prompt as the model gets it: the rendered text (special tokens as

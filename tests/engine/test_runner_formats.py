@@ -233,3 +233,14 @@ async def test_render_gives_the_prompt_text_and_tokens_prepare_decodes():
     assert rendered.tokens == prepared.prompt_tokens == tuple(rendered.text.encode())
     assert off.text == "<user>What <think>?<assistant>" and not off.reasoning_open
     assert refused.value.param == "messages" and "cannot be rendered" in refused.value.message
+
+
+@pytest.mark.parametrize(("family", "budget"), [("hermes", 5), ("gpt-oss", None)])
+async def test_a_forced_calls_budget_is_kept_where_the_closing_text_goes_on_to_the_calls(family, budget):
+    """gpt-oss's closing text opens its final channel, which a forced call's grammar does not take."""
+    engine = FakeEngine(chat_format=family)
+    request = req(tools=(WEATHER,), tool_choice=ToolChoice(ToolChoiceMode.REQUIRED),
+                  reasoning=ReasoningConfig(budget_tokens=5))
+    async with serving(engine) as runner:
+        assert (await runner.prepare(request)).reasoning_budget == budget
+        assert (await runner.prepare(attrs.evolve(request, tools=(), tool_choice=ToolChoice()))).reasoning_budget == 5

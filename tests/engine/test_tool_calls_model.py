@@ -247,3 +247,29 @@ def test_llama_cpp_takes_every_familys_call_grammars(engine, family):
             engine.release(0)
     finally:
         engine.release(0)
+
+
+def test_a_forced_end_of_thinking_goes_through_a_forced_calls_grammar(engine):
+    """A reasoning budget forces the block's closing marker under a forced call's grammar that
+    the prompt opened the block for: llama.cpp's grammar takes each forced token (a token it
+    did not take would abort the process), and the reply goes on with the call."""
+    weather = ToolSpec(WEATHER.name, WEATHER.description, WEATHER.parameters)
+    constraint = gbnf.calls_grammar([weather], False, FAMILIES["hermes"], reasoning_open=True)
+    close = engine.tokenize("</think>", parse_special=True)
+    prompt = tuple(prompt_tokens(engine, [ChatMessage("user", "Weather in Paris?")]))
+    try:
+        engine.begin(0, SamplingParams(temperature=0), constraint=constraint)
+        [first] = engine.decode([SlotFeed(0, prompt, 0, True)])  # thinking, as the grammar lets it
+        pos, fed, text = len(prompt), first.token, first.piece
+        for token in close:
+            [sampled] = engine.decode([SlotFeed(0, (fed,), pos, True, token)])
+            assert sampled.token == token
+            pos, fed, text = pos + 1, token, text + sampled.piece
+        for _ in range(40):
+            [sampled] = engine.decode([SlotFeed(0, (fed,), pos, True)])
+            if sampled.eog:
+                break
+            pos, fed, text = pos + 1, sampled.token, text + sampled.piece
+        assert b"</think>" in text and b'<tool_call>\n{"name": "get_weather", "arguments": {' in text
+    finally:
+        engine.release(0)
