@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 from attrs import validators as v
 
+from ringserve.core.signing import ReasoningSigner
 from ringserve.core.status import Policy
 from ringserve.core.offload import ALL_LAYERS
 from ringserve.core.safety import check_checker_path, compile_patterns
@@ -66,12 +67,21 @@ def _check_types(table: str, section: type, values: Mapping[str, Any]) -> None:
                 raise ValueError(f"[{table}] {field.name} must be {wanted}, got {values[field.name]!r}")
 
 
+def _signing_key(value: str) -> None:
+    if value:
+        ReasoningSigner.from_text(value)
+
+
 @attrs.frozen
 class ServerConfig:
     """HTTP listener and connection behaviour (times in seconds).
 
     ``certfile`` and ``keyfile`` (PEM) both set: HTTPS, with HTTP/2 offered by
     ALPN; both empty: plain HTTP/1.1 and HTTP/2 with prior knowledge (h2c).
+
+    ``signing_key`` (base64 of 32 bytes or more) signs the reasoning that clients hand back
+    (``core/signing.py``); empty: a key file made once beside the message store, which
+    ``serve`` reads into this field. Replicas that share conversations share it.
     """
 
     host: str = "127.0.0.1"
@@ -85,6 +95,7 @@ class ServerConfig:
     keep_alive_timeout: float = attrs.field(default=5.0, validator=_positive)
     certfile: str = ""
     keyfile: str = ""
+    signing_key: str = attrs.field(default="", repr=False, validator=lambda _i, _a, value: _signing_key(value))
 
 
     def __attrs_post_init__(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import secrets
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +24,8 @@ from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.protocol import Engine, EngineError
 from ringserve.engine.runner import Runner
 from ringserve.core.signals import ECHO_SECONDS, EchoFilter
-from ringserve.store.sqlite import MessageStore, run_retention
+from ringserve.core.signing import ReasoningSigner, new_key
+from ringserve.store.sqlite import MessageStore, StoreError, run_retention
 from ringserve.core.status import CancelReason
 from ringserve.live.safety import SafetyStage
 from ringserve.surfaces.registry import SURFACES
@@ -147,6 +149,45 @@ def hypercorn_config(config: Config) -> HypercornConfig:
     return hc
 
 
+#: The file of the key that signs reasoning, beside the message store (``[server] signing_key``).
+SIGNING_KEY_FILE = "signing.key"
+
+
+def signing_key(configured: str, store_path: str) -> str:
+    """The key that signs reasoning (``core/signing.py``): ``configured`` when set; else the one
+    in :data:`SIGNING_KEY_FILE` beside the store at ``store_path``, made (random, mode 0600) on
+    first use; for a store in memory, a new key of this process.
+
+    A new key is written to a file of its own and linked into place (``link`` fails when the name
+    exists), so processes that start together on one store agree on one key, and none reads a
+    file half written.
+
+    Raises:
+        StoreError: the file cannot be made or read, or holds no key.
+    """
+    if configured:
+        return configured
+    if store_path == ":memory:":
+        return new_key()
+    path = Path(store_path).parent / SIGNING_KEY_FILE
+    try:
+        if not path.exists():
+            fresh = path.with_name(f".{SIGNING_KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+            with open(os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write(new_key() + "\n")
+            try:
+                os.link(fresh, path)
+            except FileExistsError:
+                pass  # another process made it first: its key holds
+            finally:
+                fresh.unlink()
+        key = path.read_text().strip()
+        ReasoningSigner.from_text(key)
+    except (OSError, ValueError) as exc:
+        raise StoreError(f"the signing key {path}: {exc}") from None
+    return key
+
+
 async def serve(
     config: Config,
     engine_factory: Callable[[Config], Engine] = load_llama_engine,
@@ -205,6 +246,7 @@ async def serve(
     interrupted = store.mark_interrupted()
     if interrupted:
         log.info("marked %d message(s) left generating by a previous run as interrupted", interrupted)
+    config = state.config = config.replace("server", signing_key=signing_key(config.server.signing_key, store.path))
     app = create_app(state)
     stop = trio.Event() if shutdown_trigger is None else shutdown_trigger
     hc = hypercorn_config(config)
