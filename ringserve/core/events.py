@@ -200,6 +200,50 @@ def _json_object(_inst: object, attribute: attrs.Attribute[Any], value: str) -> 
         raise ValueError(f"{attribute.name} must be the JSON text of an object")
 
 
+class Trigger(enum.StrEnum):
+    """What a :class:`ClearToolUses` trigger counts: the prompt's tokens, or the conversation's tool uses."""
+
+    INPUT_TOKENS = "input_tokens"
+    TOOL_USES = "tool_uses"
+
+
+@attrs.frozen
+class ClearThinking:
+    """Drop the reasoning of all but the last ``keep_turns`` assistant turns that have some
+    (None: keep all; Anthropic's default is 1)."""
+
+    keep_turns: int | None = 1
+
+
+@attrs.frozen
+class ClearToolUses:
+    """Clear old tool results once the prompt exceeds ``trigger`` (``core/context.py``).
+
+    Defaults are Anthropic's: a trigger of 100,000 input tokens, 3 tool uses kept, nothing
+    excluded, inputs kept.
+    """
+
+    trigger: int = 100_000
+    trigger_kind: Trigger = Trigger.INPUT_TOKENS
+    keep: int = 3
+    clear_at_least: int = 0
+    exclude: frozenset[str] = frozenset()
+    clear_inputs: bool | frozenset[str] = False
+
+
+ContextEdit = ClearThinking | ClearToolUses
+
+
+@attrs.frozen
+class AppliedEdit:
+    """An edit that changed the prompt: ``cleared`` thinking turns or tool uses, and the prompt
+    tokens that went with them."""
+
+    edit: ContextEdit
+    cleared: int
+    cleared_input_tokens: int
+
+
 @attrs.frozen
 class GenerationRequest:
     """A surface-neutral request to generate a reply.
@@ -221,6 +265,8 @@ class GenerationRequest:
         template_kwargs: the JSON text of an object (``""``: none) whose members are
             variables of the model's chat template (OpenAI-style ``chat_template_kwargs``, as
             llama-server takes them: ``{"enable_thinking": false}``...); JSON values only.
+        context_edits: history to trim before the prompt is rendered, in order
+            (``core/context.py``; Anthropic's ``context_management``).
     """
 
     messages: tuple[ChatMessage, ...]
@@ -233,6 +279,7 @@ class GenerationRequest:
     output: OutputFormat = OutputFormat()
     reasoning: ReasoningConfig = ReasoningConfig()
     template_kwargs: str = attrs.field(default="", validator=_json_object)
+    context_edits: tuple[ContextEdit, ...] = ()
 
 
 @attrs.frozen

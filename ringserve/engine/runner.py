@@ -73,6 +73,7 @@ from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.detokenizer import Detokenizer
 from ringserve.core.errors import PROMPT_PARAM, ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
+    AppliedEdit,
     BlockDelta,
     BlockStart,
     BlockStop,
@@ -87,6 +88,7 @@ from ringserve.core.events import (
     Usage,
 )
 from ringserve.engine.gbnf import Constraint, LazyCalls, constraint_for
+from ringserve.core.context import edit_prompt
 from ringserve.core.limits import message_texts, tool_texts
 from ringserve.core.blocks import BlockEvent
 from ringserve.core.reply import End, ReplyStage
@@ -130,6 +132,8 @@ class Prepared:
             (``request.reasoning.budget_tokens``, where the format has a
             thinking block and the reply's grammar takes its closing text:
             :meth:`Runner._reasoning_budget`); None: no budget.
+        applied_edits: the request's context edits that trimmed its history
+            (``core/context.py``): ``request`` is the trimmed one.
     """
 
     request: GenerationRequest
@@ -140,6 +144,12 @@ class Prepared:
     chat_format: ChatFormat = GENERIC
     reasoning_open: bool = False
     reasoning_budget: int | None = None
+    applied_edits: tuple[AppliedEdit, ...] = ()
+
+    @property
+    def original_input_tokens(self) -> int:
+        """The prompt's tokens before the context edits."""
+        return len(self.prompt_tokens) + sum(edit.cleared_input_tokens for edit in self.applied_edits)
 
 
 @attrs.frozen
@@ -470,7 +480,8 @@ class Runner:
             request: the parsed request.
 
         Returns:
-            The request with its prompt tokens and resolved ``max_tokens``.
+            The request with its prompt tokens and resolved ``max_tokens``; with its
+            ``context_edits`` applied (:meth:`_prompt_sync`).
 
         A ``max_tokens`` larger than what the slot's context leaves after the
         prompt is accepted (issue 22: clients send large defaults, such as
@@ -514,7 +525,7 @@ class Runner:
                 )
         self._tokenizing += 1
         try:
-            prompt, constraint = await trio.to_thread.run_sync(
+            request, prompt, constraint, applied = await trio.to_thread.run_sync(
                 self._prompt_sync, request, limiter=self._tokenize_limiter, abandon_on_cancel=False
             )
         finally:
@@ -538,7 +549,7 @@ class Runner:
         return Prepared(
             request, tokens, budget, context_bound=budget != asked, constraint=constraint,
             chat_format=self.chat_format, reasoning_open=prompt.reasoning_open,
-            reasoning_budget=self._reasoning_budget(request, constraint),
+            reasoning_budget=self._reasoning_budget(request, constraint), applied_edits=applied,
         )
 
     def _reasoning_budget(self, request: GenerationRequest, constraint: Constraint | LazyCalls | None) -> int | None:
@@ -570,16 +581,21 @@ class Runner:
             self._tokenize_sync, request, limiter=self._tokenize_limiter, abandon_on_cancel=False
         )
 
-    def _prompt_sync(self, request: GenerationRequest) -> tuple[ChatPrompt, Constraint | LazyCalls | None]:
-        """Worker thread: the request's prompt, then the grammar its reply is decoded under (in
-        the model's format; whether the prompt opened the thinking block decides how it starts).
+    def _prompt_sync(
+        self, request: GenerationRequest
+    ) -> tuple[GenerationRequest, ChatPrompt, Constraint | LazyCalls | None, tuple[AppliedEdit, ...]]:
+        """Worker thread: the request with its context edits applied (``core/context.py``
+        ``edit_prompt``: a trigger measured in tokens tokenizes it again after each edit that
+        clears something), its prompt, then the grammar its reply is decoded under (in the
+        model's format; whether the prompt opened the thinking block decides how it starts), and
+        the edits applied.
 
         Raises:
             RingserveError: ``INVALID_REQUEST``: as :meth:`_tokenize_sync` and
                 :func:`~ringserve.engine.gbnf.constraint_for`.
         """
-        prompt = self._tokenize_sync(request)
-        return prompt, constraint_for(request, self.chat_format, prompt.reasoning_open)
+        request, prompt, applied = edit_prompt(request, request.context_edits, self._tokenize_sync)
+        return request, prompt, constraint_for(request, self.chat_format, prompt.reasoning_open), applied
 
     def _tokenize_sync(self, request: GenerationRequest) -> ChatPrompt:
         """Worker thread: ``engine.tokenize_chat``.
