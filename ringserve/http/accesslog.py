@@ -31,6 +31,7 @@ from urllib.parse import parse_qsl, urlencode
 import attrs
 
 from ringserve.core.errors import ErrorKind
+from ringserve.surfaces.base import IGNORED_FIELDS_HEADER, ignored_fields_header
 
 __all__ = ["SCOPE_KEY", "AccessRecord", "redact_query", "request_id_from"]
 
@@ -92,6 +93,8 @@ class AccessRecord:
         message_id: the message the request created or read, if any.
         resume: whether the request read a stream through the resume route.
         error_kind: the error kind answered (logged as ``error_type``, ``ErrorKind.label``).
+        ignored_fields: the request fields accepted and ignored, as the
+            ``Ringserve-Ignored-Fields`` header says them ("" for none: no header).
     """
 
     request_id: str
@@ -106,6 +109,14 @@ class AccessRecord:
     message_id: str | None = None
     resume: bool = False
     error_kind: ErrorKind | None = None
+    ignored_fields: str = ""
+
+    def note_ignored(self, paths: tuple[str, ...]) -> None:
+        """Name ``paths``, the request fields accepted and ignored, in the response's
+        ``Ringserve-Ignored-Fields`` header, and log them (``ringserve``, DEBUG)."""
+        if paths:
+            self.ignored_fields = ignored_fields_header(paths)
+            logging.getLogger("ringserve").debug("request %s: fields ignored: %s", self.request_id, ", ".join(paths))
 
     @classmethod
     def from_scope(cls, scope: dict) -> AccessRecord:

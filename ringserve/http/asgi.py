@@ -27,7 +27,7 @@ from ringserve.http.generate import count_tokens, generate
 from ringserve.http.messages import cancel_message, get_message, issue_stream_token, resume_stream
 from ringserve.http.responses import cancel_response, delete_response, retrieve_response
 from ringserve.http.service import health, metrics, model, models, playground, ready
-from ringserve.surfaces.base import Counting, Surface
+from ringserve.surfaces.base import IGNORED_FIELDS_HEADER, Counting, Surface
 from ringserve.surfaces.registry import SURFACES
 
 Handler = Callable[..., Awaitable[Response]]
@@ -61,6 +61,8 @@ class ClosingHTTPConnection(TrioASGIHTTPConnection):
             if message["type"] == "http.response.start":
                 record.status = message["status"]
                 headers = [*message.get("headers", ()), (b"x-request-id", record.request_id.encode("ascii"))]
+                if record.ignored_fields:
+                    headers.append((IGNORED_FIELDS_HEADER.lower().encode("ascii"), record.ignored_fields.encode("ascii")))
                 message = {**message, "headers": headers}
             elif message["type"] == "http.response.body":
                 record.bytes += len(message.get("body", b""))

@@ -42,7 +42,7 @@ from ringserve.core.limits import check_request
 from ringserve.core.prefer import parse_prefer
 from ringserve.core.status import MessageStatus, Policy
 from ringserve.core.view import MessageView
-from ringserve.surfaces.base import ParsedRequest, Surface
+from ringserve.surfaces.base import ParsedRequest, Surface, read_request
 from ringserve.surfaces.registry import SURFACES
 
 def request_hash(body: bytes) -> str:
@@ -207,12 +207,15 @@ def parse_body(surface: Surface, parse: Callable[[Any], ParsedRequest], raw: byt
                model_id: str) -> ParsedRequest:
     """The request in ``raw``, parsed by ``parse`` (``surface``'s ``parse_request`` or
     ``parse_count``) and :func:`checked`; a request that continues a stored conversation is
-    checked once that is in it (:func:`continued`).
+    checked once that is in it (:func:`continued`). The fields it accepted and ignored are in its
+    ``ignored``, and the reasoning it was handed back is restored where its signature verifies
+    (``surfaces/base.py`` ``read_request``).
 
     Raises:
         RingserveError: as :func:`parse_json`, ``parse`` and :func:`checked`.
     """
-    parsed = parse(parse_json(raw, refuse_lone_surrogates=surface.refuses_lone_surrogates))
+    body = parse_json(raw, refuse_lone_surrogates=surface.refuses_lone_surrogates)
+    parsed = read_request(parse, body, config.server.signing_key)
     return parsed if parsed.continues is not None else checked(parsed, config, model_id)
 
 
@@ -225,7 +228,7 @@ def continued(parsed: ParsedRequest, history: tuple[ChatMessage, ...], config: C
             as :func:`checked`.
     """
     assert parsed.continues is not None, "the request continues no conversation"
-    return checked(parsed.continues.apply(history), config, model_id)
+    return checked(attrs.evolve(parsed.continues.apply(history), ignored=parsed.ignored), config, model_id)
 
 
 def admit(surface: Surface, raw: bytes, headers: RequestHeaders, config: Config, model_id: str) -> Start | Refuse:

@@ -72,6 +72,7 @@ async def generate(surface: Surface) -> Response:
         start = admit(surface, await context.body(), context.request_headers(), state.config, state.model_id)
         if isinstance(start, Refuse):
             return error_response(surface, start.error)
+        context.access().note_ignored(start.parsed.ignored)
         start = attrs.evolve(start, parsed=await _whole(hub, start.parsed))
         context.admit_reader()
         created = await hub.create(surface, start.parsed, body_hash=start.body_hash, request_json=start.request_json,
@@ -128,7 +129,8 @@ async def count_tokens(surface: Counting) -> Response:
     try:
         hub = context.hub()
         parsed = parse_body(surface, surface.parse_count, await context.body(), state.config, state.model_id)
+        context.access().note_ignored(parsed.ignored)
         prepared = await hub.runner.prepare((await _whole(hub, parsed)).request)
     except RingserveError as exc:
         return error_response(surface, exc)
-    return json_response(surface.count_json(len(prepared.prompt_tokens)))
+    return json_response(surface.count_json(len(prepared.prompt_tokens), prepared.original_input_tokens))

@@ -12,6 +12,7 @@ both as HTTP bodies and as the in-band ``event: error``.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any, assert_never
 
@@ -24,20 +25,27 @@ from ringserve.core.events import (
     BlockStart,
     BlockStop,
     ChatMessage,
+    ClearThinking,
+    ClearToolUses,
     ContentBlock,
+    ContextEdit,
+    Effort,
     Failure,
     Finish,
     GenerationRequest,
     OutputFormat,
     OutputKind,
+    ReasoningConfig,
     StopReason,
     ToolCall,
     ToolChoice,
     ToolChoiceMode,
     ToolSpec,
+    Trigger,
     Usage,
 )
 from ringserve.core.render import WireEvent
+from ringserve.core.signing import SignedReasoning
 from ringserve.core.view import MessageView
 from ringserve.surfaces.base import (
     check_enforced,
@@ -58,6 +66,7 @@ from ringserve.surfaces.base import (
     text_content,
     json_schema,
     optional,
+    report_ignored,
     tool_choice,
     tool_list,
     tool_name,
@@ -98,13 +107,13 @@ STOP_REASONS = {
 
 
 #: What ``parse_request`` does with each field of ``anthropic.types.MessageCreateParams``
-#: and ``anthropic.types.beta.MessageCreateParams`` (anthropic 2.14; the beta one is
-#: what ``client.beta.messages.create`` and pydantic-ai send), and with ringserve's
+#: and ``anthropic.types.beta.MessageCreateParams`` (anthropic 2.16; the beta one is
+#: what ``client.beta.messages.create``, pydantic-ai and Claude Code send), and with ringserve's
 #: extensions; docs/compatibility.md's table.
 REQUEST_FIELDS = FieldTable(
     supported=frozenset({
         "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-        "tools", "tool_choice", "output_config",
+        "tools", "tool_choice", "output_config", "output_format", "thinking", "context_management",
         # extensions, as llama.cpp's server accepts them
         "min_p", "seed",
     }),
@@ -116,26 +125,28 @@ REQUEST_FIELDS = FieldTable(
         "billing_policy", "fallback_credit_token", "fallbacks",
     }),
     refused={
-        "thinking": Refused("extended thinking is not implemented", neutral=({"type": "disabled"},)),
         # beta
-        "output_format": Refused("deprecated: send output_config.format, as the current SDKs do"),
-        "mcp_servers": Refused("MCP servers are not implemented", neutral=([],)),
-        "context_management": Refused("context management is not implemented"),
-        "compaction": Refused("compaction is not implemented"),
+        "mcp_servers": Refused("MCP servers would have to be called by the server", neutral=([],)),
+        "compaction": Refused("a compaction request asks for a summary of the conversation, which is not implemented"),
         "thread": Refused("server-held threads are not implemented; send the whole conversation"),
     },
 )
 
 #: The fields of ``POST /v1/messages/count_tokens`` (``anthropic.types.MessageCountTokensParams``):
-#: those of a request that it shares, decided the same way.
+#: every field of a request (Claude Code counts with the bodies it sends), those that shape the
+#: prompt read as there, the others accepted and reported.
 COUNT_TOKENS_FIELDS = FieldTable(
-    supported=frozenset({"model", "messages", "system", "tools", "tool_choice", "output_config"}),
-    ignored=frozenset({"cache_control", "speed", "user_profile_id", "workspace_id"}),
-    refused={"thinking": REQUEST_FIELDS.refused["thinking"]},
+    supported=frozenset({"model", "messages", "system", "tools", "tool_choice", "output_config", "output_format",
+                         "thinking", "context_management"}),
+    ignored=REQUEST_FIELDS.ignored | REQUEST_FIELDS.supported - {
+        "model", "messages", "system", "tools", "tool_choice", "output_config", "output_format", "thinking",
+        "context_management"} | {"compaction"},  # count_tokens ignores compaction (the SDK says so)
+    refused={"mcp_servers": REQUEST_FIELDS.refused["mcp_servers"], "thread": REQUEST_FIELDS.refused["thread"]},
 )
 
-#: The fields of one message (``MessageParam``: user, assistant and system messages).
-MESSAGE_FIELDS = FieldTable(supported=frozenset({"role", "content"}), ignored=frozenset(), refused={})
+#: The fields of one message (``MessageParam``: user, assistant and system messages; a
+#: mid-conversation system message's ``output_config``, Claude Code's per-turn effort).
+MESSAGE_FIELDS = FieldTable(supported=frozenset({"role", "content", "output_config"}), ignored=frozenset(), refused={})
 
 #: The fields of one text block of a message's or the system prompt's content (``TextBlockParam``).
 TEXT_BLOCK_FIELDS = FieldTable(
@@ -145,20 +156,55 @@ TEXT_BLOCK_FIELDS = FieldTable(
     refused={"citations": Refused("citations are not implemented", neutral=([],))},
 )
 
+#: The fields of an assistant message's ``thinking`` block (``ThinkingBlockParam``) and of a
+#: ``redacted_thinking`` block (``RedactedThinkingBlockParam``: opaque, never ringserve's, dropped).
+THINKING_BLOCK_FIELDS = FieldTable(
+    supported=frozenset({"type", "thinking", "signature"}), ignored=frozenset({"cache_control"}), refused={}
+)
+REDACTED_THINKING_FIELDS = FieldTable(
+    supported=frozenset({"type", "data"}), ignored=frozenset({"cache_control"}), refused={}
+)
+
+#: The fields of ``thinking`` (``ThinkingConfigParam``: enabled, adaptive, disabled; beta
+#: between_tools): thinking on or off and its budget. ``display`` says how the reply shows its
+#: thinking, which no reply of ringserve's has yet.
+THINKING_FIELDS = FieldTable(
+    supported=frozenset({"type", "budget_tokens"}), ignored=frozenset({"display", "block_binding"}), refused={}
+)
+
+#: ``thinking.type`` → whether thinking is on (``adaptive`` and ``between_tools``: the model decides).
+THINKING_TYPES = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}
+
+#: ``output_config.effort`` values (``OutputConfigParam``).
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+#: The fields of ``context_management`` (``BetaContextManagementConfigParam``) and of its edits
+#: (``BetaClearThinking20251015EditParam``, ``BetaClearToolUses20250919EditParam``); the
+#: compaction edit (``compact_20260112``) is refused by type: it would summarise.
+CONTEXT_MANAGEMENT_FIELDS = FieldTable(supported=frozenset({"edits"}), ignored=frozenset(), refused={})
+CLEAR_THINKING_FIELDS = FieldTable(supported=frozenset({"type", "keep"}), ignored=frozenset(), refused={})
+CLEAR_TOOL_USES_FIELDS = FieldTable(
+    supported=frozenset({"type", "trigger", "keep", "clear_at_least", "exclude_tools", "clear_tool_inputs"}),
+    ignored=frozenset(),
+    refused={},
+)
+#: The fields of a ``{"type": ..., "value": N}`` threshold (``BetaInputTokensTriggerParam``, ...).
+THRESHOLD_FIELDS = FieldTable(supported=frozenset({"type", "value"}), ignored=frozenset(), refused={})
+
 _TOOLSETS = Refused("toolsets are not implemented")
 
 #: The fields of one custom tool (``ToolParam``, ``BetaToolParam``). The other tool types
 #: (Anthropic's server and client tools: ``bash_20250124``, ``web_search_20250305``, ...) are
-#: refused by their ``type``.
+#: refused by their ``type``. A tool with ``defer_loading`` stays out of the prompt until a
+#: ``tool_reference`` block in a tool result names it (tool search).
 TOOL_FIELDS = FieldTable(
-    supported=frozenset({"type", "name", "description", "input_schema", "strict"}),
+    supported=frozenset({"type", "name", "description", "input_schema", "strict", "defer_loading"}),
     ignored=frozenset({
         "cache_control",  # a caching hint: the prefix cache is automatic
         "eager_input_streaming",  # arguments are always streamed as they are decoded
+        "input_examples",  # examples for the model: the schema says what it may send
     }),
     refused={
-        "input_examples": Refused("tool input examples are not implemented", neutral=([],)),
-        "defer_loading": Refused("tool search is not implemented", neutral=(False,)),
         "allowed_callers": Refused("code execution is not implemented", neutral=(["direct"],)),
     },
 )
@@ -185,18 +231,26 @@ TOOL_RESULT_FIELDS = FieldTable(
     refused={"toolset_name": _TOOLSETS},
 )
 
-#: The fields of ``output_config`` (``OutputConfigParam``, ``BetaOutputConfigParam``).
-OUTPUT_CONFIG_FIELDS = FieldTable(
-    supported=frozenset({"format"}),
-    ignored=frozenset(),
-    refused={
-        "effort": Refused("effort levels are not implemented"),
-        "task_budget": Refused("task budgets are not implemented"),
-    },
+#: The fields of a ``tool_reference`` block in a tool result's content (``ToolReferenceBlockParam``).
+TOOL_REFERENCE_FIELDS = FieldTable(
+    supported=frozenset({"type", "tool_name"}), ignored=frozenset({"cache_control"}), refused={}
 )
 
+#: The fields of ``output_config`` (``OutputConfigParam``, ``BetaOutputConfigParam``).
+OUTPUT_CONFIG_FIELDS = FieldTable(
+    supported=frozenset({"format", "effort"}),
+    # a budget the client tracks over several requests: each answer stays the model's own
+    ignored=frozenset({"task_budget"}),
+    refused={},
+)
+
+#: The fields of a message's ``output_config`` (Claude Code's per-turn effort, on its
+#: mid-conversation system message; beta ``per-turn-control``).
+TURN_OUTPUT_CONFIG_FIELDS = FieldTable(supported=frozenset({"effort"}), ignored=frozenset(), refused={})
+
 #: The fields of ``output_config.format`` (``JSONOutputFormatParam``), what ``messages.parse(output_format=...)``
-#: sends (anthropic 2.14, beta or not: ``{"type": "json_schema", "schema": ...}``).
+#: sends (anthropic 2.14, beta or not: ``{"type": "json_schema", "schema": ...}``), and of the
+#: deprecated top-level ``output_format``, read the same way.
 OUTPUT_FORMAT_FIELDS = FieldTable(supported=frozenset({"type", "schema"}), ignored=frozenset(), refused={})
 
 #: tool_choice ``type`` → mode (Anthropic's ``any`` is "some tool must be called").
@@ -321,63 +375,240 @@ class AnthropicRenderer:
         return [WireEvent(dumps(_error_object(ERROR_TYPES[failure.kind], failure.message)), "error")]
 
 
-def conversation(body: dict[str, Any]) -> GenerationRequest:
-    """The prompt part of a request body: ``system``, ``messages``, ``tools``, ``tool_choice``
-    and ``output_config``, as a request with no ``max_tokens``.
+#: Claude Code's first system block: ``x-anthropic-billing-header: cc_version=2.1.332.21e;
+#: cc_entrypoint=sdk-cli;`` (a version stamp for Anthropic's billing, different across versions
+#: and sessions). It means nothing to a model and, at the head of the prompt, would make every
+#: session's prompt differ from its first token: it is dropped and reported.
+BILLING_STAMP = re.compile(r"x-anthropic-billing-header: [^\n]*")
 
+
+@attrs.define
+class _Conversation:
+    """What :func:`conversation` gathers while it reads the messages."""
+
+    messages: list[ChatMessage] = attrs.Factory(list)
+    ids: CallIds = attrs.Factory(CallIds)
+    signed: list[SignedReasoning] = attrs.Factory(list)
+    referenced: list[tuple[str, str]] = attrs.Factory(list)  # (tool name, where) of tool_reference blocks
+    effort: Effort | None = None  # of the last message that has one
+
+
+def conversation(body: dict[str, Any]) -> tuple[GenerationRequest, tuple[SignedReasoning, ...]]:
+    """The prompt part of a request body: ``system``, ``messages``, ``tools``, ``tool_choice``,
+    ``output_config``, ``thinking`` and ``context_management``, as a request with no
+    ``max_tokens``; and the thinking blocks handed back, whose reasoning joins their turns where
+    their signatures verify (``surfaces/base.py`` ``read_request``).
+
+    * ``system``: a string or text blocks; Claude Code's billing stamp (:data:`BILLING_STAMP`)
+      is dropped.
+    * ``messages``: a ``system`` message stays where it stands (the chat template folds it in);
+      its ``output_config.effort`` (Claude Code's per-turn effort) overrides the request's.
     * ``tools``: at most :data:`~ringserve.surfaces.base.MAX_TOOLS` custom tools
-      (:data:`TOOL_FIELDS`) with distinct names and an object ``input_schema``.
+      (:data:`TOOL_FIELDS`) with distinct names and an object ``input_schema``; a tool with
+      ``defer_loading`` joins the prompt only once a ``tool_reference`` block names it.
     * ``tool_choice``: ``auto``, ``any``, ``{"type": "tool", "name": ...}`` (a tool of
       ``tools``) or ``none``; ``disable_parallel_tool_use``.
     * An assistant turn's ``tool_use`` blocks (``id``, ``name``, ``input`` an object) become its
-      tool calls, after its text; a user turn's ``tool_result`` blocks (``tool_use_id`` of an
-      earlier ``tool_use``, ``content`` a string or text blocks, ``is_error``) become ``tool``
-      turns, in block order with the user's text between them. Either needs ``tools``, as
-      the Messages API requires.
-    * ``output_config.format``: ``{"type": "json_schema", "schema": {...}}``.
+      tool calls, after its text; its ``thinking`` blocks its reasoning (if signed here), its
+      ``redacted_thinking`` blocks are dropped; a user turn's ``tool_result`` blocks
+      (``tool_use_id`` of an earlier ``tool_use``, ``content`` a string or text and
+      ``tool_reference`` blocks, ``is_error``) become ``tool`` turns, in block order with the
+      user's text between them. Either needs ``tools``, as the Messages API requires.
+    * ``output_config.format`` (or the deprecated ``output_format``): ``{"type": "json_schema",
+      "schema": {...}}``.
+    * ``thinking`` and ``output_config.effort``: the reasoning controls (:func:`_reasoning`).
+    * ``context_management.edits``: history to trim (:func:`_context_edits`).
 
     Raises:
         RingserveError: ``INVALID_REQUEST`` naming the offending field.
     """
-    messages: list[ChatMessage] = []
-    if "system" in body and body["system"] is not None:
-        messages.append(ChatMessage("system", text_content(body["system"], "system", TEXT_BLOCK_FIELDS)))
+    seen = _Conversation()
+    if body.get("system") is not None:
+        seen.messages.append(ChatMessage("system", _system(body["system"])))
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise invalid("messages: must be a non-empty list", param="messages")
-    ids = CallIds()
     for i, m in enumerate(raw):
+        where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise invalid(f"messages[{i}]: must be an object", param="messages")
-        MESSAGE_FIELDS.check(m, f"messages[{i}]", param="messages")
-        messages += _turns(m, f"messages[{i}]", ids)
-    tools = tool_list(body.get("tools"), "tools", _tool)
-    if not tools and any(m.tool_calls or m.role == "tool" for m in messages):
+            raise invalid(f"{where}: must be an object", param="messages")
+        MESSAGE_FIELDS.check(m, where, param="messages")
+        if m.get("output_config") is not None:
+            seen.effort = _effort(m["output_config"], f"{where}.output_config", TURN_OUTPUT_CONFIG_FIELDS) or seen.effort
+        _turns(m, where, seen)
+    every = tool_list(body.get("tools"), "tools", _tool)
+    deferred = _deferred(body.get("tools"))
+    names = {t.name for t in every}
+    for name, where in seen.referenced:
+        if name not in names:
+            raise invalid(f"{where}.tool_name: {name!r:.80} names no tool of tools", param="messages")
+    referenced = {name for name, _ in seen.referenced}
+    tools = tuple(t for t in every if t.name not in deferred or t.name in referenced)
+    if not every and any(m.tool_calls or m.role == "tool" for m in seen.messages):
         # The Messages API's own refusal (anthropic-sdk-python issue 494 quotes it).
         raise invalid("tools: requests which include tool_use or tool_result blocks must define tools", param="tools")
+    output_config = body.get("output_config")
+    if output_config is not None:
+        seen.effort = seen.effort or _effort(output_config, "output_config", OUTPUT_CONFIG_FIELDS)
+    output_where = "output_config.format"
+    if output_config is not None and output_config.get("format") is not None:
+        output = _output(output_config["format"], output_where)
+    elif body.get("output_format") is not None:
+        output_where = "output_format"
+        output = _output(body["output_format"], output_where)
+    else:
+        output = OutputFormat()
     request = GenerationRequest(
-        messages=tuple(messages),
+        messages=tuple(seen.messages),
         max_tokens=None,
-        tools=tools,
+        tools=every,
         tool_choice=_tool_choice(body.get("tool_choice"), tools),
-        output=_output(body.get("output_config")),
+        output=output,
+        reasoning=_reasoning(body.get("thinking"), seen.effort),
+        context_edits=_context_edits(body.get("context_management")),
     )
-    return check_enforced(request, "tools[{i}].input_schema", "output_config.format.schema")
+    # the schemas are checked with every tool, so that an error names the tool's own index
+    check_enforced(request, "tools[{i}].input_schema", f"{output_where}.schema")
+    return attrs.evolve(request, tools=tools), tuple(seen.signed)
+
+
+def _system(value: Any) -> str:
+    """The system prompt's text, without Claude Code's billing stamp (:data:`BILLING_STAMP`)."""
+    if isinstance(value, str):
+        stamp = BILLING_STAMP.match(value)
+        if stamp is None:
+            return value
+        report_ignored("system")
+        return value[stamp.end():].lstrip("\n")
+    if isinstance(value, list):
+        texts = []
+        for i, block in enumerate(value):
+            text = text_block(block, f"system[{i}]", "system", TEXT_BLOCK_FIELDS)
+            if BILLING_STAMP.fullmatch(text.strip()):
+                report_ignored(f"system[{i}]")
+            else:
+                texts.append(text)
+        return "".join(texts)
+    return text_content(value, "system", TEXT_BLOCK_FIELDS)
+
+
+def _effort(value: Any, where: str, fields: FieldTable) -> Effort | None:
+    """The ``effort`` of an ``output_config`` at ``where``, its fields checked against ``fields``
+    (None: not given)."""
+    param = where.split(".")[0].split("[")[0]
+    effort = fields.object(value, where, param).get("effort")
+    if effort is None:
+        return None
+    if effort not in EFFORTS:
+        raise invalid(f"{where}.effort: must be one of {', '.join(EFFORTS)}", param=param)
+    return Effort(effort)
+
+
+def _reasoning(value: Any, effort: Effort | None) -> ReasoningConfig:
+    """``thinking`` (:data:`THINKING_TYPES`; ``budget_tokens``, at least 1, with ``enabled``)
+    and the effort, as the request's reasoning controls. A model that does not reason answers
+    as without them."""
+    if value is None:
+        return ReasoningConfig(effort=effort)
+    value = THINKING_FIELDS.object(value, "thinking", "thinking")
+    kind = value.get("type")
+    if kind not in THINKING_TYPES:
+        raise invalid(f"thinking.type: must be one of {', '.join(THINKING_TYPES)}", param="thinking")
+    budget = None
+    if kind == "enabled":
+        budget = value.get("budget_tokens")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise invalid("thinking.budget_tokens: must be a positive integer", param="thinking")
+    elif value.get("budget_tokens") is not None:
+        raise invalid(f"thinking.budget_tokens: only with type 'enabled', not {kind!r}", param="thinking")
+    return ReasoningConfig(enabled=THINKING_TYPES[kind], effort=effort, budget_tokens=budget)
+
+
+def _threshold(value: Any, where: str, kinds: tuple[str, ...]) -> tuple[str, int]:
+    """A ``{"type": KIND, "value": N}`` threshold at ``where``: its kind (one of ``kinds``) and N >= 0."""
+    value = THRESHOLD_FIELDS.object(value, where, "context_management")
+    kind, n = value.get("type"), value.get("value")
+    if kind not in kinds:
+        raise invalid(f"{where}.type: must be one of {', '.join(kinds)}", param="context_management")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise invalid(f"{where}.value: must be a non-negative integer", param="context_management")
+    return kind, n
+
+
+def _names(value: Any, where: str) -> frozenset[str]:
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise invalid(f"{where}: must be a list of tool names", param="context_management")
+    return frozenset(value)
+
+
+def _context_edits(value: Any) -> tuple[ContextEdit, ...]:
+    """``context_management.edits`` as context edits (``core/context.py``): ``clear_thinking_20251015``
+    (``keep``: ``"all"``, ``{"type": "all"}`` or ``{"type": "thinking_turns", "value": N}``; absent:
+    1 turn) and ``clear_tool_uses_20250919`` (``trigger``, ``keep``, ``clear_at_least``,
+    ``exclude_tools``, ``clear_tool_inputs``; absent: Anthropic's defaults)."""
+    if value is None:
+        return ()
+    value = CONTEXT_MANAGEMENT_FIELDS.object(value, "context_management", "context_management")
+    raw = value.get("edits")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise invalid("context_management.edits: must be a list", param="context_management")
+    edits: list[ContextEdit] = []
+    for i, edit in enumerate(raw):
+        where = f"context_management.edits[{i}]"
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if kind == "clear_thinking_20251015":
+            edit = CLEAR_THINKING_FIELDS.object(edit, where, "context_management")
+            keep = edit.get("keep")
+            if keep is None:
+                edits.append(ClearThinking())
+            elif keep == "all" or keep == {"type": "all"}:
+                edits.append(ClearThinking(keep_turns=None))
+            else:
+                edits.append(ClearThinking(_threshold(keep, f"{where}.keep", ("thinking_turns",))[1]))
+        elif kind == "clear_tool_uses_20250919":
+            edit = CLEAR_TOOL_USES_FIELDS.object(edit, where, "context_management")
+            tool_uses = ClearToolUses()
+            if edit.get("trigger") is not None:
+                trigger_kind, trigger = _threshold(edit["trigger"], f"{where}.trigger", tuple(Trigger))
+                tool_uses = attrs.evolve(tool_uses, trigger=trigger, trigger_kind=Trigger(trigger_kind))
+            if edit.get("keep") is not None:
+                tool_uses = attrs.evolve(tool_uses, keep=_threshold(edit["keep"], f"{where}.keep", ("tool_uses",))[1])
+            if edit.get("clear_at_least") is not None:
+                least = _threshold(edit["clear_at_least"], f"{where}.clear_at_least", ("input_tokens",))[1]
+                tool_uses = attrs.evolve(tool_uses, clear_at_least=least)
+            if edit.get("exclude_tools") is not None:
+                tool_uses = attrs.evolve(tool_uses, exclude=_names(edit["exclude_tools"], f"{where}.exclude_tools"))
+            inputs = edit.get("clear_tool_inputs")
+            if inputs is not None:
+                clear = inputs if isinstance(inputs, bool) else _names(inputs, f"{where}.clear_tool_inputs")
+                tool_uses = attrs.evolve(tool_uses, clear_inputs=clear)
+            edits.append(tool_uses)
+        else:
+            raise invalid(
+                f"{where}.type: must be clear_thinking_20251015 or clear_tool_uses_20250919, got {kind!r:.80}"
+                " (compaction, which summarises, is not implemented)",
+                param="context_management",
+            )
+    return tuple(edits)
 
 
 #: Block types a message of the other role may not hold: (type, the role it belongs to).
-_ROLE_OF_BLOCK = {"tool_use": "assistant", "tool_result": "user"}
+_ROLE_OF_BLOCK = {"tool_use": "assistant", "tool_result": "user", "thinking": "assistant",
+                  "redacted_thinking": "assistant"}
 
 
-def _turns(m: dict[str, Any], where: str, ids: CallIds) -> list[ChatMessage]:
-    """The neutral turns of one message: one, or a user message's tool results and texts in order."""
+def _turns(m: dict[str, Any], where: str, seen: _Conversation) -> None:
+    """Add the neutral turns of one message to ``seen``: one, or a user message's tool results and
+    texts in order."""
     role = m.get("role")
     if role not in ROLES:
         raise invalid(f"{where}.role: must be one of {', '.join(ROLES)}", param="messages")
     content, where = m.get("content"), f"{where}.content"
     if role == "system" or not isinstance(content, list) or not content:
-        return [ChatMessage(role, text_content(content, where, TEXT_BLOCK_FIELDS, allow_empty=False))]
-    turns: list[ChatMessage] = []
+        seen.messages.append(ChatMessage(role, text_content(content, where, TEXT_BLOCK_FIELDS, allow_empty=False)))
+        return
     texts: list[str] = []
     calls: list[ToolCall] = []
     for j, block in enumerate(content):
@@ -386,19 +617,27 @@ def _turns(m: dict[str, Any], where: str, ids: CallIds) -> list[ChatMessage]:
         if isinstance(kind, str) and kind in _ROLE_OF_BLOCK and _ROLE_OF_BLOCK[kind] != role:
             raise invalid(f"{at}: {kind} blocks belong in {_ROLE_OF_BLOCK[kind]} messages", param="messages")
         if kind == "tool_use":
-            calls.append(_tool_use(block, at, ids))
+            calls.append(_tool_use(block, at, seen.ids))
+        elif kind == "thinking":
+            THINKING_BLOCK_FIELDS.check(block, at, param="messages")
+            thinking, signature = block.get("thinking"), block.get("signature")
+            if not isinstance(thinking, str) or not isinstance(signature, str):
+                raise invalid(f"{at}: a thinking block has a string thinking and a string signature", param="messages")
+            seen.signed.append(SignedReasoning(len(seen.messages), thinking, signature, at))
+        elif kind == "redacted_thinking":
+            REDACTED_THINKING_FIELDS.check(block, at, param="messages")
+            report_ignored(at)  # opaque data of another server's: nothing to restore
         elif kind == "tool_result":
             if texts:
-                turns.append(ChatMessage("user", "".join(texts)))
+                seen.messages.append(ChatMessage("user", "".join(texts)))
                 texts = []
-            turns.append(_tool_result(block, at, ids))
+            seen.messages.append(_tool_result(block, at, seen))
         else:
             texts.append(text_block(block, at, where, TEXT_BLOCK_FIELDS))
     if role == "assistant":
-        return [ChatMessage("assistant", "".join(texts), tool_calls=tuple(calls))]
-    if texts:
-        turns.append(ChatMessage("user", "".join(texts)))
-    return turns
+        seen.messages.append(ChatMessage("assistant", "".join(texts), tool_calls=tuple(calls)))
+    elif texts:
+        seen.messages.append(ChatMessage("user", "".join(texts)))
 
 
 def _tool_use(block: dict[str, Any], where: str, ids: CallIds) -> ToolCall:
@@ -411,11 +650,24 @@ def _tool_use(block: dict[str, Any], where: str, ids: CallIds) -> ToolCall:
     return ToolCall(call_id, name, dumps(arguments))
 
 
-def _tool_result(block: dict[str, Any], where: str, ids: CallIds) -> ChatMessage:
+def _tool_result(block: dict[str, Any], where: str, seen: _Conversation) -> ChatMessage:
+    """A ``tool`` turn: the result's text (a string, or its text blocks joined); its
+    ``tool_reference`` blocks name deferred tools that join the prompt (noted in ``seen``)."""
     TOOL_RESULT_FIELDS.check(block, where, param="messages")
-    call_id = ids.result(block.get("tool_use_id"), f"{where}.tool_use_id", "messages")
+    call_id = seen.ids.result(block.get("tool_use_id"), f"{where}.tool_use_id", "messages")
     content = block.get("content")
-    text = "" if content is None else text_content(content, f"{where}.content", TEXT_BLOCK_FIELDS, param="messages")
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            at = f"{where}.content[{k}]"
+            if isinstance(part, dict) and part.get("type") == "tool_reference":
+                TOOL_REFERENCE_FIELDS.check(part, at, param="messages")
+                seen.referenced.append((tool_name(part.get("tool_name"), f"{at}.tool_name", "messages"), at))
+            else:
+                texts.append(text_block(part, at, "messages", TEXT_BLOCK_FIELDS))
+        text = "".join(texts)
+    else:
+        text = "" if content is None else text_content(content, f"{where}.content", TEXT_BLOCK_FIELDS, param="messages")
     is_error = optional(block.get("is_error"), bool, f"{where}.is_error", "messages")
     return ChatMessage("tool", text, tool_call_id=call_id, is_error=bool(is_error))
 
@@ -429,12 +681,18 @@ def _tool(raw: dict[str, Any], where: str) -> ToolSpec:
             param="tools",
         )
     TOOL_FIELDS.check(raw, where, param="tools")
+    optional(raw.get("defer_loading"), bool, f"{where}.defer_loading", "tools")
     return ToolSpec(
         name=tool_name(raw.get("name"), f"{where}.name", "tools"),
         description=optional(raw.get("description"), str, f"{where}.description", "tools") or "",
         parameters=json_schema(raw.get("input_schema"), f"{where}.input_schema", "tools", arguments=True),
         strict=bool(optional(raw.get("strict"), bool, f"{where}.strict", "tools")),
     )
+
+
+def _deferred(tools: Any) -> frozenset[str]:
+    """The names of the tools with ``defer_loading: true`` (``tools`` already parsed by :func:`tool_list`)."""
+    return frozenset(t["name"] for t in tools or () if t.get("defer_loading") is True)
 
 
 def _tool_choice(value: Any, tools: tuple[ToolSpec, ...]) -> ToolChoice:
@@ -453,16 +711,13 @@ def _tool_choice(value: Any, tools: tuple[ToolSpec, ...]) -> ToolChoice:
     return tool_choice(ToolChoice(mode, name, parallel=not serial), tools, "tool_choice")
 
 
-def _output(value: Any) -> OutputFormat:
-    if value is None:
-        return OutputFormat()
-    fmt = OUTPUT_CONFIG_FIELDS.object(value, "output_config", "output_config").get("format")
-    if fmt is None:
-        return OutputFormat()
-    fmt = OUTPUT_FORMAT_FIELDS.object(fmt, "output_config.format", "output_config")
+def _output(value: Any, where: str) -> OutputFormat:
+    """Structured output from ``{"type": "json_schema", "schema": {...}}`` at ``where``."""
+    param = where.split(".")[0]
+    fmt = OUTPUT_FORMAT_FIELDS.object(value, where, param)
     if fmt.get("type") != "json_schema":
-        raise invalid('output_config.format.type: must be "json_schema"', param="output_config")
-    schema = json_schema(fmt.get("schema"), "output_config.format.schema", "output_config", arguments=False)
+        raise invalid(f'{where}.type: must be "json_schema"', param=param)
+    schema = json_schema(fmt.get("schema"), f"{where}.schema", param, arguments=False)
     return OutputFormat(OutputKind.JSON_SCHEMA, schema)
 
 
@@ -484,18 +739,15 @@ class AnthropicSurface:
         Fields as :data:`REQUEST_FIELDS` lists them: ``model``,
         ``max_tokens`` (required, 1 to 1,000,000; more than the context leaves
         is served until the context is full), ``messages`` (user, assistant
-        and system turns; string content or a non-empty list of text blocks,
-        checked against :data:`TEXT_BLOCK_FIELDS`; assistant turns may hold
-        ``tool_use`` blocks and user turns ``tool_result`` blocks, see
+        and system turns; string content or a non-empty list of blocks, see
         :func:`conversation`), ``system`` (string or text
-        blocks), ``tools``, ``tool_choice`` and ``output_config`` (see
-        :func:`conversation`), ``temperature`` (0–1), ``top_p``, ``top_k``,
+        blocks), ``tools``, ``tool_choice``, ``output_config``, ``thinking`` and
+        ``context_management`` (see :func:`conversation`), ``temperature`` (0–1), ``top_p``, ``top_k``,
         ``stop_sequences`` (a list of non-empty strings), ``stream``; and, as llama.cpp's server does,
-        ``min_p`` and ``seed``. Bookkeeping fields (``metadata``, ...) are
-        accepted and ignored; fields that would change the answer and are
-        not implemented (``thinking``, image or document blocks, server
-        tools, ...) and unknown fields are refused. Headers such as
-        ``anthropic-beta`` are not read.
+        ``min_p`` and ``seed``. Bookkeeping fields (``metadata``, ``cache_control``, ...) and
+        unknown fields are accepted and reported (``surfaces/base.py`` ``report_ignored``);
+        what a correct answer needs and ringserve cannot give (image or document blocks, server
+        tools, MCP servers, ...) is refused. Headers such as ``anthropic-beta`` are not read.
 
         Raises:
             RingserveError: ``INVALID_REQUEST`` naming the offending field.
@@ -509,31 +761,38 @@ class AnthropicSurface:
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise invalid("metadata: must be an object", param="metadata")
+        request, signed = conversation(body)
         request = attrs.evolve(
-            conversation(body),
+            request,
             max_tokens=max_tokens,
             sampling=sampling_params(body, max_temperature=1.0),
             stop=stop_list(body.get("stop_sequences"), "stop_sequences", allow_string=False),
         )
-        return ParsedRequest(request=request, stream=get_bool(body, "stream"), model=model)
+        return ParsedRequest(request=request, stream=get_bool(body, "stream"), model=model, signed=signed)
 
     def parse_count(self, body: Any) -> ParsedRequest:
         """Validate a ``POST /v1/messages/count_tokens`` body (:data:`COUNT_TOKENS_FIELDS`).
 
         The conversation is read as :meth:`parse_request` reads it (system
-        prompt, tools, tool choice, output format), so its prompt is the one
-        that request would be given; the request has no ``max_tokens``.
+        prompt, tools, tool choice, output format, thinking, context edits), so its prompt is the
+        one that request would be given; the request has no ``max_tokens``. The fields only a
+        generation reads (``max_tokens``, ``stream``, ...) are accepted and reported.
 
         Raises:
             RingserveError: ``INVALID_REQUEST`` naming the offending field.
         """
         body = require_object(body)
         COUNT_TOKENS_FIELDS.check(body)
-        return ParsedRequest(request=conversation(body), stream=False, model=get_str(body, "model", required=True))
+        request, signed = conversation(body)
+        return ParsedRequest(request=request, stream=False, model=get_str(body, "model", required=True), signed=signed)
 
-    def count_json(self, input_tokens: int) -> dict[str, Any]:
-        """The ``POST /v1/messages/count_tokens`` answer (``anthropic.types.MessageTokensCount``)."""
-        return {"input_tokens": input_tokens}
+    def count_json(self, input_tokens: int, original_input_tokens: int) -> dict[str, Any]:
+        """The ``POST /v1/messages/count_tokens`` answer (``anthropic.types.MessageTokensCount``);
+        when context edits trimmed the prompt, the tokens before them as
+        ``context_management.original_input_tokens`` (``BetaMessageTokensCount``)."""
+        if original_input_tokens == input_tokens:
+            return {"input_tokens": input_tokens}
+        return {"input_tokens": input_tokens, "context_management": {"original_input_tokens": original_input_tokens}}
 
     def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> AnthropicRenderer:
         return AnthropicRenderer(message_id, model)

@@ -7,6 +7,7 @@ inside the shell, in the manner of h11's ``READERS``/``WRITERS`` tables. Only
 
 from __future__ import annotations
 
+import contextvars
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -18,9 +19,11 @@ from ringserve.core.errors import RingserveError, invalid
 from ringserve.core.events import (
     ChatMessage,
     ContentBlock,
+    Effort,
     GenerationRequest,
     OutputFormat,
     OutputKind,
+    ReasoningConfig,
     SamplingParams,
     StopReason,
     ToolChoice,
@@ -30,6 +33,7 @@ from ringserve.core.events import (
 from ringserve.core.render import Renderer
 from ringserve.core.view import MessageView
 from ringserve.core.schema import check_repeats, check_schema, enforced_schemas
+from ringserve.core.signing import ReasoningSigner, SignedReasoning
 
 
 T = TypeVar("T")
@@ -97,6 +101,9 @@ class ParsedRequest:
             ``[store] keep_prompts`` is false.
         continues: the stored conversation the request continues, still to be put into
             ``request`` (:class:`Continuation`); None for a request whole as it is.
+        ignored: the paths of the fields accepted and ignored (:func:`read_request`).
+        signed: reasoning handed back with a signature, which :func:`read_request` puts into
+            ``request`` where it verifies.
     """
 
     request: GenerationRequest
@@ -108,6 +115,8 @@ class ParsedRequest:
     echo: str = ""
     echo_without_prompts: str = ""
     continues: Continuation | None = None
+    ignored: tuple[str, ...] = ()
+    signed: tuple[SignedReasoning, ...] = ()
 
 
 @attrs.frozen(eq=False)
@@ -130,6 +139,78 @@ class Continuation:
     previous_id: str
     history: Callable[[LoadStored, int], tuple[ChatMessage, ...]]
     apply: Callable[[tuple[ChatMessage, ...]], ParsedRequest]
+
+
+#: The response header that names the request fields accepted and ignored (:func:`read_request`).
+IGNORED_FIELDS_HEADER = "Ringserve-Ignored-Fields"
+#: The most characters of its value: past it the list ends with ``+N more``.
+MAX_IGNORED_FIELDS_CHARS = 1024
+
+_IGNORED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("ringserve_ignored_fields", default=None)
+
+
+def report_ignored(path: str) -> None:
+    """Note that the request field at ``path`` (``thinking.display``, ``messages[2].content[0]``)
+    was accepted and ignored, for the :func:`read_request` that runs this parse; outside one
+    it is only accepted."""
+    paths = _IGNORED.get()
+    if paths is not None:
+        paths.append(path)
+
+
+def read_request(parse: Callable[[Any], ParsedRequest], body: Any, signing_key: str) -> ParsedRequest:
+    """``parse(body)``, with the reasoning it was handed back restored where its signature
+    verifies under ``signing_key`` (``[server] signing_key``; "": none does) and the fields
+    accepted and ignored in ``ignored`` (each path once, in the order met:
+    :meth:`FieldTable.check` and :func:`report_ignored` note them, and each reasoning block
+    dropped is one).
+
+    The paths are collected in a context variable, so the parsers deep in a body need no extra
+    argument to report (a Trio task has its own context: parses in concurrent requests do not mix).
+    """
+    token = _IGNORED.set([])
+    try:
+        parsed = parse(body)
+        if parsed.signed:
+            parsed = _restore_reasoning(parsed, ReasoningSigner.from_text(signing_key) if signing_key else None)
+        paths = _IGNORED.get() or []
+    finally:
+        _IGNORED.reset(token)
+    return attrs.evolve(parsed, ignored=tuple(dict.fromkeys(paths)))
+
+
+def _restore_reasoning(parsed: ParsedRequest, signer: ReasoningSigner | None) -> ParsedRequest:
+    """``parsed`` with each verified :class:`SignedReasoning` appended to its turn's reasoning
+    (blocks of one turn joined by a blank line), the others reported and dropped."""
+    messages = list(parsed.request.messages)
+    for claim in parsed.signed:
+        text = None if signer is None else signer.restore(claim.text, claim.signature)
+        if text is None:
+            report_ignored(claim.where)
+            continue
+        turn = messages[claim.turn]
+        messages[claim.turn] = attrs.evolve(turn, reasoning=f"{turn.reasoning}\n\n{text}" if turn.reasoning else text)
+    return attrs.evolve(parsed, request=attrs.evolve(parsed.request, messages=tuple(messages)), signed=())
+
+
+def ignored_fields_header(paths: tuple[str, ...]) -> str:
+    """The value of :data:`IGNORED_FIELDS_HEADER`: the paths joined by ``", "``, at most
+    :data:`MAX_IGNORED_FIELDS_CHARS` characters; a longer list keeps its first paths and ends
+    with ``+N more``. A path is printable ASCII: other characters (a client's field name may hold
+    any) are written as Python escapes (``\\r``, ``\\u00e9``)."""
+    paths = tuple(p if p.isascii() and p.isprintable() else ascii(p)[1:-1] for p in paths)
+    joined = ", ".join(paths)
+    if len(joined) <= MAX_IGNORED_FIELDS_CHARS:
+        return joined
+    kept: list[str] = []
+    size = 0  # of ", ".join(kept) plus the ", " after it
+    for path in paths:
+        rest = f"+{len(paths) - len(kept) - 1} more"
+        if size + len(path) + 2 + len(rest) > MAX_IGNORED_FIELDS_CHARS:
+            break
+        kept.append(path)
+        size += len(path) + 2
+    return ", ".join([*kept, f"+{len(paths) - len(kept)} more"])
 
 
 #: ringserve's extension key, next to the stop reason of a cancelled message on both surfaces:
@@ -194,8 +275,9 @@ class Counting(Surface, Protocol):
         """A counting request's body, as the generation request whose prompt it counts."""
         ...
 
-    def count_json(self, input_tokens: int) -> dict[str, Any]:
-        """The counting route's answer."""
+    def count_json(self, input_tokens: int, original_input_tokens: int) -> dict[str, Any]:
+        """The counting route's answer: the prompt's tokens, and its tokens before its context
+        edits (equal when they cleared nothing)."""
         ...
 
 
@@ -204,7 +286,8 @@ class Counting(Surface, Protocol):
 
 @attrs.frozen
 class Refused:
-    """A request field that ringserve does not implement.
+    """A request field that a correct answer needs and ringserve cannot give (``n`` > 1, an MCP
+    server the server would have to call).
 
     A request that sets it gets a 400 naming it, never an answer that
     silently ignores it, unless its value is ``None`` or one of ``neutral``
@@ -233,11 +316,20 @@ class FieldTable:
     types.MessageCreateParams``, ``openai.types.chat.CompletionCreateParams``),
     which docs/compatibility.md's tables follow (tests/test_docs.py checks).
 
+    The policy (issue 33: a field a real client sends must never fail its request): honour
+    what can be honoured (``supported``); accept what cannot change the substance of the answer
+    (``ignored``: caching hints, client bookkeeping, hosted tools the model cannot call), and
+    report it (:func:`report_ignored`: the ``Ringserve-Ignored-Fields`` response header and a
+    debug log line); refuse with a 400 only where a correct answer needs the field and
+    ringserve cannot give it (``refused``). A field in no list (a newer API's, or what an SDK
+    helper adds, such as the OpenAI Node SDK's ``parsed``) is accepted and reported too.
+
     Attributes:
         supported: fields that the parser reads.
-        ignored: fields accepted and ignored because they cannot change the
+        ignored: fields accepted and reported, because they cannot change the
             answer (``metadata``, ``user``, ...).
-        refused: fields not implemented: a 400 unless their value is neutral.
+        refused: fields a correct answer needs that ringserve cannot give: a 400 unless their
+            value is neutral.
     """
 
     supported: frozenset[str]
@@ -257,7 +349,9 @@ class FieldTable:
         return value
 
     def check(self, obj: dict[str, Any], where: str = "", param: str | None = None) -> None:
-        """Refuse the fields of ``obj`` that ringserve does not implement.
+        """Refuse the fields of ``obj`` that a correct answer needs and ringserve cannot give;
+        report those it accepts and ignores (:func:`report_ignored`: an ``ignored`` field that is
+        not null, and a field in no list).
 
         Args:
             obj: the JSON object (a request body or one of its messages).
@@ -267,18 +361,17 @@ class FieldTable:
 
         Raises:
             RingserveError: ``INVALID_REQUEST`` (400) naming the first refused
-                field with a non-neutral value, or the first field that is in
-                no list (the Anthropic and OpenAI APIs refuse unknown fields
-                too).
+                field with a non-neutral value.
         """
         for key, value in obj.items():
-            if key in self.supported or key in self.ignored:
+            if key in self.supported:
                 continue
             path = f"{where}.{key}" if where else key
             rule = self.refused.get(key)
             if rule is None:
-                raise invalid(f"{path}: unknown field", param=param or key)
-            if not rule.allows(value):
+                if value is not None:
+                    report_ignored(path)
+            elif not rule.allows(value):
                 raise invalid(f"{path}: not supported by ringserve ({rule.why})", param=param or key)
 
 
@@ -406,6 +499,26 @@ def text_content(
             raise invalid(f"{where}: must not be an empty list", param=param)
         return "".join(text_block(block, f"{where}[{i}]", param, block_fields) for i, block in enumerate(value))
     raise invalid(f"{where}: must be a string or a list of text blocks", param=param)
+
+
+#: OpenAI's ``reasoning_effort`` (Chat Completions) and ``reasoning.effort`` (Responses) values
+#: (``openai.types.shared.ReasoningEffort``): ``none`` turns thinking off, the others are efforts.
+OPENAI_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def reasoning_effort(value: Any, key: str) -> ReasoningConfig:
+    """OpenAI's reasoning effort at ``key`` as the request's reasoning controls: ``none`` is
+    thinking off, another value the effort (thinking as the model's default); absent or null is
+    the default. A model that does not reason answers as without it.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` naming ``key`` for a value not in :data:`OPENAI_EFFORTS`.
+    """
+    if value is None:
+        return ReasoningConfig()
+    if value not in OPENAI_EFFORTS:
+        raise invalid(f"{key}: must be one of {', '.join(OPENAI_EFFORTS)}", param=key.split(".")[0])
+    return ReasoningConfig(enabled=False) if value == "none" else ReasoningConfig(effort=Effort(value))
 
 
 # -- tools and structured output, the same rules on both surfaces -----------------------------

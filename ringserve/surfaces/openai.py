@@ -54,6 +54,7 @@ from ringserve.surfaces.base import (
     function_spec,
     schema_format,
     openai_tool_choice,
+    reasoning_effort,
     require_function,
     tool_list,
     tool_name,
@@ -106,6 +107,7 @@ REQUEST_FIELDS = FieldTable(
     supported=frozenset({
         "model", "messages", "max_completion_tokens", "max_tokens", "temperature", "top_p", "stop", "seed",
         "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+        "reasoning_effort",
         # extensions, as llama.cpp's server accepts them
         "top_k", "min_p", "chat_template_kwargs",
     }),
@@ -115,6 +117,8 @@ REQUEST_FIELDS = FieldTable(
         "prompt_cache_options", "prompt_cache_retention",
         # a latency hint: the answer stays the model's own
         "prediction",
+        # a style hint to the model, a hosted tool it cannot call here, a check of OpenAI's own
+        "verbosity", "web_search_options", "moderation",
     }),
     refused={
         "functions": Refused(_FUNCTIONS, neutral=([],)),
@@ -127,10 +131,6 @@ REQUEST_FIELDS = FieldTable(
         "logit_bias": Refused("logit bias is not implemented", neutral=({},)),
         "audio": Refused("audio output is not implemented"),
         "modalities": Refused("only text output", neutral=(["text"],)),
-        "reasoning_effort": Refused("the model does not reason", neutral=("none",)),
-        "verbosity": Refused("verbosity is not implemented"),
-        "web_search_options": Refused("web search is not implemented"),
-        "moderation": Refused("moderation models are not implemented; see [safety] in docs/safety.md"),
     },
 )
 
@@ -391,13 +391,13 @@ class OpenAISurface:
         deprecated spelling), ``temperature`` (0–2), ``top_p``, ``stop``
         (a non-empty string or a list of them), ``seed``, ``stream``,
         ``stream_options`` (only with ``stream: true``, as the SDK documents;
-        :data:`STREAM_OPTIONS_FIELDS`); and, as llama.cpp's
-        server does, ``top_k``, ``min_p`` and ``chat_template_kwargs``
-        (variables of the model's chat template). Bookkeeping fields (``user``,
-        ``metadata``, ``store``, ...) are accepted and ignored; fields that
-        would change the answer and are not implemented (``functions``,
-        custom tools, ``logprobs``, ``n`` > 1, image parts, ...) and
-        unknown fields are refused.
+        :data:`STREAM_OPTIONS_FIELDS`), ``reasoning_effort`` (the reasoning controls: ``none`` is
+        thinking off); and, as llama.cpp's server does, ``top_k``, ``min_p`` and
+        ``chat_template_kwargs`` (variables of the model's chat template). Bookkeeping fields
+        (``user``, ``metadata``, ``store``, ...) and unknown fields (the Node SDK's ``parsed``) are
+        accepted and reported (``surfaces/base.py`` ``report_ignored``); fields that a correct
+        answer needs and ringserve cannot give (``functions``, custom tools, ``logprobs``, ``n`` >
+        1, image parts, ...) are refused.
 
         Raises:
             RingserveError: ``INVALID_REQUEST`` naming the offending field.
@@ -440,6 +440,7 @@ class OpenAISurface:
             tools=tools,
             tool_choice=choice,
             output=_response_format(body.get("response_format")),
+            reasoning=reasoning_effort(body.get("reasoning_effort"), "reasoning_effort"),
             template_kwargs=template_kwargs(body),
         )
         check_enforced(request, "tools[{i}].function.parameters", "response_format.json_schema.schema")

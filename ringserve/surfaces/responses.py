@@ -111,19 +111,20 @@ REQUEST_FIELDS = FieldTable(
         # bookkeeping, caching and routing that cannot change the text
         "user", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_options",
         "prompt_cache_retention", "access_programs",
+        # reasoning controls and the extra output they ask for: ringserve's models do not reason
+        # here yet, so there is nothing to control or include (Codex sends both on every turn)
+        "reasoning", "include",
+        # a check of OpenAI's own, and options of a hosted image tool the model cannot call
+        "moderation", "image",
     }),
     refused={
         "max_tool_calls": Refused("a limit on the number of tool calls is not implemented"),
-        "include": Refused("no additional output data (logprobs, encrypted reasoning) is produced", neutral=([],)),
         "top_logprobs": Refused("log probabilities are not implemented", neutral=(0,)),
-        "reasoning": Refused("the model does not reason", neutral=({},)),
         "truncation": Refused("the input is never truncated: a conversation that does not fit is a 400",
                               neutral=("disabled",)),
         "conversation": Refused("the Conversations API is not implemented; use previous_response_id"),
         "context_management": Refused("context compaction is not implemented", neutral=([],)),
         "prompt": Refused("stored prompt templates are not implemented"),
-        "image": Refused("image options are not implemented"),
-        "moderation": Refused("moderation models are not implemented; see [safety] in docs/safety.md"),
         "background_options": Refused("completion windows are not implemented",
                                       neutral=({}, {"completion_window": "soonest"})),
     },
@@ -132,8 +133,9 @@ REQUEST_FIELDS = FieldTable(
 #: The fields of ``text`` (``ResponseTextConfigParam``).
 TEXT_FIELDS = FieldTable(
     supported=frozenset({"format"}),
-    ignored=frozenset(),
-    refused={"verbosity": Refused("verbosity is not implemented")},
+    # a style hint to the model
+    ignored=frozenset({"verbosity"}),
+    refused={},
 )
 
 #: The fields of ``text.format`` (``ResponseFormatTextConfigParam``: ``ResponseFormatText``,
@@ -981,8 +983,9 @@ class ResponsesSurface:
         """A ``POST /v1/responses/input_tokens`` body (:func:`parse_count`, then :func:`parsed_request`)."""
         return parsed_request(parse_count(body), body)
 
-    def count_json(self, input_tokens: int) -> dict[str, Any]:
-        """The ``POST /v1/responses/input_tokens`` answer (``openai.types.responses.InputTokenCountResponse``)."""
+    def count_json(self, input_tokens: int, original_input_tokens: int) -> dict[str, Any]:
+        """The ``POST /v1/responses/input_tokens`` answer (``openai.types.responses.InputTokenCountResponse``;
+        no context edits here)."""
         return {"object": "response.input_tokens", "input_tokens": input_tokens}
 
     def deleted_json(self, response_id: str) -> dict[str, Any]:

@@ -480,7 +480,6 @@ BAD_CREATE = [
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "metadata": {"k": 1}}, "metadata"),
     ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options"),
-    ({"input": "x", "no_such_field": 1}, "no_such_field"),
 ]
 
 
@@ -520,6 +519,10 @@ async def test_neutral_values_of_refused_fields_are_accepted(fake_server):
     _state, client = fake_server
     body = {"model": "any", "input": "hi", "tools": [], "tool_choice": "auto", "text": {"format": {"type": "text"}},
             "truncation": "disabled", "include": [], "user": "u", "parallel_tool_calls": True}
+    assert check_object(await client.post("/v1/responses", json=body))["status"] == "completed"
+    # and unknown fields, and those that cannot change the answer (issue 33: accepted, not refused)
+    body |= {"no_such_field": 1, "include": ["reasoning.encrypted_content"], "reasoning": {"summary": "auto"},
+             "text": {"format": {"type": "text"}, "verbosity": "low"}}
     assert check_object(await client.post("/v1/responses", json=body))["status"] == "completed"
 
 

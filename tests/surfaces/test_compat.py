@@ -14,6 +14,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from ringserve.surfaces import anthropic as anthropic_surface
 from ringserve.surfaces import openai as openai_surface
+from ringserve.surfaces.base import MAX_IGNORED_FIELDS_CHARS, ignored_fields_header
 from tests.support.server import fake_config, running_server
 from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY, anthropic_text, openai_text, sse_events
 
@@ -79,6 +80,20 @@ def test_every_sdk_tool_field_is_decided():
         (O.TOOL_FIELDS, o.ChatCompletionNamedToolChoiceParam),
         (O.RESPONSE_FORMAT_FIELDS, sp.ResponseFormatJSONSchema), (O.JSON_SCHEMA_FIELDS, JSONSchema),
     ]
+    pairs += [
+        (A.THINKING_BLOCK_FIELDS, a.ThinkingBlockParam), (A.THINKING_BLOCK_FIELDS, b.BetaThinkingBlockParam),
+        (A.REDACTED_THINKING_FIELDS, a.RedactedThinkingBlockParam),
+        (A.REDACTED_THINKING_FIELDS, b.BetaRedactedThinkingBlockParam),
+        (A.TOOL_REFERENCE_FIELDS, b.BetaToolReferenceBlockParam),
+        (A.CONTEXT_MANAGEMENT_FIELDS, b.BetaContextManagementConfigParam),
+        (A.CLEAR_THINKING_FIELDS, b.BetaClearThinking20251015EditParam),
+        (A.CLEAR_TOOL_USES_FIELDS, b.BetaClearToolUses20250919EditParam),
+        (A.THRESHOLD_FIELDS, b.BetaInputTokensTriggerParam), (A.THRESHOLD_FIELDS, b.BetaToolUsesTriggerParam),
+        (A.THRESHOLD_FIELDS, b.BetaToolUsesKeepParam), (A.THRESHOLD_FIELDS, b.BetaThinkingTurnsParam),
+        (A.THRESHOLD_FIELDS, b.BetaInputTokensClearAtLeastParam),
+    ]
+    pairs += [(A.THINKING_FIELDS, td) for td in a.ThinkingConfigParam.__args__]
+    pairs += [(A.THINKING_FIELDS, td) for td in b.BetaThinkingConfigParam.__args__]
     pairs += [(A.TOOL_CHOICE_FIELDS, td) for td in a.ToolChoiceParam.__args__]
     pairs += [(A.TOOL_CHOICE_FIELDS, td) for td in b.BetaToolChoiceParam.__args__]
     for table, td in pairs:
@@ -89,22 +104,18 @@ def test_every_sdk_tool_field_is_decided():
 
 ANTHROPIC_REFUSED = [
     ("tools", [{"type": "web_search_20250305", "name": "web_search"}]),  # a server tool
-    ("tools", [{"name": "f", "input_schema": {"type": "object"}, "input_examples": [{}]}]),
-    ("thinking", {"type": "enabled", "budget_tokens": 1024}),
-    ("thinking", {"type": "adaptive"}),
-    ("output_config", {"effort": "high"}),
-    ("output_format", {"type": "json_schema", "schema": {"type": "object"}}),
+    ("tools", [{"name": "f", "input_schema": {"type": "object"}, "allowed_callers": ["code_execution_20250825"]}]),
     ("mcp_servers", [{"type": "url", "url": "https://example.com", "name": "x"}]),
-    ("context_management", {"edits": []}),
     ("compaction", {}),
     ("thread", {"type": "create"}),
-    ("logprobs", True),  # not an Anthropic field at all: unknown fields are refused too
+    ("context_management", {"edits": [{"type": "compact_20260112"}]}),  # compaction, as an edit
+    ("thinking", {"type": "enabled"}),  # without its budget_tokens
+    ("output_config", {"effort": "extreme"}),
 ]
 
 ANTHROPIC_BLOCKS = [
     ("user", {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}),
     ("user", {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "a doc"}}),
-    ("assistant", {"type": "thinking", "thinking": "hm", "signature": "s"}),
 ]
 
 
@@ -151,7 +162,6 @@ OPENAI_REFUSED = [
     ("tool_choice", {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}),
     ("functions", [{"name": "f"}]),
     ("function_call", {"name": "f"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "foo": 1}}),
     ("logprobs", True),
     ("top_logprobs", 3),
     ("n", 2),
@@ -161,12 +171,7 @@ OPENAI_REFUSED = [
     ("logit_bias", {"50256": -100}),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
-    ("reasoning_effort", "high"),
-    ("verbosity", "low"),
-    ("web_search_options", {}),
-    ("moderation", {"model": "omni-moderation-latest"}),
-    ("thinking", {"type": "enabled"}),  # not an OpenAI field: unknown
-    ("grammar", "root ::= \"a\""),  # llama.cpp's, not implemented here: unknown
+    ("reasoning_effort", "extreme"),
 ]
 
 
@@ -190,7 +195,6 @@ async def test_openai_refused_field_is_400_naming_it(fake_server, field, value, 
         {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
         {"role": "tool", "tool_call_id": "c1", "content": "42"},  # no earlier call c1
         {"role": "function", "name": "f", "content": "42"},
-        {"role": "user", "content": "hi", "cache_control": {"type": "ephemeral"}},  # unknown
     ],
 )
 async def test_openai_unsupported_message_parts_are_400(fake_server, message):
@@ -251,6 +255,76 @@ async def test_openai_harmless_fields_and_neutral_values_are_accepted(fake_serve
     assert resp.status_code == 200, resp.text
 
 
+# -- accepted and reported: the Ringserve-Ignored-Fields header (issue 33) --------------------
+
+ANTHROPIC_IGNORED = {
+    "metadata": {"user_id": "u-1"},
+    "cache_control": {"type": "ephemeral"},
+    "thinking": {"type": "adaptive", "display": "omitted"},  # display: no reply shows thinking yet
+    "logprobs": True,  # not an Anthropic field at all
+}
+ANTHROPIC_IGNORED_MESSAGES = [
+    {"role": "user", "content": [{"type": "text", "text": "echo:same answer", "cache_control": {"type": "ephemeral"},
+                                  "foo": 1}]},
+]
+ANTHROPIC_IGNORED_PATHS = ("metadata, cache_control, logprobs, messages[0].content[0].cache_control,"
+                           " messages[0].content[0].foo, thinking.display")
+
+
+@pytest.mark.parametrize("shape", ["json", "stream", "202"])
+async def test_anthropic_ignored_fields_are_named_in_a_header_on_every_answer(fake_server, shape):
+    _state, client = fake_server
+    body = {**ANTHROPIC_BODY, **ANTHROPIC_IGNORED, "messages": ANTHROPIC_IGNORED_MESSAGES, "stream": shape == "stream"}
+    headers = {"Prefer": "respond-async"} if shape == "202" else {}
+    if shape == "stream":
+        resp, events, _raw = await sse_events(client, "POST", "/v1/messages", json=body)
+        assert anthropic_text(events) == "same answer"
+    else:
+        resp = await client.post("/v1/messages", json=body, headers=headers)
+        assert resp.status_code == (202 if shape == "202" else 200), resp.text
+    assert resp.headers["ringserve-ignored-fields"] == ANTHROPIC_IGNORED_PATHS
+    plain = await client.post("/v1/messages", json={**ANTHROPIC_BODY, "messages": ECHO})
+    assert "ringserve-ignored-fields" not in plain.headers
+
+
+async def test_openai_ignored_fields_are_named_in_a_header(fake_server):
+    """The Node SDK's ``parsed`` and ``parsed_arguments`` (its stream helpers add them) and fields
+    that cannot change the answer: accepted, the same answer, named."""
+    _state, client = fake_server
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}", "parsed_arguments": {}}}
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [call], "parsed": None},
+                {"role": "tool", "tool_call_id": "c1", "content": "42"},
+                {"role": "assistant", "content": "ok", "parsed": {"a": 1}, "cache_control": {"type": "ephemeral"}},
+                *ECHO]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    extra = {"verbosity": "low", "web_search_options": {}, "user": "u", "grammar": "root ::= x"}
+    resp = await client.post("/v1/chat/completions", json={**OPENAI_BODY, **extra, "messages": messages, "tools": tools})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == "same answer"
+    assert resp.headers["ringserve-ignored-fields"] == (
+        "verbosity, web_search_options, user, grammar, messages[1].tool_calls[0].function.parsed_arguments,"
+        " messages[3].parsed, messages[3].cache_control")
+
+
+async def test_count_tokens_names_its_ignored_fields(fake_server):
+    _state, client = fake_server
+    body = {"model": "m", "messages": ECHO, "max_tokens": 10, "stream": True, "metadata": {"user_id": "u"}}
+    resp = await client.post("/v1/messages/count_tokens", json=body)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["ringserve-ignored-fields"] == "max_tokens, stream, metadata"
+
+
+def test_the_ignored_fields_header_is_bounded_and_printable():
+    paths = tuple(f"messages[{i}].content[0].cache_control" for i in range(200))
+    value = ignored_fields_header(paths)
+    assert len(value) <= MAX_IGNORED_FIELDS_CHARS
+    kept = value.split(", ")
+    assert kept[:-1] == list(paths[: len(kept) - 1]) and kept[-1] == f"+{200 - len(kept) + 1} more"
+    assert ignored_fields_header(("a\r\nb", "é")) == "a\\r\\nb, \\xe9"
+    assert ignored_fields_header(("x" * 5000, "y")) == "+2 more"
+
+
 # -- the fields of content blocks, stream_options, and the shapes both APIs refuse -------------
 
 
@@ -271,9 +345,6 @@ def test_every_sdk_block_and_stream_options_field_is_decided():
 @pytest.mark.parametrize(
     ("change", "name"),
     [
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "foo": 1}]}]},
-         "messages[0].content[0].foo"),
-        ({"system": [{"type": "text", "text": "hi", "foo": 1}]}, "system[0].foo"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "citations": [{"type": "x"}]}]}]},
          "messages[0].content[0].citations"),
         ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
@@ -300,9 +371,6 @@ async def test_anthropic_neutral_citations_are_accepted(fake_server):
 @pytest.mark.parametrize(
     ("change", "name", "param"),
     [
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "foo": 1}]}]},
-         "messages[0].content[0].foo", "messages[0].content"),
-        ({"stream": True, "stream_options": {"foo": 1}}, "stream_options.foo", "stream_options"),
         ({"stream_options": {"include_usage": True}}, "only allowed when stream is true", "stream_options"),
         ({"stream": False, "stream_options": {}}, "only allowed when stream is true", "stream_options"),
         ({"stop": ""}, "stop", "stop"),
