@@ -645,9 +645,28 @@ def _caps_tool_turns(arguments: Json, calls: int) -> Json:
     ]
 
 
+_ProbeRender = Callable[..., tuple[bool, str, Json]]
+
+
 def _probe_caps(source: str) -> TemplateCaps:
     """The template's capabilities, found as ``jinja::caps_get`` (``common/jinja/caps.cpp``)
     finds them: from what it reads of canned requests."""
+    return _caps(_prober(source))
+
+
+def _probe_system_anywhere(source: str) -> bool:
+    """Whether the template renders a system turn between two user turns where it stands (not
+    dropped, not refused): ringserve's own probe (llama.cpp passes such a turn to the template
+    as it is), for the mid-conversation system turns Claude Code sends on every turn."""
+    ok, text, _ = _prober(source)([{"role": "user", "content": "FIRST_USER_MARKER"},
+                                   {"role": "system", "content": "MIDDLE_SYSTEM_MARKER"},
+                                   {"role": "user", "content": "LAST_USER_MARKER"}])
+    return ok and 0 <= text.find("FIRST_USER_MARKER") < text.find("MIDDLE_SYSTEM_MARKER") < text.find("LAST_USER_MARKER")
+
+
+def _prober(source: str) -> _ProbeRender:
+    """``run(messages, tools, **extra) -> (ok, text, context)``: the template rendered on
+    probe values that record what it reads."""
     template = _ProbeEnvironment().from_string(source)
 
     def run(messages: Json, tools: Json = (), **extra: Json) -> tuple[bool, str, Json]:
@@ -667,6 +686,12 @@ def _probe_caps(source: str) -> TemplateCaps:
             return True, template.render(context), context
         except Exception:
             return False, "", context
+
+    return run
+
+
+def _caps(run: _ProbeRender) -> TemplateCaps:
+    """:func:`_probe_caps`, with the template's probe ``run``."""
 
     def uses(value: Json) -> _Uses:
         return cast(_Probe, value).uses
@@ -981,6 +1006,9 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise TemplateLoadError(f"the chat template does not compile: line {e.lineno}: {e.message}") from e
         self.caps = _probe_caps(self.source)
+        #: Whether a system turn in the middle of a conversation renders where it stands; if not,
+        #: :meth:`render` folds it into a turn (:func:`_fold_system_turns`).
+        self.system_anywhere = _probe_system_anywhere(self.source)
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.strip_bos = strip_bos
@@ -1164,6 +1192,8 @@ class ChatTemplate:
         """The messages as this template takes them: llama-server's caps-driven fixes
         (``common_chat_templates_apply_jinja``), then its family's."""
         caps = self.caps
+        if not self.system_anywhere:
+            messages = _fold_system_turns(messages)
         if caps.supports_typed_content and not caps.supports_string_content:
             messages = [m | {"content": [{"type": "text", "text": m["content"]}]} for m in messages]
         if not caps.supports_system_role and messages and messages[0]["role"] == "system":
@@ -1187,6 +1217,32 @@ class ChatTemplate:
                 return messages
             case unreachable:
                 assert_never(unreachable)
+
+
+def _fold_system_turns(messages: list[Json]) -> list[Json]:
+    """The system turns after the first message folded into the turn before them when that is a
+    user or tool turn (its text, a blank line, theirs), else into the next user turn (theirs
+    first), else made a user turn where they stand: for templates that cannot render a system
+    turn in the middle. Folded into the turn before, as Claude Code's are (after its prompt and
+    after tool results), a turn renders the same whatever follows it, so the prompt of one
+    request stays a prefix of the next one's and the prefix cache hits."""
+    out: list[Json] = []
+    pending: list[Json] = []  # system turns after an assistant turn, for the next user turn
+    for i, m in enumerate(messages):
+        if m["role"] == "system" and i > 0:
+            if out and out[-1]["role"] in ("user", "tool") and not pending:
+                out[-1] = out[-1] | {"content": f"{_text(out[-1]['content'])}\n\n{_text(m['content'])}"}
+            else:
+                pending.append(m)
+            continue
+        if pending and m["role"] == "user":
+            m = m | {"content": "\n\n".join([*(_text(p["content"]) for p in pending), _text(m["content"])])}
+            pending = []
+        elif pending:
+            out += [{"role": "user", "content": _text(p["content"])} for p in pending]
+            pending = []
+        out.append(m)
+    return out + [{"role": "user", "content": _text(p["content"])} for p in pending]
 
 
 def _joined(system: Json, content: Json) -> Json:

@@ -168,6 +168,41 @@ def test_system_folded_into_the_next_turn_without_a_system_role() -> None:
     assert render(source, messages[:1]) == ""
 
 
+#: A template that takes a system turn only first (as several do: "System message must be at the beginning").
+SYSTEM_FIRST = (
+    "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must be at the beginning') }}{% endif %}"
+    "<{{ m.role }}>{{ m.content }}{% endfor %}"
+)
+
+
+def test_a_system_turn_in_the_middle_stays_where_it_stands_where_the_template_renders_it() -> None:
+    assert ChatTemplate(CHATML).system_anywhere
+    messages = [ChatMessage("user", "Hi"), ChatMessage("system", "Now be brief."), ChatMessage("user", "Go")]
+    assert render(CHATML, messages, add_generation_prompt=False) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>system\nNow be brief.<|im_end|>\n<|im_start|>user\nGo<|im_end|>\n"
+    )
+
+
+def test_a_system_turn_in_the_middle_is_folded_where_the_template_refuses_it() -> None:
+    assert not ChatTemplate(SYSTEM_FIRST).system_anywhere
+    assert ChatTemplate(SYSTEM_FIRST).caps.supports_system_role  # the first one is its system turn
+    call = (ToolCall("c1", "f", "{}"),)
+    # Claude Code's turns: its prompt, a system turn, a call and its result, another system turn
+    turns = [ChatMessage("system", "S"), ChatMessage("user", "Hi"), ChatMessage("system", "env"),
+             ChatMessage("assistant", "", tool_calls=call), ChatMessage("tool", "42", tool_call_id="c1"),
+             ChatMessage("system", "later")]
+    rendered = [render(SYSTEM_FIRST, turns[:n], add_generation_prompt=False) for n in (3, 6)]
+    assert rendered[0] == "<system>S<user>Hi\n\nenv"
+    assert rendered[1] == "<system>S<user>Hi\n\nenv<assistant><tool>42\n\nlater"
+    assert rendered[1].startswith(rendered[0])  # the prompt of a turn stays a prefix of the next one's
+    # after an assistant turn: into the next user turn, or a user turn where it stands
+    after = [ChatMessage("user", "Hi"), ChatMessage("assistant", "Yo"), ChatMessage("system", "mind the tone")]
+    assert render(SYSTEM_FIRST, [*after, ChatMessage("user", "Go")], add_generation_prompt=False) == (
+        "<user>Hi<assistant>Yo<user>mind the tone\n\nGo")
+    assert render(SYSTEM_FIRST, after, add_generation_prompt=False) == "<user>Hi<assistant>Yo<user>mind the tone"
+
+
 def test_a_refusal_says_why() -> None:
     source = "{% if messages[0].role != 'user' %}{{ raise_exception('Roles must alternate, got ' + messages[0].role) }}{% endif %}"
     with pytest.raises(TemplateRenderError) as refused:
