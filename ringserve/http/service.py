@@ -23,8 +23,9 @@ def _served_model() -> ModelInfo:
 
 @answering_errors
 async def models() -> Response:
-    """``GET /v1/models``: the one served model."""
-    return json_response(ringserve_json.models_json(_served_model()))
+    """``GET /v1/models``: the one served model, in the shape of the SDK that asks (Anthropic's
+    for a request with ``anthropic-version``, else OpenAI's)."""
+    return json_response(ringserve_json.models_json(_served_model(), context.request_surface().name))
 
 
 @answering_errors
@@ -33,7 +34,7 @@ async def model(model_id: str) -> Response:
     served = _served_model()
     if model_id != served.id and context.state().config.model.strict_model_name:
         raise RingserveError(ErrorKind.NOT_FOUND, f"no model {model_id[:100]!r}")
-    return json_response(ringserve_json.model_json(served))
+    return json_response(ringserve_json.model_json(served, context.request_surface().name))
 
 
 async def playground() -> Response:

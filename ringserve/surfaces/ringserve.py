@@ -2,9 +2,9 @@
 
 These are the JSON bodies that belong to no SDK's surface (``GET
 /v1/messages/{id}``, ``POST .../stream_token``, ``Prefer: respond-async``,
-``/health``, ``/ready``), and ``/v1/models``, whose one shape both SDKs read
-(OpenAI ``Model``/``SyncPage``, Anthropic ``ModelInfo``/``SyncPage``: the
-union of their keys). docs/api.md documents them. Values come
+``/health``, ``/ready``), and ``/v1/models``, in the shape of the SDK that asks
+(Anthropic ``ModelInfo``/``SyncPage`` for a request with ``anthropic-version``, else
+OpenAI ``Model``/``SyncPage``). docs/api.md documents them. Values come
 in as plain values; this module only spells them.
 """
 
@@ -94,29 +94,56 @@ class ModelInfo:
     context_window: int
 
 
-def model_json(model: ModelInfo) -> dict[str, Any]:
-    """The served model in a shape both SDKs read (OpenAI ``Model``, Anthropic ``ModelInfo``).
+def _openai_model(model: ModelInfo) -> dict[str, Any]:
+    """OpenAI's ``Model``, with the context window as ``max_input_tokens`` (Anthropic's name for
+    it, "Maximum input context window size in tokens", ``anthropic/types/model_info.py``), an
+    extra field of OpenAI's type, which ``ringserve launch`` reads."""
+    return {"id": model.id, "object": "model", "created": int(model.started), "owned_by": "ringserve",
+            "max_input_tokens": model.context_window}
 
-    ``max_input_tokens`` is the context window, under the name of Anthropic's ``ModelInfo``
-    ("Maximum input context window size in tokens", ``anthropic/types/model_info.py``); OpenAI's
-    ``Model`` keeps it as an extra field. ``ringserve launch`` reads it.
-    """
+
+def _anthropic_model(model: ModelInfo) -> dict[str, Any]:
+    """Anthropic's ``ModelInfo`` (anthropic 2.16: ``lifecycle`` is required); the context window
+    bounds the prompt (``max_input_tokens``) and the reply (``max_tokens``)."""
     return {
-        "id": model.id,
-        "object": "model",
         "type": "model",
-        "created": int(model.started),
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(model.started)),
+        "id": model.id,
         "display_name": model.id,
-        "owned_by": "ringserve",
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(model.started)),
+        "lifecycle": "active",
         "max_input_tokens": model.context_window,
+        "max_tokens": model.context_window,
     }
 
 
-def models_json(model: ModelInfo) -> dict[str, Any]:
-    """``GET /v1/models``: a one-model page in the shape of both SDKs' ``SyncPage``."""
-    return {"object": "list", "data": [model_json(model)], "has_more": False,
-            "first_id": model.id, "last_id": model.id}
+def _anthropic_page(model: ModelInfo) -> dict[str, Any]:
+    """Anthropic's ``SyncPage[ModelInfo]``."""
+    return {"data": [_anthropic_model(model)], "has_more": False, "first_id": model.id, "last_id": model.id}
+
+
+def _openai_page(model: ModelInfo) -> dict[str, Any]:
+    """OpenAI's ``SyncPage[Model]``."""
+    return {"object": "list", "data": [_openai_model(model)]}
+
+
+#: The surface whose request it is (``Surfaces.for_request``: Anthropic's by its
+#: ``anthropic-version`` header) → the shapes of the served model and of the models page its SDK reads.
+_MODEL_SHAPES = {
+    "anthropic": (_anthropic_model, _anthropic_page),
+    "openai": (_openai_model, _openai_page),
+    "responses": (_openai_model, _openai_page),
+}
+
+
+def model_json(model: ModelInfo, surface: str) -> dict[str, Any]:
+    """``GET /v1/models/{id}``: the served model as the SDK of ``surface`` (its name) reads it."""
+    return _MODEL_SHAPES[surface][0](model)
+
+
+def models_json(model: ModelInfo, surface: str) -> dict[str, Any]:
+    """``GET /v1/models``: a one-model page as the SDK of ``surface`` reads it: Anthropic's
+    (``data``, ``has_more``, ``first_id``, ``last_id``) or OpenAI's (``object: "list"``, ``data``)."""
+    return _MODEL_SHAPES[surface][1](model)
 
 
 def health_json(health: Health, model_id: str | None) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import pytest
 import trio
@@ -271,10 +272,21 @@ async def test_unknown_route_is_json_404(fake_server):
     assert resp.json()["error"]["type"] == "invalid_request_error"  # OpenAI's shape elsewhere in /v1
 
 
-async def test_model_retrieve_works_with_both_sdk_shapes(fake_server):
+async def test_models_answer_in_the_shape_of_the_sdk_that_asks(fake_server):
+    """Anthropic's SDK (it sends ``anthropic-version``) gets its list and ``ModelInfo``; any other
+    client OpenAI's (``ringserve launch`` reads ``max_input_tokens`` there)."""
     state, client = fake_server
     one = (await client.get(f"/v1/models/{state.model_id}")).json()
-    assert one["id"] == state.model_id and one["object"] == "model" and one["type"] == "model"
+    assert one["id"] == state.model_id and one["object"] == "model" and "type" not in one
+    version = {"anthropic-version": "2023-06-01"}
+    one = (await client.get(f"/v1/models/{state.model_id}", headers=version)).json()
+    assert one["id"] == state.model_id and one["type"] == "model" and one["lifecycle"] == "active"
+    page = (await client.get("/v1/models", headers=version)).json()
+    assert page == {"data": [one], "has_more": False, "first_id": state.model_id, "last_id": state.model_id}
+    sdk = anthropic.AsyncAnthropic(base_url=state.urls[0], api_key="unused")
+    listed = [m async for m in sdk.models.list()]
+    assert [(m.id, m.max_input_tokens) for m in listed] == [(state.model_id, 4096)]
+    assert (await sdk.models.retrieve(state.model_id)).display_name == state.model_id
     resp = await client.get("/v1/embeddings")
     assert resp.status_code == 404 and set(resp.json()["error"]) == {"message", "type", "param", "code"}
 

@@ -3,7 +3,11 @@ the health values (core/health.py), driven by plain values."""
 
 from __future__ import annotations
 
+import json
+
+import anthropic
 import attrs
+import openai
 import pytest
 
 from ringserve.core.view import MessageView
@@ -107,14 +111,22 @@ def test_the_202_body_and_the_stream_token_body() -> None:
         "id": "msg_1", "status": "queued", "url": "/v1/messages/msg_1", **link}
 
 
-def test_models_in_the_shape_both_sdks_read() -> None:
+def test_models_in_the_shape_of_the_sdk_that_asks() -> None:
     model = wire.ModelInfo("tiny", 86400.5, 4096)
-    one = wire.model_json(model)
-    assert one == {"id": "tiny", "object": "model", "type": "model", "created": 86400,
-                   "created_at": "1970-01-02T00:00:00Z", "display_name": "tiny", "owned_by": "ringserve",
-                   "max_input_tokens": 4096}
-    assert wire.models_json(model) == {"object": "list", "data": [one], "has_more": False,
-                                       "first_id": "tiny", "last_id": "tiny"}
+    anthropic_one = {"type": "model", "id": "tiny", "display_name": "tiny", "created_at": "1970-01-02T00:00:00Z",
+                     "lifecycle": "active", "max_input_tokens": 4096, "max_tokens": 4096}
+    assert wire.model_json(model, "anthropic") == anthropic_one
+    assert wire.models_json(model, "anthropic") == {"data": [anthropic_one], "has_more": False,
+                                                    "first_id": "tiny", "last_id": "tiny"}
+    openai_one = {"id": "tiny", "object": "model", "created": 86400, "owned_by": "ringserve", "max_input_tokens": 4096}
+    for surface in ("openai", "responses"):
+        assert wire.model_json(model, surface) == openai_one
+        assert wire.models_json(model, surface) == {"object": "list", "data": [openai_one]}
+    # the SDKs' own types read them, strictly
+    anthropic.types.ModelInfo.model_validate_json(json.dumps(anthropic_one), strict=True)
+    anthropic.types.beta.BetaModelInfo.model_validate_json(json.dumps(anthropic_one), strict=True)
+    openai.types.Model.model_validate_json(json.dumps(openai_one), strict=True)
+    assert {s.name for s in SURFACES.surfaces} == set(wire._MODEL_SHAPES)
 
 
 def test_health_and_readiness() -> None:
