@@ -106,6 +106,9 @@ __all__ = ["Generation", "Prepared", "Runner", "RunnerStatistics"]
 #: OpenMP team, whose threads spin while they wait: ``ringserve.engine._native``); the next call starts one.
 ENGINE_IDLE_SECONDS = 1.0
 
+#: Prompts :meth:`Runner.count` tokenizes at once (llama.cpp's tokenizer keeps its state per call).
+COUNT_THREADS = 2
+
 log = logging.getLogger("ringserve.runner")
 
 
@@ -387,6 +390,7 @@ class Runner:
         # team) ends once the runner has been idle for ENGINE_IDLE_SECONDS
         self._engine_thread = EngineThread("ringserve engine", idle_seconds=ENGINE_IDLE_SECONDS)
         self._tokenize_limiter = trio.CapacityLimiter(1)  # tokenize_chat, beside a decode step
+        self._count_limiter = trio.CapacityLimiter(COUNT_THREADS)  # count(): apart from prepare()
         self._tokenizing = 0  # prepare() calls waiting for or inside tokenize_chat
         self._tokenize_ended = 0  # prepare() calls whose tokenize_chat has returned or raised
         self._tokenized = trio.Event()  # set (and replaced) each time one of them ends
@@ -511,6 +515,40 @@ class Runner:
         request carries the model's format and whether the prompt opened its
         thinking block, for the reply's parser.
         """
+        self._check_bytes(request)
+        self._tokenizing += 1
+        try:
+            request, prompt, constraint, applied = await trio.to_thread.run_sync(
+                self._prompt_sync, request, limiter=self._tokenize_limiter, abandon_on_cancel=False
+            )
+        finally:
+            self._tokenizing -= 1
+            self._tokenize_ended += 1
+            self._tokenized.set()
+            self._tokenized = trio.Event()
+        return self._fitted(request, prompt, applied, constraint)
+
+    async def count(self, request: GenerationRequest) -> Prepared:
+        """What :meth:`prepare` gives ``request``, without its grammar and enqueuing nothing: the
+        prompt of the counting routes (``POST /v1/messages/count_tokens``,
+        ``/v1/responses/input_tokens``), which equals the generation's ``usage.input_tokens``.
+
+        It tokenizes on a worker thread under a limiter of its own (:data:`COUNT_THREADS` at
+        once), so a burst of counts neither waits behind the generations' prepares nor holds
+        them up, and never waits for a decode step (the engine's tokenizer runs beside it).
+
+        Raises:
+            RingserveError: as :meth:`prepare`, but for the grammar.
+        """
+        self._check_bytes(request)
+        request, prompt, applied = await trio.to_thread.run_sync(
+            edit_prompt, request, request.context_edits, self._tokenize_sync,
+            limiter=self._count_limiter, abandon_on_cancel=False,
+        )
+        return self._fitted(request, prompt, applied, None)
+
+    def _check_bytes(self, request: GenerationRequest) -> None:
+        """Refuse text that cannot fit a slot, before it is tokenized (see :meth:`prepare`)."""
         ctx = self.n_ctx_slot
         per_token = self._engine.max_token_bytes
         rendered = request.tool_choice.mode is not ToolChoiceMode.NONE  # the tools go into the prompt
@@ -523,16 +561,11 @@ class Runner:
                     f" of text, at least {-(-n_bytes // per_token)} tokens, but the context per slot is {ctx} tokens",
                     PROMPT_PARAM,
                 )
-        self._tokenizing += 1
-        try:
-            request, prompt, constraint, applied = await trio.to_thread.run_sync(
-                self._prompt_sync, request, limiter=self._tokenize_limiter, abandon_on_cancel=False
-            )
-        finally:
-            self._tokenizing -= 1
-            self._tokenize_ended += 1
-            self._tokenized.set()
-            self._tokenized = trio.Event()
+
+    def _fitted(self, request: GenerationRequest, prompt: ChatPrompt, applied: tuple[AppliedEdit, ...],
+                constraint: Constraint | LazyCalls | None) -> Prepared:
+        """The prepared request, once its prompt is known to fit a slot with a token to spare (see :meth:`prepare`)."""
+        ctx = self.n_ctx_slot
         tokens = prompt.tokens
         n_prompt = len(tokens)
         if n_prompt == 0:

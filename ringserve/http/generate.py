@@ -124,13 +124,15 @@ async def respond(hub: Hub, surface: Surface, decision: Decision, live: LiveMess
 async def count_tokens(surface: Counting) -> Response:
     """``POST`` on ``surface``'s counting route: the prompt the same generation request would be
     given, in tokens (system prompt, tools and output format included; its usage's ``input_tokens``).
-    Nothing is generated; a prompt that cannot fit a slot is the same 400 as there."""
+    Nothing is generated; a prompt that cannot fit a slot is the same 400 as there. It is tokenized
+    apart from the generations' prepares (``Runner.count``), so a burst of counts does not queue
+    behind them."""
     state = context.state()
     try:
         hub = context.hub()
         parsed = parse_body(surface, surface.parse_count, await context.body(), state.config, state.model_id)
         context.access().note_ignored(parsed.ignored)
-        prepared = await hub.runner.prepare((await _whole(hub, parsed)).request)
+        prepared = await hub.runner.count((await _whole(hub, parsed)).request)
     except RingserveError as exc:
         return error_response(surface, exc)
     return json_response(surface.count_json(len(prepared.prompt_tokens), prepared.original_input_tokens))

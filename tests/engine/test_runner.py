@@ -482,6 +482,39 @@ async def test_a_slow_tokenizer_does_not_hold_up_decode_steps():
         assert threading.get_ident() not in calls
 
 
+async def test_counts_do_not_wait_behind_a_prepare_and_give_its_prompt():
+    """count() tokenizes under a limiter of its own: with a generation's prepare stuck in the
+    tokenizer, counts go on, make no grammar, and give the prompt prepare gives."""
+    gate, stuck = threading.Event(), []
+
+    def hook() -> None:  # the first prompt's tokenizer is stuck until the gate opens
+        stuck.append(1)
+        if len(stuck) == 1:
+            assert gate.wait(GUARD)
+
+    engine = FakeEngine(tokenize_hook=hook)
+    async with serving(engine) as runner, trio.open_nursery() as nursery:
+        prepared: list = []
+
+        async def prepare() -> None:
+            prepared.append(await runner.prepare(req("prepared first")))
+
+        nursery.start_soon(prepare)
+        with trio.fail_after(5):
+            while not stuck:
+                await trio.sleep(0.001)
+            counts = [await runner.count(req(f"count {i}")) for i in range(5)]
+        assert not prepared
+        assert [len(c.prompt_tokens) for c in counts] == [len(f"<|user|>count {i}\n") for i in range(5)]
+        assert all(c.constraint is None for c in counts)
+        gate.set()
+    assert len(prepared[0].prompt_tokens) == len("<|user|>prepared first\n")
+    async with serving(FakeEngine()) as runner:
+        assert (await runner.count(req("same"))).prompt_tokens == (await runner.prepare(req("same"))).prompt_tokens
+        with pytest.raises(RingserveError, match="context per slot"):
+            await runner.count(req("x" * 5000))
+
+
 async def test_submit_without_a_running_loop_is_unavailable():
     engine = FakeEngine()
     runner = Runner(engine, EngineConfig())
