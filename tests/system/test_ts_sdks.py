@@ -45,7 +45,7 @@ async def node(tmp_path: Path, *args: str, **engine: Any) -> dict[str, Any]:
         async with running_server(fake_config(tmp_path), **engine) as state:
             done = await trio.run_process(["node", str(SCRIPT), state.urls[0], *args], capture_stdout=True,
                                           capture_stderr=True, check=False)
-    if done.returncode != 0:  # not an AssertionError: the xfail below expects only its own assertion to fail
+    if done.returncode != 0:
         raise RuntimeError(f"node exited with status {done.returncode}: {done.stderr.decode()}")
     return json.loads(done.stdout)
 
@@ -79,11 +79,9 @@ async def test_the_sdks_stream_text_and_tool_calls_on_every_surface_as_the_serve
 
 
 @pytest.mark.parametrize("surface", ["anthropic", "chat", "responses"])
-def test_a_chat_loop_sends_back_what_the_stream_helper_returned(tmp_path, surface, request):
+def test_a_chat_loop_sends_back_what_the_stream_helper_returned(tmp_path, surface):
     """The next turn of a loop carries the first turn's message as the helper returned it; the OpenAI
     helpers add ``parsed`` (messages, output text) and ``parsed_arguments`` (calls) to it, which
-    llama-server ignores and ringserve refuses today (issue 33, item 1)."""
-    if surface != "anthropic":
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 33 field policy"))
+    ringserve accepts and names in Ringserve-Ignored-Fields, as llama-server ignores them (issue 33, item 1)."""
     result = trio.run(node, tmp_path, "loop", surface)  # a sync test: pytest-trio would group the assertion
     assert result == {"ok": True}
