@@ -162,6 +162,13 @@ def test_multi_turn_bench_reports_cached_and_prefilled_tokens_per_turn(tmp_path:
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed (apt-get install redis-server)")
+def test_count_tokens_bench_times_a_burst_idle_and_beside_decoding_streams(tmp_path: Path) -> None:
+    out = run_bench("count_tokens", tmp_path, "--fake", "--calls", "8", "--streams", "2", "--rounds", "1")
+    [one] = out["rounds"]
+    assert len(one["idle"]) == len(one["decoding"]) == 8 and all(s > 0 for s in one["idle"] + one["decoding"])
+    assert set(out["summary"]) == {"idle", "decoding"} and len(out["body_tokens"]) >= 20
+
+
 def test_redis_append_bench_runs_both_modes(tmp_path: Path) -> None:
     pytest.importorskip("coredis", reason="the redis extra is not installed")
     out = run_bench("redis_append", tmp_path, "--streams", "4", "--entries", "10", "--repeats", "1")
