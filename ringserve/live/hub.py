@@ -171,6 +171,10 @@ class Hub:
                 if elsewhere is not None:
                     return Created(elsewhere, self.live(elsewhere.id))
             echo = parsed.echo if self.config.store.keep_prompts else parsed.echo_without_prompts
+            if prepared.applied_edits:  # its objects say what its context edits cleared
+                echo = msg.surface.edited(echo, prepared.applied_edits)
+                msg.echo = msg.surface.edited(msg.echo, prepared.applied_edits)
+                msg.surface = msg.surface.restored(msg.echo)
             row = StoredMessage(
                 id=msg.id, surface=msg.surface.name, model=msg.model, created=msg.created,
                 status=MessageStatus.QUEUED, request=request_json, request_hash=msg.request_hash,

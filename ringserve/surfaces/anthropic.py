@@ -20,6 +20,7 @@ import attrs
 
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
+    AppliedEdit,
     BlockDelta,
     BlockKind,
     BlockStart,
@@ -320,9 +321,10 @@ class AnthropicRenderer:
     blocks are numbered together).
     """
 
-    def __init__(self, message_id: str, model: str) -> None:
+    def __init__(self, message_id: str, model: str, edits: dict[str, Any] | None = None) -> None:
         self._message_id = message_id
         self._model = model
+        self._edits = context_management_fields(edits)
         self._open = BlockKind.TEXT  # the kind of the block that deltas belong to
         self._text_delta: tuple[int, Callable[[str], str]] | None = None  # the open text block's template
 
@@ -366,8 +368,9 @@ class AnthropicRenderer:
             "stop_sequence": finish.stop_sequence,
             **cancelled_fields(finish.stop_reason is StopReason.CANCELLED),
         }
+        data = {"type": "message_delta", "delta": delta, "usage": _usage(finish.usage), **self._edits}
         return [
-            WireEvent(dumps({"type": "message_delta", "delta": delta, "usage": _usage(finish.usage)}), "message_delta"),
+            WireEvent(dumps(data), "message_delta"),
             WireEvent(dumps({"type": "message_stop"}), "message_stop"),
         ]
 
@@ -721,17 +724,47 @@ def _output(value: Any, where: str) -> OutputFormat:
     return OutputFormat(OutputKind.JSON_SCHEMA, schema)
 
 
+#: ``AppliedEdit.edit``'s kind → (the edit's ``type``, the key of what it cleared), as
+#: ``BetaClearThinking20251015EditResponse`` and ``BetaClearToolUses20250919EditResponse`` spell them.
+APPLIED_EDITS = {ClearThinking: ("clear_thinking_20251015", "cleared_thinking_turns"),
+                 ClearToolUses: ("clear_tool_uses_20250919", "cleared_tool_uses")}
+
+
+def context_management_fields(edits: dict[str, Any] | None) -> dict[str, Any]:
+    """``{"context_management": edits}`` of a message whose context edits cleared something (in
+    ``message_delta`` and the ``Message``: ``BetaContextManagementResponse``), else nothing."""
+    return {} if edits is None else {"context_management": edits}
+
+
 class AnthropicSurface:
-    """Anthropic Messages: parsing, rendering and error shapes."""
+    """Anthropic Messages: parsing, rendering and error shapes.
+
+    A message whose context edits trimmed its prompt is rendered by a surface that holds what they
+    cleared (``edits``, ``BetaContextManagementResponse``: ``{"applied_edits": [...]}``), from its
+    echo (:meth:`edited`, :meth:`restored`); the registry's has none.
+    """
 
     name = "anthropic"
     id_prefix = "msg_"
     prefer_respond_async = True
     refuses_lone_surrogates = False
 
+    def __init__(self, edits: dict[str, Any] | None = None) -> None:
+        self.edits = edits
+
     def restored(self, echo: str) -> AnthropicSurface:
-        """Itself: it keeps no state of its own (``echo`` is "")."""
-        return self
+        """The surface of a message with ``echo``: itself for "", else one with the context edits
+        that ``echo`` holds (:meth:`edited`)."""
+        return self if not echo else AnthropicSurface(json.loads(echo)["context_management"])
+
+    def edited(self, echo: str, applied: tuple[AppliedEdit, ...]) -> str:
+        """The echo of a message whose prompt ``applied`` trimmed: the ``context_management``
+        its ``message_delta`` and ``Message`` report (``applied_edits``, in order)."""
+        edits = []
+        for edit in applied:
+            kind, cleared = APPLIED_EDITS[type(edit.edit)]
+            edits.append({"type": kind, cleared: edit.cleared, "cleared_input_tokens": edit.cleared_input_tokens})
+        return dumps({"context_management": {"applied_edits": edits}})
 
     def parse_request(self, body: Any) -> ParsedRequest:
         """Validate a Messages request body.
@@ -795,7 +828,7 @@ class AnthropicSurface:
         return {"input_tokens": input_tokens, "context_management": {"original_input_tokens": original_input_tokens}}
 
     def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> AnthropicRenderer:
-        return AnthropicRenderer(message_id, model)
+        return AnthropicRenderer(message_id, model, self.edits)
 
     def message_json(self, view: MessageView) -> dict[str, Any]:
         """The non-stream ``Message`` object."""
@@ -809,6 +842,7 @@ class AnthropicSurface:
             "stop_sequence": view.stop_sequence,
             **cancelled_fields(view.cancelled),
             "usage": _usage(view.usage),
+            **context_management_fields(self.edits),
         }
 
     def content_json(self, blocks: tuple[ContentBlock, ...]) -> list[dict[str, Any]]:

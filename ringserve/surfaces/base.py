@@ -17,6 +17,7 @@ import attrs
 
 from ringserve.core.errors import RingserveError, invalid
 from ringserve.core.events import (
+    AppliedEdit,
     ChatMessage,
     ContentBlock,
     Effort,
@@ -247,6 +248,12 @@ class Surface(Protocol):
     def restored(self, echo: str) -> Surface:
         """The surface that renders a stored message again (``live/resume.py`` ``rebuilt``), from the ``echo`` the
         route passed to ``Hub.create`` ("" for a surface with no state of its own)."""
+        ...
+
+    def edited(self, echo: str, applied: tuple[AppliedEdit, ...]) -> str:
+        """The echo of a message whose prompt ``applied`` context edits trimmed: ``echo``, with
+        what the surface reports of them in its objects (``echo`` itself for a surface that
+        reports none). The hub renders the message with ``restored`` of it, and stores it."""
         ...
 
     def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> Renderer: ...

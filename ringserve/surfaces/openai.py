@@ -15,6 +15,7 @@ from typing import Any
 
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
+    AppliedEdit,
     BlockDelta,
     BlockKind,
     BlockStart,
@@ -369,6 +370,10 @@ class OpenAISurface:
     def restored(self, echo: str) -> OpenAISurface:
         """Itself: it keeps no state of its own (``echo`` is "")."""
         return self
+
+    def edited(self, echo: str, applied: tuple[AppliedEdit, ...]) -> str:
+        """``echo``: Chat Completions has no context edits to report."""
+        return echo
 
     def parse_request(self, body: Any) -> ParsedRequest:
         """Validate a Chat Completions request body.

@@ -45,6 +45,7 @@ import attrs
 
 from ringserve.core.errors import PROMPT_PARAM, ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
+    AppliedEdit,
     BlockDelta,
     BlockKind,
     BlockStart,
@@ -974,6 +975,10 @@ class ResponsesSurface:
     def restored(self, echo: str) -> ResponsesSurface:
         """The surface of a stored response whose request left ``echo`` (:func:`options_echo`)."""
         return ResponsesSurface(echoed_options(echo))
+
+    def edited(self, echo: str, applied: tuple[AppliedEdit, ...]) -> str:
+        """``echo``: no Responses request has context edits yet."""
+        return echo
 
     def parse_request(self, body: Any) -> ParsedRequest:
         """A ``POST /v1/responses`` body (:func:`parse_create`, then :func:`parsed_request`)."""

@@ -21,8 +21,11 @@ from anthropic.types.beta import BetaMessage, BetaMessageTokensCount, BetaRawMes
 from pydantic import TypeAdapter
 
 from ringserve.core.sse import SSEParser
+from ringserve.store.sqlite import stored_render
+from ringserve.surfaces.registry import SURFACES
 from tests.support.conformance import check_answer, check_stream, stream_bytes
 from tests.support.server import fake_config, running_server
+from tests.support.wait import wait_until
 
 AGENTS = Path(__file__).resolve().parents[1] / "data" / "agents"
 BETA_EVENT = TypeAdapter(BetaRawMessageStreamEvent)
@@ -132,9 +135,10 @@ async def test_max_tokens_past_the_context_is_served_not_refused(tmp_path):
             assert resp.json()["content"] == [{"type": "text", "text": REPLY}]
 
 
-async def test_count_tokens_reports_the_context_edits(big_server):
-    """A clear_tool_uses edit past its trigger: the count is the trimmed prompt's, and says what it was."""
-    _state, client = big_server
+async def test_context_edits_are_reported_in_the_count_and_the_answer(big_server):
+    """A clear_tool_uses edit past its trigger: the count is the trimmed prompt's and says what it
+    was; the call's prompt is the same, and its Message and message_delta say what was cleared."""
+    state, client = big_server
     request = next(r for run, i, r in REQUESTS if run == "claude_default" and i == 2)
     body = json.loads(json.dumps({k: request["body"][k] for k in ("model", "messages", "system", "tools")}))
     body["messages"][3]["content"][0]["content"] = "a long output\n" * 200  # the first call's result
@@ -148,3 +152,23 @@ async def test_count_tokens_reports_the_context_edits(big_server):
     call = await client.post("/v1/messages", json={**body, "max_tokens": 100, "context_management": edits})
     usage = call.json()["usage"]
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] == edited["input_tokens"]
+    # the answer says what was cleared, as Anthropic's does: the Message and the stream's message_delta
+    applied = {"applied_edits": [{"type": "clear_tool_uses_20250919", "cleared_tool_uses": 1,
+                                  "cleared_input_tokens": plain["input_tokens"] - edited["input_tokens"]}]}
+    assert call.json()["context_management"] == applied
+    BetaMessage.model_validate_json(call.text, strict=True)
+    resp, raw = await stream_bytes(client, "POST", "/v1/messages",
+                                   json={**body, "max_tokens": 100, "context_management": edits, "stream": True})
+    check_stream("anthropic", raw)
+    delta = next(json.loads(e.data) for e in SSEParser().feed(raw) if e.event == "message_delta")
+    assert delta["context_management"] == applied
+    BETA_EVENT.validate_json(json.dumps(delta), strict=True)
+    # and so will the stream rebuilt from the store: the row keeps them
+    message_id = resp.headers["x-message-id"]
+    await wait_until(lambda: (row := state.hub.store.get(message_id)) is not None and row.status.final)
+    render = stored_render(state.hub.store.get(message_id))
+    assert render is not None and SURFACES.by_name("anthropic").restored(render.echo).edits == applied
+    # keep-all clears nothing: no context_management in the answer
+    keep_all = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+    plain_call = await client.post("/v1/messages", json={**body, "max_tokens": 100, "context_management": keep_all})
+    assert "context_management" not in plain_call.json()
