@@ -136,12 +136,12 @@ REQUEST_FIELDS = FieldTable(
 #: The fields of ``POST /v1/messages/count_tokens`` (``anthropic.types.MessageCountTokensParams``):
 #: every field of a request (Claude Code counts with the bodies it sends), those that shape the
 #: prompt read as there, the others accepted and reported.
+_PROMPT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "output_config", "output_format",
+                            "thinking", "context_management"})
 COUNT_TOKENS_FIELDS = FieldTable(
-    supported=frozenset({"model", "messages", "system", "tools", "tool_choice", "output_config", "output_format",
-                         "thinking", "context_management"}),
-    ignored=REQUEST_FIELDS.ignored | REQUEST_FIELDS.supported - {
-        "model", "messages", "system", "tools", "tool_choice", "output_config", "output_format", "thinking",
-        "context_management"} | {"compaction"},  # count_tokens ignores compaction (the SDK says so)
+    supported=_PROMPT_FIELDS,
+    # what only a generation reads; compaction, which count_tokens ignores (the SDK's docstring says so)
+    ignored=(REQUEST_FIELDS.supported - _PROMPT_FIELDS) | REQUEST_FIELDS.ignored | {"compaction"},
     refused={"mcp_servers": REQUEST_FIELDS.refused["mcp_servers"], "thread": REQUEST_FIELDS.refused["thread"]},
 )
 
