@@ -15,8 +15,9 @@ step and, for a check, hands the verdict back with :meth:`Producer.verdict`
 before the next move.
 
 Moves, in order: :meth:`start`; then any number of :meth:`event`,
-:meth:`tick` (the coalescing deadline passed) and :meth:`verdict` (after a
-step with a ``check``, before anything else) or :meth:`check_failed`; the
+:meth:`tick` (its :attr:`~Producer.deadline` passed: the coalescing window, or a silence of
+``keepalive_seconds``) and :meth:`verdict` (after a step with a ``check``, before anything
+else) or :meth:`check_failed`; the
 message ends with a step whose ``end`` is set: a terminal event of the
 runner, a refusal, a failed check, or :meth:`interrupted` (the generation was
 cancelled from outside). Nothing moves after the end.
@@ -24,6 +25,12 @@ cancelled from outside). Nothing moves after the end.
 Safety and tool calls: hold-back applies to text blocks only; tool-call
 arguments are passed on as decoded (a checker sees no JSON fragments), and a
 text block's held text is checked before the block's stop.
+
+Keepalives: when nothing was appended for ``keepalive_seconds`` (a long prefill, a queue, a
+model thinking without output), :meth:`tick` appends the renderer's ``keepalive`` events
+(Anthropic ``ping``, Responses ``response.in_progress`` with the response so far), numbered
+like every entry and noted in the :class:`Trace`, so a resume or a rebuild replays them as they
+were. They reach every reader as data events, which the agents' idle timers count (docs/agents.md).
 """
 
 from __future__ import annotations
@@ -58,14 +65,16 @@ from ringserve.core.status import CancelReason, MessageStatus, advance
 TRACE_START = 0
 #: :attr:`Trace.ops`: the open block stops (a positive op is a delta of that many characters).
 TRACE_STOP = -1
+#: :attr:`Trace.ops`: the renderer's keepalive events (a silence).
+TRACE_KEEPALIVE = -2
 
 
 @attrs.frozen
 class Trace:
     """How a message's renderer was driven, so that :func:`replay` renders its stream again.
 
-    ``ops``: in order, :data:`TRACE_START`, :data:`TRACE_STOP`, or a positive
-    number, a delta of that many characters (``str`` length) of the open
+    ``ops``: in order, :data:`TRACE_START`, :data:`TRACE_STOP`, :data:`TRACE_KEEPALIVE`, or a
+    positive number, a delta of that many characters (``str`` length) of the open
     block's text: the boundaries the coalescer and the safety stage chose,
     which the text alone does not keep. ``failure``: the ``(kind, retryable)``
     of the message's :class:`~ringserve.core.events.Failure` (its message is the
@@ -149,6 +158,8 @@ class Producer:
             is released (``[stream] persist_seconds``; what a crash can lose).
         window_tokens: the safety hold-back in tokens (0: no safety stage).
         retry_ms: the reconnection hint carried by the first entry (None: none).
+        keepalive_seconds: after this long without an entry, the renderer's keepalive events
+            (``[server] heartbeat_interval``; ``inf``: none).
     """
 
     message_id: str
@@ -159,6 +170,7 @@ class Producer:
     persist_seconds: float
     window_tokens: int = 0
     retry_ms: int | None = None
+    keepalive_seconds: float = math.inf
     status: MessageStatus = attrs.field(init=False, default=MessageStatus.QUEUED)
     stop_reason: StopReason | None = attrs.field(init=False, default=None)
     stop_sequence: str | None = attrs.field(init=False, default=None)
@@ -175,6 +187,7 @@ class Producer:
     _persisted_status: MessageStatus = attrs.field(init=False, default=MessageStatus.QUEUED)
     _released: bool = attrs.field(init=False, default=False)
     _ended: bool = attrs.field(init=False, default=False)
+    _written_at: float = attrs.field(init=False, default=math.inf)  # when the last entries were made
 
     def __attrs_post_init__(self) -> None:
         self._coalescer = Coalescer(window=self.flush_seconds, max_tokens=self.flush_tokens)
@@ -184,8 +197,17 @@ class Producer:
 
     @property
     def deadline(self) -> float:
-        """When :meth:`tick` must be called (``inf`` when no text waits)."""
-        return self._coalescer.deadline
+        """When :meth:`tick` must be called: the coalescing window's end while text waits, else
+        a keepalive's time (``inf`` when neither is due: before the start, after the end, while
+        a safety check waits for its verdict, or without keepalives)."""
+        if self._ended or self._pending is not None:
+            return math.inf
+        return min(self._coalescer.deadline, self._written_at + self.keepalive_seconds)
+
+    @property
+    def text_waits(self) -> bool:
+        """Whether text waits for its coalescing window (else a tick at the :attr:`deadline` is a keepalive's)."""
+        return self._coalescer.deadline != math.inf
 
     @property
     def ended(self) -> bool:
@@ -213,8 +235,9 @@ class Producer:
 
     # -- moves ---------------------------------------------------------------------------
 
-    def start(self) -> Step:
+    def start(self, now: float) -> Step:
         """The message's first entries (``message_start`` or the surface's equivalent)."""
+        self._written_at = now
         return Step(entries=self._encode(self.renderer.start(self.usage)))
 
     def event(self, event: GenerationEvent, usage: Usage, now: float) -> Step:
@@ -274,10 +297,23 @@ class Producer:
         return self._fail(Failure(ErrorKind.API_ERROR, message, self.usage, retryable=True), now)
 
     def tick(self, now: float) -> Step:
-        """The coalescing deadline may have passed: release what waited."""
+        """The :attr:`deadline` may have passed: release the text that waited its window, or,
+        when nothing was appended for ``keepalive_seconds``, the keepalive events."""
         if self._ended or self._pending is not None:
             return Step()
-        return self._step(self._text(self._coalescer.due(now)), now)
+        wire = self._text(self._coalescer.due(now))
+        if not wire and now >= self._written_at + self.keepalive_seconds:
+            return self.keepalive(now)
+        return self._step(wire, now)
+
+    def keepalive(self, now: float) -> Step:
+        """The renderer's keepalive events now (:meth:`tick` calls it after a silence)."""
+        self._require_move("keepalive")
+        wire = self.renderer.keepalive()
+        if wire:
+            self._ops.append(TRACE_KEEPALIVE)
+        self._written_at = now  # a renderer with none waits another interval
+        return self._step(wire, now)
 
     def interrupted(self, reason: CancelReason | None, usage: Usage, now: float) -> Step:
         """The generation was cancelled from outside (``reason``), or ended without a terminal
@@ -378,6 +414,8 @@ class Producer:
         """Encode ``wire``; a snapshot when the status changed, or when text was released and
         ``persist_seconds`` have passed since the last snapshot."""
         released, self._released = self._released, False
+        if wire:
+            self._written_at = now
         persist = None
         if self.status is not self._persisted_status or (released and now - self._persisted_at >= self.persist_seconds):
             self._persisted_status = self.status
@@ -435,7 +473,8 @@ def replay(
     generation), ``retry_ms`` and ``blocks`` (the text the trace cut) are that producer's.
 
     A producer with no coalescing window and no safety stage is driven with the trace's
-    events, one delta per op, then ``terminal`` (None: the entries so far, no end).
+    events, one delta per op and the keepalives where they were, then ``terminal`` (None: the
+    entries so far, no end).
 
     With ``terminal_seq``, only ``terminal``'s entries are returned, numbered from
     ``terminal_seq``: the end of a log that holds more than the trace (its producer died after
@@ -447,10 +486,13 @@ def replay(
     """
     producer = Producer(message_id, renderer, usage, flush_seconds=0.0, flush_tokens=1,
                         persist_seconds=math.inf, retry_ms=retry_ms)
-    entries = list(producer.start().entries)
+    entries = list(producer.start(0.0).entries)
     index, offset = -1, 0
     for op in trace.ops:
         event: GenerationEvent
+        if op == TRACE_KEEPALIVE:
+            entries += producer.keepalive(0.0).entries
+            continue
         if op == TRACE_START:
             index, offset = index + 1, 0
             if index >= len(blocks):

@@ -49,6 +49,10 @@ class Renderer(Protocol):
     ids and what they need of its state (the open block's kind, say). The
     producer appends every wire event a renderer returns to the log, in
     order from seq 0, so the n-th wire event has seq n.
+
+    ``keepalive`` may come between any two of these after ``start``, when nothing was written
+    for a while: events that the surface's clients read as data and ignore (their idle timers
+    count data events, not SSE comments); it changes nothing of the message.
     """
 
     def start(self, usage: Usage) -> list[WireEvent]: ...
@@ -62,6 +66,8 @@ class Renderer(Protocol):
     def finish(self, finish: Finish) -> list[WireEvent]: ...
 
     def fail(self, failure: Failure) -> list[WireEvent]: ...
+
+    def keepalive(self) -> list[WireEvent]: ...
 
 
 def render(renderer: Renderer, event: GenerationEvent) -> list[WireEvent]:

@@ -84,6 +84,7 @@ class Production:
             # The reconnection hint rides on the first event: a standalone "retry:"
             # block is dispatched as an empty event by the OpenAI SDK's decoder.
             retry_ms=self.config.server.retry_ms,
+            keepalive_seconds=self.config.server.heartbeat_interval,
         )
 
     async def run(self, msg: LiveMessage, prepared: Prepared, row: StoredMessage, *,
@@ -102,7 +103,7 @@ class Production:
                     msg.log = self.logs.create(msg.id, on_idle=lambda: self.on_idle(msg))
                     self.registered(msg.id, msg)
                     task_status.started()
-                    self._perform(msg, producer.start())
+                    self._perform(msg, producer.start(trio.current_time()))
                     await self._pump(msg, producer, gen)
         finally:
             if msg.log is not None and not msg.log.closed:
@@ -110,8 +111,9 @@ class Production:
                 self._perform(msg, producer.interrupted(msg.cancel_reason, usage, trio.current_time()))
 
     async def _pump(self, msg: LiveMessage, producer: Producer, gen: Generation) -> None:
-        """Feed the generation's events to the producer until the message ends; leaving
-        returns to the runner's ``submit`` block, which cancels a generation still running."""
+        """Feed the generation's events to the producer until the message ends, and tick it at
+        its deadlines (coalesced text, keepalives); leaving returns to the runner's ``submit``
+        block, which cancels a generation still running."""
         events = gen.__aiter__()
         while not producer.ended:
             event: GenerationEvent | _NotYet | None = _NOT_YET
@@ -122,7 +124,8 @@ class Production:
                 with trio.move_on_at(deadline):
                     event = await anext(events, None)
             if isinstance(event, _NotYet):
-                await self.runner.between_steps()
+                if producer.text_waits:  # a keepalive is too small to wait for the decode step
+                    await self.runner.between_steps()
                 step = producer.tick(trio.current_time())
             elif event is None:
                 failure = Failure(ErrorKind.API_ERROR, "generation ended without a result", gen.usage, True)

@@ -6,7 +6,8 @@ Messages" documentation: ``message_start``, ``content_block_start``,
 block)..., ``content_block_stop`` for each block, then
 ``message_delta`` (``stop_reason``, ``stop_sequence``, ``usage``),
 ``message_stop``; errors are ``{"type": "error", "error": {"type", "message"}}``
-both as HTTP bodies and as the in-band ``event: error``.
+both as HTTP bodies and as the in-band ``event: error``. A silence gets ``event: ping``
+(``{"type": "ping"}``), which every SDK skips.
 """
 
 from __future__ import annotations
@@ -265,6 +266,9 @@ TOOL_CHOICE_MODES = {
 #: The prefix of a tool call id on this surface (``toolu_`` + the neutral 24 hex digits).
 TOOL_ID_PREFIX = "toolu_"
 
+#: The data of a ``ping`` event (:meth:`AnthropicRenderer.keepalive`).
+_PING = dumps({"type": "ping"})
+
 ROLES = ("user", "assistant", "system")
 
 
@@ -376,6 +380,12 @@ class AnthropicRenderer:
 
     def fail(self, failure: Failure) -> list[WireEvent]:
         return [WireEvent(dumps(_error_object(ERROR_TYPES[failure.kind], failure.message)), "error")]
+
+    def keepalive(self) -> list[WireEvent]:
+        """``event: ping`` (data ``{"type": "ping"}``), which Anthropic's streaming docs list and
+        every SDK skips (https://docs.claude.com/en/docs/build-with-claude/streaming, "Ping
+        events"); its bytes reset Claude Code's idle timer (docs/agents.md)."""
+        return [WireEvent(_PING, "ping")]
 
 
 #: Claude Code's first system block: ``x-anthropic-billing-header: cc_version=2.1.332.21e;

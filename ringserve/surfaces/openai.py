@@ -287,6 +287,11 @@ class OpenAIRenderer:
     def fail(self, failure: Failure) -> list[WireEvent]:
         return [WireEvent(dumps(_error_object(failure.kind, failure.message, None)))]
 
+    def keepalive(self) -> list[WireEvent]:
+        """None: every chunk is content, and no agent reads this surface; its readers' ``: ping``
+        comments (``logs/reader.py``) keep the connection busy, and the OpenAI SDKs skip them."""
+        return []
+
 
 def _message(m: Any, where: str, ids: CallIds) -> ChatMessage:
     """One message: its role, text content, an assistant's ``tool_calls``, a tool result's id."""

@@ -16,6 +16,9 @@ A text answer streams as::
     response.output_text.done  response.content_part.done  response.output_item.done
     then exactly one of response.completed | response.incomplete | response.failed
 
+and a silence (a long prefill, a queue) gets ``response.in_progress`` again, carrying the
+response as streamed so far: a documented event that the SDKs accept and Codex counts as data.
+
 Terminal events, by how the generation ended:
 
 - end of turn: ``response.completed`` (status ``completed``);
@@ -954,6 +957,13 @@ class ResponsesRenderer:
     def fail(self, failure: Failure) -> list[WireEvent]:
         outcome = Outcome("failed", error=failure_error(failure.kind, failure.message))
         return self._end("response.failed", outcome, failure.usage)
+
+    def keepalive(self) -> list[WireEvent]:
+        """``response.in_progress`` again, with the response as streamed so far (its id, every
+        output item with its text or arguments so far): Codex resets its idle timer on it and
+        ignores it, the OpenAI Node SDK's stream helper replaces its snapshot with it and the
+        Python one checks its id (docs/agents.md, "Keepalives")."""
+        return [self._event("response.in_progress", response=self._response(Outcome("in_progress"), None))]
 
 
 class ResponsesSurface:

@@ -146,7 +146,7 @@ def test_through_the_producer_blocks_reach_the_log_whole_in_order_and_replay_the
     away; and the stored trace replays the same entries (what a resume from the store sends)."""
     p = Producer("msg_1", RecordingRenderer(), USAGE, flush_seconds=window, flush_tokens=flush_tokens,
                  persist_seconds=math.inf, window_tokens=window_tokens)
-    entries = list(p.start().entries)
+    entries = list(p.start(0.0).entries)
     now, fed, released = 0.0, [], []
 
     def perform(step):

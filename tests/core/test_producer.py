@@ -49,7 +49,7 @@ def run(p: Producer, events, now: float = 0.0, checker=None) -> list[str]:
 
 def test_a_text_message_in_order_with_ids_and_the_retry_hint_on_the_first_entry():
     p = make(retry_ms=1500)
-    start = p.start()
+    start = p.start(0.0)
     [first] = SSEParser().feed(start.entries[0])
     assert (first.id, first.retry, first.data) == ("msg_1:0", 1500, "start")
     data = run(p, [TEXT, BlockDelta(0, "Hel", 1), BlockDelta(0, "lo", 1), BlockStop(0),
@@ -63,7 +63,7 @@ def test_a_text_message_in_order_with_ids_and_the_retry_hint_on_the_first_entry(
 
 def test_blocks_of_two_kinds_keep_their_indexes_and_content():
     p = make()
-    p.start()
+    p.start(0.0)
     data = run(p, [TEXT, BlockDelta(0, "I'll call it.", 1), BlockStop(0),
                    BlockStart(1, BlockKind.TOOL_CALL, "get_weather", "ab" * 12),
                    BlockDelta(1, '{"city":', 1), BlockDelta(1, '"Paris"}', 1), BlockStop(1),
@@ -74,7 +74,7 @@ def test_blocks_of_two_kinds_keep_their_indexes_and_content():
 
 def test_coalescing_releases_the_first_text_at_once_then_by_window_or_tokens():
     p = make(flush_seconds=0.05, flush_tokens=3)
-    p.start()
+    p.start(0.0)
     assert entry_data(p.event(TEXT, USAGE, 0.0).entries) == ["block_start 0 text"]
     assert entry_data(p.event(BlockDelta(0, "a", 1), USAGE, 0.0).entries) == ["delta 0 'a'"]  # TTFT not delayed
     assert p.event(BlockDelta(0, "b", 1), USAGE, 0.01).entries == ()
@@ -91,7 +91,7 @@ def test_coalescing_releases_the_first_text_at_once_then_by_window_or_tokens():
 
 def test_persistence_cadence_status_changes_at_once_text_every_persist_seconds():
     p = make(persist_seconds=1.0)
-    p.start()
+    p.start(0.0)
     step = p.event(TEXT, USAGE, 0.0)
     assert step.persist is not None and step.persist.status is MessageStatus.GENERATING
     step = p.event(BlockDelta(0, "a", 1), USAGE, 0.1)
@@ -105,7 +105,7 @@ def test_persistence_cadence_status_changes_at_once_text_every_persist_seconds()
 
 def test_hold_back_releases_what_falls_out_and_checks_the_rest_before_the_block_stops():
     p = make(window_tokens=2)
-    p.start()
+    p.start(0.0)
     checker = PatternChecker(["bad"])
     assert run(p, [TEXT, BlockDelta(0, "a", 1), BlockDelta(0, "b", 1)], checker=checker) == ["block_start 0 text"]
     assert run(p, [BlockDelta(0, "cd", 1)], checker=checker) == ["delta 0 'a'"]
@@ -116,7 +116,7 @@ def test_hold_back_releases_what_falls_out_and_checks_the_rest_before_the_block_
 
 def test_hold_back_leaves_tool_arguments_alone():
     p = make(window_tokens=4)
-    p.start()
+    p.start(0.0)
     data = run(p, [BlockStart(0, BlockKind.TOOL_CALL, "f", "0" * 24), BlockDelta(0, '{"bad":1}', 1)],
                checker=PatternChecker(["bad"]))
     assert data[-1] == "delta 0 '{\"bad\":1}'"
@@ -124,7 +124,7 @@ def test_hold_back_leaves_tool_arguments_alone():
 
 def test_a_refusal_mid_stream_closes_the_block_and_ends_the_message():
     p = make(window_tokens=2)
-    p.start()
+    p.start(0.0)
     checker = PatternChecker(["bad"])
     run(p, [TEXT, BlockDelta(0, "x", 1), BlockDelta(0, "b", 1), BlockDelta(0, "a", 1)], checker=checker)
     step = p.event(BlockDelta(0, "d", 1), Usage(5, 4), 0.0)
@@ -138,7 +138,7 @@ def test_a_refusal_mid_stream_closes_the_block_and_ends_the_message():
 
 def test_a_failed_check_is_a_retryable_error_and_no_unchecked_text_is_sent():
     p = make(window_tokens=1)
-    p.start()
+    p.start(0.0)
     run(p, [TEXT, BlockDelta(0, "a", 1)])
     step = p.event(BlockDelta(0, "b", 1), USAGE, 0.0)
     with pytest.raises(RuntimeError, match="awaits its verdict"):
@@ -160,7 +160,7 @@ def test_a_failed_check_is_a_retryable_error_and_no_unchecked_text_is_sent():
 )
 def test_interrupted_mid_block_and_before_any_block(reason, status, last, state):
     p = make()
-    p.start()
+    p.start(0.0)
     run(p, [TEXT, BlockDelta(0, "par", 1)])
     end = p.interrupted(reason, Usage(5, 2), 0.0)
     closing = ["block_stop 0"] if state is LogState.FINISHED else []
@@ -169,7 +169,7 @@ def test_interrupted_mid_block_and_before_any_block(reason, status, last, state)
     assert p.snapshot().usage == Usage(5, 2) and p.content[0].text == "par"
 
     q = make()
-    q.start()
+    q.start(0.0)
     end = q.interrupted(reason, USAGE, 0.0)
     if state is LogState.FINISHED:  # a finished message has at least one (empty) block
         assert entry_data(end.entries) == ["block_start 0 text", "block_stop 0", last]
@@ -180,7 +180,7 @@ def test_interrupted_mid_block_and_before_any_block(reason, status, last, state)
 
 def test_a_runner_failure_drops_held_text_and_nothing_moves_after_the_end():
     p = make(window_tokens=3)
-    p.start()
+    p.start(0.0)
     run(p, [TEXT, BlockDelta(0, "held", 1)])
     end = p.event(Failure(ErrorKind.API_ERROR, "boom", Usage(5, 1), True), USAGE, 0.0)
     assert entry_data(end.entries) == ["fail api_error"] and p.content[0].text == ""
@@ -191,7 +191,7 @@ def test_a_runner_failure_drops_held_text_and_nothing_moves_after_the_end():
 
 def test_verdict_allows_only_the_pending_check():
     p = make(window_tokens=1)
-    p.start()
+    p.start(0.0)
     run(p, [TEXT, BlockDelta(0, "a", 1)])
     step = p.event(BlockDelta(0, "b", 1), USAGE, 0.0)
     assert step.check is not None and step.check.window == "ab"
@@ -226,7 +226,7 @@ def test_replay_renders_the_entries_the_producer_appended(surface, ending):
     from the snapshot's trace: the same bytes, seq by seq, on every surface."""
     p = Producer("m_1", surface.renderer("m_1", "model", 7, True), USAGE, flush_seconds=0.05, flush_tokens=2,
                  persist_seconds=1e9, retry_ms=900)
-    entries = list(p.start().entries)
+    entries = list(p.start(0.0).entries)
     for i, event in enumerate(ENDINGS[ending]):
         entries += p.event(event, Usage(5, i), i * 0.03).entries
         entries += p.tick(i * 0.03 + 0.01).entries
@@ -257,7 +257,7 @@ def test_a_numbered_event_carries_the_producers_seq_in_its_data():
 
     p = Producer("resp_1", RESPONSES.renderer("resp_1", "model", 7, False), USAGE, flush_seconds=0.0,
                  flush_tokens=1, persist_seconds=1e9)
-    entries = list(p.start().entries)
+    entries = list(p.start(0.0).entries)
     for event in (TEXT, BlockDelta(0, "a", 1), BlockDelta(0, "b", 1), BlockStop(0), Finish(StopReason.END, USAGE)):
         entries += p.event(event, USAGE, 0.0).entries
     events = [e for entry in entries for e in SSEParser().feed(entry)]
@@ -276,7 +276,7 @@ def test_replay_with_a_terminal_seq_numbers_the_end_after_a_log_that_holds_more_
     surface = ResponsesSurface(ResponseOptions(metadata={"k": "v"}, background=True))
     p = Producer("resp_1", surface.renderer("resp_1", "model", 7, False), USAGE, flush_seconds=0.0, flush_tokens=1,
                  persist_seconds=1e9)
-    p.start()
+    p.start(0.0)
     for event in (TEXT, BlockDelta(0, "par", 1)):
         p.event(event, USAGE, 0.0)
     snap = p.snapshot()  # then the log went on to seq 40 before its owner died
@@ -290,3 +290,77 @@ def test_replay_with_a_terminal_seq_numbers_the_end_after_a_log_that_holds_more_
     assert final["type"] == "response.failed" and final["response"]["metadata"] == {"k": "v"}
     assert final["response"]["background"] is True
     assert final["response"]["output"][0]["content"][0]["text"] == "par"
+
+
+# -- keepalives --------------------------------------------------------------------------------
+
+
+def test_a_keepalive_after_each_silence_of_keepalive_seconds_and_never_after_the_end():
+    """Nothing appended for 15 s (a 400 s prefill, then a pause in a block): a keepalive at each
+    15 s of silence, timed from the last entry; a text release resets the clock; none after the end."""
+    p = Producer("msg_1", RecordingRenderer(), USAGE, flush_seconds=0.0, flush_tokens=1, persist_seconds=1e9,
+                 keepalive_seconds=15.0)
+    data = entry_data(p.start(0.0).entries)
+    while (deadline := p.deadline) < 400:  # the shell ticks at each deadline while the prompt is prefilled
+        data += entry_data(p.tick(deadline).entries)
+    assert data == ["start"] + ["keepalive"] * 26
+    data = run(p, [TEXT, BlockDelta(0, "a", 1)], now=400.0)
+    assert p.deadline == 415.0
+    assert p.tick(414.9).entries == ()
+    data += entry_data(p.tick(415.0).entries)
+    data += run(p, [BlockStop(0), Finish(StopReason.END, Usage(5, 2))], now=416.0)
+    assert data[-5:] == ["block_start 0 text", "delta 0 'a'", "keepalive", "block_stop 0", "finish end"]
+    assert p.deadline == float("inf") and p.tick(1000.0).entries == ()
+
+
+def test_without_keepalive_seconds_a_silence_appends_nothing():
+    p = make()
+    p.start(0.0)
+    assert p.deadline == float("inf") and p.tick(1e6).entries == ()
+
+
+@pytest.mark.parametrize("surface", _surfaces(), ids=lambda s: s.name)
+def test_keepalives_are_numbered_like_every_entry_and_replayed_where_they_were(surface):
+    """Keepalives before the first block, inside a text block and inside a call: the seqs count
+    them, the snapshot's trace keeps them, and a rebuild from the store renders the same bytes."""
+    p = Producer("m_1", surface.renderer("m_1", "model", 7, True), USAGE, flush_seconds=0.05, flush_tokens=2,
+                 persist_seconds=1e9, retry_ms=900, keepalive_seconds=15.0)
+    entries = list(p.start(0.0).entries)
+    entries += p.tick(15.0).entries + p.tick(30.0).entries
+    events = ENDINGS["finish"]
+    for i, event in enumerate(events):
+        now = 31.0 + 20 * i
+        entries += p.tick(now - 1).entries  # 19 s after the last event: its text, then a keepalive
+        entries += p.event(event, Usage(5, i), now).entries
+    snap = p.snapshot()
+    again = replay("m_1", surface.renderer("m_1", "model", 7, True), USAGE, snap.content, snap.trace, events[-1], 900)
+    assert list(again) == entries
+    assert snap.trace.ops.count(-2) >= 3 or surface.name == "openai"
+    parsed = [e for entry in entries for e in SSEParser().feed(entry)]
+    assert [e.id for e in parsed] == [f"m_1:{i}" for i in range(len(parsed))]
+
+
+def test_each_responses_keepalive_is_a_strict_in_progress_event_with_the_whole_output_so_far():
+    """What the OpenAI Node SDK's stream helper replaces its snapshot with (docs/agents.md): the
+    same response id, every item so far with its text or arguments, the next sequence number."""
+    import json
+
+    from openai.types.responses import ResponseInProgressEvent
+
+    from ringserve.surfaces.responses import RESPONSES
+
+    p = Producer("resp_1", RESPONSES.renderer("resp_1", "model", 7, False), USAGE, flush_seconds=0.0,
+                 flush_tokens=1, persist_seconds=1e9, keepalive_seconds=1.0)
+    entries = list(p.start(0.0).entries) + list(p.tick(1.0).entries)
+    for event in (TEXT, BlockDelta(0, "Hel", 1), BlockStop(0), CALL, BlockDelta(1, '{"city":', 1)):
+        entries += p.event(event, USAGE, 2.0).entries
+    entries += p.tick(3.0).entries
+    events = [e for entry in entries for e in SSEParser().feed(entry)]
+    keepalives = [(i, json.loads(e.data)) for i, e in enumerate(events) if e.event == "response.in_progress"]
+    assert [i for i, _ in keepalives] == [1, 2, len(events) - 1]  # the opening one, then one per silence
+    for i, data in keepalives:
+        event = ResponseInProgressEvent.model_validate(data, strict=True)
+        assert event.sequence_number == i and event.response.id == "resp_1"
+    last = keepalives[-1][1]["response"]["output"]
+    assert [item["type"] for item in last] == ["message", "function_call"]
+    assert last[0]["content"][0]["text"] == "Hel" and last[1]["arguments"] == '{"city":'

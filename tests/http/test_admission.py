@@ -64,7 +64,7 @@ def live(*events: Any, **fields: Any) -> MessageView:
                       policy=Policy.ABORT, request_hash="h", timer=StreamTimer(0.0), **fields)
     producer = msg.producer = Producer("msg_1", ANTHROPIC.renderer("msg_1", SERVED, 1700000000, False), Usage(3, 0),
                                        flush_seconds=0.0, flush_tokens=1, persist_seconds=1.0)
-    producer.start()
+    producer.start(0.0)
     for event in events:
         if isinstance(event, CancelReason):
             producer.interrupted(event, Usage(3, 1), 0.0)

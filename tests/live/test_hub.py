@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -31,17 +32,33 @@ from ringserve.logs.cluster import LocalCluster
 from ringserve.logs.memory import MemoryLogStore
 from ringserve.store.sqlite import MessageStore
 from ringserve.surfaces.registry import ANTHROPIC
+from ringserve.surfaces.responses import RESPONSES
 from tests.support.helpers import anthropic_text
 from tests.support.wait import wait_until
 
 LONG = "echo:" + " ".join(f"w{i}" for i in range(400))
 
 
+class GatedPrefill(FakeEngine):
+    """A fake engine whose every prefill waits (on the engine thread) until :attr:`opened` is set,
+    by a Trio task after a wait on the autojump clock: a silent phase as long as the test says."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.opened = threading.Event()
+
+    def decode(self, feeds):
+        if any(feed.pos == 0 for feed in feeds):
+            self.opened.wait()
+        return super().decode(feeds)
+
+
 @asynccontextmanager
-async def running_hub(config: Config = Config(), **fake: Any) -> AsyncIterator[Hub]:
-    """A hub over a :class:`FakeEngine` (``fake``: its arguments), a memory log store and a
-    ``:memory:`` message store; everything is cancelled at the end."""
-    engine = FakeEngine(n_slots=config.engine.slots, n_ctx_slot=config.engine.ctx_per_slot, **fake)
+async def running_hub(config: Config = Config(), engine: Callable[..., FakeEngine] = FakeEngine,
+                      **fake: Any) -> AsyncIterator[Hub]:
+    """A hub over a :class:`FakeEngine` (made by ``engine``; ``fake``: its arguments), a memory
+    log store and a ``:memory:`` message store; everything is cancelled at the end."""
+    engine = engine(n_slots=config.engine.slots, n_ctx_slot=config.engine.ctx_per_slot, **fake)
     store = MessageStore(":memory:")
     try:
         async with trio.open_nursery() as nursery:
@@ -228,3 +245,55 @@ async def test_a_drain_refuses_new_messages_and_interrupts_the_running_ones(auto
         view = hub.lookup(msg.id)
         assert view.status is MessageStatus.INTERRUPTED and view.error is not None
         assert attrs.asdict(hub.statistics()) == {"active_generations": 0, "unsaved_messages": 0}
+
+
+@pytest.mark.parametrize("surface", ["anthropic", "responses"])
+async def test_a_400_s_silent_prefill_is_broken_every_heartbeat_interval_by_a_keepalive_event(autojump_clock, surface):
+    """Issue 36 item 7, in-process: the prompt's prefill takes 400 s. The opening event is in the
+    log at once (before the prefill), then a keepalive data event every ``heartbeat_interval``
+    (15 s) of silence, which the agents' idle timers count (Codex: 300 s of no data event;
+    Claude Code: 300 s of no byte): never 15 s without an entry. Each is an event of the
+    official SDK's types, and a rebuild from the store renders them again, byte for byte."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    engine = GatedPrefill()
+    async with running_hub(engine=lambda **_: engine) as hub:
+        target = ANTHROPIC if surface == "anthropic" else RESPONSES
+        parsed = (request("echo:hello world") if surface == "anthropic"
+                  else RESPONSES.parse_request({"model": "fake", "input": "echo:hello world", "stream": True}))
+        msg = live(await hub.create(target, parsed, body_hash="h", request_json="{}", policy=Policy.CONTINUE))
+        t0 = trio.current_time()  # (the clock jumps while the prompt is tokenized on a thread)
+        arrivals: list[tuple[float, Any]] = []
+
+        async def read() -> None:
+            after = None
+            with msg.open_log.reader():
+                while not (msg.open_log.closed and after == msg.open_log.next_seq - 1):
+                    await msg.open_log.wait_for_entries(after)
+                    for entry in msg.open_log.read_from(after):
+                        arrivals.extend((trio.current_time() - t0, e) for e in SSEParser().feed(entry.data))
+                        after = entry.seq
+
+        async def open_after_400_s() -> None:
+            await trio.sleep(400)
+            engine.opened.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            nursery.start_soon(open_after_400_s)
+        times, events = [t for t, _ in arrivals], [e for _, e in arrivals]
+        keepalive = "ping" if surface == "anthropic" else "response.in_progress"
+        silent = [e.event for t, e in arrivals if 0 < t < 400]
+        assert times[0] == 0 and events[0].event in ("message_start", "response.created")
+        assert silent == [keepalive] * 26  # at 15, 30, ... 390 s
+        assert max(b - a for a, b in zip(times, times[1:])) <= 15
+        if surface == "responses":
+            adapter = TypeAdapter(ResponseStreamEvent)
+            for e in events:
+                adapter.validate_python(json.loads(e.data), strict=True)
+        else:
+            assert anthropic_text(events) == "hello world"
+        hub.logs.forget(msg.id)
+        rebuilt, _ = await hub.resume.open_log(msg.id, None)
+        assert [e for entry in rebuilt.read_from(None) for e in SSEParser().feed(entry.data)] == events

@@ -329,7 +329,7 @@ def released(producer: Producer) -> str:
 async def test_gate_releases_what_leaves_the_window_and_the_rest_at_the_block_stop():
     stage = pattern_stage(2, "bad")
     p = producer_for(stage)
-    p.start()
+    p.start(0.0)
     await screen(p, stage, TEXT)
     for text, tokens, out in [("a", 1, ""), ("b", 1, ""), ("cd", 1, "a"), ("e", 2, "abcd")]:  # two tokens push two out
         await screen(p, stage, BlockDelta(0, text, tokens))
@@ -344,7 +344,7 @@ async def test_gate_releases_what_leaves_the_window_and_the_rest_at_the_block_st
 async def test_gate_refuses_mid_stream_and_at_the_block_stop():
     stage = pattern_stage(2, "bad")
     p = producer_for(stage)
-    p.start()
+    p.start(0.0)
     for event in (TEXT, BlockDelta(0, "x", 1), BlockDelta(0, "b", 1), BlockDelta(0, "a", 1)):
         await screen(p, stage, event)
     assert released(p) == "x"
@@ -353,7 +353,7 @@ async def test_gate_refuses_mid_stream_and_at_the_block_stop():
 
     stage = pattern_stage(4, "bad")
     p = producer_for(stage)
-    p.start()
+    p.start(0.0)
     for event in (TEXT, BlockDelta(0, "b", 1), BlockDelta(0, "a", 1), BlockDelta(0, "d", 1)):
         await screen(p, stage, event)
     step = await screen(p, stage, BlockStop(0))
@@ -363,7 +363,7 @@ async def test_gate_refuses_mid_stream_and_at_the_block_stop():
 async def test_gate_passes_failures_and_drops_the_unchecked_window():
     stage = pattern_stage(3, "bad")
     p = producer_for(stage)
-    p.start()
+    p.start(0.0)
     await screen(p, stage, TEXT)
     await screen(p, stage, BlockDelta(0, "held", 1))
     failure = Failure(ErrorKind.API_ERROR, "boom", USAGE, True)
@@ -375,7 +375,7 @@ async def test_gate_passes_failures_and_drops_the_unchecked_window():
 async def test_a_failing_checker_fails_closed(fn):
     stage = SafetyStage(1, [ThreadedChecker(fn, max_threads=1)])
     p = producer_for(stage)
-    p.start()
+    p.start(0.0)
     await screen(p, stage, TEXT)
     await screen(p, stage, BlockDelta(0, "a", 1))
     step = await screen(p, stage, BlockDelta(0, "b", 1))
@@ -389,7 +389,7 @@ async def test_threaded_checker_runs_off_the_trio_thread():
     safety_checkers.reset()
     stage = SafetyStage(1, [ThreadedChecker(safety_checkers.recording, max_threads=1)])
     p = producer_for(stage)
-    p.start()
+    p.start(0.0)
     await screen(p, stage, TEXT)
     await screen(p, stage, BlockDelta(0, "a", 1))
     await screen(p, stage, BlockDelta(0, "b", 1))
@@ -427,7 +427,7 @@ async def through_gate(runner: Runner, stage: SafetyStage, text: str, stop: tupl
     """One request's events through a producer as the hub does it: (released text, terminal)."""
     request = GenerationRequest((ChatMessage("user", "echo:" + text),), 200, SamplingParams(temperature=0), stop)
     p = producer_for(stage)
-    p.start()
+    p.start(0.0)
     async with runner.submit(await runner.prepare(request)) as gen:
         async for event in gen:
             step = await screen(p, stage, event)

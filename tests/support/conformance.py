@@ -98,6 +98,7 @@ class Seen:
         next_block: the index the next Anthropic block must have (None: not known yet, resumed).
         json_deltas: how many argument fragments came (Anthropic ``input_json_delta`` events,
             OpenAI ``tool_calls`` deltas after a call's first).
+        pings: how many Anthropic ``ping`` events came (keepalives: the SDK skips them).
     """
 
     text: str = ""
@@ -112,6 +113,7 @@ class Seen:
     open_block: int | None = None
     next_block: int | None = None
     json_deltas: int = 0
+    pings: int = 0
 
 
 def _extra(model: Any) -> dict[str, Any]:
@@ -120,6 +122,10 @@ def _extra(model: Any) -> dict[str, Any]:
 
 def _anthropic_event(data: dict[str, Any], name: str, seen: Seen, first: bool) -> None:
     assert data.get("type") == name, (name, data)
+    if name == "ping":  # a keepalive, which the SDK's stream skips (anthropic._streaming.Stream)
+        assert data == {"type": "ping"} and not first, data
+        seen.pings += 1
+        return
     if name == "error":
         seen.events.append(ErrorResponse.model_validate(data, strict=True))
         seen.error, seen.terminal = data["error"], True

@@ -84,6 +84,9 @@ class RecordingRenderer:
     def fail(self, failure):
         return [WireEvent(f"fail {failure.kind.name.lower()}")]
 
+    def keepalive(self):
+        return [WireEvent("keepalive")]
+
 
 def entry_data(entries) -> list[str]:
     """The data of SSE entries made by the producer (one data line each), in order."""
@@ -97,7 +100,7 @@ def rendered(surface, events, *, message_id: str, usage=None, model: str = "fake
     usage = usage or Usage(5, 0)
     renderer = surface.renderer(message_id, model, 1700000000, include_usage)
     producer = Producer(message_id, renderer, usage, flush_seconds=0.0, flush_tokens=1, persist_seconds=math.inf)
-    entries = list(producer.start().entries)
+    entries = list(producer.start(0.0).entries)
     for event in events:
         entries += producer.event(event, getattr(event, "usage", usage), 0.0).entries
     return b"".join(entries)
