@@ -27,7 +27,7 @@ from ringserve.core.view import MessageView
 from ringserve.http.accesslog import SCOPE_KEY as ACCESS_KEY
 from ringserve.http.accesslog import AccessRecord
 from ringserve.http.auth import Authenticator
-from ringserve.http.decide import RequestHeaders
+from ringserve.http.decide import SESSION_HEADERS, RequestHeaders
 from ringserve.http.transport import SendWatchdog
 from ringserve.live.hub import Hub
 from ringserve.logs.memory import MessageLog
@@ -126,6 +126,7 @@ def request_headers() -> RequestHeaders:
         prefer=tuple(headers.getlist("Prefer")),
         idempotency_key=headers.get("Idempotency-Key"),
         disconnect_policy=headers.get("Ringserve-Disconnect-Policy"),
+        session=next((value for name in SESSION_HEADERS if (value := headers.get(name))), None),
     )
 
 

@@ -53,6 +53,12 @@ def request_hash(body: bytes) -> str:
 #: The preference (RFC 7240 §4.1) that asks for a 202 and the message's URL instead of the answer.
 RESPOND_ASYNC = "respond-async"
 
+#: The request headers that name a client's session, the first one present wins: Claude Code's
+#: (one UUID per session), then Codex CLI's (``session-id`` and ``x-client-request-id`` both hold
+#: its session UUID); docs/agents.md. An identical request under the same session is a retry of
+#: the same turn (``live/idempotency.py`` ``SessionTurns``).
+SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "x-client-request-id")
+
 
 @attrs.frozen
 class RequestHeaders:
@@ -62,11 +68,13 @@ class RequestHeaders:
         prefer: every ``Prefer`` header line, in order (RFC 7240 allows several).
         idempotency_key: ``Idempotency-Key``, as sent (``Hub.create`` checks it).
         disconnect_policy: ``Ringserve-Disconnect-Policy``: ``abort`` or ``continue``.
+        session: the client's session, from the first of :data:`SESSION_HEADERS` it sent.
     """
 
     prefer: tuple[str, ...] = ()
     idempotency_key: str | None = None
     disconnect_policy: str | None = None
+    session: str | None = None
 
 
 @attrs.frozen
@@ -85,6 +93,7 @@ class Start:
         policy: what the message does when its last reader leaves.
         respond_async: the client prefers a 202 (``Prefer: respond-async``).
         idempotency_key: as sent, for ``Hub.create``.
+        session: the client's session header, for ``Hub.create`` (an identical retry attaches).
         body_hash: the body's SHA-256 (``hub.request_hash``): a key reused with another body is a 422.
         request_json: the body as text, for the store.
     """
@@ -93,6 +102,7 @@ class Start:
     policy: Policy
     respond_async: bool
     idempotency_key: str | None
+    session: str | None
     body_hash: str
     request_json: str
 
@@ -267,6 +277,7 @@ def admit(surface: Surface, raw: bytes, headers: RequestHeaders, config: Config,
         policy=policy,
         respond_async=prefer,
         idempotency_key=headers.idempotency_key,
+        session=headers.session,
         body_hash=request_hash(raw),
         request_json=raw.decode("utf-8", "replace"),
     )

@@ -76,7 +76,8 @@ async def generate(surface: Surface) -> Response:
         start = attrs.evolve(start, parsed=await _whole(hub, start.parsed))
         context.admit_reader()
         created = await hub.create(surface, start.parsed, body_hash=start.body_hash, request_json=start.request_json,
-                                   policy=start.policy, idempotency_key=start.idempotency_key)
+                                   policy=start.policy, idempotency_key=start.idempotency_key,
+                                   session=start.session)
     except RingserveError as exc:
         return error_response(surface, exc)
     live = created.live

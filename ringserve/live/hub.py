@@ -30,7 +30,7 @@ from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.status import CancelReason, MessageStatus, Policy
 from ringserve.core.view import MessageView
 from ringserve.engine.runner import Runner
-from ringserve.live.idempotency import Keys, retry_answer, surface_key
+from ringserve.live.idempotency import SESSION_GRACE_SECONDS, Keys, SessionTurns, retry_answer, session_key, surface_key
 from ringserve.live.message import Created, LiveMessage
 from ringserve.live.persist import Persister
 from ringserve.live.produce import Production
@@ -64,6 +64,7 @@ class Hub:
 
     Attributes:
         keys: the ``Idempotency-Key`` claims (``live/idempotency.py``).
+        sessions: the implicit keys of requests under a client session header (``live/idempotency.py``).
         persister: the store writes of live messages (``live/persist.py``).
         resume: where resumes find their log (``live/resume.py``).
         draining: new generations are refused (:meth:`drain`).
@@ -91,6 +92,7 @@ class Hub:
         self._nursery = nursery
         self._live: dict[str, LiveMessage] = {}
         self.keys = Keys(cluster, store, find=self.find)
+        self.sessions = SessionTurns(logs)
         self.persister = Persister(store, nursery, written=self._forget)
         self._production = Production(config, runner, logs, store, self.persister, self.metrics, self.safety,
                                       registered=self._live.__setitem__, on_idle=self._on_idle)
@@ -108,8 +110,10 @@ class Hub:
         request_json: str,
         policy: Policy,
         idempotency_key: str | None = None,
+        session: str | None = None,
     ) -> Created:
-        """Start a generation, or find the one an ``Idempotency-Key`` already started.
+        """Start a generation, or find the one an ``Idempotency-Key`` (or, without one, the same
+        body under the same client ``session``) already started.
 
         The message is rendered by ``surface.restored(parsed.echo)`` (a surface with state of its
         own renders with the request's); the store keeps that echo (without prompt text unless
@@ -121,6 +125,9 @@ class Hub:
         under its id); one that is live, ``complete`` or ``cancelled`` is
         returned as it is. Retries that arrive while the key's first attempt
         is still starting wait for it, and get its error if it failed to start.
+        A request with no key under a client ``session`` is found by its implicit key (``live/
+        idempotency.py`` ``SessionTurns``: while its first attempt runs, or ended whole with its
+        log held), on this replica only.
 
         Returns:
             The message's view, with its handle when it is live here (an idempotent retry's
@@ -137,6 +144,9 @@ class Hub:
         key = None if idempotency_key is None else surface_key(surface.name, idempotency_key)
         if self.draining:
             raise RingserveError(ErrorKind.UNAVAILABLE, "server is shutting down", retry_after=1, retryable=True)
+        turn = None if key is not None or session is None else session_key(surface.name, session, body_hash)
+        if turn is not None and (attempt := await self.sessions.find(turn)) is not None:
+            return Created(attempt.view(), attempt)
         replaces = None
         if key is not None and (existing := await self.keys.existing(key)) is not None:
             if (answer := retry_answer(existing, body_hash)) is not None:
@@ -153,6 +163,7 @@ class Hub:
             request_hash=body_hash,
             echo=parsed.echo,
             idempotency_key=key,
+            session_key=turn,
             replaces=replaces,
         )
         return await self._start(msg, parsed, request_json)
@@ -163,6 +174,8 @@ class Hub:
         claimed = False
         if key is not None:
             self.keys.pending[key] = msg
+        if msg.session_key is not None:
+            self.sessions.add(msg.session_key, msg)
         try:
             prepared = await self.runner.prepare(parsed.request)
             if key is not None:
@@ -185,6 +198,8 @@ class Hub:
         except BaseException as exc:
             if isinstance(exc, RingserveError):
                 msg.start_error = exc  # for the retries waiting on this attempt
+            if msg.session_key is not None:
+                self.sessions.drop(msg.session_key, msg)
             if claimed and key is not None:
                 # Whatever stopped the start (a refusal, a store that failed, the client gone and
                 # the request cancelled, even mid-claim), the key is let go at once if it names msg.
@@ -208,6 +223,8 @@ class Hub:
         if msg.done.is_set() or msg.policy is not Policy.ABORT:
             return
         grace = self.config.policy.grace_seconds
+        if msg.session_key is not None:  # its client's retry attaches to it (live/idempotency.py)
+            grace = max(grace, SESSION_GRACE_SECONDS)
         if grace <= 0:
             msg.cancel(CancelReason.CLIENT_GONE)
         else:

@@ -1,4 +1,4 @@
-"""``Idempotency-Key``: a retry finds the message its key names, on this replica or any other.
+"""Retries find their message: ``Idempotency-Key``, and identical requests of one client session.
 
 A key names one request body on one surface. :class:`Keys` holds the keys of
 this replica's attempts while they start (a retry that comes meanwhile waits
@@ -6,10 +6,22 @@ for the attempt, and gets its error if it failed to start), and makes a key
 name one message on every replica (``Cluster.claim_key``): two first attempts
 on two replicas make one generation. What a retry gets of the message its key
 names is :func:`retry_answer`'s.
+
+A request without a key that names its client's session (Claude Code's and Codex's session
+headers, ``http/decide.py`` ``SESSION_HEADERS``) has an implicit one: the session and the
+body's hash (:func:`session_key`). The coding agents send the whole conversation with every
+turn and retry a turn whose stream failed, timed out or was cut by re-sending the same body;
+:class:`SessionTurns` makes that retry attach to the first attempt's message (a replay from its
+first event, then live) instead of a second generation of the same turn, as long as that
+message runs or ended whole with its log still held (``[stream]``'s TTL). A retry of a turn
+that failed, was interrupted or cancelled, or whose log expired, is a new generation: the client
+never got that answer whole, or it asked again long after. Implicit keys stay in this replica's
+memory (at most :data:`MAX_SESSION_TURNS`): a retry that reaches another replica generates again.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 import attrs
@@ -20,6 +32,7 @@ from ringserve.core.status import MessageStatus
 from ringserve.core.view import MessageView
 from ringserve.live.message import LiveMessage
 from ringserve.logs.cluster import Cluster, KeyHolder
+from ringserve.logs.memory import LogStore
 from ringserve.store.sqlite import MessageStore
 
 #: Stored statuses that an idempotent retry generates again instead of returning.
@@ -36,6 +49,16 @@ KEY_WAIT_SECONDS = 5.0
 #: (``Cluster.release_key``), even when its request was cancelled.
 RELEASE_SECONDS = 2.0
 
+#: The most implicit keys :class:`SessionTurns` holds (the oldest go first; those whose message
+#: can no longer be attached to go as soon as they are the oldest).
+MAX_SESSION_TURNS = 1024
+#: Statuses whose message an identical retry of the same session does not attach to.
+UNATTACHABLE_STATUSES = frozenset({MessageStatus.FAILED, MessageStatus.INTERRUPTED, MessageStatus.CANCELLED})
+#: Seconds at least that a message with an implicit key waits, under the ``abort`` policy, for a
+#: reader after its last one left: the agents re-send a turn 0.2 s (Codex) to 2 s (Claude Code,
+#: after a 429) after its stream broke (docs/agents.md), and the retry then attaches to it.
+SESSION_GRACE_SECONDS = 5.0
+
 
 def surface_key(surface: str, key: str) -> str:
     """The key as the hub spells it: a key names a request on one surface.
@@ -46,6 +69,11 @@ def surface_key(surface: str, key: str) -> str:
     if not (0 < len(key) <= 255 and key.isprintable()):
         raise RingserveError(ErrorKind.INVALID_REQUEST, "Idempotency-Key must be 1-255 printable characters")
     return f"{surface}:{key}"
+
+
+def session_key(surface: str, session: str, body_hash: str) -> str:
+    """The implicit key of a request under a client session: one body on one surface in one session."""
+    return f"{surface}:{session[:200]}:{body_hash}"
 
 
 def key_reused() -> RingserveError:
@@ -149,3 +177,61 @@ class Keys:
         that never appears), taking at most :data:`RELEASE_SECONDS`, even when cancelled."""
         with trio.move_on_after(RELEASE_SECONDS, shield=True):
             await self.cluster.release_key(key, KeyHolder(msg.id, msg.request_hash))
+
+
+@attrs.define(eq=False)
+class SessionTurns:
+    """Implicit keys (:func:`session_key`) → the message of their first attempt, while an identical
+    retry may attach to it (see the module doc).
+
+    Args:
+        logs: the log store (an ended message can be attached to while its log is held).
+        limit: the most keys held.
+    """
+
+    logs: LogStore
+    limit: int = MAX_SESSION_TURNS
+    _turns: OrderedDict[str, LiveMessage] = attrs.field(factory=OrderedDict, init=False)
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    async def find(self, key: str) -> LiveMessage | None:
+        """The message an identical retry under ``key`` attaches to, once its attempt started;
+        None when there is none (or no longer one).
+
+        Raises:
+            RingserveError: the error of the attempt this call waited for, when that attempt
+            failed to start (the same answer as a new attempt would get).
+        """
+        msg = self._turns.get(key)
+        if msg is None:
+            return None
+        await msg.started.wait()
+        if msg.start_error is not None:
+            raise msg.start_error
+        if self._attachable(msg):
+            return msg
+        self.drop(key, msg)
+        return None
+
+    def add(self, key: str, msg: LiveMessage) -> None:
+        """``msg`` is the first attempt under ``key`` (from before its prompt is tokenized); the
+        oldest keys go past :attr:`limit`, and while the oldest one's message is past attaching."""
+        self._turns[key] = msg
+        self._turns.move_to_end(key)
+        while self._turns:
+            oldest = next(iter(self._turns.values()))
+            if len(self._turns) <= self.limit and (not oldest.started.is_set() or self._attachable(oldest)):
+                break
+            self._turns.popitem(last=False)
+
+    def drop(self, key: str, msg: LiveMessage) -> None:
+        """Forget ``key`` if it still names ``msg``."""
+        if self._turns.get(key) is msg:
+            del self._turns[key]
+
+    def _attachable(self, msg: LiveMessage) -> bool:
+        """Whether a started message may be attached to: its log exists and is still held (not
+        expired nor forgotten), and it did not end failed, interrupted or cancelled."""
+        return msg.log is not None and msg.status not in UNATTACHABLE_STATUSES and self.logs.get(msg.id) is msg.log

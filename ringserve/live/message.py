@@ -57,7 +57,8 @@ class LiveMessage:
     store failed to write its final state: it stays until
     ``Persister.save_unsaved`` has written it).
     ``replaces`` is the id of the ``interrupted`` or ``failed`` message whose
-    ``Idempotency-Key`` this one takes over. ``unsaved``: its last store write
+    ``Idempotency-Key`` this one takes over; ``session_key`` its implicit key (a request of a
+    client session: ``live/idempotency.py`` ``SessionTurns``). ``unsaved``: its last store write
     failed, so the store holds an older state (``store_failed``: one did,
     which was logged). ``echo`` is what its objects echo while it is live
     (``Surface.restored``; the store may keep less: no prompt text without
@@ -73,6 +74,7 @@ class LiveMessage:
     request_hash: str
     echo: str = ""
     idempotency_key: str | None = None
+    session_key: str | None = None
     replaces: str | None = None
     start_error: RingserveError | None = None
     log: MessageLog | None = None

@@ -10,6 +10,8 @@ import httpx
 import pytest
 import trio
 
+from ringserve.core.sse import SSEParser
+from ringserve.engine.fake import FakeEngine
 from ringserve.store.sqlite import MessageStore
 from tests.support.server import fake_config, running_server
 from tests.support.helpers import anthropic_text, openai_text, sse_events
@@ -182,3 +184,107 @@ async def test_failed_messages_are_generated_again_and_cancelled_ones_returned_a
                 assert resp.status_code == 200 and resp.json()["id"] == cancelled
                 assert resp.json()["stop_reason"] == "end_turn" and resp.json()["ringserve_cancelled"] is True
             assert state.hub.runner.statistics().prompt_tokens_total == prompt_tokens
+
+
+# -- issue 33 item 5: one generation per logical turn of an agent's session ----------------------
+
+#: Each surface's request (a long reply) and the session headers its agent sends (docs/agents.md).
+SESSIONS = {
+    "anthropic": ("/v1/messages", {"model": "m", "max_tokens": 1000, "stream": True,
+                                   "messages": [{"role": "user", "content": LONG_TEXT}]},
+                  {"x-claude-code-session-id": "4b0f5c3e-claude"}),
+    "responses": ("/v1/responses", {"model": "m", "stream": True, "store": False, "input": LONG_TEXT},
+                  {"session-id": "0199-codex", "x-client-request-id": "0199-codex"}),
+}
+
+
+def session_server(tmp_path):
+    """A server whose fake engine replies slowly (a long echo, 2 ms a token), and the engine."""
+    engines = []
+
+    def factory(config):
+        engines.append(FakeEngine(n_slots=2, n_ctx_slot=4096, piece_bytes=4, step_seconds=0.002))
+        return engines[0]
+
+    return running_server(fake_config(tmp_path, engine={"slots": 2}), engine_factory=factory), engines
+
+
+async def raw_stream(client, path, body, headers, *, events: int | None = None) -> tuple[str | None, bytes]:
+    """POST a stream; (X-Message-Id, its raw body), or only its first ``events`` events (then close)."""
+    raw, parser, seen = bytearray(), SSEParser(), 0
+    async with client.stream("POST", path, json=body, headers=headers) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for chunk in resp.aiter_raw():
+            raw += chunk
+            seen += len(parser.feed(chunk))
+            if events is not None and seen >= events:
+                break
+    return resp.headers.get("x-message-id"), bytes(raw)
+
+
+def reply_text(raw: bytes) -> str:
+    """The text of an Anthropic or Responses stream."""
+    text = ""
+    for event in SSEParser().feed(raw):
+        data = json.loads(event.data)
+        if data["type"] in ("content_block_delta", "response.output_text.delta"):
+            text += data["delta"]["text"] if data["type"] == "content_block_delta" else data["delta"]
+    return text
+
+
+@pytest.mark.parametrize("surface", SESSIONS)
+async def test_identical_requests_under_one_session_header_are_one_generation_and_stream_the_same_bytes(
+        tmp_path, surface):
+    """Claude Code's and Codex's retry of a turn (the same body, the same session header) while its
+    first attempt runs attaches to it: the engine begins one generation, and both streams are
+    the same bytes, the retry's from the first event."""
+    path, body, headers = SESSIONS[surface]
+    server, engines = session_server(tmp_path)
+    async with server as state, httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        answers = []
+
+        async def attempt() -> None:
+            answers.append(await raw_stream(client, path, body, headers))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(attempt)
+            await wait_until(lambda: engines[0].begins)
+            nursery.start_soon(attempt)
+        assert len(engines[0].begins) == 1
+        (first_id, first), (again_id, again) = answers
+        assert first_id == again_id and first == again and first.count(b"id: ") > 20
+
+
+@pytest.mark.parametrize("surface", SESSIONS)
+async def test_a_retry_after_the_stream_broke_attaches_to_the_generation_and_after_its_end_replays_it(
+        tmp_path, surface):
+    """The first connection drops after 5 events (the abort policy, grace 0: a message of a
+    session waits SESSION_GRACE_SECONDS for its client's retry); the retry attaches and reads the
+    whole answer; a retry after the end (its log held; Codex's store: false deleted the row) is a
+    replay. Another session, another body, or no session header: generations of their own."""
+    path, body, headers = SESSIONS[surface]
+    server, engines = session_server(tmp_path)
+    async with server as state, httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        first_id, cut = await raw_stream(client, path, body, headers, events=5)
+        retry_id, whole = await raw_stream(client, path, body, headers)
+        assert retry_id == first_id and whole.startswith(cut) and len(whole) > len(cut)
+        assert reply_text(whole) == REPLY
+        again_id, again = await raw_stream(client, path, body, headers)
+        assert (again_id, again) == (retry_id, whole)
+        assert len(engines[0].begins) == 1
+        others = [({**body, "max_tokens" if surface == "anthropic" else "max_output_tokens": 999}, headers),
+                  (body, {name: "another-session" for name in headers}), (body, {})]
+        for other_body, other_headers in others:
+            other_id, _ = await raw_stream(client, path, other_body, other_headers, events=3)
+            assert other_id != first_id
+        assert len(engines[0].begins) == 4
+
+
+async def test_a_retry_of_a_failed_turn_under_a_session_is_a_new_generation(tmp_path):
+    path, body, headers = SESSIONS["anthropic"]
+    async with running_server(fake_config(tmp_path), fail_after_tokens=3) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        first_id, first = await raw_stream(client, path, body, headers)
+        assert b"event: error" in first
+        retry_id, _ = await raw_stream(client, path, body, headers)
+        assert retry_id != first_id

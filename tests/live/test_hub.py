@@ -297,3 +297,24 @@ async def test_a_400_s_silent_prefill_is_broken_every_heartbeat_interval_by_a_ke
         hub.logs.forget(msg.id)
         rebuilt, _ = await hub.resume.open_log(msg.id, None)
         assert [e for entry in rebuilt.read_from(None) for e in SSEParser().feed(entry.data)] == events
+
+
+async def test_session_turns_hold_at_most_their_limit_and_drop_turns_whose_log_is_gone(autojump_clock):
+    """The implicit keys of session requests are bounded: past the limit the oldest goes, and an
+    oldest one whose log expired (or a message that failed) goes at the next add."""
+    async with running_hub() as hub:
+        hub.sessions.limit = 2
+        made = []
+        for i in range(3):
+            made.append(live(await hub.create(ANTHROPIC, request(f"echo:{i}"), body_hash=f"h{i}", request_json="{}",
+                                              policy=Policy.CONTINUE, session="s")))
+            await made[-1].done.wait()
+        assert len(hub.sessions) == 2
+        again = await hub.create(ANTHROPIC, request("echo:2"), body_hash="h2", request_json="{}",
+                                 policy=Policy.CONTINUE, session="s")
+        assert again.live is made[2]  # ended whole, its log held: the same message
+        hub.logs.forget(made[1].id)
+        hub.logs.forget(made[2].id)
+        fresh = live(await hub.create(ANTHROPIC, request("echo:3"), body_hash="h3", request_json="{}",
+                                      policy=Policy.CONTINUE, session="s"))
+        assert len(hub.sessions) == 1 and await hub.sessions.find("anthropic:s:h3") is fresh
