@@ -267,6 +267,9 @@ class GenerationRequest:
             llama-server takes them: ``{"enable_thinking": false}``...); JSON values only.
         context_edits: history to trim before the prompt is rendered, in order
             (``core/context.py``; Anthropic's ``context_management``).
+        cache_key: a hint that requests with the same key share a prompt prefix (the Responses
+            API's ``prompt_cache_key``, else the client's session header): the prefix cache's
+            slot choice prefers their slot (``core/scheduler.py`` ``choose_slot``); "": none.
     """
 
     messages: tuple[ChatMessage, ...]
@@ -280,6 +283,7 @@ class GenerationRequest:
     reasoning: ReasoningConfig = ReasoningConfig()
     template_kwargs: str = attrs.field(default="", validator=_json_object)
     context_edits: tuple[ContextEdit, ...] = ()
+    cache_key: str = ""
 
 
 @attrs.frozen

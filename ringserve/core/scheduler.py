@@ -173,12 +173,14 @@ class SlotCache:
             (greater is more recent; -1: never used).
         prompt_tokens: how many of ``tokens`` were its last request's prompt
             (the rest were sampled); None: all of them.
+        cache_key: its last request's cache hint (``GenerationRequest.cache_key``; "": none).
     """
 
     slot: int
     tokens: tuple[int, ...] = ()
     last_used: int = -1
     prompt_tokens: int | None = None
+    cache_key: str = ""
 
 
 @attrs.frozen
@@ -222,6 +224,7 @@ def choose_slot(
     *,
     min_hit: int = MIN_HIT,
     min_copy: int = MIN_COPY,
+    cache_key: str = "",
 ) -> CacheChoice:
     """The prefix-cache decision: which free slot a prompt goes to, and what it reuses.
 
@@ -234,7 +237,10 @@ def choose_slot(
 
     The slot is the one that reuses most; a reuse under ``min_hit`` tokens is
     a miss and counts as 0, unless it is all the prompt may reuse (a short
-    prompt sent again). Among equal hits, the one that destroys fewest
+    prompt sent again). Among equal hits, a slot whose last request had the same
+    ``cache_key`` wins where the hit is its own cells (a client's hint that its requests
+    share a prefix, the Responses API's ``prompt_cache_key``: its own cells, stale past the
+    hit, go before another conversation's), then the one that destroys fewest
     cached prompt tokens wins (the cells of the slot's last prompt beyond
     what it reuses: another conversation's history after a shared system
     prompt; a conversation's next turn extends its last prompt and destroys
@@ -250,6 +256,7 @@ def choose_slot(
             tokens whose cells they hold now (live requests).
         min_hit: see :data:`MIN_HIT` (tokens).
         min_copy: see :data:`MIN_COPY` (tokens).
+        cache_key: the request's cache hint ("": none).
 
     Returns:
         The choice.
@@ -270,7 +277,7 @@ def choose_slot(
         if n > best_copy:
             best_source, best_copy = slot, n
 
-    best: tuple[tuple[int, int, bool, int, int], CacheChoice] | None = None
+    best: tuple[tuple[int, bool, int, bool, int, int], CacheChoice] | None = None
     for cache in free:
         own = min(common_prefix(prompt, cache.tokens), limit)
         prompt_cells = len(cache.tokens) if cache.prompt_tokens is None else cache.prompt_tokens
@@ -278,7 +285,9 @@ def choose_slot(
         if best_source is not None and best_source != cache.slot and best_copy - own >= min_copy:
             choice, lost = CacheChoice(cache.slot, best_copy, best_source), prompt_cells
         hit = choice.reuse >= min_hit or 0 < choice.reuse == limit  # or all the prompt it may reuse
-        key = (choice.reuse if hit else 0, -lost if hit else 0, choice.source is None, -cache.last_used, -cache.slot)
+        mine = hit and choice.source is None and cache_key != "" and cache.cache_key == cache_key
+        key = (choice.reuse if hit else 0, mine, -lost if hit else 0, choice.source is None, -cache.last_used,
+               -cache.slot)
         if best is None or key > best[0]:
             best = (key, choice)
     assert best is not None
@@ -335,6 +344,7 @@ class Entry:
         forced: the tokens its next samples must be, in order (:meth:`Scheduler.force`):
             each sampling feed carries the first as :attr:`SlotFeed.forced`, and
             :meth:`Scheduler.on_sampled` takes it off.
+        cache_key: the request's cache hint (:func:`choose_slot`).
     """
 
     id: int
@@ -352,6 +362,7 @@ class Entry:
     sampled: list[int] = attrs.Factory(list)
     kept: tuple[int, ...] = ()
     forced: list[int] = attrs.Factory(list)
+    cache_key: str = ""
 
     @property
     def cells(self) -> tuple[int, ...]:
@@ -531,6 +542,7 @@ class Scheduler:
         *,
         priority: int = 0,
         tag: object = None,
+        cache_key: str = "",
     ) -> Entry:
         """Add a request to the admission queue (FIFO within its priority).
 
@@ -539,6 +551,7 @@ class Scheduler:
             max_tokens: most tokens to sample (>= 1).
             priority: smaller is admitted first.
             tag: any object the caller wants back on the entry.
+            cache_key: the request's cache hint (:func:`choose_slot`).
 
         Returns:
             The new QUEUED entry.
@@ -553,7 +566,7 @@ class Scheduler:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if self._n_queued >= self.capacity:
             raise QueueFull(self._n_queued, self.capacity)
-        entry = Entry(next(self._ids), tuple(prompt), max_tokens, priority, tag)
+        entry = Entry(next(self._ids), tuple(prompt), max_tokens, priority, tag, cache_key=cache_key)
         self._queues.setdefault(priority, deque()).append(entry)
         self._n_queued += 1
         return entry
@@ -593,7 +606,7 @@ class Scheduler:
         while self._free and self._queues:
             entry = self._pop_next()
             assert entry is not None
-            choice = self._choose(entry.prompt)
+            choice = self._choose(entry.prompt, entry.cache_key)
             slot = choice.slot
             self._free.remove(slot)
             self._cache.pop(slot, None)
@@ -630,12 +643,12 @@ class Scheduler:
                 room -= n
         return Plan(tuple(admitted), tuple(feeds), tuple(owners))
 
-    def _choose(self, prompt: tuple[int, ...]) -> CacheChoice:
+    def _choose(self, prompt: tuple[int, ...], cache_key: str) -> CacheChoice:
         if not self.prefix_cache:
             return CacheChoice(min(self._free))
         free = [self._cache.get(slot) or SlotCache(slot) for slot in sorted(self._free)]
         live = {e.slot: e.cells for e in self._admit_order if e.slot is not None}
-        choice = choose_slot(prompt, free, live, min_hit=self.min_hit, min_copy=self.min_copy)
+        choice = choose_slot(prompt, free, live, min_hit=self.min_hit, min_copy=self.min_copy, cache_key=cache_key)
         self._lookup_tokens += len(prompt)
         self._hit_tokens += choice.reuse
         return choice
@@ -768,7 +781,8 @@ class Scheduler:
             self._handed_out.remove(slot)
             self._free.add(slot)
             kept = () if slot in lost else entry.kept
-            self._cache[slot] = SlotCache(slot, kept, next(self._ticks), min(len(kept), len(entry.prompt)))
+            self._cache[slot] = SlotCache(slot, kept, next(self._ticks), min(len(kept), len(entry.prompt)),
+                                          entry.cache_key)
 
     def forget_cache(self) -> None:
         """Drop every free slot's cache entry (the engine's state is unknown, e.g. after a crash).

@@ -678,7 +678,7 @@ class Runner:
             )
         request = prepared.request
         entry = self._scheduler.enqueue(
-            prepared.prompt_tokens, prepared.max_tokens, priority=request.priority
+            prepared.prompt_tokens, prepared.max_tokens, priority=request.priority, cache_key=request.cache_key
         )
         send, receive = trio.open_memory_channel[GenerationEvent](4 * prepared.max_tokens + 4)
         gen = Generation(prepared, entry, send, receive)

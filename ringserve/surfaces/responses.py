@@ -107,13 +107,13 @@ REQUEST_FIELDS = FieldTable(
     supported=frozenset({
         "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
         "stream_options", "background", "store", "metadata", "previous_response_id", "text",
-        "tools", "tool_choice", "parallel_tool_calls",
+        "tools", "tool_choice", "parallel_tool_calls", "prompt_cache_key",
         # extensions, as llama.cpp's server accepts them on its other routes
         "top_k", "min_p", "seed", "chat_template_kwargs",
     }),
     ignored=frozenset({
         # bookkeeping, caching and routing that cannot change the text
-        "user", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_options",
+        "user", "service_tier", "safety_identifier", "prompt_cache_options",
         "prompt_cache_retention", "access_programs",
         # reasoning controls and the extra output they ask for: ringserve's models do not reason
         # here yet, so there is nothing to control or include (Codex sends both on every turn)
@@ -427,7 +427,8 @@ def parse_create(body: Any) -> ResponseCreate:
     ``temperature`` (0–2), ``top_p``, ``stream``, ``stream_options``
     (only with ``stream``), ``background``, ``store`` (``background`` needs
     it, as OpenAI's API requires), ``metadata`` (16 string pairs),
-    ``previous_response_id``, ``text`` (``format``: ``text``, ``json_object``, or
+    ``previous_response_id``, ``prompt_cache_key`` (the prefix cache's slot choice prefers the
+    slot its key last used), ``text`` (``format``: ``text``, ``json_object``, or
     ``json_schema`` with ``name``, ``schema``, ``strict``; :data:`FORMAT_FIELDS`);
     and ``top_k``, ``min_p``, ``seed`` as extensions. Other tool types, other item
     types and unknown fields are refused.
@@ -466,7 +467,8 @@ def parse_create(body: Any) -> ResponseCreate:
     sampling = sampling_params(body, max_temperature=2.0)
     request = check_enforced(GenerationRequest(messages=messages, max_tokens=max_tokens, sampling=sampling,
                                                tools=tools, tool_choice=choice, output=output,
-                                               template_kwargs=template_kwargs(body)),
+                                               template_kwargs=template_kwargs(body),
+                                               cache_key=get_str(body, "prompt_cache_key")),
                              "tools[{i}].parameters", "text.format.schema")
     return ResponseCreate(
         options=ResponseOptions(

@@ -426,6 +426,37 @@ def test_among_equal_hits_the_one_that_destroys_least_cache_wins():
     assert choice == CacheChoice(1, 200)  # B's slot loses 50 cached tokens, A's would lose 300
 
 
+def test_among_equal_hits_the_slot_of_the_same_cache_key_wins_and_loses_its_own_stale_cells():
+    """Codex's ``prompt_cache_key`` (its session): session A's prompt changed after the shared
+    system prompt (a compaction); its own slot's cells past the system prompt are stale, and go
+    before session B's history, which a fewer-cells rule alone would destroy."""
+    system = prompt(200)
+    a_old = system + prompt(300, start=1000)
+    b = system + prompt(50, start=2000)
+    a_new = system + prompt(20, start=3000)
+    free = [SlotCache(0, a_old, 1, cache_key="A"), SlotCache(1, b, 5, cache_key="B")]
+    assert choose_slot(a_new, free) == CacheChoice(1, 200)  # no key: B's slot loses least
+    assert choose_slot(a_new, free, cache_key="A") == CacheChoice(0, 200)
+    assert choose_slot(a_new, free, cache_key="C") == CacheChoice(1, 200)  # a key no slot has
+    # a longer hit still wins over the key, and a miss goes to the least recently used
+    assert choose_slot(b + prompt(5, start=4000), free, cache_key="A") == CacheChoice(1, 250)
+    assert choose_slot(prompt(100, start=5000), free, cache_key="B") == CacheChoice(0, 0)
+
+
+def test_the_scheduler_keeps_each_slots_cache_key_for_the_next_choice():
+    s = cached(n_slots=2)
+    system = prompt(40)
+    first = s.enqueue(system + prompt(30, start=1000), 2, cache_key="A")
+    other = s.enqueue(system + prompt(10, start=2000), 2, cache_key="B")
+    s.plan()
+    slot_a = first.slot
+    finish_after(s, first, [7, 8])
+    finish_after(s, other, [7, 8])
+    again = s.enqueue(system + prompt(5, start=3000), 2, cache_key="A")
+    s.plan()
+    assert (again.slot, again.cached) == (slot_a, 40)
+
+
 def test_shared_prefix_is_copied_into_a_free_slot_rather_than_evicting_a_conversation():
     system = prompt(200)
     a = system + prompt(300, start=1000)
