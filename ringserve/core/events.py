@@ -89,15 +89,26 @@ class ChatMessage:
     reasoning: str = ""
 
 
+#: The one argument of a freeform tool (:attr:`ToolSpec.grammar`): its input text.
+FREEFORM_ARGUMENT = "input"
+
+
 @attrs.frozen
 class ToolSpec:
     """A tool the model may call: ``parameters`` is the JSON text of its arguments' JSON schema
-    (an object schema); ``strict`` asks for arguments decoded under that schema's grammar."""
+    (an object schema); ``strict`` asks for arguments decoded under that schema's grammar.
+
+    A freeform tool (the Responses API's ``custom`` tool) takes one text, which the model writes
+    as the string argument :data:`FREEFORM_ARGUMENT` (its ``parameters`` say so); ``grammar`` is
+    the Lark grammar that text must match (``core/lark.py``; "": any text). Its call's
+    arguments are ``{"input": text}`` like any call's; the surface spells them as the text.
+    """
 
     name: str
     description: str
     parameters: str
     strict: bool = False
+    grammar: str = ""
 
 
 class ToolChoiceMode(enum.StrEnum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextvars
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, assert_never, overload
 
 import attrs
@@ -562,9 +562,12 @@ def json_schema(value: Any, where: str, param: str, *, arguments: bool) -> str:
     return dumps(value)
 
 
-def tool_list(value: Any, key: str, one: Callable[[dict[str, Any], str], ToolSpec]) -> tuple[ToolSpec, ...]:
+def tool_list(value: Any, key: str,
+              one: Callable[[dict[str, Any], str], ToolSpec | Sequence[ToolSpec]]) -> tuple[ToolSpec, ...]:
     """The request's tools: ``value`` a list of at most :data:`MAX_TOOLS` objects, each parsed
-    by ``one(obj, "tools[i]")``, with distinct names; None or absent is no tools.
+    by ``one(obj, "tools[i]")`` into a tool or the tools it stands for (a Responses namespace:
+    its functions; a hosted tool the model cannot call: none), with distinct names; None or
+    absent is no tools.
 
     Raises:
         RingserveError: ``INVALID_REQUEST`` with ``param=key``.
@@ -580,10 +583,11 @@ def tool_list(value: Any, key: str, one: Callable[[dict[str, Any], str], ToolSpe
         where = f"{key}[{i}]"
         if not isinstance(raw, dict):
             raise invalid(f"{where}: must be an object", param=key)
-        tool = one(raw, where)
-        if any(t.name == tool.name for t in tools):
-            raise invalid(f"{where}.name: duplicate tool name {tool.name!r}", param=key)
-        tools.append(tool)
+        made = one(raw, where)
+        for tool in (made,) if isinstance(made, ToolSpec) else made:
+            if any(t.name == tool.name for t in tools):
+                raise invalid(f"{where}.name: duplicate tool name {tool.name!r}", param=key)
+            tools.append(tool)
     return tuple(tools)
 
 

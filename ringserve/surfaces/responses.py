@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Any, assert_never
 
 import attrs
@@ -49,6 +50,7 @@ import attrs
 from ringserve.core.errors import PROMPT_PARAM, ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
     AppliedEdit,
+    FREEFORM_ARGUMENT,
     BlockDelta,
     BlockKind,
     BlockStart,
@@ -67,6 +69,7 @@ from ringserve.core.events import (
     ToolSpec,
     Usage,
 )
+from ringserve.core.lark import LarkGrammarError, lark_to_gbnf
 from ringserve.core.status import INTERRUPTED_MESSAGE, MessageStatus
 from ringserve.core.render import SEQ_VALUE, WireEvent
 from ringserve.core.view import MessageView
@@ -85,6 +88,7 @@ from ringserve.surfaces.base import (
     get_int,
     get_str,
     openai_tool_choice,
+    optional,
     require_function,
     require_object,
     sampling_params,
@@ -152,8 +156,8 @@ FORMAT_FIELDS = FieldTable(
     refused={},
 )
 
-#: The fields of a function tool (``FunctionToolParam``: flat, unlike Chat's ``tools[i].function``);
-#: other tool types are refused by type.
+#: The fields of a function tool (``FunctionToolParam``: flat, unlike Chat's ``tools[i].function``;
+#: a namespace's functions too).
 TOOL_FIELDS = FieldTable(
     supported=frozenset({"type", "name", "description", "parameters", "strict"}),
     ignored=frozenset(),
@@ -165,6 +169,36 @@ TOOL_FIELDS = FieldTable(
     },
 )
 
+#: The fields of a ``custom`` tool (``CustomToolParam``: a freeform tool, its input one text,
+#: with a ``format``: ``{"type": "text"}`` or a Lark ``grammar``) and of its ``format``.
+CUSTOM_TOOL_FIELDS = FieldTable(
+    supported=frozenset({"type", "name", "description", "format"}),
+    ignored=frozenset(),
+    refused={key: TOOL_FIELDS.refused[key] for key in ("defer_loading", "allowed_callers", "async")},
+)
+CUSTOM_FORMAT_FIELDS = FieldTable(supported=frozenset({"type", "syntax", "definition"}), ignored=frozenset(),
+                                  refused={})
+
+#: The fields of a ``namespace`` tool (``NamespaceToolParam``: function and custom tools under
+#: one name, which the model calls as ``namespace.name``: :func:`qualified`).
+NAMESPACE_FIELDS = FieldTable(supported=frozenset({"type", "name", "description", "tools"}), ignored=frozenset(),
+                              refused={})
+
+#: Tool types the model cannot call here: hosted by OpenAI (a web search, a file search, an image
+#: generator, a code interpreter, a computer) or run by a client for a model trained on them
+#: (a local shell, ``apply_patch`` calls, a client-executed ``tool_search`` over deferred
+#: tools). They are accepted, left out of the prompt and reported (Codex sends ``web_search``
+#: and ``tool_search`` on every turn); so is a type ringserve does not know. ``mcp`` (remote MCP
+#: servers the server would have to call) is refused.
+HOSTED_TOOL_TYPES = frozenset({
+    "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
+    "computer", "computer_use_preview", "code_interpreter", "image_generation", "local_shell", "shell",
+    "apply_patch", "tool_search", "programmatic_tool_calling",
+})
+
+#: The separator of a namespace and a tool's name in the name the model calls (``multi_agent_v1.spawn_agent``).
+NAMESPACE_SEPARATOR = "."
+
 #: The fields of a named ``tool_choice`` (``ToolChoiceFunctionParam``).
 TOOL_CHOICE_FIELDS = FieldTable(supported=frozenset({"type", "name"}), ignored=frozenset(), refused={})
 
@@ -174,15 +208,22 @@ _CALLER = Refused("programmatic tool calling is not implemented", neutral=({"typ
 #: earlier answer sent back) and of a ``function_call_output`` item (``FunctionCallOutput``; its
 #: ``name`` is the call's, which the call item or the previous response has).
 CALL_ITEM_FIELDS = FieldTable(
-    supported=frozenset({"type", "call_id", "name", "arguments"}),
+    supported=frozenset({"type", "call_id", "name", "arguments", "namespace"}),
+    # what the SDKs' stream helpers add to a call they hand back (the Node SDK's parsed_arguments)
+    ignored=frozenset({"id", "status", "parsed_arguments"}),
+    refused={"caller": _CALLER, "async": Refused("asynchronous tool calls are not implemented", neutral=(False,))},
+)
+#: A ``custom_tool_call`` input item (``ResponseCustomToolCallParam``), and the output item of a
+#: call of either kind (``FunctionCallOutput``, ``ResponseCustomToolCallOutputParam``).
+CUSTOM_CALL_ITEM_FIELDS = FieldTable(
+    supported=frozenset({"type", "call_id", "name", "input", "namespace"}),
     ignored=frozenset({"id", "status"}),
-    refused={"caller": _CALLER, "namespace": Refused("tool namespaces are not implemented"),
-             "async": Refused("asynchronous tool calls are not implemented", neutral=(False,))},
+    refused={key: CALL_ITEM_FIELDS.refused[key] for key in ("caller", "async")},
 )
 OUTPUT_ITEM_FIELDS = FieldTable(
     supported=frozenset({"type", "call_id", "output"}),
-    ignored=frozenset({"id", "status", "name"}),
-    refused={"caller": _CALLER, "namespace": Refused("tool namespaces are not implemented")},
+    ignored=frozenset({"id", "status", "name", "namespace"}),
+    refused={"caller": _CALLER},
 )
 
 #: The fields of a message input item (``EasyInputMessageParam``, ``Message``,
@@ -210,17 +251,19 @@ STREAM_OPTIONS_FIELDS = FieldTable(
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
-#: Input item types of tools other than functions, and others ringserve has no equivalent for; any
-#: other type is unknown. Both are 400s naming the type.
+#: Input items of hosted tools (:data:`HOSTED_TOOL_TYPES`), which an earlier answer of another
+#: server may hold: dropped (the model never saw those tools).
+HOSTED_ITEM_TYPES = frozenset({"web_search_call", "file_search_call", "image_generation_call", "code_interpreter_call",
+                               "tool_search_call", "tool_search_output"})
+
+#: Input item types of tools ringserve has no equivalent for, and others; any other type is
+#: unknown. Both are 400s naming the type.
 TOOL_ITEM_TYPES = frozenset({
-    "custom_tool_call", "custom_tool_call_output",
-    "computer_call", "computer_call_output", "file_search_call", "web_search_call", "image_generation_call",
-    "code_interpreter_call", "local_shell_call", "local_shell_call_output", "shell_call", "shell_call_output",
-    "apply_patch_call", "apply_patch_call_output", "mcp_list_tools", "mcp_approval_request",
-    "mcp_approval_response", "mcp_call", "tool_search_call", "tool_search_output", "additional_tools",
-    "program", "program_output",
+    "computer_call", "computer_call_output", "local_shell_call", "local_shell_call_output", "shell_call",
+    "shell_call_output", "apply_patch_call", "apply_patch_call_output", "mcp_list_tools", "mcp_approval_request",
+    "mcp_approval_response", "mcp_call", "additional_tools", "program", "program_output",
 })
-OTHER_ITEM_TYPES = frozenset({"reasoning", "compaction", "compaction_trigger", "item_reference",
+OTHER_ITEM_TYPES = frozenset({"compaction", "compaction_trigger", "item_reference",
                               "configuration_update"})
 
 #: ErrorKind → ``ResponseError.code`` (a literal of the SDK's type) of a failed response.
@@ -238,11 +281,30 @@ INCOMPLETE_REASONS = {
 _OPENAI = OpenAISurface()
 
 
+def qualified(namespace: str | None, name: str) -> str:
+    """The name the model calls a tool by: ``namespace.name`` in a namespace, else ``name``."""
+    return name if namespace is None else f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+@attrs.frozen
+class CallName:
+    """A tool as its call items spell it: ``name`` in ``namespace`` (None: none); ``custom``: a
+    ``custom_tool_call`` with the text of its ``input`` (else a ``function_call`` with its
+    arguments)."""
+
+    name: str
+    namespace: str | None = None
+    custom: bool = False
+
+
 @attrs.frozen
 class ResponseOptions:
     """What a Response object echoes of its request (``openai.types.responses.Response``).
 
     ``text_format`` is the request's ``text.format`` as validated (``{"type": "text"}`` when absent).
+    ``tools`` are the tools as the model sees them (a namespace's flattened, hosted ones left
+    out), ``tool_echo`` the request's as ``Response.tools`` echoes them, and ``calls`` how the
+    call items of the tools that are not plain functions spell them (by the name the model calls).
     """
 
     instructions: str | None = None
@@ -256,6 +318,12 @@ class ResponseOptions:
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
     text_format: dict[str, Any] = attrs.Factory(lambda: {"type": "text"})
+    tool_echo: tuple[dict[str, Any], ...] = ()
+    calls: dict[str, CallName] = attrs.Factory(dict)
+
+    def call_name(self, name: str) -> CallName:
+        """How the call items of the tool the model calls ``name`` spell it."""
+        return self.calls.get(name) or CallName(name)
 
 
 @attrs.frozen
@@ -290,11 +358,16 @@ class ResponseCreate:
 
 
 def _input_items(value: Any) -> tuple[tuple[ChatMessage, ...], tuple[tuple[str, str], ...]]:
-    """``input``: a string (one user turn) or a list of message, ``function_call`` and
-    ``function_call_output`` items; and the answers to calls not in it (:class:`ResponseCreate`).
+    """``input``: a string (one user turn) or a list of items; and the answers to calls not in it
+    (:class:`ResponseCreate`).
 
-    A ``function_call`` is a call of the assistant turn before it (a new assistant turn when the
-    item before is not one), a ``function_call_output`` a ``tool`` turn.
+    Items: messages; a ``function_call`` or ``custom_tool_call`` (an earlier answer's call sent
+    back) is a call of the assistant turn before it (a new assistant turn when the item before
+    is not one), named ``namespace.name`` when it has a namespace (:func:`qualified`); a
+    ``function_call_output`` or ``custom_tool_call_output`` a ``tool`` turn. A ``reasoning``
+    item's readable text (its ``content``: ``reasoning_text`` parts) is the reasoning of the
+    assistant turn after it; one with none (only a summary or ``encrypted_content``) is
+    dropped, never an error. Items of hosted tools (:data:`HOSTED_ITEM_TYPES`) are dropped.
     """
     if isinstance(value, str) and value:
         return (ChatMessage("user", value),), ()
@@ -302,6 +375,18 @@ def _input_items(value: Any) -> tuple[tuple[ChatMessage, ...], tuple[tuple[str, 
         raise invalid("input: must be a non-empty string or a non-empty list of items", param="input")
     messages: list[ChatMessage] = []
     ids, answers = CallIds(), []
+    reasoning = ""  # of the assistant turn to come
+
+    def assistant(turn: ChatMessage, merge: bool) -> None:
+        nonlocal reasoning
+        if merge and messages and messages[-1].role == "assistant":
+            last = messages[-1]
+            joined = "\n\n".join(r for r in (last.reasoning, reasoning) if r)
+            messages[-1] = attrs.evolve(last, tool_calls=(*last.tool_calls, *turn.tool_calls), reasoning=joined)
+        else:
+            messages.append(attrs.evolve(turn, reasoning=reasoning))
+        reasoning = ""
+
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -309,19 +394,24 @@ def _input_items(value: Any) -> tuple[tuple[ChatMessage, ...], tuple[tuple[str, 
         kind = item.get("type", "message")
         if not isinstance(kind, str):
             raise invalid(f"{where}.type: must be a string", param="input")
-        if kind == "function_call":
-            CALL_ITEM_FIELDS.check(item, where, param="input")
+        if kind == "reasoning":
+            reasoning = "\n\n".join(r for r in (reasoning, _reasoning_text(item)) if r)
+            continue
+        if kind in ("function_call", "custom_tool_call"):
+            custom = kind == "custom_tool_call"
+            (CUSTOM_CALL_ITEM_FIELDS if custom else CALL_ITEM_FIELDS).check(item, where, param="input")
             call = ToolCall(
                 call_id=ids.call(item.get("call_id"), f"{where}.call_id", "input"),
-                name=tool_name(item.get("name"), f"{where}.name", "input"),
-                arguments=arguments_json(item.get("arguments"), f"{where}.arguments", "input"),
+                name=_call_name(item, where),
+                arguments=(_freeform_arguments(item.get("input"), f"{where}.input") if custom
+                           else arguments_json(item.get("arguments"), f"{where}.arguments", "input")),
             )
-            if messages and messages[-1].role == "assistant":
-                messages[-1] = attrs.evolve(messages[-1], tool_calls=(*messages[-1].tool_calls, call))
-            else:
-                messages.append(ChatMessage("assistant", "", tool_calls=(call,)))
+            assistant(ChatMessage("assistant", "", tool_calls=(call,)), merge=True)
             continue
-        if kind == "function_call_output":
+        if kind in HOSTED_ITEM_TYPES:
+            continue
+        reasoning = "" if kind != "message" or item.get("role") != "assistant" else reasoning
+        if kind in ("function_call_output", "custom_tool_call_output"):
             OUTPUT_ITEM_FIELDS.check(item, where, param="input")
             call_id = item.get("call_id")
             if isinstance(call_id, str) and call_id and call_id not in ids.seen:
@@ -338,19 +428,138 @@ def _input_items(value: Any) -> tuple[tuple[ChatMessage, ...], tuple[tuple[str, 
         role = ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
         if role is None:
             raise invalid(f"{where}.role: must be one of {', '.join(ROLES)}", param="input")
-        messages.append(ChatMessage(role, _item_text(item.get("content"), f"{where}.content")))
+        turn = ChatMessage(role, _item_text(item.get("content"), f"{where}.content"))
+        if role == "assistant":
+            assistant(turn, merge=False)
+        else:
+            messages.append(turn)
     return tuple(messages), tuple(answers)
 
 
-def _tool(raw: dict[str, Any], where: str) -> ToolSpec:
-    """One function tool (:data:`TOOL_FIELDS`); any other tool type is a 400 naming ``tools[i].type``."""
-    require_function(raw, where, "tools", "tools")
-    TOOL_FIELDS.check(raw, where, param="tools")
-    return function_spec(raw, where, "tools")
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """The readable reasoning of a ``reasoning`` input item: its ``content`` parts'
+    (``reasoning_text``, or ``text``) text joined; "" when it has none or is malformed (a summary
+    is not the reasoning, and ``encrypted_content`` is OpenAI's)."""
+    content = item.get("content")
+    if not isinstance(content, list):
+        return ""
+    texts = [part.get("text") for part in content
+             if isinstance(part, dict) and part.get("type") in ("reasoning_text", "text")]
+    return "".join(text for text in texts if isinstance(text, str))
+
+
+def _call_name(item: dict[str, Any], where: str) -> str:
+    """The name a call item's tool has in the prompt: its ``name``, in its ``namespace`` if any."""
+    name = tool_name(item.get("name"), f"{where}.name", "input")
+    namespace = item.get("namespace")
+    if namespace is None:
+        return name
+    return qualified(tool_name(namespace, f"{where}.namespace", "input"), name)
+
+
+def _freeform_arguments(value: Any, where: str) -> str:
+    """A ``custom_tool_call``'s ``input`` as a freeform call's arguments (``{"input": ...}``)."""
+    if not isinstance(value, str):
+        raise invalid(f"{where}: must be a string", param="input")
+    return dumps({FREEFORM_ARGUMENT: value})
+
+
+def _tool(raw: dict[str, Any], where: str) -> ToolSpec | tuple[ToolSpec, ...]:
+    """One tool: a function (:data:`TOOL_FIELDS`), a ``custom`` tool (:func:`_custom_tool`), a
+    ``namespace``'s function and custom tools (named ``namespace.name``, each described with the
+    namespace's description), or none for a tool the model cannot call (:data:`HOSTED_TOOL_TYPES`,
+    or a type ringserve does not know). ``mcp`` is a 400 naming ``tools[i].type``."""
+    match raw.get("type"):
+        case "function":
+            TOOL_FIELDS.check(raw, where, param="tools")
+            return function_spec(raw, where, "tools")
+        case "custom":
+            return _custom_tool(raw, where)
+        case "namespace":
+            NAMESPACE_FIELDS.check(raw, where, param="tools")
+            namespace = tool_name(raw.get("name"), f"{where}.name", "tools")
+            about = optional(raw.get("description"), str, f"{where}.description", "tools") or ""
+            inner = raw.get("tools")
+            if not isinstance(inner, list):
+                raise invalid(f"{where}.tools: must be a list of function and custom tools", param="tools")
+            tools = []
+            for j, tool in enumerate(inner):
+                at = f"{where}.tools[{j}]"
+                if not isinstance(tool, dict) or tool.get("type") not in ("function", "custom"):
+                    raise invalid(f"{at}: a namespace holds function and custom tools", param="tools")
+                spec = _tool(tool, at)
+                assert isinstance(spec, ToolSpec)
+                description = f"{about}\n\n{spec.description}".strip() if about else spec.description
+                tools.append(attrs.evolve(spec, name=qualified(namespace, spec.name), description=description))
+            return tuple(tools)
+        case "mcp":
+            raise invalid(f"{where}.type: 'mcp' tools are not supported by ringserve (the server would have to"
+                          " call the MCP server; run it in the client and send its tools as functions)",
+                          param="tools")
+        case _:
+            return ()
+
+
+def freeform_parameters(grammar: str) -> str:
+    """The arguments' schema that a freeform tool shows the model: one string, its input, which
+    matches the Lark ``grammar`` (written in the description, so that the model knows it)."""
+    about = "The tool's input: free text." if not grammar else (
+        "The tool's input: a text that matches this Lark grammar (not JSON, unless the grammar says so):\n"
+        + grammar)
+    return dumps({"type": "object", "properties": {FREEFORM_ARGUMENT: {"type": "string", "description": about}},
+                  "required": [FREEFORM_ARGUMENT], "additionalProperties": False})
+
+
+def _custom_tool(raw: dict[str, Any], where: str) -> ToolSpec:
+    """A ``custom`` tool (:data:`CUSTOM_TOOL_FIELDS`): a freeform tool whose input is decoded under
+    its ``format``'s grammar (Lark, or a ``regex`` as a Lark grammar of one terminal; none for
+    ``{"type": "text"}``), checked here so that one ``core/lark.py`` cannot translate is a 400
+    naming ``tools[i].format``."""
+    CUSTOM_TOOL_FIELDS.check(raw, where, param="tools")
+    name = tool_name(raw.get("name"), f"{where}.name", "tools")
+    fmt = raw.get("format")
+    grammar = ""
+    if fmt is not None:
+        fmt = CUSTOM_FORMAT_FIELDS.object(fmt, f"{where}.format", "tools")
+        kind, syntax, definition = fmt.get("type"), fmt.get("syntax"), fmt.get("definition")
+        if kind == "grammar" and syntax in ("lark", "regex") and isinstance(definition, str) and definition:
+            grammar = definition if syntax == "lark" else (
+                "start: /" + definition.replace("/", "\\/").replace("\n", "\\n") + "/")
+            try:
+                lark_to_gbnf(grammar)
+            except LarkGrammarError as exc:
+                raise invalid(f"{where}.format.definition: {exc}", param="tools") from None
+        elif kind != "text" or len(fmt) > 1:
+            raise invalid(f'{where}.format: must be {{"type": "text"}} or {{"type": "grammar", "syntax": "lark"'
+                          ' or "regex", "definition": ...}}', param="tools")
+    return ToolSpec(name=name, description=optional(raw.get("description"), str, f"{where}.description", "tools") or "",
+                    parameters=freeform_parameters(grammar), strict=True, grammar=grammar)
+
+
+def _call_names(value: Any) -> dict[str, CallName]:
+    """The call items' names of a request's (valid) tools whose calls are not plain functions: a
+    namespace's (by their qualified names) and custom tools."""
+    names: dict[str, CallName] = {}
+    for tool in value or ():
+        if tool.get("type") == "custom":
+            names[tool["name"]] = CallName(tool["name"], custom=True)
+        if tool.get("type") == "namespace":
+            for inner in tool["tools"]:
+                names[qualified(tool["name"], inner["name"])] = CallName(inner["name"], tool["name"],
+                                                                         inner["type"] == "custom")
+    return names
+
+
+def _tool_echo(value: Any, tools: tuple[ToolSpec, ...]) -> tuple[dict[str, Any], ...]:
+    """The request's tools as a Response object echoes them (``Response.tools``): functions as
+    validated (:func:`_tool_json`), every other tool as sent."""
+    specs = {tool.name: tool for tool in tools}
+    return tuple(_tool_json(specs[tool["name"]]) if tool.get("type") == "function" else tool for tool in value or ())
 
 
 def _named_function(value: dict[str, Any]) -> str:
-    """The name of a named ``tool_choice`` (``ToolChoiceFunctionParam``)."""
+    """The name of a named ``tool_choice`` (``ToolChoiceFunctionParam``, or ``ToolChoiceCustomParam``
+    read as one)."""
     TOOL_CHOICE_FIELDS.check(value, "tool_choice", param="tool_choice")
     return tool_name(value.get("name"), "tool_choice.name", "tool_choice")
 
@@ -447,7 +656,10 @@ def parse_create(body: Any) -> ResponseCreate:
         raise invalid("input: field required", param="input")
     messages, answers = _input_items(body["input"])
     tools = tool_list(body.get("tools"), "tools", _tool)
-    choice = openai_tool_choice(body.get("tool_choice"), tools, named=_named_function,
+    choice_value = body.get("tool_choice")
+    if isinstance(choice_value, dict) and choice_value.get("type") == "custom":  # named like a function
+        choice_value = {**choice_value, "type": "function"}
+    choice = openai_tool_choice(choice_value, tools, named=_named_function,
                                 parallel=get_bool(body, "parallel_tool_calls", True))
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -483,6 +695,8 @@ def parse_create(body: Any) -> ResponseCreate:
             tools=tools,
             tool_choice=choice,
             text_format=text_format,
+            tool_echo=_tool_echo(body.get("tools"), tools),
+            calls=_call_names(body.get("tools")),
         ),
         input=messages,
         parsed=ParsedRequest(request=request, stream=stream, model=get_str(body, "model")),
@@ -687,28 +901,117 @@ def _no_reasoning(kind: BlockKind) -> None:
         raise NotImplementedError("Responses rendering of reasoning blocks (nothing emits them)")
 
 
-def call_item_id(call_id: str) -> str:
-    """The output item id of a function call: ``fc_`` and the call's neutral 24 hex digits (its
-    ``call_id`` is ``call_`` and the same digits, as on Chat Completions)."""
-    return "fc_" + call_id
+def call_item_id(call_id: str, custom: bool = False) -> str:
+    """The output item id of a call: ``fc_`` (a ``custom_tool_call``'s: ``ctc_``) and the call's
+    neutral 24 hex digits (its ``call_id`` is ``call_`` and the same digits, as on Chat Completions)."""
+    return ("ctc_" if custom else "fc_") + call_id
 
 
-def _item(response_id: str, index: int, block: ContentBlock, status: str, *, started: bool = True) -> dict[str, Any]:
+class FreeformInput:
+    """The input text of a freeform call (``custom_tool_call``), decoded from its arguments' JSON
+    text ``{"input": "..."}`` as the fragments come (:meth:`feed`: the text they add).
+
+    The head up to the string's opening quote is matched first (spaces allowed, as JSON allows
+    them); an escape cut between two fragments waits for its end. Arguments of another shape
+    (not what a freeform tool's grammar lets the model write) turn it ``off``: it adds nothing
+    more, as after the string's end (``ended``).
+    """
+
+    _HEAD = re.compile(r'\s*\{\s*"' + FREEFORM_ARGUMENT + r'"\s*:\s*"')
+    _ESCAPE = re.compile(r'\\(?:["\\/bfnrt]|u[dD][89abAB][0-9a-fA-F]{2}\\u[0-9a-fA-F]{4}|u(?![dD][89abAB])[0-9a-fA-F]{4})')
+
+    def __init__(self) -> None:
+        self._pending = ""  # the head so far, or an escape cut short
+        self._in_string = False
+        self.off = False  # the arguments are not {"input": "..."}
+        self.ended = False  # the string ended: the rest is the object's end
+
+    def feed(self, fragment: str) -> str:
+        if self.off or self.ended:
+            return ""
+        text, self._pending = self._pending + fragment, ""
+        if not self._in_string:
+            head = self._HEAD.match(text)
+            if head is None:
+                self.off = not self._head_prefix(text)
+                self._pending = "" if self.off else text
+                return ""
+            self._in_string, text = True, text[head.end():]
+        out, i = [], 0
+        while i < len(text):
+            c = text[i]
+            if c == '"':
+                self.ended = True
+                break
+            if c != "\\":
+                out.append(c)
+                i += 1
+                continue
+            escape = self._ESCAPE.match(text, i)
+            if escape is None:
+                if len(text) - i < 12:  # maybe cut short: wait for the rest
+                    self._pending = text[i:]
+                else:
+                    self.off = True
+                break
+            out.append(json.loads(f'"{escape.group()}"'))
+            i = escape.end()
+        return "".join(out)
+
+    @staticmethod
+    def _head_prefix(text: str) -> bool:
+        """Whether ``text`` may still become the head (it is a prefix of one)."""
+        rest = text.lstrip()
+        for part in ("{", f'"{FREEFORM_ARGUMENT}"', ":", '"'):
+            if len(rest) <= len(part):
+                return part.startswith(rest)
+            if not rest.startswith(part):
+                return False
+            rest = rest[len(part):].lstrip()
+        return True
+
+
+def freeform_input(arguments: str) -> str:
+    """A freeform call's input text from its arguments' JSON text (``{"input": text}``): the text
+    so far while they are cut (a call still streaming, or cut by ``max_output_tokens``), and the
+    arguments as they are when they hold no such text."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        stream = FreeformInput()
+        text = stream.feed(arguments)
+        return arguments if stream.off else text
+    if isinstance(value, dict) and isinstance(value.get(FREEFORM_ARGUMENT), str):
+        return str(value[FREEFORM_ARGUMENT])
+    return arguments
+
+
+def _item(response_id: str, index: int, block: ContentBlock, status: str, options: ResponseOptions, *,
+          started: bool = True) -> dict[str, Any]:
     """Output item ``index``: an assistant message (``ResponseOutputMessage``; not ``started``: no
-    part yet) for a text block, a ``function_call`` (``ResponseFunctionToolCall``) for a call."""
+    part yet) for a text block; for a call a ``function_call`` (``ResponseFunctionToolCall``), or a
+    ``custom_tool_call`` (``ResponseCustomToolCall``, its ``input`` the text) of a custom tool,
+    with its ``namespace`` in one (``options.call_name``)."""
     _no_reasoning(block.kind)
     if block.kind is BlockKind.TOOL_CALL:
-        return {"id": call_item_id(block.call_id), "type": "function_call", "call_id": tool_call_id(block.call_id),
-                "name": block.name, "arguments": block.text, "status": status}
+        name = options.call_name(block.name)
+        item: dict[str, Any] = {"id": call_item_id(block.call_id, name.custom), "call_id": tool_call_id(block.call_id),
+                                "name": name.name}
+        if name.namespace is not None:
+            item["namespace"] = name.namespace
+        if name.custom:
+            return {**item, "type": "custom_tool_call", "input": freeform_input(block.text)}
+        return {**item, "type": "function_call", "arguments": block.text, "status": status}
     return {"id": item_id(response_id, index), "type": "message", "role": "assistant", "status": status,
             "content": [_text_part(block.text)] if started else []}
 
 
-def output_json(response_id: str, blocks: tuple[ContentBlock, ...], last_status: str) -> list[dict[str, Any]]:
-    """``Response.output``: one item per block (a message per text block, a ``function_call`` per
-    call); every item but the last is ``completed``, the last one has ``last_status`` (the
-    response's outcome)."""
-    return [_item(response_id, i, block, "completed" if i < len(blocks) - 1 else last_status)
+def output_json(response_id: str, blocks: tuple[ContentBlock, ...], last_status: str,
+                options: ResponseOptions) -> list[dict[str, Any]]:
+    """``Response.output``: one item per block (a message per text block, a call item per call:
+    :func:`_item`); every item but the last is ``completed``, the last one has ``last_status``
+    (the response's outcome)."""
+    return [_item(response_id, i, block, "completed" if i < len(blocks) - 1 else last_status, options)
             for i, block in enumerate(blocks)]
 
 
@@ -800,12 +1103,12 @@ def _tool_json(tool: ToolSpec) -> dict[str, Any]:
             "parameters": json.loads(tool.parameters), "strict": tool.strict}
 
 
-def _tool_choice_json(choice: ToolChoice) -> str | dict[str, str]:
+def _tool_choice_json(choice: ToolChoice, options: ResponseOptions) -> str | dict[str, str]:
     """A request's tool choice as the Response object echoes it (``ToolChoiceOptions``,
-    ``ToolChoiceFunction``)."""
+    ``ToolChoiceFunction``, ``ToolChoiceCustom``)."""
     match choice.mode:
         case ToolChoiceMode.NAMED:
-            return {"type": "function", "name": choice.name}
+            return {"type": "custom" if options.call_name(choice.name).custom else "function", "name": choice.name}
         case ToolChoiceMode.AUTO | ToolChoiceMode.NONE | ToolChoiceMode.REQUIRED:
             return choice.mode.value
         case _:
@@ -840,13 +1143,13 @@ def response_json(
         "max_output_tokens": options.max_output_tokens,
         "metadata": options.metadata,
         "model": model,
-        "output": output_json(response_id, blocks, outcome.item_status),
+        "output": output_json(response_id, blocks, outcome.item_status, options),
         "parallel_tool_calls": options.tool_choice.parallel,
         "previous_response_id": options.previous_response_id,
         "temperature": options.temperature,
         "text": {"format": options.text_format},
-        "tool_choice": _tool_choice_json(options.tool_choice),
-        "tools": [_tool_json(tool) for tool in options.tools],
+        "tool_choice": _tool_choice_json(options.tool_choice, options),
+        "tools": list(options.tool_echo),
         "top_p": options.top_p,
         "truncation": "disabled",
         "usage": None if usage is None else usage_json(usage),
@@ -871,6 +1174,7 @@ class ResponsesRenderer:
         self._id, self._model, self._created, self._options = response_id, model, created, options
         self._starts: list[BlockStart] = []  # each block's start
         self._items: list[list[str]] = []  # the text (or argument fragments) of each block
+        self._inputs: dict[int, FreeformInput] = {}  # the freeform calls' input decoders, by block
         self._open: int | None = None  # a block started and not stopped
         self._stopped: int | None = None  # a stopped block whose done events are due
 
@@ -892,8 +1196,8 @@ class ResponsesRenderer:
         return {"item_id": item_id(self._id, index), "output_index": index, "content_index": 0}
 
     def _call_where(self, index: int) -> dict[str, Any]:
-        """The position fields of a function call's arguments event."""
-        return {"item_id": call_item_id(self._starts[index].call_id), "output_index": index}
+        """The position fields of a call's arguments (or freeform input) event."""
+        return {"item_id": call_item_id(self._starts[index].call_id, index in self._inputs), "output_index": index}
 
     def start(self, usage: Usage) -> list[WireEvent]:
         first = Outcome("queued" if self._options.background else "in_progress")
@@ -909,8 +1213,11 @@ class ResponsesRenderer:
         self._starts.append(start)
         self._items.append([])
         self._open = start.index
+        if start.kind is BlockKind.TOOL_CALL and self._options.call_name(start.name).custom:
+            self._inputs[start.index] = FreeformInput()
         added = self._event("response.output_item.added", output_index=start.index,
-                            item=_item(self._id, start.index, self._block(start.index), "in_progress", started=False))
+                            item=_item(self._id, start.index, self._block(start.index), "in_progress", self._options,
+                                       started=False))
         if start.kind is BlockKind.TOOL_CALL:
             return [*events, added]
         return [*events, added,
@@ -921,6 +1228,10 @@ class ResponsesRenderer:
         if self._starts[delta.index].kind is not BlockKind.TOOL_CALL:
             return [self._event("response.output_text.delta", delta=delta.text, logprobs=[],
                                 **self._where(delta.index))]
+        if delta.index in self._inputs:
+            text = self._inputs[delta.index].feed(delta.text)
+            return [self._event("response.custom_tool_call_input.delta", delta=text,
+                                **self._call_where(delta.index))] if text else []
         if not delta.text:
             return []
         return [self._event("response.function_call_arguments.delta", delta=delta.text,
@@ -937,7 +1248,10 @@ class ResponsesRenderer:
             return []
         self._open = self._stopped = None
         block = self._block(index)
-        if block.kind is BlockKind.TOOL_CALL:
+        if index in self._inputs:
+            events = [self._event("response.custom_tool_call_input.done", input=freeform_input(block.text),
+                                  **self._call_where(index))]
+        elif block.kind is BlockKind.TOOL_CALL:
             events = [self._event("response.function_call_arguments.done", arguments=block.text,
                                   **self._call_where(index))]
         else:
@@ -946,7 +1260,7 @@ class ResponsesRenderer:
                 self._event("response.content_part.done", part=_text_part(block.text), **self._where(index)),
             ]
         return [*events, self._event("response.output_item.done", output_index=index,
-                                     item=_item(self._id, index, block, item_status))]
+                                     item=_item(self._id, index, block, item_status, self._options))]
 
     def _end(self, type_: str, outcome: Outcome, usage: Usage) -> list[WireEvent]:
         return [*self._close(outcome.item_status), self._event(type_, response=self._response(outcome, usage))]
@@ -1022,7 +1336,7 @@ class ResponsesSurface:
     def content_json(self, blocks: tuple[ContentBlock, ...]) -> list[dict[str, Any]]:
         """The message's content (``GET /v1/messages/{id}``): an ``output_text`` part per text
         block, a ``function_call`` item per call."""
-        return [_item("", i, b, "completed") if b.kind is BlockKind.TOOL_CALL else _text_part(b.text)
+        return [_item("", i, b, "completed", self.options) if b.kind is BlockKind.TOOL_CALL else _text_part(b.text)
                 for i, b in enumerate(blocks)]
 
     def stop_reason(self, reason: StopReason) -> str:

@@ -607,8 +607,10 @@ def test_renderer_items_per_block_and_the_last_items_status():
     assert empty[0]["response"]["status"] == "queued" and empty[-1]["response"]["output"][0]["content"][0]["text"] == ""
 
 
-async def test_heartbeats_while_queued_are_comments_the_sdk_ignores(tmp_path):
-    """A stream queued behind another generation for longer than the heartbeat interval (issue 12)."""
+async def test_keepalives_while_queued_are_events_the_sdk_takes_in_its_stride(tmp_path):
+    """A stream queued behind another generation for longer than the heartbeat interval (issue 12):
+    ``response.in_progress`` again each interval (the keepalive Codex counts; issue 33), which the
+    SDK's stream reads through."""
     config = fake_config(tmp_path, engine={"slots": 1}, server={"heartbeat_interval": 1.0})
     ahead = "echo:" + "x" * 150  # 150 steps of 20 ms: 3 s ahead in the only slot
     async with running_server(config, step_seconds=0.02, piece_bytes=1) as state:
@@ -616,7 +618,8 @@ async def test_heartbeats_while_queued_are_comments_the_sdk_ignores(tmp_path):
             check_object(await client.post("/v1/responses", json={"model": "any", "input": ahead, "background": True}))
             _resp, raw = await stream_bytes(client, "POST", "/v1/responses",
                                             json={"model": "any", "input": "echo:after", "stream": True})
-            assert b"\n: ping\n" in raw and check_stream(raw).text == "after"
+            seen = check_stream(raw)
+            assert seen.text == "after" and seen.types.count("response.in_progress") >= 2
             check_object(await client.post("/v1/responses", json={"model": "any", "input": ahead, "background": True}))
             events = await trio.to_thread.run_sync(lambda: list(sdk(state.urls[0]).responses.create(
                 model="any", input="echo:again", stream=True, background=True)))
