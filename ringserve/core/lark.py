@@ -31,16 +31,21 @@ longest match of each terminal), so on grammars whose terminals overlap it can r
 the grammar derives; a decoder under the GBNF can then write a string Lark would not parse. For
 ``apply_patch`` the two agree: its regexes never cross a line end and every line is led by a
 literal.
+
+:func:`json_string` turns such GBNF (any GBNF of literals and classes) into the grammar of the same
+texts written inside a JSON string, for a model family that writes a freeform tool's input as a
+JSON string argument.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 
 import attrs
 
-__all__ = ["COMMON", "LarkGrammarError", "lark_to_gbnf"]
+__all__ = ["COMMON", "LarkGrammarError", "json_string", "lark_to_gbnf"]
 
 
 class LarkGrammarError(ValueError):
@@ -566,3 +571,119 @@ def lark_to_gbnf(text: str, start: str = "start") -> str:
     lines = [f"root ::= {_gbnf_name(start)}"]
     lines += [f"{_gbnf_name(name)} ::= {body}" for name, body in rules.items()]
     return "\n".join(lines) + "\n"
+
+
+# -- the same language inside a JSON string ------------------------------------------------------
+
+#: What ``parse_char`` of llama.cpp's grammar parser reads after a backslash (besides ``x u U``).
+_GBNF_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\", '"': '"', "[": "[", "]": "]"}
+#: The characters a JSON string must escape (RFC 8259, section 7), as code point ranges.
+_JSON_SPECIAL = ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
+_MAX = 0x10FFFF
+
+
+def _gbnf_char(text: str, i: int) -> tuple[int, int]:
+    """The code point of the (maybe escaped) character at ``text[i]`` of a GBNF literal or class,
+    and where the next one starts."""
+    if text[i] != "\\":
+        return ord(text[i]), i + 1
+    e = text[i + 1]
+    if e in "xuU":
+        width = {"x": 2, "u": 4, "U": 8}[e]
+        return int(text[i + 2 : i + 2 + width], 16), i + 2 + width
+    if e not in _GBNF_ESCAPES:
+        raise LarkGrammarError(f"the GBNF escape \\{e} is not supported")
+    return ord(_GBNF_ESCAPES[e]), i + 2
+
+
+def _subtract(ranges: list[tuple[int, int]], cut: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """``ranges`` (code point ranges, inclusive) without the code points of ``cut``."""
+    for a, b in cut:
+        kept = []
+        for lo, hi in ranges:
+            if b < lo or a > hi:
+                kept.append((lo, hi))
+                continue
+            if lo < a:
+                kept.append((lo, a - 1))
+            if b < hi:
+                kept.append((b + 1, hi))
+        ranges = kept
+    return ranges
+
+
+def _json_escape(code: int) -> str:
+    """A special character as a JSON string writes it (a short escape, else ``\\u00XX``), as a GBNF literal."""
+    escaped = json.dumps(chr(code))[1:-1]
+    return '"' + "".join(_char(ord(c), in_class=False) for c in escaped) + '"'
+
+
+def _json_class(body: str) -> str:
+    """A GBNF class (``[...]`` or ``[^...]``, its text between the brackets) over characters, as
+    the GBNF of those characters written in a JSON string: the class without the characters JSON
+    escapes, or the escapes of those among them."""
+    negate = body.startswith("^")
+    i, ranges = (1 if negate else 0), []
+    while i < len(body):
+        lo, i = _gbnf_char(body, i)
+        hi = lo
+        if i < len(body) - 1 and body[i] == "-":
+            hi, i = _gbnf_char(body, i + 1)
+        ranges.append((lo, hi))
+    if negate:  # kept negated: what it leaves out, and the special characters
+        raw = "[^" + body[1:] + '\\x00-\\x1F\\"\\\\]'
+        ranges = _subtract([(0, _MAX)], tuple(ranges))
+    else:
+        kept = _subtract(ranges, _JSON_SPECIAL)
+        raw = "[" + "".join(_char(lo, in_class=True) + ("" if lo == hi else "-" + _char(hi, in_class=True))
+                            for lo, hi in kept) + "]" if kept else ""
+    specials = [c for a, b in _JSON_SPECIAL for c in range(a, b + 1) if any(lo <= c <= hi for lo, hi in ranges)]
+    parts = [raw] if raw else []
+    parts += [_json_escape(c) for c in specials if len(json.dumps(chr(c))) == 4]  # "\\n", "\\"", ...
+    for high in (0, 1):  # the others are \\u00XX, the last two digits 0X or 1X: one class per X's row
+        digits = "".join(f"{c & 15:x}" for c in specials if c >> 4 == high and len(json.dumps(chr(c))) > 4)
+        if digits:
+            parts.append(f'"\\\\u00{high}" [{digits}]')
+    if not parts:
+        return "[^\\x00-\\U0010FFFF]"  # the empty class: nothing
+    return parts[0] if len(parts) == 1 else "(" + " | ".join(parts) + ")"
+
+
+def _json_literal(body: str) -> str:
+    """A GBNF string literal (its text between the quotes) as the literal of its text in a JSON string."""
+    i, text = 0, []
+    while i < len(body):
+        code, i = _gbnf_char(body, i)
+        text.append(chr(code))
+    escaped = json.dumps("".join(text), ensure_ascii=False)[1:-1]
+    return '"' + "".join(_char(ord(c), in_class=False) for c in escaped) + '"'
+
+
+def json_string(gbnf: str) -> str:
+    """GBNF for the same strings written inside a JSON string: each string the grammar derives,
+    as its JSON encoding between the quotes (``"``, ``\\`` and control characters escaped, the
+    short escapes where JSON has one, else ``\\u00XX``; every other character as it is).
+
+    The escaping is a homomorphism (one fixed text per character), so the rules stay and only
+    their terminals change: each literal becomes the literal of its escaped text, each class the
+    choice of its characters that need no escape and the escapes of those that do. A model
+    that writes a freeform tool's input as a JSON string argument is decoded under it.
+
+    Raises:
+        LarkGrammarError: an escape llama.cpp's grammar parser does not read.
+    """
+    out, i = [], 0
+    while i < len(gbnf):
+        c = gbnf[i]
+        if c not in '"[':
+            out.append(c)
+            i += 1
+            continue
+        close = '"' if c == '"' else "]"
+        j = i + 1
+        while gbnf[j] != close:
+            j += 2 if gbnf[j] == "\\" else 1
+        body = gbnf[i + 1 : j]
+        out.append(_json_literal(body) if c == '"' else _json_class(body))
+        i = j + 1
+    return "".join(out)

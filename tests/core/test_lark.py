@@ -10,10 +10,30 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ringserve.core.lark import LarkGrammarError, lark_to_gbnf
+from ringserve.core.lark import LarkGrammarError, json_string, lark_to_gbnf
 
 CAPTURE = Path(__file__).resolve().parents[1] / "data" / "agents" / "codex_gpt55.jsonl"
+
+
+#: Patches Codex's apply_patch tool takes (its format: codex-rs/apply-patch in openai/codex).
+GOOD_PATCHES = [
+    "*** Begin Patch\n*** Add File: g.txt\n+written by apply_patch\n*** End Patch\n",
+    "*** Begin Patch\n*** Add File: a/b c.py\n+def f():\n+    return 1\n+\n*** Delete File: old.txt\n*** End Patch",
+    "*** Begin Patch\n*** Update File: src/app.py\n*** Move to: src/main.py\n@@ def main():\n-    print('hi')\n+    print('hello')\n"
+    "     return 0\n*** End of File\n*** End Patch\n",
+    "*** Begin Patch\n*** Update File: x\n@@\n context\n*** End Patch\n",
+]
+BAD_PATCHES = [
+    "*** Begin Patch\n*** End Patch\n",  # no hunk
+    "*** Begin Patch\n*** Add File: g.txt\nwritten without a plus\n*** End Patch\n",
+    "*** Begin Patch\n*** Add File: g.txt\n+line\n",  # no end
+    "*** Begin Patch\n*** Add File: \n+line\n*** End Patch\n",  # no file name
+    "--- a/g.txt\n+++ b/g.txt\n@@ -0,0 +1 @@\n+hi\n",  # a unified diff is not this format
+    "*** Begin Patch\n*** Update File: x\n*** End of File\n*** End Patch\n",  # end of file without a change
+]
 
 
 def apply_patch_grammar() -> str:
@@ -104,3 +124,38 @@ def test_unsupported_constructs_are_refused_by_name(lark, error):
 
 def test_another_start_rule_can_be_named():
     assert lark_to_gbnf('patch: "p"', start="patch") == 'root ::= patch\npatch ::= "p"\n'
+
+
+# -- the same language inside a JSON string ------------------------------------------------------
+
+
+def test_apply_patch_inside_a_json_string_takes_each_patch_as_json_writes_it():
+    """The grammar a model writing apply_patch's input as a JSON string argument is decoded under:
+    it takes each good patch as ``json.dumps`` writes it (non-ASCII raw, or escaped as \\u only
+    where JSON must), and no bad one, nor the raw text of one that holds a newline."""
+    from tests.support.gbnf import accepts
+
+    plain = lark_to_gbnf(apply_patch_grammar())
+    quoted = json_string(plain)
+    odd = '*** Begin Patch\n*** Add File: q"\\.txt\n+a "quoted" \\ back\x01slash\té😀\n*** End Patch\n'
+    for patch in [*GOOD_PATCHES, odd]:
+        assert accepts(plain, patch)
+        assert accepts(quoted, json.dumps(patch, ensure_ascii=False)[1:-1]), patch
+        assert not accepts(quoted, patch)
+    for patch in BAD_PATCHES:
+        assert not accepts(quoted, json.dumps(patch, ensure_ascii=False)[1:-1]), patch
+    assert not accepts(quoted, json.dumps(GOOD_PATCHES[0])[1:-1].replace("\\n", "\\u000a"))  # canonical escapes only
+
+
+@pytest.mark.parametrize("gbnf", [
+    r'root ::= [^\n]* "\n"',
+    r'root ::= ["\\a-c\x01\t] [^a]',
+    r'root ::= ("x" | [\x00-\x1F]){1,3} "\"\\"',
+    r'root ::= [^\x00-\U0010FFFF] | "ok"',
+])
+@given(text=st.text(alphabet=st.sampled_from('ab"\\\n\t\x01\x1f\x7fé😀'), max_size=6))
+@settings(max_examples=150, deadline=None)
+def test_a_string_is_in_the_json_grammar_as_json_writes_it_when_it_is_in_the_grammar(gbnf, text):
+    from tests.support.gbnf import accepts
+
+    assert accepts(json_string(gbnf), json.dumps(text, ensure_ascii=False)[1:-1]) == accepts(gbnf, text)

@@ -8,39 +8,22 @@ when the sampler allows each of its tokens in turn and then end-of-generation.
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import re
 from collections.abc import Iterator
 
 import pytest
 
-from ringserve.core.lark import lark_to_gbnf
+from ringserve.core.lark import json_string, lark_to_gbnf
 from ringserve.engine.modelfile import default_model_path
 
-from tests.core.test_lark import apply_patch_grammar
+from tests.core.test_lark import BAD_PATCHES, GOOD_PATCHES, apply_patch_grammar
 
 native = pytest.importorskip("ringserve.engine._native")
 lc = native.llama_cpp
 
 pytestmark = pytest.mark.model
-
-#: Patches Codex's apply_patch tool takes (its format: codex-rs/apply-patch in openai/codex).
-GOOD_PATCHES = [
-    "*** Begin Patch\n*** Add File: g.txt\n+written by apply_patch\n*** End Patch\n",
-    "*** Begin Patch\n*** Add File: a/b c.py\n+def f():\n+    return 1\n+\n*** Delete File: old.txt\n*** End Patch",
-    "*** Begin Patch\n*** Update File: src/app.py\n*** Move to: src/main.py\n@@ def main():\n-    print('hi')\n+    print('hello')\n"
-    "     return 0\n*** End of File\n*** End Patch\n",
-    "*** Begin Patch\n*** Update File: x\n@@\n context\n*** End Patch\n",
-]
-BAD_PATCHES = [
-    "*** Begin Patch\n*** End Patch\n",  # no hunk
-    "*** Begin Patch\n*** Add File: g.txt\nwritten without a plus\n*** End Patch\n",
-    "*** Begin Patch\n*** Add File: g.txt\n+line\n",  # no end
-    "*** Begin Patch\n*** Add File: \n+line\n*** End Patch\n",  # no file name
-    "--- a/g.txt\n+++ b/g.txt\n@@ -0,0 +1 @@\n+hi\n",  # a unified diff is not this format
-    "*** Begin Patch\n*** Update File: x\n*** End of File\n*** End Patch\n",  # end of file without a change
-]
-
 
 @pytest.fixture(scope="module")
 def vocab_model() -> Iterator[object]:
@@ -80,6 +63,14 @@ def test_apply_patch_grammar_accepts_real_patches(vocab_model, patch):
 @pytest.mark.parametrize("patch", BAD_PATCHES)
 def test_apply_patch_grammar_refuses_malformed_patches(vocab_model, patch):
     assert not accepts(vocab_model, lark_to_gbnf(apply_patch_grammar()), patch)
+
+
+@pytest.mark.parametrize("patch", GOOD_PATCHES[:2] + BAD_PATCHES[:2])
+def test_apply_patch_as_a_json_string_under_llama_cpp(vocab_model, patch):
+    """The JSON-string form (``json_string``: a freeform input written as a JSON string argument)
+    parses in llama.cpp and takes a patch as json.dumps writes it, token by token, iff it is good."""
+    gbnf = json_string(lark_to_gbnf(apply_patch_grammar()))
+    assert accepts(vocab_model, gbnf, json.dumps(patch)[1:-1]) == (patch in GOOD_PATCHES)
 
 
 REGEX_CASES = [
