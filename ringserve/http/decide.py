@@ -50,6 +50,14 @@ def request_hash(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
 
+def turn_hash(body: Any) -> str:
+    """Fingerprint of a request body's JSON value whatever the order of its objects' keys (hex
+    SHA-256 of its canonical JSON): Codex's retry of a turn sends its ``client_metadata``, a map,
+    in another order."""
+    canonical = json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 #: The preference (RFC 7240 §4.1) that asks for a 202 and the message's URL instead of the answer.
 RESPOND_ASYNC = "respond-async"
 
@@ -93,7 +101,8 @@ class Start:
         policy: what the message does when its last reader leaves.
         respond_async: the client prefers a 202 (``Prefer: respond-async``).
         idempotency_key: as sent, for ``Hub.create``.
-        session: the client's session header, for ``Hub.create`` (an identical retry attaches).
+        turn: the client's session (its header) and the body's :func:`turn_hash`, for
+            ``Hub.create`` (an identical retry of the turn attaches); None without a session.
         body_hash: the body's SHA-256 (``hub.request_hash``): a key reused with another body is a 422.
         request_json: the body as text, for the store.
     """
@@ -102,7 +111,7 @@ class Start:
     policy: Policy
     respond_async: bool
     idempotency_key: str | None
-    session: str | None
+    turn: str | None
     body_hash: str
     request_json: str
 
@@ -277,7 +286,7 @@ def admit(surface: Surface, raw: bytes, headers: RequestHeaders, config: Config,
         policy=policy,
         respond_async=prefer,
         idempotency_key=headers.idempotency_key,
-        session=headers.session,
+        turn=None if headers.session is None else f"{headers.session[:200]}:{turn_hash(json.loads(raw))}",
         body_hash=request_hash(raw),
         request_json=raw.decode("utf-8", "replace"),
     )

@@ -77,7 +77,7 @@ async def generate(surface: Surface) -> Response:
         context.admit_reader()
         created = await hub.create(surface, start.parsed, body_hash=start.body_hash, request_json=start.request_json,
                                    policy=start.policy, idempotency_key=start.idempotency_key,
-                                   session=start.session)
+                                   turn=start.turn)
     except RingserveError as exc:
         return error_response(surface, exc)
     live = created.live

@@ -110,10 +110,10 @@ class Hub:
         request_json: str,
         policy: Policy,
         idempotency_key: str | None = None,
-        session: str | None = None,
+        turn: str | None = None,
     ) -> Created:
         """Start a generation, or find the one an ``Idempotency-Key`` (or, without one, the same
-        body under the same client ``session``) already started.
+        ``turn``: the same body under the same client session) already started.
 
         The message is rendered by ``surface.restored(parsed.echo)`` (a surface with state of its
         own renders with the request's); the store keeps that echo (without prompt text unless
@@ -125,7 +125,7 @@ class Hub:
         under its id); one that is live, ``complete`` or ``cancelled`` is
         returned as it is. Retries that arrive while the key's first attempt
         is still starting wait for it, and get its error if it failed to start.
-        A request with no key under a client ``session`` is found by its implicit key (``live/
+        A request with no key but a ``turn`` is found by its implicit key (``live/
         idempotency.py`` ``SessionTurns``: while its first attempt runs, or ended whole with its
         log held), on this replica only.
 
@@ -144,8 +144,8 @@ class Hub:
         key = None if idempotency_key is None else surface_key(surface.name, idempotency_key)
         if self.draining:
             raise RingserveError(ErrorKind.UNAVAILABLE, "server is shutting down", retry_after=1, retryable=True)
-        turn = None if key is not None or session is None else session_key(surface.name, session, body_hash)
-        if turn is not None and (attempt := await self.sessions.find(turn)) is not None:
+        implicit = None if key is not None or turn is None else session_key(surface.name, turn)
+        if implicit is not None and (attempt := await self.sessions.find(implicit)) is not None:
             return Created(attempt.view(), attempt)
         replaces = None
         if key is not None and (existing := await self.keys.existing(key)) is not None:
@@ -163,7 +163,7 @@ class Hub:
             request_hash=body_hash,
             echo=parsed.echo,
             idempotency_key=key,
-            session_key=turn,
+            session_key=implicit,
             replaces=replaces,
         )
         return await self._start(msg, parsed, request_json)

@@ -9,7 +9,7 @@ names is :func:`retry_answer`'s.
 
 A request without a key that names its client's session (Claude Code's and Codex's session
 headers, ``http/decide.py`` ``SESSION_HEADERS``) has an implicit one: the session and the
-body's hash (:func:`session_key`). The coding agents send the whole conversation with every
+body's hash, whatever the order of its keys (``decide.turn_hash``; :func:`session_key`). The coding agents send the whole conversation with every
 turn and retry a turn whose stream failed, timed out or was cut by re-sending the same body;
 :class:`SessionTurns` makes that retry attach to the first attempt's message (a replay from its
 first event, then live) instead of a second generation of the same turn, as long as that
@@ -71,9 +71,10 @@ def surface_key(surface: str, key: str) -> str:
     return f"{surface}:{key}"
 
 
-def session_key(surface: str, session: str, body_hash: str) -> str:
-    """The implicit key of a request under a client session: one body on one surface in one session."""
-    return f"{surface}:{session[:200]}:{body_hash}"
+def session_key(surface: str, turn: str) -> str:
+    """The implicit key of a request under a client session: one turn (the session and the body's
+    hash, ``http/decide.py`` ``Start.turn``) on one surface."""
+    return f"{surface}:{turn}"
 
 
 def key_reused() -> RingserveError:

@@ -288,3 +288,17 @@ async def test_a_retry_of_a_failed_turn_under_a_session_is_a_new_generation(tmp_
         assert b"event: error" in first
         retry_id, _ = await raw_stream(client, path, body, headers)
         assert retry_id != first_id
+
+
+async def test_a_retry_whose_json_lists_its_keys_in_another_order_is_the_same_turn(tmp_path):
+    """Codex re-serializes its ``client_metadata`` (a map) in another order on a retry (the captures
+    in ``codex_retries``): the same turn. (Here a map of the API's own, ``metadata``.)"""
+    path, body, headers = SESSIONS["responses"]
+    first = {**body, "metadata": {"a": "1", "b": "2"}}
+    again = {**body, "metadata": {"b": "2", "a": "1"}}
+    assert json.dumps(first) != json.dumps(again)
+    server, engines = session_server(tmp_path)
+    async with server as state, httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        first_id, _ = await raw_stream(client, path, first, headers)
+        again_id, _ = await raw_stream(client, path, again, headers)
+        assert first_id == again_id and len(engines[0].begins) == 1

@@ -307,14 +307,14 @@ async def test_session_turns_hold_at_most_their_limit_and_drop_turns_whose_log_i
         made = []
         for i in range(3):
             made.append(live(await hub.create(ANTHROPIC, request(f"echo:{i}"), body_hash=f"h{i}", request_json="{}",
-                                              policy=Policy.CONTINUE, session="s")))
+                                              policy=Policy.CONTINUE, turn=f"s:h{i}")))
             await made[-1].done.wait()
         assert len(hub.sessions) == 2
         again = await hub.create(ANTHROPIC, request("echo:2"), body_hash="h2", request_json="{}",
-                                 policy=Policy.CONTINUE, session="s")
+                                 policy=Policy.CONTINUE, turn="s:h2")
         assert again.live is made[2]  # ended whole, its log held: the same message
         hub.logs.forget(made[1].id)
         hub.logs.forget(made[2].id)
         fresh = live(await hub.create(ANTHROPIC, request("echo:3"), body_hash="h3", request_json="{}",
-                                      policy=Policy.CONTINUE, session="s"))
+                                      policy=Policy.CONTINUE, turn="s:h3"))
         assert len(hub.sessions) == 1 and await hub.sessions.find("anthropic:s:h3") is fresh
