@@ -35,7 +35,9 @@ did to it:
   :attr:`FakeEngine.switches`, and when one goes on, the rest of the scripted
   unit of calls (as the family's parser reads it, or all the rest if it does
   not end) is replaced by that grammar's example, as a grammar would force a
-  valid call. A token forced by the runner (a reasoning budget's closing
+  valid call (unless ``grammar_examples`` is False: then the script is
+  played as written, a script of calls its grammar accepts, as the agents'
+  tests write). A token forced by the runner (a reasoning budget's closing
   marker) comes back as sampled, and the script goes on after that text.
 * The chat's tools and tool turns are rendered as text first
   (:func:`ringserve.core.toolcalls.plain_messages`), as on the real engine
@@ -195,6 +197,8 @@ class FakeEngine:
         tokenize_hook: called (blocking) on the tokenizing thread at the
             start of every :meth:`tokenize_chat`, e.g. a
             ``threading.Event.wait`` that scripts a slow tokenizer. None: none.
+        grammar_examples: when a lazy call grammar goes on, the rest of the scripted call is
+            that grammar's example (True), or as scripted (False).
         record: keep every decode call in :attr:`log`, every begin in :attr:`begins` and
             every grammar switch in :attr:`switches`, for the tests that read them; False
             for a long run, which they would grow without bound (``bench/fake_server.py``:
@@ -233,6 +237,7 @@ class FakeEngine:
         crash_after_steps: int | None = None,
         reply: str | Callable[[str], str] | None = None,
         tokenize_hook: Callable[[], object] | None = None,
+        grammar_examples: bool = True,
         record: bool = True,
         chat_format: str | None = None,
         chat_template: str | None = None,
@@ -252,6 +257,7 @@ class FakeEngine:
         self.crash_after_steps = crash_after_steps
         self.reply = reply
         self.tokenize_hook = tokenize_hook
+        self.grammar_examples = grammar_examples
         self.prefix_cache = True
         self.record = record
         self.log: list[DecodeCall] = []
@@ -487,7 +493,7 @@ class FakeEngine:
             return
         if self.record:
             self.switches.append(Switched(slot, state.samples, switch))
-        if isinstance(switch, GrammarOn):
+        if isinstance(switch, GrammarOn) and self.grammar_examples:
             assert isinstance(state.constraint, LazyCalls)
             done = state.pieces[: state.samples]
             written = b"".join(done)

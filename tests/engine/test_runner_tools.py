@@ -292,6 +292,16 @@ async def test_strict_auto_decodes_each_call_under_the_grammar_from_its_marker()
     assert events[-1].stop_reason is StopReason.TOOL_USE  # text after calls: still a tool-use turn
 
 
+async def test_without_grammar_examples_the_scripted_calls_are_played_as_written_under_the_grammar():
+    """The agents' tests script the calls an agent runs: under a lazy grammar they stay as written
+    (the grammar still goes on and off at the same samples)."""
+    good = format_call("get_weather", '{"city": "Rome"}')
+    engine = FakeEngine(piece_bytes=3, reply="Let me check." + good + "\nDone.", grammar_examples=False)
+    events = await run(engine, req(tools=(STRICT_WEATHER, TIME)))
+    assert [type(s.switch) for s in engine.switches] == [GrammarOn, GrammarOff]
+    assert json.loads(blocks(events)[1].text) == {"city": "Rome"}
+
+
 async def test_auto_without_a_strict_tool_is_not_watched():
     engine = FakeEngine(piece_bytes=3, reply=format_call("get_weather", '{"city": 5}'))
     events = await run(engine, req())
