@@ -45,7 +45,7 @@ from collections.abc import Iterator
 
 import attrs
 
-__all__ = ["COMMON", "LarkGrammarError", "json_string", "lark_to_gbnf"]
+__all__ = ["COMMON", "LarkGrammarError", "json_string", "lark_rules", "lark_to_gbnf"]
 
 
 class LarkGrammarError(ValueError):
@@ -139,9 +139,10 @@ def _definitions(tokens: list[_Token]) -> Iterator[list[_Token]]:
             current.append(token)
 
 
-def _gbnf_name(name: str) -> str:
-    """A Lark name as a GBNF rule name (llama.cpp allows ``[a-zA-Z0-9-]``; ``root`` is taken)."""
-    out = name.replace("_", "-")
+def _gbnf_name(name: str, prefix: str = "") -> str:
+    """A Lark name as a GBNF rule name (llama.cpp allows ``[a-zA-Z0-9-]``; ``root`` is taken),
+    after ``prefix``."""
+    out = prefix + name.replace("_", "-")
     return "lark-root" if out == "root" else out
 
 
@@ -403,6 +404,7 @@ class _Expansions:
 
     tokens: list[_Token]
     used: set[str]
+    prefix: str = ""
     pos: int = 0
 
     def peek(self) -> _Token | None:
@@ -496,7 +498,7 @@ class _Expansions:
             if nxt is not None and nxt.text == "{":
                 raise LarkGrammarError(f"line {token.line}: templates ({token.text}{{...}}) are not supported")
             self.used.add(token.text)
-            return _gbnf_name(token.text)
+            return _gbnf_name(token.text, self.prefix)
         raise LarkGrammarError(f"line {token.line}: unexpected {token.text!r}")
 
     @staticmethod
@@ -540,6 +542,17 @@ def lark_to_gbnf(text: str, start: str = "start") -> str:
             but not defined, a name defined twice, or ``start`` not defined; the message says which
             and on what line.
     """
+    first, rules = lark_rules(text, start)
+    return "\n".join([f"root ::= {first}", *(f"{name} ::= {body}" for name, body in rules)]) + "\n"
+
+
+def lark_rules(text: str, start: str = "start", prefix: str = "") -> tuple[str, tuple[tuple[str, str], ...]]:
+    """A Lark grammar's GBNF rules, each named ``prefix`` and its name (for a grammar that holds
+    them among its own rules): the name of ``start``'s rule, and every ``(name, body)``.
+
+    Raises:
+        LarkGrammarError: as :func:`lark_to_gbnf`.
+    """
     rules: dict[str, str] = {}
     used: set[str] = set()
     for definition in _definitions(_tokens(text)):
@@ -562,15 +575,13 @@ def lark_to_gbnf(text: str, start: str = "start") -> str:
             raise LarkGrammarError(f"line {name.line}: expected ':' after {name.text}, found {found!r}")
         if name.text in rules:
             raise LarkGrammarError(f"line {name.line}: {name.text} is defined twice")
-        rules[name.text] = _Expansions(definition[body_at + 1 :], used).parse()
+        rules[name.text] = _Expansions(definition[body_at + 1 :], used, prefix).parse()
     missing = sorted(used - rules.keys())
     if missing:
         raise LarkGrammarError(f"used but not defined: {', '.join(missing)}")
     if start not in rules:
         raise LarkGrammarError(f"the start rule {start!r} is not defined")
-    lines = [f"root ::= {_gbnf_name(start)}"]
-    lines += [f"{_gbnf_name(name)} ::= {body}" for name, body in rules.items()]
-    return "\n".join(lines) + "\n"
+    return _gbnf_name(start, prefix), tuple((_gbnf_name(name, prefix), body) for name, body in rules.items())
 
 
 # -- the same language inside a JSON string ------------------------------------------------------

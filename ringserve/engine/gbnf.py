@@ -39,7 +39,8 @@ from ringserve.engine._native import llama_grammar as _lg
 from ringserve.core.cache import ByteLRU
 from ringserve.core.detokenizer import Detokenizer
 from ringserve.core.errors import RingserveError, invalid
-from ringserve.core.events import GenerationRequest, OutputKind, ToolChoiceMode, ToolSpec
+from ringserve.core.events import FREEFORM_ARGUMENT, GenerationRequest, OutputKind, ToolChoiceMode, ToolSpec
+from ringserve.core.lark import json_string, lark_rules
 from ringserve.core.schema import check_repeats, check_schema, cleaned, enforced_schemas, ref_target, subschemas
 from ringserve.core.toolcalls import CallEnd, OutputParser, ToolCallError
 from ringserve.formats.base import CallGrammar, ChatFormat, ParamRule, ToolRules, answer_start
@@ -186,7 +187,7 @@ def _texts(item: object) -> list[str]:
         case str():
             return [item]
         case ToolSpec():
-            return [item.name, item.description, item.parameters]
+            return [item.name, item.description, item.parameters, item.grammar]
         case Constraint():
             return [item.grammar, item.value, *item.frame, *_texts(item.call)]
         case ExampleCall():
@@ -229,15 +230,37 @@ def _output_grammar(schema: str, where: str, chat_format: ChatFormat, reasoning_
     return Constraint(conv.grammar(), text, (start.shortest, ""))
 
 
+def _freeform_rules(conv: _Converter, tool: ToolSpec, i: int) -> ToolRules:
+    """A freeform tool's :class:`ToolRules`: its one argument, the input text, under the tool's
+    Lark grammar (``core/lark.py``): raw where the syntax writes it as text (rules ``ff<i>-``),
+    inside the JSON string of ``{"input": ...}`` where it writes JSON (rules ``ffj<i>-``,
+    :func:`~ringserve.core.lark.json_string`)."""
+    raw, raw_rules = lark_rules(tool.grammar, prefix=f"ff{i}-")
+    quoted, quoted_rules = lark_rules(tool.grammar, prefix=f"ffj{i}-")
+    for name, body in raw_rules:
+        conv.rule(name, body)
+    for name, body in quoted_rules:
+        conv.rule(name, json_string(body))
+    value = conv.rule(f"ffj{i}-value", f'"\\"" {quoted} "\\""')
+    space = "[ \\t\\n]*"
+    arguments = conv.rule(f"ffj{i}-arguments",
+                          f'"{{" {space} {conv.literal(json.dumps(FREEFORM_ARGUMENT))} {space} ":" {space} {value} {space} "}}"')
+    return ToolRules(tool.name, arguments, (ParamRule(FREEFORM_ARGUMENT, value, True, True, raw),))
+
+
 def _tool_rules(tools: Sequence[ToolSpec], schemas: Sequence[str]) -> tuple[_Converter, list[ToolRules]]:
     """The :class:`ToolRules` of ``tools`` (``schemas[i]`` for ``tools[i]``) and the converter
     holding their rules: the arguments' rule ``s<i>`` (:func:`_convert`), and one per property. A tool decoded under "any
     object" (``_ANY_OBJECT``, a lazy grammar's loose tool) keeps its own schema's property
-    names, each any JSON value, none required."""
+    names, each any JSON value, none required. A freeform tool with a grammar takes it
+    (:func:`_freeform_rules`)."""
     conv, arguments = _convert([(text, f"tools[{i}].parameters") for i, text in enumerate(schemas)])
     rules = []
     for i, (tool, text, args) in enumerate(zip(tools, schemas, arguments, strict=True)):
         where = f"tools[{i}].parameters"
+        if tool.grammar:
+            rules.append(_freeform_rules(conv, tool, i))
+            continue
         if text == _ANY_OBJECT:
             any_value = conv.any_value()
             params = tuple(ParamRule(name, any_value, raw_param(prop), False) for name, prop in _properties(tool))

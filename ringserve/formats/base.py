@@ -84,12 +84,14 @@ class ParamRule:
     """One property of a tool's arguments, for syntaxes that write each parameter apart
     (XML-style parameters): its name, the GBNF rule of its JSON value, whether the value is
     written raw (a string-typed property: the text itself, not a JSON string) and whether it is
-    required."""
+    required; ``raw_rule`` is the rule of its raw text when it has one of its own (a freeform
+    tool's input under its grammar), "" for the syntax's any-text rule."""
 
     name: str
     value: str
     raw: bool
     required: bool
+    raw_rule: str = ""
 
 
 @attrs.frozen

@@ -513,7 +513,7 @@ class TaggedCalls(InText):
                 else:
                     key = p.name + self.key_end
                 value_open = f"{nl}{self.value_open}" if self.value_open else ""
-                value = "fmt-raw-0" if p.raw else p.value
+                value = (p.raw_rule or "fmt-raw-0") if p.raw else p.value
                 param = f"{literal(self.param_open + key + value_open + trim)} {value} {literal(trim + self.value_close + nl)}"
                 params.append(param if p.required else f"( {param} )?")
             rules.append((f"fmt-params{i}", " ".join(params) if params else '""'))

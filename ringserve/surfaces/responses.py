@@ -881,13 +881,13 @@ def item_id(response_id: str, index: int = 0) -> str:
 
 def usage_json(usage: Usage) -> dict[str, Any]:
     """``ResponseUsage``: ``input_tokens`` counts the whole prompt, of which ``cached_tokens``
-    came from the prompt-prefix cache; ringserve writes no billed cache (``cache_write_tokens`` 0)
-    and the model does not reason (``reasoning_tokens`` 0)."""
+    came from the prompt-prefix cache; ringserve writes no billed cache (``cache_write_tokens`` 0);
+    ``reasoning_tokens`` are the output tokens of the model's thinking."""
     return {
         "input_tokens": usage.input_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.input_tokens + usage.output_tokens,
     }
 

@@ -138,3 +138,35 @@ def test_a_section_of_parallel_calls_keeps_its_grammar_to_the_end() -> None:
     unit = fmt.write_call(*CALL)
     assert watch.feed(b"[TOOL_CALLS]") == gbnf.GrammarOn(calls.after(""))  # type: ignore[arg-type]
     assert watch.feed(unit[len("[TOOL_CALLS]"):].encode()) is None
+
+
+def _freeform_tool() -> object:
+    from ringserve.core.events import ToolSpec
+    from ringserve.surfaces.responses import freeform_parameters
+    from tests.core.test_lark import apply_patch_grammar
+
+    grammar = apply_patch_grammar()
+    return ToolSpec("apply_patch", "Edit files.", freeform_parameters(grammar), strict=True, grammar=grammar)
+
+
+@pytest.mark.parametrize("family", GRAMMAR_FAMILIES)
+def test_a_freeform_tools_call_is_decoded_under_its_grammar_in_the_familys_syntax(family: str) -> None:
+    """Codex's apply_patch (a ``custom`` tool: its Lark grammar) in every family with a call grammar:
+    its input is the one argument, raw text in XML-style families, a JSON string in JSON ones;
+    the forced grammar and the lazy one from the trigger take a good patch as the family writes
+    the call and refuse a bad one, and the family's parser reads the input back."""
+    from tests.core.test_lark import BAD_PATCHES, GOOD_PATCHES
+
+    fmt, tool = FAMILIES[family], _freeform_tool()
+    forced = gbnf.calls_grammar((tool,), False, fmt)
+    lazy = gbnf.LazyCalls((tool,), fmt)
+    for patch in GOOD_PATCHES[:2] + BAD_PATCHES[:2]:
+        unit = fmt.write_call("apply_patch", {"input": patch})
+        good = patch in GOOD_PATCHES
+        assert accepts(forced.grammar, forced.frame[0] + unit) == good, unit  # (after a thinking block's end)
+        if lazy.trigger:
+            after = lazy.after("")
+            assert after is not None and accepts(after.grammar, unit[len(lazy.trigger):]) == good, unit
+        if good:
+            [(name, arguments)] = parse(fmt, [unit], (tool,))[2]
+            assert (name, arguments) == ("apply_patch", {"input": patch})

@@ -73,6 +73,21 @@ def test_apply_patch_as_a_json_string_under_llama_cpp(vocab_model, patch):
     assert accepts(vocab_model, gbnf, json.dumps(patch)[1:-1]) == (patch in GOOD_PATCHES)
 
 
+@pytest.mark.parametrize("family", ["generic", "hermes", "qwen3-coder"])
+def test_a_freeform_call_under_llama_cpp_in_a_familys_syntax(vocab_model, family):
+    """The call grammar of Codex's apply_patch (``engine/gbnf.py``: its input under its Lark grammar, a
+    JSON string in JSON families, raw text in XML-style ones) parses in llama.cpp and takes the
+    family's call of a good patch token by token, and not of a bad one."""
+    from ringserve.engine import gbnf
+    from ringserve.formats.families import FAMILIES
+    from tests.engine.test_format_grammars import _freeform_tool
+
+    fmt = FAMILIES[family]
+    grammar = gbnf.calls_grammar((_freeform_tool(),), False, fmt).grammar
+    for patch in (GOOD_PATCHES[0], BAD_PATCHES[1]):
+        assert accepts(vocab_model, grammar, fmt.write_call("apply_patch", {"input": patch})) == (patch in GOOD_PATCHES)
+
+
 REGEX_CASES = [
     (r"[a-z_][a-z0-9_-]*", ["x", "a-b_9", "_", "9a", "a b", "", "A"]),
     (r"(?:ab|c)+x{2,3}\d", ["abx x1", "abcxx1", "cxxx0", "cxxxx0", "abxx", "xx1"]),
