@@ -89,6 +89,7 @@ from ringserve.surfaces.base import (
     get_str,
     openai_tool_choice,
     optional,
+    report_ignored,
     require_function,
     require_object,
     sampling_params,
@@ -367,7 +368,8 @@ def _input_items(value: Any) -> tuple[tuple[ChatMessage, ...], tuple[tuple[str, 
     ``function_call_output`` or ``custom_tool_call_output`` a ``tool`` turn. A ``reasoning``
     item's readable text (its ``content``: ``reasoning_text`` parts) is the reasoning of the
     assistant turn after it; one with none (only a summary or ``encrypted_content``) is
-    dropped, never an error. Items of hosted tools (:data:`HOSTED_ITEM_TYPES`) are dropped.
+    dropped and reported, never an error. Items of hosted tools (:data:`HOSTED_ITEM_TYPES`) are
+    dropped and reported.
     """
     if isinstance(value, str) and value:
         return (ChatMessage("user", value),), ()
@@ -395,7 +397,10 @@ def _input_items(value: Any) -> tuple[tuple[ChatMessage, ...], tuple[tuple[str, 
         if not isinstance(kind, str):
             raise invalid(f"{where}.type: must be a string", param="input")
         if kind == "reasoning":
-            reasoning = "\n\n".join(r for r in (reasoning, _reasoning_text(item)) if r)
+            text = _reasoning_text(item)
+            if not text:
+                report_ignored(where)
+            reasoning = "\n\n".join(r for r in (reasoning, text) if r)
             continue
         if kind in ("function_call", "custom_tool_call"):
             custom = kind == "custom_tool_call"
@@ -409,6 +414,7 @@ def _input_items(value: Any) -> tuple[tuple[ChatMessage, ...], tuple[tuple[str, 
             assistant(ChatMessage("assistant", "", tool_calls=(call,)), merge=True)
             continue
         if kind in HOSTED_ITEM_TYPES:
+            report_ignored(where)
             continue
         reasoning = "" if kind != "message" or item.get("role") != "assistant" else reasoning
         if kind in ("function_call_output", "custom_tool_call_output"):
@@ -468,7 +474,7 @@ def _tool(raw: dict[str, Any], where: str) -> ToolSpec | tuple[ToolSpec, ...]:
     """One tool: a function (:data:`TOOL_FIELDS`), a ``custom`` tool (:func:`_custom_tool`), a
     ``namespace``'s function and custom tools (named ``namespace.name``, each described with the
     namespace's description), or none for a tool the model cannot call (:data:`HOSTED_TOOL_TYPES`,
-    or a type ringserve does not know). ``mcp`` is a 400 naming ``tools[i].type``."""
+    or a type ringserve does not know: reported). ``mcp`` is a 400 naming ``tools[i].type``."""
     match raw.get("type"):
         case "function":
             TOOL_FIELDS.check(raw, where, param="tools")
@@ -497,6 +503,7 @@ def _tool(raw: dict[str, Any], where: str) -> ToolSpec | tuple[ToolSpec, ...]:
                           " call the MCP server; run it in the client and send its tools as functions)",
                           param="tools")
         case _:
+            report_ignored(where)
             return ()
 
 

@@ -189,6 +189,12 @@ async def test_codex_shaped_requests_stream_valid_events_and_a_namespaced_call_i
             assert resp.status_code == 200, raw
             seen = check_stream(raw)
             assert seen.text == "done" and seen.final["tools"] == [EXEC, APPLY_PATCH, AGENTS, *HOSTED]
+            # what was dropped is named: reasoning without readable text, a hosted tool's item, the
+            # hosted tools, the Node SDK's parsed_arguments, ids and bookkeeping
+            ignored = resp.headers["ringserve-ignored-fields"].split(", ")
+            assert {"input[7]", "input[10]", "input[12]", "tools[3]", "tools[4]", "tools[5]",
+                    "input[5].parsed_arguments"} <= set(ignored), ignored
+            assert "input[4]" not in ignored  # its reasoning text is the turn's
             # (no freeform tool here: its grammar would apply to the scripted call, and the fake
             # engine then writes the grammar's example instead)
             functions = [EXEC, {**AGENTS, "tools": AGENTS["tools"][:1]}, *HOSTED]
