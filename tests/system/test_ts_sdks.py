@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import openai
 import pytest
 import trio
 
@@ -76,6 +77,42 @@ async def test_the_sdks_stream_text_and_tool_calls_on_every_surface_as_the_serve
                 jsonschema.validate(stream["calls"][0]["arguments"], WEATHER)
                 assert stream["text"].strip() == ("" if kind == "forced" else LEAD), case
                 assert stream["stop"] == STOPS[surface][0], case
+
+
+async def test_the_responses_stream_helper_takes_the_keepalives_of_a_paused_stream_as_its_snapshot(tmp_path):
+    """The server pauses 1.1 s between tokens, heartbeat 1 s: ``response.in_progress`` comes again
+    in the middle of the text and of the call, with the response so far. The Node helper replaces
+    its snapshot with each (ResponseAccumulator) and goes on from there: its final response and its
+    deltas are the whole answer; the Python helper (which checks each one's id) reads the same
+    stream at the same time (issue 33, item 4)."""
+    python: list[Any] = []
+
+    def python_helper(url: str) -> None:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": False}]
+        with client.responses.stream(model="any", input="Look it up.", tools=tools, max_output_tokens=256) as stream:
+            python.append(sum(1 for event in stream if event.type == "response.in_progress"))
+            python.append(stream.get_final_response())
+
+    with trio.fail_after(120):
+        async with running_server(fake_config(tmp_path, server={"heartbeat_interval": 1.0}), reply=reply,
+                                  piece_bytes=40, step_seconds=1.1) as state:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.to_thread.run_sync, python_helper, state.urls[0])
+                done = await trio.run_process(["node", str(SCRIPT), state.urls[0], "silences"],
+                                              capture_stdout=True, capture_stderr=True, check=False)
+    assert done.returncode == 0, done.stderr.decode()
+    keepalives, final = python
+    assert keepalives >= 3 and final.output_text.strip() == LEAD
+    assert [(i.type, i.name, json.loads(i.arguments)) for i in final.output if i.type == "function_call"] == [
+        ("function_call", "get_weather", {"city": "Paris", "unit": "celsius"})]
+    result = json.loads(done.stdout)
+    assert "error" not in result, result
+    assert result["keepalives"] >= 3, result  # the opening one, then one per pause (in the text, in the call)
+    assert result["text"].strip() == LEAD and result["deltas"]["text"] == result["text"]
+    assert [call["name"] for call in result["calls"]] == ["get_weather"]
+    assert result["deltas"]["arguments"] == result["calls"][0]["raw"]
+    assert result["calls"][0]["arguments"] == {"city": "Paris", "unit": "celsius"} and result["stop"] == "completed"
 
 
 @pytest.mark.parametrize("surface", ["anthropic", "chat", "responses"])

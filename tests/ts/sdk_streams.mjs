@@ -1,6 +1,6 @@
 // The official TypeScript SDKs against ringserve, for tests/system/test_ts_sdks.py.
 //
-// node tests/ts/sdk_streams.mjs URL streams | URL loop SURFACE  ->  one JSON object on stdout
+// node tests/ts/sdk_streams.mjs URL streams | URL loop SURFACE | URL silences  ->  one JSON object on stdout
 //
 // streams: on every surface (Anthropic messages.stream, OpenAI chat.completions.stream, OpenAI
 // responses.stream) and for every prompt of PROMPTS, the stream read through the SDK's own helper
@@ -9,6 +9,9 @@
 // loop: on SURFACE (anthropic, chat, responses), a chat loop's second turn, which sends back what the
 // first turn's stream helper returned (the OpenAI helpers add `parsed` and `parsed_arguments` to
 // it), as {ok} or {error}.
+// silences: the "mixed" prompt through responses.stream while the server pauses between tokens,
+// so that keepalive response.in_progress events (each the response so far, which the helper takes
+// as its snapshot) come in the middle of the text and of the call: the summary, and how many came.
 import Anthropic from "@anthropic-ai/sdk";
 import OpenAI from "openai";
 
@@ -172,5 +175,19 @@ const loops = {
   },
 };
 
-const modes = { streams, loop: () => outcome(async () => { await loops[surface](); return { ok: true }; }) };
+async function silences() {
+  return outcome(async () => {
+    let keepalives = 0;
+    const deltas = { text: "", arguments: "" };
+    const stream = openai.responses.stream(responsesParams("mixed"));
+    stream.on("response.in_progress", () => { keepalives += 1; });
+    stream.on("response.output_text.delta", ({ delta }) => { deltas.text += delta; });
+    stream.on("response.function_call_arguments.delta", ({ delta }) => { deltas.arguments += delta; });
+    return { ...summary.responses(await stream.finalResponse()), deltas, keepalives };
+  });
+}
+
+const modes = {
+  streams, silences, loop: () => outcome(async () => { await loops[surface](); return { ok: true }; }),
+};
 process.stdout.write(JSON.stringify(await modes[mode]()) + "\n");
