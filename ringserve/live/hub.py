@@ -11,7 +11,8 @@ view (``core/view.py``). Resumes go through ``live/resume.py``.
 
 When the last reader of a message leaves, its disconnect policy decides:
 ``abort`` cancels the generation after ``grace_seconds`` (the runner frees its
-slot and KV cells before the next decode step); ``continue`` lets it finish.
+slot and KV cells before the next decode step; a message of a client session waits at least
+``idempotency.SESSION_GRACE_SECONDS`` for its client's retry); ``continue`` lets it finish.
 A cancelled message is billed for the tokens really sampled.
 """
 
