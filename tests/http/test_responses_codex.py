@@ -207,3 +207,18 @@ async def test_codex_shaped_requests_stream_valid_events_and_a_namespaced_call_i
             answer = check_object(await client.post("/v1/responses", json=forced))
             assert answer["tool_choice"] == {"type": "custom", "name": "apply_patch"}
             assert answer["output"][0]["type"] == "custom_tool_call"
+
+
+async def test_parallel_tool_calls_false_keeps_the_first_call_of_a_reply_that_makes_two(tmp_path):
+    """Codex sends ``parallel_tool_calls``; with false the reply ends after its first whole call."""
+    two = format_call("exec_command", '{"cmd": "a"}') + "\n" + format_call("exec_command", '{"cmd": "b"}')
+    async with running_server(fake_config(tmp_path), reply=lambda _text: two) as state:
+        import httpx
+
+        async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+            for parallel, commands in ((True, ["a", "b"]), (False, ["a"])):
+                body = {"model": "m", "input": "run", "tools": [EXEC], "parallel_tool_calls": parallel, "stream": True}
+                _resp, raw = await stream_bytes(client, "POST", "/v1/responses", json=body)
+                seen = check_stream(raw)
+                assert [json.loads(c["arguments"])["cmd"] for c in seen.calls] == commands
+                assert seen.final["parallel_tool_calls"] is parallel
