@@ -90,7 +90,6 @@ from ringserve.surfaces.base import (
     openai_tool_choice,
     optional,
     report_ignored,
-    require_function,
     require_object,
     sampling_params,
     schema_format,
@@ -185,18 +184,6 @@ CUSTOM_FORMAT_FIELDS = FieldTable(supported=frozenset({"type", "syntax", "defini
 NAMESPACE_FIELDS = FieldTable(supported=frozenset({"type", "name", "description", "tools"}), ignored=frozenset(),
                               refused={})
 
-#: Tool types the model cannot call here: hosted by OpenAI (a web search, a file search, an image
-#: generator, a code interpreter, a computer) or run by a client for a model trained on them
-#: (a local shell, ``apply_patch`` calls, a client-executed ``tool_search`` over deferred
-#: tools). They are accepted, left out of the prompt and reported (Codex sends ``web_search``
-#: and ``tool_search`` on every turn); so is a type ringserve does not know. ``mcp`` (remote MCP
-#: servers the server would have to call) is refused.
-HOSTED_TOOL_TYPES = frozenset({
-    "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
-    "computer", "computer_use_preview", "code_interpreter", "image_generation", "local_shell", "shell",
-    "apply_patch", "tool_search", "programmatic_tool_calling",
-})
-
 #: The separator of a namespace and a tool's name in the name the model calls (``multi_agent_v1.spawn_agent``).
 NAMESPACE_SEPARATOR = "."
 
@@ -252,8 +239,8 @@ STREAM_OPTIONS_FIELDS = FieldTable(
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
-#: Input items of hosted tools (:data:`HOSTED_TOOL_TYPES`), which an earlier answer of another
-#: server may hold: dropped (the model never saw those tools).
+#: Input items of hosted tools (``web_search``, ``tool_search``, ...: :func:`_tool`), which an
+#: earlier answer of another server may hold: dropped (the model never saw those tools).
 HOSTED_ITEM_TYPES = frozenset({"web_search_call", "file_search_call", "image_generation_call", "code_interpreter_call",
                                "tool_search_call", "tool_search_output"})
 
@@ -473,8 +460,12 @@ def _freeform_arguments(value: Any, where: str) -> str:
 def _tool(raw: dict[str, Any], where: str) -> ToolSpec | tuple[ToolSpec, ...]:
     """One tool: a function (:data:`TOOL_FIELDS`), a ``custom`` tool (:func:`_custom_tool`), a
     ``namespace``'s function and custom tools (named ``namespace.name``, each described with the
-    namespace's description), or none for a tool the model cannot call (:data:`HOSTED_TOOL_TYPES`,
-    or a type ringserve does not know: reported). ``mcp`` is a 400 naming ``tools[i].type``."""
+    namespace's description), or none for a tool the model cannot call here, reported: hosted
+    by OpenAI (``web_search``, ``file_search``, ``image_generation``, ``code_interpreter``,
+    ``computer_use_preview``), run by a client for a model trained on them (``local_shell``,
+    ``shell``, ``apply_patch``, a client-executed ``tool_search`` over deferred tools), or of a
+    type ringserve does not know (Codex sends ``web_search`` and ``tool_search`` on every turn).
+    ``mcp`` (remote MCP servers the server would have to call) is a 400 naming ``tools[i].type``."""
     match raw.get("type"):
         case "function":
             TOOL_FIELDS.check(raw, where, param="tools")
@@ -631,12 +622,14 @@ def parse_create(body: Any) -> ResponseCreate:
     Fields as :data:`REQUEST_FIELDS` lists them: ``model``, ``input`` (a
     string, or message items of role user/system/developer/assistant with
     ``input_text``/``output_text`` parts; :data:`ITEM_FIELDS`,
-    :data:`PART_FIELDS`; ``function_call`` items, :data:`CALL_ITEM_FIELDS`, with a new
-    ``call_id`` and ``arguments`` JSON text of an object; ``function_call_output`` items,
-    :data:`OUTPUT_ITEM_FIELDS`, whose ``call_id`` is an earlier call's, here or in the previous
-    responses), ``tools`` (at most :data:`~ringserve.surfaces.base.MAX_TOOLS` function tools,
-    :data:`TOOL_FIELDS`, distinct names, ``parameters`` an object schema), ``tool_choice``
-    (``none``, ``auto``, ``required``, ``{"type": "function", "name": ...}``),
+    :data:`PART_FIELDS`; ``function_call`` and ``custom_tool_call`` items, :data:`CALL_ITEM_FIELDS`,
+    :data:`CUSTOM_CALL_ITEM_FIELDS`, with a new ``call_id`` and ``arguments`` JSON text of an
+    object or an ``input`` text; their output items, :data:`OUTPUT_ITEM_FIELDS`, whose ``call_id``
+    is an earlier call's, here or in the previous responses; reasoning items: :func:`_input_items`),
+    ``tools`` (at most :data:`~ringserve.surfaces.base.MAX_TOOLS` tools as the model sees them,
+    distinct names: functions, :data:`TOOL_FIELDS`, ``parameters`` an object schema; custom and
+    namespace tools; hosted tools left out: :func:`_tool`), ``tool_choice`` (``none``, ``auto``,
+    ``required``, ``{"type": "function" or "custom", "name": ...}``),
     ``parallel_tool_calls``, ``instructions`` (a system turn first; not carried
     over by ``previous_response_id``, as OpenAI documents), ``max_output_tokens``
     (1 to 1,000,000; more than the context leaves: until the context is full),
@@ -646,8 +639,9 @@ def parse_create(body: Any) -> ResponseCreate:
     ``previous_response_id``, ``prompt_cache_key`` (the prefix cache's slot choice prefers the
     slot its key last used), ``text`` (``format``: ``text``, ``json_object``, or
     ``json_schema`` with ``name``, ``schema``, ``strict``; :data:`FORMAT_FIELDS`);
-    and ``top_k``, ``min_p``, ``seed`` as extensions. Other tool types, other item
-    types and unknown fields are refused.
+    and ``top_k``, ``min_p``, ``seed`` as extensions. Unknown fields are accepted and reported;
+    ``mcp`` tools, items of tools ringserve has no equivalent for and unknown item types are
+    refused.
 
     Raises:
         RingserveError: ``INVALID_REQUEST`` naming the offending field.

@@ -46,22 +46,25 @@ async def _read_until_eof(stream: trio.SocketStream, limit: float) -> tuple[byte
 
 
 async def _until_first_token(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
-    """Stream ``body`` until its first token: when headers and token came, pings before it, status meanwhile."""
+    """Stream ``body`` until its first token: when headers and token came, pings before it (the
+    readers' ``: ping`` comments and the keepalive ``ping`` events), status meanwhile."""
     parser = SSEParser()
     t0 = trio.current_time()
     out: dict[str, Any] = {}
+    ping_events = 0
     async with client.stream("POST", "/v1/messages", json=body) as resp:
         out["headers_after"] = trio.current_time() - t0
         async for chunk in resp.aiter_raw():
             events = parser.feed(chunk)
-            if parser.comments and "first_ping_after" not in out:
+            ping_events += sum(1 for e in events if e.event == "ping")
+            pings = parser.comments + ping_events
+            if pings and "first_ping_after" not in out:
                 out["first_ping_after"] = trio.current_time() - t0
-            if parser.comments == 1 and "status_while_waiting" not in out:
                 url = f"/v1/messages/{resp.headers['x-message-id']}"
                 out["status_while_waiting"] = (await client.get(url)).json()["status"]
             if any(e.event == "content_block_delta" for e in events):
                 out["first_token_after"] = trio.current_time() - t0
-                out["pings"] = parser.comments
+                out["pings"] = pings
                 return out
     raise AssertionError("the stream ended without a token")
 
