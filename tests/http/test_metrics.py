@@ -177,11 +177,12 @@ async def test_queue_depth_by_priority(tmp_path):
 
 
 async def test_heartbeats_are_counted(tmp_path):
+    """The readers' ``: ping`` comments (on Chat Completions, which has no keepalive event of its own)."""
     config = fake_config(tmp_path, server={"heartbeat_interval": 1.0})
     async with running_server(config, prefill_seconds=1.3) as state, \
             httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
-        _, events, raw = await sse_events(client, "POST", "/v1/messages", json={**ANTHROPIC_BODY, "stream": True})
-        assert events[-1].event == "message_stop"
+        _, events, raw = await sse_events(client, "POST", "/v1/chat/completions", json={**OPENAI_BODY, "stream": True})
+        assert events[-1].data == "[DONE]"
         pings = raw.count(encode_comment("ping"))
         assert pings >= 1
         assert (await scrape(client))("ringserve_heartbeats_total") == pings
