@@ -107,7 +107,8 @@ def start_nginx(tmp_path: Path, snippet: str, port: int) -> Iterator[str]:
 
 
 async def _timed_stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[list[ServerSentEvent], int, float, float]:
-    """Events, pings, seconds to the first token and to the end."""
+    """Events, pings (the readers' ``: ping`` comments and the producer's ``ping`` keepalive events,
+    which come first in a silence), seconds to the first token and to the end."""
     parser = SSEParser()
     events: list[ServerSentEvent] = []
     t0 = trio.current_time()
@@ -118,7 +119,8 @@ async def _timed_stream(client: httpx.AsyncClient, url: str, body: dict) -> tupl
             events += parser.feed(chunk)
             if first is None and any(e.event == "content_block_delta" for e in events):
                 first = trio.current_time() - t0
-    return events, parser.comments, first, trio.current_time() - t0
+    pings = parser.comments + sum(e.event == "ping" for e in events)
+    return events, pings, first, trio.current_time() - t0
 
 
 async def test_nginx_in_front_streams_unbuffered_and_survives_a_silent_prefill(tmp_path):
