@@ -8,7 +8,7 @@ bundled model (or ``--model``) and the same prompt tokens:
 * **ringserve**: a :class:`ringserve.engine.runner.Runner` owning a
   :class:`ringserve.engine.llama.LlamaEngine`, driven through Trio exactly as
   the server drives it: every sequence submitted at once, events read from
-  each :class:`~ringserve.engine.runner.Generation` (detokenizer and stop
+  each :class:`~ringserve.engine.generation.Generation` (detokenizer and stop
   matcher included). No HTTP.
 
 Both sides are greedy over the same prompt tokens (the raw loop's
@@ -57,7 +57,8 @@ from ringserve.config import EngineConfig  # noqa: E402
 from ringserve.core.events import BlockDelta, ChatMessage, Failure, Finish, GenerationRequest, SamplingParams  # noqa: E402
 from ringserve.engine.llama import LlamaEngine  # noqa: E402
 from ringserve.engine.modelfile import default_model_path  # noqa: E402
-from ringserve.engine.runner import Generation, Prepared, Runner  # noqa: E402
+from ringserve.engine.generation import Generation, Prepared  # noqa: E402
+from ringserve.engine.runner import Runner  # noqa: E402
 
 GOAL_RATIO = 0.95
 """The engine issue's goal for ringserve / raw aggregate tokens/s (printed, never asserted)."""
