@@ -292,7 +292,7 @@ async def _load(config: Config, engine_factory: Callable[[Config], Engine], back
     await nursery.start(runner.run)
     hub = Hub(config, runner, backend.logs, backend.cluster, backend.store, nursery, safety=safety,
               metrics=state.metrics)
-    state.metrics.watch(runner, backend.logs, backend.store, hub)
+    state.metrics.watch(runner, backend.logs, backend.store, hub, state.watchdog)
     state.model_id = runner.model_id
     state.hub = hub
     log.info(
