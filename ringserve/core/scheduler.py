@@ -524,11 +524,6 @@ class Scheduler:
     # -- admission -----------------------------------------------------------
 
     @property
-    def free_slots(self) -> int:
-        """Slots neither occupied nor draining."""
-        return len(self._free)
-
-    @property
     def capacity(self) -> int:
         """How many requests may wait right now (``queue_size`` + free slots)."""
         return self.queue_size + len(self._free)
@@ -791,10 +786,6 @@ class Scheduler:
 
     # -- queries -------------------------------------------------------------
 
-    def entry_at(self, slot: int) -> Entry | None:
-        """The live request holding ``slot``, if any."""
-        return self._slots[slot]
-
     def active(self) -> tuple[Entry, ...]:
         """Live requests (PREFILL or DECODE), oldest admission first."""
         return tuple(self._admit_order)
@@ -807,11 +798,6 @@ class Scheduler:
     def releases_pending(self) -> bool:
         """Whether some ended request's slot waits for :meth:`take_releases`."""
         return bool(self._draining)
-
-    @property
-    def has_work(self) -> bool:
-        """Whether :meth:`plan` would admit or feed anything, or a slot must drain."""
-        return bool(self._admit_order or self._draining or (self._queues and self._free))
 
     def statistics(self) -> SchedulerStatistics:
         """A frozen snapshot of queue and slots."""

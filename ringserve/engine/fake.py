@@ -502,12 +502,6 @@ class FakeEngine:
                 return 0 if state is None else len(state.kv)
             return sum(len(s.kv) for s in self._slots if s is not None)
 
-    def token_piece(self, token: int) -> bytes:
-        """The bytes of a token this engine produced."""
-        if token < 256:
-            return bytes([token])
-        return self._pieces[token]
-
     def close(self) -> None:
         """Mark the engine closed; later calls raise :class:`EngineError`."""
         self.closed = True

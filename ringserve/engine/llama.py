@@ -607,10 +607,6 @@ class LlamaEngine:
         end-of-generation tokens', which render empty."""
         return self._piece(token)[0]
 
-    def token_is_eog(self, token: int) -> bool:
-        """Whether ``token`` ends generation (``llama_vocab_is_eog``: EOS, EOT, ``<|im_end|>``...)."""
-        return self._piece(token)[1]
-
     def _piece(self, token: int) -> tuple[bytes, bool]:
         """(bytes, is-end-of-generation) of ``token``, cached per token id."""
         hit = self._pieces.get(token)

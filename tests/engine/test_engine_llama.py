@@ -239,11 +239,14 @@ def test_nul_in_message_is_rejected(engine):
         prompt_tokens(engine, [ChatMessage("user", "a\x00b")])
 
 
-def test_end_of_generation_token(engine):
-    [im_end] = engine.tokenize("<|im_end|>", parse_special=True)
-    assert engine.token_piece(im_end) == b""
-    assert engine.token_is_eog(im_end)
-    assert not engine.token_is_eog(word(engine))
+def test_end_of_generation_token(eng, prompt):
+    # What decode says of a token it samples (forced here): <|im_end|> ends generation, with no text.
+    [im_end] = eng.tokenize("<|im_end|>", parse_special=True)
+    for slot, token, piece, eog in ((0, im_end, b"", True), (1, word(eng), b" the", False)):
+        eng.begin(slot, GREEDY)
+        [s] = eng.decode([SlotFeed(slot, prompt, 0, True, forced=token)])
+        assert (s.token, s.piece, s.eog) == (token, piece, eog)
+        assert eng.token_piece(token) == piece
 
 
 def test_a_forced_token_is_taken_as_if_sampled(eng, prompt):
