@@ -45,7 +45,7 @@ from ringserve.engine._native import llama_cpp as lc
 
 from ringserve.config import decode_threads
 from ringserve.core.batch import Sampled, SlotFeed
-from ringserve.core.events import ChatMessage, GenerationRequest, SamplingParams
+from ringserve.core.events import ChatMessage, GenerationRequest, Role, SamplingParams
 from ringserve.core.toolcalls import plain_messages
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.engine.modelfile import ModelFileError, check_model_file
@@ -526,7 +526,7 @@ class LlamaEngine:
         A final assistant turn stays open (no end-of-turn after it)."""
         marker = f"\x01{secrets.token_hex(8)}:"
         holders = [ChatMessage(m.role, f"{marker}{i}\x01") for i, m in enumerate(messages)]
-        prefill = messages[-1].role == "assistant" if messages else False
+        prefill = messages[-1].role is Role.ASSISTANT if messages else False
         text = self._apply_builtin(holders, add_generation_prompt=not prefill)
         parts = re.split(re.escape(marker) + r"(\d+)\x01", text)
         if len(parts) != 2 * len(messages) + 1:

@@ -54,7 +54,7 @@ import jinja2.parser
 import jinja2.sandbox
 from jinja2.utils import pass_context
 
-from ringserve.core.events import ChatMessage, ToolSpec
+from ringserve.core.events import ChatMessage, Role, ToolSpec
 
 #: A JSON value as the template sees it.
 Json = Any
@@ -1171,10 +1171,10 @@ class ChatTemplate:
             content, reasoning = m.content, m.reasoning
             if self._trim:
                 content, reasoning = content.strip(_C_WHITESPACE), reasoning.strip(_C_WHITESPACE)
-            item: Json = {"role": m.role, "content": content}
+            item: Json = {"role": m.role.value, "content": content}
             if reasoning:
                 item["reasoning_content"] = reasoning
-            if m.role == "tool" and names.get(m.tool_call_id):
+            if m.role is Role.TOOL and names.get(m.tool_call_id):
                 item["name"] = names[m.tool_call_id]
             if m.tool_call_id:
                 item["tool_call_id"] = self._ids(m.tool_call_id)
