@@ -9,6 +9,7 @@ import secrets
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import assert_never
 
 import attrs
 import hypercorn.trio
@@ -18,7 +19,7 @@ import trio
 from ringserve.http.app import create_app
 from ringserve.http.context import ServerState
 from ringserve.http.auth import Authenticator, check_bind
-from ringserve.config import Config, decode_threads, overlap_steps
+from ringserve.config import Config, LogBackend, Switch, decode_threads, overlap_steps
 from ringserve.http.transport import HypercornConfig, isolate_connection_faults
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.protocol import Engine, EngineError
@@ -67,7 +68,7 @@ def load_llama_engine(config: Config) -> Engine:
             n_gpu_layers=config.model.n_gpu_layers,
             n_threads=config.model.n_threads,
             use_extra_bufts=config.model.use_extra_bufts,
-            flash_attn={"auto": None, "on": True, "off": False}[config.model.flash_attn],
+            flash_attn={Switch.AUTO: None, Switch.ON: True, Switch.OFF: False}[config.model.flash_attn],
             model_id=config.model.name or None,
             chat_template=template,
             chat_format=config.model.chat_format or None,
@@ -96,9 +97,9 @@ def make_backend(config: Config, cancel: Callable[[str], None]) -> Backend:
         StoreError: the message store cannot be opened or written (one line naming the path).
     """
     match config.stream.backend:
-        case "memory":
+        case LogBackend.MEMORY:
             return Backend(MemoryLogStore(config.stream), LocalCluster(), MessageStore.from_config(config.store))
-        case "redis":
+        case LogBackend.REDIS:
             try:
                 from ringserve.logs.redis import MirroredMessageStore, RedisCluster, RedisLogStore
             except ImportError as exc:
@@ -106,8 +107,8 @@ def make_backend(config: Config, cancel: Callable[[str], None]) -> Backend:
             logs = RedisLogStore(config.stream, config.stream.redis_url_from(os.environ), on_cancel=cancel,
                                  on_owner_lost=owner_lost_entries)
             return Backend(logs, RedisCluster(logs), MirroredMessageStore.from_config(config.store).mirror_to(logs))
-        case other:
-            raise AssertionError(f"unknown stream backend {other!r}")  # the config validator lists them
+        case _:
+            assert_never(config.stream.backend)
 
 
 def _cancel_live(state: ServerState, message_id: str) -> None:
