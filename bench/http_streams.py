@@ -277,6 +277,7 @@ def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Seque
                  str(port), "--n_ctx", "2048", "--n_batch", "512", "--n_threads", str(threads),
                  "--n_threads_batch", str(threads), "--interrupt_requests", "False"],
                 tmp / "llama_cpp_server.log",
+                ready_pattern=None,
                 url=f"http://127.0.0.1:{port}",
                 probe="/v1/models",
             )

@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.server import MODEL_TOML, ServerProcess, fake_config, running_server
+from bench.common import ServerProcess
+from tests.support.server import MODEL_TOML, SERVE, fake_config, running_server
 
 
 @pytest.fixture
@@ -30,6 +31,6 @@ def model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     # cached prompt re-decodes its last token in a one-token batch, whose logits can round
     # differently (docs/prefix-cache.md); tests/engine/test_prefix_cache.py tests the cache.
     cfg.write_text(f'[engine]\nslots = 4\nctx_per_slot = 4608\nprefix_cache = false\n[store]\npath = "{store}"\n{MODEL_TOML}')
-    server = ServerProcess(["--config", str(cfg)])
+    server = ServerProcess([*SERVE, "--config", str(cfg)])
     yield server
     server.stop()

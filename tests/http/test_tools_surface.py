@@ -887,11 +887,12 @@ async def test_an_idempotent_retry_returns_the_tool_calls(unbatched_server, surf
 @pytest.fixture(scope="module")
 def model_server(tmp_path_factory):
     """A real-model server: one slot of 2048 tokens (tool definitions take a few hundred)."""
-    from tests.support.server import ServerProcess
+    from bench.common import ServerProcess
+    from tests.support.server import SERVE
 
     cfg = tmp_path_factory.mktemp("tools_model") / "config.toml"
     cfg.write_text(f'[engine]\nslots = 1\nctx_per_slot = 2048\n[store]\npath = "{cfg.parent / "s.sqlite3"}"\n')
-    server = ServerProcess(["--config", str(cfg)])
+    server = ServerProcess([*SERVE, "--config", str(cfg)])
     yield server
     server.stop()
 

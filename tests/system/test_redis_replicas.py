@@ -20,7 +20,8 @@ import pytest
 import trio
 
 from ringserve.core.sse import SSEParser
-from tests.support.server import MODEL_THREADS, ServerProcess
+from bench.common import ServerProcess
+from tests.support.server import MODEL_THREADS, SERVE
 from tests.support.helpers import ANTHROPIC_BODY
 from tests.support.redis_server import RedisServer, free_port, needs_redis
 from tests.http.test_drain import FakeServerProcess, _toml
@@ -459,7 +460,7 @@ async def test_a_real_model_stream_generated_on_a_resumes_on_b_byte_for_byte(tmp
                 "stream": {"backend": "redis", "redis_url": redis.url, "flush_tokens": 1},
                 "store": {"path": str(tmp_path / f"{name}.sqlite3")},
             }))
-            servers.append(ServerProcess(["--config", str(config)]))
+            servers.append(ServerProcess([*SERVE, "--config", str(config)]))
         a, b = servers
         # 64 tokens: one event each, more than the 4 resumes below read (at most 8 events each)
         body = {**ANTHROPIC_BODY, "max_tokens": 64, "temperature": 0, "stream": True,
