@@ -17,10 +17,10 @@ from typing import Any, TypeVar, assert_never
 import attrs
 from attrs import validators as v
 
-from ringserve.core.signing import ReasoningSigner
-from ringserve.core.status import Policy
 from ringserve.core.offload import ALL_LAYERS
 from ringserve.core.safety import check_checker_path, compile_patterns
+from ringserve.core.signing import ReasoningSigner
+from ringserve.core.status import Policy
 
 
 class Switch(enum.StrEnum):

@@ -17,7 +17,6 @@ import pytest
 from bench.common import ServerProcess
 from tests.support.server import MODEL_TOML, SERVE, fake_config, running_server
 
-
 TESTS = Path(__file__).resolve().parent
 
 

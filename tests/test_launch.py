@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.common import ServerProcess
 from ringserve import launch
 from ringserve.__main__ import _parser
 from ringserve.launch import AGENTS, Agent, Served, Settings
-from bench.common import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_SERVE = (sys.executable, str(ROOT / "bench" / "fake_server.py"))

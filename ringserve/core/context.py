@@ -25,7 +25,16 @@ from typing import Protocol, TypeVar, assert_never
 
 import attrs
 
-from ringserve.core.events import AppliedEdit, ChatMessage, ClearThinking, ClearToolUses, ContextEdit, GenerationRequest, Role, Trigger
+from ringserve.core.events import (
+    AppliedEdit,
+    ChatMessage,
+    ClearThinking,
+    ClearToolUses,
+    ContextEdit,
+    GenerationRequest,
+    Role,
+    Trigger,
+)
 
 __all__ = ["CLEARED_INPUT", "CLEARED_RESULT", "Prompt", "edit_messages", "edit_prompt"]
 

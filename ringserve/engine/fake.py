@@ -65,7 +65,6 @@ from ringserve.core.toolcalls import CallEnd, Text, ToolCallError, plain_message
 from ringserve.engine.examples import example
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.core.offload import Offload
-from ringserve.core.toolcalls import CLOSE_MARK, plain_messages
 from ringserve.engine.protocol import ChatPrompt, EngineError, check_feeds
 from ringserve.formats.base import ChatFormat
 from ringserve.formats.detect import detect

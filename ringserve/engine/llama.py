@@ -41,15 +41,14 @@ from typing import Any, assert_never
 
 import numpy as np
 
-from ringserve.engine._native import llama_cpp as lc
-
 from ringserve.config import decode_threads
 from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.events import ChatMessage, GenerationRequest, Role, SamplingParams
+from ringserve.core.offload import ALL_LAYERS, plan_offload
 from ringserve.core.toolcalls import plain_messages
+from ringserve.engine._native import llama_cpp as lc
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.engine.modelfile import ModelFileError, check_model_file
-from ringserve.core.offload import ALL_LAYERS, plan_offload
 from ringserve.engine.protocol import ChatPrompt, EngineError, KVCacheFull, check_feeds
 from ringserve.formats.base import ChatFormat
 from ringserve.formats.detect import detect

@@ -32,8 +32,8 @@ import attrs
 
 from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.events import GenerationRequest, SamplingParams
-from ringserve.engine.gbnf import Constraint, LazyCalls
 from ringserve.core.offload import Offload
+from ringserve.engine.gbnf import Constraint, LazyCalls
 from ringserve.formats.base import ChatFormat
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ringserve.core.events import ChatMessage, SamplingParams
-from ringserve.engine.modelfile import ModelFileError, default_model_path
 from ringserve.core.batch import SlotFeed
+from ringserve.core.events import ChatMessage, SamplingParams
 from ringserve.core.offload import Offload
+from ringserve.engine.modelfile import ModelFileError, default_model_path
 from ringserve.engine.protocol import EngineError, KVCacheFull
 from tests.support.feeds import check_bad_batches
 from tests.support.helpers import chat_prompt, prompt_tokens
@@ -135,7 +135,7 @@ def test_a_greedy_slot_takes_the_token_llama_cpps_greedy_sampler_takes(eng, monk
             out = eng.decode(feeds)
             ends = itertools.accumulate(len(f.tokens) for f in feeds)  # a feed's last token is at end - 1
             assert [o.token for o in out] == [sample(reference, eng._ctx, end - 1) for end in ends]
-            feeds = [SlotFeed(f.slot, (o.token,), f.pos + len(f.tokens), True) for f, o in zip(feeds, out)]
+            feeds = [SlotFeed(f.slot, (o.token,), f.pos + len(f.tokens), True) for f, o in zip(feeds, out, strict=True)]
     finally:
         lc.llama_sampler_free(reference)
     assert chain_calls == []

@@ -13,8 +13,8 @@ import trio
 
 from ringserve.core.sse import SSEParser
 from ringserve.server import load_llama_engine
-from tests.support.server import fake_config, running_server
 from tests.support.helpers import anthropic_text, sse_events
+from tests.support.server import fake_config, running_server
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.model

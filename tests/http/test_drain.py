@@ -20,11 +20,11 @@ import httpx
 import pytest
 import trio
 
-from ringserve.core.sse import ServerSentEvent, SSEParser
 from bench.common import ServerProcess
-from tests.support.server import fake_config, running_server
+from ringserve.core.sse import ServerSentEvent, SSEParser
 from tests.support.h2client import open_h2
 from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY, anthropic_text, openai_text
+from tests.support.server import fake_config, running_server
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.support.conformance import sdk_answer, sdk_stream_text
 from bench.common import ServerProcess
+from tests.support.conformance import sdk_answer, sdk_stream_text
 from tests.support.server import MODEL_TOML, SERVE
 
 pytestmark = pytest.mark.model

@@ -18,7 +18,6 @@ import pydantic
 import pytest
 import trio
 
-from ringserve.core.schema import MAX_REPEATS
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import (
     BlockDelta,
@@ -39,12 +38,13 @@ from ringserve.core.events import (
     ToolSpec,
     Usage,
 )
-from ringserve.core.ringlog import format_event_id
-from ringserve.core.sse import SSEParser, encode_event
-from ringserve.surfaces.anthropic import AnthropicSurface
 from ringserve.core.render import render
+from ringserve.core.ringlog import format_event_id
+from ringserve.core.schema import MAX_REPEATS
+from ringserve.core.sse import SSEParser, encode_event
 from ringserve.core.status import MessageStatus
 from ringserve.core.view import MessageView
+from ringserve.surfaces.anthropic import AnthropicSurface
 from ringserve.surfaces.base import MAX_TOOLS, dumps
 from ringserve.surfaces.openai import OpenAISurface
 from tests.support.conformance import check_answer, check_stream, stream_bytes

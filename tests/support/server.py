@@ -16,7 +16,6 @@ from ringserve.config import Config
 from ringserve.engine.fake import FakeEngine
 from ringserve.server import serve
 
-
 #: llama.cpp threads of every real-model engine in the tests. Its threads meet at a barrier in every
 #: decode call, so on a loaded 2-core machine two of them stall each other (docs/benchmarks.md): the
 #: HTTP benchmark's one-stream smoke run measured 0.3 tokens/s with 2 threads, 2.2 with 1, at load

@@ -30,9 +30,9 @@ import httpx
 import openai
 import pytest
 
+from bench.common import RINGSERVE_READY, ServerProcess
 from ringserve.core.sse import ServerSentEvent, SSEParser
 from tests.support.helpers import anthropic_text
-from bench.common import RINGSERVE_READY, ServerProcess
 from tests.support.server import MODEL_TOML
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import signal
 import re
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +19,12 @@ import httpx
 import pytest
 import trio
 
-from ringserve.core.sse import SSEParser
 from bench.common import ServerProcess
-from tests.support.server import MODEL_THREADS, SERVE
+from ringserve.core.sse import SSEParser
+from tests.http.test_drain import FakeServerProcess, _toml
 from tests.support.helpers import ANTHROPIC_BODY
 from tests.support.redis_server import RedisServer, free_port, needs_redis
-from tests.http.test_drain import FakeServerProcess, _toml
+from tests.support.server import MODEL_THREADS, SERVE
 from tests.system.test_nginx import NGINX, documented_snippet, start_nginx
 
 pytest.importorskip("coredis", reason="the redis extra is not installed (pip install 'ringserve[redis]')")
@@ -396,7 +396,7 @@ async def test_idempotent_retries_through_b_follow_the_message_a_generates(tmp_p
             for attempt in range(5):
                 ids: list[str] = []
 
-                async def post(url: str, key: dict[str, str]) -> None:
+                async def post(url: str, key: dict[str, str], ids: list[str] = ids) -> None:
                     resp = await client.post(f"{url}/v1/messages", json=small, headers={**key, **ASYNC})
                     assert resp.status_code == 202, resp.text
                     ids.append(resp.json()["id"])
