@@ -239,15 +239,7 @@ async def serve(
     state = ServerState(config, auth=auth)
     backend = make_backend(config, lambda message_id: _cancel_live(state, message_id))
     store = backend.store
-    log.info(
-        "message store: %s (finished messages kept %s, up to %s%s)",
-        store.path, _limit(config.store.max_age_seconds, "s"), _limit(config.store.max_bytes, " bytes"),
-        "" if config.store.keep_prompts else "; prompts not kept",
-    )
-    interrupted = store.mark_interrupted()
-    if interrupted:
-        log.info("marked %d message(s) left generating by a previous run as interrupted", interrupted)
-    config = state.config = config.replace("server", signing_key=signing_key(config.server.signing_key, store.path))
+    config = state.config = _open_store(config, store)
     app = create_app(state)
     stop = trio.Event() if shutdown_trigger is None else shutdown_trigger
     hc = hypercorn_config(config)
@@ -280,6 +272,25 @@ async def serve(
     finally:
         store.close()
     return status
+
+
+def _open_store(config: Config, store: MessageStore) -> Config:
+    """Take over the message store: say where it is and what it keeps, mark the messages a
+    previous run left generating as interrupted; ``config`` with its signing key resolved
+    (:func:`signing_key`, kept beside the store).
+
+    Raises:
+        StoreError: the store or the key file cannot be written (one line naming the path).
+    """
+    log.info(
+        "message store: %s (finished messages kept %s, up to %s%s)",
+        store.path, _limit(config.store.max_age_seconds, "s"), _limit(config.store.max_bytes, " bytes"),
+        "" if config.store.keep_prompts else "; prompts not kept",
+    )
+    interrupted = store.mark_interrupted()
+    if interrupted:
+        log.info("marked %d message(s) left generating by a previous run as interrupted", interrupted)
+    return config.replace("server", signing_key=signing_key(config.server.signing_key, store.path))
 
 
 async def _load(config: Config, engine_factory: Callable[[Config], Engine], backend: Backend,
