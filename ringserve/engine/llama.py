@@ -150,6 +150,23 @@ def _address(pointer: Any) -> int:
     return ctypes.addressof(pointer.contents)
 
 
+def _add_samplers(chain: Any, sampling: SamplingParams) -> None:
+    """The samplers of ``sampling`` at the end of ``chain``: greedy for temperature 0, else
+    top-k, top-p and min-p where set, temperature and a seeded draw (``seed``, or a random one)."""
+    if sampling.temperature == 0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+        return
+    if sampling.top_k > 0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(sampling.top_k))
+    if sampling.top_p < 1.0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(sampling.top_p, 1))
+    if sampling.min_p > 0.0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(sampling.min_p, 1))
+    lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(sampling.temperature))
+    seed = random.getrandbits(32) if sampling.seed is None else sampling.seed & 0xFFFFFFFF
+    lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
+
+
 def _check_sizes(n_slots: int, n_ctx_slot: int, n_batch: int, n_threads: int) -> None:
     """:class:`LlamaEngine`'s size arguments in range.
 
@@ -691,19 +708,8 @@ class LlamaEngine:
             self._watches[slot] = CallWatch(constraint)
         elif constraint is not None:
             lc.llama_sampler_chain_add(chain, self._grammar(slot, constraint))
-        if sampling.temperature == 0:
-            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
-            self._argmax[slot] = not isinstance(constraint, Constraint)
-        else:
-            if sampling.top_k > 0:
-                lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(sampling.top_k))
-            if sampling.top_p < 1.0:
-                lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(sampling.top_p, 1))
-            if sampling.min_p > 0.0:
-                lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(sampling.min_p, 1))
-            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(sampling.temperature))
-            seed = random.getrandbits(32) if sampling.seed is None else sampling.seed & 0xFFFFFFFF
-            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
+        _add_samplers(chain, sampling)
+        self._argmax[slot] = sampling.temperature == 0 and not isinstance(constraint, Constraint)
         self._held[slot] = keep
 
     def _grammar(self, slot: int, constraint: Constraint) -> Any:
