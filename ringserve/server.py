@@ -189,6 +189,8 @@ def signing_key(configured: str, store_path: str) -> str:
     return key
 
 
+# Long for its docstring (the drain's order and its bounds, which operators and tests rely on);
+# the work is in _open_store, _load and _drain.
 async def serve(
     config: Config,
     engine_factory: Callable[[Config], Engine] = load_llama_engine,
