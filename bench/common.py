@@ -101,8 +101,8 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     """A right-aligned plain-text table."""
     rows = [list(map(str, r)) for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(lines)
 
 
@@ -191,74 +191,146 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+RINGSERVE_READY = r"ready: .* at (http://\S+)"
+"""The line ``ringserve serve`` logs once the model is loaded and requests are taken."""
+
+
 class ServerProcess:
-    """A server in a subprocess, its output in a log file, stopped with SIGTERM.
+    """A server in a subprocess, until stopped (SIGTERM, then SIGKILL after 30 s): the benchmarks' and
+    the tests' (``tests/support/server.py`` says how a test starts ringserve).
+
+    A thread reads the server's output (stdout and stderr) for as long as it runs, keeps its lines in
+    ``lines`` and, with ``log_path``, writes them there too: a server whose log (its access log above
+    all) is not read blocks on its stdout write once the pipe holds 64 KiB.
 
     Args:
         argv: the command line.
-        log_path: where its stdout and stderr go.
-        ready_pattern: a regex whose group 1 is the base URL, searched in the
-            log (ringserve prints ``ready: ... at http://HOST:PORT``); or None
-            with ``url`` given, polled with ``GET url + probe`` until 200.
+        log_path: a file that gets the output as well (a benchmark keeps it beside its results);
+            None: ``lines`` only.
+        ready_pattern: a regex whose group 1 is the base URL, awaited in the output (ringserve
+            logs ``ready: ... at http://HOST:PORT``); or None with ``url`` given, polled with
+            ``GET url + probe`` until 200 (llama-server, ``llama_cpp.server``).
         url: the base URL when it is known in advance.
         probe: the path polled when ``ready_pattern`` is None.
         timeout: seconds to wait for readiness.
+        env: environment variables for the server, over this process's (``inherit_env`` False:
+            the only ones).
+        cwd: its working directory; None: the repository root.
 
     Raises:
-        RuntimeError: the process exited or did not become ready in time
-            (the message holds the end of its log).
+        RuntimeError: the process exited or did not become ready in time (the message holds its output).
     """
 
     def __init__(
         self,
         argv: Sequence[str],
-        log_path: Path,
+        log_path: Path | None = None,
         *,
-        ready_pattern: str | None = None,
+        ready_pattern: str | None = RINGSERVE_READY,
         url: str | None = None,
         probe: str = "/",
         timeout: float = 180.0,
+        env: dict[str, str] | None = None,
+        inherit_env: bool = True,
+        cwd: Path | None = None,
     ) -> None:
         import re
-
-        import httpx
+        import threading
 
         self.argv = list(argv)
         self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            self.argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**(os.environ if inherit_env else {}), **(env or {})},
+            cwd=cwd or ROOT,
         )
+        self.lines: list[str] = []
+        self._ended = False  # the output reached EOF
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read_log, daemon=True)
+        self._reader.start()
         self.url = url
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"{self.argv[:4]} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if ready_pattern is not None:
-                m = re.search(ready_pattern, log_path.read_text(errors="replace"))
-                if m:
-                    self.url = m.group(1).rstrip(",")
-                    return
-            else:
-                try:
-                    if httpx.get(f"{url}{probe}", timeout=2).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.2)
+        if ready_pattern is not None:
+            ready = self._find(ready_pattern, timeout)
+            if ready is not None:
+                self.url = re.search(ready_pattern, ready).group(1).rstrip(",")  # type: ignore[union-attr]
+                return
+        elif self._probe(f"{url}{probe}", timeout):
+            return
+        why = "exited" if self._ended or self.proc.poll() is not None else f"did not become ready in {timeout:.0f} s"
         self.stop()
-        raise RuntimeError(f"{self.argv[:4]} did not become ready in {timeout:.0f} s:\n{self.log_tail()}")
+        raise RuntimeError(f"{self.argv[:4]} {why}:\n" + "".join(self.lines[-30:]))
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
+    def _read_log(self) -> None:
+        assert self.proc.stdout is not None
+        log = None if self.log_path is None else open(self.log_path, "w")  # noqa: SIM115 - closed below
+        try:
+            for line in self.proc.stdout:
+                if log is not None:
+                    log.write(line)
+                    log.flush()
+                with self._changed:
+                    self.lines.append(line)
+                    self._changed.notify_all()
+        finally:
+            if log is not None:
+                log.close()
+            with self._changed:
+                self._ended = True
+                self._changed.notify_all()
+
+    def _probe(self, url: str, timeout: float) -> bool:
+        """Poll ``url`` until it answers 200 (True), the process exits or ``timeout`` s pass."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        return False
+
+    def _find(self, pattern: str, timeout: float) -> str | None:
+        """The first output line matching ``pattern``, waiting up to ``timeout`` s for it; None if it
+        did not come in time or the output ended without it."""
+        import re
+
+        regex = re.compile(pattern)
+        found: str | None = None
+        checked = 0
+
+        def seen() -> bool:
+            nonlocal found, checked
+            found = next((line for line in self.lines[checked:] if regex.search(line)), None)
+            checked = len(self.lines)
+            return found is not None or self._ended
+
+        with self._changed:
+            self._changed.wait_for(seen, timeout)
+        return found
+
+    def wait_for_log(self, pattern: str, timeout: float) -> str:
+        """The first output line matching ``pattern`` (blocking; run it in a thread from Trio)."""
+        found = self._find(pattern, timeout)
+        assert found is not None, f"no log line matches {pattern!r}:\n" + "".join(self.lines)
+        return found
+
     def log_tail(self, n: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        """The last ``n`` lines of its output."""
+        return "".join(self.lines[-n:])
 
     def stop(self) -> int | None:
-        """SIGTERM, then SIGKILL after 30 s; returns the exit status."""
+        """SIGTERM, then SIGKILL after 30 s; returns the exit status once its output is read to the end."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -266,7 +338,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._log.close()
+        self._reader.join(10)  # the rest of the output, up to EOF
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
         return self.proc.returncode
 
 
@@ -296,12 +370,8 @@ def llama_server(binary: Path, model: Path, log_path: Path, *, slots: int, ctx_p
         [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
          "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
          "-b", str(batch), "-ub", str(batch), "-fa", flash_attn, "--no-repack"],
-        log_path, url=f"http://127.0.0.1:{port}", probe="/health",
+        log_path, ready_pattern=None, url=f"http://127.0.0.1:{port}", probe="/health",
     )
-
-
-RINGSERVE_READY = r"ready: .* at (http://\S+)"
-"""The line ``ringserve serve`` logs once the model is loaded and requests are taken."""
 
 
 def ringserve_config(path: Path, tables: dict[str, dict[str, Any]]) -> Path:

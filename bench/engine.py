@@ -8,7 +8,7 @@ bundled model (or ``--model``) and the same prompt tokens:
 * **ringserve**: a :class:`ringserve.engine.runner.Runner` owning a
   :class:`ringserve.engine.llama.LlamaEngine`, driven through Trio exactly as
   the server drives it: every sequence submitted at once, events read from
-  each :class:`~ringserve.engine.runner.Generation` (detokenizer and stop
+  each :class:`~ringserve.engine.generation.Generation` (detokenizer and stop
   matcher included). No HTTP.
 
 Both sides are greedy over the same prompt tokens (the raw loop's
@@ -38,6 +38,7 @@ Writes ``bench/results/engine.json`` and ``bench/results/engine.png``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -55,9 +56,10 @@ from bench.common import figure, fmt, machine, machine_line, median, pct, save_f
 from bench.raw_decode import N_BATCH, PROMPT, RawDecoder, RawRun, _ctx_per_seq  # noqa: E402
 from ringserve.config import EngineConfig  # noqa: E402
 from ringserve.core.events import BlockDelta, ChatMessage, Failure, Finish, GenerationRequest, SamplingParams  # noqa: E402
+from ringserve.engine.generation import Generation, Prepared  # noqa: E402
 from ringserve.engine.llama import LlamaEngine  # noqa: E402
 from ringserve.engine.modelfile import default_model_path  # noqa: E402
-from ringserve.engine.runner import Generation, Prepared, Runner  # noqa: E402
+from ringserve.engine.runner import Runner  # noqa: E402
 
 GOAL_RATIO = 0.95
 """The engine issue's goal for ringserve / raw aggregate tokens/s (printed, never asserted)."""
@@ -115,10 +117,10 @@ def _runner_side(traces: list[_Trace]) -> Side:
     after_first = sum(t.output_tokens - t.deltas[0][1] for t in traces)
     tbt = []
     for t in traces:
-        for (a, _), (b, k) in zip(t.deltas, t.deltas[1:]):
+        for (a, _), (b, k) in itertools.pairwise(t.deltas):
             if k:
                 tbt += [(b - a) / k] * k
-    return Side(after_first / (end - start), [f - t.submitted for f, t in zip(first, traces)], tbt)
+    return Side(after_first / (end - start), [f - t.submitted for f, t in zip(first, traces, strict=True)], tbt)
 
 
 def compare(path: Path, n_seqs: int, n_tokens: int, n_threads: int, bursts: int) -> list[dict[str, Any]]:
@@ -270,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     our_tps = [summary[n]["ringserve"]["tokens_per_second"] for n in args.seqs]
     ax.bar([x - width / 2 for x in xs], raw_tps, width, label="raw llama-cpp-python loop")
     bars = ax.bar([x + width / 2 for x in xs], our_tps, width, label="ringserve Runner + LlamaEngine")
-    for bar, n in zip(bars, args.seqs):
+    for bar, n in zip(bars, args.seqs, strict=True):
         ax.annotate(f"{summary[n]['ratio']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=8)
     ax.set_xticks(xs, [str(n) for n in args.seqs])

@@ -26,15 +26,14 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ringserve.config import Config  # noqa: E402
-from ringserve.core.events import SamplingParams  # noqa: E402
-from ringserve.engine.gbnf import Constraint  # noqa: E402
-from ringserve.engine.fake import FakeEngine  # noqa: E402
 from ringserve.core.batch import Sampled, SlotFeed  # noqa: E402
+from ringserve.core.events import SamplingParams  # noqa: E402
+from ringserve.engine.fake import FakeEngine  # noqa: E402
+from ringserve.engine.gbnf import Constraint  # noqa: E402
 from ringserve.server import run_process  # noqa: E402
 
 REPLY_UNIT = "0123456789abcdef"

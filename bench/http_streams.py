@@ -43,6 +43,7 @@ Writes ``bench/results/http_streams.json`` and ``bench/results/http_streams.png`
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -185,7 +186,7 @@ async def run_level(url: str, n_streams: int, requests: int, max_tokens: int, ta
         wall = time.perf_counter() - t0
     ok = [t for t in traces if t.error is None and t.chunks]
     ttft = [t.chunks[0] - t.sent for t in ok]
-    gaps = [b - a for t in ok for a, b in zip(t.chunks, t.chunks[1:])]
+    gaps = [b - a for t in ok for a, b in itertools.pairwise(t.chunks)]
     tpot = [(t.chunks[-1] - t.chunks[0]) / (t.tokens - 1) for t in ok if t.tokens > 1 and len(t.chunks) > 1]
     tokens = sum(t.tokens for t in ok)
     return {
@@ -277,6 +278,7 @@ def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Seque
                  str(port), "--n_ctx", "2048", "--n_batch", "512", "--n_threads", str(threads),
                  "--n_threads_batch", str(threads), "--interrupt_requests", "False"],
                 tmp / "llama_cpp_server.log",
+                ready_pattern=None,
                 url=f"http://127.0.0.1:{port}",
                 probe="/v1/models",
             )
@@ -366,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     keys = ["tokens_per_second", "ttft_p50", "ttft_p99", "chunk_gap_p50", "chunk_gap_p99", "tpot_p50"]
 
     def ratios(key: str, other: list[dict[str, Any]], n: int) -> list[float]:
-        return [a[key] / b[key] for a, b in zip(rounds["ringserve"][n], other) if a[key] and b[key]]
+        return [a[key] / b[key] for a, b in zip(rounds["ringserve"][n], other, strict=True) if a[key] and b[key]]
 
     summary: dict[int, dict[str, Any]] = {}
     for n in args.streams:
@@ -436,7 +438,7 @@ def plot(payload: dict[str, Any]) -> Path:
     streams = sorted(int(n) for n in summary)
     fig, axes = figure(ncols=2, width=10, height=3.8)
     ax, ax2 = axes[0]
-    for i, (name, marker) in enumerate(zip(SERVERS, ("o", "s", "v"))):
+    for i, (name, marker) in enumerate(zip(SERVERS, ("o", "s", "v"), strict=True)):
         if name not in payload.get("servers", SERVERS):
             continue
         color = f"C{i}"

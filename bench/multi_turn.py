@@ -381,8 +381,8 @@ def plot(payload: dict[str, Any]) -> Path:
     summary = payload["summary"]
     scenarios = list(next(iter(summary.values())))
     fig, axes = figure(ncols=len(scenarios), width=5 * len(scenarios), height=3.8)
-    for ax, scenario in zip(axes[0], scenarios):
-        for i, (name, marker) in enumerate(zip(SERVER_NAMES, ("o", "s", "^"))):
+    for ax, scenario in zip(axes[0], scenarios, strict=True):
+        for i, (name, marker) in enumerate(zip(SERVER_NAMES, ("o", "s", "^"), strict=True)):
             if name not in summary:
                 continue
             per_turn = summary[name][scenario]["per_turn"]

@@ -41,10 +41,10 @@ if __package__ in (None, ""):
 
 from bench.common import figure, machine, machine_line, median, save_figure, write_json  # noqa: E402
 from bench.raw_decode import PROMPT  # noqa: E402
+from ringserve.core.batch import SlotFeed  # noqa: E402
 from ringserve.core.events import SamplingParams  # noqa: E402
 from ringserve.engine.llama import LlamaEngine  # noqa: E402
 from ringserve.engine.modelfile import default_model_path  # noqa: E402
-from ringserve.core.batch import SlotFeed  # noqa: E402
 from ringserve.engine.thread import EngineThread  # noqa: E402
 
 SIDES = ("one", "two")

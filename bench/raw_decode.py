@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import os
 import sys
 import threading
@@ -258,7 +259,7 @@ class RawDecoder:
         return RawRun(
             self.n_seqs * self.n_tokens / (steps[-1] - t0),
             prefill,
-            tuple(b - a for a, b in zip([t0, *steps], steps)),
+            tuple(b - a for a, b in itertools.pairwise([t0, *steps])),
         )
 
     def close(self) -> None:
@@ -291,9 +292,9 @@ def engine_tokens_per_second(
     Args and Returns as :func:`raw_tokens_per_second`; each repeat begins
     (and at the end releases) every slot, on a thread of its own (:func:`on_own_thread`).
     """
+    from ringserve.core.batch import SlotFeed
     from ringserve.core.events import SamplingParams
     from ringserve.engine.llama import LlamaEngine
-    from ringserve.core.batch import SlotFeed
 
     greedy = SamplingParams(temperature=0)
     engine = LlamaEngine(

@@ -46,7 +46,18 @@ if __package__ in (None, ""):
 import coredis  # noqa: E402
 from coredis.tokens import PureToken  # noqa: E402
 
-from bench.common import figure, fmt, free_port, machine, machine_line, median, pct, save_figure, table, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    figure,
+    fmt,
+    free_port,
+    machine,
+    machine_line,
+    median,
+    pct,
+    save_figure,
+    table,
+    write_json,
+)
 from ringserve.config import StreamConfig  # noqa: E402
 from ringserve.logs.redis import RedisLogStore, stream_key  # noqa: E402
 

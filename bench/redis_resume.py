@@ -41,7 +41,17 @@ import httpx
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ServerProcess, figure, fmt, machine, machine_line, pct, save_figure, table, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    ServerProcess,
+    figure,
+    fmt,
+    machine,
+    machine_line,
+    pct,
+    save_figure,
+    table,
+    write_json,
+)
 from bench.redis_append import start_redis  # noqa: E402
 from bench.resume import POSITIONS, complete_message, read_stream, resume_points, start_server  # noqa: E402
 from ringserve.core.sse import SSEParser  # noqa: E402
@@ -70,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             with httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as client:
                 messages = {owner: complete_message(client, servers[owner].url, args.tokens) for owner in ("a", "m")}
                 points, sizes = {}, {}
-                for owner, (mid, whole) in messages.items():
+                for owner, (_, whole) in messages.items():
                     events = SSEParser().feed(whole)
                     points[owner] = resume_points(events, args.tokens)
                     seqs = {e.id: i for i, e in enumerate(events)}

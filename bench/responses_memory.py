@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 from common import (
     RINGSERVE_READY,
     ServerProcess,
-    fmt,
     figure,
+    fmt,
     machine,
     machine_line,
     python,

@@ -17,7 +17,8 @@ from types import FrameType
 from ringserve.client.cli import add_commands
 from ringserve.config import Config
 from ringserve.core.signals import ECHO_SECONDS, EchoFilter
-from ringserve.launch import add_command as add_launch, split_argv
+from ringserve.launch import add_command as add_launch
+from ringserve.launch import split_argv
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,12 +70,12 @@ def main(argv: list[str] | None = None) -> int:
             _interrupt_once(ECHO_SECONDS)
         return args.client_command(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ringserve.http.auth import AuthSetupError
     from ringserve.engine.modelfile import ModelFileError, check_model_file, default_model_path
     from ringserve.engine.protocol import EngineError
+    from ringserve.http.auth import AuthSetupError
     from ringserve.live.safety import SafetySetupError
-    from ringserve.store.sqlite import StoreError
     from ringserve.server import run_process
+    from ringserve.store.sqlite import StoreError
     from ringserve.surfaces.registry import SURFACES
 
     try:

@@ -8,20 +8,37 @@ file fails at start-up with a message that names the key.
 
 from __future__ import annotations
 
+import enum
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, assert_never
 
 import attrs
 from attrs import validators as v
 
-from ringserve.core.signing import ReasoningSigner
-from ringserve.core.status import Policy
 from ringserve.core.offload import ALL_LAYERS
 from ringserve.core.safety import check_checker_path, compile_patterns
+from ringserve.core.signing import ReasoningSigner
+from ringserve.core.status import Policy
 
-LOG_BACKENDS = ("memory", "redis")
+
+class Switch(enum.StrEnum):
+    """A setting that is on, off or left to a rule (``[model] flash_attn``, ``[engine] overlap``)."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+class LogBackend(enum.StrEnum):
+    """``[stream] backend``: where the stream logs live (``server.py`` ``make_backend``)."""
+
+    MEMORY = "memory"
+    REDIS = "redis"
+
+
+_E = TypeVar("_E", bound=enum.Enum)
 
 #: Environment variable that, when set, replaces ``[stream] redis_url``.
 ENV_REDIS_URL = "RINGSERVE_REDIS_URL"
@@ -37,15 +54,30 @@ def _non_negative(_inst: object, attribute: attrs.Attribute, value: float) -> No
         raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
 
 
-def _one_of(*allowed: str) -> Any:
-    """A validator: the value is one of ``allowed`` (a one-line message naming key, value and choices)."""
+def _member(kind: type[_E], key: str, value: object) -> _E:
+    """``value`` (a member of ``kind`` or its value) as a member of ``kind``.
 
-    def check(_inst: object, attribute: attrs.Attribute, value: str) -> None:
-        if value not in allowed:
-            choices = ", ".join(repr(a) for a in allowed)
-            raise ValueError(f"{attribute.name} must be one of {choices}, got {value!r}")
+    Raises:
+        ValueError: it is neither (a one-line message naming the key, the value and the choices).
+    """
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(repr(member.value) for member in kind)
+        raise ValueError(f"{key} must be one of {choices}, got {value!r}") from None
 
-    return check
+
+# attrs converters, one per key, so that the message names it (mypy's attrs plugin takes named functions)
+def _flash_attn(value: object) -> Switch:
+    return _member(Switch, "flash_attn", value)
+
+
+def _overlap(value: object) -> Switch:
+    return _member(Switch, "overlap", value)
+
+
+def _backend(value: object) -> LogBackend:
+    return _member(LogBackend, "backend", value)
 
 
 #: What a TOML value of each annotated type must be, checked before any range validator runs.
@@ -55,6 +87,8 @@ _TYPE_CHECKS: dict[str, tuple[str, Any]] = {
     "str": ("a string", lambda x: isinstance(x, str)),
     "bool": ("true or false", lambda x: isinstance(x, bool)),
     "tuple[str, ...]": ("a list of strings", lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x)),
+    "Switch": ("a string", lambda x: isinstance(x, str)),
+    "LogBackend": ("a string", lambda x: isinstance(x, str)),
 }
 
 
@@ -130,7 +164,7 @@ class ModelConfig:
     n_gpu_layers: int = attrs.field(default=ALL_LAYERS, validator=v.ge(-1))
     n_threads: int = attrs.field(default=0, validator=_non_negative)
     use_extra_bufts: bool = False
-    flash_attn: str = attrs.field(default="off", validator=_one_of("auto", "on", "off"))
+    flash_attn: Switch = attrs.field(default=Switch.OFF, converter=_flash_attn)
     strict_model_name: bool = False
     name: str = ""
     chat_template_file: str = ""
@@ -161,7 +195,7 @@ class EngineConfig:
     queue_size: int = attrs.field(default=64, validator=_non_negative)
     prefix_cache: bool = attrs.field(default=True, validator=v.instance_of(bool))
     prefix_cache_output: bool = attrs.field(default=True, validator=v.instance_of(bool))
-    overlap: str = attrs.field(default="auto", validator=_one_of("auto", "on", "off"))
+    overlap: Switch = attrs.field(default=Switch.AUTO, converter=_overlap)
 
 
 def decode_threads(n_threads: int, cores: int) -> int:
@@ -177,10 +211,10 @@ def decode_threads(n_threads: int, cores: int) -> int:
     return n_threads if n_threads > 0 else max(1, cores - 1)
 
 
-def overlap_steps(setting: str, *, threads: int, cores: int, gpu: bool) -> bool:
+def overlap_steps(setting: Switch, *, threads: int, cores: int, gpu: bool) -> bool:
     """Whether the owner loop starts decode step N+1 while step N's tokens are still being streamed.
 
-    ``setting`` is ``[engine] overlap``: ``"on"`` or ``"off"`` as said;
+    ``setting`` is ``[engine] overlap``: ``on`` or ``off`` as said;
     ``"auto"`` overlaps when the decode leaves the Trio thread a core of its
     own, i.e. when layers run on a GPU (``gpu``) or the decode uses fewer
     ``threads`` than there are ``cores``. Where llama.cpp's threads take every
@@ -188,14 +222,14 @@ def overlap_steps(setting: str, *, threads: int, cores: int, gpu: bool) -> bool:
     whole step, so the loop lets the consumers finish first (issue 19).
     """
     match setting:
-        case "on":
+        case Switch.ON:
             return True
-        case "off":
+        case Switch.OFF:
             return False
-        case "auto":
+        case Switch.AUTO:
             return gpu or threads < cores
         case _:
-            raise ValueError(f"overlap must be 'auto', 'on' or 'off', got {setting!r}")
+            assert_never(setting)
 
 
 def _redis_url(_inst: object, attribute: attrs.Attribute, value: str) -> None:
@@ -222,7 +256,7 @@ class StreamConfig:
     ring_max_bytes: int = attrs.field(default=4 * 1024 * 1024, validator=_positive)
     memory_cap_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_positive)
     ttl_seconds: float = attrs.field(default=60.0, validator=_non_negative)
-    backend: str = attrs.field(default="memory", validator=_one_of(*LOG_BACKENDS))
+    backend: LogBackend = attrs.field(default=LogBackend.MEMORY, converter=_backend)
     redis_url: str = attrs.field(default="redis://127.0.0.1:6379/0", validator=_redis_url)
 
     def redis_url_from(self, environ: Mapping[str, str]) -> str:

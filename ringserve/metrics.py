@@ -11,10 +11,10 @@ never share a number. Two kinds of metric:
   freed, through its ``on_cancel_freed`` hook).
 * **Snapshot metrics**, read at scrape time from ``statistics()`` of the
   sources given to :meth:`Metrics.watch` (the runner, the log store, the
-  message store and the hub; each returns a frozen value this module reads):
-  slots, queue, KV cells, tokens, zombie tokens, readers, ring entries and
-  bytes, append latency, store size and sweeps, generations. They cost
-  nothing between scrapes.
+  message store, the hub and the slow-reader watchdog; each returns a frozen
+  value this module reads): slots, queue, KV cells, tokens, zombie tokens,
+  readers, ring entries and bytes, append latency, store size and sweeps,
+  generations, blocked writes. They cost nothing between scrapes.
 
 Names follow the Prometheus conventions: base units (seconds, bytes),
 ``_total`` on counters, ``ringserve_`` prefix. ``configs/grafana-dashboard.json``
@@ -36,7 +36,7 @@ from ringserve.engine.runner import RunnerStatistics
 from ringserve.logs.memory import LogStoreStatistics
 from ringserve.store.sqlite import StoreStatistics
 
-__all__ = ["CONTENT_TYPE", "GenerationStatistics", "Metrics", "Source"]
+__all__ = ["CONTENT_TYPE", "GenerationStatistics", "Metrics", "Source", "WatchdogStatistics"]
 
 #: The ``Content-Type`` of :meth:`Metrics.render` (Prometheus text format 0.0.4).
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -64,8 +64,27 @@ class GenerationStatistics:
     unsaved_messages: int
 
 
+@attrs.frozen
+class WatchdogStatistics:
+    """What the slow-reader watchdog reports (``http/transport.py`` ``SendWatchdog.statistics``).
+
+    Attributes:
+        sends_in_flight: ASGI sends running now.
+        oldest_send_seconds: how long the oldest of them has run (0 if none).
+        readers_dropped_total: requests dropped because a send was blocked
+            longer than the timeout (each counted once; exposed as
+            ``ringserve_slow_reader_disconnects_total{reason="blocked"}``, counted where it happens).
+        connections_aborted_total: TCP connections reset by the watchdog.
+    """
+
+    sends_in_flight: int
+    oldest_send_seconds: float
+    readers_dropped_total: int
+    connections_aborted_total: int
+
+
 #: What :meth:`Metrics.watch` reads a snapshot of.
-Statistics = RunnerStatistics | LogStoreStatistics | StoreStatistics | GenerationStatistics
+Statistics = RunnerStatistics | LogStoreStatistics | StoreStatistics | GenerationStatistics | WatchdogStatistics
 
 
 class Source(Protocol):
@@ -133,7 +152,7 @@ class Metrics:
 
     def watch(self, *sources: Source) -> None:
         """Expose the snapshot metrics of ``sources`` (the runner, the log store, the message store,
-        the hub), read at each scrape; call it once per server."""
+        the hub, the slow-reader watchdog), read at each scrape; call it once per server."""
         self.registry.register(_SnapshotCollector(sources))
 
     def render(self) -> bytes:
@@ -205,6 +224,8 @@ class _SnapshotCollector(Collector):
                     yield _gauge("ringserve_store_unsaved_messages",
                                  "Ended messages whose final state the store failed to write; retried every second.",
                                  stats.unsaved_messages)
+                case WatchdogStatistics():
+                    yield from _watchdog(stats)
                 case _:
                     assert_never(stats)
 
@@ -278,3 +299,12 @@ def _store(store: StoreStatistics) -> Iterator[Metric]:
     yield _counter("ringserve_store_write_failures",
                    "Message-store writes that failed (full disk, I/O error, a lock held too long).",
                    store.write_failures_total)
+
+
+def _watchdog(dog: WatchdogStatistics) -> Iterator[Metric]:
+    yield _gauge("ringserve_sends_in_flight", "Response writes (ASGI sends) running now.", dog.sends_in_flight)
+    yield _gauge("ringserve_oldest_send_seconds",
+                 "Seconds the oldest running response write has been blocked (0 if none); its reader is dropped"
+                 " past [server] slow_reader_timeout.", dog.oldest_send_seconds)
+    yield _counter("ringserve_connections_aborted", "TCP connections reset by the slow-reader watchdog.",
+                   dog.connections_aborted_total)

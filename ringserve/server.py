@@ -9,6 +9,7 @@ import secrets
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import assert_never
 
 import attrs
 import hypercorn.trio
@@ -18,7 +19,7 @@ import trio
 from ringserve.http.app import create_app
 from ringserve.http.context import ServerState
 from ringserve.http.auth import Authenticator, check_bind
-from ringserve.config import Config, decode_threads, overlap_steps
+from ringserve.config import Config, LogBackend, Switch, decode_threads, overlap_steps
 from ringserve.http.transport import HypercornConfig, isolate_connection_faults
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.protocol import Engine, EngineError
@@ -67,7 +68,7 @@ def load_llama_engine(config: Config) -> Engine:
             n_gpu_layers=config.model.n_gpu_layers,
             n_threads=config.model.n_threads,
             use_extra_bufts=config.model.use_extra_bufts,
-            flash_attn={"auto": None, "on": True, "off": False}[config.model.flash_attn],
+            flash_attn={Switch.AUTO: None, Switch.ON: True, Switch.OFF: False}[config.model.flash_attn],
             model_id=config.model.name or None,
             chat_template=template,
             chat_format=config.model.chat_format or None,
@@ -96,9 +97,9 @@ def make_backend(config: Config, cancel: Callable[[str], None]) -> Backend:
         StoreError: the message store cannot be opened or written (one line naming the path).
     """
     match config.stream.backend:
-        case "memory":
+        case LogBackend.MEMORY:
             return Backend(MemoryLogStore(config.stream), LocalCluster(), MessageStore.from_config(config.store))
-        case "redis":
+        case LogBackend.REDIS:
             try:
                 from ringserve.logs.redis import MirroredMessageStore, RedisCluster, RedisLogStore
             except ImportError as exc:
@@ -106,8 +107,8 @@ def make_backend(config: Config, cancel: Callable[[str], None]) -> Backend:
             logs = RedisLogStore(config.stream, config.stream.redis_url_from(os.environ), on_cancel=cancel,
                                  on_owner_lost=owner_lost_entries)
             return Backend(logs, RedisCluster(logs), MirroredMessageStore.from_config(config.store).mirror_to(logs))
-        case other:
-            raise AssertionError(f"unknown stream backend {other!r}")  # the config validator lists them
+        case _:
+            assert_never(config.stream.backend)
 
 
 def _cancel_live(state: ServerState, message_id: str) -> None:
@@ -188,6 +189,8 @@ def signing_key(configured: str, store_path: str) -> str:
     return key
 
 
+# Long for its docstring (the drain's order and its bounds, which operators and tests rely on);
+# the work is in _open_store, _load and _drain.
 async def serve(
     config: Config,
     engine_factory: Callable[[Config], Engine] = load_llama_engine,
@@ -238,15 +241,7 @@ async def serve(
     state = ServerState(config, auth=auth)
     backend = make_backend(config, lambda message_id: _cancel_live(state, message_id))
     store = backend.store
-    log.info(
-        "message store: %s (finished messages kept %s, up to %s%s)",
-        store.path, _limit(config.store.max_age_seconds, "s"), _limit(config.store.max_bytes, " bytes"),
-        "" if config.store.keep_prompts else "; prompts not kept",
-    )
-    interrupted = store.mark_interrupted()
-    if interrupted:
-        log.info("marked %d message(s) left generating by a previous run as interrupted", interrupted)
-    config = state.config = config.replace("server", signing_key=signing_key(config.server.signing_key, store.path))
+    config = state.config = _open_store(config, store)
     app = create_app(state)
     stop = trio.Event() if shutdown_trigger is None else shutdown_trigger
     hc = hypercorn_config(config)
@@ -281,6 +276,25 @@ async def serve(
     return status
 
 
+def _open_store(config: Config, store: MessageStore) -> Config:
+    """Take over the message store: say where it is and what it keeps, mark the messages a
+    previous run left generating as interrupted; ``config`` with its signing key resolved
+    (:func:`signing_key`, kept beside the store).
+
+    Raises:
+        StoreError: the store or the key file cannot be written (one line naming the path).
+    """
+    log.info(
+        "message store: %s (finished messages kept %s, up to %s%s)",
+        store.path, _limit(config.store.max_age_seconds, "s"), _limit(config.store.max_bytes, " bytes"),
+        "" if config.store.keep_prompts else "; prompts not kept",
+    )
+    interrupted = store.mark_interrupted()
+    if interrupted:
+        log.info("marked %d message(s) left generating by a previous run as interrupted", interrupted)
+    return config.replace("server", signing_key=signing_key(config.server.signing_key, store.path))
+
+
 async def _load(config: Config, engine_factory: Callable[[Config], Engine], backend: Backend,
                 safety: SafetyStage | None, state: ServerState, nursery: trio.Nursery) -> Hub:
     """Load the model (on a worker thread), start its runner and the hub: ``state`` is then ready."""
@@ -292,7 +306,7 @@ async def _load(config: Config, engine_factory: Callable[[Config], Engine], back
     await nursery.start(runner.run)
     hub = Hub(config, runner, backend.logs, backend.cluster, backend.store, nursery, safety=safety,
               metrics=state.metrics)
-    state.metrics.watch(runner, backend.logs, backend.store, hub)
+    state.metrics.watch(runner, backend.logs, backend.store, hub, state.watchdog)
     state.model_id = runner.model_id
     state.hub = hub
     log.info(

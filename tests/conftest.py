@@ -1,5 +1,9 @@
 """Shared fixtures: an in-process ringserve on the fake engine, and one on the real model
-(the servers themselves are in ``tests/support/server.py``)."""
+(the servers themselves are in ``tests/support/server.py``); and a marker per test folder.
+
+Every test under ``tests/FOLDER/`` is marked ``FOLDER`` (registered in pyproject.toml), so one
+layer runs by name: ``pytest -m core`` (values, no server: the fast layer), ``-m "not system"``.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,26 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.server import MODEL_TOML, ServerProcess, fake_config, running_server
+from bench.common import ServerProcess
+from tests.support.server import MODEL_TOML, SERVE, fake_config, running_server
+
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with the name of its folder under ``tests/``.
+
+    Raises:
+        pytest.UsageError: a folder whose marker pyproject.toml does not register.
+    """
+    registered = {line.split(":")[0].strip() for line in config.getini("markers")}
+    for item in items:
+        parts = item.path.relative_to(TESTS).parts
+        if len(parts) < 2:
+            continue  # tests/test_*.py: the project as a whole (config, CLI, docs, layers)
+        if parts[0] not in registered:
+            raise pytest.UsageError(f"tests/{parts[0]}/ has no marker: register {parts[0]!r} in pyproject.toml")
+        item.add_marker(parts[0])
 
 
 @pytest.fixture
@@ -30,6 +53,6 @@ def model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     # cached prompt re-decodes its last token in a one-token batch, whose logits can round
     # differently (docs/prefix-cache.md); tests/engine/test_prefix_cache.py tests the cache.
     cfg.write_text(f'[engine]\nslots = 4\nctx_per_slot = 4608\nprefix_cache = false\n[store]\npath = "{store}"\n{MODEL_TOML}')
-    server = ServerProcess(["--config", str(cfg)])
+    server = ServerProcess([*SERVE, "--config", str(cfg)])
     yield server
     server.stop()

@@ -3,6 +3,7 @@ resolves, and docs/compatibility.md says what each surface's FieldTables do with
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ def anchors(path: Path) -> set[str]:
     """The anchors of a Markdown file's headings (a repeated heading gets ``-1``, ``-2``, ...)."""
     tokens = MD.parse(path.read_text())
     seen: dict[str, int] = {}
-    for opening, inline in zip(tokens, tokens[1:]):
+    for opening, inline in itertools.pairwise(tokens):
         if opening.type == "heading_open":
             base = slug(inline_text(inline))
             n = seen.get(base, 0)
@@ -114,7 +115,7 @@ def table_rows(path: Path) -> dict[str, dict[str, set[str]]]:
     sections: dict[str, dict[str, set[str]]] = {}
     heading, row, cells = "", None, 0
     tokens = MD.parse(path.read_text())
-    for prev, token in zip([None, *tokens], tokens):
+    for prev, token in itertools.pairwise([None, *tokens]):
         if token.type == "inline" and prev is not None and prev.type == "heading_open" and prev.tag == "h2":
             heading = inline_text(token)
         elif token.type == "tr_open":

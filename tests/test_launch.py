@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.common import ServerProcess
 from ringserve import launch
 from ringserve.__main__ import _parser
 from ringserve.launch import AGENTS, Agent, Served, Settings
-from tests.support.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_SERVE = (sys.executable, str(ROOT / "bench" / "fake_server.py"))
@@ -249,7 +249,7 @@ def test_launch_uses_a_running_server_and_leaves_it_running(tmp_path, agent_env,
     the server that was running before is running after."""
     port = free_port()
     config = config_file(tmp_path, port, '[auth]\napi_keys = ["key-1"]\n')
-    server = ServerProcess(["--config", str(config)], command=list(FAKE_SERVE))
+    server = ServerProcess([*FAKE_SERVE, "--config", str(config)])
     try:
         catalog = {"models": [{"slug": launch.CODEX_TEMPLATE, "apply_patch_tool_type": "freeform", "base_instructions": "B"}]}
         (tmp_path / "catalog.json").write_text(json.dumps(catalog))

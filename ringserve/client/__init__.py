@@ -73,7 +73,15 @@ OpenAI Responses streaming events, and WHATWG HTML "Server-sent events"
 """
 
 from ringserve.client._errors import APIError, ClientError, ConnectionLost, RequestTimeout, StreamError
-from ringserve.client._models import Backoff, FinalMessage, Reconnect, StreamEvent, ToolCall, ToolCallDelta, Usage
+from ringserve.client._models import (
+    Backoff,
+    FinalMessage,
+    Reconnect,
+    StreamEvent,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
 from ringserve.client._resume import Phase, PhaseError, ResumeState
 from ringserve.client._shell import DEFAULT_URL
 from ringserve.client._sync import Client, MessageStream

@@ -19,7 +19,14 @@ import httpx
 from ringserve.client._errors import ClientError
 from ringserve.client._models import Backoff, FinalMessage, Reconnect, StreamEvent
 from ringserve.client._resume import Body, ResumeState, auth_headers
-from ringserve.client._shell import CANCEL_TIMEOUT, DEFAULT_URL, Settings, StreamView, TrioBackend, json_answer
+from ringserve.client._shell import (
+    CANCEL_TIMEOUT,
+    DEFAULT_URL,
+    Settings,
+    StreamView,
+    TrioBackend,
+    json_answer,
+)
 from ringserve.client._wires import message_path
 
 

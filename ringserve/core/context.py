@@ -25,7 +25,16 @@ from typing import Protocol, TypeVar, assert_never
 
 import attrs
 
-from ringserve.core.events import AppliedEdit, ChatMessage, ClearThinking, ClearToolUses, ContextEdit, GenerationRequest, Trigger
+from ringserve.core.events import (
+    AppliedEdit,
+    ChatMessage,
+    ClearThinking,
+    ClearToolUses,
+    ContextEdit,
+    GenerationRequest,
+    Role,
+    Trigger,
+)
 
 __all__ = ["CLEARED_INPUT", "CLEARED_RESULT", "Prompt", "edit_messages", "edit_prompt"]
 
@@ -36,7 +45,7 @@ CLEARED_INPUT = "{}"
 
 
 def _clear_thinking(messages: Sequence[ChatMessage], edit: ClearThinking) -> tuple[tuple[ChatMessage, ...], int]:
-    thinking = [i for i, m in enumerate(messages) if m.role == "assistant" and m.reasoning]
+    thinking = [i for i, m in enumerate(messages) if m.role is Role.ASSISTANT and m.reasoning]
     keep = len(thinking) if edit.keep_turns is None else edit.keep_turns
     cleared = thinking[: max(0, len(thinking) - keep)]
     out = list(messages)
@@ -47,7 +56,7 @@ def _clear_thinking(messages: Sequence[ChatMessage], edit: ClearThinking) -> tup
 
 def _tool_uses(messages: Sequence[ChatMessage]) -> list[tuple[str, str]]:
     """``(call_id, name)`` of every tool call of the conversation, oldest first."""
-    return [(call.call_id, call.name) for m in messages if m.role == "assistant" for call in m.tool_calls]
+    return [(call.call_id, call.name) for m in messages if m.role is Role.ASSISTANT for call in m.tool_calls]
 
 
 def _clear_tool_uses(messages: Sequence[ChatMessage], edit: ClearToolUses) -> tuple[tuple[ChatMessage, ...], int]:
@@ -61,9 +70,9 @@ def _clear_tool_uses(messages: Sequence[ChatMessage], edit: ClearToolUses) -> tu
 
     out = []
     for m in messages:
-        if m.role == "tool" and m.tool_call_id in cleared:
+        if m.role is Role.TOOL and m.tool_call_id in cleared:
             m = attrs.evolve(m, content=CLEARED_RESULT)
-        elif m.role == "assistant" and any(c.call_id in cleared and inputs_cleared(c.name) for c in m.tool_calls):
+        elif m.role is Role.ASSISTANT and any(c.call_id in cleared and inputs_cleared(c.name) for c in m.tool_calls):
             m = attrs.evolve(m, tool_calls=tuple(
                 attrs.evolve(c, arguments=CLEARED_INPUT) if c.call_id in cleared and inputs_cleared(c.name) else c
                 for c in m.tool_calls))

@@ -71,9 +71,21 @@ class ToolCall:
     arguments: str
 
 
+class Role(enum.StrEnum):
+    """Who speaks a chat turn. A :class:`str` enum: its values are the roles' names on every
+    surface and in every chat template, so a surface passes the name it read (checked against
+    its own roles) and a template gets it as it is."""
+
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+
+
 @attrs.frozen
 class ChatMessage:
-    """One chat turn. ``role`` is ``system``, ``user``, ``assistant`` or ``tool``.
+    """One chat turn. ``role`` is a :class:`Role`, given as one or by its name (``"user"``;
+    another name raises ``ValueError``).
 
     ``tool_calls`` are an assistant turn's calls (after its ``content``);
     a ``tool`` turn is the result of the call ``tool_call_id`` (its
@@ -81,7 +93,7 @@ class ChatMessage:
     assistant turn's reasoning text (its thinking, before its ``content``).
     """
 
-    role: str = attrs.field(validator=attrs.validators.in_(("system", "user", "assistant", "tool")))
+    role: Role = attrs.field(converter=Role)
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""

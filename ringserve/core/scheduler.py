@@ -326,7 +326,6 @@ class Entry:
         prompt: the prompt's token ids.
         max_tokens: most tokens to sample.
         priority: smaller is admitted first.
-        tag: the caller's object for this request (the runner's Generation).
         state: see :class:`SlotState`.
         slot: the slot it holds or held; None while queued.
         pos: tokens of this request in the slot's KV cells (prompt fed so far,
@@ -351,7 +350,6 @@ class Entry:
     prompt: tuple[int, ...]
     max_tokens: int
     priority: int = 0
-    tag: object = None
     state: SlotState = SlotState.QUEUED
     slot: int | None = None
     pos: int = 0
@@ -526,11 +524,6 @@ class Scheduler:
     # -- admission -----------------------------------------------------------
 
     @property
-    def free_slots(self) -> int:
-        """Slots neither occupied nor draining."""
-        return len(self._free)
-
-    @property
     def capacity(self) -> int:
         """How many requests may wait right now (``queue_size`` + free slots)."""
         return self.queue_size + len(self._free)
@@ -541,7 +534,6 @@ class Scheduler:
         max_tokens: int,
         *,
         priority: int = 0,
-        tag: object = None,
         cache_key: str = "",
     ) -> Entry:
         """Add a request to the admission queue (FIFO within its priority).
@@ -550,7 +542,6 @@ class Scheduler:
             prompt: the prompt's token ids (at least one).
             max_tokens: most tokens to sample (>= 1).
             priority: smaller is admitted first.
-            tag: any object the caller wants back on the entry.
             cache_key: the request's cache hint (:func:`choose_slot`).
 
         Returns:
@@ -566,7 +557,7 @@ class Scheduler:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if self._n_queued >= self.capacity:
             raise QueueFull(self._n_queued, self.capacity)
-        entry = Entry(next(self._ids), tuple(prompt), max_tokens, priority, tag, cache_key=cache_key)
+        entry = Entry(next(self._ids), tuple(prompt), max_tokens, priority, cache_key=cache_key)
         self._queues.setdefault(priority, deque()).append(entry)
         self._n_queued += 1
         return entry
@@ -795,10 +786,6 @@ class Scheduler:
 
     # -- queries -------------------------------------------------------------
 
-    def entry_at(self, slot: int) -> Entry | None:
-        """The live request holding ``slot``, if any."""
-        return self._slots[slot]
-
     def active(self) -> tuple[Entry, ...]:
         """Live requests (PREFILL or DECODE), oldest admission first."""
         return tuple(self._admit_order)
@@ -811,11 +798,6 @@ class Scheduler:
     def releases_pending(self) -> bool:
         """Whether some ended request's slot waits for :meth:`take_releases`."""
         return bool(self._draining)
-
-    @property
-    def has_work(self) -> bool:
-        """Whether :meth:`plan` would admit or feed anything, or a slot must drain."""
-        return bool(self._admit_order or self._draining or (self._queues and self._free))
 
     def statistics(self) -> SchedulerStatistics:
         """A frozen snapshot of queue and slots."""

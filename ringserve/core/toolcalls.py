@@ -44,7 +44,7 @@ from typing import Protocol
 
 import attrs
 
-from ringserve.core.events import ChatMessage, ToolChoice, ToolChoiceMode, ToolSpec
+from ringserve.core.events import ChatMessage, Role, ToolChoice, ToolChoiceMode, ToolSpec
 
 __all__ = [
     "CALL_CLOSE",
@@ -122,17 +122,17 @@ def plain_messages(
     out: list[ChatMessage] = []
     for m in messages:
         match m.role:
-            case "tool":
+            case Role.TOOL:
                 result: dict[str, object] = {"call_id": m.tool_call_id, "name": names.get(m.tool_call_id, "")}
                 if m.is_error:
                     result["is_error"] = True
                 result["content"] = m.content
                 block = f"<tool_response>\n{json.dumps(result)}\n</tool_response>"
-                if out and out[-1].role == "user" and out[-1].content.endswith("</tool_response>"):
-                    out[-1] = ChatMessage("user", f"{out[-1].content}\n{block}")
+                if out and out[-1].role is Role.USER and out[-1].content.endswith("</tool_response>"):
+                    out[-1] = ChatMessage(Role.USER, f"{out[-1].content}\n{block}")
                 else:
-                    out.append(ChatMessage("user", block))
-            case "assistant" if m.tool_calls:
+                    out.append(ChatMessage(Role.USER, block))
+            case Role.ASSISTANT if m.tool_calls:
                 calls = []
                 for c in m.tool_calls:
                     try:
@@ -141,15 +141,15 @@ def plain_messages(
                         raise ValueError(f"the arguments of tool call {c.call_id!r} are not JSON") from None
                     calls.append(format_call(c.name, arguments))
                 text = "\n".join(calls)
-                out.append(ChatMessage("assistant", f"{m.content}\n{text}" if m.content else text))
+                out.append(ChatMessage(Role.ASSISTANT, f"{m.content}\n{text}" if m.content else text))
             case _:
                 out.append(ChatMessage(m.role, m.content))
     if tools and choice.mode is not ToolChoiceMode.NONE:
         prompt = _tools_prompt(tools, choice)
-        if out and out[0].role == "system":
-            out[0] = ChatMessage("system", f"{out[0].content}\n\n{prompt}" if out[0].content else prompt)
+        if out and out[0].role is Role.SYSTEM:
+            out[0] = ChatMessage(Role.SYSTEM, f"{out[0].content}\n\n{prompt}" if out[0].content else prompt)
         else:
-            out.insert(0, ChatMessage("system", prompt))
+            out.insert(0, ChatMessage(Role.SYSTEM, prompt))
     return tuple(out)
 
 

@@ -10,11 +10,12 @@ did to it:
   counts them. :meth:`begin` and :meth:`release` cut them to their first
   ``keep`` (the prompt-prefix cache), and :meth:`begin` with a ``source``
   copies that slot's cells first; every call is recorded in
-  :attr:`FakeEngine.begins`. Positions must continue the
-  sequence, a slot must be begun before it is fed, a batch holds at most
-  ``n_batch`` tokens and one feed per slot, and a slot never holds more than
-  ``n_ctx_slot`` tokens (else :class:`KVCacheFull` for that slot). Breaking
-  one of the other rules raises ``ValueError`` like ``engine/llama.py`` does.
+  :attr:`FakeEngine.begins`. A batch keeps the rules of
+  :func:`~ringserve.engine.protocol.check_feeds`, as on ``engine/llama.py``:
+  positions continue the sequence, a slot is begun before it is fed, a batch
+  holds at most ``n_batch`` tokens and one feed per slot (else
+  ``ValueError``), and a slot never holds more than ``n_ctx_slot`` tokens
+  (else :class:`KVCacheFull` for that slot).
 * The reply is chosen when a slot's prompt is complete (its first sample),
   from the prompt bytes in its KV cells: the last user message's text after
   ``"echo:"`` if it starts so, else ``reply`` (a str, or a callable taking
@@ -64,8 +65,7 @@ from ringserve.core.toolcalls import CallEnd, Text, ToolCallError, plain_message
 from ringserve.engine.examples import example
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.core.offload import Offload
-from ringserve.core.toolcalls import CLOSE_MARK, plain_messages
-from ringserve.engine.protocol import ChatPrompt, EngineError, KVCacheFull
+from ringserve.engine.protocol import ChatPrompt, EngineError, check_feeds
 from ringserve.formats.base import ChatFormat
 from ringserve.formats.detect import detect
 from ringserve.formats.families import FAMILIES
@@ -369,9 +369,7 @@ class FakeEngine:
         """Apply one batch; one :class:`Sampled` per feed with ``sample``, in feed order.
 
         Raises:
-            ValueError: an empty feed, a slot out of range, fed twice or not
-                begun, a position that does not continue the slot, or more
-                than ``n_batch`` tokens.
+            ValueError: the batch breaks a rule of :func:`~ringserve.engine.protocol.check_feeds`.
             KVCacheFull: a feed would pass ``n_ctx_slot`` (names those slots).
             EngineError: scripted ``fail_after_tokens``.
             RuntimeError: scripted ``crash_after_steps``.
@@ -396,72 +394,23 @@ class FakeEngine:
         if self.crash_after_steps is not None and call == self.crash_after_steps and not self._crashed:
             self._crashed = True
             raise RuntimeError(f"fake engine crash at decode call {call + 1}")
-        total = sum(len(f.tokens) for f in feeds)
-        if total > self.n_batch:
-            raise ValueError(f"{total} tokens exceed n_batch={self.n_batch}")
-        seen: set[int] = set()
-        full: list[int] = []
-        prefill_sleeps = 0
-        for f in feeds:
-            self._check_slot(f.slot)
-            if not f.tokens:
-                raise ValueError(f"empty feed for slot {f.slot}")
-            if f.slot in seen:
-                raise ValueError(f"slot {f.slot} fed twice in one decode")
-            seen.add(f.slot)
-            state = self._slots[f.slot]
-            if state is None or not state.begun:
-                raise ValueError(f"slot {f.slot} fed without begin()")
-            if f.pos != len(state.kv):
-                raise ValueError(
-                    f"slot {f.slot}: feed at position {f.pos}, sequence holds {len(state.kv)}"
-                )
-            if f.pos + len(f.tokens) > self.n_ctx_slot:
-                full.append(f.slot)
-            if f.pos == 0:
-                prefill_sleeps += 1
-        if full:
-            raise KVCacheFull(f"slot(s) {full} would exceed n_ctx_slot={self.n_ctx_slot}", full)
-
+        held = [None if s is None or not s.begun else len(s.kv) for s in self._slots]
+        check_feeds(feeds, n_slots=self.n_slots, n_batch=self.n_batch, n_ctx_slot=self.n_ctx_slot, held=held)
         # Work out every sample before changing anything, so a failure leaves no trace.
-        planned: list[tuple[SlotFeed, list[bytes], bytes, bool]] = []
-        for f in feeds:
-            if not f.sample:
-                continue
-            state = self._slots[f.slot]
-            assert state is not None
-            pieces = state.pieces
-            if pieces is None:
-                prompt = bytes(t for t in (*state.kv, *f.tokens) if t < 256)
-                if isinstance(state.constraint, Constraint):
-                    data = example(state.constraint).encode("utf-8")
-                else:
-                    data = self.reply_for(_last_user_text(prompt)).encode("utf-8")
-                pieces = self._cut(data)
-            if self.fail_after_tokens is not None and state.samples >= self.fail_after_tokens:
-                raise EngineError(
-                    f"fake engine failure on slot {f.slot} after {state.samples} tokens", [f.slot]
-                )
-            i = state.samples
-            if f.forced is not None:
-                pieces = self._forced(pieces, i, self._pieces[f.forced])
-            piece, eog = (pieces[i], False) if i < len(pieces) else (b"", True)
-            planned.append((f, pieces, piece, eog))
-
+        planned = [(f, *self._plan(f)) for f in feeds if f.sample]
         if self.step_seconds:
             time.sleep(self.step_seconds)
-        if prefill_sleeps and self.prefill_seconds:
-            time.sleep(self.prefill_seconds * prefill_sleeps)
+        prefills = sum(f.pos == 0 for f in feeds)
+        if prefills and self.prefill_seconds:
+            time.sleep(self.prefill_seconds * prefills)
         for f in feeds:
-            state = self._slots[f.slot]
-            assert state is not None
+            state = self._slot(f.slot)
             if state.pieces is None:  # its prompt is not complete yet
                 self.prefilled[f.slot] += len(f.tokens)
             state.kv.extend(f.tokens)
         result = []
         for f, pieces, piece, eog in planned:
-            state = self._slots[f.slot]
-            assert state is not None
+            state = self._slot(f.slot)
             state.pieces = pieces
             state.samples += 1
             if state.watch is not None:
@@ -469,6 +418,36 @@ class FakeEngine:
             token = f.forced if f.forced is not None else EOG_TOKEN if eog else self._token_for(piece)
             result.append(Sampled(f.slot, token, piece, eog))
         return result
+
+    def _slot(self, slot: int) -> _SlotState:
+        """The state of a begun slot."""
+        state = self._slots[slot]
+        assert state is not None
+        return state
+
+    def _plan(self, f: SlotFeed) -> tuple[list[bytes], bytes, bool]:
+        """What a sampling feed samples, changing nothing: the slot's reply as pieces (chosen at
+        its first sample), the piece sampled and whether it ends the reply.
+
+        Raises:
+            EngineError: scripted ``fail_after_tokens``.
+        """
+        state = self._slot(f.slot)
+        pieces = state.pieces
+        if pieces is None:
+            prompt = bytes(t for t in (*state.kv, *f.tokens) if t < 256)
+            if isinstance(state.constraint, Constraint):
+                data = example(state.constraint).encode("utf-8")
+            else:
+                data = self.reply_for(_last_user_text(prompt)).encode("utf-8")
+            pieces = self._cut(data)
+        if self.fail_after_tokens is not None and state.samples >= self.fail_after_tokens:
+            raise EngineError(f"fake engine failure on slot {f.slot} after {state.samples} tokens", [f.slot])
+        i = state.samples
+        if f.forced is not None:
+            pieces = self._forced(pieces, i, self._pieces[f.forced])
+        piece, eog = (pieces[i], False) if i < len(pieces) else (b"", True)
+        return pieces, piece, eog
 
     def _cut(self, data: bytes) -> list[bytes]:
         """A reply's bytes as its tokens' pieces."""
@@ -521,12 +500,6 @@ class FakeEngine:
                 state = self._slots[slot]
                 return 0 if state is None else len(state.kv)
             return sum(len(s.kv) for s in self._slots if s is not None)
-
-    def token_piece(self, token: int) -> bytes:
-        """The bytes of a token this engine produced."""
-        if token < 256:
-            return bytes([token])
-        return self._pieces[token]
 
     def close(self) -> None:
         """Mark the engine closed; later calls raise :class:`EngineError`."""

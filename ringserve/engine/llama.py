@@ -41,16 +41,15 @@ from typing import Any, assert_never
 
 import numpy as np
 
-from ringserve.engine._native import llama_cpp as lc
-
 from ringserve.config import decode_threads
 from ringserve.core.batch import Sampled, SlotFeed
-from ringserve.core.events import ChatMessage, GenerationRequest, SamplingParams
+from ringserve.core.events import ChatMessage, GenerationRequest, Role, SamplingParams
+from ringserve.core.offload import ALL_LAYERS, plan_offload
 from ringserve.core.toolcalls import plain_messages
+from ringserve.engine._native import llama_cpp as lc
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.engine.modelfile import ModelFileError, check_model_file
-from ringserve.core.offload import ALL_LAYERS, plan_offload
-from ringserve.engine.protocol import ChatPrompt, EngineError, KVCacheFull
+from ringserve.engine.protocol import ChatPrompt, EngineError, KVCacheFull, check_feeds
 from ringserve.formats.base import ChatFormat
 from ringserve.formats.detect import detect
 from ringserve.formats.families import FAMILIES
@@ -149,6 +148,103 @@ class ChatTemplateError(ModelFileError):
 def _address(pointer: Any) -> int:
     """The address a ctypes pointer field points at (``llama_cpp`` types those fields as arrays)."""
     return ctypes.addressof(pointer.contents)
+
+
+def _add_samplers(chain: Any, sampling: SamplingParams) -> None:
+    """The samplers of ``sampling`` at the end of ``chain``: greedy for temperature 0, else
+    top-k, top-p and min-p where set, temperature and a seeded draw (``seed``, or a random one)."""
+    if sampling.temperature == 0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+        return
+    if sampling.top_k > 0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(sampling.top_k))
+    if sampling.top_p < 1.0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(sampling.top_p, 1))
+    if sampling.min_p > 0.0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(sampling.min_p, 1))
+    lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(sampling.temperature))
+    seed = random.getrandbits(32) if sampling.seed is None else sampling.seed & 0xFFFFFFFF
+    lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
+
+
+def _check_sizes(n_slots: int, n_ctx_slot: int, n_batch: int, n_threads: int) -> None:
+    """:class:`LlamaEngine`'s size arguments in range.
+
+    Raises:
+        ValueError: one is not (the message names it).
+    """
+    if not 1 <= n_slots <= lc.llama_max_parallel_sequences():
+        raise ValueError(
+            f"n_slots must be 1..{lc.llama_max_parallel_sequences()}, got {n_slots}"
+        )
+    if n_ctx_slot < 1:
+        raise ValueError(f"n_ctx_slot must be >= 1, got {n_ctx_slot}")
+    if n_batch < 1:
+        raise ValueError(f"n_batch must be >= 1, got {n_batch}")
+    if n_threads < 0:
+        raise ValueError(f"n_threads must be >= 0, got {n_threads}")
+
+
+def _load_model(path: Path, n_gpu_layers: int, use_extra_bufts: bool, devices: tuple[str, ...]) -> Any:
+    """``llama_model_load_from_file`` with ``n_gpu_layers`` offloaded to ``devices``.
+
+    Raises:
+        ModelFileError: llama.cpp could not load it (the message suggests a lower
+            ``n_gpu_layers`` when layers were to go to a GPU).
+    """
+    mparams = lc.llama_model_default_params()
+    mparams.n_gpu_layers = n_gpu_layers
+    mparams.use_extra_bufts = use_extra_bufts
+    model = lc.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model:
+        on_gpu = f" (offloading to {', '.join(devices)}: lower [model] n_gpu_layers if it does not fit)"
+        raise ModelFileError(f"llama.cpp could not load the model: {path}{on_gpu if devices and n_gpu_layers else ''}", path)
+    return model
+
+
+class _Batch:
+    """The engine's one ``llama_batch`` (``llama_batch_init(n_batch, 0, 1)``: token ids, positions,
+    one sequence id per token, an output flag per token), with views over its C arrays so that
+    :meth:`fill` writes whole runs by slice assignment.
+    """
+
+    def __init__(self, n_batch: int) -> None:
+        self.raw = lc.llama_batch_init(n_batch, 0, 1)
+        b = self.raw
+        self._tok = (lc.llama_token * n_batch).from_address(_address(b.token))
+        self._pos = (lc.llama_pos * n_batch).from_address(_address(b.pos))
+        self._out = (ctypes.c_int8 * n_batch).from_address(_address(b.logits))
+        n_seq = (ctypes.c_int32 * n_batch).from_address(_address(b.n_seq_id))
+        n_seq[:] = [1] * n_batch
+        self._seq = [b.seq_id[i] for i in range(n_batch)]
+        self._out_addr = ctypes.addressof(self._out)
+
+    def fill(self, feeds: Sequence[SlotFeed]) -> list[tuple[int, int, int | None]]:
+        """Put every feed in the batch (tokens at their positions, sequence id = slot, the
+        output flag on the last token of each sampling feed); return (slot, batch index of
+        its last token, forced token) per sampling feed, in feed order. The feeds passed
+        :func:`~ringserve.engine.protocol.check_feeds`."""
+        tok, pos, seq, out = self._tok, self._pos, self._seq, self._out
+        n = 0
+        sample_at: list[tuple[int, int, int | None]] = []
+        for f in feeds:
+            end = n + len(f.tokens)
+            tok[n:end] = f.tokens  # type: ignore[call-overload]  # ctypes stubs: any sequence fills a slice
+            pos[n:end] = range(f.pos, f.pos + end - n)  # type: ignore[call-overload]
+            for i in range(n, end):
+                seq[i][0] = f.slot
+            if f.sample:
+                sample_at.append((f.slot, end - 1, f.forced))
+            n = end
+        ctypes.memset(self._out_addr, 0, n)
+        for _, i, _ in sample_at:
+            out[i] = 1
+        self.raw.n_tokens = n
+        return sample_at
+
+    def free(self) -> None:
+        """``llama_batch_free``; call once."""
+        lc.llama_batch_free(self.raw)
 
 
 class LlamaEngine:
@@ -253,21 +349,11 @@ class LlamaEngine:
     ) -> None:
         self._model = None
         self._ctx = None
-        self._batch: lc.llama_batch | None = None
+        self._batch: _Batch | None = None
         self._closed = False
         path = check_model_file(path)
         _init_backend()
-        if not 1 <= n_slots <= lc.llama_max_parallel_sequences():
-            raise ValueError(
-                f"n_slots must be 1..{lc.llama_max_parallel_sequences()}, got {n_slots}"
-            )
-        if n_ctx_slot < 1:
-            raise ValueError(f"n_ctx_slot must be >= 1, got {n_ctx_slot}")
-        if n_batch < 1:
-            raise ValueError(f"n_batch must be >= 1, got {n_batch}")
-        if n_threads < 0:
-            raise ValueError(f"n_threads must be >= 0, got {n_threads}")
-
+        _check_sizes(n_slots, n_ctx_slot, n_batch, n_threads)
         self.path = path
         self.model_id = model_id or path.stem
         self.n_slots = n_slots
@@ -275,20 +361,15 @@ class LlamaEngine:
         self.n_batch = n_batch
         self.n_threads = decode_threads(n_threads, os.cpu_count() or 1)
         self._chains: list[int | None] = [None] * n_slots
+        self._held: list[int | None] = [None] * n_slots  # cells of a begun slot's sequence (check_feeds)
         self._watches: list[CallWatch | None] = [None] * n_slots
         self._call_grammar: list[bool] = [False] * n_slots  # a call's grammar is first on the chain
         self._argmax: list[bool] = [False] * n_slots  # greedy, no grammar on the chain: _sample_argmax
         self._pieces: dict[int, tuple[bytes, bool]] = {}
         self._piece_buf = ctypes.create_string_buffer(64)
 
-        mparams = lc.llama_model_default_params()
-        mparams.n_gpu_layers = n_gpu_layers
-        mparams.use_extra_bufts = use_extra_bufts
         devices = gpu_devices()
-        self._model = lc.llama_model_load_from_file(str(path).encode(), mparams)
-        if not self._model:
-            on_gpu = f" (offloading to {', '.join(devices)}: lower [model] n_gpu_layers if it does not fit)"
-            raise ModelFileError(f"llama.cpp could not load the model: {path}{on_gpu if devices and n_gpu_layers else ''}", path)
+        self._model = _load_model(path, n_gpu_layers, use_extra_bufts, devices)
         try:
             self.offload = plan_offload(n_gpu_layers, lc.llama_model_n_layer(self._model), devices)
             self._vocab = lc.llama_model_get_vocab(self._model)
@@ -304,54 +385,51 @@ class LlamaEngine:
                     f"n_ctx_slot={n_ctx_slot} is above the model's trained context of "
                     f"{self.n_ctx_train} tokens (n_ctx_train of {path})"
                 )
-
-            cparams = lc.llama_context_default_params()
-            cparams.n_ctx = n_slots * n_ctx_slot
-            cparams.n_seq_max = n_slots
-            cparams.n_batch = n_batch
-            cparams.n_ubatch = n_batch
-            cparams.n_threads = self.n_threads
-            cparams.n_threads_batch = self.n_threads
-            cparams.no_perf = True
-            if flash_attn is not None:
-                cparams.flash_attn_type = (
-                    lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
-                )
-            if hasattr(cparams, "kv_unified"):
-                cparams.kv_unified = False
-            self._ctx = lc.llama_init_from_model(self._model, cparams)
-            if not self._ctx:
-                raise EngineError(
-                    f"llama.cpp could not create a context of {n_slots} x {n_ctx_slot} tokens"
-                )
-            self._mem = lc.llama_get_memory(self._ctx)
-            self.prefix_cache = not (
-                lc.llama_model_is_recurrent(self._model)
-                or _call_if_bound("llama_model_is_hybrid", self._model)
-                or _call_if_bound("llama_model_n_swa", self._model)
-            )
-            self.n_ctx_seq = lc.llama_n_ctx_seq(self._ctx)
-            if self.n_ctx_seq < n_ctx_slot:
-                raise EngineError(
-                    f"llama.cpp gave each sequence {self.n_ctx_seq} KV cells, "
-                    f"fewer than n_ctx_slot={n_ctx_slot}"
-                )
-
-            # One batch for the engine's life: token ids, positions, one seq id
-            # per token, an output flag per token. Views over its C arrays let
-            # decode() fill whole runs with slice assignment.
-            self._batch = lc.llama_batch_init(n_batch, 0, 1)
-            b = self._batch
-            self._tok = (lc.llama_token * n_batch).from_address(_address(b.token))
-            self._pos = (lc.llama_pos * n_batch).from_address(_address(b.pos))
-            self._out = (ctypes.c_int8 * n_batch).from_address(_address(b.logits))
-            n_seq = (ctypes.c_int32 * n_batch).from_address(_address(b.n_seq_id))
-            n_seq[:] = [1] * n_batch
-            self._seq = [b.seq_id[i] for i in range(n_batch)]
-            self._out_addr = ctypes.addressof(self._out)
+            self._create_context(flash_attn)
+            self._batch = _Batch(n_batch)  # one batch for the engine's life
         except BaseException:
             self.close()
             raise
+
+    def _create_context(self, flash_attn: bool | None) -> None:
+        """The context of ``n_slots`` sequences of ``n_ctx_slot`` cells each (per-sequence KV
+        cache), and what it says of the model's memory (:attr:`prefix_cache`, :attr:`n_ctx_seq`).
+
+        Raises:
+            EngineError: llama.cpp could not create it, or gave a sequence fewer than ``n_ctx_slot`` cells.
+        """
+        n_slots, n_ctx_slot = self.n_slots, self.n_ctx_slot
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = n_slots * n_ctx_slot
+        cparams.n_seq_max = n_slots
+        cparams.n_batch = self.n_batch
+        cparams.n_ubatch = self.n_batch
+        cparams.n_threads = self.n_threads
+        cparams.n_threads_batch = self.n_threads
+        cparams.no_perf = True
+        if flash_attn is not None:
+            cparams.flash_attn_type = (
+                lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            )
+        if hasattr(cparams, "kv_unified"):
+            cparams.kv_unified = False
+        self._ctx = lc.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            raise EngineError(
+                f"llama.cpp could not create a context of {n_slots} x {n_ctx_slot} tokens"
+            )
+        self._mem: Any = lc.llama_get_memory(self._ctx)
+        self.prefix_cache: bool = not (
+            lc.llama_model_is_recurrent(self._model)
+            or _call_if_bound("llama_model_is_hybrid", self._model)
+            or _call_if_bound("llama_model_n_swa", self._model)
+        )
+        self.n_ctx_seq: int = lc.llama_n_ctx_seq(self._ctx)
+        if self.n_ctx_seq < n_ctx_slot:
+            raise EngineError(
+                f"llama.cpp gave each sequence {self.n_ctx_seq} KV cells, "
+                f"fewer than n_ctx_slot={n_ctx_slot}"
+            )
 
     # -- chat template and tokens ------------------------------------------
 
@@ -464,7 +542,7 @@ class LlamaEngine:
         A final assistant turn stays open (no end-of-turn after it)."""
         marker = f"\x01{secrets.token_hex(8)}:"
         holders = [ChatMessage(m.role, f"{marker}{i}\x01") for i, m in enumerate(messages)]
-        prefill = messages[-1].role == "assistant" if messages else False
+        prefill = messages[-1].role is Role.ASSISTANT if messages else False
         text = self._apply_builtin(holders, add_generation_prompt=not prefill)
         parts = re.split(re.escape(marker) + r"(\d+)\x01", text)
         if len(parts) != 2 * len(messages) + 1:
@@ -544,10 +622,6 @@ class LlamaEngine:
         (``<|channel|>``, ``[TOOL_CALLS]``: the formats' parsers read them), except the
         end-of-generation tokens', which render empty."""
         return self._piece(token)[0]
-
-    def token_is_eog(self, token: int) -> bool:
-        """Whether ``token`` ends generation (``llama_vocab_is_eog``: EOS, EOT, ``<|im_end|>``...)."""
-        return self._piece(token)[1]
 
     def _piece(self, token: int) -> tuple[bytes, bool]:
         """(bytes, is-end-of-generation) of ``token``, cached per token id."""
@@ -634,19 +708,9 @@ class LlamaEngine:
             self._watches[slot] = CallWatch(constraint)
         elif constraint is not None:
             lc.llama_sampler_chain_add(chain, self._grammar(slot, constraint))
-        if sampling.temperature == 0:
-            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
-            self._argmax[slot] = not isinstance(constraint, Constraint)
-        else:
-            if sampling.top_k > 0:
-                lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(sampling.top_k))
-            if sampling.top_p < 1.0:
-                lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(sampling.top_p, 1))
-            if sampling.min_p > 0.0:
-                lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(sampling.min_p, 1))
-            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(sampling.temperature))
-            seed = random.getrandbits(32) if sampling.seed is None else sampling.seed & 0xFFFFFFFF
-            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
+        _add_samplers(chain, sampling)
+        self._argmax[slot] = sampling.temperature == 0 and not isinstance(constraint, Constraint)
+        self._held[slot] = keep
 
     def _grammar(self, slot: int, constraint: Constraint) -> Any:
         """A grammar sampler for ``constraint`` (start rule ``root``).
@@ -703,8 +767,10 @@ class LlamaEngine:
         token is sampled, however the caller pipelines steps.
 
         Args:
-            feeds: at most one feed per slot; tokens summed over feeds must be
-                1..``n_batch``. Positions must continue the slot's sequence.
+            feeds: the batch, under the rules of
+                :func:`~ringserve.engine.protocol.check_feeds` (at most one feed
+                per slot, each for a begun slot and at the position that
+                continues its sequence; 1..``n_batch`` tokens in all).
 
         Returns:
             One :class:`Sampled` per feed with ``sample=True``, in feed order.
@@ -712,89 +778,55 @@ class LlamaEngine:
             an end-of-generation token such as ``<|im_end|>``); ``eog`` marks one.
 
         Raises:
-            ValueError: too many tokens, an empty feed, a slot out of range or
-                fed twice, or a sampling feed for a slot without :meth:`begin`.
-                Nothing was decoded.
+            ValueError: the batch breaks a rule of
+                :func:`~ringserve.engine.protocol.check_feeds` (too many tokens,
+                an empty feed, a slot out of range, fed twice or not begun, a
+                position that does not continue the slot). Nothing was decoded.
             KVCacheFull: a feed would take its slot past ``n_ctx_slot``
                 tokens (checked before decoding; ``slots`` = those slots), or
                 ``llama_decode`` returned 1, no KV cells for the batch
                 (``slots`` = all fed slots). Either way nothing was decoded
                 and the KV cache is as before the call.
-            EngineError: any other nonzero return (invalid batch, abort,
-                fatal error); after a fatal error some of the batch may stay
-                in the KV cache, so the runner should release the slots.
+            EngineError: any other nonzero return (abort, fatal error); after
+                a fatal error some of the batch may stay in the KV cache, so
+                the runner should release the slots.
         """
         self._check_open()
         if not feeds:
             return []
-        tok, pos, seq, out = self._tok, self._pos, self._seq, self._out
-        n = 0
-        seen: set[int] = set()
-        sample_at: list[tuple[int, int, int | None]] = []  # (feed slot, batch index, forced token)
-        full: list[int] = []  # slots that would pass n_ctx_slot
-        for f in feeds:
-            slot = f.slot
-            k = len(f.tokens)
-            if k == 0:
-                raise ValueError(f"empty feed for slot {slot}")
-            if not 0 <= slot < self.n_slots:
-                raise ValueError(f"slot must be 0..{self.n_slots - 1}, got {slot}")
-            if slot in seen:
-                raise ValueError(f"slot {slot} fed twice in one decode")
-            seen.add(slot)
-            if n + k > self.n_batch:
-                raise ValueError(
-                    f"{sum(len(x.tokens) for x in feeds)} tokens exceed n_batch={self.n_batch}"
-                )
-            if f.sample and self._chains[slot] is None:
-                raise ValueError(f"slot {slot} has no sampler; call begin() first")
-            if f.pos + k > self.n_ctx_slot:
-                full.append(slot)
-            end = n + k
-            tok[n:end] = f.tokens  # type: ignore[call-overload]  # ctypes stubs: any sequence fills a slice
-            pos[n:end] = range(f.pos, f.pos + k)  # type: ignore[call-overload]
-            for i in range(n, end):
-                seq[i][0] = slot
-            if f.sample:
-                sample_at.append((slot, end - 1, f.forced))
-            n = end
-        if full:
-            msg = f"slot(s) {full} would exceed n_ctx_slot={self.n_ctx_slot} tokens"
-            raise KVCacheFull(msg, full)
-        ctypes.memset(self._out_addr, 0, n)
-        for _, i, _ in sample_at:
-            out[i] = 1
+        check_feeds(feeds, n_slots=self.n_slots, n_batch=self.n_batch, n_ctx_slot=self.n_ctx_slot, held=self._held)
         batch = self._batch
         assert batch is not None, "decode() after close()"
-        batch.n_tokens = n
-
-        rc = lc.llama_decode(self._ctx, batch)
+        sample_at = batch.fill(feeds)
+        rc = lc.llama_decode(self._ctx, batch.raw)
         if rc != 0:
             slots = [f.slot for f in feeds]
             if rc == 1:
-                raise KVCacheFull(
-                    f"no KV cells for a batch of {n} tokens (llama_decode returned 1)", slots
-                )
-            msg = _DECODE_ERRORS.get(rc, f"llama_decode failed with code {rc}")
-            raise EngineError(msg, slots)
+                n = batch.raw.n_tokens
+                raise KVCacheFull(f"no KV cells for a batch of {n} tokens (llama_decode returned 1)", slots)
+            raise EngineError(_DECODE_ERRORS.get(rc, f"llama_decode failed with code {rc}"), slots)
+        held = self._held
+        for f in feeds:
+            held[f.slot] = f.pos + len(f.tokens)
+        return [self._sample(slot, i, forced) for slot, i, forced in sample_at]
 
-        result = []
-        for slot, i, forced in sample_at:
-            if forced is not None:
-                token = forced
-                lc.llama_sampler_accept(self._chains[slot], token)
-            elif self._argmax[slot] and not self._call_grammar[slot]:
-                token = self._sample_argmax(i)
-            else:
-                token = lc.llama_sampler_sample(self._chains[slot], self._ctx, i)
-            piece, eog = self._piece(token)
-            watch = self._watches[slot]
-            if watch is not None:
-                switch = watch.feed(piece)
-                if switch is not None:
-                    self._switch(slot, switch)
-            result.append(Sampled(slot, token, piece, eog))
-        return result
+    def _sample(self, slot: int, i: int, forced: int | None) -> Sampled:
+        """The slot's token from the logits at batch index ``i`` (``forced``, where given, as if
+        sampled), with its :class:`CallWatch` fed and any grammar switch applied."""
+        if forced is not None:
+            token = forced
+            lc.llama_sampler_accept(self._chains[slot], token)
+        elif self._argmax[slot] and not self._call_grammar[slot]:
+            token = self._sample_argmax(i)
+        else:
+            token = lc.llama_sampler_sample(self._chains[slot], self._ctx, i)
+        piece, eog = self._piece(token)
+        watch = self._watches[slot]
+        if watch is not None:
+            switch = watch.feed(piece)
+            if switch is not None:
+                self._switch(slot, switch)
+        return Sampled(slot, token, piece, eog)
 
     def _sample_argmax(self, i: int) -> int:
         """The token of the first highest logit at batch index ``i``: what ``llama_sampler_sample``
@@ -864,7 +896,7 @@ class LlamaEngine:
         for slot in range(len(getattr(self, "_chains", ()))):
             self._free_chain(slot)
         if self._batch is not None:
-            lc.llama_batch_free(self._batch)
+            self._batch.free()
             self._batch = None
         if self._ctx:
             lc.llama_free(self._ctx)
@@ -880,6 +912,7 @@ class LlamaEngine:
         self.close()
 
     def _free_chain(self, slot: int) -> None:
+        self._held[slot] = None  # not begun: no feed until the next begin
         self._watches[slot] = None
         self._call_grammar[slot] = False
         self._argmax[slot] = False

@@ -32,8 +32,8 @@ import attrs
 
 from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.events import GenerationRequest, SamplingParams
-from ringserve.engine.gbnf import Constraint, LazyCalls
 from ringserve.core.offload import Offload
+from ringserve.engine.gbnf import Constraint, LazyCalls
 from ringserve.formats.base import ChatFormat
 
 
@@ -64,6 +64,57 @@ class EngineError(Exception):
 
 class KVCacheFull(EngineError):
     """llama_decode found no KV cells for the batch (return code 1)."""
+
+
+def check_feeds(
+    feeds: Sequence[SlotFeed], *, n_slots: int, n_batch: int, n_ctx_slot: int, held: Sequence[int | None]
+) -> None:
+    """The rules of :meth:`Engine.decode`'s batch, which every engine checks before it decodes anything.
+
+    A batch holds 1..``n_batch`` tokens in all; each feed is for a slot in
+    ``0 .. n_slots-1``, at most one feed per slot, holds at least one token,
+    is for a slot begun since its last release (it has a sampler, whether or
+    not the feed samples), and starts at the position that continues the
+    slot's sequence (the cells it holds). A feed that would take its slot past
+    ``n_ctx_slot`` cells is no caller error: the slot is full.
+
+    Args:
+        feeds: the batch (not empty).
+        n_slots: slots of the engine.
+        n_batch: most tokens one decode carries.
+        n_ctx_slot: KV cells per slot.
+        held: per slot, the cells its sequence holds, or None for a slot not begun.
+
+    Raises:
+        ValueError: more than ``n_batch`` tokens, then (feed by feed) a slot out of range,
+            an empty feed, a slot fed twice, a slot not begun, or a position that does
+            not continue the slot's sequence. The message names the rule.
+        KVCacheFull: otherwise, feeds that would take their slots past ``n_ctx_slot``
+            (``slots`` = those slots).
+    """
+    total = sum(len(f.tokens) for f in feeds)
+    if total > n_batch:
+        raise ValueError(f"{total} tokens exceed n_batch={n_batch}")
+    seen: set[int] = set()
+    full: list[int] = []
+    for f in feeds:
+        slot = f.slot
+        if not 0 <= slot < n_slots:
+            raise ValueError(f"slot must be 0..{n_slots - 1}, got {slot}")
+        if not f.tokens:
+            raise ValueError(f"empty feed for slot {slot}")
+        if slot in seen:
+            raise ValueError(f"slot {slot} fed twice in one decode")
+        seen.add(slot)
+        cells = held[slot]
+        if cells is None:
+            raise ValueError(f"slot {slot} has no sampler; call begin() first")
+        if f.pos != cells:
+            raise ValueError(f"slot {slot}: feed at position {f.pos}, the sequence holds {cells} cells")
+        if f.pos + len(f.tokens) > n_ctx_slot:
+            full.append(slot)
+    if full:
+        raise KVCacheFull(f"slot(s) {full} would exceed n_ctx_slot={n_ctx_slot} tokens", full)
 
 
 class Engine(Protocol):
@@ -153,6 +204,7 @@ class Engine(Protocol):
         (its ``forced`` token, where it has one: taken as if sampled).
 
         Raises:
+            ValueError: the batch breaks a rule of :func:`check_feeds`; nothing was decoded.
             KVCacheFull: no room in the KV cache for this batch.
             EngineError: any other decode failure.
         """

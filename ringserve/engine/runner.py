@@ -62,7 +62,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import assert_never
 
 import attrs
 import trio
@@ -70,36 +69,26 @@ import trio.testing
 
 from ringserve.config import EngineConfig
 from ringserve.core.batch import Sampled, SlotFeed
-from ringserve.core.detokenizer import Detokenizer
 from ringserve.core.errors import PROMPT_PARAM, ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
     AppliedEdit,
-    BlockDelta,
-    BlockStart,
-    BlockStop,
-    ContentBlock,
     Failure,
     Finish,
     GenerationEvent,
     GenerationRequest,
     SamplingParams,
-    StopReason,
     ToolChoiceMode,
-    Usage,
 )
 from ringserve.engine.gbnf import Constraint, LazyCalls, constraint_for
 from ringserve.core.context import edit_prompt
 from ringserve.core.limits import message_texts, tool_texts
-from ringserve.core.blocks import BlockEvent
-from ringserve.core.reply import End, ReplyStage
 from ringserve.core.scheduler import Entry, Plan, Scheduler, SlotState
-from ringserve.core.toolcalls import ToolCallError
+from ringserve.engine.generation import Generation, Prepared
 from ringserve.engine.protocol import ChatPrompt, Engine, EngineError, KVCacheFull
 from ringserve.engine.thread import EngineThread
 from ringserve.formats.base import ChatFormat
-from ringserve.formats.generic import GENERIC
 
-__all__ = ["Generation", "Prepared", "Runner", "RunnerStatistics"]
+__all__ = ["Runner", "RunnerStatistics"]
 
 
 #: Seconds without an engine call after which the engine thread ends (and with it llama.cpp's
@@ -110,49 +99,6 @@ ENGINE_IDLE_SECONDS = 1.0
 COUNT_THREADS = 2
 
 log = logging.getLogger("ringserve.runner")
-
-
-@attrs.frozen
-class Prepared:
-    """A request that passed :meth:`Runner.prepare`: tokenized and within the context.
-
-    Attributes:
-        request: the request as the surface parsed it.
-        prompt_tokens: the rendered, tokenized prompt.
-        max_tokens: the token budget: ``request.max_tokens``, or when that is
-            None or larger, what the slot's context leaves after the prompt
-            (``n_ctx_slot - len(prompt_tokens)``).
-        context_bound: the budget is the context's, not the caller's: using
-            it up ends with :attr:`StopReason.CONTEXT_FULL` instead of
-            :attr:`StopReason.MAX_TOKENS`.
-        constraint: the grammar the reply is decoded under
-            (:func:`~ringserve.engine.gbnf.constraint_for`), or None.
-        chat_format: the model's format: the reply is read by its parser.
-        reasoning_open: the prompt left the format's thinking block open (the
-            reply starts inside it).
-        reasoning_budget: the most tokens the reply may sample inside its
-            thinking block before the runner forces the block's closing marker
-            (``request.reasoning.budget_tokens``, where the format has a
-            thinking block and the reply's grammar takes its closing text:
-            :meth:`Runner._reasoning_budget`); None: no budget.
-        applied_edits: the request's context edits that trimmed its history
-            (``core/context.py``): ``request`` is the trimmed one.
-    """
-
-    request: GenerationRequest
-    prompt_tokens: tuple[int, ...]
-    max_tokens: int
-    context_bound: bool = False
-    constraint: Constraint | LazyCalls | None = None
-    chat_format: ChatFormat = GENERIC
-    reasoning_open: bool = False
-    reasoning_budget: int | None = None
-    applied_edits: tuple[AppliedEdit, ...] = ()
-
-    @property
-    def original_input_tokens(self) -> int:
-        """The prompt's tokens before the context edits."""
-        return len(self.prompt_tokens) + sum(edit.cleared_input_tokens for edit in self.applied_edits)
 
 
 @attrs.frozen
@@ -221,110 +167,45 @@ class RunnerStatistics:
     running: bool
 
 
-@attrs.define(eq=False)
-class Generation:
-    """One submitted request: an async iterator of its events.
+@attrs.define
+class _Counters:
+    """The runner's running totals: the fields of :class:`RunnerStatistics` of the same names,
+    copied into each snapshot."""
 
-    Yields block events in the order :class:`BlockStart` documents, then
-    exactly one :class:`Finish` or :class:`Failure`, then stops. Only the runner produces events; iterating
-    never drives generation, and a slow consumer never slows it (events wait
-    in the generation's buffer).
+    prompt_tokens_prefilled_total: int = 0
+    steps: int = 0
+    failed_steps: int = 0
+    last_step_seconds: float = 0.0
+    decode_seconds_total: float = 0.0
+    last_step_tokens: int = 0
+    step_tokens_total: int = 0
+    prompt_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    cancels: int = 0
+    tokens_after_cancel_total: int = 0
+    last_cancel_to_free_seconds: float | None = None
+    max_cancel_to_free_seconds: float | None = None
 
-    Attributes:
-        prepared: what was submitted.
-        tokens_after_cancel: tokens decoded for it after it was cancelled.
-    """
+    def decoded(self, seconds: float, plan: Plan) -> None:
+        """A decode step of ``plan`` took ``seconds``."""
+        self.steps += 1
+        self.last_step_seconds = seconds
+        self.decode_seconds_total += seconds
+        self.last_step_tokens = plan.n_tokens
+        self.step_tokens_total += plan.n_tokens
+        self.prompt_tokens_prefilled_total += plan.prompt_tokens
 
-    prepared: Prepared
-    _entry: Entry
-    _send: trio.MemorySendChannel[GenerationEvent]
-    _receive: trio.MemoryReceiveChannel[GenerationEvent]
-    _detokenizer: Detokenizer = attrs.field(factory=Detokenizer)
-    _stage: ReplyStage = attrs.field(default=None)
-    _reasoning_budget: int | None = None  # the prepared one until its closing marker is forced
-    _outcome: Finish | Failure | None = None
-    _cancel_time: float | None = None
-    tokens_after_cancel: int = 0
+    def failed(self, seconds: float) -> None:
+        """A decode step failed after ``seconds``."""
+        self.failed_steps += 1
+        self.last_step_seconds = seconds
+        self.decode_seconds_total += seconds
 
-    def __attrs_post_init__(self) -> None:
-        if self._stage is None:
-            prepared = self.prepared
-            request = prepared.request
-            choice = request.tool_choice
-            parsed = bool(request.tools) and choice.mode is not ToolChoiceMode.NONE
-            self._stage = ReplyStage(
-                request.stop,
-                prepared.chat_format.parser(request.tools if parsed else None, reasoning_open=prepared.reasoning_open),
-                parallel=choice.parallel and choice.mode is not ToolChoiceMode.NAMED,
-                forced=parsed and choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED),
-            )
-        self._reasoning_budget = self.prepared.reasoning_budget
-
-    @property
-    def id(self) -> int:
-        """The runner's ticket number for this request (increasing)."""
-        return self._entry.id
-
-    @property
-    def usage(self) -> Usage:
-        """Live token counts: prompt tokens, tokens sampled so far (EOG counted),
-        prompt tokens reused from the prefix cache (0 until admitted), and the
-        sampled tokens of the thinking block.
-
-        Valid at any time, including after a cancel (it then stays as it was).
-        """
-        entry = self._entry
-        return Usage(len(self.prepared.prompt_tokens), entry.generated, entry.cached, self._stage.reasoning_tokens)
-
-    @property
-    def state(self) -> SlotState:
-        """Where the request is in the slot lifecycle."""
-        return self._entry.state
-
-    @property
-    def slot(self) -> int | None:
-        """The slot it holds or held; None while queued."""
-        return self._entry.slot
-
-    @property
-    def cancelled(self) -> bool:
-        """Whether its consumer left before the terminal event was produced."""
-        return self._cancel_time is not None
-
-    @property
-    def outcome(self) -> Finish | Failure | None:
-        """The terminal event once produced (whether or not it was read yet)."""
-        return self._outcome
-
-    def __aiter__(self) -> Generation:
-        return self
-
-    async def __anext__(self) -> GenerationEvent:
-        try:
-            return await self._receive.receive()
-        except trio.EndOfChannel:
-            raise StopAsyncIteration from None
-
-    async def collect(self) -> tuple[tuple[ContentBlock, ...], Finish | Failure]:
-        """Read every remaining event; return the content blocks and the terminal event."""
-        blocks: list[ContentBlock] = []
-        parts: list[list[str]] = []
-        terminal: Finish | Failure | None = None
-        async for event in self:
-            match event:
-                case BlockStart():
-                    blocks.append(ContentBlock(event.kind, "", event.name, event.call_id))
-                    parts.append([])
-                case BlockDelta():
-                    parts[event.index].append(event.text)
-                case BlockStop():
-                    pass
-                case Finish() | Failure():
-                    terminal = event
-                case _:
-                    assert_never(event)
-        assert terminal is not None, "a generation always ends with Finish or Failure"
-        return tuple(attrs.evolve(b, text="".join(p)) for b, p in zip(blocks, parts, strict=True)), terminal
+    def freed(self, seconds: float) -> None:
+        """A cancelled request's KV cells were removed ``seconds`` after its cancel."""
+        self.last_cancel_to_free_seconds = seconds
+        if self.max_cancel_to_free_seconds is None or seconds > self.max_cancel_to_free_seconds:
+            self.max_cancel_to_free_seconds = seconds
 
 
 @attrs.frozen
@@ -399,21 +280,10 @@ class Runner:
         self._started = False
         self._running = False
         self._closed = False
-        # statistics
-        self._kv_used = 0
-        self._steps = 0
-        self._failed_steps = 0
-        self._last_step_seconds = 0.0
-        self._decode_seconds_total = 0.0
-        self._last_step_tokens = 0
-        self._step_tokens_total = 0
-        self._prompt_tokens_total = 0
-        self._prompt_prefilled_total = 0
-        self._generated_total = 0
-        self._cancels = 0
-        self._tokens_after_cancel = 0
-        self._last_cancel_to_free: float | None = None
-        self._max_cancel_to_free: float | None = None
+        # each queued or live request's generation, until its slot is released or it leaves the queue
+        self._generations: dict[Entry, Generation] = {}
+        self._kv_used = 0  # KV cells in use as of the last engine call
+        self._counters = _Counters()
 
     # -- pass-through ------------------------------------------------------
 
@@ -664,9 +534,9 @@ class Runner:
         try:
             yield gen
         finally:
-            if gen._outcome is None and not gen.cancelled:
+            if gen.outcome is None and not gen.cancelled:
                 self._cancel(gen)
-            gen._receive.close()
+            gen.close()
 
     def _enqueue(self, prepared: Prepared) -> Generation:
         if not self._running:
@@ -682,21 +552,27 @@ class Runner:
         )
         send, receive = trio.open_memory_channel[GenerationEvent](4 * prepared.max_tokens + 4)
         gen = Generation(prepared, entry, send, receive)
-        entry.tag = gen
-        if gen._reasoning_budget is not None:
-            self._close_reasoning(gen)  # a budget of 0 in a block the prompt opened
+        self._generations[entry] = gen
+        if gen.reasoning_spent():  # a budget of 0 in a block the prompt opened
+            self._scheduler.force(entry, self._engine.reasoning_close)
         self._poke()
         return gen
 
     def _cancel(self, gen: Generation) -> None:
         """Mark ``gen`` cancelled and free its queue place or slot (sync; Trio thread)."""
-        gen._cancel_time = trio.current_time()
-        gen._send.close()
-        self._cancels += 1
-        entry = gen._entry
+        gen.cancel(trio.current_time())
+        self._counters.cancels += 1
+        entry = gen.entry
         if not entry.done:
-            self._scheduler.cancel(entry)
+            self._leave(entry)
         self._poke()
+
+    def _leave(self, entry: Entry) -> None:
+        """Cancel ``entry`` in the scheduler: a queued one leaves the queue (and the runner's
+        books), a live one's slot drains."""
+        self._scheduler.cancel(entry)
+        if entry.slot is None:
+            del self._generations[entry]
 
     def _poke(self) -> None:
         """Wake the owner loop; the runner is no longer idle."""
@@ -719,6 +595,7 @@ class Runner:
         """A frozen snapshot of slots, queue, KV cells, steps and cancels."""
         s = self._scheduler.statistics()
         return RunnerStatistics(
+            **attrs.asdict(self._counters, recurse=False),
             slots_total=s.slots_total,
             slots_busy=s.slots_busy,
             queue_depth=dict(s.queue_depth),
@@ -728,19 +605,6 @@ class Runner:
             prefix_cache_cells=s.cached_cells,
             prefix_cache_lookup_tokens_total=s.prefix_lookup_tokens,
             prefix_cache_hit_tokens_total=s.prefix_hit_tokens,
-            prompt_tokens_prefilled_total=self._prompt_prefilled_total,
-            steps=self._steps,
-            failed_steps=self._failed_steps,
-            last_step_seconds=self._last_step_seconds,
-            decode_seconds_total=self._decode_seconds_total,
-            last_step_tokens=self._last_step_tokens,
-            step_tokens_total=self._step_tokens_total,
-            prompt_tokens_total=self._prompt_tokens_total,
-            generated_tokens_total=self._generated_total,
-            cancels=self._cancels,
-            tokens_after_cancel_total=self._tokens_after_cancel,
-            last_cancel_to_free_seconds=self._last_cancel_to_free,
-            max_cancel_to_free_seconds=self._max_cancel_to_free,
             running=self._running,
         )
 
@@ -795,7 +659,7 @@ class Runner:
                     continue
                 await self._step(plan)
                 if not self._overlap:
-                    with trio.move_on_after(self._last_step_seconds):
+                    with trio.move_on_after(self._counters.last_step_seconds):
                         await trio.testing.wait_all_tasks_blocked()
         except BaseException as exc:
             self._running = False
@@ -827,7 +691,7 @@ class Runner:
         target = self._tokenize_ended + self._tokenizing
         while self._tokenize_ended < target:
             await self._tokenized.wait()
-        with trio.move_on_after(self._last_step_seconds or 0.01):
+        with trio.move_on_after(self._counters.last_step_seconds or 0.01):
             await trio.testing.wait_all_tasks_blocked()
 
     async def _release_ended(self) -> None:
@@ -842,12 +706,10 @@ class Runner:
             self._kv_used = kv
         self._scheduler.released(ended, lost)
         for entry in ended:
-            gen = entry.tag
-            if isinstance(gen, Generation) and gen._cancel_time is not None:
-                took = now - gen._cancel_time
-                self._last_cancel_to_free = took
-                if self._max_cancel_to_free is None or took > self._max_cancel_to_free:
-                    self._max_cancel_to_free = took
+            cancelled = self._generations.pop(entry).cancel_time
+            if cancelled is not None:
+                took = now - cancelled
+                self._counters.freed(took)
                 if self._on_cancel_freed is not None:
                     self._on_cancel_freed(took)
 
@@ -905,11 +767,10 @@ class Runner:
         """One decode step for ``plan`` and the handling of what it gave."""
         begins = []
         for entry in plan.admitted:
-            gen = entry.tag
-            assert isinstance(gen, Generation) and entry.slot is not None
-            prepared = gen.prepared
+            assert entry.slot is not None
+            prepared = self._generations[entry].prepared
             begins.append((entry.slot, prepared.request.sampling, entry.cached, entry.source, prepared.constraint))
-            self._prompt_tokens_total += len(entry.prompt)
+            self._counters.prompt_tokens_total += len(entry.prompt)
         self._step_done = trio.Event()
         try:
             outcome = await self._engine_thread.run(self._step_sync, begins, plan.feeds)
@@ -928,33 +789,24 @@ class Runner:
             return
 
         if outcome.error is not None:
-            self._failed_steps += 1
-            self._last_step_seconds = outcome.seconds
-            self._decode_seconds_total += outcome.seconds
+            self._counters.failed(outcome.seconds)
             self._on_decode_error(plan, outcome.error)
             return
 
         assert outcome.sampled is not None
-        self._steps += 1
-        self._last_step_seconds = outcome.seconds
-        self._decode_seconds_total += outcome.seconds
-        n = plan.n_tokens
-        self._last_step_tokens = n
-        self._step_tokens_total += n
-        self._prompt_prefilled_total += plan.prompt_tokens
+        self._counters.decoded(outcome.seconds, plan)
         self._scheduler.commit(plan)
         for sampled in outcome.sampled:
             entry = plan.owner(sampled.slot)
-            gen = entry.tag
-            assert isinstance(gen, Generation)
+            gen = self._generations[entry]
             if gen.cancelled:
                 gen.tokens_after_cancel += 1
-                self._tokens_after_cancel += 1
+                self._counters.tokens_after_cancel_total += 1
                 continue
             if not entry.live:
                 continue
             self._scheduler.on_sampled(sampled.slot, sampled.token)
-            self._generated_total += 1
+            self._counters.generated_tokens_total += 1
             self._on_token(gen, sampled)
 
     def _on_decode_error(self, plan: Plan, error: Exception) -> None:
@@ -983,99 +835,40 @@ class Runner:
     # -- turning tokens into events ----------------------------------------
 
     def _on_token(self, gen: Generation, sampled: Sampled) -> None:
-        """Count, detokenize and run one sampled token through the reply stage; emit what it
-        releases; force the end of the thinking block when its budget is spent."""
-        gen._stage.sampled()
-        if sampled.eog:
-            self._finish(gen, StopReason.END)
-            return
-        text = gen._detokenizer.feed(sampled.piece)
-        if text and self._staged(gen, lambda: gen._stage.feed(text)):
-            return
-        if gen._entry.budget_left <= 0:
-            self._finish(gen, StopReason.CONTEXT_FULL if gen.prepared.context_bound else StopReason.MAX_TOKENS)
-        elif gen._reasoning_budget is not None:
-            self._close_reasoning(gen)
-
-    def _close_reasoning(self, gen: Generation) -> None:
-        """Once the reply has sampled its reasoning budget inside the thinking block (and no
-        character is cut in two), make its next samples the format's closing marker
-        (``engine.reasoning_close``), once: the model then answers. The forced tokens are
-        decoded as sampled ones (their text goes through the reply stage, a grammar accepts
-        them), as llama.cpp's reasoning budget forces its end tags
-        (``common/reasoning-budget.cpp``)."""
-        stage = gen._stage
-        budget = gen._reasoning_budget
-        assert budget is not None
-        if stage.in_reasoning and stage.reasoning_tokens >= budget and not gen._detokenizer.pending_bytes:
-            gen._reasoning_budget = None
-            self._scheduler.force(gen._entry, self._engine.reasoning_close)
-
-    def _finish(self, gen: Generation, reason: StopReason) -> None:
-        """End a generation normally: flush held text, stop the open block, emit Finish, free the slot.
-
-        Held text (a possible stop string or ``<tool_call>`` prefix) is released; the bytes of an
-        incomplete UTF-8 character are dropped (the usage still counts their tokens). The stage
-        may turn ``END`` into ``TOOL_USE``, or fail the message (an end inside a tool call).
-        """
-        # A character whose last bytes were never sampled is dropped, not sent as U+FFFD.
-        gen._detokenizer.flush()
-        self._staged(gen, lambda: gen._stage.finish(reason))
-
-    def _staged(self, gen: Generation, step: Callable[[], tuple[list[BlockEvent], End | None]]) -> bool:
-        """Run one reply-stage step; emit its events, and its end (``Finish``) if it has one.
-
-        A call the stage cannot read fails the message (``API_ERROR``, not retryable: the
-        arguments already streamed cannot be taken back). Returns whether the generation ended.
-        """
-        try:
-            events, end = step()
-        except ToolCallError as exc:
-            self._fail(gen._entry, ErrorKind.API_ERROR, f"the model wrote a malformed tool call: {exc}", retryable=False)
-            return True
-        for event in events:
-            self._emit(gen, event)
-        if end is None:
-            return False
-        self._end(gen, Finish(end.reason, gen.usage, end.stop))
-        return True
+        """Run one sampled token through its generation (:meth:`Generation.feed`); emit what it
+        releases; end it, or force the end of its thinking block when its budget is spent."""
+        fed = gen.feed(sampled)
+        for event in fed.events:
+            gen.emit(event)
+        if fed.end is not None:
+            self._end(gen, fed.end)
+        elif fed.close_reasoning:
+            self._scheduler.force(gen.entry, self._engine.reasoning_close)
 
     def _fail(self, entry: Entry, kind: ErrorKind, message: str, *, retryable: bool) -> None:
-        gen = entry.tag
-        assert isinstance(gen, Generation)
         if entry.done:
             return
+        gen = self._generations[entry]
         self._end(gen, Failure(kind, message, gen.usage, retryable))
 
     def _end(self, gen: Generation, event: Finish | Failure) -> None:
         """Emit the terminal event, close the channel and let the slot drain."""
-        entry = gen._entry
+        entry = gen.entry
         if entry.live:
             # A failed request's cells are not reused: what the engine holds for it is unknown.
             self._scheduler.finish(entry, keep_cells=isinstance(event, Finish))
         elif entry.state is SlotState.QUEUED:
-            self._scheduler.cancel(entry)  # leaves the queue; only on shutdown
-        gen._outcome = event
-        self._emit(gen, event)
-        gen._send.close()
-
-    def _emit(self, gen: Generation, event: GenerationEvent) -> None:
-        if gen.cancelled:
-            return
-        try:
-            gen._send.send_nowait(event)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the consumer is gone; the cancel path frees the slot
-        except trio.WouldBlock:  # pragma: no cover - the buffer is sized to never fill
-            raise RuntimeError("generation event buffer full") from None
+            self._leave(entry)  # only on shutdown
+        gen.end(event)
 
     def _fail_everything(self, kind: ErrorKind, message: str) -> None:
         """The loop is ending: every queued or active generation gets a Failure."""
         for entry in (*self._scheduler.active(), *self._scheduler.queued()):
-            gen = entry.tag
-            if isinstance(gen, Generation) and gen._outcome is None and not gen.cancelled:
+            gen = self._generations[entry]
+            if gen.outcome is None and not gen.cancelled:
+                failure = Failure(kind, message, gen.usage, retryable=True)
                 try:
-                    self._end(gen, Failure(kind, message, gen.usage, retryable=True))
+                    self._end(gen, failure)
                 except Exception:  # pragma: no cover - keep failing the others
-                    gen._send.close()
+                    gen.end(failure)
 

@@ -30,7 +30,7 @@ import json
 
 import attrs
 
-from ringserve.core.events import GenerationRequest
+from ringserve.core.events import GenerationRequest, Role
 from ringserve.core.toolcalls import plain_messages
 from ringserve.formats.base import ChatFormat
 from ringserve.formats.template import ChatTemplate, RenderedPrompt, TemplateRenderError
@@ -71,7 +71,7 @@ def render_request(
     messages, tools = request.messages, request.tools
     if fmt.name in TOOLS_PROMPT_FAMILIES:
         messages, tools = plain_messages(messages, tools, request.tool_choice), ()
-    prefill = messages[-1] if messages and messages[-1].role == "assistant" else None
+    prefill = messages[-1] if messages and messages[-1].role is Role.ASSISTANT else None
     if prefill is not None:
         if prefill.tool_calls:
             raise TemplateRenderError("an assistant turn that holds tool calls cannot be continued")

@@ -31,7 +31,7 @@ from urllib.parse import parse_qsl, urlencode
 import attrs
 
 from ringserve.core.errors import ErrorKind
-from ringserve.surfaces.base import IGNORED_FIELDS_HEADER, ignored_fields_header
+from ringserve.surfaces.base import ignored_fields_header
 
 __all__ = ["SCOPE_KEY", "AccessRecord", "redact_query", "request_id_from"]
 

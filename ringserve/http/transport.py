@@ -65,6 +65,7 @@ import hypercorn.trio.tcp_server
 import trio
 
 from ringserve.core.errors import ErrorKind, RingserveError
+from ringserve.metrics import WatchdogStatistics
 from ringserve.surfaces import registry
 from ringserve.surfaces.base import dumps
 
@@ -72,7 +73,6 @@ __all__ = [
     "RESET_STREAM",
     "HypercornConfig",
     "SendWatchdog",
-    "WatchdogStatistics",
     "abort_connection",
     "find_tcp_socket",
     "isolate_connection_faults",
@@ -219,24 +219,6 @@ def _reset_socket(sock: socket.socket | trio.socket.SocketType) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-
-
-@attrs.frozen
-class WatchdogStatistics:
-    """A snapshot of :class:`SendWatchdog`.
-
-    Attributes:
-        sends_in_flight: ASGI sends running now.
-        oldest_send_seconds: how long the oldest of them has run (0 if none).
-        readers_dropped_total: requests dropped because a send was blocked
-            longer than the timeout (each counted once).
-        connections_aborted_total: TCP connections reset by the watchdog.
-    """
-
-    sends_in_flight: int
-    oldest_send_seconds: float
-    readers_dropped_total: int
-    connections_aborted_total: int
 
 
 @attrs.define(eq=False)

@@ -75,7 +75,7 @@ import enum
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import attrs
 import trio
@@ -113,7 +113,6 @@ class Position(enum.Enum):
     NEVER_SENT = "never sent"  # it names an entry the log never had
 
 
-@runtime_checkable
 class MessageLog(Protocol):
     """One message's log, as its producer and its readers see it.
 
@@ -151,7 +150,6 @@ class MessageLog(Protocol):
     def reader(self) -> contextlib.AbstractContextManager[None]: ...
 
 
-@runtime_checkable
 class LogStore(Protocol):
     """Creates and finds message logs by message id; expires finished ones.
 

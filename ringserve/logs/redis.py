@@ -83,7 +83,6 @@ from coredis.tokens import PureToken
 from ringserve.config import StreamConfig
 from ringserve.core.ringlog import LogState, RingLog
 from ringserve.core.status import OWNER_LOST_MESSAGE
-from ringserve.store.sqlite import MessageStore, StoredMessage
 from ringserve.logs.cluster import KeyHolder
 from ringserve.logs.memory import (
     LogStoreStatistics,
@@ -93,6 +92,7 @@ from ringserve.logs.memory import (
     store_unavailable,
     wait_until_holds,
 )
+from ringserve.store.sqlite import MessageStore, StoredMessage
 
 __all__ = [
     "CANCEL_STREAM",

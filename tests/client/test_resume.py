@@ -7,6 +7,7 @@ the server's renderers write (``tests/support/helpers.py`` ``rendered``), whole 
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -59,7 +60,7 @@ def head(events: int, surface: str = "anthropic") -> bytes:
 
 def split(data: bytes, rng: random.Random) -> list[bytes]:
     cuts = sorted(rng.sample(range(1, len(data)), k=min(40, len(data) - 1)))
-    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+    return [data[a:b] for a, b in itertools.pairwise([0, *cuts, len(data)])]
 
 
 # -- bytes in, events out --------------------------------------------------------------------------
@@ -262,7 +263,7 @@ def test_calls_out_of_phase_are_phase_errors() -> None:
         with pytest.raises(PhaseError, match="phase DONE"):
             call()
     with pytest.raises(PhaseError, match="surface is not known yet"):
-        ResumeState.follow(MID, now=0.0, timeout=None).wire
+        _ = ResumeState.follow(MID, now=0.0, timeout=None).wire
 
 
 # -- backoff ---------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,7 +26,7 @@ def run(pieces) -> tuple[list[str], int]:
 def split_at(data: bytes, cuts) -> list[bytes]:
     cuts = sorted({c % (len(data) + 1) for c in cuts})
     bounds = [0, *cuts, len(data)]
-    return [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [data[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def test_c6_whole():
@@ -103,7 +105,7 @@ def test_answer_for_n_tokens_is_a_prefix_of_the_answer_for_n_plus_1(text, cuts):
     pieces = split_at(text.encode("utf-8"), cuts)
     answers = [answer_after(pieces[:n]) for n in range(len(pieces) + 1)]
     assert answers[-1] == text
-    for shorter, longer in zip(answers, answers[1:]):
+    for shorter, longer in itertools.pairwise(answers):
         assert "\ufffd" not in shorter
         assert longer.startswith(shorter)
 

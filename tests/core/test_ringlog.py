@@ -84,7 +84,7 @@ def test_bound_by_entries_and_gap() -> None:
 
 def test_bound_by_bytes() -> None:
     log = RingLog(100, 10)
-    for i in range(5):
+    for _ in range(5):
         log.append(b"abcd")  # 4 bytes each: at most two fit in 10
     assert log.nbytes == 8
     assert [e.seq for e in log.read_from(2)] == [3, 4]  # type: ignore[union-attr]

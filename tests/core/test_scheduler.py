@@ -98,8 +98,8 @@ def test_sample_before_prompt_is_fed_is_illegal():
 
 def test_full_lifecycle_positions_and_counts():
     s = sched(n_slots=1, prefill_chunk=4)
-    e = s.enqueue(prompt(6), 3, tag="mine")
-    assert (e.state, e.slot, e.tag) == (SlotState.QUEUED, None, "mine")
+    e = s.enqueue(prompt(6), 3)
+    assert (e.state, e.slot) == (SlotState.QUEUED, None)
 
     plan = s.plan()
     assert plan.admitted == (e,) and e.state is SlotState.PREFILL and e.slot == 0

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.schema import (
     MAX_DEPTH,
     MAX_GRAMMAR_BYTES,
@@ -16,7 +17,6 @@ from ringserve.core.schema import (
     check_repeats,
     check_schema,
 )
-from ringserve.core.errors import ErrorKind, RingserveError
 
 WHERE = "tools[0].input_schema"
 

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from ringserve.core.signals import ECHO_SECONDS, EchoFilter
 from ringserve.core.frozen import FROZEN, SELF
+from ringserve.core.signals import ECHO_SECONDS, EchoFilter
 
 
 def echoes(window: float, times: list[float]) -> list[bool]:

@@ -6,6 +6,7 @@ splits, and the outcomes must be equal.
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -41,7 +42,7 @@ def bytewise(data: bytes) -> list[bytes]:
 def split_at(data: bytes, cuts) -> list[bytes]:
     cuts = sorted({c % (len(data) + 1) for c in cuts})
     bounds = [0, *cuts, len(data)]
-    return [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [data[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def snapshot(parser: SSEParser) -> tuple:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -137,7 +139,7 @@ stop_lists = st.lists(st.text(alphabet=alphabet, max_size=5), max_size=4)
 def splits(draw, text):
     cuts = draw(st.lists(st.integers(min_value=0, max_value=len(text)), max_size=10))
     bounds = [0, *sorted(cuts), len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 @SETTINGS

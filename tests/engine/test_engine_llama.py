@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from ringserve.core.events import ChatMessage, SamplingParams
-from ringserve.engine.modelfile import ModelFileError, default_model_path
 from ringserve.core.batch import SlotFeed
+from ringserve.core.events import ChatMessage, SamplingParams
 from ringserve.core.offload import Offload
+from ringserve.engine.modelfile import ModelFileError, default_model_path
 from ringserve.engine.protocol import EngineError, KVCacheFull
+from tests.support.feeds import check_bad_batches
 from tests.support.helpers import chat_prompt, prompt_tokens
 from tests.support.server import MODEL_THREADS
 
@@ -134,7 +135,7 @@ def test_a_greedy_slot_takes_the_token_llama_cpps_greedy_sampler_takes(eng, monk
             out = eng.decode(feeds)
             ends = itertools.accumulate(len(f.tokens) for f in feeds)  # a feed's last token is at end - 1
             assert [o.token for o in out] == [sample(reference, eng._ctx, end - 1) for end in ends]
-            feeds = [SlotFeed(f.slot, (o.token,), f.pos + len(f.tokens), True) for f, o in zip(feeds, out)]
+            feeds = [SlotFeed(f.slot, (o.token,), f.pos + len(f.tokens), True) for f, o in zip(feeds, out, strict=True)]
     finally:
         lc.llama_sampler_free(reference)
     assert chain_calls == []
@@ -178,31 +179,21 @@ def test_feeding_past_n_ctx_slot_is_kv_cache_full(eng):
         eng.decode([SlotFeed(0, (s.token,), N_CTX_SLOT, True)])
 
 
-def test_position_gap_is_engine_error(eng, prompt):
-    # llama_decode returns -1 for a position that does not continue the sequence.
+def test_bad_feeds_raise_value_error_before_decoding(eng, prompt):
+    # The rules of engine/protocol.py check_feeds, as on the fake engine (tests/engine/test_feeds.py):
+    # a position that does not continue the sequence is one of them, refused before llama_decode.
+    check_bad_batches(eng, prompt, word(eng))
+
+
+def test_a_slot_released_with_cells_kept_is_not_begun(eng, prompt):
     eng.begin(0, GREEDY)
     eng.decode([SlotFeed(0, prompt, 0, False)])
-    with pytest.raises(EngineError) as exc:
-        eng.decode([SlotFeed(0, prompt[:1], len(prompt) + 5, True)])
-    assert not isinstance(exc.value, KVCacheFull)
-    assert exc.value.slots == (0,)
-    assert eng.kv_cells_used(0) == len(prompt)
-
-
-def test_bad_feeds_raise_value_error_before_decoding(eng, prompt):
-    eng.begin(0, GREEDY)
-    with pytest.raises(ValueError, match="n_batch"):
-        eng.decode([SlotFeed(0, (1,) * 200, 0, False), SlotFeed(1, (1,) * 57, 0, False)])
-    with pytest.raises(ValueError, match="twice"):
-        eng.decode([SlotFeed(0, prompt, 0, False), SlotFeed(0, (1,), len(prompt), False)])
+    eng.release(0, keep=3)
     with pytest.raises(ValueError, match="begin"):
-        eng.decode([SlotFeed(2, prompt, 0, True)])
-    with pytest.raises(ValueError, match="empty"):
-        eng.decode([SlotFeed(0, (), 0, True)])
-    with pytest.raises(ValueError, match="slot"):
-        eng.decode([SlotFeed(N_SLOTS, (1,), 0, False)])
-    assert eng.kv_cells_used() == 0
-    assert eng.decode([]) == []
+        eng.decode([SlotFeed(0, prompt[3:], 3, False)])
+    eng.begin(0, GREEDY, keep=3)
+    eng.decode([SlotFeed(0, prompt[3:], 3, True)])
+    assert eng.kv_cells_used(0) == len(prompt)
 
 
 def test_chat_template_is_chatml(engine):
@@ -248,11 +239,14 @@ def test_nul_in_message_is_rejected(engine):
         prompt_tokens(engine, [ChatMessage("user", "a\x00b")])
 
 
-def test_end_of_generation_token(engine):
-    [im_end] = engine.tokenize("<|im_end|>", parse_special=True)
-    assert engine.token_piece(im_end) == b""
-    assert engine.token_is_eog(im_end)
-    assert not engine.token_is_eog(word(engine))
+def test_end_of_generation_token(eng, prompt):
+    # What decode says of a token it samples (forced here): <|im_end|> ends generation, with no text.
+    [im_end] = eng.tokenize("<|im_end|>", parse_special=True)
+    for slot, token, piece, eog in ((0, im_end, b"", True), (1, word(eng), b" the", False)):
+        eng.begin(slot, GREEDY)
+        [s] = eng.decode([SlotFeed(slot, prompt, 0, True, forced=token)])
+        assert (s.token, s.piece, s.eog) == (token, piece, eog)
+        assert eng.token_piece(token) == piece
 
 
 def test_a_forced_token_is_taken_as_if_sampled(eng, prompt):

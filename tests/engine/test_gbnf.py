@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.tool_calls import random_schema  # the benchmark's schema generator
 from ringserve.core.errors import RingserveError
 from ringserve.core.events import (
     ChatMessage,
@@ -23,8 +24,6 @@ from ringserve.core.schema import MAX_REPEATS, check_schema, grammar_bytes
 from ringserve.core.toolcalls import CALL_CLOSE, CALL_OPEN, format_call
 from ringserve.engine import gbnf
 from ringserve.engine.examples import example
-
-from bench.tool_calls import random_schema  # the benchmark's schema generator
 from tests.support.gbnf import accepts
 
 WHERE = "tools[0].input_schema"
@@ -288,7 +287,7 @@ leaves = st.one_of(
 
 
 def _object(props: dict[str, object], flags: list[bool]) -> dict[str, object]:
-    return {"type": "object", "properties": props, "required": [k for k, f in zip(props, flags) if f]}
+    return {"type": "object", "properties": props, "required": [k for k, f in zip(props, flags, strict=False) if f]}
 
 
 schemas = st.recursive(

@@ -14,12 +14,19 @@ import pytest
 import trio
 
 from ringserve.core.errors import ErrorKind
-from ringserve.core.events import BlockDelta, ChatMessage, Finish, GenerationRequest, SamplingParams, StopReason
+from ringserve.core.events import (
+    BlockDelta,
+    ChatMessage,
+    Finish,
+    GenerationRequest,
+    SamplingParams,
+    StopReason,
+)
 from ringserve.engine.fake import Begin, FakeEngine
 from ringserve.engine.runner import Runner
-from tests.support.server import MODEL_THREADS, fake_config, running_server
-from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY, prompt_tokens, sse_events
 from tests.engine.test_runner import serving
+from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY, prompt_tokens, sse_events
+from tests.support.server import MODEL_THREADS, fake_config, running_server
 
 REAL_GUARD = 180  # seconds: a hang guard on the real model, never a wait
 SYSTEM = "You are a terse assistant who answers every question in one short line. " * 4
@@ -109,7 +116,7 @@ async def test_a_new_conversation_copies_the_system_prompt_from_another_slot():
     shared = len(prompt_tokens(engine, [ChatMessage("system", SYSTEM)]))
     b_prompt = prompt_tokens(engine, conversation("b", 1))
     a_prompt = prompt_tokens(engine, conversation("a", 1))
-    common = next(i for i, (x, y) in enumerate(zip(a_prompt, b_prompt)) if x != y)
+    common = next(i for i, (x, y) in enumerate(zip(a_prompt, b_prompt, strict=False)) if x != y)
     assert common >= shared
     assert text == "b answer 0" and last.usage.cached_tokens == common
     assert engine.begins[-1] == Begin(gen.slot, common, 1 - gen.slot)  # a's slot kept its cache

@@ -34,7 +34,7 @@ from ringserve.core.events import (
 )
 from ringserve.core.scheduler import SlotState
 from ringserve.engine.fake import DEFAULT_REPLY, DecodeCall, FakeEngine
-from ringserve.engine.runner import Generation, Runner, RunnerStatistics
+from ringserve.engine.runner import Runner, RunnerStatistics
 from tests.support.helpers import prompt_tokens
 
 GUARD = 10  # seconds: no test should come near this
@@ -622,6 +622,21 @@ async def test_cancel_while_queued():
     assert len({call.feeds[0].tokens[:3] for call in engine.log if call.feeds[0].pos == 0}) == 1
 
 
+async def test_the_runner_forgets_a_generation_once_it_holds_no_slot_or_queue_place():
+    engine = FakeEngine(n_slots=1, piece_bytes=1, reply="f" * 40)
+    async with serving(engine) as runner:
+        async with runner.submit(await runner.prepare(req("first"))) as a:
+            await a.__anext__()  # holds the only slot
+            async with runner.submit(await runner.prepare(req("queued"))):
+                assert len(runner._generations) == 2
+            assert len(runner._generations) == 1  # the queued one left at its cancel
+        await runner.wait_idle()  # the live one's slot released
+        assert runner._generations == {}
+        await generate(runner, req("echo:done"))
+        await runner.wait_idle()
+        assert runner._generations == {}
+
+
 async def test_trio_cancellation_of_the_consumer_cancels_the_generation():
     engine = HookedEngine(piece_bytes=1, reply="t" * 500)
     consumer_scope = trio.CancelScope()
@@ -865,6 +880,3 @@ async def test_idle_runner_parks_without_polling(autojump_clock):
         assert text == "ok"
         nursery.cancel_scope.cancel()
 
-
-def test_generation_is_exported():
-    assert Generation.__aiter__ is not None

@@ -11,6 +11,8 @@ import random
 import attrs
 import pytest
 
+from bench.format_parsers import EXAMPLES, TOOLS
+from bench.format_parsers import reply as bench_reply
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import (
     BlockKind,
@@ -27,11 +29,9 @@ from ringserve.core.events import (
     ToolChoiceMode,
     ToolSpec,
 )
-from bench.format_parsers import EXAMPLES, TOOLS
-from bench.format_parsers import reply as bench_reply
 from ringserve.engine.fake import FakeEngine
 from ringserve.formats.families import FAMILIES
-from tests.engine.test_runner import generate, serving
+from tests.engine.test_runner import serving
 
 THINK = "<think>I should greet them back politely.</think>\n\nHello there!"
 

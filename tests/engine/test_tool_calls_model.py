@@ -17,7 +17,7 @@ import trio
 
 from bench.tool_calls import random_schema, run_calls
 from ringserve.config import EngineConfig
-from ringserve.core.schema import MAX_OPTIONAL_REPEATS
+from ringserve.core.batch import SlotFeed
 from ringserve.core.events import (
     BlockDelta,
     BlockKind,
@@ -29,18 +29,17 @@ from ringserve.core.events import (
     OutputKind,
     SamplingParams,
     StopReason,
-    ToolChoice,
     ToolCall,
+    ToolChoice,
     ToolChoiceMode,
     ToolSpec,
 )
-from ringserve.core.batch import SlotFeed
+from ringserve.core.schema import MAX_OPTIONAL_REPEATS
 from ringserve.engine import gbnf
 from ringserve.engine.examples import example
 from ringserve.engine.modelfile import default_model_path
 from ringserve.engine.runner import Runner
 from ringserve.formats.families import FAMILIES
-
 from tests.engine.test_gbnf import ENFORCED
 from tests.support.helpers import prompt_tokens
 

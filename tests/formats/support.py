@@ -9,9 +9,9 @@ from typing import Any
 
 import attrs
 
-from ringserve.engine import gbnf as grammar
 from ringserve.core.events import ToolSpec
 from ringserve.core.toolcalls import CallArgs, CallStart, Text
+from ringserve.engine import gbnf as grammar
 from ringserve.formats.base import ChatFormat, Piece, Reasoning
 
 Message = tuple[str, str, list[tuple[str, Any]]]

@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringserve.engine import gbnf as grammar
 from ringserve.core.events import ToolSpec
 from ringserve.core.toolcalls import Text, ToolCallError, ToolCallParser, format_call
 from ringserve.formats.base import ReasoningMarkers

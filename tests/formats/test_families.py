@@ -8,8 +8,6 @@ test_canned.py); Llama 3.x, Granite 3.3, SmolLM3 and Command R+ have no canned c
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from bench.format_parsers import EXAMPLES, TOOLS, WEATHER  # each family's call, as its grammar forces it

@@ -15,15 +15,14 @@ import sys
 
 import httpx
 import pytest
-import trio
 
-from ringserve.http.accesslog import redact_query
-from ringserve.http.auth import ENV_KEYS, Authenticator, AuthSetupError, check_bind, is_loopback
 from ringserve.config import AuthConfig
 from ringserve.core.sse import SSEParser
+from ringserve.http.accesslog import redact_query
+from ringserve.http.auth import ENV_KEYS, Authenticator, AuthSetupError, check_bind, is_loopback
 from ringserve.server import serve
-from tests.support.server import fake_config, running_server
 from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY
+from tests.support.server import fake_config, running_server
 from tests.support.wait import wait_until
 
 KEY = "sk-test-0123456789abcdef"

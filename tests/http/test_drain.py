@@ -20,10 +20,11 @@ import httpx
 import pytest
 import trio
 
+from bench.common import ServerProcess
 from ringserve.core.sse import ServerSentEvent, SSEParser
-from tests.support.server import ServerProcess, fake_config, running_server
 from tests.support.h2client import open_h2
 from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY, anthropic_text, openai_text
+from tests.support.server import fake_config, running_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,10 +48,10 @@ class FakeServerProcess(ServerProcess):
                     "store": {"path": str(self.store)}}
         config = tmp_path / "config.toml"
         config.write_text(_toml(sections))
-        args = ["--config", str(config), "--fake", json.dumps(fake)]
+        argv = [sys.executable, str(ROOT / "bench" / "fake_server.py"), "--config", str(config), "--fake", json.dumps(fake)]
         if reply_bytes is not None:
-            args += ["--reply-bytes", str(reply_bytes)]
-        super().__init__(args, env={"PYTHONPATH": str(ROOT)}, command=[sys.executable, str(ROOT / "bench" / "fake_server.py")])
+            argv += ["--reply-bytes", str(reply_bytes)]
+        super().__init__(argv, env={"PYTHONPATH": str(ROOT)})
 
     def signal(self, signum: int) -> float:
         """Send ``signum``; when (``time.monotonic()``)."""

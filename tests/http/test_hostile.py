@@ -11,6 +11,7 @@ and come back unchanged (tests/core/test_sse.py covers the encoder's own framing
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import threading
@@ -23,15 +24,24 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ringserve.http.app import create_app
 from ringserve.core.errors import ErrorKind
-from ringserve.core.events import BlockDelta, BlockKind, BlockStart, BlockStop, Failure, Finish, StopReason, Usage
+from ringserve.core.events import (
+    BlockDelta,
+    BlockKind,
+    BlockStart,
+    BlockStop,
+    Failure,
+    Finish,
+    StopReason,
+    Usage,
+)
 from ringserve.core.ringlog import format_event_id, parse_event_id
 from ringserve.core.sse import SSEParser, encode_event
+from ringserve.http.app import create_app
 from ringserve.surfaces.anthropic import AnthropicSurface
 from ringserve.surfaces.openai import OpenAISurface
-from tests.support.server import fake_config, running_server
 from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY
+from tests.support.server import fake_config, running_server
 
 KEY = "sk-hostile-key"
 AUTH = {"x-api-key": KEY}
@@ -471,7 +481,7 @@ def test_rendered_streams_parse_back_to_the_same_events(texts, mid, stop, messag
         parser = SSEParser()
         bounds = sorted({c % (len(stream) + 1) for c in cuts})
         events = []
-        for lo, hi in zip([0, *bounds], [*bounds, len(stream)]):
+        for lo, hi in itertools.pairwise([0, *bounds, len(stream)]):
             events += parser.feed(stream[lo:hi])
         assert parser.pending_bytes == 0
         assert [(e.event, e.data) for e in events] == [(ev.event or "message", ev.data) for ev in wire]

@@ -269,7 +269,7 @@ def _array(item: Any, low: int, span: int | None) -> dict[str, Any]:
 
 
 def _object(props: dict[str, Any], flags: list[bool]) -> dict[str, Any]:
-    return {"type": "object", "properties": props, "required": [k for k, f in zip(props, flags) if f]}
+    return {"type": "object", "properties": props, "required": [k for k, f in zip(props, flags, strict=False) if f]}
 
 
 flags = st.lists(st.booleans(), min_size=4, max_size=4)

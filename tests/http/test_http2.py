@@ -24,12 +24,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from ringserve.http.messages import message_status_json
 from ringserve.config import Config
 from ringserve.core.sse import SSEParser
-from tests.support.server import fake_config, running_server
+from ringserve.http.messages import message_status_json
 from tests.support.h2client import open_h2
 from tests.support.helpers import ANTHROPIC_BODY, anthropic_text, sse_events
+from tests.support.server import fake_config, running_server
 
 ECHO = {**ANTHROPIC_BODY, "stream": True, "messages": [{"role": "user", "content": "echo:over HTTP/2"}]}
 

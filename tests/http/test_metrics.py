@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ringserve.config import Config
 from ringserve.core.sse import SSEParser, encode_comment
 from ringserve.engine.fake import FakeEngine
+from ringserve.http.transport import SendWatchdog
 from ringserve.metrics import Metrics
 from ringserve.server import serve
 from tests.support.server import fake_config, running_server
@@ -246,6 +247,26 @@ async def test_ready_is_503_until_the_model_is_loaded_and_while_draining(tmp_pat
         logging.getLogger("ringserve").removeHandler(handler)
 
 
+async def test_the_slow_reader_watchdog_is_scraped(autojump_clock):
+    metrics, dog = Metrics(), SendWatchdog(10.0)
+    metrics.watch(dog)
+    idle = Scrape(metrics.render().decode())
+    assert (idle("ringserve_sends_in_flight"), idle("ringserve_oldest_send_seconds")) == (0, 0)
+
+    async def blocked_send(seconds: float) -> None:
+        with trio.CancelScope() as cancel_scope, dog.watch({"http_version": "1.1"}, cancel_scope):
+            await trio.sleep(seconds)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(blocked_send, 5)
+        await trio.sleep(3)
+        nursery.start_soon(blocked_send, 5)
+        await trio.sleep(1)
+        busy = Scrape(metrics.render().decode())
+        assert (busy("ringserve_sends_in_flight"), busy("ringserve_oldest_send_seconds")) == (2, 4)
+        assert busy("ringserve_connections_aborted_total") == 0
+
+
 def test_each_metrics_object_has_its_own_registry():
     a, b = Metrics(), Metrics()
     a.heartbeat()
@@ -274,5 +295,7 @@ async def test_grafana_dashboard_plots_only_metrics_that_exist(fake_server):
     cache_and_store |= {"ringserve_prompt_tokens_prefilled_total"}
     assert {"ringserve_store_write_failures_total", "ringserve_store_unsaved_messages"} <= cache_and_store
     assert not cache_and_store - used, sorted(cache_and_store - used)
+    watchdog = {"ringserve_sends_in_flight", "ringserve_oldest_send_seconds", "ringserve_connections_aborted_total"}
+    assert watchdog <= used
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))

@@ -15,10 +15,10 @@ import httpx
 import trio
 
 from ringserve.store.sqlite import MessageStore
-from tests.support.conformance import stream_bytes
-from tests.support.server import fake_config, running_server
 from tests.http.test_drain import FakeServerProcess
 from tests.http.test_responses import LONG_ECHO, check_object, check_stream, sdk, wait_until
+from tests.support.conformance import stream_bytes
+from tests.support.server import fake_config, running_server
 
 REQUEST = {"model": "any", "input": LONG_ECHO, "stream": True, "metadata": {"k": "v"}, "instructions": "brief",
            "temperature": 0.5}

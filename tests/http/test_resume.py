@@ -10,10 +10,10 @@ import pytest
 import trio
 
 from ringserve.core.sse import SSEParser
-from ringserve.store.sqlite import MessageStore
 from ringserve.server import load_llama_engine
-from tests.support.server import fake_config, running_server
+from ringserve.store.sqlite import MessageStore
 from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY, anthropic_text, openai_text, sse_events
+from tests.support.server import fake_config, running_server
 from tests.support.wait import wait_until
 
 LONG_TEXT = "echo:" + " ".join(f"w{i}·é😀" for i in range(120))

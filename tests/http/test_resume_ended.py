@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from ringserve.store.sqlite import MessageStore
-from tests.support.server import fake_config, running_server
-from tests.support.helpers import sse_events
 from tests.http.test_resume import body_for, wait_until
+from tests.support.helpers import sse_events
+from tests.support.server import fake_config, running_server
 
 
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])

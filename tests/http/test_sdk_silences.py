@@ -15,8 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from bench.common import ServerProcess
 from tests.support.conformance import sdk_answer, sdk_stream_text
-from tests.support.server import MODEL_TOML, ServerProcess
+from tests.support.server import MODEL_TOML, SERVE
 
 pytestmark = pytest.mark.model
 
@@ -41,7 +42,7 @@ def _server(tmp_path_factory: pytest.TempPathFactory, name: str, extra: str = ""
     (d / "config.toml").write_text(
         f'[server]\nheartbeat_interval = 1.0\n[engine]\nslots = 1\nctx_per_slot = 4096\n'
         f'[store]\npath = "{d / "store.sqlite3"}"\n{MODEL_TOML}{extra}')
-    return ServerProcess(["--config", str(d / "config.toml")])
+    return ServerProcess([*SERVE, "--config", str(d / "config.toml")])
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import trio
 
 from ringserve.core.sse import SSEParser
 from ringserve.store.sqlite import MessageStore, StoredMessage, run_retention
-from tests.support.server import fake_config, running_server
 from tests.support.helpers import anthropic_text, sse_events
+from tests.support.server import fake_config, running_server
 from tests.support.wait import wait_until
 
 ASYNC = {"Prefer": "respond-async"}
@@ -96,7 +96,7 @@ async def test_finished_messages_expire_and_answer_404_generating_ones_stay(tmp_
         again = await client.post("/v1/messages", json=anthropic("hi"), headers=key)
         assert again.status_code == 200 and again.json()["id"] != a_id
         for message_id in long_ids:
-            await wait_until(lambda: gone(message_id))
+            await wait_until(lambda message_id=message_id: gone(message_id))
 
 
 async def _true(value: bool) -> bool:

@@ -18,7 +18,6 @@ import pydantic
 import pytest
 import trio
 
-from ringserve.core.schema import MAX_REPEATS
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import (
     BlockDelta,
@@ -39,12 +38,13 @@ from ringserve.core.events import (
     ToolSpec,
     Usage,
 )
-from ringserve.core.ringlog import format_event_id
-from ringserve.core.sse import SSEParser, encode_event
-from ringserve.surfaces.anthropic import AnthropicSurface
 from ringserve.core.render import render
+from ringserve.core.ringlog import format_event_id
+from ringserve.core.schema import MAX_REPEATS
+from ringserve.core.sse import SSEParser, encode_event
 from ringserve.core.status import MessageStatus
 from ringserve.core.view import MessageView
+from ringserve.surfaces.anthropic import AnthropicSurface
 from ringserve.surfaces.base import MAX_TOOLS, dumps
 from ringserve.surfaces.openai import OpenAISurface
 from tests.support.conformance import check_answer, check_stream, stream_bytes
@@ -887,11 +887,12 @@ async def test_an_idempotent_retry_returns_the_tool_calls(unbatched_server, surf
 @pytest.fixture(scope="module")
 def model_server(tmp_path_factory):
     """A real-model server: one slot of 2048 tokens (tool definitions take a few hundred)."""
-    from tests.support.server import ServerProcess
+    from bench.common import ServerProcess
+    from tests.support.server import SERVE
 
     cfg = tmp_path_factory.mktemp("tools_model") / "config.toml"
     cfg.write_text(f'[engine]\nslots = 1\nctx_per_slot = 2048\n[store]\npath = "{cfg.parent / "s.sqlite3"}"\n')
-    server = ServerProcess(["--config", str(cfg)])
+    server = ServerProcess([*SERVE, "--config", str(cfg)])
     yield server
     server.stop()
 

@@ -10,8 +10,8 @@ import pytest
 import trio
 
 from ringserve.core.sse import SSEParser
-from tests.support.server import fake_config, running_server
 from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY, anthropic_text, openai_text, sse_events
+from tests.support.server import fake_config, running_server
 
 FAKE_REPLY = "echo:The quick brown fox jumps over the lazy dog."
 

@@ -8,13 +8,7 @@ import trio.testing
 
 from ringserve.config import StreamConfig
 from ringserve.core.ringlog import Entry, LogState, LogStateError, RingLog
-from ringserve.logs.memory import (
-    LogStore,
-    LogStoreStatistics,
-    MemoryLogStore,
-    MemoryMessageLog,
-    MessageLog,
-)
+from ringserve.logs.memory import LogStoreStatistics, MemoryLogStore, MemoryMessageLog
 
 
 def make_log(message_id: str = "m") -> MemoryMessageLog:
@@ -25,12 +19,6 @@ def small_config(**changes: object) -> StreamConfig:
     base = {"ring_max_entries": 8, "ring_max_bytes": 100, "memory_cap_bytes": 1000, "ttl_seconds": 60.0}
     base.update(changes)
     return StreamConfig(**base)  # type: ignore[arg-type]
-
-
-def test_protocols_are_satisfied() -> None:
-    store = MemoryLogStore(small_config(), clock=lambda: 0.0)
-    assert isinstance(store, LogStore)
-    assert isinstance(store.create("a"), MessageLog)
 
 
 async def test_readers_park_and_wake_on_append(autojump_clock: trio.abc.Clock) -> None:

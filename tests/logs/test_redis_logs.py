@@ -217,8 +217,8 @@ async def _is(value: bool) -> bool:
 async def test_redis_down_gives_503_with_retry_after_and_ready_503_then_recovers(tmp_path, redis_server):
     import httpx
 
-    from tests.support.server import fake_config, running_server
     from tests.support.helpers import ANTHROPIC_BODY
+    from tests.support.server import fake_config, running_server
 
     config = fake_config(tmp_path, stream={"backend": "redis", "redis_url": redis_server.url})
     async with running_server(config) as state, httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
@@ -307,8 +307,8 @@ async def test_a_state_the_owners_sqlite_fails_to_write_still_reaches_the_other_
     import sqlite3
 
     from ringserve.core.status import MessageStatus
-    from ringserve.store.sqlite import StoredMessage
     from ringserve.logs.redis import MirroredMessageStore, RedisCluster
+    from ringserve.store.sqlite import StoredMessage
     from tests.http.test_store_server import FailingDb
 
     async with stores(redis_server.url) as (a, b):

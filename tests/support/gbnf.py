@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import sys
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 _ESC = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\", '"': '"', "[": "[", "]": "]", "-": "-", "^": "^", "/": "/"}
@@ -149,7 +149,7 @@ def accepts(grammar: str, text: str, root: str = "root") -> bool:
     """Whether ``grammar`` (GBNF text) derives exactly ``text`` from ``root``."""
     rules = _Parser(grammar).rules()
 
-    @lru_cache(maxsize=None)
+    @cache
     def ends(node: Any, pos: int) -> frozenset[int]:
         kind = node[0]
         if kind == "lit":

@@ -5,7 +5,6 @@ application stops reading), next to streams that read, on one connection, over h
 from __future__ import annotations
 
 import contextlib
-
 import json
 import ssl
 from collections.abc import Callable

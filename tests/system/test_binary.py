@@ -30,9 +30,10 @@ import httpx
 import openai
 import pytest
 
+from bench.common import RINGSERVE_READY, ServerProcess
 from ringserve.core.sse import ServerSentEvent, SSEParser
 from tests.support.helpers import anthropic_text
-from tests.support.server import MODEL_TOML, ServerProcess
+from tests.support.server import MODEL_TOML
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "packaging" / "ringserve.spec"
@@ -93,7 +94,7 @@ def config(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(binary, clean, config):
     """``ringserve serve --config FILE`` from the binary, in the clean environment, for the module."""
-    server = ServerProcess(["--config", str(config)], command=[str(binary), "serve"], env=clean.env,
+    server = ServerProcess([str(binary), "serve", "--config", str(config)], env=clean.env,
                            inherit_env=False, cwd=clean.cwd)
     yield server
     server.stop()
@@ -132,7 +133,7 @@ def greedy_text(greedy_events) -> str:
 
 
 def test_ready_line_names_the_model_the_config_and_the_offload(server):
-    ready = server.wait_for_log(ServerProcess.READY, 0)
+    ready = server.wait_for_log(RINGSERVE_READY, 0)
     assert "ready: model SmolLM2-135M-Instruct.Q4_1, chat format generic, 2 slots, 1024 tokens of context per slot" in ready
     assert re.search(r"GPU offload (none \(no GPU device\)|\d+ of 31 layers on .+), at http://127\.0\.0\.1:\d+", ready)
 
@@ -275,8 +276,8 @@ def test_it_serves_from_a_root_that_holds_only_the_c_library(binary, tmp_path, g
     shutil.copy(binary, root / "ringserve")
     # A mount namespace of its own, so that the mounts go with the process.
     script = f'mount -t proc proc {root}/proc && mount --bind /dev/null {root}/dev/null && exec chroot {root} "$@"'
-    server = ServerProcess(["/ringserve", "serve", "--port", "0", "--log-level", "INFO"],
-                           command=["unshare", "--mount", "--propagation", "private", "--fork", "sh", "-c", script, "sh"],
+    server = ServerProcess(["unshare", "--mount", "--propagation", "private", "--fork", "sh", "-c", script, "sh",
+                            "/ringserve", "serve", "--port", "0", "--log-level", "INFO"],
                            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/home", "TMPDIR": "/tmp"},
                            inherit_env=False)  # PATH for unshare, mount and chroot; the root has none of them
     try:
@@ -319,7 +320,7 @@ def test_sigterm_drains_the_running_generation_and_exits_0(binary, tmp_path, con
     while the request is open, the reply ends normally (within ``drain_timeout``), the process exits 0
     and removes what it unpacked."""
     own = Clean(tmp_path)
-    server = ServerProcess(["--config", str(config)], command=[str(binary), "serve"], env=own.env,
+    server = ServerProcess([str(binary), "serve", "--config", str(config)], env=own.env,
                            inherit_env=False, cwd=own.cwd)
     try:
         children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()

@@ -15,8 +15,8 @@ import pytest
 import trio
 
 from tests.support.browser import Browser, in_browser, require_browser, send, wait_answer, wait_finished
-from tests.support.server import fake_config, running_server
 from tests.support.proxy import Cut, forget_last_event_id, server_behind_proxy
+from tests.support.server import fake_config, running_server
 
 REPLY = "Streaming over SSE survives drops: the page resumes with Last-Event-ID and shows every word once. " * 2
 #: About 3 s of generation (2-byte tokens, 30 ms a step), so the cut lands mid-stream.

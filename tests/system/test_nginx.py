@@ -24,8 +24,8 @@ import pytest
 import trio
 
 from ringserve.core.sse import ServerSentEvent, SSEParser
-from tests.support.server import fake_config, running_server
 from tests.support.helpers import ANTHROPIC_BODY, anthropic_text
+from tests.support.server import fake_config, running_server
 
 ROOT = Path(__file__).resolve().parents[2]
 NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.path.exists(p)), None)

@@ -26,7 +26,8 @@ from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.anthropic import AnthropicProvider
 from pydantic_ai.providers.openai import OpenAIProvider
 
-from tests.support.server import MODEL_TOML, ServerProcess
+from bench.common import ServerProcess
+from tests.support.server import MODEL_TOML, SERVE
 
 pytestmark = pytest.mark.model
 
@@ -39,7 +40,7 @@ def _server(tmp_path_factory: pytest.TempPathFactory, name: str, slots: int, ctx
     """A real-model server process with ``slots`` slots of ``ctx`` tokens, until the module ends."""
     cfg = tmp_path_factory.mktemp(name) / "config.toml"
     cfg.write_text(f'[engine]\nslots = {slots}\nctx_per_slot = {ctx}\n[store]\npath = "{cfg.parent / "s.sqlite3"}"\n{MODEL_TOML}')
-    server = ServerProcess(["--config", str(cfg)])
+    server = ServerProcess([*SERVE, "--config", str(cfg)])
     yield server
     server.stop()
 

@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import trio
 
+from tests.http.test_responses import TERMINAL
 from tests.support.browser import Browser, in_browser, require_browser
 from tests.support.proxy import server_behind_proxy
-from tests.http.test_responses import TERMINAL
 
 REPLY = "A browser follows a background response over SSE and resumes it after a drop. " * 2
 ENGINE = {"reply": REPLY, "piece_bytes": 2, "step_seconds": 0.03}  # about 2.5 s of generation

@@ -65,8 +65,7 @@ def test_background_stream_to_10_then_resume_and_the_helper(client, model_server
 
 
 def test_cancel_while_generating_frees_the_kv_cells(client, model_server):
-    """Few requests on purpose: the session's server process writes an access-log line per request
-    to a pipe that ``tests/support/server.py``'s ``ServerProcess`` stops reading once the server is ready."""
+    """Few requests on purpose: every model test shares the session's one real-model server."""
     created = client.responses.create(input=STORY, max_output_tokens=2000, background=True, **GREEDY)
     with client.responses.stream(response_id=created.id) as reader:
         events = iter(reader)

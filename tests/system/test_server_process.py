@@ -1,5 +1,5 @@
-"""The test harness's server process (tests/support/server.py ``ServerProcess``) reads the server's log for as
-long as the server runs: a server whose stdout pipe fills (64 KiB on Linux) blocks on its next log write,
+"""The harness's server process (bench/common.py ``ServerProcess``, the tests' and the benchmarks') reads
+the server's log for as long as the server runs: a server whose stdout pipe fills (64 KiB on Linux) blocks on its next log write,
 with its event loop, so a session-long server (``model_server``) would hang once its access log passed that."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.server import ServerProcess
+from bench.common import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,8 +19,8 @@ def test_a_server_that_logs_more_than_a_pipe_holds_keeps_serving(tmp_path):
     their answer, and the last one's line is among the lines kept."""
     config = tmp_path / "config.toml"
     config.write_text(f'[server]\nport = 0\n[store]\npath = "{tmp_path / "store.sqlite3"}"\n')
-    server = ServerProcess(["--config", str(config)], env={"PYTHONPATH": str(ROOT)},
-                           command=[sys.executable, str(ROOT / "bench" / "fake_server.py")])
+    server = ServerProcess([sys.executable, str(ROOT / "bench" / "fake_server.py"), "--config", str(config)],
+                           env={"PYTHONPATH": str(ROOT)})
     pad = "x" * 4096
     try:
         with httpx.Client(base_url=server.url, timeout=20) as client:

@@ -1,0 +1,313 @@
+"""One request on the runner: its prepared form, and the :class:`Generation` that turns the tokens
+sampled for it into its events.
+
+:meth:`Generation.feed` is the per-token work of step 4 of ``engine/runner.py``'s loop: the
+token is counted, detokenized (:class:`~ringserve.core.detokenizer.Detokenizer`) and run through
+the request's :class:`~ringserve.core.reply.ReplyStage` (tool-call parser, stop strings, block
+numbering); what comes back (:class:`Fed`) says which block events to emit, whether the
+generation ended and whether its reasoning budget is spent. The runner owns the scheduler and the
+engine; a generation owns its reply's state and its channel of events (:meth:`Generation.emit`,
+:meth:`Generation.end`, :meth:`Generation.cancel`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import assert_never
+
+import attrs
+import trio
+
+from ringserve.core.batch import Sampled
+from ringserve.core.blocks import BlockEvent
+from ringserve.core.detokenizer import Detokenizer
+from ringserve.core.errors import ErrorKind
+from ringserve.core.events import (
+    AppliedEdit,
+    BlockDelta,
+    BlockStart,
+    BlockStop,
+    ContentBlock,
+    Failure,
+    Finish,
+    GenerationEvent,
+    GenerationRequest,
+    StopReason,
+    ToolChoiceMode,
+    Usage,
+)
+from ringserve.core.reply import End, ReplyStage
+from ringserve.core.scheduler import Entry, SlotState
+from ringserve.core.toolcalls import ToolCallError
+from ringserve.engine.gbnf import Constraint, LazyCalls
+from ringserve.formats.base import ChatFormat
+from ringserve.formats.generic import GENERIC
+
+__all__ = ["Fed", "Generation", "Prepared"]
+
+
+@attrs.frozen
+class Prepared:
+    """A request that passed :meth:`Runner.prepare`: tokenized and within the context.
+
+    Attributes:
+        request: the request as the surface parsed it.
+        prompt_tokens: the rendered, tokenized prompt.
+        max_tokens: the token budget: ``request.max_tokens``, or when that is
+            None or larger, what the slot's context leaves after the prompt
+            (``n_ctx_slot - len(prompt_tokens)``).
+        context_bound: the budget is the context's, not the caller's: using
+            it up ends with :attr:`StopReason.CONTEXT_FULL` instead of
+            :attr:`StopReason.MAX_TOKENS`.
+        constraint: the grammar the reply is decoded under
+            (:func:`~ringserve.engine.gbnf.constraint_for`), or None.
+        chat_format: the model's format: the reply is read by its parser.
+        reasoning_open: the prompt left the format's thinking block open (the
+            reply starts inside it).
+        reasoning_budget: the most tokens the reply may sample inside its
+            thinking block before the runner forces the block's closing marker
+            (``request.reasoning.budget_tokens``, where the format has a
+            thinking block and the reply's grammar takes its closing text:
+            :meth:`Runner._reasoning_budget`); None: no budget.
+        applied_edits: the request's context edits that trimmed its history
+            (``core/context.py``): ``request`` is the trimmed one.
+    """
+
+    request: GenerationRequest
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    context_bound: bool = False
+    constraint: Constraint | LazyCalls | None = None
+    chat_format: ChatFormat = GENERIC
+    reasoning_open: bool = False
+    reasoning_budget: int | None = None
+    applied_edits: tuple[AppliedEdit, ...] = ()
+
+    @property
+    def original_input_tokens(self) -> int:
+        """The prompt's tokens before the context edits."""
+        return len(self.prompt_tokens) + sum(edit.cleared_input_tokens for edit in self.applied_edits)
+
+
+
+@attrs.frozen
+class Fed:
+    """What one sampled token gave a generation (:meth:`Generation.feed`).
+
+    Attributes:
+        events: the block events to emit, in order.
+        end: its terminal event, to emit after them, where the token ended it: a
+            :class:`Finish`, or a :class:`Failure` for a tool call the reply stage could not read.
+        close_reasoning: its reasoning budget is spent: its next samples are to be the format's
+            closing marker (the runner forces them).
+    """
+
+    events: tuple[BlockEvent, ...] = ()
+    end: Finish | Failure | None = None
+    close_reasoning: bool = False
+
+
+@attrs.define(eq=False)
+class Generation:
+    """One submitted request: an async iterator of its events.
+
+    Yields block events in the order :class:`BlockStart` documents, then
+    exactly one :class:`Finish` or :class:`Failure`, then stops. Only the runner produces events; iterating
+    never drives generation, and a slow consumer never slows it (events wait
+    in the generation's buffer).
+
+    Attributes:
+        prepared: what was submitted.
+        tokens_after_cancel: tokens decoded for it after it was cancelled.
+    """
+
+    prepared: Prepared
+    _entry: Entry
+    _send: trio.MemorySendChannel[GenerationEvent]
+    _receive: trio.MemoryReceiveChannel[GenerationEvent]
+    _detokenizer: Detokenizer = attrs.field(factory=Detokenizer)
+    _stage: ReplyStage = attrs.field(default=None)
+    _reasoning_budget: int | None = None  # the prepared one until its closing marker is forced
+    _outcome: Finish | Failure | None = None
+    _cancel_time: float | None = None
+    tokens_after_cancel: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self._stage is None:
+            prepared = self.prepared
+            request = prepared.request
+            choice = request.tool_choice
+            parsed = bool(request.tools) and choice.mode is not ToolChoiceMode.NONE
+            self._stage = ReplyStage(
+                request.stop,
+                prepared.chat_format.parser(request.tools if parsed else None, reasoning_open=prepared.reasoning_open),
+                parallel=choice.parallel and choice.mode is not ToolChoiceMode.NAMED,
+                forced=parsed and choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED),
+            )
+        self._reasoning_budget = self.prepared.reasoning_budget
+
+    @property
+    def id(self) -> int:
+        """The runner's ticket number for this request (increasing)."""
+        return self._entry.id
+
+    @property
+    def entry(self) -> Entry:
+        """The request as the runner's scheduler sees it."""
+        return self._entry
+
+    @property
+    def usage(self) -> Usage:
+        """Live token counts: prompt tokens, tokens sampled so far (EOG counted),
+        prompt tokens reused from the prefix cache (0 until admitted), and the
+        sampled tokens of the thinking block.
+
+        Valid at any time, including after a cancel (it then stays as it was).
+        """
+        entry = self._entry
+        return Usage(len(self.prepared.prompt_tokens), entry.generated, entry.cached, self._stage.reasoning_tokens)
+
+    @property
+    def state(self) -> SlotState:
+        """Where the request is in the slot lifecycle."""
+        return self._entry.state
+
+    @property
+    def slot(self) -> int | None:
+        """The slot it holds or held; None while queued."""
+        return self._entry.slot
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether its consumer left before the terminal event was produced."""
+        return self._cancel_time is not None
+
+    @property
+    def cancel_time(self) -> float | None:
+        """When its consumer left (the Trio clock), if it did before the terminal event."""
+        return self._cancel_time
+
+    @property
+    def outcome(self) -> Finish | Failure | None:
+        """The terminal event once produced (whether or not it was read yet)."""
+        return self._outcome
+
+    # -- the runner's side ---------------------------------------------------
+
+    def feed(self, sampled: Sampled) -> Fed:
+        """One token sampled for it (counted by the scheduler already): count it in the reply
+        stage, detokenize it and run its text through the stage; end the generation at
+        end-of-generation or when its budget (``max_tokens``, or the context's) is used up.
+
+        Held text (a possible stop string or ``<tool_call>`` prefix) is released at the end;
+        the bytes of an incomplete UTF-8 character are dropped then (the usage still counts
+        their tokens). The stage may turn ``END`` into ``TOOL_USE``, or fail the message (an
+        end inside a tool call). A call the stage cannot read fails it (``API_ERROR``, not
+        retryable: the arguments already streamed cannot be taken back).
+        """
+        self._stage.sampled()
+        if sampled.eog:
+            return self._finish(StopReason.END)
+        text = self._detokenizer.feed(sampled.piece)
+        if text:
+            fed = self._staged(lambda: self._stage.feed(text))
+            if fed.end is not None:
+                return fed
+            events = fed.events
+        else:
+            events = ()
+        if self._entry.budget_left <= 0:
+            ended = self._finish(StopReason.CONTEXT_FULL if self.prepared.context_bound else StopReason.MAX_TOKENS)
+            return Fed(events + ended.events, ended.end)
+        return Fed(events, close_reasoning=self.reasoning_spent())
+
+    def reasoning_spent(self) -> bool:
+        """Whether the reply has now sampled its reasoning budget inside the thinking block
+        (and no character is cut in two): then its next samples are to be the format's closing
+        marker, once (True is returned once), and the model answers. The forced tokens are
+        decoded as sampled ones (their text goes through the reply stage, a grammar accepts
+        them), as llama.cpp's reasoning budget forces its end tags
+        (``common/reasoning-budget.cpp``)."""
+        stage = self._stage
+        budget = self._reasoning_budget
+        if budget is None or not stage.in_reasoning or stage.reasoning_tokens < budget:
+            return False
+        if self._detokenizer.pending_bytes:
+            return False
+        self._reasoning_budget = None
+        return True
+
+    def _finish(self, reason: StopReason) -> Fed:
+        """End normally: flush held text and stop the open block (see :meth:`feed`)."""
+        # A character whose last bytes were never sampled is dropped, not sent as U+FFFD.
+        self._detokenizer.flush()
+        return self._staged(lambda: self._stage.finish(reason))
+
+    def _staged(self, step: Callable[[], tuple[list[BlockEvent], End | None]]) -> Fed:
+        """One reply-stage step: its events, and its end (``Finish``) if it has one."""
+        try:
+            events, end = step()
+        except ToolCallError as exc:
+            message = f"the model wrote a malformed tool call: {exc}"
+            return Fed(end=Failure(ErrorKind.API_ERROR, message, self.usage, retryable=False))
+        return Fed(tuple(events), None if end is None else Finish(end.reason, self.usage, end.stop))
+
+    def emit(self, event: GenerationEvent) -> None:
+        """Queue an event for the consumer (none once it left)."""
+        if self.cancelled:
+            return
+        try:
+            self._send.send_nowait(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the consumer is gone; the cancel path frees the slot
+        except trio.WouldBlock:  # pragma: no cover - the buffer is sized to never fill
+            raise RuntimeError("generation event buffer full") from None
+
+    def end(self, event: Finish | Failure) -> None:
+        """Emit the terminal event and close the channel."""
+        self._outcome = event
+        try:
+            self.emit(event)
+        finally:
+            self._send.close()
+
+    def cancel(self, now: float) -> None:
+        """Its consumer left at ``now`` (the Trio clock): no more events."""
+        self._cancel_time = now
+        self._send.close()
+
+    def close(self) -> None:
+        """The consumer's side is done with the events (the ``submit`` block was left)."""
+        self._receive.close()
+
+    # -- the consumer's side -------------------------------------------------
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        try:
+            return await self._receive.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+    async def collect(self) -> tuple[tuple[ContentBlock, ...], Finish | Failure]:
+        """Read every remaining event; return the content blocks and the terminal event."""
+        blocks: list[ContentBlock] = []
+        parts: list[list[str]] = []
+        terminal: Finish | Failure | None = None
+        async for event in self:
+            match event:
+                case BlockStart():
+                    blocks.append(ContentBlock(event.kind, "", event.name, event.call_id))
+                    parts.append([])
+                case BlockDelta():
+                    parts[event.index].append(event.text)
+                case BlockStop():
+                    pass
+                case Finish() | Failure():
+                    terminal = event
+                case _:
+                    assert_never(event)
+        assert terminal is not None, "a generation always ends with Finish or Failure"
+        return tuple(attrs.evolve(b, text="".join(p)) for b, p in zip(blocks, parts, strict=True)), terminal
