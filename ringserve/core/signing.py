@@ -29,7 +29,7 @@ import secrets
 
 import attrs
 
-__all__ = ["KEY_BYTES", "ReasoningSigner", "SignedReasoning", "new_key"]
+__all__ = ["KEY_BYTES", "ReasoningSigner", "new_key"]
 
 #: Bytes of a new key (the HMAC-SHA256 block is 64; a 32-byte key has SHA-256's strength).
 KEY_BYTES = 32
@@ -109,22 +109,3 @@ class ReasoningSigner:
         else:
             restored = text
         return restored if hmac.compare_digest(mac, self._mac(restored)) else None
-
-
-@attrs.frozen
-class SignedReasoning:
-    """Reasoning that a client handed back with its signature (an Anthropic thinking block), not
-    yet checked: it becomes ``messages[turn].reasoning`` if it verifies (``surfaces/base.py``
-    ``read_request``), and is dropped otherwise.
-
-    Attributes:
-        turn: the index of its assistant turn in the request's messages.
-        text: the text the client sent (empty for a block sent without it).
-        signature: the signature it came with.
-        where: the block's path in the request (``messages[3].content[0]``), named when dropped.
-    """
-
-    turn: int
-    text: str
-    signature: str
-    where: str

@@ -47,7 +47,6 @@ from ringserve.core.events import (
     Usage,
 )
 from ringserve.core.render import WireEvent
-from ringserve.core.signing import SignedReasoning
 from ringserve.core.view import MessageView
 from ringserve.surfaces.base import (
     check_enforced,
@@ -69,6 +68,7 @@ from ringserve.surfaces.base import (
     json_schema,
     optional,
     report_ignored,
+    signed_reasoning,
     tool_choice,
     tool_list,
     tool_name,
@@ -401,16 +401,15 @@ class _Conversation:
 
     messages: list[ChatMessage] = attrs.Factory(list)
     ids: CallIds = attrs.Factory(CallIds)
-    signed: list[SignedReasoning] = attrs.Factory(list)
     referenced: list[tuple[str, str]] = attrs.Factory(list)  # (tool name, where) of tool_reference blocks
     effort: Effort | None = None  # of the last message that has one
 
 
-def conversation(body: dict[str, Any]) -> tuple[GenerationRequest, tuple[SignedReasoning, ...]]:
+def conversation(body: dict[str, Any]) -> GenerationRequest:
     """The prompt part of a request body: ``system``, ``messages``, ``tools``, ``tool_choice``,
     ``output_config``, ``thinking`` and ``context_management``, as a request with no
-    ``max_tokens``; and the thinking blocks handed back, whose reasoning joins their turns where
-    their signatures verify (``surfaces/base.py`` ``read_request``).
+    ``max_tokens``; the thinking blocks handed back join their turns' reasoning where their
+    signatures verify (``surfaces/base.py`` ``signed_reasoning``).
 
     * ``system``: a string or text blocks; Claude Code's billing stamp (:data:`BILLING_STAMP`)
       is dropped.
@@ -482,7 +481,7 @@ def conversation(body: dict[str, Any]) -> tuple[GenerationRequest, tuple[SignedR
     )
     # the schemas are checked with every tool, so that an error names the tool's own index
     check_enforced(request, "tools[{i}].input_schema", f"{output_where}.schema")
-    return attrs.evolve(request, tools=tools), tuple(seen.signed)
+    return attrs.evolve(request, tools=tools)
 
 
 def _system(value: Any) -> str:
@@ -624,6 +623,7 @@ def _turns(m: dict[str, Any], where: str, seen: _Conversation) -> None:
         return
     texts: list[str] = []
     calls: list[ToolCall] = []
+    thoughts: list[str] = []  # the reasoning of its thinking blocks signed here
     for j, block in enumerate(content):
         at = f"{where}[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
@@ -636,7 +636,9 @@ def _turns(m: dict[str, Any], where: str, seen: _Conversation) -> None:
             thinking, signature = block.get("thinking"), block.get("signature")
             if not isinstance(thinking, str) or not isinstance(signature, str):
                 raise invalid(f"{at}: a thinking block has a string thinking and a string signature", param="messages")
-            seen.signed.append(SignedReasoning(len(seen.messages), thinking, signature, at))
+            restored = signed_reasoning(thinking, signature, at)
+            if restored is not None:
+                thoughts.append(restored)
         elif kind == "redacted_thinking":
             REDACTED_THINKING_FIELDS.check(block, at, param="messages")
             report_ignored(at)  # opaque data of another server's: nothing to restore
@@ -648,7 +650,8 @@ def _turns(m: dict[str, Any], where: str, seen: _Conversation) -> None:
         else:
             texts.append(text_block(block, at, where, TEXT_BLOCK_FIELDS))
     if role == "assistant":
-        seen.messages.append(ChatMessage("assistant", "".join(texts), tool_calls=tuple(calls)))
+        seen.messages.append(ChatMessage("assistant", "".join(texts), tool_calls=tuple(calls),
+                                         reasoning="\n\n".join(thoughts)))
     elif texts:
         seen.messages.append(ChatMessage("user", "".join(texts)))
 
@@ -804,14 +807,13 @@ class AnthropicSurface:
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise invalid("metadata: must be an object", param="metadata")
-        request, signed = conversation(body)
         request = attrs.evolve(
-            request,
+            conversation(body),
             max_tokens=max_tokens,
             sampling=sampling_params(body, max_temperature=1.0),
             stop=stop_list(body.get("stop_sequences"), "stop_sequences", allow_string=False),
         )
-        return ParsedRequest(request=request, stream=get_bool(body, "stream"), model=model, signed=signed)
+        return ParsedRequest(request=request, stream=get_bool(body, "stream"), model=model)
 
     def parse_count(self, body: Any) -> ParsedRequest:
         """Validate a ``POST /v1/messages/count_tokens`` body (:data:`COUNT_TOKENS_FIELDS`).
@@ -826,8 +828,7 @@ class AnthropicSurface:
         """
         body = require_object(body)
         COUNT_TOKENS_FIELDS.check(body)
-        request, signed = conversation(body)
-        return ParsedRequest(request=request, stream=False, model=get_str(body, "model", required=True), signed=signed)
+        return ParsedRequest(request=conversation(body), stream=False, model=get_str(body, "model", required=True))
 
     def count_json(self, input_tokens: int, original_input_tokens: int) -> dict[str, Any]:
         """The ``POST /v1/messages/count_tokens`` answer (``anthropic.types.MessageTokensCount``);

@@ -34,7 +34,7 @@ from ringserve.core.events import (
 from ringserve.core.render import Renderer
 from ringserve.core.view import MessageView
 from ringserve.core.schema import check_repeats, check_schema, enforced_schemas
-from ringserve.core.signing import ReasoningSigner, SignedReasoning
+from ringserve.core.signing import ReasoningSigner
 
 
 T = TypeVar("T")
@@ -103,8 +103,6 @@ class ParsedRequest:
         continues: the stored conversation the request continues, still to be put into
             ``request`` (:class:`Continuation`); None for a request whole as it is.
         ignored: the paths of the fields accepted and ignored (:func:`read_request`).
-        signed: reasoning handed back with a signature, which :func:`read_request` puts into
-            ``request`` where it verifies.
     """
 
     request: GenerationRequest
@@ -117,7 +115,6 @@ class ParsedRequest:
     echo_without_prompts: str = ""
     continues: Continuation | None = None
     ignored: tuple[str, ...] = ()
-    signed: tuple[SignedReasoning, ...] = ()
 
 
 @attrs.frozen(eq=False)
@@ -147,51 +144,57 @@ IGNORED_FIELDS_HEADER = "Ringserve-Ignored-Fields"
 #: The most characters of its value: past it the list ends with ``+N more``.
 MAX_IGNORED_FIELDS_CHARS = 1024
 
-_IGNORED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("ringserve_ignored_fields", default=None)
+@attrs.define(eq=False)
+class _Reading:
+    """What the parse that :func:`read_request` runs gathers and checks on the way."""
+
+    signer: ReasoningSigner | None
+    ignored: list[str] = attrs.Factory(list)
+
+
+_READING: contextvars.ContextVar[_Reading | None] = contextvars.ContextVar("ringserve_reading", default=None)
 
 
 def report_ignored(path: str) -> None:
     """Note that the request field at ``path`` (``thinking.display``, ``messages[2].content[0]``)
     was accepted and ignored, for the :func:`read_request` that runs this parse; outside one
     it is only accepted."""
-    paths = _IGNORED.get()
-    if paths is not None:
-        paths.append(path)
+    reading = _READING.get()
+    if reading is not None:
+        reading.ignored.append(path)
+
+
+def signed_reasoning(text: str, signature: str, where: str) -> str | None:
+    """The reasoning a client handed back with a signature of ringserve's (an Anthropic thinking
+    block's ``signature``, a Responses reasoning item's ``encrypted_content``): ``text``, or the
+    text a sealed signature carries (``core/signing.py`` ``ReasoningSigner.restore``), when it
+    verifies under the key of the :func:`read_request` that runs this parse; else None, and
+    the block at ``where`` is reported (:func:`report_ignored`) to be dropped from the prompt,
+    never an error (real Claude's, another server's, edited text). Outside a
+    :func:`read_request`, or without a key, nothing verifies."""
+    reading = _READING.get()
+    restored = None if reading is None or reading.signer is None else reading.signer.restore(text, signature)
+    if restored is None:
+        report_ignored(where)
+    return restored
 
 
 def read_request(parse: Callable[[Any], ParsedRequest], body: Any, signing_key: str) -> ParsedRequest:
-    """``parse(body)``, with the reasoning it was handed back restored where its signature
-    verifies under ``signing_key`` (``[server] signing_key``; "": none does) and the fields
-    accepted and ignored in ``ignored`` (each path once, in the order met:
-    :meth:`FieldTable.check` and :func:`report_ignored` note them, and each reasoning block
-    dropped is one).
+    """``parse(body)``, with the fields accepted and ignored in ``ignored`` (each path once, in
+    the order met: :meth:`FieldTable.check` and :func:`report_ignored` note them, and each
+    reasoning block dropped is one); the reasoning it was handed back verifies under
+    ``signing_key`` (``[server] signing_key``; "": none does) in :func:`signed_reasoning`.
 
-    The paths are collected in a context variable, so the parsers deep in a body need no extra
-    argument to report (a Trio task has its own context: parses in concurrent requests do not mix).
+    The paths and the key are held in a context variable, so the parsers deep in a body need no
+    extra argument (a Trio task has its own context: parses in concurrent requests do not mix).
     """
-    token = _IGNORED.set([])
+    reading = _Reading(ReasoningSigner.from_text(signing_key) if signing_key else None)
+    token = _READING.set(reading)
     try:
         parsed = parse(body)
-        if parsed.signed:
-            parsed = _restore_reasoning(parsed, ReasoningSigner.from_text(signing_key) if signing_key else None)
-        paths = _IGNORED.get() or []
     finally:
-        _IGNORED.reset(token)
-    return attrs.evolve(parsed, ignored=tuple(dict.fromkeys(paths)))
-
-
-def _restore_reasoning(parsed: ParsedRequest, signer: ReasoningSigner | None) -> ParsedRequest:
-    """``parsed`` with each verified :class:`SignedReasoning` appended to its turn's reasoning
-    (blocks of one turn joined by a blank line), the others reported and dropped."""
-    messages = list(parsed.request.messages)
-    for claim in parsed.signed:
-        text = None if signer is None else signer.restore(claim.text, claim.signature)
-        if text is None:
-            report_ignored(claim.where)
-            continue
-        turn = messages[claim.turn]
-        messages[claim.turn] = attrs.evolve(turn, reasoning=f"{turn.reasoning}\n\n{text}" if turn.reasoning else text)
-    return attrs.evolve(parsed, request=attrs.evolve(parsed.request, messages=tuple(messages)), signed=())
+        _READING.reset(token)
+    return attrs.evolve(parsed, ignored=tuple(dict.fromkeys(reading.ignored)))
 
 
 def ignored_fields_header(paths: tuple[str, ...]) -> str:
