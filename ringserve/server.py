@@ -26,7 +26,7 @@ from ringserve.engine.protocol import Engine, EngineError
 from ringserve.engine.runner import Runner
 from ringserve.core.signals import ECHO_SECONDS, EchoFilter
 from ringserve.core.signing import ReasoningSigner, new_key
-from ringserve.store.sqlite import MessageStore, StoreError, run_retention
+from ringserve.store.sqlite import MessageStore, StoreError, StoredMessage, run_retention
 from ringserve.core.status import CancelReason
 from ringserve.live.safety import SafetyStage
 from ringserve.surfaces.registry import SURFACES
@@ -86,10 +86,12 @@ class Backend:
     store: MessageStore
 
 
-def make_backend(config: Config, cancel: Callable[[str], None]) -> Backend:
+def make_backend(config: Config, cancel: Callable[[str], None],
+                 owner_lost: Callable[[StoredMessage, int], list[bytes]]) -> Backend:
     """The ``[stream] backend``: in-process memory (one replica), or Redis (``logs/redis.py``:
     replicas that share their logs, their messages' state and their keys; ``cancel`` is called with
-    the id of a message of this replica that another one asks to cancel).
+    the id of a message of this replica that another one asks to cancel, ``owner_lost`` renders
+    the end of a stream whose replica died: ``live/resume.py`` ``owner_lost_entries``).
 
     Raises:
         SystemExit: backend ``redis`` without coredis installed (one-line message).
@@ -105,10 +107,16 @@ def make_backend(config: Config, cancel: Callable[[str], None]) -> Backend:
             except ImportError as exc:
                 raise SystemExit(f"[stream] backend = \"redis\" needs coredis: pip install 'ringserve[redis]' ({exc})") from None
             logs = RedisLogStore(config.stream, config.stream.redis_url_from(os.environ), on_cancel=cancel,
-                                 on_owner_lost=owner_lost_entries)
+                                 on_owner_lost=owner_lost)
             return Backend(logs, RedisCluster(logs), MirroredMessageStore.from_config(config.store).mirror_to(logs))
         case _:
             assert_never(config.stream.backend)
+
+
+def _owner_lost(state: ServerState, stored: StoredMessage, seq: int) -> list[bytes]:
+    """The end of a stream whose replica died (``live/resume.py`` ``owner_lost_entries``), its
+    reasoning signed with the server's key (resolved before the first request)."""
+    return owner_lost_entries(stored, seq, ReasoningSigner.from_text(state.config.server.signing_key))
 
 
 def _cancel_live(state: ServerState, message_id: str) -> None:
@@ -239,7 +247,8 @@ async def serve(
     safety = SafetyStage.from_config(config.safety, max_threads=config.engine.slots)
     isolate_connection_faults()
     state = ServerState(config, auth=auth)
-    backend = make_backend(config, lambda message_id: _cancel_live(state, message_id))
+    backend = make_backend(config, lambda message_id: _cancel_live(state, message_id),
+                           lambda stored, seq: _owner_lost(state, stored, seq))
     store = backend.store
     config = state.config = _open_store(config, store)
     app = create_app(state)

@@ -144,8 +144,9 @@ def request_surface() -> Surface:
 
 
 def object_surface(view: MessageView) -> Surface:
-    """The surface that spells ``view``'s objects: its own, restored with what it echoes."""
-    return SURFACES.by_name(view.surface).restored(view.echo)
+    """The surface that spells ``view``'s objects: its own, restored with what it echoes and the
+    hub's reasoning signer."""
+    return SURFACES.by_name(view.surface).restored(view.echo, hub().signer)
 
 
 def error_response(surface: Surface, error: RingserveError) -> Response:

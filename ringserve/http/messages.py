@@ -15,17 +15,16 @@ from quart import Response, request
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.view import MessageView
 from ringserve.http import context
-from ringserve.http.context import answering_errors, error_response, json_response
+from ringserve.http.context import answering_errors, error_response, json_response, object_surface
 from ringserve.live.resume import StreamEnded
 from ringserve.surfaces import ringserve as ringserve_json
 from ringserve.surfaces.base import Surface
-from ringserve.surfaces.registry import SURFACES
 
 
 def message_status_json(view: MessageView) -> dict[str, Any]:
     """``GET /v1/messages/{id}``: the message's status, text and content blocks (so far, in its
     surface's shape), stop reason and usage (``surfaces/ringserve.py``)."""
-    return ringserve_json.message_status_json(view, SURFACES.by_name(view.surface))
+    return ringserve_json.message_status_json(view, object_surface(view))
 
 
 async def resume(surface: Surface, message_id: str, last_event_id: str | None,

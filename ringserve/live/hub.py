@@ -28,6 +28,7 @@ import trio
 
 from ringserve.config import Config
 from ringserve.core.errors import ErrorKind, RingserveError
+from ringserve.core.signing import ReasoningSigner, new_key
 from ringserve.core.status import CancelReason, MessageStatus, Policy
 from ringserve.core.view import MessageView
 from ringserve.engine.runner import Runner
@@ -68,6 +69,8 @@ class Hub:
         sessions: the implicit keys of requests under a client session header (``live/idempotency.py``).
         persister: the store writes of live messages (``live/persist.py``).
         resume: where resumes find their log (``live/resume.py``).
+        signer: signs the reasoning of the messages it renders (``core/signing.py``: the key of
+            ``[server] signing_key``, which ``serve`` resolves; a key of this hub when it is "").
         draining: new generations are refused (:meth:`drain`).
     """
 
@@ -97,7 +100,9 @@ class Hub:
         self.persister = Persister(store, nursery, written=self._forget)
         self._production = Production(config, runner, logs, store, self.persister, self.metrics, self.safety,
                                       registered=self._live.__setitem__, on_idle=self._on_idle)
-        self.resume = Resume(config.server, logs, nursery, stored=self.stored, is_live=self._live.__contains__)
+        self.signer = ReasoningSigner.from_text(config.server.signing_key or new_key())
+        self.resume = Resume(config.server, logs, nursery, self.signer, stored=self.stored,
+                             is_live=self._live.__contains__)
         self.draining = False
 
     # -- creating ------------------------------------------------------------------------
@@ -116,7 +121,7 @@ class Hub:
         """Start a generation, or find the one an ``Idempotency-Key`` (or, without one, the same
         ``turn``: the same body under the same client session) already started.
 
-        The message is rendered by ``surface.restored(parsed.echo)`` (a surface with state of its
+        The message is rendered by ``surface.restored(parsed.echo, signer)`` (a surface with state of its
         own renders with the request's); the store keeps that echo (without prompt text unless
         ``[store] keep_prompts``), to rebuild the stream and answer its objects once it ended.
 
@@ -156,7 +161,7 @@ class Hub:
         self.persister.check_new()
         msg = LiveMessage(
             id=f"{surface.id_prefix}{secrets.token_hex(12)}",
-            surface=surface.restored(parsed.echo),
+            surface=surface.restored(parsed.echo, self.signer),
             model=self.runner.model_id,
             created=int(time.time()),
             include_usage=parsed.include_usage,
@@ -188,7 +193,7 @@ class Hub:
             if prepared.applied_edits:  # its objects say what its context edits cleared
                 echo = msg.surface.edited(echo, prepared.applied_edits)
                 msg.echo = msg.surface.edited(msg.echo, prepared.applied_edits)
-                msg.surface = msg.surface.restored(msg.echo)
+                msg.surface = msg.surface.restored(msg.echo, self.signer)
             row = StoredMessage(
                 id=msg.id, surface=msg.surface.name, model=msg.model, created=msg.created,
                 status=MessageStatus.QUEUED, request=request_json, request_hash=msg.request_hash,

@@ -24,6 +24,7 @@ from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import Failure, Finish, StopReason, Usage
 from ringserve.core.producer import Trace, replay
 from ringserve.core.render import Renderer
+from ringserve.core.signing import ReasoningSigner
 from ringserve.core.ringlog import LogState, RingLog, parse_event_id
 from ringserve.core.status import INTERRUPTED_MESSAGE, OWNER_LOST_MESSAGE, MessageStatus
 from ringserve.logs.memory import LogStore, MemoryMessageLog, MessageLog, Position
@@ -54,13 +55,13 @@ def _resume_after(value: str, message_id: str) -> int:
         raise RingserveError(ErrorKind.INVALID_REQUEST, str(exc)[:300], param="Last-Event-ID") from None
 
 
-def _renderer(stored: StoredMessage, args: RenderArgs) -> Renderer:
-    """A renderer made as the stored message's producer made its own."""
-    surface = SURFACES.by_name(stored.surface).restored(args.echo)
+def _renderer(stored: StoredMessage, args: RenderArgs, signer: ReasoningSigner) -> Renderer:
+    """A renderer made as the stored message's producer made its own (``signer``: the server's)."""
+    surface = SURFACES.by_name(stored.surface).restored(args.echo, signer)
     return surface.renderer(stored.id, stored.model, stored.created, args.include_usage)
 
 
-def rebuilt(stored: StoredMessage) -> MemoryMessageLog | None:
+def rebuilt(stored: StoredMessage, signer: ReasoningSigner) -> MemoryMessageLog | None:
     """The ended log of a stored message, rendered again (``core/producer.py`` :func:`replay`);
     None when the row cannot rebuild it (written before schema 5, not final, or a trace
     that does not fit its text).
@@ -87,8 +88,8 @@ def rebuilt(stored: StoredMessage) -> MemoryMessageLog | None:
         case _:
             assert_never(stored.status)
     try:
-        entries = replay(stored.id, _renderer(stored, args), Usage(stored.input_tokens, 0), stored.blocks, trace,
-                         terminal, args.retry_ms)
+        entries = replay(stored.id, _renderer(stored, args, signer), Usage(stored.input_tokens, 0), stored.blocks,
+                         trace, terminal, args.retry_ms)
     except ValueError:
         log.exception("the stored trace of message %s does not fit its text", stored.id)
         return None
@@ -102,7 +103,7 @@ def rebuilt(stored: StoredMessage) -> MemoryMessageLog | None:
     return log_
 
 
-def owner_lost_entries(stored: StoredMessage, seq: int) -> list[bytes]:
+def owner_lost_entries(stored: StoredMessage, seq: int, signer: ReasoningSigner) -> list[bytes]:
     """The end of a stream whose owning replica died, from entry ``seq`` on (``logs/redis.py``
     writes them into the stream): the retryable in-band failure the producer renders after the
     stored state (``core/producer.py`` :func:`replay` with the stored trace), so it carries the
@@ -112,11 +113,11 @@ def owner_lost_entries(stored: StoredMessage, seq: int) -> list[bytes]:
     args = stored_render(stored) or RenderArgs(include_usage=False, retry_ms=None)
     start = Usage(stored.input_tokens, 0)
     try:
-        entries = replay(stored.id, _renderer(stored, args), start, stored.blocks, stored_trace(stored) or Trace(()),
-                         failure, args.retry_ms, terminal_seq=seq)
+        entries = replay(stored.id, _renderer(stored, args, signer), start, stored.blocks,
+                         stored_trace(stored) or Trace(()), failure, args.retry_ms, terminal_seq=seq)
     except ValueError:  # a trace that does not fit its text: the failure alone
         log.exception("the stored trace of message %s does not fit its text", stored.id)
-        entries = replay(stored.id, _renderer(stored, args), start, (), Trace(()), failure, args.retry_ms,
+        entries = replay(stored.id, _renderer(stored, args, signer), start, (), Trace(()), failure, args.retry_ms,
                          terminal_seq=seq)
     return list(entries)
 
@@ -129,6 +130,7 @@ class Resume:
         server: ``[server]`` (heartbeats, the longest connection, ``retry_ms``).
         logs: the stream-log backend.
         nursery: the server's, where a reconnect hold waits.
+        signer: the server's reasoning signer (a rebuilt stream signs as its producer did).
         stored: the store's row of a message (``Hub.stored``; raises ``NOT_FOUND``).
         is_live: whether a message's generation runs on this replica (its log is then held).
     """
@@ -136,6 +138,7 @@ class Resume:
     server: ServerConfig
     logs: LogStore
     nursery: trio.Nursery
+    signer: ReasoningSigner
     stored: Callable[[str], StoredMessage]
     is_live: Callable[[str], bool]
 
@@ -162,7 +165,7 @@ class Resume:
             row = None if self.is_live(message_id) else self.stored(message_id)  # NOT_FOUND: unknown
             if after is not None and row is not None and row.final_seq == after:
                 raise StreamEnded(message_id)
-            log_ = None if row is None else rebuilt(row)
+            log_ = None if row is None else rebuilt(row, self.signer)
             if log_ is None:
                 raise RingserveError(
                     ErrorKind.GONE,

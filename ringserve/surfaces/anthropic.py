@@ -2,8 +2,9 @@
 
 Request and event shapes follow Anthropic's "Messages" and "Streaming
 Messages" documentation: ``message_start``, ``content_block_start``,
-``content_block_delta`` (``text_delta``, or ``input_json_delta`` in a ``tool_use``
-block)..., ``content_block_stop`` for each block, then
+``content_block_delta`` (``text_delta``; ``input_json_delta`` in a ``tool_use`` block;
+``thinking_delta``, then one ``signature_delta``, in a ``thinking`` block)...,
+``content_block_stop`` for each block, then
 ``message_delta`` (``stop_reason``, ``stop_sequence``, ``usage``),
 ``message_stop``; errors are ``{"type": "error", "error": {"type", "message"}}``
 both as HTTP bodies and as the in-band ``event: error``. A silence gets ``event: ping``
@@ -47,6 +48,7 @@ from ringserve.core.events import (
     Usage,
 )
 from ringserve.core.render import WireEvent
+from ringserve.core.signing import ReasoningSigner
 from ringserve.core.view import MessageView
 from ringserve.surfaces.base import (
     check_enforced,
@@ -168,11 +170,15 @@ REDACTED_THINKING_FIELDS = FieldTable(
 )
 
 #: The fields of ``thinking`` (``ThinkingConfigParam``: enabled, adaptive, disabled; beta
-#: between_tools): thinking on or off and its budget. ``display`` says how the reply shows its
-#: thinking, which no reply of ringserve's has yet.
+#: between_tools): thinking on or off, its budget, and how the reply shows it (``display``:
+#: :data:`DISPLAYS`).
 THINKING_FIELDS = FieldTable(
-    supported=frozenset({"type", "budget_tokens"}), ignored=frozenset({"display", "block_binding"}), refused={}
+    supported=frozenset({"type", "budget_tokens", "display"}), ignored=frozenset({"block_binding"}), refused={}
 )
+
+#: ``thinking.display`` → whether the reply's thinking blocks are sent without their text
+#: (``omitted``: a sealed signature carries it, :class:`ThinkingDisplay`).
+DISPLAYS = {"summarized": False, "omitted": True}
 
 #: ``thinking.type`` → whether thinking is on (``adaptive`` and ``between_tools``: the model decides).
 THINKING_TYPES = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}
@@ -276,13 +282,16 @@ def _error_object(kind_name: str, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind_name, "message": message}}
 
 
-def _usage(usage: Usage) -> dict[str, int]:
+def _usage(usage: Usage) -> dict[str, Any]:
     """Anthropic ``usage``: ``input_tokens`` is the uncached part of the prompt and
-    ``cache_read_input_tokens`` the part read from the prefix cache (their sum is the prompt)."""
+    ``cache_read_input_tokens`` the part read from the prefix cache (their sum is the prompt);
+    ``output_tokens_details.thinking_tokens`` the output tokens of the thinking blocks, their
+    closing marker included (``OutputTokensDetails``, as Anthropic counts them)."""
     return {
         "input_tokens": usage.input_tokens - usage.cached_tokens,
         "cache_read_input_tokens": usage.cached_tokens,
         "output_tokens": usage.output_tokens,
+        "output_tokens_details": {"thinking_tokens": usage.reasoning_tokens},
     }
 
 
@@ -301,8 +310,43 @@ def _input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _block_json(block: ContentBlock) -> dict[str, Any]:
-    """One block of a non-stream ``Message``'s ``content`` (``TextBlock``, ``ToolUseBlock``)."""
+@attrs.frozen
+class ThinkingDisplay:
+    """How a message's thinking blocks are shown: their text, and a signature of ringserve's
+    (``core/signing.py``) that lets the block come back in a later request's history; with
+    ``omitted`` (the request's ``thinking.display: "omitted"``) the text is withheld and the
+    signature is sealed: it carries the text, which the block restores when it comes back.
+    ``signer`` is None for a surface not :meth:`~AnthropicSurface.restored` (the registry's):
+    it renders no thinking block."""
+
+    signer: ReasoningSigner | None
+    omitted: bool = False
+
+    def signature(self, text: str) -> str:
+        """The signature of a thinking block whose text is ``text``.
+
+        Raises:
+            RuntimeError: no signer (a surface not restored renders no reasoning).
+        """
+        if self.signer is None:
+            raise RuntimeError("a message's surface is restored(echo, signer) before it renders its thinking")
+        return self.signer.seal(text) if self.omitted else self.signer.sign(text)
+
+    def block(self, text: str) -> dict[str, Any]:
+        """A whole thinking block (``ThinkingBlock``)."""
+        return {"type": "thinking", "thinking": "" if self.omitted else text, "signature": self.signature(text)}
+
+
+#: A thinking block's ``content_block_start``: its text and its signature follow as deltas.
+_THINKING_START = {"type": "thinking", "thinking": "", "signature": ""}
+
+#: The delta type and key of the text of a text and of a thinking block.
+_TEXT_DELTAS = {BlockKind.TEXT: ("text_delta", "text"), BlockKind.REASONING: ("thinking_delta", "thinking")}
+
+
+def _block_json(block: ContentBlock, thinking: ThinkingDisplay) -> dict[str, Any]:
+    """One block of a non-stream ``Message``'s ``content`` (``TextBlock``, ``ToolUseBlock``,
+    ``ThinkingBlock``)."""
     match block.kind:
         case BlockKind.TEXT:
             return {"type": "text", "text": block.text}
@@ -310,7 +354,7 @@ def _block_json(block: ContentBlock) -> dict[str, Any]:
             return {"type": "tool_use", "id": tool_use_id(block.call_id), "name": block.name,
                     "input": _input(block.text)}
         case BlockKind.REASONING:
-            raise NotImplementedError("Anthropic rendering of reasoning blocks (nothing emits them)")
+            return thinking.block(block.text)
         case _:
             assert_never(block.kind)
 
@@ -318,19 +362,25 @@ def _block_json(block: ContentBlock) -> dict[str, Any]:
 class AnthropicRenderer:
     """Renders one message's events in Anthropic's streaming order (see module doc).
 
-    Each block is ``content_block_start`` (``{"type": "text", "text": ""}`` or ``{"type":
-    "tool_use", "id": "toolu_...", "name": ..., "input": {}}``), its deltas (``text_delta``, or
-    ``input_json_delta`` with the arguments' next ``partial_json`` fragment) and
-    ``content_block_stop``, with the index the block has in the message (text and tool-use
-    blocks are numbered together).
+    Each block is ``content_block_start`` (``{"type": "text", "text": ""}``, ``{"type":
+    "tool_use", "id": "toolu_...", "name": ..., "input": {}}`` or ``{"type": "thinking",
+    "thinking": "", "signature": ""}``), its deltas (``text_delta``; ``input_json_delta`` with
+    the arguments' next ``partial_json`` fragment; ``thinking_delta``, then one
+    ``signature_delta`` with the block's signature, :class:`ThinkingDisplay`) and
+    ``content_block_stop``, with the index the block has in the message (blocks of every kind
+    are numbered together). A thinking block whose text is ``omitted`` has no
+    ``thinking_delta``: its sealed signature carries the text.
     """
 
-    def __init__(self, message_id: str, model: str, edits: dict[str, Any] | None = None) -> None:
+    def __init__(self, message_id: str, model: str, thinking: ThinkingDisplay,
+                 edits: dict[str, Any] | None = None) -> None:
         self._message_id = message_id
         self._model = model
+        self._thinking = thinking
         self._edits = context_management_fields(edits)
         self._open = BlockKind.TEXT  # the kind of the block that deltas belong to
-        self._text_delta: tuple[int, Callable[[str], str]] | None = None  # the open text block's template
+        self._text_delta: tuple[int, Callable[[str], str]] | None = None  # the open block's delta template
+        self._thought: list[str] = []  # the text of the open thinking block, which its signature signs
 
     def start(self, usage: Usage) -> list[WireEvent]:
         message: dict[str, Any] = {
@@ -347,8 +397,11 @@ class AnthropicRenderer:
 
     def block_start(self, start: BlockStart) -> list[WireEvent]:
         self._open = start.kind
-        # an empty block: "text": "", or "input": {} (the arguments follow as input_json_delta)
-        block = _block_json(ContentBlock(start.kind, name=start.name, call_id=start.call_id))
+        self._thought = []
+        # an empty block: "text": "", "input": {} (the arguments follow as input_json_delta), or
+        # "thinking": "" and "signature": "" (both follow as deltas)
+        block = _THINKING_START if start.kind is BlockKind.REASONING else _block_json(
+            ContentBlock(start.kind, name=start.name, call_id=start.call_id), self._thinking)
         data = {"type": "content_block_start", "index": start.index, "content_block": block}
         return [WireEvent(dumps(data), "content_block_start")]
 
@@ -357,14 +410,23 @@ class AnthropicRenderer:
             body = {"type": "input_json_delta", "partial_json": delta.text}
             data = {"type": "content_block_delta", "index": delta.index, "delta": body}
             return [WireEvent(dumps(data), "content_block_delta")]
+        if self._open is BlockKind.REASONING:
+            self._thought.append(delta.text)
+            if self._thinking.omitted:
+                return []
         if self._text_delta is None or self._text_delta[0] != delta.index:
-            index = delta.index
+            index, (kind, key) = delta.index, _TEXT_DELTAS[self._open]
             self._text_delta = index, json_template(lambda text: {
-                "type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}})
+                "type": "content_block_delta", "index": index, "delta": {"type": kind, key: text}})
         return [WireEvent(self._text_delta[1](delta.text), "content_block_delta")]
 
     def block_stop(self, stop: BlockStop) -> list[WireEvent]:
-        return [WireEvent(dumps({"type": "content_block_stop", "index": stop.index}), "content_block_stop")]
+        stopped = WireEvent(dumps({"type": "content_block_stop", "index": stop.index}), "content_block_stop")
+        if self._open is not BlockKind.REASONING:
+            return [stopped]
+        signature = {"type": "signature_delta", "signature": self._thinking.signature("".join(self._thought))}
+        return [WireEvent(dumps({"type": "content_block_delta", "index": stop.index, "delta": signature}),
+                          "content_block_delta"), stopped]
 
     def finish(self, finish: Finish) -> list[WireEvent]:
         delta = {
@@ -534,6 +596,21 @@ def _reasoning(value: Any, effort: Effort | None) -> ReasoningConfig:
     elif value.get("budget_tokens") is not None:
         raise invalid(f"thinking.budget_tokens: only with type 'enabled', not {kind!r}", param="thinking")
     return ReasoningConfig(enabled=THINKING_TYPES[kind], effort=effort, budget_tokens=budget)
+
+
+def _omitted(value: Any) -> bool:
+    """Whether ``thinking.display`` (:data:`DISPLAYS`; absent: ``summarized``) withholds the
+    thinking text (``thinking`` already read by :func:`_reasoning`).
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST``: another value.
+    """
+    display = value.get("display") if isinstance(value, dict) else None
+    if display is None:
+        return False
+    if display not in DISPLAYS:
+        raise invalid(f"thinking.display: must be one of {', '.join(DISPLAYS)}", param="thinking")
+    return DISPLAYS[display]
 
 
 def _threshold(value: Any, where: str, kinds: tuple[str, ...]) -> tuple[str, int]:
@@ -752,9 +829,11 @@ def context_management_fields(edits: dict[str, Any] | None) -> dict[str, Any]:
 class AnthropicSurface:
     """Anthropic Messages: parsing, rendering and error shapes.
 
-    A message whose context edits trimmed its prompt is rendered by a surface that holds what they
-    cleared (``edits``, ``BetaContextManagementResponse``: ``{"applied_edits": [...]}``), from its
-    echo (:meth:`edited`, :meth:`restored`); the registry's has none.
+    A message is rendered by the surface :meth:`restored` from its echo (a JSON object, "" for
+    none): what its context edits cleared, if they trimmed its prompt (``edits``,
+    ``BetaContextManagementResponse``: ``{"applied_edits": [...]}``, :meth:`edited`), and
+    whether its thinking is ``omitted``; and with the server's ``signer``, which signs its
+    thinking blocks (:class:`ThinkingDisplay`). The registry's has neither.
     """
 
     name = "anthropic"
@@ -762,22 +841,30 @@ class AnthropicSurface:
     prefer_respond_async = True
     refuses_lone_surrogates = False
 
-    def __init__(self, edits: dict[str, Any] | None = None) -> None:
+    def __init__(self, edits: dict[str, Any] | None = None, signer: ReasoningSigner | None = None,
+                 omitted: bool = False) -> None:
         self.edits = edits
+        self.signer = signer
+        self.omitted = omitted
 
-    def restored(self, echo: str) -> AnthropicSurface:
-        """The surface of a message with ``echo``: itself for "", else one with the context edits
-        that ``echo`` holds (:meth:`edited`)."""
-        return self if not echo else AnthropicSurface(json.loads(echo)["context_management"])
+    def restored(self, echo: str, signer: ReasoningSigner) -> AnthropicSurface:
+        """The surface of a message with ``echo`` (``{"context_management": ..., "thinking_display":
+        "omitted"}``, either key absent; "" for neither), signing with ``signer``."""
+        state = json.loads(echo) if echo else {}
+        return AnthropicSurface(state.get("context_management"), signer, state.get("thinking_display") == "omitted")
 
     def edited(self, echo: str, applied: tuple[AppliedEdit, ...]) -> str:
-        """The echo of a message whose prompt ``applied`` trimmed: the ``context_management``
-        its ``message_delta`` and ``Message`` report (``applied_edits``, in order)."""
+        """The echo of a message whose prompt ``applied`` trimmed: ``echo`` with the
+        ``context_management`` its ``message_delta`` and ``Message`` report (``applied_edits``,
+        in order)."""
         edits = []
         for edit in applied:
             kind, cleared = APPLIED_EDITS[type(edit.edit)]
             edits.append({"type": kind, cleared: edit.cleared, "cleared_input_tokens": edit.cleared_input_tokens})
-        return dumps({"context_management": {"applied_edits": edits}})
+        return dumps({**(json.loads(echo) if echo else {}), "context_management": {"applied_edits": edits}})
+
+    def _display(self) -> ThinkingDisplay:
+        return ThinkingDisplay(self.signer, self.omitted)
 
     def parse_request(self, body: Any) -> ParsedRequest:
         """Validate a Messages request body.
@@ -813,7 +900,9 @@ class AnthropicSurface:
             sampling=sampling_params(body, max_temperature=1.0),
             stop=stop_list(body.get("stop_sequences"), "stop_sequences", allow_string=False),
         )
-        return ParsedRequest(request=request, stream=get_bool(body, "stream"), model=model)
+        echo = dumps({"thinking_display": "omitted"}) if _omitted(body.get("thinking")) else ""
+        return ParsedRequest(request=request, stream=get_bool(body, "stream"), model=model, echo=echo,
+                             echo_without_prompts=echo)
 
     def parse_count(self, body: Any) -> ParsedRequest:
         """Validate a ``POST /v1/messages/count_tokens`` body (:data:`COUNT_TOKENS_FIELDS`).
@@ -839,7 +928,7 @@ class AnthropicSurface:
         return {"input_tokens": input_tokens, "context_management": {"original_input_tokens": original_input_tokens}}
 
     def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> AnthropicRenderer:
-        return AnthropicRenderer(message_id, model, self.edits)
+        return AnthropicRenderer(message_id, model, self._display(), self.edits)
 
     def message_json(self, view: MessageView) -> dict[str, Any]:
         """The non-stream ``Message`` object."""
@@ -857,8 +946,10 @@ class AnthropicSurface:
         }
 
     def content_json(self, blocks: tuple[ContentBlock, ...]) -> list[dict[str, Any]]:
-        """The ``content`` list of a ``Message``: text and ``tool_use`` blocks (``input`` an object)."""
-        return [_block_json(b) for b in blocks]
+        """The ``content`` list of a ``Message``: text, ``tool_use`` (``input`` an object) and
+        ``thinking`` blocks."""
+        display = self._display()
+        return [_block_json(b, display) for b in blocks]
 
     def stop_reason(self, reason: StopReason) -> str:
         return STOP_REASONS[reason]

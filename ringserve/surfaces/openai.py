@@ -11,7 +11,7 @@ fragments, see :class:`OpenAIRenderer`), a usage chunk with empty
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, assert_never
 
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import (
@@ -33,6 +33,7 @@ from ringserve.core.events import (
     Usage,
 )
 from ringserve.core.render import WireEvent
+from ringserve.core.signing import ReasoningSigner
 from ringserve.core.view import MessageView
 from ringserve.surfaces.base import (
     check_enforced,
@@ -56,6 +57,7 @@ from ringserve.surfaces.base import (
     schema_format,
     openai_tool_choice,
     reasoning_effort,
+    report_ignored,
     require_function,
     tool_list,
     tool_name,
@@ -95,6 +97,14 @@ FINISH_REASONS = {
     StopReason.REFUSAL: "content_filter",
     StopReason.TOOL_USE: "tool_calls",
 }
+
+#: The keys of a reply's reasoning in a ``delta`` and a ``message``: llama-server's and
+#: DeepSeek's ``reasoning_content`` (LiteLLM, the Vercel AI SDK, Dify read it), and
+#: ``reasoning``, which vLLM (since vllm-project/vllm#27752) and OpenRouter send and their
+#: clients read. Both carry the same text; neither is in the SDK's types, whose models keep them
+#: as extra fields.
+REASONING_KEYS = ("reasoning_content", "reasoning")
+
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -138,7 +148,8 @@ REQUEST_FIELDS = FieldTable(
 #: The fields of one message (system, developer, user and assistant messages; ``tool``
 #: messages have :data:`TOOL_MESSAGE_FIELDS`, ``function`` messages are refused by role).
 MESSAGE_FIELDS = FieldTable(
-    supported=frozenset({"role", "content", "tool_calls"}),
+    # an assistant's reasoning_content / reasoning: its reasoning, sent back (:data:`REASONING_KEYS`)
+    supported=frozenset({"role", "content", "tool_calls", *REASONING_KEYS}),
     ignored=frozenset({"name", "refusal"}),
     refused={
         "function_call": Refused(_FUNCTIONS),
@@ -208,13 +219,19 @@ def _error_object(kind: ErrorKind, message: str, param: str | None) -> dict[str,
 
 def _usage(usage: Usage) -> dict[str, Any]:
     """OpenAI ``usage``: ``prompt_tokens`` counts the whole prompt, of which
-    ``prompt_tokens_details.cached_tokens`` came from the prefix cache."""
+    ``prompt_tokens_details.cached_tokens`` came from the prefix cache;
+    ``completion_tokens_details.reasoning_tokens`` the completion tokens of the reasoning."""
     return {
         "prompt_tokens": usage.input_tokens,
         "completion_tokens": usage.output_tokens,
         "total_tokens": usage.input_tokens + usage.output_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
+
+
+def _reasoning_fields(text: str) -> dict[str, str]:
+    return dict.fromkeys(REASONING_KEYS, text)
 
 
 def tool_call_id(call_id: str) -> str:
@@ -222,18 +239,15 @@ def tool_call_id(call_id: str) -> str:
     return TOOL_ID_PREFIX + call_id
 
 
-def _no_reasoning(kind: BlockKind) -> None:
-    if kind is BlockKind.REASONING:
-        raise NotImplementedError("OpenAI rendering of reasoning blocks (nothing emits them)")
-
-
 class OpenAIRenderer:
     """Renders one completion's events as ``chat.completion.chunk`` data lines.
 
-    Text deltas are ``delta.content``. A tool call's first chunk is ``delta.tool_calls: [{"index":
-    k, "id": "call_...", "type": "function", "function": {"name": ..., "arguments": ""}}]``, its
-    later chunks ``[{"index": k, "function": {"arguments": fragment}}]``, where ``k`` counts the
-    message's tool calls from 0 (text blocks do not count), as OpenAI's streaming guide shows.
+    Text deltas are ``delta.content``, reasoning deltas ``delta.reasoning_content`` and
+    ``delta.reasoning`` (:data:`REASONING_KEYS`). A tool call's first chunk is
+    ``delta.tool_calls: [{"index": k, "id": "call_...", "type": "function", "function": {"name":
+    ..., "arguments": ""}}]``, its later chunks ``[{"index": k, "function": {"arguments":
+    fragment}}]``, where ``k`` counts the message's tool calls from 0 (other blocks do not
+    count), as OpenAI's streaming guide shows.
     """
 
     def __init__(self, message_id: str, model: str, created: int, include_usage: bool) -> None:
@@ -242,6 +256,7 @@ class OpenAIRenderer:
         self._open = BlockKind.TEXT  # the kind of the block that deltas belong to
         self._calls = 0  # tool calls started so far; the open call's index is one less
         self._text_chunk = json_template(lambda text: self._chunk_object({"content": text}, None))
+        self._reasoning_chunk = json_template(lambda text: self._chunk_object(_reasoning_fields(text), None))
 
     def _chunk_object(self, delta: dict[str, Any], finish_reason: str | None, cancelled: bool = False) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
@@ -258,7 +273,6 @@ class OpenAIRenderer:
         return [self._chunk({"role": "assistant", "content": ""}, None)]
 
     def block_start(self, start: BlockStart) -> list[WireEvent]:
-        _no_reasoning(start.kind)
         self._open = start.kind
         if start.kind is not BlockKind.TOOL_CALL:
             return []
@@ -268,11 +282,18 @@ class OpenAIRenderer:
         return [self._chunk({"tool_calls": [call]}, None)]
 
     def delta(self, delta: BlockDelta) -> list[WireEvent]:
-        if self._open is not BlockKind.TOOL_CALL:
-            return [WireEvent(self._text_chunk(delta.text))]
-        if not delta.text:
-            return []
-        return [self._chunk({"tool_calls": [{"index": self._calls - 1, "function": {"arguments": delta.text}}]}, None)]
+        match self._open:
+            case BlockKind.TEXT:
+                return [WireEvent(self._text_chunk(delta.text))]
+            case BlockKind.REASONING:
+                return [WireEvent(self._reasoning_chunk(delta.text))]
+            case BlockKind.TOOL_CALL:
+                if not delta.text:
+                    return []
+                call = {"index": self._calls - 1, "function": {"arguments": delta.text}}
+                return [self._chunk({"tool_calls": [call]}, None)]
+            case _:
+                assert_never(self._open)
 
     def block_stop(self, stop: BlockStop) -> list[WireEvent]:
         return []
@@ -293,8 +314,30 @@ class OpenAIRenderer:
         return []
 
 
+def _reasoning(m: dict[str, Any], where: str, role: str) -> str:
+    """An assistant message's reasoning, sent back: ``reasoning_content``, else ``reasoning``
+    (:data:`REASONING_KEYS`; a string or null); either on another role's message is reported
+    and ignored (``surfaces/base.py`` ``report_ignored``).
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST``: not a string.
+    """
+    for key in REASONING_KEYS:
+        value = m.get(key)
+        if value is None:
+            continue
+        if role != "assistant":
+            report_ignored(f"{where}.{key}")
+        elif not isinstance(value, str):
+            raise invalid(f"{where}.{key}: must be a string", param="messages")
+        else:
+            return value
+    return ""
+
+
 def _message(m: Any, where: str, ids: CallIds) -> ChatMessage:
-    """One message: its role, text content, an assistant's ``tool_calls``, a tool result's id."""
+    """One message: its role, text content, an assistant's ``tool_calls`` and reasoning, a tool
+    result's id."""
     if not isinstance(m, dict):
         raise invalid(f"{where}: must be an object", param="messages")
     wire_role = m.get("role")
@@ -311,15 +354,16 @@ def _message(m: Any, where: str, ids: CallIds) -> ChatMessage:
     if role == "tool":
         return ChatMessage("tool", text, tool_call_id=ids.result(m.get("tool_call_id"), f"{where}.tool_call_id",
                                                                  "messages"))
+    reasoning = _reasoning(m, where, role)
     calls = m.get("tool_calls")
     if calls is None or role != "assistant":
         if calls is not None:
             raise invalid(f"{where}.tool_calls: only assistant messages have tool calls", param="messages")
-        return ChatMessage(role, text)
+        return ChatMessage(role, text, reasoning=reasoning)
     if not isinstance(calls, list):
         raise invalid(f"{where}.tool_calls: must be a list", param="messages")
     return ChatMessage(role, text, tool_calls=tuple(_call(c, f"{where}.tool_calls[{j}]", ids)
-                                                    for j, c in enumerate(calls)))
+                                                    for j, c in enumerate(calls)), reasoning=reasoning)
 
 
 def _call(raw: Any, where: str, ids: CallIds) -> ToolCall:
@@ -372,8 +416,8 @@ class OpenAISurface:
     prefer_respond_async = True
     refuses_lone_surrogates = False
 
-    def restored(self, echo: str) -> OpenAISurface:
-        """Itself: it keeps no state of its own (``echo`` is "")."""
+    def restored(self, echo: str, signer: ReasoningSigner) -> OpenAISurface:
+        """Itself: it keeps no state of its own (``echo`` is "") and signs no reasoning."""
         return self
 
     def edited(self, echo: str, applied: tuple[AppliedEdit, ...]) -> str:
@@ -481,19 +525,27 @@ class OpenAISurface:
     def content_json(self, blocks: tuple[ContentBlock, ...]) -> dict[str, Any]:
         """The assistant ``message`` of a ``chat.completion`` choice: ``content`` the text blocks
         joined (``null`` when the message is only tool calls), ``tool_calls`` with ``arguments``
-        as JSON text, when there are any."""
-        texts, calls = [], []
+        as JSON text, when there are any, and the reasoning blocks joined as
+        ``reasoning_content`` and ``reasoning`` (:data:`REASONING_KEYS`), when there are any:
+        what the stream's deltas add up to."""
+        texts, calls, thoughts = [], [], []
         for b in blocks:
-            _no_reasoning(b.kind)
-            if b.kind is BlockKind.TOOL_CALL:
-                calls.append({"id": tool_call_id(b.call_id), "type": "function",
-                              "function": {"name": b.name, "arguments": b.text}})
-            else:
-                texts.append(b.text)
+            match b.kind:
+                case BlockKind.TEXT:
+                    texts.append(b.text)
+                case BlockKind.TOOL_CALL:
+                    calls.append({"id": tool_call_id(b.call_id), "type": "function",
+                                  "function": {"name": b.name, "arguments": b.text}})
+                case BlockKind.REASONING:
+                    thoughts.append(b.text)
+                case _:
+                    assert_never(b.kind)
         text = "".join(texts)
         message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else ""), "refusal": None}
         if calls:
             message["tool_calls"] = calls
+        if thoughts:
+            message |= _reasoning_fields("".join(thoughts))
         return message
 
     def stop_reason(self, reason: StopReason) -> str:

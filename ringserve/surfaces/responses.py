@@ -62,6 +62,7 @@ from ringserve.core.events import (
     GenerationRequest,
     OutputFormat,
     OutputKind,
+    ReasoningConfig,
     StopReason,
     ToolCall,
     ToolChoice,
@@ -72,6 +73,7 @@ from ringserve.core.events import (
 from ringserve.core.lark import LarkGrammarError, lark_to_gbnf
 from ringserve.core.status import INTERRUPTED_MESSAGE, MessageStatus
 from ringserve.core.render import SEQ_VALUE, WireEvent
+from ringserve.core.signing import ReasoningSigner
 from ringserve.core.view import MessageView
 from ringserve.surfaces.base import (
     check_enforced,
@@ -89,8 +91,10 @@ from ringserve.surfaces.base import (
     get_str,
     openai_tool_choice,
     optional,
+    reasoning_effort,
     report_ignored,
     require_object,
+    signed_reasoning,
     sampling_params,
     schema_format,
     template_kwargs,
@@ -111,7 +115,7 @@ REQUEST_FIELDS = FieldTable(
     supported=frozenset({
         "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
         "stream_options", "background", "store", "metadata", "previous_response_id", "text",
-        "tools", "tool_choice", "parallel_tool_calls", "prompt_cache_key",
+        "tools", "tool_choice", "parallel_tool_calls", "prompt_cache_key", "reasoning", "include",
         # extensions, as llama.cpp's server accepts them on its other routes
         "top_k", "min_p", "seed", "chat_template_kwargs",
     }),
@@ -119,9 +123,6 @@ REQUEST_FIELDS = FieldTable(
         # bookkeeping, caching and routing that cannot change the text
         "user", "service_tier", "safety_identifier", "prompt_cache_options",
         "prompt_cache_retention", "access_programs",
-        # reasoning controls and the extra output they ask for: ringserve's models do not reason
-        # here yet, so there is nothing to control or include (Codex sends both on every turn)
-        "reasoning", "include",
         # a check of OpenAI's own, and options of a hosted image tool the model cannot call
         "moderation", "image",
     }),
@@ -145,6 +146,22 @@ TEXT_FIELDS = FieldTable(
     ignored=frozenset({"verbosity"}),
     refused={},
 )
+
+#: The fields of ``reasoning`` (``openai.types.shared_params.Reasoning``): the effort, and a summary
+#: (``generate_summary``: its deprecated spelling). Which past reasoning the prompt keeps is the
+#: chat template's (``context``); there is one execution mode (``mode``).
+REASONING_FIELDS = FieldTable(
+    supported=frozenset({"effort", "summary", "generate_summary"}), ignored=frozenset({"context", "mode"}),
+    refused={},
+)
+
+#: ``reasoning.summary`` values: each asks for the reasoning as a summary (:class:`ResponsesRenderer`).
+SUMMARIES = ("auto", "concise", "detailed")
+
+#: The ``include`` value that asks for each reasoning item's ``encrypted_content``; the others
+#: (``openai.types.responses.ResponseIncludable``: hosted tools' results, image URLs, log
+#: probabilities) have nothing to add here and are reported.
+ENCRYPTED_CONTENT = "reasoning.encrypted_content"
 
 #: The fields of ``text.format`` (``ResponseFormatTextConfigParam``: ``ResponseFormatText``,
 #: ``ResponseFormatJSONObject``, ``ResponseFormatTextJSONSchemaConfigParam``; flat, unlike Chat's
@@ -293,6 +310,8 @@ class ResponseOptions:
     ``tools`` are the tools as the model sees them (a namespace's flattened, hosted ones left
     out), ``tool_echo`` the request's as ``Response.tools`` echoes them, and ``calls`` how the
     call items of the tools that are not plain functions spell them (by the name the model calls).
+    ``effort`` and ``summary`` are the request's ``reasoning`` (:data:`SUMMARIES`), and
+    ``encrypted_content`` whether its ``include`` asks for reasoning items' encrypted content.
     """
 
     instructions: str | None = None
@@ -308,6 +327,9 @@ class ResponseOptions:
     text_format: dict[str, Any] = attrs.Factory(lambda: {"type": "text"})
     tool_echo: tuple[dict[str, Any], ...] = ()
     calls: dict[str, CallName] = attrs.Factory(dict)
+    effort: str | None = None
+    summary: str | None = None
+    encrypted_content: bool = False
 
     def call_name(self, name: str) -> CallName:
         """How the call items of the tool the model calls ``name`` spell it."""
@@ -353,9 +375,9 @@ def _input_items(value: Any) -> tuple[tuple[ChatMessage, ...], tuple[tuple[str, 
     back) is a call of the assistant turn before it (a new assistant turn when the item before
     is not one), named ``namespace.name`` when it has a namespace (:func:`qualified`); a
     ``function_call_output`` or ``custom_tool_call_output`` a ``tool`` turn. A ``reasoning``
-    item's readable text (its ``content``: ``reasoning_text`` parts) is the reasoning of the
-    assistant turn after it; one with none (only a summary or ``encrypted_content``) is
-    dropped and reported, never an error. Items of hosted tools (:data:`HOSTED_ITEM_TYPES`) are
+    item's text (:func:`_reasoning_text`) is the reasoning of the assistant turn after it; one
+    without (a summary only, another server's ``encrypted_content``) is dropped and reported,
+    never an error. Items of hosted tools (:data:`HOSTED_ITEM_TYPES`) are
     dropped and reported.
     """
     if isinstance(value, str) and value:
@@ -384,10 +406,7 @@ def _input_items(value: Any) -> tuple[tuple[ChatMessage, ...], tuple[tuple[str, 
         if not isinstance(kind, str):
             raise invalid(f"{where}.type: must be a string", param="input")
         if kind == "reasoning":
-            text = _reasoning_text(item)
-            if not text:
-                report_ignored(where)
-            reasoning = "\n\n".join(r for r in (reasoning, text) if r)
+            reasoning = "\n\n".join(r for r in (reasoning, _reasoning_text(item, where)) if r)
             continue
         if kind in ("function_call", "custom_tool_call"):
             custom = kind == "custom_tool_call"
@@ -429,16 +448,24 @@ def _input_items(value: Any) -> tuple[tuple[ChatMessage, ...], tuple[tuple[str, 
     return tuple(messages), tuple(answers)
 
 
-def _reasoning_text(item: dict[str, Any]) -> str:
-    """The readable reasoning of a ``reasoning`` input item: its ``content`` parts'
-    (``reasoning_text``, or ``text``) text joined; "" when it has none or is malformed (a summary
-    is not the reasoning, and ``encrypted_content`` is OpenAI's)."""
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """The reasoning of a ``reasoning`` input item at ``where``: its ``content`` parts'
+    (``reasoning_text``, or ``text``) text joined; else the text its ``encrypted_content`` carries
+    when ringserve sealed it (an item of its own output with ``include:
+    ["reasoning.encrypted_content"]``, sent back statelessly, as Codex does under ``store: false``;
+    ``surfaces/base.py`` ``signed_reasoning`` checks the seal); else "" and the item is reported
+    (a summary is not the reasoning, and OpenAI's encrypted content does not verify here)."""
     content = item.get("content")
-    if not isinstance(content, list):
-        return ""
-    texts = [part.get("text") for part in content
-             if isinstance(part, dict) and part.get("type") in ("reasoning_text", "text")]
-    return "".join(text for text in texts if isinstance(text, str))
+    texts = [part.get("text") for part in content if isinstance(part, dict)
+             and part.get("type") in ("reasoning_text", "text")] if isinstance(content, list) else []
+    text = "".join(text for text in texts if isinstance(text, str))
+    if text:
+        return text
+    sealed = item.get("encrypted_content")
+    if isinstance(sealed, str) and sealed:
+        return signed_reasoning("", sealed, where) or ""  # reported when it does not verify
+    report_ignored(where)
+    return ""
 
 
 def _call_name(item: dict[str, Any], where: str) -> str:
@@ -603,6 +630,39 @@ def _item_text(content: Any, where: str) -> str:
     return "".join(parts)
 
 
+def _reasoning(value: Any) -> tuple[ReasoningConfig, str | None, str | None]:
+    """``reasoning`` (:data:`REASONING_FIELDS`): the reasoning controls (``surfaces/base.py``
+    ``reasoning_effort``), and the effort and summary that the Response object echoes.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` naming ``reasoning``.
+    """
+    if value is None:
+        return ReasoningConfig(), None, None
+    value = REASONING_FIELDS.object(value, "reasoning", "reasoning")
+    summary = value.get("summary") or value.get("generate_summary")
+    if summary is not None and summary not in SUMMARIES:
+        raise invalid(f"reasoning.summary: must be one of {', '.join(SUMMARIES)}", param="reasoning")
+    effort = value.get("effort")
+    return reasoning_effort(effort, "reasoning.effort"), effort, summary
+
+
+def _include(value: Any) -> bool:
+    """``include``: whether it asks for :data:`ENCRYPTED_CONTENT`; its other values are reported.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST``: not a list of strings.
+    """
+    if value is None:
+        return False
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise invalid("include: must be a list of strings", param="include")
+    for i, item in enumerate(value):
+        if item != ENCRYPTED_CONTENT:
+            report_ignored(f"include[{i}]")
+    return ENCRYPTED_CONTENT in value
+
+
 def _metadata(value: Any) -> dict[str, str]:
     if value is None:
         return {}
@@ -678,8 +738,9 @@ def parse_create(body: Any) -> ResponseCreate:
     previous = get_str(body, "previous_response_id") or None
     max_tokens = get_int(body, "max_output_tokens", lo=1, hi=MAX_OUTPUT_TOKENS_LIMIT)
     sampling = sampling_params(body, max_temperature=2.0)
+    reasoning, effort, summary = _reasoning(body.get("reasoning"))
     request = check_enforced(GenerationRequest(messages=messages, max_tokens=max_tokens, sampling=sampling,
-                                               tools=tools, tool_choice=choice, output=output,
+                                               tools=tools, tool_choice=choice, output=output, reasoning=reasoning,
                                                template_kwargs=template_kwargs(body),
                                                cache_key=get_str(body, "prompt_cache_key")),
                              "tools[{i}].parameters", "text.format.schema")
@@ -698,6 +759,9 @@ def parse_create(body: Any) -> ResponseCreate:
             text_format=text_format,
             tool_echo=_tool_echo(body.get("tools"), tools),
             calls=_call_names(body.get("tools")),
+            effort=effort,
+            summary=summary,
+            encrypted_content=_include(body.get("include")),
         ),
         input=messages,
         parsed=ParsedRequest(request=request, stream=stream, model=get_str(body, "model")),
@@ -880,6 +944,12 @@ def item_id(response_id: str, index: int = 0) -> str:
     return "msg_" + response_id.removeprefix("resp_") + (f"_{index}" if index else "")
 
 
+def reasoning_item_id(response_id: str, index: int = 0) -> str:
+    """The id of output item ``index`` when it is a reasoning item: ``rs_`` and the response id's
+    own part, with ``_<index>`` after the first (as :func:`item_id`)."""
+    return "rs_" + response_id.removeprefix("resp_") + (f"_{index}" if index else "")
+
+
 def usage_json(usage: Usage) -> dict[str, Any]:
     """``ResponseUsage``: ``input_tokens`` counts the whole prompt, of which ``cached_tokens``
     came from the prompt-prefix cache; ringserve writes no billed cache (``cache_write_tokens`` 0);
@@ -897,9 +967,56 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _no_reasoning(kind: BlockKind) -> None:
-    if kind is BlockKind.REASONING:
-        raise NotImplementedError("Responses rendering of reasoning blocks (nothing emits them)")
+def _reasoning_part(text: str) -> dict[str, Any]:
+    """A reasoning item's ``content`` part (``Content``: ``reasoning_text``)."""
+    return {"type": "reasoning_text", "text": text}
+
+
+def _summary_part(text: str) -> dict[str, Any]:
+    """A reasoning item's ``summary`` part (``Summary``: ``summary_text``)."""
+    return {"type": "summary_text", "text": text}
+
+
+@attrs.frozen
+class ReasoningItems:
+    """How a response spells its reasoning items (``ResponseReasoningItem``), from its request.
+
+    The reasoning text is the item's one ``content`` part (``reasoning_text``), as the gpt-oss
+    reference server and vLLM give it; or, when the request asks for a ``summary``
+    (``reasoning.summary``: :data:`SUMMARIES`), its one ``summary`` part instead: no model here
+    summarises its reasoning, so the summary is the whole text, once (Codex shows summaries).
+    With ``encrypted_content`` (``include: ["reasoning.encrypted_content"]``) a whole item carries
+    the text sealed under the server's key (``core/signing.py``), which a later request restores
+    into its prompt when it sends the item back, with ``store: false`` as well
+    (:func:`_reasoning_text`). ``signer`` is None for a surface not
+    :meth:`~ResponsesSurface.restored` (the registry's): it seals nothing.
+    """
+
+    signer: ReasoningSigner | None
+    summary: bool = False
+    encrypted_content: bool = False
+
+    def part(self, text: str) -> dict[str, Any]:
+        """The part that holds the text (:meth:`item`'s one)."""
+        return _summary_part(text) if self.summary else _reasoning_part(text)
+
+    def item(self, response_id: str, index: int, text: str, status: str, *, started: bool = True) -> dict[str, Any]:
+        """Output item ``index`` with the reasoning ``text`` (not ``started``: the item as
+        ``response.output_item.added`` gives it, no part and no encrypted content yet).
+
+        Raises:
+            RuntimeError: its encrypted content is asked for, and there is no signer.
+        """
+        parts = [self.part(text)] if started else []
+        item: dict[str, Any] = {"id": reasoning_item_id(response_id, index), "type": "reasoning",
+                                "summary": parts if self.summary else []}
+        if not self.summary:
+            item["content"] = parts
+        if self.encrypted_content and started:
+            if self.signer is None:
+                raise RuntimeError("a message's surface is restored(echo, signer) before it renders its reasoning")
+            item["encrypted_content"] = self.signer.seal(text)
+        return {**item, "status": status}
 
 
 def call_item_id(call_id: str, custom: bool = False) -> str:
@@ -987,39 +1104,45 @@ def freeform_input(arguments: str) -> str:
     return arguments
 
 
-def _item(response_id: str, index: int, block: ContentBlock, status: str, options: ResponseOptions, *,
-          started: bool = True) -> dict[str, Any]:
+def _item(response_id: str, index: int, block: ContentBlock, status: str, options: ResponseOptions,
+          reasoning: ReasoningItems, *, started: bool = True) -> dict[str, Any]:
     """Output item ``index``: an assistant message (``ResponseOutputMessage``; not ``started``: no
     part yet) for a text block; for a call a ``function_call`` (``ResponseFunctionToolCall``), or a
     ``custom_tool_call`` (``ResponseCustomToolCall``, its ``input`` the text) of a custom tool,
-    with its ``namespace`` in one (``options.call_name``)."""
-    _no_reasoning(block.kind)
-    if block.kind is BlockKind.TOOL_CALL:
-        name = options.call_name(block.name)
-        item: dict[str, Any] = {"id": call_item_id(block.call_id, name.custom), "call_id": tool_call_id(block.call_id),
-                                "name": name.name}
-        if name.namespace is not None:
-            item["namespace"] = name.namespace
-        if name.custom:
-            return {**item, "type": "custom_tool_call", "input": freeform_input(block.text)}
-        return {**item, "type": "function_call", "arguments": block.text, "status": status}
-    return {"id": item_id(response_id, index), "type": "message", "role": "assistant", "status": status,
-            "content": [_text_part(block.text)] if started else []}
+    with its ``namespace`` in one (``options.call_name``); a reasoning item for a reasoning block
+    (:class:`ReasoningItems`)."""
+    match block.kind:
+        case BlockKind.TEXT:
+            return {"id": item_id(response_id, index), "type": "message", "role": "assistant", "status": status,
+                    "content": [_text_part(block.text)] if started else []}
+        case BlockKind.TOOL_CALL:
+            name = options.call_name(block.name)
+            item: dict[str, Any] = {"id": call_item_id(block.call_id, name.custom),
+                                    "call_id": tool_call_id(block.call_id), "name": name.name}
+            if name.namespace is not None:
+                item["namespace"] = name.namespace
+            if name.custom:
+                return {**item, "type": "custom_tool_call", "input": freeform_input(block.text)}
+            return {**item, "type": "function_call", "arguments": block.text, "status": status}
+        case BlockKind.REASONING:
+            return reasoning.item(response_id, index, block.text, status, started=started)
+        case _:
+            assert_never(block.kind)
 
 
 def output_json(response_id: str, blocks: tuple[ContentBlock, ...], last_status: str,
-                options: ResponseOptions) -> list[dict[str, Any]]:
-    """``Response.output``: one item per block (a message per text block, a call item per call:
-    :func:`_item`); every item but the last is ``completed``, the last one has ``last_status``
-    (the response's outcome)."""
-    return [_item(response_id, i, block, "completed" if i < len(blocks) - 1 else last_status, options)
+                options: ResponseOptions, reasoning: ReasoningItems) -> list[dict[str, Any]]:
+    """``Response.output``: one item per block (a message per text block, a call item per call, a
+    reasoning item per reasoning block: :func:`_item`); every item but the last is ``completed``,
+    the last one has ``last_status`` (the response's outcome)."""
+    return [_item(response_id, i, block, "completed" if i < len(blocks) - 1 else last_status, options, reasoning)
             for i, block in enumerate(blocks)]
 
 
 def history_messages(blocks: tuple[ContentBlock, ...], where: str) -> tuple[ChatMessage, ...]:
     """A stored response's output as the conversation turn it adds (``previous_response_id``):
-    one assistant turn with its text and its function calls (``call_id`` as sent: ``call_...``);
-    none when the output is empty.
+    one assistant turn with its text, its function calls (``call_id`` as sent: ``call_...``) and
+    its reasoning (its reasoning blocks joined by a blank line); none when the output is empty.
 
     Raises:
         RingserveError: ``INVALID_REQUEST`` (``param`` ``previous_response_id``) for a call whose
@@ -1028,7 +1151,8 @@ def history_messages(blocks: tuple[ContentBlock, ...], where: str) -> tuple[Chat
     text = "".join(b.text for b in blocks if b.kind is BlockKind.TEXT)
     calls = tuple(ToolCall(tool_call_id(b.call_id), b.name, _whole_arguments(b, where, i))
                   for i, b in enumerate(blocks) if b.kind is BlockKind.TOOL_CALL)
-    return (ChatMessage("assistant", text, tool_calls=calls),) if text or calls else ()
+    reasoning = "\n\n".join(b.text for b in blocks if b.kind is BlockKind.REASONING)
+    return (ChatMessage("assistant", text, tool_calls=calls, reasoning=reasoning),) if text or calls else ()
 
 
 def _whole_arguments(call: ContentBlock, response_id: str, index: int) -> str:
@@ -1125,12 +1249,14 @@ def response_json(
     outcome: Outcome,
     blocks: tuple[ContentBlock, ...],
     usage: Usage | None,
+    reasoning: ReasoningItems,
 ) -> dict[str, Any]:
     """The ``Response`` object (``openai.types.responses.Response``).
 
     Args:
         blocks: the content blocks so far (:func:`output_json`).
         usage: None until the response has ended.
+        reasoning: how its reasoning items are spelled.
     """
     return {
         "id": response_id,
@@ -1144,9 +1270,10 @@ def response_json(
         "max_output_tokens": options.max_output_tokens,
         "metadata": options.metadata,
         "model": model,
-        "output": output_json(response_id, blocks, outcome.item_status, options),
+        "output": output_json(response_id, blocks, outcome.item_status, options, reasoning),
         "parallel_tool_calls": options.tool_choice.parallel,
         "previous_response_id": options.previous_response_id,
+        "reasoning": {"effort": options.effort, "summary": options.summary},
         "temperature": options.temperature,
         "text": {"format": options.text_format},
         "tool_choice": _tool_choice_json(options.tool_choice, options),
@@ -1165,14 +1292,24 @@ class ResponsesRenderer:
     puts each one's seq in its ``sequence_number``).
 
     Each content block is an output item (``output_index`` = the block's index): a text block a
-    message item with one ``output_text`` part, a tool call a ``function_call`` item whose
-    arguments stream as ``response.function_call_arguments.delta`` events. A stopped block's done
-    events wait for what follows: the next block (the item is ``completed``) or the terminal event
-    (the item has the response's outcome: ``incomplete`` after a cut or a cancel).
+    message item with one ``output_text`` part; a tool call a ``function_call`` item whose
+    arguments stream as ``response.function_call_arguments.delta`` events (a custom tool's a
+    ``custom_tool_call`` whose input streams as ``response.custom_tool_call_input.delta``); a
+    reasoning block a reasoning item (:class:`ReasoningItems`) with one ``reasoning_text`` part
+    whose text streams as ``response.reasoning_text.delta`` events (``response.content_part.added``
+    before them, ``response.reasoning_text.done`` and ``response.content_part.done`` after, as the
+    gpt-oss reference server sends them), or, when the request asks for a summary, one
+    ``summary_text`` part (``response.reasoning_summary_part.added``,
+    ``response.reasoning_summary_text.delta``..., ``.done``, ``response.reasoning_summary_part.done``).
+    A stopped block's done events wait for what follows: the next block (the item is
+    ``completed``) or the terminal event (the item has the response's outcome: ``incomplete``
+    after a cut or a cancel).
     """
 
-    def __init__(self, response_id: str, model: str, created: int, options: ResponseOptions) -> None:
+    def __init__(self, response_id: str, model: str, created: int, options: ResponseOptions,
+                 reasoning: ReasoningItems) -> None:
         self._id, self._model, self._created, self._options = response_id, model, created, options
+        self._reasoning = reasoning
         self._starts: list[BlockStart] = []  # each block's start
         self._items: list[list[str]] = []  # the text (or argument fragments) of each block
         self._inputs: dict[int, FreeformInput] = {}  # the freeform calls' input decoders, by block
@@ -1190,7 +1327,7 @@ class ResponsesRenderer:
     def _response(self, outcome: Outcome, usage: Usage | None) -> dict[str, Any]:
         blocks = tuple(self._block(i) for i in range(len(self._starts)))
         return response_json(self._id, model=self._model, created=self._created, options=self._options,
-                             outcome=outcome, blocks=blocks, usage=usage)
+                             outcome=outcome, blocks=blocks, usage=usage, reasoning=self._reasoning)
 
     def _where(self, index: int) -> dict[str, Any]:
         """The position fields of a text event (item, output index, content part 0)."""
@@ -1199,6 +1336,12 @@ class ResponsesRenderer:
     def _call_where(self, index: int) -> dict[str, Any]:
         """The position fields of a call's arguments (or freeform input) event."""
         return {"item_id": call_item_id(self._starts[index].call_id, index in self._inputs), "output_index": index}
+
+    def _thought_where(self, index: int) -> dict[str, Any]:
+        """The position fields of a reasoning event (item, output index, part 0 of its content or
+        its summary)."""
+        part = "summary_index" if self._reasoning.summary else "content_index"
+        return {"item_id": reasoning_item_id(self._id, index), "output_index": index, part: 0}
 
     def start(self, usage: Usage) -> list[WireEvent]:
         first = Outcome("queued" if self._options.background else "in_progress")
@@ -1209,26 +1352,46 @@ class ResponsesRenderer:
         return events
 
     def block_start(self, start: BlockStart) -> list[WireEvent]:
-        _no_reasoning(start.kind)
         events = self._close("completed")
         self._starts.append(start)
         self._items.append([])
         self._open = start.index
         if start.kind is BlockKind.TOOL_CALL and self._options.call_name(start.name).custom:
             self._inputs[start.index] = FreeformInput()
-        added = self._event("response.output_item.added", output_index=start.index,
-                            item=_item(self._id, start.index, self._block(start.index), "in_progress", self._options,
-                                       started=False))
-        if start.kind is BlockKind.TOOL_CALL:
-            return [*events, added]
-        return [*events, added,
-                self._event("response.content_part.added", part=_text_part(""), **self._where(start.index))]
+        item = _item(self._id, start.index, self._block(start.index), "in_progress", self._options, self._reasoning,
+                     started=False)
+        events.append(self._event("response.output_item.added", output_index=start.index, item=item))
+        match start.kind:
+            case BlockKind.TEXT:
+                events.append(self._event("response.content_part.added", part=_text_part(""),
+                                          **self._where(start.index)))
+            case BlockKind.REASONING:
+                added = "response.reasoning_summary_part.added" if self._reasoning.summary else (
+                    "response.content_part.added")
+                events.append(self._event(added, part=self._reasoning.part(""), **self._thought_where(start.index)))
+            case BlockKind.TOOL_CALL:
+                pass
+            case _:
+                assert_never(start.kind)
+        return events
 
     def delta(self, delta: BlockDelta) -> list[WireEvent]:
         self._items[delta.index].append(delta.text)
-        if self._starts[delta.index].kind is not BlockKind.TOOL_CALL:
-            return [self._event("response.output_text.delta", delta=delta.text, logprobs=[],
-                                **self._where(delta.index))]
+        match self._starts[delta.index].kind:
+            case BlockKind.TEXT:
+                return [self._event("response.output_text.delta", delta=delta.text, logprobs=[],
+                                    **self._where(delta.index))]
+            case BlockKind.REASONING:
+                kind = "response.reasoning_summary_text.delta" if self._reasoning.summary else (
+                    "response.reasoning_text.delta")
+                return [self._event(kind, delta=delta.text, **self._thought_where(delta.index))]
+            case BlockKind.TOOL_CALL:
+                return self._call_delta(delta)
+            case _:
+                assert_never(self._starts[delta.index].kind)
+
+    def _call_delta(self, delta: BlockDelta) -> list[WireEvent]:
+        """A call's arguments fragment: its freeform input's text so far, or the fragment."""
         if delta.index in self._inputs:
             text = self._inputs[delta.index].feed(delta.text)
             return [self._event("response.custom_tool_call_input.delta", delta=text,
@@ -1249,19 +1412,30 @@ class ResponsesRenderer:
             return []
         self._open = self._stopped = None
         block = self._block(index)
-        if index in self._inputs:
-            events = [self._event("response.custom_tool_call_input.done", input=freeform_input(block.text),
-                                  **self._call_where(index))]
-        elif block.kind is BlockKind.TOOL_CALL:
-            events = [self._event("response.function_call_arguments.done", arguments=block.text,
-                                  **self._call_where(index))]
-        else:
-            events = [
-                self._event("response.output_text.done", text=block.text, logprobs=[], **self._where(index)),
-                self._event("response.content_part.done", part=_text_part(block.text), **self._where(index)),
-            ]
+        match block.kind:
+            case BlockKind.TOOL_CALL if index in self._inputs:
+                events = [self._event("response.custom_tool_call_input.done", input=freeform_input(block.text),
+                                      **self._call_where(index))]
+            case BlockKind.TOOL_CALL:
+                events = [self._event("response.function_call_arguments.done", arguments=block.text,
+                                      **self._call_where(index))]
+            case BlockKind.TEXT:
+                events = [
+                    self._event("response.output_text.done", text=block.text, logprobs=[], **self._where(index)),
+                    self._event("response.content_part.done", part=_text_part(block.text), **self._where(index)),
+                ]
+            case BlockKind.REASONING:
+                where, part = self._thought_where(index), self._reasoning.part(block.text)
+                if self._reasoning.summary:
+                    events = [self._event("response.reasoning_summary_text.done", text=block.text, **where),
+                              self._event("response.reasoning_summary_part.done", part=part, **where)]
+                else:
+                    events = [self._event("response.reasoning_text.done", text=block.text, **where),
+                              self._event("response.content_part.done", part=part, **where)]
+            case _:
+                assert_never(block.kind)
         return [*events, self._event("response.output_item.done", output_index=index,
-                                     item=_item(self._id, index, block, item_status, self._options))]
+                                     item=_item(self._id, index, block, item_status, self._options, self._reasoning))]
 
     def _end(self, type_: str, outcome: Outcome, usage: Usage) -> list[WireEvent]:
         return [*self._close(outcome.item_status), self._event(type_, response=self._response(outcome, usage))]
@@ -1296,12 +1470,17 @@ class ResponsesSurface:
     prefer_respond_async = False  # background: true instead
     refuses_lone_surrogates = True  # the object echoes request fields
 
-    def __init__(self, options: ResponseOptions = ResponseOptions()) -> None:
+    def __init__(self, options: ResponseOptions = ResponseOptions(), signer: ReasoningSigner | None = None) -> None:
         self.options = options
+        self.signer = signer
 
-    def restored(self, echo: str) -> ResponsesSurface:
-        """The surface of a stored response whose request left ``echo`` (:func:`options_echo`)."""
-        return ResponsesSurface(echoed_options(echo))
+    def restored(self, echo: str, signer: ReasoningSigner) -> ResponsesSurface:
+        """The surface of a response whose request left ``echo`` (:func:`options_echo`), sealing
+        its reasoning with ``signer``."""
+        return ResponsesSurface(echoed_options(echo), signer)
+
+    def _reasoning(self) -> ReasoningItems:
+        return ReasoningItems(self.signer, self.options.summary is not None, self.options.encrypted_content)
 
     def edited(self, echo: str, applied: tuple[AppliedEdit, ...]) -> str:
         """``echo``: no Responses request has context edits yet."""
@@ -1325,20 +1504,31 @@ class ResponsesSurface:
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     def renderer(self, message_id: str, model: str, created: int, include_usage: bool) -> ResponsesRenderer:
-        return ResponsesRenderer(message_id, model, created, self.options)
+        return ResponsesRenderer(message_id, model, created, self.options, self._reasoning())
 
     def message_json(self, view: MessageView) -> dict[str, Any]:
         """The Response object of a message, whatever its status (usage once it ended); ``self`` is
         the surface ``restored`` from the message's echo."""
         outcome = status_outcome(view.status, view.stop_reason, view.error, self.options.background)
         return response_json(view.id, model=view.model, created=view.created, options=self.options,
-                             outcome=outcome, blocks=view.content, usage=view.usage if view.status.final else None)
+                             outcome=outcome, blocks=view.content, usage=view.usage if view.status.final else None,
+                             reasoning=self._reasoning())
 
     def content_json(self, blocks: tuple[ContentBlock, ...]) -> list[dict[str, Any]]:
         """The message's content (``GET /v1/messages/{id}``): an ``output_text`` part per text
-        block, a ``function_call`` item per call."""
-        return [_item("", i, b, "completed", self.options) if b.kind is BlockKind.TOOL_CALL else _text_part(b.text)
-                for i, b in enumerate(blocks)]
+        block, a ``reasoning_text`` part per reasoning block, a call item per call."""
+        out = []
+        for i, b in enumerate(blocks):
+            match b.kind:
+                case BlockKind.TEXT:
+                    out.append(_text_part(b.text))
+                case BlockKind.REASONING:
+                    out.append(_reasoning_part(b.text))
+                case BlockKind.TOOL_CALL:
+                    out.append(_item("", i, b, "completed", self.options, self._reasoning()))
+                case _:
+                    assert_never(b.kind)
+        return out
 
     def stop_reason(self, reason: StopReason) -> str:
         """The Chat Completions spelling (``GET /v1/messages/{id}`` shows it for every surface)."""

@@ -167,7 +167,7 @@ async def test_context_edits_are_reported_in_the_count_and_the_answer(big_server
     message_id = resp.headers["x-message-id"]
     await wait_until(lambda: (row := state.hub.store.get(message_id)) is not None and row.status.final)
     render = stored_render(state.hub.store.get(message_id))
-    assert render is not None and SURFACES.by_name("anthropic").restored(render.echo).edits == applied
+    assert render is not None and SURFACES.by_name("anthropic").restored(render.echo, state.hub.signer).edits == applied
     # keep-all clears nothing: no context_management in the answer
     keep_all = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
     plain_call = await client.post("/v1/messages", json={**body, "max_tokens": 100, "context_management": keep_all})

@@ -570,7 +570,8 @@ def _render(events: list[Any], options: responses_surface.ResponseOptions | None
     from ringserve.core.events import Usage
     from ringserve.core.render import render
 
-    renderer = responses_surface.ResponsesRenderer("resp_ab", "m", 1, options or responses_surface.ResponseOptions())
+    renderer = responses_surface.ResponsesRenderer("resp_ab", "m", 1, options or responses_surface.ResponseOptions(),
+                                                   responses_surface.ReasoningItems(None))
     wire = renderer.start(Usage(3, 0))
     for event in events:
         wire += render(renderer, event)

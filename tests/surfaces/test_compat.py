@@ -260,7 +260,7 @@ async def test_openai_harmless_fields_and_neutral_values_are_accepted(fake_serve
 ANTHROPIC_IGNORED = {
     "metadata": {"user_id": "u-1"},
     "cache_control": {"type": "ephemeral"},
-    "thinking": {"type": "adaptive", "display": "omitted"},  # display: no reply shows thinking yet
+    "thinking": {"type": "adaptive", "block_binding": {}},  # a beta check of Anthropic's own signatures
     "logprobs": True,  # not an Anthropic field at all
 }
 ANTHROPIC_IGNORED_MESSAGES = [
@@ -268,7 +268,7 @@ ANTHROPIC_IGNORED_MESSAGES = [
                                   "foo": 1}]},
 ]
 ANTHROPIC_IGNORED_PATHS = ("metadata, cache_control, logprobs, messages[0].content[0].cache_control,"
-                           " messages[0].content[0].foo, thinking.display")
+                           " messages[0].content[0].foo, thinking.block_binding")
 
 
 @pytest.mark.parametrize("shape", ["json", "stream", "202"])
@@ -419,7 +419,8 @@ async def test_anthropic_max_tokens_over_the_context_ends_model_context_window_e
     full = (await client.post("/v1/messages", json=body)).json()
     assert full["stop_reason"] == "model_context_window_exceeded"
     assert full["content"][0]["text"] == "z" * room
-    assert full["usage"] == {"input_tokens": _n_prompt(), "cache_read_input_tokens": 0, "output_tokens": room}
+    assert full["usage"] == {"input_tokens": _n_prompt(), "cache_read_input_tokens": 0, "output_tokens": room,
+                             "output_tokens_details": {"thinking_tokens": 0}}
     resp, events, _ = await sse_events(client, "POST", "/v1/messages", json={**body, "stream": True})
     assert resp.status_code == 200
     assert anthropic_text(events) == "z" * room
@@ -445,7 +446,8 @@ async def test_openai_max_tokens_over_the_context_ends_with_length(small_context
     assert full["choices"][0]["finish_reason"] == "length"
     assert full["choices"][0]["message"]["content"] == "z" * room
     assert full["usage"] == {"prompt_tokens": _n_prompt(), "completion_tokens": room, "total_tokens": CTX,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+                             "prompt_tokens_details": {"cached_tokens": 0},
+                             "completion_tokens_details": {"reasoning_tokens": 0}}
     stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
     _, events, _ = await sse_events(client, "POST", "/v1/chat/completions", json=stream)
     assert openai_text(events) == "z" * room

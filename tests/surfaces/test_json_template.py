@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringserve.core.events import BlockDelta, BlockKind, BlockStart, Usage
-from ringserve.surfaces.anthropic import AnthropicRenderer
+from ringserve.surfaces.anthropic import AnthropicRenderer, ThinkingDisplay
 from ringserve.surfaces.base import _SLOT, dumps, json_template
 from ringserve.surfaces.openai import OpenAIRenderer
 
@@ -27,11 +27,18 @@ def test_a_filled_template_is_the_document_dumped(text: str) -> None:
     assert json_template(chunk)(text) == dumps(chunk(text))
 
 
-def test_a_template_must_hold_its_slot_once() -> None:
+def test_a_template_must_hold_its_slot() -> None:
     with pytest.raises(ValueError):
         json_template(lambda text: {"a": "fixed"})
-    with pytest.raises(ValueError):
-        json_template(lambda text: {"a": text, "b": text})
+
+
+@SETTINGS
+@given(TEXT)
+def test_a_slot_held_twice_takes_the_text_twice(text: str) -> None:
+    def both(value: str) -> dict[str, Any]:
+        return {"a": value, "b": [value, 1]}
+
+    assert json_template(both)(text) == dumps(both(text))
 
 
 @SETTINGS
@@ -47,7 +54,7 @@ def test_openai_text_deltas_are_the_chunks_dumped(include_usage: bool, texts: li
 @SETTINGS
 @given(st.lists(st.tuples(st.integers(0, 3), TEXT), min_size=1, max_size=6))
 def test_anthropic_text_deltas_are_the_events_dumped(deltas: list[tuple[int, str]]) -> None:
-    renderer = AnthropicRenderer("msg_1", "m")
+    renderer = AnthropicRenderer("msg_1", "m", ThinkingDisplay(None))
     renderer.start(Usage(3, 0))
     for index, text in deltas:
         renderer.block_start(BlockStart(index, BlockKind.TEXT))
