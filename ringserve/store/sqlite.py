@@ -58,7 +58,7 @@ log = logging.getLogger("ringserve.store")
 
 #: ``PRAGMA user_version`` of the files this code writes (written at every open, which
 #: proves the file writable).
-SCHEMA_VERSION = 5  # 2: final_seq; 3: stop_reason holds StopReason values, not a surface's spelling; 4: content, cached_tokens; 5: trace, render
+SCHEMA_VERSION = 6  # 2: final_seq; 3: stop_reason holds StopReason values, not a surface's spelling; 4: content, cached_tokens; 5: trace, render; 6: reasoning_tokens
 
 #: Most rows, and seconds, of one sweep transaction; the sweep yields to the event loop between
 #: batches. Deleting a finished message with a 64 KiB answer takes about 0.2 ms (2 busy cores).
@@ -95,7 +95,8 @@ CREATE TABLE IF NOT EXISTS messages (
     content TEXT NOT NULL DEFAULT '',
     cached_tokens INTEGER NOT NULL DEFAULT 0,
     trace TEXT NOT NULL DEFAULT '',
-    render TEXT NOT NULL DEFAULT ''
+    render TEXT NOT NULL DEFAULT '',
+    reasoning_tokens INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS messages_updated ON messages (updated);
 CREATE INDEX IF NOT EXISTS messages_unfinished ON messages (status) WHERE status IN ('queued','generating');
@@ -163,11 +164,13 @@ class StoredMessage:
     cached_tokens: int = 0
     trace: str = ""
     render: str = ""
+    reasoning_tokens: int = 0
 
     @property
     def usage(self) -> Usage:
-        """Its token counts, the prompt tokens read from the prefix cache included."""
-        return Usage(self.input_tokens, self.output_tokens, self.cached_tokens)
+        """Its token counts, the prompt tokens read from the prefix cache and the output tokens of
+        its reasoning included."""
+        return Usage(self.input_tokens, self.output_tokens, self.cached_tokens, self.reasoning_tokens)
 
     @property
     def blocks(self) -> tuple[ContentBlock, ...]:
@@ -263,6 +266,7 @@ def snapshot_fields(snap: Snapshot) -> dict[str, object]:
         "input_tokens": snap.usage.input_tokens,
         "output_tokens": snap.usage.output_tokens,
         "cached_tokens": snap.usage.cached_tokens,
+        "reasoning_tokens": snap.usage.reasoning_tokens,
         "error": snap.error,
         "trace": trace_json(snap.trace),
     }
@@ -385,6 +389,8 @@ class MessageStore:
         if columns and "trace" not in columns:  # schema 4 or older: no stream to rebuild (410 once the log is gone)
             db.execute("ALTER TABLE messages ADD COLUMN trace TEXT NOT NULL DEFAULT ''")
             db.execute("ALTER TABLE messages ADD COLUMN render TEXT NOT NULL DEFAULT ''")
+        if columns and "reasoning_tokens" not in columns:  # schema 5 or older: read as none
+            db.execute("ALTER TABLE messages ADD COLUMN reasoning_tokens INTEGER NOT NULL DEFAULT 0")
         db.executescript(_SCHEMA)
 
     def mark_interrupted(self) -> int:

@@ -36,7 +36,9 @@ def stream_url(message_id: str) -> str:
 
 def message_status_json(view: MessageView, surface: Surface) -> dict[str, Any]:
     """``GET /v1/messages/{id}`` (and the cancel answer): status, the text and content blocks so far
-    (``content`` in the shape of ``surface``, the one that made the message), stop reason, usage."""
+    (``content`` in the shape of ``surface``, the one that made the message, restored with its
+    echo and signer: its reasoning blocks too), stop reason, usage (``reasoning_tokens``: the
+    output tokens of its reasoning)."""
     return {
         "id": view.id,
         "object": MESSAGE_OBJECT,
@@ -48,7 +50,8 @@ def message_status_json(view: MessageView, surface: Surface) -> dict[str, Any]:
         "content": surface.content_json(view.content),
         "stop_reason": None if view.stop_reason is None else surface.stop_reason(view.stop_reason),
         "stop_sequence": view.stop_sequence,
-        "usage": {"input_tokens": view.usage.input_tokens, "output_tokens": view.usage.output_tokens},
+        "usage": {"input_tokens": view.usage.input_tokens, "output_tokens": view.usage.output_tokens,
+                  "reasoning_tokens": view.usage.reasoning_tokens},
         "error": view.error,
         "stream_url": stream_url(view.id),
     }

@@ -9,7 +9,8 @@ import stat
 import pytest
 
 from ringserve.config import StoreConfig
-from ringserve.core.events import StopReason
+from ringserve.core.events import BlockKind, ContentBlock, StopReason, Usage
+from ringserve.core.producer import Snapshot
 from ringserve.core.status import MessageStatus
 from ringserve.store.sqlite import (
     SWEEP_BATCH_ROWS,
@@ -17,6 +18,7 @@ from ringserve.store.sqlite import (
     StoredMessage,
     StoreError,
     default_store_path,
+    snapshot_fields,
 )
 
 
@@ -167,6 +169,30 @@ def test_stop_reasons_spelled_by_a_surface_are_read_back_as_stop_reasons(tmp_pat
         StopReason.CONTEXT_FULL, StopReason.REFUSAL, StopReason.REFUSAL, None,
     ]
     assert store.get("m0").status is MessageStatus.COMPLETE
+
+
+def test_reasoning_blocks_and_reasoning_tokens_come_back(tmp_path):
+    store = MessageStore(str(tmp_path / "s.sqlite3"))
+    store.insert(row(1, "generating"))
+    blocks = (ContentBlock(BlockKind.REASONING, "Plan: 👋"), ContentBlock(BlockKind.TEXT, "Hi."),
+              ContentBlock(BlockKind.REASONING, "then call"), ContentBlock(BlockKind.TOOL_CALL, "{}", "f", "a" * 24))
+    usage = Usage(7, 12, cached_tokens=3, reasoning_tokens=9)
+    store.update("msg_1", **snapshot_fields(Snapshot(MessageStatus.COMPLETE, blocks, usage, StopReason.TOOL_USE)))
+    stored = store.get("msg_1")
+    assert (stored.blocks, stored.usage, stored.text) == (blocks, usage, "Hi.")
+    assert stored.view().usage.reasoning_tokens == 9
+
+
+def test_a_file_of_schema_5_reads_no_reasoning_tokens(tmp_path):
+    path = tmp_path / "v5.sqlite3"
+    MessageStore(str(path)).close()
+    old = sqlite3.connect(path, isolation_level=None)
+    old.execute("ALTER TABLE messages DROP COLUMN reasoning_tokens")
+    old.execute("INSERT INTO messages (id, surface, model, created, status, request, request_hash, output_tokens,"
+                " updated) VALUES ('msg_5', 'openai', 'fake', 0, 'complete', '{}', 'h', 4, 0)")
+    old.execute("PRAGMA user_version = 5")
+    old.close()
+    assert MessageStore(str(path)).get("msg_5").usage == Usage(0, 4)
 
 
 def test_no_operation_scans_the_table(tmp_path):
