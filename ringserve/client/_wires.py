@@ -23,9 +23,9 @@ Wire formats (the server's ``surfaces/*`` write them):
 * OpenAI Responses streaming events (``openai.types.responses.
   ResponseStreamEvent``): ``response.created``, ``response.output_item.added``
   / ``.done``, ``response.output_text.delta``,
-  ``response.function_call_arguments.delta``, ``response.reasoning_text.delta``,
-  then ``response.completed``, ``response.incomplete`` or ``response.failed``;
-  an ``error`` event.
+  ``response.function_call_arguments.delta``, ``response.reasoning_text.delta``
+  (``response.reasoning_summary_text.delta`` when the request asked for a summary), then
+  ``response.completed``, ``response.incomplete`` or ``response.failed``; an ``error`` event.
 """
 
 from __future__ import annotations
@@ -551,7 +551,8 @@ def _stored_response(body: Any) -> Stored:
 
 
 def _responses_output(output: Any) -> tuple[str, str, tuple[ToolCall, ...]]:
-    """A Response's ``output`` items: (text, reasoning text, function calls)."""
+    """A Response's ``output`` items: (text, reasoning text: its items' content, else their
+    summaries, function calls)."""
     items = [_obj(item) for item in output] if isinstance(output, list) else []
 
     def texts(kind: str, part: str) -> str:
@@ -560,7 +561,9 @@ def _responses_output(output: Any) -> tuple[str, str, tuple[ToolCall, ...]]:
 
     calls = tuple(ToolCall(_str(item.get("call_id")), _str(item.get("name")), _arguments(item.get("arguments", "")))
                   for item in items if item.get("type") == "function_call")
-    return texts("message", "output_text"), texts("reasoning", "reasoning_text"), calls
+    summaries = "".join(_str(_obj(p).get("text")) for item in items if item.get("type") == "reasoning"
+                        for p in item.get("summary") or () if _obj(p).get("type") == "summary_text")
+    return texts("message", "output_text"), texts("reasoning", "reasoning_text") or summaries, calls
 
 
 #: OpenAI Responses (``POST /v1/responses``); the stored message is the Response object
@@ -570,6 +573,7 @@ RESPONSES = EventWire("responses", "/v1/responses", {
     "response.output_item.added": _r_item_added,
     "response.output_text.delta": _r_text,
     "response.reasoning_text.delta": _r_reasoning,
+    "response.reasoning_summary_text.delta": _r_reasoning,
     "response.function_call_arguments.delta": _r_arguments,
     "response.output_item.done": _r_item_done,
     "response.completed": _r_ended,

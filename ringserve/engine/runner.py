@@ -469,20 +469,24 @@ class Runner:
 
     async def render(self, request: GenerationRequest) -> ChatPrompt:
         """The request's prompt as the model gets it: the rendered text (special tokens as
-        text) and its token ids, as :meth:`prepare` makes them (llama-server's
-        ``/apply-template`` and ``/tokenize`` in one, for people debugging a model's prompt).
-        Nothing is generated or enqueued; the prompt may be longer than a slot's context.
+        text) and its token ids, as :meth:`prepare` makes them, context edits applied
+        (llama-server's ``/apply-template`` and ``/tokenize`` in one, for people debugging a
+        model's prompt: the render routes). Nothing is generated or enqueued; the prompt may be
+        longer than a slot's context.
 
-        Runs ``engine.tokenize_chat`` on the tokenizer's thread, under its limiter, beside
-        decoding; cancelling the caller takes effect once it returns.
+        Runs ``engine.tokenize_chat`` on a worker thread under the counts' limiter (as
+        :meth:`count`: beside decoding, not behind the prepares); cancelling the caller takes
+        effect once it returns.
 
         Raises:
             RingserveError: ``INVALID_REQUEST`` naming ``messages``: the request cannot be
                 rendered (the template refused it, a call's arguments are not JSON...).
         """
-        return await trio.to_thread.run_sync(
-            self._tokenize_sync, request, limiter=self._tokenize_limiter, abandon_on_cancel=False
+        _, prompt, _ = await trio.to_thread.run_sync(
+            edit_prompt, request, request.context_edits, self._tokenize_sync,
+            limiter=self._count_limiter, abandon_on_cancel=False,
         )
+        return prompt
 
     def _prompt_sync(
         self, request: GenerationRequest

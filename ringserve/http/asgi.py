@@ -23,7 +23,7 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 from ringserve.http.accesslog import SCOPE_KEY as ACCESS_KEY
 from ringserve.http.accesslog import AccessRecord
 from ringserve.http.context import CLEANUPS_KEY, ServerState, extensions
-from ringserve.http.generate import count_tokens, generate
+from ringserve.http.generate import count_tokens, generate, render_prompt
 from ringserve.http.messages import cancel_message, get_message, issue_stream_token, resume_stream
 from ringserve.http.responses import cancel_response, delete_response, retrieve_response
 from ringserve.http.service import health, metrics, model, models, playground, ready
@@ -113,8 +113,9 @@ class RingserveQuart(QuartTrio):
     ringserve_state: ServerState
 
 
-#: ``(rule, method, handler)`` of every route but the surfaces' generation and counting routes
-#: (``SURFACES.routes``, ``SURFACES.counts``); the endpoint is the handler's name.
+#: ``(rule, method, handler)`` of every route but the surfaces' generation, counting and render
+#: routes (``SURFACES.routes``, ``SURFACES.counts``, ``SURFACES.renders``); the endpoint is the
+#: handler's name.
 ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("/v1/messages/<message_id>", "GET", get_message),
     ("/v1/messages/<message_id>/stream", "GET", resume_stream),
@@ -146,10 +147,19 @@ def _counting(surface: Counting) -> Handler:
     return route
 
 
+def _rendering(surface: Surface) -> Handler:
+    async def route() -> Response:
+        return await render_prompt(surface)
+
+    return route
+
+
 def routes() -> list[tuple[str, str, str, Handler]]:
-    """``(rule, method, endpoint, handler)`` of every route: each surface's generation and counting
-    routes (one handler each, :func:`~ringserve.http.generate.generate` and
-    :func:`~ringserve.http.generate.count_tokens`), then :data:`ROUTES`."""
+    """``(rule, method, endpoint, handler)`` of every route: each surface's generation, counting
+    and render routes (one handler each, :func:`~ringserve.http.generate.generate`,
+    :func:`~ringserve.http.generate.count_tokens` and :func:`~ringserve.http.generate.render_prompt`),
+    then :data:`ROUTES`."""
     table = [(path, "POST", f"generate_{s.name}", _generating(s)) for path, s in SURFACES.routes.items()]
     table += [(path, "POST", f"count_{s.name}", _counting(s)) for path, s in SURFACES.counts.items()]
+    table += [(path, "POST", f"render_{s.name}", _rendering(s)) for path, s in SURFACES.renders.items()]
     return table + [(rule, method, handler.__name__, handler) for rule, method, handler in ROUTES]

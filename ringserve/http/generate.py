@@ -8,19 +8,21 @@ the generation or finds the one its ``Idempotency-Key`` names, and
 :func:`respond` maps :func:`~ringserve.http.decide.answer`'s decision to the
 response. What differs between surfaces is in the surface (its parse, its
 objects, whether it takes ``Prefer: respond-async``), never in a branch here.
-:func:`count_tokens` serves ``SURFACES.counts`` the same way.
+:func:`count_tokens` serves ``SURFACES.counts`` the same way, :func:`render_prompt`
+``SURFACES.renders``.
 """
 
 from __future__ import annotations
 
-from typing import assert_never
+from collections.abc import Callable
+from typing import Any, assert_never
 
 import attrs
 import trio
 from quart import Response
 
 from ringserve.core.errors import RingserveError
-from ringserve.core.events import ChatMessage
+from ringserve.core.events import ChatMessage, GenerationRequest
 from ringserve.http import context
 from ringserve.http.context import error_response, json_response, object_surface
 from ringserve.http.decide import (
@@ -122,18 +124,42 @@ async def respond(hub: Hub, surface: Surface, decision: Decision, live: LiveMess
             assert_never(decision)
 
 
+async def _prompt_request(hub: Hub, surface: Surface, parse: Callable[[Any], ParsedRequest]) -> GenerationRequest:
+    """The generation request of a counting or render route's body, parsed by ``parse`` (the
+    conversation it continues in it), its ignored fields noted.
+
+    Raises:
+        RingserveError: as ``decide.parse_body`` and ``decide.continued``.
+    """
+    state = context.state()
+    parsed = parse_body(surface, parse, await context.body(), state.config, state.model_id)
+    context.access().note_ignored(parsed.ignored)
+    return (await _whole(hub, parsed)).request
+
+
 async def count_tokens(surface: Counting) -> Response:
     """``POST`` on ``surface``'s counting route: the prompt the same generation request would be
     given, in tokens (system prompt, tools and output format included; its usage's ``input_tokens``).
     Nothing is generated; a prompt that cannot fit a slot is the same 400 as there. It is tokenized
     apart from the generations' prepares (``Runner.count``), so a burst of counts does not queue
     behind them."""
-    state = context.state()
     try:
         hub = context.hub()
-        parsed = parse_body(surface, surface.parse_count, await context.body(), state.config, state.model_id)
-        context.access().note_ignored(parsed.ignored)
-        prepared = await hub.runner.count((await _whole(hub, parsed)).request)
+        prepared = await hub.runner.count(await _prompt_request(hub, surface, surface.parse_count))
     except RingserveError as exc:
         return error_response(surface, exc)
     return json_response(surface.count_json(len(prepared.prompt_tokens), prepared.original_input_tokens))
+
+
+async def render_prompt(surface: Surface) -> Response:
+    """``POST`` on ``surface``'s render route (``SURFACES.renders``): the body of a generation
+    request of that surface, answered with the prompt it would be given (``Runner.render``: the
+    model's chat template's text, its tokens; ``surfaces/ringserve.py`` ``prompt_json``), as
+    llama-server's ``POST /apply-template``. Nothing is generated; the prompt may be longer than a
+    slot. A request the template cannot render is the surface's 400, as on its generation route."""
+    try:
+        hub = context.hub()
+        prompt = await hub.runner.render(await _prompt_request(hub, surface, surface.parse_request))
+    except RingserveError as exc:
+        return error_response(surface, exc)
+    return json_response(ringserve_json.prompt_json(prompt.text, len(prompt.tokens), prompt.reasoning_open))

@@ -50,6 +50,8 @@ class Surfaces:
             (``anthropic-version``: ``/v1/models`` is read by both SDKs).
         default: the surface of every other request (also outside ``/v1``).
         counts: ``POST`` path → the surface whose prompt tokens that route counts.
+        renders: ``POST`` path → the surface whose request's prompt that route renders (the
+            rendered text and its tokens, for people debugging a model's prompt).
         policy_like: a surface name → the surface whose ``[policy]`` setting it takes when it
             has none of its own (:meth:`policy`).
     """
@@ -60,6 +62,7 @@ class Surfaces:
     headers: Mapping[str, Surface]
     default: Surface
     counts: Mapping[str, Counting] = attrs.Factory(dict)
+    renders: Mapping[str, Surface] = attrs.Factory(dict)
     policy_like: Mapping[str, str] = attrs.Factory(dict)
 
     def policy(self, policies: PolicyConfig, surface: Surface) -> Policy:
@@ -131,5 +134,6 @@ SURFACES = Surfaces(
     headers={"anthropic-version": ANTHROPIC},
     default=OPENAI,
     counts={"/v1/messages/count_tokens": ANTHROPIC, "/v1/responses/input_tokens": RESPONSES},
+    renders={"/v1/messages/render": ANTHROPIC, "/v1/chat/completions/render": OPENAI, "/v1/responses/render": RESPONSES},
     policy_like={"responses": "openai"},  # a foreground response follows [policy] openai unless [policy] responses
 )

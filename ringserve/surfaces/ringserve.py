@@ -22,6 +22,8 @@ from ringserve.surfaces.base import Surface
 
 #: The ``object`` of a message status body.
 MESSAGE_OBJECT = "ringserve.message"
+#: The ``object`` of a render route's answer (:func:`prompt_json`).
+PROMPT_OBJECT = "ringserve.prompt"
 
 
 def message_url(message_id: str) -> str:
@@ -55,6 +57,15 @@ def message_status_json(view: MessageView, surface: Surface) -> dict[str, Any]:
         "error": view.error,
         "stream_url": stream_url(view.id),
     }
+
+
+def prompt_json(text: str, tokens: int, reasoning_open: bool) -> dict[str, Any]:
+    """The answer of a render route (``POST /v1/messages/render``, ``/v1/chat/completions/render``,
+    ``/v1/responses/render``): the prompt a generation request would be given, as the model's chat
+    template renders it (special tokens as text; llama-server's ``POST /apply-template`` gives the
+    same ``prompt``), its length in tokens (the generation's ``input_tokens``), and whether it
+    opens the model's thinking block (the reply then starts inside it)."""
+    return {"object": PROMPT_OBJECT, "prompt": text, "input_tokens": tokens, "reasoning_open": reasoning_open}
 
 
 @attrs.frozen

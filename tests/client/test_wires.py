@@ -3,7 +3,7 @@
 Each test renders ``core/events.py`` values with the server's own renderer and producer
 (``tests/support/helpers.py`` ``rendered``: ``surfaces/*`` renderers, ``core/sse.py`` encoding),
 feeds the bytes to a :class:`ResumeState` and compares what the client read with what was
-rendered. Reasoning, which no renderer writes yet, is read from the APIs' documented shapes.
+rendered, reasoning in every form a surface shows it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from ringserve.client import _wires
 from ringserve.core.errors import ErrorKind
 from ringserve.core.events import BlockDelta, BlockKind, BlockStart, BlockStop, ContentBlock, Failure, Finish, StopReason
 from ringserve.core.events import Usage as ServerUsage
+from ringserve.core.signing import ReasoningSigner, new_key
 from ringserve.core.sse import encode_event
 from ringserve.core.status import MessageStatus
 from ringserve.surfaces import anthropic, openai, responses
@@ -134,78 +135,75 @@ def test_openai_without_include_usage_switches_to_the_stored_message() -> None:
     assert state.next_request().url == f"/v1/messages/{IDS['openai']}"
 
 
-# -- reasoning: read from the APIs' shapes (no renderer writes it yet) ---------------------------
+# -- reasoning, as the server's renderers write it ------------------------------------------------
+
+SIGNER = ReasoningSigner.from_text(new_key())
+
+#: Thinking, an answer, more thinking (gpt-oss interleaves), a call.
+THINKING_REPLY = [
+    BlockStart(0, BlockKind.REASONING), BlockDelta(0, "Hmm, ", 1), BlockDelta(0, "French.", 1), BlockStop(0),
+    BlockStart(1, BlockKind.TEXT), BlockDelta(1, "Bonjour", 1), BlockStop(1),
+    BlockStart(2, BlockKind.REASONING), BlockDelta(2, " Then the weather.", 1), BlockStop(2),
+    BlockStart(3, BlockKind.TOOL_CALL, "get_weather", CALL_A), BlockDelta(3, '{"city": "Paris"}', 1), BlockStop(3),
+    Finish(StopReason.TOOL_USE, ServerUsage(4, 9, reasoning_tokens=5)),
+]
+#: Every way a surface shows reasoning: its default, Anthropic's omitted display (no text on the
+#: wire: the client reads none), Responses' summary and encrypted content.
+REASONING_ECHOES = [("anthropic", ""), ("anthropic", '{"thinking_display":"omitted"}'), ("openai", ""),
+                    ("responses", ""), ("responses", '{"reasoning":{"summary":"auto"},"include":["reasoning.encrypted_content"]}')]
 
 
-def sse_bytes(message_id: str, *events: tuple[str | None, Any]) -> bytes:
-    return b"".join(encode_event(data if isinstance(data, str) else json.dumps(data), event=name,
-                                 id=f"{message_id}:{seq}") for seq, (name, data) in enumerate(events))
+def read_echoed(surface: str, echo: str, events: list[Any]) -> tuple[ResumeState, list[StreamEvent]]:
+    return read(surface, rendered(SURFACES.by_name(surface).restored(echo, SIGNER), events, message_id=IDS[surface]))
 
 
-def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
-    return {"id": IDS["openai"], "model": "fake", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-            **extra}
-
-
-REASONING_STREAMS = {
-    "anthropic": [
-        ("message_start", {"type": "message_start", "message": {"model": "fake"}}),
-        ("content_block_start", {"type": "content_block_start", "index": 0,
-                                 "content_block": {"type": "thinking", "thinking": ""}}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                 "delta": {"type": "thinking_delta", "thinking": "Hmm, "}}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                 "delta": {"type": "thinking_delta", "thinking": "French."}}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                 "delta": {"type": "signature_delta", "signature": "c2ln"}}),
-        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
-        ("content_block_start", {"type": "content_block_start", "index": 1,
-                                 "content_block": {"type": "text", "text": ""}}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 1,
-                                 "delta": {"type": "text_delta", "text": "Bonjour"}}),
-        ("content_block_stop", {"type": "content_block_stop", "index": 1}),
-        ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-                           "usage": {"input_tokens": 4, "output_tokens": 9}}),
-        ("message_stop", {"type": "message_stop"}),
-    ],
-    "openai": [
-        (None, chunk({"role": "assistant", "content": ""})),
-        (None, chunk({"reasoning_content": "Hmm, "})),
-        (None, chunk({"reasoning": "French."})),  # the other spelling, read when reasoning_content is absent
-        (None, chunk({"content": "Bonjour"})),
-        (None, chunk({}, "stop")),
-        (None, {"id": IDS["openai"], "model": "fake", "choices": [], "usage": {"prompt_tokens": 4,
-                                                                               "completion_tokens": 9}}),
-        (None, "[DONE]"),
-    ],
-    "responses": [
-        ("response.created", {"type": "response.created", "response": {"model": "fake", "status": "in_progress"}}),
-        ("response.output_item.added", {"type": "response.output_item.added", "output_index": 0,
-                                        "item": {"type": "reasoning", "id": "rs_1", "summary": []}}),
-        ("response.reasoning_text.delta", {"type": "response.reasoning_text.delta", "output_index": 0,
-                                           "content_index": 0, "delta": "Hmm, "}),
-        ("response.reasoning_text.delta", {"type": "response.reasoning_text.delta", "output_index": 0,
-                                           "content_index": 0, "delta": "French."}),
-        ("response.output_text.delta", {"type": "response.output_text.delta", "output_index": 1,
-                                        "content_index": 0, "delta": "Bonjour"}),
-        ("response.completed", {"type": "response.completed", "response": {
-            "model": "fake", "status": "completed", "usage": {"input_tokens": 4, "output_tokens": 9}}}),
-    ],
-}
-
-
-@pytest.mark.parametrize("surface", SURFACE_NAMES)
-def test_reasoning_is_read_apart_from_the_text(surface: str) -> None:
-    state, events = read(surface, sse_bytes(IDS[surface], *REASONING_STREAMS[surface]))
+@pytest.mark.parametrize(("surface", "echo"), REASONING_ECHOES)
+def test_reasoning_is_read_apart_from_the_text(surface: str, echo: str) -> None:
+    state, events = read_echoed(surface, echo, THINKING_REPLY)
     final = state.finish_or_raise()
-    assert (final.text, final.reasoning, final.usage) == ("Bonjour", "Hmm, French.", Usage(4, 9))
-    assert [e.reasoning for e in events if e.reasoning] == ["Hmm, ", "French."]
+    thought = "" if "omitted" in echo else "Hmm, French. Then the weather."
+    assert (final.text, final.reasoning, final.usage) == ("Bonjour", thought, Usage(4, 9))
+    assert final.tool_calls == (ToolCall(CALL_PREFIX[surface] + CALL_A, "get_weather", '{"city": "Paris"}'),)
+    assert "".join(e.reasoning for e in events) == thought and "".join(e.text for e in events) == "Bonjour"
+
+
+@pytest.mark.parametrize(("surface", "echo"), REASONING_ECHOES)
+def test_a_reply_cut_inside_its_thinking_ends_cleanly(surface: str, echo: str) -> None:
+    """Cut by max_tokens (the block stopped), by a cancel (the producer stops it) or by a failure."""
+    cut = [BlockStart(0, BlockKind.REASONING), BlockDelta(0, "Hmm", 1)]
+    for end in (BlockStop(0), Finish(StopReason.MAX_TOKENS, ServerUsage(4, 2, reasoning_tokens=2))), (
+            Finish(StopReason.CANCELLED, ServerUsage(4, 2)),):
+        final = read_echoed(surface, echo, [*cut, *end])[0].finish_or_raise()
+        assert (final.text, final.reasoning) == ("", "" if "omitted" in echo else "Hmm")
+        assert final.stop_reason == stop_spelling(surface, end[-1].stop_reason)
+    state = ResumeState.follow(IDS[surface], surface=surface, now=0.0, timeout=None)
+    state.received(200, EVENT_STREAM)
+    with pytest.raises(StreamError):
+        state.feed(rendered(SURFACES.by_name(surface).restored(echo, SIGNER),
+                            [*cut, Failure(ErrorKind.API_ERROR, "it broke", ServerUsage(4, 2))], message_id=IDS[surface]))
+    assert state.reasoning == ("" if "omitted" in echo else "Hmm")
 
 
 # -- the stored message, read when the stream log is gone ------------------------------------------
 
 BLOCKS = (ContentBlock(BlockKind.TEXT, "Let me check."), ContentBlock(BlockKind.TOOL_CALL, '{"city": "Paris"}',
                                                                        "get_weather", CALL_A))
+
+
+@pytest.mark.parametrize(("surface", "echo"), [(s, e) for s, e in REASONING_ECHOES if s != "responses"])
+def test_a_stored_messages_reasoning(surface: str, echo: str) -> None:
+    view = MessageView(IDS[surface], surface, "fake", 0, MessageStatus.COMPLETE, (
+        ContentBlock(BlockKind.REASONING, "Hmm."), *BLOCKS), StopReason.TOOL_USE, None, ServerUsage(7, 12), None)
+    body = message_status_json(view, SURFACES.by_name(surface).restored(echo, SIGNER))
+    assert _wires.wire(surface).stored(json.loads(json.dumps(body))).reasoning == ("" if "omitted" in echo else "Hmm.")
+
+
+@pytest.mark.parametrize("echo", [e for s, e in REASONING_ECHOES if s == "responses"])
+def test_a_stored_responses_reasoning(echo: str) -> None:
+    view = MessageView(IDS["responses"], "responses", "fake", 0, MessageStatus.COMPLETE, (
+        ContentBlock(BlockKind.REASONING, "Hmm."), *BLOCKS), StopReason.TOOL_USE, None, ServerUsage(7, 12), None)
+    body = responses.RESPONSES.restored(echo, SIGNER).message_json(view)
+    assert _wires.wire("responses").stored(json.loads(json.dumps(body))).reasoning == "Hmm."
 
 
 @pytest.mark.parametrize("surface", ["anthropic", "openai"])
@@ -250,6 +248,11 @@ def test_an_unknown_surface_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="surface must be one of"):
         _wires.wire("gemini")
     assert sorted(_wires.WIRES) == sorted(SURFACE_NAMES)  # one wire per server surface, by the same names
+
+
+def sse_bytes(message_id: str, *events: tuple[str | None, Any]) -> bytes:
+    return b"".join(encode_event(data if isinstance(data, str) else json.dumps(data), event=name,
+                                 id=f"{message_id}:{seq}") for seq, (name, data) in enumerate(events))
 
 
 def test_unknown_events_and_fields_of_the_wrong_type_read_as_nothing() -> None:

@@ -43,6 +43,8 @@ class Seen:
     seqs: list[int] = attrs.Factory(list)
     types: list[str] = attrs.Factory(list)
     text: str = ""
+    reasoning: str = ""  # the reasoning deltas (its text or its summary) joined
+    thoughts: dict[str, str] = attrs.Factory(dict)  # a reasoning item's id -> its deltas joined
     final: dict[str, Any] | None = None  # the terminal event's response
     done_items: list[dict[str, Any]] = attrs.Factory(list)  # the items of response.output_item.done
     arguments: dict[str, str] = attrs.Factory(dict)  # a function call's item id -> its argument deltas joined
@@ -72,6 +74,11 @@ def check_stream(raw: bytes, *, first: int = 0, complete: bool = True) -> Seen:
         seen.types.append(data["type"])
         if data["type"] == "response.output_text.delta":
             seen.text += data["delta"]
+        if data["type"] in ("response.reasoning_text.delta", "response.reasoning_summary_text.delta"):
+            seen.reasoning += data["delta"]
+            seen.thoughts[data["item_id"]] = seen.thoughts.get(data["item_id"], "") + data["delta"]
+        if data["type"] in ("response.reasoning_text.done", "response.reasoning_summary_text.done") and first == 0:
+            assert data["text"] == seen.thoughts.get(data["item_id"], ""), data
         if data["type"] == "response.output_item.added" and data["item"]["type"] == "function_call":
             assert data["item"]["arguments"] == "" and data["item"]["status"] == "in_progress"
             seen.arguments[data["item"]["id"]] = ""
@@ -85,6 +92,9 @@ def check_stream(raw: bytes, *, first: int = 0, complete: bool = True) -> Seen:
             seen.done_items.append(data["item"])
             if data["item"]["type"] == "function_call" and first == 0:
                 assert data["item"]["arguments"] == seen.arguments[data["item"]["id"]]
+            if data["item"]["type"] == "reasoning" and first == 0:
+                parts = data["item"]["summary"] or data["item"].get("content") or []
+                assert "".join(p["text"] for p in parts) == seen.thoughts.get(data["item"]["id"], ""), data
         if data["type"] in TERMINAL:
             if first == 0:
                 assert data["response"]["output"] == seen.done_items

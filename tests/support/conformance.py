@@ -84,6 +84,9 @@ class Seen:
 
     Attributes:
         text: the reply text (all its text blocks joined).
+        reasoning: the reply's reasoning text (Anthropic thinking blocks, OpenAI
+            ``reasoning_content``, which ``reasoning`` must repeat), all of it joined.
+        signatures: the signatures of its thinking blocks, in order (Anthropic).
         tool_calls: the tool calls, in order.
         blocks: the kinds of the content blocks, in order (Anthropic ``text`` / ``tool_use``).
         stop_reason: the surface's stop/finish reason, or None.
@@ -102,6 +105,8 @@ class Seen:
     """
 
     text: str = ""
+    reasoning: str = ""
+    signatures: list[str] = attrs.Factory(list)
     tool_calls: list[SeenCall] = attrs.Factory(list)
     blocks: list[str] = attrs.Factory(list)
     stop_reason: str | None = None
@@ -145,20 +150,31 @@ def _anthropic_event(data: dict[str, Any], name: str, seen: Seen, first: bool) -
                 assert event.content_block.input == {}, event  # the arguments come as input_json_delta
                 assert event.content_block.id.startswith("toolu_"), event
                 seen.tool_calls.append(SeenCall(event.content_block.id, event.content_block.name))
+            elif event.content_block.type == "thinking":  # its text and its signature come as deltas
+                assert event.content_block.thinking == event.content_block.signature == "", event
             else:
                 assert event.content_block.text == "", event
         case "content_block_delta":
             assert seen.open_block in (event.index, None), (event, seen.open_block)
+            signed = seen.blocks and seen.blocks[-1] == "thinking" and len(seen.signatures) == seen.blocks.count("thinking")
+            assert not signed or seen.open_block is None, f"a delta after the thinking block's signature: {event}"
             if event.delta.type == "input_json_delta":
                 if not seen.tool_calls:  # resumed inside a call
                     seen.tool_calls.append(SeenCall("", ""))
                 seen.tool_calls[-1].arguments += event.delta.partial_json
                 seen.json_deltas += 1
+            elif event.delta.type == "thinking_delta":
+                seen.reasoning += event.delta.thinking
+            elif event.delta.type == "signature_delta":
+                assert event.delta.signature, event
+                seen.signatures.append(event.delta.signature)
             else:
                 assert event.delta.type == "text_delta", event
                 seen.text += event.delta.text
         case "content_block_stop":
             assert seen.open_block in (event.index, None), (event, seen.open_block)
+            if seen.blocks and seen.blocks[-1] == "thinking" and seen.open_block is not None:
+                assert len(seen.signatures) == seen.blocks.count("thinking"), "a thinking block stopped unsigned"
             seen.open_block = -1
         case "message_delta":
             seen.stop_reason = event.delta.stop_reason
@@ -182,11 +198,20 @@ def _openai_event(data: Any, seen: Seen, resumed: bool) -> None:
     seen.events.append(chunk)
     for choice in chunk.choices:
         seen.text += choice.delta.content or ""
+        seen.reasoning += _openai_reasoning(choice.delta)
         for call in choice.delta.tool_calls or ():
             _openai_call_delta(call, seen)
         if choice.finish_reason is not None:
             seen.stop_reason = choice.finish_reason
             seen.cancelled = _extra(choice).get(CANCELLED_KEY) is True
+
+
+def _openai_reasoning(delta_or_message: Any) -> str:
+    """The reasoning of a chunk's ``delta`` or an answer's ``message``: ``reasoning_content``, which
+    ``reasoning`` repeats (both or neither; extra fields of the SDK's models)."""
+    extra = _extra(delta_or_message)
+    assert extra.get("reasoning_content") == extra.get("reasoning"), extra
+    return extra.get("reasoning_content") or ""
 
 
 def _openai_call_delta(call: Any, seen: Seen) -> None:
@@ -284,6 +309,9 @@ def check_answer(surface: str, resp: httpx.Response) -> Seen:
             if block.type == "tool_use":
                 assert block.id.startswith("toolu_"), block
                 seen.tool_calls.append(SeenCall(block.id, block.name, json.dumps(block.input)))
+            elif block.type == "thinking":
+                seen.reasoning += block.thinking
+                seen.signatures.append(block.signature)
             else:
                 seen.text += block.text
         seen.stop_reason = message.stop_reason
@@ -292,6 +320,7 @@ def check_answer(surface: str, resp: httpx.Response) -> Seen:
         message = ChatCompletion.model_validate(body, strict=True)
         (choice,) = message.choices
         seen.text = choice.message.content or ""
+        seen.reasoning = _openai_reasoning(choice.message)
         for call in choice.message.tool_calls or ():
             assert call.type == "function" and call.id.startswith("call_"), call
             seen.tool_calls.append(SeenCall(call.id, call.function.name, call.function.arguments))
