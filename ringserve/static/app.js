@@ -23,6 +23,11 @@
 // (store.js) and follows any unfinished answer with its own EventSource. Stop (button or Escape)
 // is POST /v1/messages/{id}/cancel; every reader, in every tab, then gets the terminal event.
 //
+// A model that thinks streams its reasoning before (or between) its answer's text: the page shows
+// it in a collapsed "Thinking" section above the answer, filled as it comes (Anthropic
+// thinking_delta, OpenAI delta.reasoning_content) and read back from GET /v1/messages/{id}'s
+// content with the text.
+//
 // All model and user text reaches the DOM as Text nodes (markdown.js builds elements, never HTML).
 import { renderMarkdown } from "./markdown.js";
 import * as store from "./store.js";
@@ -36,7 +41,8 @@ const TIMING_GAP_MS = 3000;           // away longer than this (tab closed): tim
 const POLL_MS = 1000;
 const RENDER_MS = 50;                 // an answer's Markdown is rendered again at most this often while streaming
 
-// The read side of each surface: what an event adds to the answer, and whether it ends the stream.
+// The read side of each surface: what an event adds to the answer, and whether it ends the stream;
+// `reasoning` reads the reasoning of GET /v1/messages/{id}'s `content` (in the surface's shape).
 const SURFACES = {
   anthropic: {
     path: "/v1/messages",
@@ -46,11 +52,13 @@ const SURFACES = {
     body: (model, messages, s) => ({ model, max_tokens: s.maxTokens, temperature: s.temperature, stream: true, messages }),
     read(name, data, answer) {
       if (name === "content_block_delta" && data.delta.type === "text_delta") answer.text(data.delta.text);
+      else if (name === "content_block_delta" && data.delta.type === "thinking_delta") answer.thinking(data.delta.thinking);
       else if (name === "message_delta") answer.finish(data.delta.stop_reason, data.usage.output_tokens, data.delta.ringserve_cancelled === true);
       else if (name === "message_stop") return true;
       else if (name === "error") { answer.fail(`${data.error.type}: ${data.error.message}`); return true; }
       return false;
     },
+    reasoning: (content) => (content || []).filter((b) => b.type === "thinking").map((b) => b.thinking).join(""),
   },
   openai: {
     path: "/v1/chat/completions",
@@ -62,12 +70,14 @@ const SURFACES = {
       if (data === "[DONE]") return true;
       if (data.error) { answer.fail(`${data.error.type}: ${data.error.message}`); return true; }
       for (const choice of data.choices || []) {
+        if (choice.delta && choice.delta.reasoning_content) answer.thinking(choice.delta.reasoning_content);
         if (choice.delta && choice.delta.content) answer.text(choice.delta.content);
         if (choice.finish_reason) answer.finish(choice.finish_reason, null, choice.ringserve_cancelled === true);
       }
       if (data.usage) answer.finish(null, data.usage.completion_tokens);
       return false;
     },
+    reasoning: (message) => (message && message.reasoning_content) || "",
   },
 };
 
@@ -462,7 +472,10 @@ function renderConversation() {
       el("div", "body", article, msg.text);
       continue;
     }
-    const view = { article, body: el("div", "body", article), rendered: null, timer: null };
+    const thinking = el("details", "thinking", article);
+    el("summary", null, thinking, "Thinking");
+    const view = { article, thinking, thinkingText: el("div", "thinking-text", thinking),
+                   body: el("div", "body", article), rendered: null, timer: null };
     view.src = el("pre", "src", article);
     view.src.hidden = true;
     view.note = el("p", "note", article);
@@ -529,6 +542,8 @@ function updateMessage(msg) {
     if (view.rendered === null || store.isTerminal(msg)) renderText(view, msg);
     else if (view.timer === null) view.timer = setTimeout(() => renderText(view, msg), RENDER_MS);
   }
+  view.thinking.hidden = !msg.reasoning;
+  if (view.thinkingText.textContent !== (msg.reasoning || "")) view.thinkingText.textContent = msg.reasoning || "";
   const label = stateLabel(msg);
   view.article.dataset.state = label;
   view.article.dataset.messageId = msg.messageId || "";
@@ -586,6 +601,11 @@ class Follower {
       text: (t) => {
         if (!msg.firstAt) msg.firstAt = Date.now();
         msg.text += t;
+        msg.status = "streaming";
+      },
+      thinking: (t) => {
+        if (!msg.firstAt) msg.firstAt = Date.now();
+        msg.reasoning = (msg.reasoning || "") + t;
         msg.status = "streaming";
       },
       // A cancelled message keeps an SDK stop reason (end_turn, stop) and says "ringserve_cancelled": true.
@@ -919,6 +939,7 @@ class Follower {
       return;
     }
     msg.text = body.text;
+    msg.reasoning = SURFACES[msg.surface].reasoning(body.content);
     msg.source = "stored";
     if (note) msg.note = note;
     if (final === undefined) {
@@ -971,6 +992,7 @@ class Follower {
     // The stream ends with its terminal event too; whichever comes first ends the answer.
     if (!store.isTerminal(msg) && STATUS_FROM_SERVER[resp.data.status]) {
       msg.text = resp.data.text;
+      msg.reasoning = SURFACES[msg.surface].reasoning(resp.data.content);
       msg.stopReason = resp.data.stop_reason;
       msg.outputTokens = resp.data.usage.output_tokens;
       this.end(STATUS_FROM_SERVER[resp.data.status]);
@@ -1013,7 +1035,7 @@ function send(event) {
   const answer = {
     id: store.newId(), role: "assistant", surface: s.surface, temperature: s.temperature, request,
     idempotencyKey: store.newId(), messageId: null, url: null, streamUrl: null, tokenExpires: null,
-    text: "", lastSeq: -1, source: "stream", status: "sending", stopReason: null, outputTokens: null,
+    text: "", reasoning: "", lastSeq: -1, source: "stream", status: "sending", stopReason: null, outputTokens: null,
     error: null, note: null, reconnects: 0, connects: 0,
     sentAt: now, firstAt: null, finishedAt: null, watchedAt: now, ttftLost: false, tpsLost: false,
   };

@@ -5,11 +5,11 @@
 //   request, idempotencyKey, surface   the POST body (a string, re-sent byte for byte after a reload
 //                                      during the POST, with the same Idempotency-Key)
 //   messageId, url, streamUrl, tokenExpires   from the 202 answer (streamUrl carries a stream token)
-//   text, lastSeq                      the text of every event up to seq lastSeq, written together
-//                                      in one setItem, so a reload resumes after lastSeq with
-//                                      neither a gap nor a repeat; source "stored" instead marks
-//                                      text read from GET /v1/messages/{id} (no seq: never resumed
-//                                      by stream)
+//   text, reasoning, lastSeq           the text and the reasoning of every event up to seq lastSeq,
+//                                      written together in one setItem, so a reload resumes after
+//                                      lastSeq with neither a gap nor a repeat; source "stored"
+//                                      instead marks text read from GET /v1/messages/{id} (no seq:
+//                                      never resumed by stream)
 //   status                             sending | waiting | streaming | done | stopped | error
 //   stopReason, outputTokens, error, note, reconnects, connects
 //   sentAt, firstAt, finishedAt, watchedAt (epoch ms), ttftLost, tpsLost

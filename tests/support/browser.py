@@ -33,9 +33,11 @@ _ANSWER = """(() => {
   const a = [...document.querySelectorAll('#messages .msg.assistant')].at(-1);
   if (!a) return null;
   const q = (s) => a.querySelector(s).textContent;
+  const thinking = a.querySelector('.thinking');
   return {state: a.dataset.state, messageId: a.dataset.messageId, text: q('.src'), rendered: q('.body'),
           ttft: q('.ttft'), tps: q('.tps'), stopReason: q('.stop-reason'), reconnects: q('.reconnects'),
-          note: q('.note'), log: q('.log ol')};
+          note: q('.note'), log: q('.log ol'), thinking: q('.thinking-text'), thinkingShown: !thinking.hidden,
+          thinkingOpen: thinking.open, thinkingFirst: thinking.nextElementSibling === a.querySelector('.body')};
 })()"""
 
 
@@ -101,12 +103,13 @@ def in_browser(tmp_path: Path, script: Callable[[Browser], Any]) -> Any:
             context.close()
 
 
-def answer(page: Any) -> dict[str, str] | None:
-    """The last answer on ``page``: state, message id, source text, rendered text, stats, note, log."""
+def answer(page: Any) -> dict[str, Any] | None:
+    """The last answer on ``page``: state, message id, source text, rendered text, stats, note, log;
+    its thinking section's text, whether it is shown, open, and just above the answer."""
     return page.evaluate(_ANSWER)
 
 
-def wait_answer(page: Any, condition: str, timeout_ms: int = 30_000) -> dict[str, str]:
+def wait_answer(page: Any, condition: str, timeout_ms: int = 30_000) -> dict[str, Any]:
     """Wait until ``condition`` (JS over ``a``, the object :func:`answer` returns) holds; return the answer."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
@@ -120,7 +123,7 @@ def wait_answer(page: Any, condition: str, timeout_ms: int = 30_000) -> dict[str
     return result
 
 
-def wait_finished(page: Any, timeout_ms: int = 30_000) -> dict[str, str]:
+def wait_finished(page: Any, timeout_ms: int = 30_000) -> dict[str, Any]:
     """Wait until the last answer has ended (done, stopped or error)."""
     return wait_answer(page, f"{json.dumps(list(TERMINAL))}.includes(a.state)", timeout_ms)
 

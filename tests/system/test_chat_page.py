@@ -279,6 +279,51 @@ HOSTILE = ('<script>window.__pwned = "script"</script>\n\n'
            '\n\n- one\n- two\n\n```html\n<script>alert(1)</script>\n```\n')
 
 
+#: A thinking model's reply (the Hermes/Qwen3 family's <think> block), about 2 s on the fake engine.
+THOUGHT = "The user says hello. <b>Greet</b> them back, briefly and warmly."
+THINKING_REPLY = f"<think>{THOUGHT}</think>Hello! How can I help?"
+
+
+@pytest.mark.parametrize("surface", ["anthropic", "openai"])
+async def test_the_thinking_streams_into_a_collapsed_section_above_the_answer(tmp_path: Path, surface: str) -> None:
+    require_browser()
+    async with running_server(config(tmp_path), chat_format="hermes", reply=THINKING_REPLY, piece_bytes=2,
+                              step_seconds=0.03) as state:
+
+        def script(browser: Browser) -> dict[str, Any]:
+            page = browser.page(state.urls[0])
+            send(page, "hello", surface=surface)
+            # streamed as it comes, before any answer text; shown collapsed
+            during = wait_answer(page, "a.thinking.length >= 10 && a.text === ''")
+            seen = wait_finished(page)
+            page.click("#messages .msg.assistant .thinking summary")
+            opened = answer(page)
+            browser.shot(page, f"thinking-{surface}")
+            page.reload()
+            page.wait_for_selector("#messages .msg.assistant")
+            return {"during": during, "seen": seen, "opened": opened, "reloaded": answer(page)}
+
+        got = await trio.to_thread.run_sync(in_browser, tmp_path, script)
+    during, seen = got["during"], got["seen"]
+    assert during["thinkingShown"] and not during["thinkingOpen"] and THOUGHT.startswith(during["thinking"])
+    assert seen["state"] == "done" and seen["thinking"] == THOUGHT and seen["text"] == "Hello! How can I help?"
+    assert seen["thinkingFirst"] and not seen["thinkingOpen"] and got["opened"]["thinkingOpen"]
+    assert got["reloaded"]["thinking"] == THOUGHT  # kept with the answer in localStorage
+
+
+async def test_an_answer_without_thinking_has_no_thinking_section(tmp_path: Path) -> None:
+    require_browser()
+    async with running_server(config(tmp_path)) as state:
+
+        def script(browser: Browser) -> dict[str, Any]:
+            page = browser.page(state.urls[0])
+            send(page, "echo:plain")
+            return wait_finished(page)
+
+        seen = await trio.to_thread.run_sync(in_browser, tmp_path, script)
+    assert seen["text"] == "plain" and not seen["thinkingShown"] and seen["thinking"] == ""
+
+
 async def test_model_html_and_script_render_as_text(tmp_path: Path) -> None:
     require_browser()
     async with running_server(config(tmp_path)) as state:  # the fake engine answers "echo:X" with X
