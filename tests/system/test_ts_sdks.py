@@ -1,7 +1,8 @@
 """The official TypeScript SDKs (``@anthropic-ai/sdk``, ``openai``; pinned in ``tests/ts/package.json``)
 against an in-process ringserve on the fake engine: ``tests/ts/sdk_streams.mjs`` streams every surface
 through the SDKs' own helpers, text and tool calls, and what their accumulators make of the stream
-equals what the server answers without streaming (issue 33, "Proof (CI)").
+equals what the server answers without streaming (issue 33, "Proof (CI)"); a thinking model's
+reply too (issue 34).
 
 Skipped where Node or the SDKs are not installed (``npm ci --prefix tests/ts``).
 """
@@ -122,3 +123,26 @@ def test_a_chat_loop_sends_back_what_the_stream_helper_returned(tmp_path, surfac
     ringserve accepts and names in Ringserve-Ignored-Fields, as llama-server ignores them (issue 33, item 1)."""
     result = trio.run(node, tmp_path, "loop", surface)  # a sync test: pytest-trio would group the assertion
     assert result == {"ok": True}
+
+
+THOUGHT = "Plan it: 世界 👋, then answer."
+
+
+async def test_the_sdks_accumulate_a_thinking_reply_on_every_surface(tmp_path):
+    """A thinking model (the Hermes family's <think> block) through each SDK's stream helper: the
+    reasoning its deltas add up to is the plain answer's, the helper ends without an error, and the
+    message it returns goes back as the next turn's history (Anthropic's thinking block with its
+    signature, which ringserve verifies). The OpenAI Node helper keeps only the last
+    ``reasoning_content`` fragment in its final message (it assigns delta fields it does not know),
+    so Chat's reasoning is compared by its deltas."""
+    results = await node(tmp_path, "thinking", reply=f"<think>{THOUGHT}</think>Done.", chat_format="hermes",
+                         piece_bytes=3)
+    for surface, result in results.items():
+        stream, plain = result["stream"], result["plain"]
+        assert "error" not in stream and "error" not in plain, (surface, result)
+        assert stream["deltas"]["reasoning"] == plain["reasoning"] == THOUGHT, surface
+        assert stream["text"] == plain["text"] == "Done.", surface
+        assert result.get("loop", {"ok": True}) == {"ok": True}, (surface, result)
+    anthropic = results["anthropic"]["stream"]
+    assert anthropic["reasoning"] == THOUGHT and anthropic["signatures"] == [anthropic["deltas"]["signature"]]
+    assert results["responses"]["stream"]["reasoning"] == THOUGHT

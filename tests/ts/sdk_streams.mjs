@@ -1,6 +1,6 @@
 // The official TypeScript SDKs against ringserve, for tests/system/test_ts_sdks.py.
 //
-// node tests/ts/sdk_streams.mjs URL streams | URL loop SURFACE | URL silences  ->  one JSON object on stdout
+// node tests/ts/sdk_streams.mjs URL streams | URL loop SURFACE | URL silences | URL thinking  ->  one JSON object on stdout
 //
 // streams: on every surface (Anthropic messages.stream, OpenAI chat.completions.stream, OpenAI
 // responses.stream) and for every prompt of PROMPTS, the stream read through the SDK's own helper
@@ -12,6 +12,10 @@
 // silences: the "mixed" prompt through responses.stream while the server pauses between tokens,
 // so that keepalive response.in_progress events (each the response so far, which the helper takes
 // as its snapshot) come in the middle of the text and of the call: the summary, and how many came.
+// thinking: a thinking model's reply on every surface through the helpers: what the accumulator,
+// the reasoning deltas and the plain answer say of its reasoning and text; then, on Anthropic and
+// Chat, a second turn that sends back the message the helper returned (its thinking block with its
+// signature, its reasoning_content).
 import Anthropic from "@anthropic-ai/sdk";
 import OpenAI from "openai";
 
@@ -187,7 +191,90 @@ async function silences() {
   });
 }
 
+const reasoningOf = {
+  anthropic: (m) => ({
+    reasoning: m.content.filter((b) => b.type === "thinking").map((b) => b.thinking).join(""),
+    signatures: m.content.filter((b) => b.type === "thinking").map((b) => b.signature),
+    text: m.content.filter((b) => b.type === "text").map((b) => b.text).join(""),
+  }),
+  chat: (c) => ({ reasoning: c.choices[0].message.reasoning_content ?? "", text: c.choices[0].message.content ?? "" }),
+  responses: (r) => ({
+    reasoning: r.output.filter((i) => i.type === "reasoning").flatMap((i) => i.content ?? []).map((p) => p.text).join(""),
+    text: r.output_text,
+  }),
+};
+
+// The thinking requests: a prompt that is no echo (the fake engine then plays its thinking reply).
+const THINK = "Think first.";
+const thinkParams = {
+  anthropic: () => ({ ...anthropicParams("text"), messages: [{ role: "user", content: THINK }] }),
+  chat: () => ({ ...chatParams("text"), messages: [{ role: "user", content: THINK }] }),
+  responses: () => ({ ...responsesParams("text"), input: THINK }),
+};
+
+// Each surface's thinking stream through its helper: [final object, the reasoning its deltas add up to].
+const thoughts = {
+  anthropic: async () => {
+    const deltas = { reasoning: "", signature: "" };
+    const stream = anthropic.messages.stream(thinkParams.anthropic());
+    stream.on("thinking", (delta) => { deltas.reasoning += delta; });
+    stream.on("signature", (signature) => { deltas.signature = signature; });
+    return [await stream.finalMessage(), deltas];
+  },
+  chat: async () => {
+    const deltas = { reasoning: "" };
+    const stream = openai.chat.completions.stream(thinkParams.chat());
+    stream.on("chunk", (chunk) => { deltas.reasoning += chunk.choices[0]?.delta?.reasoning_content ?? ""; });
+    return [await stream.finalChatCompletion(), deltas];
+  },
+  responses: async () => {
+    const deltas = { reasoning: "" };
+    const stream = openai.responses.stream(thinkParams.responses());
+    stream.on("response.reasoning_text.delta", ({ delta }) => { deltas.reasoning += delta; });
+    return [await stream.finalResponse(), deltas];
+  },
+};
+
+const thinkPlain = {
+  anthropic: () => anthropic.messages.create(thinkParams.anthropic()),
+  chat: () => openai.chat.completions.create(thinkParams.chat()),
+  responses: () => openai.responses.create(thinkParams.responses()),
+};
+
+// The second turn of a thinking loop: the helper's message sent back as the assistant's turn.
+const thinkingLoops = {
+  anthropic: async (final) => {
+    const params = thinkParams.anthropic();
+    await anthropic.messages.create({ ...params, messages: [...params.messages,
+      { role: "assistant", content: final.content }, { role: "user", content: "And then?" }] });
+  },
+  chat: async (final) => {
+    const params = thinkParams.chat();
+    await openai.chat.completions.create({ ...params, messages: [...params.messages, final.choices[0].message,
+      { role: "user", content: "And then?" }] });
+  },
+};
+
+async function thinking() {
+  const results = {};
+  for (const name of Object.keys(thoughts)) {
+    let final = null;
+    results[name] = {
+      stream: await outcome(async () => {
+        const [object, deltas] = await thoughts[name]();
+        final = object;
+        return { ...reasoningOf[name](object), deltas };
+      }),
+      plain: await outcome(async () => reasoningOf[name](await thinkPlain[name]())),
+    };
+    if (final !== null && thinkingLoops[name]) {
+      results[name].loop = await outcome(async () => { await thinkingLoops[name](final); return { ok: true }; });
+    }
+  }
+  return results;
+}
+
 const modes = {
-  streams, silences, loop: () => outcome(async () => { await loops[surface](); return { ok: true }; }),
+  streams, silences, thinking, loop: () => outcome(async () => { await loops[surface](); return { ok: true }; }),
 };
 process.stdout.write(JSON.stringify(await modes[mode]()) + "\n");
