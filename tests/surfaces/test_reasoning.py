@@ -22,14 +22,18 @@ import pytest
 
 from bench.format_parsers import EXAMPLES, TOOLS
 from bench.format_parsers import reply as bench_reply
+from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import (
     BlockDelta,
     BlockKind,
     BlockStart,
     BlockStop,
     ChatMessage,
+    Effort,
+    Failure,
     Finish,
     GenerationRequest,
+    ReasoningConfig,
     SamplingParams,
     StopReason,
     Usage,
@@ -40,7 +44,9 @@ from ringserve.core.status import MessageStatus
 from ringserve.core.view import MessageView
 from ringserve.engine.fake import FakeEngine
 from ringserve.formats.families import FAMILIES
-from ringserve.surfaces.registry import SURFACES
+from ringserve.surfaces.base import read_request
+from ringserve.surfaces.registry import OPENAI, SURFACES
+from ringserve.surfaces.responses import RESPONSES
 from tests.engine.test_runner import generate, serving
 from tests.engine.test_runner_formats import random_split
 from tests.http.test_reasoning import said_by_answer, said_by_stream
@@ -125,3 +131,76 @@ def _thinking_events(text: str) -> list[Any]:
     return [BlockStart(0, BlockKind.REASONING), *(BlockDelta(0, p, 1) for p in pieces), BlockStop(0),
             BlockStart(1, BlockKind.TEXT), BlockDelta(1, "ok", 1), BlockStop(1),
             Finish(StopReason.END, Usage(9, 6, reasoning_tokens=4))]
+
+
+@pytest.mark.parametrize(("name", "echo"), SHOWN)
+@pytest.mark.parametrize("end", ["max_tokens", "cancel", "failure"])
+def test_a_reply_cut_inside_its_thinking_ends_as_the_sdks_expect(name: str, echo: str, end: str) -> None:
+    """Cut by ``max_tokens`` (the runner stops the block), a cancel (the producer stops it) or a
+    failure (the block stays open, the in-band error ends the stream)."""
+    cut: list[Any] = [BlockStart(0, BlockKind.REASONING), BlockDelta(0, "Hmm, ", 1), BlockDelta(0, "let me", 1)]
+    usage = Usage(9, 3, reasoning_tokens=3)
+    ending = {"max_tokens": [BlockStop(0), Finish(StopReason.MAX_TOKENS, usage)],
+              "cancel": [Finish(StopReason.CANCELLED, usage)],
+              "failure": [Failure(ErrorKind.API_ERROR, "the engine failed", usage, retryable=True)]}[end]
+    surface = SURFACES.by_name(name).restored(echo, SIGNER)
+    entries, producer = produced(surface, IDS[name], [*cut, *ending])
+    text, reasoning, calls = said_by_stream(name, b"".join(entries))  # ends with its terminal event
+    assert (text, reasoning, calls) == ("", "" if "omitted" in echo else "Hmm, let me", [])
+    if end == "failure":
+        return
+    status = MessageStatus.CANCELLED if end == "cancel" else MessageStatus.COMPLETE
+    view = MessageView(IDS[name], name, "fake", 1700000000, status, producer.snapshot().content,
+                       producer.stop_reason, None, usage, echo=echo)
+    assert said_by_answer(name, httpx.Response(200, json=surface.message_json(view))) == (text, reasoning, calls)
+
+
+# -- the controls and the reasoning handed back, as each surface reads them -------------------------
+
+KEY = new_key()
+
+
+@pytest.mark.parametrize(("value", "controls"), [
+    ("none", ReasoningConfig(enabled=False)), ("minimal", ReasoningConfig(effort=Effort.MINIMAL)),
+    ("low", ReasoningConfig(effort=Effort.LOW)), ("high", ReasoningConfig(effort=Effort.HIGH)),
+    ("xhigh", ReasoningConfig(effort=Effort.XHIGH)), ("max", ReasoningConfig(effort=Effort.MAX)),
+])
+def test_openais_efforts_are_the_reasoning_controls_on_chat_and_responses(value: str, controls: ReasoningConfig) -> None:
+    chat = read_request(OPENAI.parse_request, {"messages": [{"role": "user", "content": "hi"}],
+                                               "reasoning_effort": value}, KEY)
+    responses = read_request(RESPONSES.parse_request, {"input": "hi", "reasoning": {"effort": value}}, KEY)
+    assert chat.request.reasoning == responses.request.reasoning == controls
+    with pytest.raises(RingserveError, match="reasoning_effort: must be one of"):
+        OPENAI.parse_request({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "lots"})
+
+
+def test_a_responses_summary_and_encrypted_content_are_what_its_objects_show() -> None:
+    body = {"input": "hi", "reasoning": {"effort": "low", "summary": "detailed", "context": "all_turns"},
+            "include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}
+    parsed = read_request(RESPONSES.parse_request, body, KEY)
+    assert parsed.ignored == ("reasoning.context", "include[0]")
+    options = RESPONSES.restored(parsed.echo, SIGNER).options
+    assert (options.effort, options.summary, options.encrypted_content) == ("low", "detailed", True)
+    deprecated = RESPONSES.restored(read_request(RESPONSES.parse_request, {
+        "input": "hi", "reasoning": {"generate_summary": "auto"}}, KEY).echo, SIGNER).options
+    assert (deprecated.summary, deprecated.encrypted_content) == ("auto", False)
+    for bad, match in (({"summary": "long"}, "reasoning.summary: must be one of"), (3, "reasoning: must be an object")):
+        with pytest.raises(RingserveError, match=match):
+            RESPONSES.parse_request({"input": "hi", "reasoning": bad})
+    with pytest.raises(RingserveError, match="include: must be a list of strings"):
+        RESPONSES.parse_request({"input": "hi", "include": "reasoning.encrypted_content"})
+
+
+def test_chat_history_carries_an_assistants_reasoning() -> None:
+    messages = [{"role": "user", "content": "hi", "reasoning_content": "not mine"},
+                {"role": "assistant", "content": "A.", "reasoning_content": "Plan A."},
+                {"role": "user", "content": "and?"},
+                {"role": "assistant", "content": None, "reasoning": "Plan B.", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    parsed = read_request(OPENAI.parse_request, {"messages": messages, "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, KEY)
+    assert [m.reasoning for m in parsed.request.messages] == ["", "Plan A.", "", "Plan B.", ""]
+    assert parsed.ignored == ("messages[0].reasoning_content",)
+    with pytest.raises(RingserveError, match=r"messages\[1\].reasoning_content: must be a string"):
+        OPENAI.parse_request({"messages": [messages[0], {**messages[1], "reasoning_content": ["x"]}]})
