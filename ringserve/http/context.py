@@ -144,9 +144,8 @@ def request_surface() -> Surface:
 
 
 def object_surface(view: MessageView) -> Surface:
-    """The surface that spells ``view``'s objects: its own, restored with what it echoes and the
-    hub's reasoning signer."""
-    return SURFACES.by_name(view.surface).restored(view.echo, hub().signer)
+    """The surface that spells ``view``'s objects (``Hub.surface_of``)."""
+    return hub().surface_of(view)
 
 
 def error_response(surface: Surface, error: RingserveError) -> Response:

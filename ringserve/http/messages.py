@@ -15,16 +15,17 @@ from quart import Response, request
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.view import MessageView
 from ringserve.http import context
-from ringserve.http.context import answering_errors, error_response, json_response, object_surface
+from ringserve.http.context import answering_errors, error_response, json_response
+from ringserve.live.hub import Hub
 from ringserve.live.resume import StreamEnded
 from ringserve.surfaces import ringserve as ringserve_json
 from ringserve.surfaces.base import Surface
 
 
-def message_status_json(view: MessageView) -> dict[str, Any]:
+def message_status_json(hub: Hub, view: MessageView) -> dict[str, Any]:
     """``GET /v1/messages/{id}``: the message's status, text and content blocks (so far, in its
-    surface's shape), stop reason and usage (``surfaces/ringserve.py``)."""
-    return ringserve_json.message_status_json(view, object_surface(view))
+    surface's shape: ``Hub.surface_of``), stop reason and usage (``surfaces/ringserve.py``)."""
+    return ringserve_json.message_status_json(view, hub.surface_of(view))
 
 
 async def resume(surface: Surface, message_id: str, last_event_id: str | None,
@@ -52,7 +53,8 @@ async def resume(surface: Surface, message_id: str, last_event_id: str | None,
 @answering_errors
 async def get_message(message_id: str) -> Response:
     """``GET /v1/messages/{id}``: ringserve's status of any message (``surfaces/ringserve.py``)."""
-    return json_response(message_status_json(await context.hub().find(message_id)))
+    hub = context.hub()
+    return json_response(message_status_json(hub, await hub.find(message_id)))
 
 
 async def resume_stream(message_id: str) -> Response:
@@ -75,4 +77,4 @@ async def issue_stream_token(message_id: str) -> Response:
 async def cancel_message(message_id: str) -> Response:
     """``POST /v1/messages/{id}/cancel``: cancel it (here or on its replica), answer its status once ended."""
     hub = context.hub()
-    return json_response(message_status_json(await hub.ended(await hub.find(message_id))))
+    return json_response(message_status_json(hub, await hub.ended(await hub.find(message_id))))

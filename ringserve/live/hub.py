@@ -43,6 +43,7 @@ from ringserve.logs.memory import LogStore
 from ringserve.metrics import GenerationStatistics, Metrics
 from ringserve.store.sqlite import MessageStore, RenderArgs, StoredMessage, render_json, store_failed
 from ringserve.surfaces.base import ParsedRequest, Surface
+from ringserve.surfaces.registry import SURFACES
 
 log = logging.getLogger("ringserve.hub")
 
@@ -319,6 +320,11 @@ class Hub:
         """Delete a message that has ended: its stored row and its log (``DELETE /v1/responses/{id}``)."""
         self.store.delete(message_id)
         self.logs.forget(message_id)
+
+    def surface_of(self, view: MessageView) -> Surface:
+        """The surface that spells ``view``'s objects: its own, restored with its echo and the
+        hub's reasoning signer (``Surface.restored``)."""
+        return SURFACES.by_name(view.surface).restored(view.echo, self.signer)
 
     def lookup(self, message_id: str) -> MessageView:
         """The message's view: live, else stored.

@@ -220,7 +220,7 @@ async def test_streams_whose_window_never_opens_buffer_little_and_are_reset(tmp_
                         peak = max(peak, _h2_buffered_bytes())
                         with trio.move_on_after(0.2):
                             await msg.done.wait()
-                finished = [message_status_json(state.hub.lookup(i)) for i in ids]
+                finished = [message_status_json(state.hub, state.hub.lookup(i)) for i in ids]
                 assert [m["status"] for m in finished] == ["complete", "complete"]
                 assert all(m["text"] == reply("2048") for m in finished)  # 2 MiB each, none of it sent
                 assert peak < STUCK_BUFFER_BOUND, peak
@@ -238,7 +238,7 @@ async def test_streams_whose_window_never_opens_buffer_little_and_are_reset(tmp_
                 assert {client.streams[s].reset_code for s in [*stuck, aborted]} == {h2.errors.ErrorCodes.CANCEL}
                 if (msg := state.hub.live(aborted_id)) is not None:
                     await msg.done.wait()
-                cancelled = message_status_json(state.hub.lookup(aborted_id))
+                cancelled = message_status_json(state.hub, state.hub.lookup(aborted_id))
                 assert cancelled["status"] == "cancelled" and cancelled["usage"]["output_tokens"] < 8192 // 2
                 assert _h2_buffered_bytes() == 0
                 metrics = state.metrics.render().decode()
