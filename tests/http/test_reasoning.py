@@ -30,6 +30,7 @@ from tests.http.test_responses import check_object
 from tests.http.test_responses import check_stream as check_responses
 from tests.support.conformance import check_answer, check_stream, stream_bytes
 from tests.support.server import fake_config, running_server
+from tests.support.wait import wait_until
 
 SURFACES = ("anthropic", "openai", "responses")
 PATHS = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions", "responses": "/v1/responses"}
@@ -281,6 +282,31 @@ async def test_reasoning_handed_back_reaches_the_prompt(template_server):
     rendered = await _render(client, "openai", {"model": "m", "messages": chat})
     assert "<|assistant|><think>Plan it.</think>Answer.\n" in rendered["prompt"]
     assert ReasoningSigner.from_text(state.config.server.signing_key).restore("Plan it.", thinking["signature"])
+
+
+async def test_encrypted_content_round_trips_statelessly_under_store_false(template_server):
+    """Codex's loop: ``store: false`` with ``include: ["reasoning.encrypted_content"]``; the reasoning
+    item comes back without its text (a summary and the encrypted content, as codex-rs serializes
+    it), the response it came from is gone, and the prompt still holds the reasoning."""
+    state, client = template_server
+    request = {"model": "m", "input": "hi", "store": False, "reasoning": {"summary": "auto"},
+               "include": ["reasoning.encrypted_content"]}
+    resp, raw = await stream_bytes(client, "POST", "/v1/responses", json={**request, "stream": True})
+    done = check_responses(raw).done_items
+    item, answer = done
+    assert item["type"] == "reasoning" and item["summary"] == [{"type": "summary_text", "text": "Plan it."}]
+    rid = resp.headers["x-message-id"]
+    await wait_until(lambda: state.hub.store.get(rid) is None)
+    assert (await client.get(f"/v1/responses/{rid}")).status_code == 404  # not stored
+    sent_back = {k: item[k] for k in ("type", "id", "summary", "encrypted_content")}
+    follow_up = {**request, "input": [{"role": "user", "content": "hi"}, sent_back, answer,
+                                      {"role": "user", "content": "and?"}]}
+    rendered = await _render(client, "responses", follow_up)
+    assert "<|assistant|><think>Plan it.</think>Answer.\n" in rendered["prompt"]
+    tampered = {**sent_back, "encrypted_content": sent_back["encrypted_content"][:-2] + "AA"}
+    resp = await client.post("/v1/responses/render", json={**follow_up, "input": [
+        {"role": "user", "content": "hi"}, tampered, answer, {"role": "user", "content": "and?"}]})
+    assert "Plan it." not in resp.json()["prompt"] and "input[1]" in resp.headers["ringserve-ignored-fields"]
 
 
 async def test_a_model_that_does_not_reason_takes_the_controls_and_answers_without_reasoning(tmp_path):

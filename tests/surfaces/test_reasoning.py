@@ -74,7 +74,7 @@ def produced(surface: Any, message_id: str, events: list[Any]) -> tuple[list[byt
     event every 4 ms), and the producer."""
     producer = Producer(message_id, surface.renderer(message_id, "fake", 1700000000, True), Usage(9, 0),
                         flush_seconds=0.01, flush_tokens=16, persist_seconds=math.inf, retry_ms=3000)
-    entries = list(producer.start().entries)
+    entries = list(producer.start(0.0).entries)
     for i, event in enumerate(events):
         now = i * 0.004
         entries += producer.tick(now).entries
@@ -204,3 +204,26 @@ def test_chat_history_carries_an_assistants_reasoning() -> None:
     assert parsed.ignored == ("messages[0].reasoning_content",)
     with pytest.raises(RingserveError, match=r"messages\[1\].reasoning_content: must be a string"):
         OPENAI.parse_request({"messages": [messages[0], {**messages[1], "reasoning_content": ["x"]}]})
+
+
+def test_a_reasoning_item_sent_back_restores_its_reasoning() -> None:
+    """Its readable content, else the text its encrypted content carries when ringserve sealed it
+    (what Codex sends back under ``store: false``: the summary and the encrypted content); a
+    summary alone or another key's seal is dropped and reported."""
+    signer = ReasoningSigner.from_text(KEY)
+
+    def item(**fields: Any) -> dict[str, Any]:
+        return {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Plan A."}], **fields}
+
+    answer = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "A."}]}
+    for sent, restored, ignored in [
+        (item(content=[{"type": "reasoning_text", "text": "Plan A."}]), "Plan A.", ()),
+        (item(encrypted_content=signer.seal("Plan A.")), "Plan A.", ()),
+        (item(encrypted_content=SIGNER.seal("Plan A.")), "", ("input[1]",)),  # another server's key
+        (item(encrypted_content="gAAAAABo-openai's-own"), "", ("input[1]",)),
+        (item(), "", ("input[1]",)),
+    ]:
+        parsed = read_request(RESPONSES.parse_request, {"input": [
+            {"role": "user", "content": "hi"}, sent, answer, {"role": "user", "content": "and?"}]}, KEY)
+        assert parsed.request.messages[1] == ChatMessage("assistant", "A.", reasoning=restored), sent
+        assert parsed.ignored == ignored
