@@ -24,8 +24,8 @@ from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import Failure, Finish, StopReason, Usage
 from ringserve.core.producer import Trace, replay
 from ringserve.core.render import Renderer
-from ringserve.core.signing import ReasoningSigner
 from ringserve.core.ringlog import LogState, RingLog, parse_event_id
+from ringserve.core.signing import ReasoningSigner
 from ringserve.core.status import INTERRUPTED_MESSAGE, OWNER_LOST_MESSAGE, MessageStatus
 from ringserve.logs.memory import LogStore, MemoryMessageLog, MessageLog, Position
 from ringserve.logs.reader import tail

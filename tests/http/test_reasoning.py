@@ -40,7 +40,8 @@ WORDS = "the weather in Paris depends on the season"  # bench_reply's 8 words
 #: it), opens the thinking block when thinking is on, and refuses a turn that says "refuse"; user
 #: turns as the fake engine reads them.
 TEMPLATE = (
-    "{%- for m in messages -%}{% if m.content == 'refuse' %}{{ raise_exception('no refusals here') }}{% endif %}"
+    "{%- for m in messages -%}"
+    "{% if m.content == 'refuse' %}{{ raise_exception('no refusals here') }}{% endif %}"
     "<|{{ m.role }}|>"
     "{%- if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}\n"
     "{% endfor -%}<|assistant|>{% if enable_thinking is not defined or enable_thinking %}<think>\n{% endif %}"
@@ -53,10 +54,11 @@ def body(surface: str, text: str = "weather?", **fields: Any) -> dict[str, Any]:
     match surface:
         case "anthropic":
             tools = [{"name": name, "input_schema": schema} for name, schema in schemas]
-            return {"model": "m", "max_tokens": 500, "messages": [{"role": "user", "content": text}], "tools": tools,
-                    **fields}
+            return {"model": "m", "max_tokens": 500, "messages": [{"role": "user", "content": text}],
+                    "tools": tools, **fields}
         case "openai":
-            tools = [{"type": "function", "function": {"name": name, "parameters": schema}} for name, schema in schemas]
+            tools = [{"type": "function", "function": {"name": name, "parameters": schema}}
+                     for name, schema in schemas]
             return {"model": "m", "messages": [{"role": "user", "content": text}], "tools": tools, **fields}
         case _:
             tools = [{"type": "function", "name": name, "parameters": schema} for name, schema in schemas]
@@ -115,9 +117,11 @@ def _cuts(surface: str, raw: bytes) -> list[int]:
     """The seqs of a stream after which a resume starts inside the thinking (after its first delta)
     and inside the call (after its first argument fragment)."""
     events = SSEParser().feed(raw)
-    thinking = {"anthropic": '"thinking_delta"', "openai": '"reasoning_content"', "responses": "reasoning_text.delta"}
+    thinking = {"anthropic": '"thinking_delta"', "openai": '"reasoning_content"',
+                "responses": "reasoning_text.delta"}
     calling = {"anthropic": '"input_json_delta"', "openai": '"arguments":"{', "responses": "arguments.delta"}
-    cuts = [next(i for i, e in enumerate(events) if marker[surface] in e.data) for marker in (thinking, calling)]
+    cuts = [next(i for i, e in enumerate(events) if marker[surface] in e.data)
+            for marker in (thinking, calling)]
     return [cut for cut in cuts if cut + 1 < len(events)]
 
 
@@ -187,10 +191,12 @@ async def test_get_an_idempotent_retry_and_the_client_carry_the_reasoning(family
 
 
 async def test_a_reply_cut_inside_its_thinking_ends_cleanly_on_every_surface(tmp_path):
-    async with running_server(fake_config(tmp_path), chat_format="hermes", reply="<think>" + "mull " * 40) as state:
+    reply = "<think>" + "mull " * 40
+    async with running_server(fake_config(tmp_path), chat_format="hermes", reply=reply) as state:
         async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
             for surface in SURFACES:
-                budget = {"anthropic": "max_tokens", "openai": "max_completion_tokens"}.get(surface, "max_output_tokens")
+                budget = {"anthropic": "max_tokens", "openai": "max_completion_tokens"}.get(
+                    surface, "max_output_tokens")
                 resp, raw = await stream_bytes(client, "POST", PATHS[surface],
                                                json=body(surface, "hi", stream=True, **{budget: 6}))
                 text, reasoning, _ = said_by_stream(surface, raw)
@@ -222,13 +228,14 @@ async def test_the_render_routes_show_the_prompt_each_surface_gives(template_ser
     for surface in SURFACES:
         request = {**body(surface, "hi"), "tools": []}
         rendered = await _render(client, surface, request)
-        assert rendered == {"object": "ringserve.prompt", "prompt": "<|user|>hi\n<|assistant|><think>\n",
-                            "input_tokens": len(b"<|user|>hi\n<|assistant|><think>\n"), "reasoning_open": True}
+        prompt = "<|user|>hi\n<|assistant|><think>\n"
+        assert rendered == {"object": "ringserve.prompt", "prompt": prompt,
+                            "input_tokens": len(prompt.encode()), "reasoning_open": True}
         # the generation's prompt is that one
         answer = await client.post(PATHS[surface], json=request)
         usage = answer.json()["usage"]
-        assert usage.get("input_tokens", usage.get("prompt_tokens")) + usage.get("cache_read_input_tokens", 0) == (
-            rendered["input_tokens"])
+        read = usage.get("input_tokens", usage.get("prompt_tokens"))
+        assert read + usage.get("cache_read_input_tokens", 0) == rendered["input_tokens"]
     off = await _render(client, "openai", {**body("openai", "hi"), "tools": [], "reasoning_effort": "none"})
     assert off["prompt"] == "<|user|>hi\n<|assistant|>" and not off["reasoning_open"]
     off = await _render(client, "responses", {**body("responses", "hi"), "reasoning": {"effort": "none"}})
@@ -240,7 +247,8 @@ async def test_the_render_routes_show_the_prompt_each_surface_gives(template_ser
 async def test_a_template_that_cannot_render_the_request_is_the_surfaces_400(template_server):
     _state, client = template_server
     for surface in SURFACES:
-        for path in (f"{PATHS[surface]}/render", PATHS[surface]):  # the render route answers as the generation's
+        # the render route answers as the generation's
+        for path in (f"{PATHS[surface]}/render", PATHS[surface]):
             resp = await client.post(path, json=body(surface, "refuse"))
             assert resp.status_code == 400, resp.text
             assert "no refusals here" in resp.json()["error"]["message"]
@@ -264,24 +272,31 @@ async def test_reasoning_handed_back_reaches_the_prompt(template_server):
     answer = (await client.post("/v1/messages", json={**body("anthropic", "hi"), "tools": []})).json()
     thinking = answer["content"][0]
     assert thinking["type"] == "thinking" and thinking["thinking"] == "Plan it."
+    adaptive = {"type": "adaptive", "display": "omitted"}
     omitted = (await client.post("/v1/messages", json={**body("anthropic", "hi"), "tools": [],
-                                                       "thinking": {"type": "adaptive", "display": "omitted"}})).json()
-    assert omitted["content"][0]["thinking"] == "" and omitted["content"][0]["signature"] != thinking["signature"]
-    for block in (thinking, omitted["content"][0]):
-        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [block, answer["content"][1]]},
+                                                       "thinking": adaptive})).json()
+    hidden = omitted["content"][0]
+    assert hidden["thinking"] == "" and hidden["signature"] != thinking["signature"]
+    for block in (thinking, hidden):
+        history = [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": [block, answer["content"][1]]},
                    {"role": "user", "content": "and?"}]
         rendered = await _render(client, "anthropic", {"model": "m", "max_tokens": 9, "messages": history})
         assert "<|assistant|><think>Plan it.</think>Answer.\n" in rendered["prompt"]
     forged = {**thinking, "thinking": "Plan B."}
-    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [forged, answer["content"][1]]},
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": [forged, answer["content"][1]]},
                {"role": "user", "content": "and?"}]
     resp = await client.post("/v1/messages/render", json={"model": "m", "max_tokens": 9, "messages": history})
-    assert "Plan" not in resp.json()["prompt"] and "messages[1].content[0]" in resp.headers["ringserve-ignored-fields"]
-    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Answer.", "reasoning_content": "Plan it."},
+    assert "Plan" not in resp.json()["prompt"]
+    assert "messages[1].content[0]" in resp.headers["ringserve-ignored-fields"]
+    chat = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Answer.", "reasoning_content": "Plan it."},
             {"role": "user", "content": "and?"}]
     rendered = await _render(client, "openai", {"model": "m", "messages": chat})
     assert "<|assistant|><think>Plan it.</think>Answer.\n" in rendered["prompt"]
-    assert ReasoningSigner.from_text(state.config.server.signing_key).restore("Plan it.", thinking["signature"])
+    signer = ReasoningSigner.from_text(state.config.server.signing_key)
+    assert signer.restore("Plan it.", thinking["signature"])
 
 
 async def test_encrypted_content_round_trips_statelessly_under_store_false(template_server):
@@ -317,9 +332,9 @@ async def test_a_model_that_does_not_reason_takes_the_controls_and_answers_witho
                         "responses": {"reasoning": {"effort": "high", "summary": "auto"},
                                       "include": ["reasoning.encrypted_content"]}}
             for surface in SURFACES:
-                resp = await client.post(PATHS[surface], json={**body(surface, "echo:plain"), **controls[surface]})
+                request = {**body(surface, "echo:plain"), **controls[surface]}
+                resp = await client.post(PATHS[surface], json=request)
                 text, reasoning, calls = said_by_answer(surface, resp)
                 assert (text, reasoning, calls) == ("plain", "", [])
-                _, raw = await stream_bytes(client, "POST", PATHS[surface],
-                                            json={**body(surface, "echo:plain", stream=True), **controls[surface]})
+                _, raw = await stream_bytes(client, "POST", PATHS[surface], json={**request, "stream": True})
                 assert said_by_stream(surface, raw) == ("plain", "", [])

@@ -54,16 +54,20 @@ from tests.http.test_reasoning import said_by_answer, said_by_stream
 SIGNER = ReasoningSigner.from_text(new_key())
 IDS = {"anthropic": "msg_" + "1" * 24, "openai": "chatcmpl-" + "2" * 24, "responses": "resp_" + "3" * 24}
 #: Each surface in each way it shows reasoning (the echo of a request that asks for it).
-SHOWN = [("anthropic", ""), ("anthropic", '{"thinking_display":"omitted"}'), ("openai", ""), ("responses", ""),
+SHOWN = [("anthropic", ""), ("anthropic", '{"thinking_display":"omitted"}'), ("openai", ""),
+         ("responses", ""),
          ("responses", '{"reasoning":{"summary":"auto"},"include":["reasoning.encrypted_content"]}')]
 #: Where a resume starts: after the first delta of the thinking, after the first fragment of the call.
-INSIDE = {"anthropic": ('"thinking_delta"', '"input_json_delta"'), "openai": ('"reasoning_content"', '"arguments":"'),
+INSIDE = {"anthropic": ('"thinking_delta"', '"input_json_delta"'),
+          "openai": ('"reasoning_content"', '"arguments":"'),
           "responses": ("\"response.reasoning_", "arguments.delta")}
 
 
 async def events_of(family: str, seed: int) -> list[Any]:
-    engine = FakeEngine(chat_format=family, reply=bench_reply(family, FAMILIES[family], 8), split=random_split(seed))
-    request = GenerationRequest((ChatMessage("user", "weather?"),), 400, SamplingParams(temperature=0), tools=tuple(TOOLS))
+    engine = FakeEngine(chat_format=family, reply=bench_reply(family, FAMILIES[family], 8),
+                        split=random_split(seed))
+    request = GenerationRequest((ChatMessage("user", "weather?"),), 400, SamplingParams(temperature=0),
+                                tools=tuple(TOOLS))
     async with serving(engine) as runner:
         events, _text, _terminal, _gen = await generate(runner, request)
     return events
@@ -97,17 +101,20 @@ async def test_every_familys_reply_on_every_surface(family: str) -> None:
         snap = producer.snapshot()
         view = MessageView(IDS[name], name, "fake", 1700000000, MessageStatus.COMPLETE, snap.content,
                            producer.stop_reason, None, producer.usage, echo=echo)
-        assert said_by_answer(name, httpx.Response(200, json=surface.message_json(view))) == (text, reasoning, calls)
+        answer = httpx.Response(200, json=surface.message_json(view))
+        assert said_by_answer(name, answer) == (text, reasoning, calls)
         # a resume inside the thinking and inside the call
         datas = [entry.split(b"\ndata: ", 1)[1] for entry in entries]
-        cuts = [next((i for i, data in enumerate(datas) if marker.encode() in data), None) for marker in INSIDE[name]]
+        cuts = [next((i for i, data in enumerate(datas) if marker.encode() in data), None)
+                for marker in INSIDE[name]]
         assert cuts[1] is not None and (cuts[0] is not None) == bool(reasoning), (name, echo)
         for cut in cuts:
             if cut is not None:
                 said_by_stream(name, b"".join(entries[cut + 1:]), first=cut + 1)
         # the stream rebuilt from the store's trace: the same bytes
         fresh = SURFACES.by_name(name).restored(echo, SIGNER).renderer(IDS[name], "fake", 1700000000, True)
-        assert list(replay(IDS[name], fresh, Usage(9, 0), snap.content, snap.trace, events[-1], 3000)) == entries
+        rebuilt = replay(IDS[name], fresh, Usage(9, 0), snap.content, snap.trace, events[-1], 3000)
+        assert list(rebuilt) == entries
 
 
 def test_a_thinking_blocks_signature_restores_it() -> None:
@@ -117,7 +124,8 @@ def test_a_thinking_blocks_signature_restores_it() -> None:
     for echo, text in (("", "Plan: 👋 then go."), ('{"thinking_display":"omitted"}', "")):
         surface = SURFACES.by_name("anthropic").restored(echo, SIGNER)
         entries, _ = produced(surface, IDS["anthropic"], events)
-        deltas = [json.loads(e.split(b"\ndata: ", 1)[1])["delta"] for e in entries if b"content_block_delta" in e]
+        deltas = [json.loads(e.split(b"\ndata: ", 1)[1])["delta"]
+                  for e in entries if b"content_block_delta" in e]
         (signature,) = [d["signature"] for d in deltas if d["type"] == "signature_delta"]
         assert SIGNER.restore(text, signature) == "Plan: 👋 then go."
         assert ReasoningSigner.from_text(new_key()).restore(text, signature) is None
@@ -127,7 +135,7 @@ def _thinking_events(text: str) -> list[Any]:
     """A thinking block of ``text`` cut in four deltas, then an answer."""
     rng = random.Random(7)
     cuts = sorted(rng.sample(range(1, len(text)), 3))
-    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     return [BlockStart(0, BlockKind.REASONING), *(BlockDelta(0, p, 1) for p in pieces), BlockStop(0),
             BlockStart(1, BlockKind.TEXT), BlockDelta(1, "ok", 1), BlockStop(1),
             Finish(StopReason.END, Usage(9, 6, reasoning_tokens=4))]
@@ -138,7 +146,8 @@ def _thinking_events(text: str) -> list[Any]:
 def test_a_reply_cut_inside_its_thinking_ends_as_the_sdks_expect(name: str, echo: str, end: str) -> None:
     """Cut by ``max_tokens`` (the runner stops the block), a cancel (the producer stops it) or a
     failure (the block stays open, the in-band error ends the stream)."""
-    cut: list[Any] = [BlockStart(0, BlockKind.REASONING), BlockDelta(0, "Hmm, ", 1), BlockDelta(0, "let me", 1)]
+    cut: list[Any] = [BlockStart(0, BlockKind.REASONING), BlockDelta(0, "Hmm, ", 1),
+                      BlockDelta(0, "let me", 1)]
     usage = Usage(9, 3, reasoning_tokens=3)
     ending = {"max_tokens": [BlockStop(0), Finish(StopReason.MAX_TOKENS, usage)],
               "cancel": [Finish(StopReason.CANCELLED, usage)],
@@ -152,7 +161,8 @@ def test_a_reply_cut_inside_its_thinking_ends_as_the_sdks_expect(name: str, echo
     status = MessageStatus.CANCELLED if end == "cancel" else MessageStatus.COMPLETE
     view = MessageView(IDS[name], name, "fake", 1700000000, status, producer.snapshot().content,
                        producer.stop_reason, None, usage, echo=echo)
-    assert said_by_answer(name, httpx.Response(200, json=surface.message_json(view))) == (text, reasoning, calls)
+    answer = httpx.Response(200, json=surface.message_json(view))
+    assert said_by_answer(name, answer) == (text, reasoning, calls)
 
 
 # -- the controls and the reasoning handed back, as each surface reads them -------------------------
@@ -165,7 +175,8 @@ KEY = new_key()
     ("low", ReasoningConfig(effort=Effort.LOW)), ("high", ReasoningConfig(effort=Effort.HIGH)),
     ("xhigh", ReasoningConfig(effort=Effort.XHIGH)), ("max", ReasoningConfig(effort=Effort.MAX)),
 ])
-def test_openais_efforts_are_the_reasoning_controls_on_chat_and_responses(value: str, controls: ReasoningConfig) -> None:
+def test_openais_efforts_are_the_reasoning_controls_on_chat_and_responses(
+        value: str, controls: ReasoningConfig) -> None:
     chat = read_request(OPENAI.parse_request, {"messages": [{"role": "user", "content": "hi"}],
                                                "reasoning_effort": value}, KEY)
     responses = read_request(RESPONSES.parse_request, {"input": "hi", "reasoning": {"effort": value}}, KEY)
@@ -184,7 +195,8 @@ def test_a_responses_summary_and_encrypted_content_are_what_its_objects_show() -
     deprecated = RESPONSES.restored(read_request(RESPONSES.parse_request, {
         "input": "hi", "reasoning": {"generate_summary": "auto"}}, KEY).echo, SIGNER).options
     assert (deprecated.summary, deprecated.encrypted_content) == ("auto", False)
-    for bad, match in (({"summary": "long"}, "reasoning.summary: must be one of"), (3, "reasoning: must be an object")):
+    for bad, match in (({"summary": "long"}, "reasoning.summary: must be one of"),
+                       (3, "reasoning: must be an object")):
         with pytest.raises(RingserveError, match=match):
             RESPONSES.parse_request({"input": "hi", "reasoning": bad})
     with pytest.raises(RingserveError, match="include: must be a list of strings"):
@@ -213,7 +225,8 @@ def test_a_reasoning_item_sent_back_restores_its_reasoning() -> None:
     signer = ReasoningSigner.from_text(KEY)
 
     def item(**fields: Any) -> dict[str, Any]:
-        return {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Plan A."}], **fields}
+        summary = [{"type": "summary_text", "text": "Plan A."}]
+        return {"type": "reasoning", "id": "rs_1", "summary": summary, **fields}
 
     answer = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "A."}]}
     for sent, restored, ignored in [
