@@ -126,15 +126,19 @@ def test_a_chat_loop_sends_back_what_the_stream_helper_returned(tmp_path, surfac
 
 
 THOUGHT = "Plan it: 世界 👋, then answer."
+#: Where the first turn's reasoning sits in the second turn's request.
+HANDED_BACK = {"anthropic": "messages[1].content[0]", "chat": "messages[1].reasoning_content",
+               "responses": "input[1]"}
 
 
 async def test_the_sdks_accumulate_a_thinking_reply_on_every_surface(tmp_path):
     """A thinking model (the Hermes family's <think> block) through each SDK's stream helper: the
     reasoning its deltas add up to is the plain answer's, the helper ends without an error, and the
-    message it returns goes back as the next turn's history (Anthropic's thinking block with its
-    signature, which ringserve verifies). The OpenAI Node helper keeps only the last
-    ``reasoning_content`` fragment in its final message (it assigns delta fields it does not know),
-    so Chat's reasoning is compared by its deltas."""
+    message it returns goes back as the next turn's history with its reasoning kept, not reported
+    ignored (Anthropic's thinking block with its signature, which ringserve verifies; Chat's
+    ``reasoning_content``; the Responses output's reasoning item). The OpenAI Node helper keeps
+    only the last ``reasoning_content`` fragment in its final message (it assigns delta fields it
+    does not know), so Chat's reasoning is compared by its deltas."""
     results = await node(tmp_path, "thinking", reply=f"<think>{THOUGHT}</think>Done.", chat_format="hermes",
                          piece_bytes=3)
     for surface, result in results.items():
@@ -142,7 +146,8 @@ async def test_the_sdks_accumulate_a_thinking_reply_on_every_surface(tmp_path):
         assert "error" not in stream and "error" not in plain, (surface, result)
         assert stream["deltas"]["reasoning"] == plain["reasoning"] == THOUGHT, surface
         assert stream["text"] == plain["text"] == "Done.", surface
-        assert result.get("loop", {"ok": True}) == {"ok": True}, (surface, result)
+        assert "error" not in result["loop"], (surface, result)
+        assert HANDED_BACK[surface] not in result["loop"]["ignored"], (surface, result)
     anthropic = results["anthropic"]["stream"]
     assert anthropic["reasoning"] == THOUGHT and anthropic["signatures"] == [anthropic["deltas"]["signature"]]
     assert results["responses"]["stream"]["reasoning"] == THOUGHT

@@ -13,9 +13,10 @@
 // so that keepalive response.in_progress events (each the response so far, which the helper takes
 // as its snapshot) come in the middle of the text and of the call: the summary, and how many came.
 // thinking: a thinking model's reply on every surface through the helpers: what the accumulator,
-// the reasoning deltas and the plain answer say of its reasoning and text; then, on Anthropic and
-// Chat, a second turn that sends back the message the helper returned (its thinking block with its
-// signature, its reasoning_content).
+// the reasoning deltas and the plain answer say of its reasoning and text; then a second turn that
+// sends back what the helper returned (Anthropic's thinking block with its signature, Chat's
+// message with its reasoning_content, Responses' output with its reasoning item), as the fields
+// the server named in its Ringserve-Ignored-Fields header.
 import Anthropic from "@anthropic-ai/sdk";
 import OpenAI from "openai";
 
@@ -241,17 +242,27 @@ const thinkPlain = {
   responses: () => openai.responses.create(thinkParams.responses()),
 };
 
-// The second turn of a thinking loop: the helper's message sent back as the assistant's turn.
+// The second turn of a thinking loop: the helper's message sent back as the assistant's turn; the
+// fields the server reports ignored (a thinking block or reasoning item it dropped would be there).
+const ignoredBy = async (request) => {
+  const { response } = await request.withResponse();
+  return (response.headers.get("ringserve-ignored-fields") ?? "").split(", ").filter((f) => f);
+};
 const thinkingLoops = {
   anthropic: async (final) => {
     const params = thinkParams.anthropic();
-    await anthropic.messages.create({ ...params, messages: [...params.messages,
-      { role: "assistant", content: final.content }, { role: "user", content: "And then?" }] });
+    return ignoredBy(anthropic.messages.create({ ...params, messages: [...params.messages,
+      { role: "assistant", content: final.content }, { role: "user", content: "And then?" }] }));
   },
   chat: async (final) => {
     const params = thinkParams.chat();
-    await openai.chat.completions.create({ ...params, messages: [...params.messages, final.choices[0].message,
-      { role: "user", content: "And then?" }] });
+    return ignoredBy(openai.chat.completions.create({ ...params, messages: [...params.messages,
+      final.choices[0].message, { role: "user", content: "And then?" }] }));
+  },
+  responses: async (final) => {
+    const params = thinkParams.responses();
+    return ignoredBy(openai.responses.create({ ...params, input: [{ role: "user", content: params.input },
+      ...final.output, { role: "user", content: "And then?" }] }));
   },
 };
 
@@ -267,8 +278,8 @@ async function thinking() {
       }),
       plain: await outcome(async () => reasoningOf[name](await thinkPlain[name]())),
     };
-    if (final !== null && thinkingLoops[name]) {
-      results[name].loop = await outcome(async () => { await thinkingLoops[name](final); return { ok: true }; });
+    if (final !== null) {
+      results[name].loop = await outcome(async () => ({ ignored: await thinkingLoops[name](final) }));
     }
   }
   return results;
