@@ -177,8 +177,12 @@ THINKING_FIELDS = FieldTable(
 )
 
 #: ``thinking.display`` → whether the reply's thinking blocks are sent without their text
-#: (``omitted``: a sealed signature carries it, :class:`ThinkingDisplay`).
-DISPLAYS = {"summarized": False, "omitted": True}
+#: (``omitted``: a sealed signature carries it, :class:`ThinkingDisplay`). No model here summarises
+#: its thinking, so the shown ones all show it whole: ``summarized``, and the two Claude Code
+#: 2.1.332 asks for beside it (``highlights``, and ``updates`` under its
+#: ``thinking_display_updates`` beta, the one it sends with ``--output-format stream-json``; the
+#: values it knows are ``["summarized","omitted","highlights"]`` in its binary).
+DISPLAYS = {"summarized": False, "highlights": False, "updates": False, "omitted": True}
 
 #: ``thinking.type`` → whether thinking is on (``adaptive`` and ``between_tools``: the model decides).
 THINKING_TYPES = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}

@@ -45,7 +45,7 @@ from ringserve.core.view import MessageView
 from ringserve.engine.fake import FakeEngine
 from ringserve.formats.families import FAMILIES
 from ringserve.surfaces.base import read_request
-from ringserve.surfaces.registry import OPENAI, SURFACES
+from ringserve.surfaces.registry import ANTHROPIC, OPENAI, SURFACES
 from ringserve.surfaces.responses import RESPONSES
 from tests.engine.test_runner import generate, serving
 from tests.engine.test_runner_formats import random_split
@@ -183,6 +183,22 @@ def test_openais_efforts_are_the_reasoning_controls_on_chat_and_responses(
     assert chat.request.reasoning == responses.request.reasoning == controls
     with pytest.raises(RingserveError, match="reasoning_effort: must be one of"):
         OPENAI.parse_request({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "lots"})
+
+
+@pytest.mark.parametrize(("display", "omitted"), [
+    (None, False), ("summarized", False), ("highlights", False), ("updates", False), ("omitted", True)])
+def test_every_thinking_display_claude_code_asks_for_is_honoured(display: str | None, omitted: bool) -> None:
+    """Claude Code 2.1.332 sends ``updates`` with ``--output-format stream-json`` and ``highlights``
+    beside ``summarized``: each shows the thinking (whole: nothing here summarises it); ``omitted``
+    withholds it."""
+    thinking = {"type": "adaptive"} if display is None else {"type": "adaptive", "display": display}
+    body = {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}],
+            "thinking": thinking}
+    parsed = read_request(ANTHROPIC.parse_request, body, KEY)
+    assert parsed.ignored == ()
+    assert parsed.echo == ('{"thinking_display":"omitted"}' if omitted else "")
+    with pytest.raises(RingserveError, match="thinking.display: must be one of"):
+        ANTHROPIC.parse_request({**body, "thinking": {"type": "adaptive", "display": "loud"}})
 
 
 def test_a_responses_summary_and_encrypted_content_are_what_its_objects_show() -> None:
