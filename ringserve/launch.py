@@ -188,8 +188,10 @@ def codex_settings(served: Served, catalog: Path | None) -> Settings:
 def codex_model_entry(catalog: Mapping[str, Any], served: Served) -> dict[str, Any] | None:
     """The served model's entry for Codex's ``model_catalog_json``: :data:`CODEX_TEMPLATE`'s entry
     in ``catalog`` (what ``codex debug models --bundled`` prints) under the served model's name and
-    context window, without an upgrade offer, availability notice or paid speed tiers. None when the
-    catalog has no such model."""
+    context window, without an upgrade offer, availability notice or paid speed tiers, and asking for
+    reasoning summaries (``default_reasoning_summary`` ``auto``; the template's is ``none``, and
+    Codex shows a model's reasoning only from summaries: ringserve's are the whole reasoning).
+    None when the catalog has no such model."""
     template = next((m for m in catalog.get("models", ()) if m.get("slug") == CODEX_TEMPLATE), None)
     if template is None:
         return None
@@ -202,6 +204,7 @@ def codex_model_entry(catalog: Mapping[str, Any], served: Served) -> dict[str, A
         "description": f"{served.model}, served by ringserve",
         "context_window": served.context_window,
         "max_context_window": served.context_window,
+        "default_reasoning_summary": "auto",
     }
 
 

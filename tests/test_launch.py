@@ -92,12 +92,14 @@ def test_a_model_name_that_needs_escaping_stays_one_toml_string():
 def test_the_served_model_gets_the_template_models_codex_metadata_under_its_own_name_and_window():
     template = {"slug": launch.CODEX_TEMPLATE, "display_name": "GPT", "description": "theirs", "context_window": 272000,
                 "max_context_window": 272000, "apply_patch_tool_type": "freeform", "upgrade": {"model": "newer"},
+                "default_reasoning_summary": "none",
                 "service_tiers": [{"id": "priority"}], "base_instructions": "You are Codex."}
     catalog = {"models": [{"slug": "other", "apply_patch_tool_type": None}, template]}
     entry = launch.codex_model_entry(catalog, SERVED)
     assert entry == {**template, "slug": "qwen3-8b", "display_name": "qwen3-8b",
                      "description": "qwen3-8b, served by ringserve", "context_window": 32768,
-                     "max_context_window": 32768, "upgrade": None, "service_tiers": []}
+                     "max_context_window": 32768, "upgrade": None, "service_tiers": [],
+                     "default_reasoning_summary": "auto"}
     assert launch.codex_model_entry({"models": [{"slug": "other"}]}, SERVED) is None
 
 
@@ -262,7 +264,7 @@ def test_launch_uses_a_running_server_and_leaves_it_running(tmp_path, agent_env,
         assert "export RINGSERVE_API_KEY=key-1\n" in out
         assert json.loads(Path(config_toml["model_catalog_json"]).read_text()) == {"models": [{
             **catalog["models"][0], "slug": "fake", "display_name": "fake", "description": "fake, served by ringserve",
-            "context_window": 4096, "max_context_window": 4096}]}
+            "context_window": 4096, "max_context_window": 4096, "default_reasoning_summary": "auto"}]}
         assert "starting one" not in err
         assert err.count("\n") == 1 and "4,096 tokens of context per slot" in err  # the context warning only
         assert httpx.get(f"{server.url}/ready").status_code == 200
