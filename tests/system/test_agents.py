@@ -15,24 +15,38 @@ that the turn fails unless the stream's keepalive events (``response.in_progress
 docs/agents.md) reads the same silence broken by ``event: ping`` with its own parser.
 ``tests/live/test_hub.py`` plays a 400 s silence on the autojump clock.
 
+Reasoning (issue 34, "the agents of the agents issue show thinking"): the model is then of the
+Hermes family, its turns opening with a ``<think>`` block that the runner's real parser reads as
+reasoning, a call, then text. Claude Code (``--output-format stream-json --verbose``) prints
+both thinking blocks and Codex (``exec --json``) both ``reasoning`` items, with their text; the
+second turn of each hands the first turn's reasoning back (a signed thinking block; a reasoning
+item's ``encrypted_content``) and the engine gets it as that turn's reasoning, no request
+answered an error and none had a block or item dropped (the fields reported ignored, logged by
+the server).
+
 Skipped where the agents are not installed (``npm ci --prefix .ci/agents``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
+from ringserve.core.events import GenerationRequest, Role
 from ringserve.core.toolcalls import format_call
 from ringserve.engine.fake import FakeEngine
+from ringserve.engine.protocol import ChatPrompt
 from tests.support.capture_agents import BIN
 from tests.support.server import fake_config, running_server
 
@@ -59,15 +73,29 @@ def script(*turns: str) -> Callable[[str], str]:
     return reply
 
 
-def scripted_server(tmp_path: Path, reply: Callable[[str], str]) -> tuple[object, list[FakeEngine]]:
-    """An in-process server whose fake engine plays ``reply`` (its calls as written, also under a
-    lazy grammar), each first prompt prefilled for :data:`PREFILL_SECONDS`, a keepalive every second
-    of silence; and the list that will hold its engine."""
-    engines: list[FakeEngine] = []
+class RecordingEngine(FakeEngine):
+    """The fake engine, keeping every request whose prompt it renders (what each turn sent)."""
 
-    def factory(_config: object) -> FakeEngine:
-        engines.append(FakeEngine(n_slots=2, n_ctx_slot=CTX, piece_bytes=8, reply=reply,
-                                  prefill_seconds=PREFILL_SECONDS, grammar_examples=False))
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.requests: list[GenerationRequest] = []
+
+    def tokenize_chat(self, request: GenerationRequest) -> ChatPrompt:
+        self.requests.append(request)
+        return super().tokenize_chat(request)
+
+
+def scripted_server(tmp_path: Path, reply: Callable[[str], str], *, prefill_seconds: float = PREFILL_SECONDS,
+                    chat_format: str | None = None) -> tuple[object, list[RecordingEngine]]:
+    """An in-process server whose fake engine plays ``reply`` (its calls as written, also under a
+    lazy grammar; read with ``chat_format``'s parser), each first prompt prefilled for
+    ``prefill_seconds``, a keepalive every second of silence; and the list that will hold its engine."""
+    engines: list[RecordingEngine] = []
+
+    def factory(_config: object) -> RecordingEngine:
+        engines.append(RecordingEngine(n_slots=2, n_ctx_slot=CTX, piece_bytes=8, reply=reply,
+                                       prefill_seconds=prefill_seconds, grammar_examples=False,
+                                       chat_format=chat_format))
         return engines[0]
 
     config = fake_config(tmp_path, engine={"ctx_per_slot": CTX, "slots": 2}, server={"heartbeat_interval": 1.0})
@@ -134,3 +162,85 @@ async def test_claude_code_runs_bash_and_write_through_a_silence_then_says_done(
     assert files == {"f.txt": "hi\n", "g.txt": "written by Write\n"}, (files, out[-2000:])
     assert "Done" in out, out
     assert len(engines[0].begins) == 3
+
+
+# -- reasoning: the agents show it and hand it back ----------------------------------------------
+
+#: The thinking of each turn (the model writes ``<think>`` blocks: the Hermes family's markers).
+THINKING = ("First I write the file with the shell.", "The file is written, so I say so.")
+#: A block or item the server dropped whole from a request (a thinking block or reasoning item
+#: that did not verify is reported so: tests/http/test_reasoning.py).
+DROPPED = re.compile(r"messages\[\d+\]\.content\[\d+\]|input\[\d+\]")
+
+
+def thinking_script(call: str) -> Callable[[str], str]:
+    """Two turns of a reasoning model: thinking then ``call``; thinking then text."""
+    return script(f"<think>{THINKING[0]}</think>\n{call}", f"<think>{THINKING[1]}</think>Done: f.txt is written.")
+
+
+def check_reasoning_went_back(engine: RecordingEngine, caplog: pytest.LogCaptureFixture) -> None:
+    """Two generations, the second's assistant turn carrying the first turn's thinking; every
+    request answered without an error and none had a block or item dropped."""
+    assert len(engine.requests) == 2
+    assistant = [m for m in engine.requests[1].messages if m.role is Role.ASSISTANT]
+    assert [m.reasoning for m in assistant] == [THINKING[0]]
+    statuses = [r.access["status"] for r in caplog.records if hasattr(r, "access")
+                and r.access["method"] == "POST"]
+    assert statuses == [200, 200], statuses
+    ignored = [r.getMessage().partition("fields ignored: ")[2] for r in caplog.records
+               if "fields ignored: " in r.getMessage()]
+    assert len(ignored) == 2 and not [p for line in ignored for p in line.split(", ") if DROPPED.fullmatch(p)], ignored
+
+
+def record_the_servers_log(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="ringserve.access")
+    caplog.set_level(logging.DEBUG, logger="ringserve")  # the fields reported ignored
+
+
+async def test_claude_code_shows_the_models_thinking_and_sends_it_back_signed(tmp_path, caplog):
+    """``-p --output-format stream-json --verbose``: the assistant events hold each turn's thinking
+    block, its text and a signature (the stream's ``thinking.display`` is Claude Code's ``updates``)."""
+    record_the_servers_log(caplog)
+    scratch = tmp_path / "claude"
+    scratch.mkdir()
+    call = format_call("Bash", json.dumps({"command": "echo hi > f.txt", "description": "Write hi"}))
+    server, engines = scripted_server(tmp_path, thinking_script(call), prefill_seconds=0.0, chat_format="hermes")
+    async with server as state:
+        done = await launch("claude", state.urls[0], scratch, [
+            "-p", "Write hi to f.txt with the shell, then say done.", "--allowedTools", "Bash",
+            "--output-format", "stream-json", "--verbose"], {"CLAUDE_CODE_MAX_RETRIES": "0"})
+    out, err = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, (out[-2000:], err[-3000:])
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    blocks = [b for e in events if e["type"] == "assistant" for b in e["message"]["content"]]
+    thinking = [b for b in blocks if b["type"] == "thinking"]
+    assert [b["thinking"] for b in thinking] == list(THINKING), blocks
+    assert all(b["signature"] for b in thinking)
+    assert [b["type"] for b in blocks] == ["thinking", "tool_use", "thinking", "text"], blocks
+    assert events[-1]["type"] == "result" and events[-1]["result"] == "Done: f.txt is written."
+    assert (scratch / "work" / "f.txt").read_text() == "hi\n"
+    check_reasoning_went_back(engines[0], caplog)
+
+
+async def test_codex_shows_the_models_reasoning_and_sends_it_back_encrypted(tmp_path, caplog):
+    """``exec --json``: a ``reasoning`` item per turn with its text (Codex asks for summaries: the
+    launcher's catalog entry; it sends the item back with the ``encrypted_content`` it asked for)."""
+    record_the_servers_log(caplog)
+    call = format_call("exec_command", json.dumps({"cmd": "echo hi > f.txt"}))
+    server, engines = scripted_server(tmp_path, thinking_script(call), prefill_seconds=0.0, chat_format="hermes")
+    scratch = Path(tempfile.mkdtemp(prefix="ringserve-codex-", dir="/var/tmp"))  # Codex refuses helpers under /tmp
+    try:
+        async with server as state:
+            done = await launch("codex", state.urls[0], scratch, [
+                "exec", "--json", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+                "Write hi to f.txt with the shell, then say done."])
+        out, err = done.stdout.decode(), done.stderr.decode()
+        assert done.returncode == 0, (out[-2000:], err[-3000:])
+        items = [e["item"] for e in map(json.loads, out.splitlines()) if e["type"] == "item.completed"]
+        assert [i["text"] for i in items if i["type"] == "reasoning"] == list(THINKING), items
+        assert [i["type"] for i in items] == ["reasoning", "command_execution", "reasoning", "agent_message"], items
+        assert items[-1]["text"] == "Done: f.txt is written."
+        assert (scratch / "work" / "f.txt").read_text() == "hi\n"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    check_reasoning_went_back(engines[0], caplog)
