@@ -102,6 +102,11 @@ class Prompt(Protocol):
 P = TypeVar("P", bound=Prompt)
 
 
+def cleared_input_tokens(applied: Sequence[AppliedEdit]) -> int:
+    """The prompt tokens the ``applied`` edits cleared: what the prompt had before them, less what it has."""
+    return sum(edit.cleared_input_tokens for edit in applied)
+
+
 def edit_prompt(
     request: GenerationRequest, edits: Sequence[ContextEdit], tokenize: Callable[[GenerationRequest], P]
 ) -> tuple[GenerationRequest, P, tuple[AppliedEdit, ...]]:

@@ -20,6 +20,7 @@ import trio
 
 from ringserve.core.batch import Sampled
 from ringserve.core.blocks import BlockEvent
+from ringserve.core.context import cleared_input_tokens
 from ringserve.core.detokenizer import Detokenizer
 from ringserve.core.errors import ErrorKind
 from ringserve.core.events import (
@@ -86,8 +87,22 @@ class Prepared:
     @property
     def original_input_tokens(self) -> int:
         """The prompt's tokens before the context edits."""
-        return len(self.prompt_tokens) + sum(edit.cleared_input_tokens for edit in self.applied_edits)
+        return len(self.prompt_tokens) + cleared_input_tokens(self.applied_edits)
 
+
+
+@attrs.frozen
+class Count:
+    """A request's prompt, counted (:meth:`Runner.count <ringserve.engine.runner.Runner.count>`).
+
+    Attributes:
+        input_tokens: the prompt's tokens, as the generation's ``usage.input_tokens``.
+        original_input_tokens: before the context edits (Anthropic's ``context_management``
+            answer counts both).
+    """
+
+    input_tokens: int
+    original_input_tokens: int
 
 
 @attrs.frozen

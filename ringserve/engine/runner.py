@@ -80,10 +80,10 @@ from ringserve.core.events import (
     ToolChoiceMode,
 )
 from ringserve.engine.gbnf import Constraint, LazyCalls, constraint_for
-from ringserve.core.context import edit_prompt
+from ringserve.core.context import cleared_input_tokens, edit_prompt
 from ringserve.core.limits import message_texts, tool_texts
 from ringserve.core.scheduler import Entry, Plan, Scheduler, SlotState
-from ringserve.engine.generation import Generation, Prepared
+from ringserve.engine.generation import Count, Generation, Prepared
 from ringserve.engine.protocol import ChatPrompt, Engine, EngineError, KVCacheFull
 from ringserve.engine.thread import EngineThread
 from ringserve.formats.base import ChatFormat
@@ -398,24 +398,27 @@ class Runner:
             self._tokenized = trio.Event()
         return self._fitted(request, prompt, applied, constraint)
 
-    async def count(self, request: GenerationRequest) -> Prepared:
-        """What :meth:`prepare` gives ``request``, without its grammar and enqueuing nothing: the
-        prompt of the counting routes (``POST /v1/messages/count_tokens``,
-        ``/v1/responses/input_tokens``), which equals the generation's ``usage.input_tokens``.
+    async def count(self, request: GenerationRequest) -> Count:
+        """The prompt :meth:`prepare` would give ``request``, counted, enqueuing nothing: the
+        counting routes (``POST /v1/messages/count_tokens``, ``/v1/responses/input_tokens``),
+        whose ``input_tokens`` equals the generation's ``usage.input_tokens``. A prompt longer
+        than a slot is counted too (as Anthropic's API counts one longer than the model's
+        window): the count is how a client learns how much to trim; its size is bounded by the
+        request limits (``[limits]``), as the render routes'.
 
         It tokenizes on a worker thread under a limiter of its own (:data:`COUNT_THREADS` at
         once), so a burst of counts neither waits behind the generations' prepares nor holds
         them up, and never waits for a decode step (the engine's tokenizer runs beside it).
 
         Raises:
-            RingserveError: as :meth:`prepare`, but for the grammar.
+            RingserveError: ``INVALID_REQUEST`` naming ``messages``: the request cannot be
+                rendered (as :meth:`render`).
         """
-        self._check_bytes(request)
-        request, prompt, applied = await trio.to_thread.run_sync(
+        _, prompt, applied = await trio.to_thread.run_sync(
             edit_prompt, request, request.context_edits, self._tokenize_sync,
             limiter=self._count_limiter, abandon_on_cancel=False,
         )
-        return self._fitted(request, prompt, applied, None)
+        return Count(len(prompt.tokens), len(prompt.tokens) + cleared_input_tokens(applied))
 
     def _check_bytes(self, request: GenerationRequest) -> None:
         """Refuse text that cannot fit a slot, before it is tokenized (see :meth:`prepare`)."""

@@ -140,15 +140,15 @@ async def _prompt_request(hub: Hub, surface: Surface, parse: Callable[[Any], Par
 async def count_tokens(surface: Counting) -> Response:
     """``POST`` on ``surface``'s counting route: the prompt the same generation request would be
     given, in tokens (system prompt, tools and output format included; its usage's ``input_tokens``).
-    Nothing is generated; a prompt that cannot fit a slot is the same 400 as there. It is tokenized
-    apart from the generations' prepares (``Runner.count``), so a burst of counts does not queue
-    behind them."""
+    Nothing is generated; a prompt longer than a slot is counted too (the generation route refuses
+    it). It is tokenized apart from the generations' prepares (``Runner.count``), so a burst of
+    counts does not queue behind them."""
     try:
         hub = context.hub()
-        prepared = await hub.runner.count(await _prompt_request(hub, surface, surface.parse_count))
+        count = await hub.runner.count(await _prompt_request(hub, surface, surface.parse_count))
     except RingserveError as exc:
         return error_response(surface, exc)
-    return json_response(surface.count_json(len(prepared.prompt_tokens), prepared.original_input_tokens))
+    return json_response(surface.count_json(count.input_tokens, count.original_input_tokens))
 
 
 async def render_prompt(surface: Surface) -> Response:

@@ -484,7 +484,8 @@ async def test_a_slow_tokenizer_does_not_hold_up_decode_steps():
 
 async def test_counts_do_not_wait_behind_a_prepare_and_give_its_prompt():
     """count() tokenizes under a limiter of its own: with a generation's prepare stuck in the
-    tokenizer, counts go on, make no grammar, and give the prompt prepare gives."""
+    tokenizer, counts go on and give the prompt's size prepare gives; one longer than a slot is
+    counted where prepare refuses it."""
     gate, stuck = threading.Event(), []
 
     def hook() -> None:  # the first prompt's tokenizer is stuck until the gate opens
@@ -505,14 +506,14 @@ async def test_counts_do_not_wait_behind_a_prepare_and_give_its_prompt():
                 await trio.sleep(0.001)
             counts = [await runner.count(req(f"count {i}")) for i in range(5)]
         assert not prepared
-        assert [len(c.prompt_tokens) for c in counts] == [len(f"<|user|>count {i}\n") for i in range(5)]
-        assert all(c.constraint is None for c in counts)
+        assert [c.input_tokens for c in counts] == [len(f"<|user|>count {i}\n") for i in range(5)]
         gate.set()
     assert len(prepared[0].prompt_tokens) == len("<|user|>prepared first\n")
     async with serving(FakeEngine()) as runner:
-        assert (await runner.count(req("same"))).prompt_tokens == (await runner.prepare(req("same"))).prompt_tokens
+        assert (await runner.count(req("same"))).input_tokens == len((await runner.prepare(req("same"))).prompt_tokens)
+        assert (await runner.count(req("x" * 5000))).input_tokens == len("<|user|>\n") + 5000
         with pytest.raises(RingserveError, match="context per slot"):
-            await runner.count(req("x" * 5000))
+            await runner.prepare(req("x" * 5000))
 
 
 async def test_submit_without_a_running_loop_is_unavailable():
