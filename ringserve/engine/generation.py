@@ -12,7 +12,7 @@ engine; a generation owns its reply's state and its channel of events (:meth:`Ge
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import assert_never
 
 import attrs
@@ -43,7 +43,10 @@ from ringserve.engine.gbnf import Constraint, LazyCalls
 from ringserve.formats.base import ChatFormat
 from ringserve.formats.generic import GENERIC
 
-__all__ = ["Fed", "Generation", "Prepared"]
+__all__ = ["Consumer", "Fed", "Generation", "Prepared"]
+
+Consumer = Callable[[Sequence[GenerationEvent]], None]
+"""What :meth:`Generation.consume` takes: called with one step's events of a generation."""
 
 
 @attrs.frozen
@@ -130,6 +133,8 @@ class Generation:
     _reasoning_budget: int | None = None  # the prepared one until its closing marker is forced
     _outcome: Finish | Failure | None = None
     _cancel_time: float | None = None
+    _consumer: Consumer | None = None
+    _batch: list[GenerationEvent] = attrs.field(factory=list)  # the consumer's events since the last delivery
     tokens_after_cancel: int = 0
 
     def __attrs_post_init__(self) -> None:
@@ -192,6 +197,11 @@ class Generation:
         """The terminal event once produced (whether or not it was read yet)."""
         return self._outcome
 
+    @property
+    def consumed(self) -> bool:
+        """Whether a consumer takes its events (:meth:`consume`) instead of an iteration."""
+        return self._consumer is not None
+
     # -- the runner's side ---------------------------------------------------
 
     def feed(self, sampled: Sampled) -> Fed:
@@ -253,8 +263,12 @@ class Generation:
         return Fed(tuple(events), None if end is None else Finish(end.reason, self.usage, end.stop))
 
     def emit(self, event: GenerationEvent) -> None:
-        """Queue an event for the consumer (none once it left)."""
+        """Queue an event for the consumer (none once it left): for its next delivery
+        (:meth:`deliver`) where it has a consumer, else in the channel."""
         if self.cancelled:
+            return
+        if self._consumer is not None:
+            self._batch.append(event)
             return
         try:
             self._send.send_nowait(event)
@@ -271,6 +285,12 @@ class Generation:
         finally:
             self._send.close()
 
+    def deliver(self) -> None:
+        """Hand the consumer the events emitted since the last delivery (maybe none)."""
+        batch, self._batch = self._batch, []
+        if self._consumer is not None and not self.cancelled:
+            self._consumer(batch)
+
     def cancel(self, now: float) -> None:
         """Its consumer left at ``now`` (the Trio clock): no more events."""
         self._cancel_time = now
@@ -281,6 +301,18 @@ class Generation:
         self._receive.close()
 
     # -- the consumer's side -------------------------------------------------
+
+    def consume(self, consumer: Consumer) -> None:
+        """Have the runner call ``consumer`` with the events instead of queueing them for
+        iteration (do not iterate then): once per decode step that sampled for this
+        generation, with that step's events (maybe none, so that the consumer sees time
+        pass), in the runner's one pass over the step's generations, right after the next
+        step was handed to the engine (while it decodes, when the runner overlaps steps);
+        the terminal event included, and at once for events outside a step (a failure of
+        the loop). Never after the consumer's ``submit`` block was left. ``consumer`` runs
+        on the runner's task and must not raise or await.
+        """
+        self._consumer = consumer
 
     def __aiter__(self) -> Generation:
         return self

@@ -32,11 +32,16 @@ One step of the loop:
    block stop, a block start and a delta, as when a token ends a tool call's
    arguments and starts the next text; a token holds fewer characters than
    a call's wrapper, so it never closes one call and opens another), then the
-   closing events, so it never fills.
+   closing events, so it never fills. A generation with a consumer
+   (:meth:`Generation.consume`: the producer of a live message) gets them
+   instead in one synchronous pass over the step's generations, run as soon
+   as the next step is handed to the engine thread, so that work overlaps
+   the next decode without a task switch per token.
 
 5. Unless the runner overlaps steps (``overlap``, from ``[engine] overlap``
-   by :func:`~ringserve.config.overlap_steps`), the loop then lets the
-   consumers run before the next decode: it waits until every other task is
+   by :func:`~ringserve.config.overlap_steps`), the loop then delivers the
+   step's events to the consumers and lets the other tasks run before the
+   next decode: it waits until every other task is
    blocked (``trio.testing.wait_all_tasks_blocked``), for at most as long as
    the step took, so rendering, logging and HTTP writes of step N's tokens
    do not run beside step N+1's decode. Where llama.cpp's threads take every
@@ -284,6 +289,7 @@ class Runner:
         self._generations: dict[Entry, Generation] = {}
         self._kv_used = 0  # KV cells in use as of the last engine call
         self._counters = _Counters()
+        self._ready: dict[Generation, None] = {}  # generations with a consumer and events to deliver
 
     # -- pass-through ------------------------------------------------------
 
@@ -652,6 +658,7 @@ class Runner:
                 await self._release_ended()
                 plan = self._scheduler.plan()
                 if not plan.feeds:
+                    self._deliver()
                     if self._scheduler.releases_pending:
                         continue  # a request ended during the release hop
                     if self._scheduler.active():
@@ -663,6 +670,7 @@ class Runner:
                     continue
                 await self._step(plan)
                 if not self._overlap:
+                    self._deliver()
                     with trio.move_on_after(self._counters.last_step_seconds):
                         await trio.testing.wait_all_tasks_blocked()
         except BaseException as exc:
@@ -704,7 +712,7 @@ class Runner:
         if not ended:
             return
         slots = [(e.slot, len(e.kept)) for e in ended if e.slot is not None]
-        kv, lost = await self._engine_thread.run(self._release_sync, slots)
+        kv, lost = await self._engine_thread.run(self._release_sync, slots, meanwhile=self._deliver)
         now = trio.current_time()
         if kv is not None:
             self._kv_used = kv
@@ -777,7 +785,10 @@ class Runner:
             self._counters.prompt_tokens_total += len(entry.prompt)
         self._step_done = trio.Event()
         try:
-            outcome = await self._engine_thread.run(self._step_sync, begins, plan.feeds)
+            # overlapping: the last step's events reach their consumers while this one decodes
+            outcome = await self._engine_thread.run(
+                self._step_sync, begins, plan.feeds, meanwhile=self._deliver if self._overlap else None
+            )
         finally:
             self._step_done.set()
             self._step_done = None
@@ -811,6 +822,8 @@ class Runner:
                 continue
             self._scheduler.on_sampled(sampled.slot, sampled.token)
             self._counters.generated_tokens_total += 1
+            if gen.consumed:  # it sees this step, events or not
+                self._ready[gen] = None
             self._on_token(gen, sampled)
 
     def _on_decode_error(self, plan: Plan, error: Exception) -> None:
@@ -863,7 +876,15 @@ class Runner:
             self._scheduler.finish(entry, keep_cells=isinstance(event, Finish))
         elif entry.state is SlotState.QUEUED:
             self._leave(entry)  # only on shutdown
+        if gen.consumed:
+            self._ready[gen] = None
         gen.end(event)
+
+    def _deliver(self) -> None:
+        """Hand each generation with a consumer its events since the last delivery (one pass)."""
+        ready, self._ready = self._ready, {}
+        for gen in ready:
+            gen.deliver()
 
     def _fail_everything(self, kind: ErrorKind, message: str) -> None:
         """The loop is ending: every queued or active generation gets a Failure."""
@@ -875,4 +896,5 @@ class Runner:
                     self._end(gen, failure)
                 except Exception:  # pragma: no cover - keep failing the others
                     gen.end(failure)
+        self._deliver()
 

@@ -119,16 +119,19 @@ class EngineThread:
             if self._thread is None:
                 self._spawn()
 
-    async def run(self, fn: Callable[..., T], *args: object) -> T:
+    async def run(self, fn: Callable[..., T], *args: object, meanwhile: Callable[[], None] | None = None) -> T:
         """``fn(*args)`` on the thread, after the calls queued before it; its result or exception.
 
         Checks for cancellation first (a cancelled caller submits nothing),
-        then waits for the call without abandoning it.
+        then waits for the call without abandoning it. ``meanwhile()``, when
+        given, runs on the Trio thread once the call is submitted, before the
+        wait: work that overlaps the call (its result is delivered only to a
+        waiting task, and nothing yields between the submission and the wait).
 
         Raises:
             RuntimeError: the thread is not running (not started, or stopped).
             trio.Cancelled: the caller was cancelled before the call was submitted.
-            Exception: whatever ``fn`` raised.
+            Exception: whatever ``fn`` raised (or ``meanwhile``, after the call returned).
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         if not self._started or self._stopped:
@@ -141,5 +144,8 @@ class EngineThread:
             token.run_sync_soon(trio.lowlevel.reschedule, task, result)
 
         self._submit(job)
+        failed = None if meanwhile is None else outcome.capture(meanwhile)
         result: T = await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+        if failed is not None:
+            failed.unwrap()
         return result
