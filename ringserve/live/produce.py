@@ -85,8 +85,8 @@ class _Feed:
             self.failed = exc
         if self.producer.ended or self.failed is not None:
             self.attention.set()
-        elif self.timer is not None:
-            self.timer.deadline = self.fallback
+        elif self.timer is not None and self.timer.deadline != self.fallback:
+            self.timer.deadline = self.fallback  # (re-registers the timer: only on a change)
 
     @property
     def fallback(self) -> float:
