@@ -31,6 +31,8 @@ Per burst:
 * the client's CPU as a share of one core over the burst;
 * the engine's busy share: ``ringserve_decode_seconds_total`` over the wall
   time (what a GPU would be busy for), and decode steps;
+* the engine's idle share between steps: ``ringserve_engine_idle_seconds_total``
+  over itself plus the decode seconds (None for a tree without that metric);
 * first byte p50 / p99 and the spread of the streams' ends.
 
 Trees are interleaved (A, B, then B, A in the next round), so a neighbour's
@@ -76,6 +78,7 @@ from bench.common import (  # noqa: E402
     ServerProcess,
     cpu_seconds,
     figure,
+    fmt,
     machine,
     machine_line,
     median,
@@ -305,6 +308,8 @@ def measure(server: ServerProcess, surface: str, level: Level, spy_name: str | N
     short = sum(n != level.tokens for n, _ in counted)
     tokens = level.streams * level.tokens
     decode = after["ringserve_decode_seconds_total"] - before["ringserve_decode_seconds_total"]
+    idle_key = "ringserve_engine_idle_seconds_total"
+    idle = after[idle_key] - before[idle_key] if idle_key in after else None
     return {
         "wall_seconds": wall,
         "ratio": level.ideal_seconds / wall,
@@ -315,6 +320,7 @@ def measure(server: ServerProcess, surface: str, level: Level, spy_name: str | N
         "server_cpu_share": cpu / wall,
         "client_cpu_share": client / wall,
         "decode_busy_share": decode / wall,
+        "engine_idle_share": None if idle is None else idle / (idle + decode),
         "decode_steps": after["ringserve_decode_steps_total"] - before["ringserve_decode_steps_total"],
         "first_byte_p50": pct((s.first - t0 for s in streams if s.first is not None), 50),
         "first_byte_p99": pct((s.first - t0 for s in streams if s.first is not None), 99),
@@ -361,7 +367,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             print(f"  round {r + 1} {level.name} {surface:>9} {name}: ratio {m['ratio']:.2f},"
                                   f" {m['tokens_per_second']:.0f} tok/s of {m['ideal_tokens_per_second']:.0f},"
                                   f" server {m['server_cpu_us_per_token']:.0f} µs/token (loop"
-                                  f" {m['event_loop_cpu_us_per_token']:.0f}), decode busy {m['decode_busy_share']:.2f},"
+                                  f" {m['event_loop_cpu_us_per_token']:.0f}), decode busy {m['decode_busy_share']:.2f}"
+                                  f" (idle between steps {fmt(m['engine_idle_share'], digits=2)}),"
                                   f" client CPU {m['client_cpu_share']:.2f}, load {m['load_average_1m']:.1f}"
                                   + (f", {m['streams_short']} streams short, {m['errors']}" if m["streams_short"] or m["errors"] else ""),
                                   flush=True)
@@ -384,6 +391,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        " ".join(f"{x:.0f}" for x in us), f"{median(us):.0f}",
                        f"{median(series(name, level, surface, 'event_loop_cpu_us_per_token')):.0f}",
                        f"{median(series(name, level, surface, 'decode_busy_share')):.2f}",
+                       fmt(median(series(name, level, surface, "engine_idle_share")), digits=2),
                        f"{median(series(name, level, surface, 'client_cpu_share')):.2f}"]
                 if len(names) > 1:
                     base_ratio = series(names[0], level, surface, "ratio")
@@ -392,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             " ".join(f"{a / b:.2f}" for a, b in zip(us, base_us, strict=True))]
                 rows.append(row)
     headers = ["level", "tokens", "surface", "tree", "ratio per round", "median", "goal", "tok/s",
-               "server µs/token per round", "median", "loop µs/token", "decode busy", "client CPU"]
+               "server µs/token per round", "median", "loop µs/token", "decode busy", "engine idle", "client CPU"]
     if len(names) > 1:
         headers += [f"ratio / {names[0]} per round", f"µs/token / {names[0]} per round"]
     print(f"\ndelivered / engine-bound rate (goal: {', '.join(f'{g:.2f} at {s}x{st:g}ms' for (s, st), g in GOALS.items())};"

@@ -132,6 +132,12 @@ class RunnerStatistics:
         failed_steps: decode calls that raised.
         last_step_seconds: wall time of the last decode call (seconds).
         decode_seconds_total: wall time of all decode calls (seconds).
+        engine_idle_seconds_total: wall time from the end of one decode call
+            to the start of the next while the loop had work (seconds): what
+            the engine waited for the Python side between steps (the hops
+            to and from its thread, the step's tokens, the plan, releases and
+            begins). Over this plus ``decode_seconds_total``: the share of
+            a busy engine's time that a GPU would sit idle.
         last_step_tokens: tokens in the last decoded batch.
         step_tokens_total: tokens in all decoded batches (prompt chunks and
             fed-back samples).
@@ -161,6 +167,7 @@ class RunnerStatistics:
     failed_steps: int
     last_step_seconds: float
     decode_seconds_total: float
+    engine_idle_seconds_total: float
     last_step_tokens: int
     step_tokens_total: int
     prompt_tokens_total: int
@@ -182,6 +189,7 @@ class _Counters:
     failed_steps: int = 0
     last_step_seconds: float = 0.0
     decode_seconds_total: float = 0.0
+    engine_idle_seconds_total: float = 0.0
     last_step_tokens: int = 0
     step_tokens_total: int = 0
     prompt_tokens_total: int = 0
@@ -220,6 +228,7 @@ class _StepOutcome:
     begin_errors: dict[int, Exception] = attrs.Factory(dict)
     sampled: list[Sampled] | None = None
     error: Exception | None = None
+    started: float | None = None  # time.perf_counter() when the decode call began (None: not called)
     seconds: float = 0.0
     kv_cells_used: int | None = None
 
@@ -290,6 +299,7 @@ class Runner:
         self._kv_used = 0  # KV cells in use as of the last engine call
         self._counters = _Counters()
         self._ready: dict[Generation, None] = {}  # generations with a consumer and events to deliver
+        self._last_decode_end: float | None = None  # time.perf_counter() at the end of the last decode call
 
     # -- pass-through ------------------------------------------------------
 
@@ -664,6 +674,7 @@ class Runner:
                     if self._scheduler.active():
                         raise RuntimeError("live requests but nothing to feed")
                     self._idle.set()
+                    self._last_decode_end = None  # nothing to decode: the engine is not waiting for us
                     await self._wake.wait()
                     self._wake = trio.Event()
                     await self._gather_arrivals()
@@ -769,11 +780,12 @@ class Runner:
         except Exception as exc:
             return _StepOutcome(
                 error=exc,
+                started=t0,
                 seconds=time.perf_counter() - t0,
                 kv_cells_used=self._kv_cells_sync(),
             )
         seconds = time.perf_counter() - t0
-        return _StepOutcome(sampled=sampled, seconds=seconds, kv_cells_used=self._kv_cells_sync())
+        return _StepOutcome(sampled=sampled, started=t0, seconds=seconds, kv_cells_used=self._kv_cells_sync())
 
     async def _step(self, plan: Plan) -> None:
         """One decode step for ``plan`` and the handling of what it gave."""
@@ -794,6 +806,10 @@ class Runner:
             self._step_done = None
         if outcome.kv_cells_used is not None:
             self._kv_used = outcome.kv_cells_used
+        if outcome.started is not None:
+            if self._last_decode_end is not None:
+                self._counters.engine_idle_seconds_total += outcome.started - self._last_decode_end
+            self._last_decode_end = outcome.started + outcome.seconds
 
         if outcome.begin_errors:
             admitted = {e.slot: e for e in plan.admitted}

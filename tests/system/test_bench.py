@@ -215,4 +215,5 @@ def test_gpu_proxy_bench_checks_every_stream_on_every_surface(tmp_path: Path) ->
         assert m["streams_short"] == 0 and m["errors"] == []
         assert 0 < m["ratio"] <= 1.5 and m["server_cpu_us_per_token"] > 0 and m["decode_steps"] >= 20
         assert m["tokens_per_second"] == pytest.approx(m["ratio"] * m["ideal_tokens_per_second"])
+        assert 0 <= m["engine_idle_share"] < 1
     assert "delivered / engine-bound rate" in printed[0]
