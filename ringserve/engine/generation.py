@@ -135,14 +135,16 @@ class Generation:
     _cancel_time: float | None = None
     _consumer: Consumer | None = None
     _batch: list[GenerationEvent] = attrs.field(factory=list)  # the consumer's events since the last delivery
+    _text_ends: bool = False  # its text may end it (stop strings, tool calls): see text_decides
     tokens_after_cancel: int = 0
 
     def __attrs_post_init__(self) -> None:
+        request = self.prepared.request
+        choice = request.tool_choice
+        parsed = bool(request.tools) and choice.mode is not ToolChoiceMode.NONE
+        self._text_ends = bool(request.stop) or parsed
         if self._stage is None:
             prepared = self.prepared
-            request = prepared.request
-            choice = request.tool_choice
-            parsed = bool(request.tools) and choice.mode is not ToolChoiceMode.NONE
             self._stage = ReplyStage(
                 request.stop,
                 prepared.chat_format.parser(request.tools if parsed else None, reasoning_open=prepared.reasoning_open),
@@ -155,6 +157,13 @@ class Generation:
     def id(self) -> int:
         """The runner's ticket number for this request (increasing)."""
         return self._entry.id
+
+    @property
+    def text_decides(self) -> bool:
+        """Whether a sampled token's text can change what the next step feeds it: a stop string
+        or a tool call can end it, a reasoning budget force its next tokens. Otherwise only an
+        end-of-generation token and the token budget end it, which the sample says by itself."""
+        return self._text_ends or self._reasoning_budget is not None
 
     @property
     def entry(self) -> Entry:

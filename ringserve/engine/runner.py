@@ -299,6 +299,7 @@ class Runner:
         self._kv_used = 0  # KV cells in use as of the last engine call
         self._counters = _Counters()
         self._ready: dict[Generation, None] = {}  # generations with a consumer and events to deliver
+        self._late: list[tuple[Generation, Sampled]] = []  # tokens to turn into events after the next submit
         self._last_decode_end: float | None = None  # time.perf_counter() at the end of the last decode call
 
     # -- pass-through ------------------------------------------------------
@@ -668,7 +669,7 @@ class Runner:
                 await self._release_ended()
                 plan = self._scheduler.plan()
                 if not plan.feeds:
-                    self._deliver()
+                    self._after_submit()
                     if self._scheduler.releases_pending:
                         continue  # a request ended during the release hop
                     if self._scheduler.active():
@@ -681,7 +682,7 @@ class Runner:
                     continue
                 await self._step(plan)
                 if not self._overlap:
-                    self._deliver()
+                    self._after_submit()
                     with trio.move_on_after(self._counters.last_step_seconds):
                         await trio.testing.wait_all_tasks_blocked()
         except BaseException as exc:
@@ -723,7 +724,7 @@ class Runner:
         if not ended:
             return
         slots = [(e.slot, len(e.kept)) for e in ended if e.slot is not None]
-        kv, lost = await self._engine_thread.run(self._release_sync, slots, meanwhile=self._deliver)
+        kv, lost = await self._engine_thread.run(self._release_sync, slots, meanwhile=self._after_submit)
         now = trio.current_time()
         if kv is not None:
             self._kv_used = kv
@@ -797,9 +798,9 @@ class Runner:
             self._counters.prompt_tokens_total += len(entry.prompt)
         self._step_done = trio.Event()
         try:
-            # overlapping: the last step's events reach their consumers while this one decodes
+            # overlapping: the last step's tokens become events and reach their consumers while this one decodes
             outcome = await self._engine_thread.run(
-                self._step_sync, begins, plan.feeds, meanwhile=self._deliver if self._overlap else None
+                self._step_sync, begins, plan.feeds, meanwhile=self._after_submit if self._overlap else None
             )
         finally:
             self._step_done.set()
@@ -840,7 +841,14 @@ class Runner:
             self._counters.generated_tokens_total += 1
             if gen.consumed:  # it sees this step, events or not
                 self._ready[gen] = None
-            self._on_token(gen, sampled)
+            if gen.text_decides:
+                self._on_token(gen, sampled)
+                continue
+            # Only the sample decides what the next step feeds it: its end (if any) is taken now,
+            # its text once the next step is handed to the engine (_after_submit).
+            if sampled.eog or entry.budget_left <= 0:
+                self._scheduler.finish(entry)
+            self._late.append((gen, sampled))
 
     def _on_decode_error(self, plan: Plan, error: Exception) -> None:
         """Fail the generations a failed decode affects; the rest retry next step."""
@@ -896,6 +904,15 @@ class Runner:
             self._ready[gen] = None
         gen.end(event)
 
+    def _after_submit(self) -> None:
+        """The work that waits for the next engine call to be submitted: the tokens whose text
+        cannot change that call (:attr:`Generation.text_decides`) into events, then the
+        events to their consumers."""
+        for gen, sampled in self._late:  # (if one raises, the loop ends: _fail_everything reads the list)
+            self._on_token(gen, sampled)
+        self._late.clear()
+        self._deliver()
+
     def _deliver(self) -> None:
         """Hand each generation with a consumer its events since the last delivery (one pass)."""
         ready, self._ready = self._ready, {}
@@ -903,9 +920,12 @@ class Runner:
             gen.deliver()
 
     def _fail_everything(self, kind: ErrorKind, message: str) -> None:
-        """The loop is ending: every queued or active generation gets a Failure."""
-        for entry in (*self._scheduler.active(), *self._scheduler.queued()):
-            gen = self._generations[entry]
+        """The loop is ending: every queued or active generation, and every one whose end was
+        taken from its last sample but not yet turned into events, gets a Failure."""
+        ending = [gen for gen, _ in self._late]
+        self._late.clear()
+        ending += [self._generations[entry] for entry in (*self._scheduler.active(), *self._scheduler.queued())]
+        for gen in ending:
             if gen.outcome is None and not gen.cancelled:
                 failure = Failure(kind, message, gen.usage, retryable=True)
                 try:
