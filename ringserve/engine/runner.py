@@ -320,6 +320,11 @@ class Runner:
         return self._engine.n_ctx_slot
 
     @property
+    def last_step_seconds(self) -> float:
+        """Wall time of the last decode call (seconds; 0 before the first)."""
+        return self._counters.last_step_seconds
+
+    @property
     def overlap(self) -> bool:
         """Whether decode step N+1 starts while step N's events are still being handled."""
         return self._overlap

@@ -10,12 +10,16 @@ steps say (append, close, persist through ``live/persist.py``, observe).
 
 The producer is fed in the runner's pass over each decode step
 (:meth:`Generation.consume <ringserve.engine.generation.Generation.consume>`): its
-events, then a tick when the coalescing deadline has passed, with no task switch
-per token. The message's task wakes only for what needs awaiting: a safety
-check (events wait meanwhile, in order), the end, or the fallback timer, set
-one flush window past the producer's deadline for text (at the deadline for a
-keepalive, which must not come late) and pushed on by every pass, so that it
-fires only when no step came (a deadline inside a long decode, a keepalive).
+events, then a tick, with no task switch per token. Text that waits for its
+coalescing window goes at a step's end: the first one after its deadline when
+that is at most half a window late (``slack``; with steps shorter than that, the
+window gathers as many tokens as it would with a timer), else the last one
+before it (expecting the next pass one decode step later, as long as the last
+one took). The message's task wakes only for what needs awaiting: a safety check
+(events wait meanwhile, in order), the end, or its timer, half a window past the
+producer's deadline for text (at the deadline for a keepalive, which must not
+come late) and moved by every pass, which fires only when the next step came
+later than expected (a long decode, a keepalive).
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ log = logging.getLogger("ringserve.hub")
 class _Feed:
     """A producer's consumer of its generation's events (the runner calls it, see the module doc).
 
-    ``pending``: events that wait while the task resolves a safety check; ``check``: the step
+    ``slack``: how late (seconds) a deadline may be served by the next pass (half the flush
+    window). ``pending``: events that wait while the task resolves a safety check; ``check``: the step
     whose check the task must ask; ``failed``: what a move raised, for the task to raise;
     ``attention``: set when the task has something to do; ``timer``: the task's fallback
     timer while it waits.
@@ -79,8 +84,10 @@ class _Feed:
                     self.pending.extend(events[i + 1:])
                     self.attention.set()
                     return
-            if self.producer.deadline <= now:
-                self.production._perform(self.msg, self.producer.tick(now))
+            # release now what the next pass (a decode step later) would serve over slack late
+            ahead = max(0.0, self.production.runner.last_step_seconds - self.slack)
+            if self.producer.deadline <= now + ahead:
+                self.production._perform(self.msg, self.producer.tick(now, ahead))
         except Exception as exc:
             self.failed = exc
         if self.producer.ended or self.failed is not None:
@@ -90,7 +97,7 @@ class _Feed:
 
     @property
     def fallback(self) -> float:
-        """When the task ticks the producer itself: a flush window past its deadline for text
+        """When the task ticks the producer itself: ``slack`` past its deadline for text
         waiting for its window, at the deadline for a keepalive."""
         producer = self.producer
         return producer.deadline + self.slack if producer.text_waits else producer.deadline
@@ -167,7 +174,7 @@ class Production:
         """Have the runner feed the generation's events to the producer (:class:`_Feed`) and do
         what needs awaiting until the message ends; leaving returns to the runner's ``submit``
         block, which cancels a generation still running."""
-        feed = _Feed(self, msg, producer, gen, self.config.stream.flush_ms / 1000)
+        feed = _Feed(self, msg, producer, gen, self.config.stream.flush_ms / 2000)
         gen.consume(feed)
         while not producer.ended:
             with trio.CancelScope(deadline=feed.fallback) as feed.timer:

@@ -130,7 +130,7 @@ class StallingEngine(FakeEngine):
 
 async def test_text_waiting_for_its_window_is_released_by_the_producer_s_timer_when_no_step_comes(autojump_clock):
     """The producer is ticked after each step; when the next step does not come (a long decode),
-    the message's task ticks it itself, one flush window past the deadline (a window of 10 minutes
+    the message's task ticks it itself, half a window past the deadline (a window of 10 minutes
     here, so that no jump of the clock between steps releases the text early)."""
     config = Config().replace("stream", flush_ms=600_000.0, flush_tokens=1000)
     StallingEngine.go.clear()
