@@ -247,7 +247,8 @@ def check(surface: str, raw: bytes) -> tuple[int, str | None]:
             status = event.status_code
         elif isinstance(event, h11.Data):
             body += event.data
-        elif event in (h11.NEED_DATA, h11.PAUSED) or isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+        elif event in (h11.NEED_DATA, h11.PAUSED) or isinstance(
+                event, (h11.EndOfMessage, h11.ConnectionClosed)):
             break
     if status != 200:
         return 0, f"HTTP {status}: {bytes(body[:200])!r}"
@@ -269,7 +270,8 @@ def start(tree: Path, tmp: Path, tag: str, level: Level) -> ServerProcess:
     })
     fake = {"piece_bytes": PIECE_BYTES, "step_seconds": level.step_ms / 1000}
     return ServerProcess([python(), str(tree / "bench" / "fake_server.py"), "--config", str(cfg),
-                          "--fake", json.dumps(fake), "--reply-bytes", str(PIECE_BYTES * (level.tokens + 16))],
+                          "--fake", json.dumps(fake),
+                          "--reply-bytes", str(PIECE_BYTES * (level.tokens + 16))],
                          tmp / f"{tag}.log", ready_pattern=RINGSERVE_READY)
 
 
@@ -281,8 +283,9 @@ def profiler(pid: int, name: str) -> subprocess.Popen[bytes] | None:
         print("  (no py-spy: pip install -e '.[bench]')")
         return None
     RESULTS.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([spy, "record", "-p", str(pid), "--idle", "--threads", "--rate", "250", "--format", "raw",
-                             "-o", str(RESULTS / f"{name}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen([spy, "record", "-p", str(pid), "--idle", "--threads", "--rate", "250",
+                             "--format", "raw", "-o", str(RESULTS / f"{name}.txt")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def measure(server: ServerProcess, surface: str, level: Level, spy_name: str | None = None) -> dict[str, Any]:
@@ -333,20 +336,24 @@ def measure(server: ServerProcess, surface: str, level: Level, spy_name: str | N
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tree", type=Path, action="append", help="a ringserve source tree (repeatable; default: this one)")
+    ap.add_argument("--tree", type=Path, action="append",
+                    help="a ringserve source tree (repeatable; default: this one)")
     ap.add_argument("--levels", type=Level.parse, nargs="+",
                     default=[Level(64, 10, 300), Level(128, 10, 300), Level(256, 25, 200)],
                     help="STREAMS:STEP_MS:TOKENS (default: 64:10:300 128:10:300 256:25:200)")
-    ap.add_argument("--surfaces", nargs="+", choices=sorted(WIRES), default=["anthropic", "openai", "responses"])
+    ap.add_argument("--surfaces", nargs="+", choices=sorted(WIRES),
+                    default=["anthropic", "openai", "responses"])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--profile", action="store_true", help="py-spy the first tree's server in the first round")
+    ap.add_argument("--profile", action="store_true",
+                    help="py-spy the first tree's server in the first round")
     args = ap.parse_args(argv)
     trees = [t.resolve() for t in (args.tree or [ROOT])]
     names = [t.name if list(map(lambda x: x.name, trees)).count(t.name) == 1 else str(t) for t in trees]
     raise_fd_limit(2 * max(level.streams for level in args.levels) + 200)
     info = machine()
     print(f"GPU-rate proxy (fake engine, decode steps sleep without the GIL): levels"
-          f" {' '.join(f'{lv.name}x{lv.tokens}tok' for lv in args.levels)}, surfaces {' '.join(args.surfaces)},"
+          f" {' '.join(f'{lv.name}x{lv.tokens}tok' for lv in args.levels)},"
+          f" surfaces {' '.join(args.surfaces)},"
           f" {args.rounds} round(s), trees {' '.join(names)}")
     print(machine_line(info), flush=True)
     runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {
@@ -361,16 +368,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     order = names if r % 2 == 0 else names[::-1]
                     for surface in args.surfaces:
                         for name in order:
-                            spy = f"gpu_proxy-{level.name}-{surface}" if args.profile and r == 0 and name == names[0] else None
+                            profiled = args.profile and r == 0 and name == names[0]
+                            spy = f"gpu_proxy-{level.name}-{surface}" if profiled else None
                             m = measure(servers[name], surface, level, spy)
                             runs[name][level.name][surface].append(m)
                             print(f"  round {r + 1} {level.name} {surface:>9} {name}: ratio {m['ratio']:.2f},"
-                                  f" {m['tokens_per_second']:.0f} tok/s of {m['ideal_tokens_per_second']:.0f},"
+                                  f" {m['tokens_per_second']:.0f} tok/s"
+                                  f" of {m['ideal_tokens_per_second']:.0f},"
                                   f" server {m['server_cpu_us_per_token']:.0f} µs/token (loop"
-                                  f" {m['event_loop_cpu_us_per_token']:.0f}), decode busy {m['decode_busy_share']:.2f}"
+                                  f" {m['event_loop_cpu_us_per_token']:.0f}),"
+                                  f" decode busy {m['decode_busy_share']:.2f}"
                                   f" (idle between steps {fmt(m['engine_idle_share'], digits=2)}),"
                                   f" client CPU {m['client_cpu_share']:.2f}, load {m['load_average_1m']:.1f}"
-                                  + (f", {m['streams_short']} streams short, {m['errors']}" if m["streams_short"] or m["errors"] else ""),
+                                  + (f", {m['streams_short']} streams short, {m['errors']}"
+                                     if m["streams_short"] or m["errors"] else ""),
                                   flush=True)
             finally:
                 for server in servers.values():
@@ -384,8 +395,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         goal = GOALS.get((level.streams, level.step_ms))
         for surface in args.surfaces:
             for name in names:
-                ratio, us = series(name, level, surface, "ratio"), series(name, level, surface, "server_cpu_us_per_token")
-                row = [level.name, level.tokens, surface, name, " ".join(f"{x:.2f}" for x in ratio), f"{median(ratio):.2f}",
+                ratio = series(name, level, surface, "ratio")
+                us = series(name, level, surface, "server_cpu_us_per_token")
+                row = [level.name, level.tokens, surface, name, " ".join(f"{x:.2f}" for x in ratio),
+                       f"{median(ratio):.2f}",
                        "-" if goal is None else f"{goal:.2f}",
                        f"{median(series(name, level, surface, 'tokens_per_second')):.0f}",
                        " ".join(f"{x:.0f}" for x in us), f"{median(us):.0f}",
@@ -400,23 +413,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             " ".join(f"{a / b:.2f}" for a, b in zip(us, base_us, strict=True))]
                 rows.append(row)
     headers = ["level", "tokens", "surface", "tree", "ratio per round", "median", "goal", "tok/s",
-               "server µs/token per round", "median", "loop µs/token", "decode busy", "engine idle", "client CPU"]
+               "server µs/token per round", "median", "loop µs/token", "decode busy", "engine idle",
+               "client CPU"]
     if len(names) > 1:
         headers += [f"ratio / {names[0]} per round", f"µs/token / {names[0]} per round"]
-    print(f"\ndelivered / engine-bound rate (goal: {', '.join(f'{g:.2f} at {s}x{st:g}ms' for (s, st), g in GOALS.items())};"
+    goals = ", ".join(f"{g:.2f} at {s}x{st:g}ms" for (s, st), g in GOALS.items())
+    print(f"\ndelivered / engine-bound rate (goal: {goals};"
           f" server CPU <= {CPU_GOAL_US:.0f} µs/token at 64 streams)")
     print(table(headers, rows))
     payload = {"benchmark": "gpu_proxy", "machine": info, "trees": [str(t) for t in trees], "names": names,
-               "levels": [attrs.asdict(lv) for lv in args.levels], "surfaces": args.surfaces, "rounds": args.rounds,
-               "runs": runs}
+               "levels": [attrs.asdict(lv) for lv in args.levels], "surfaces": args.surfaces,
+               "rounds": args.rounds, "runs": runs}
     fig, axes = figure(ncols=2, width=11, height=4)
     ax, ax2 = axes[0]
     labels = [f"{lv.name}\n{s}" for lv in args.levels for s in args.surfaces]
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         xs = [j + i * width for j in range(len(labels))]
-        ax.bar(xs, [median(series(name, lv, s, "ratio")) or 0 for lv in args.levels for s in args.surfaces], width, label=name)
-        ax2.bar(xs, [median(series(name, lv, s, "server_cpu_us_per_token")) or 0 for lv in args.levels for s in args.surfaces],
+        cells = [(lv, s) for lv in args.levels for s in args.surfaces]
+        ax.bar(xs, [median(series(name, lv, s, "ratio")) or 0 for lv, s in cells], width, label=name)
+        ax2.bar(xs, [median(series(name, lv, s, "server_cpu_us_per_token")) or 0 for lv, s in cells],
                 width, label=name)
     for a, ylabel in ((ax, "delivered / engine-bound rate"), (ax2, "server CPU µs per token")):
         a.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, fontsize=6)

@@ -123,7 +123,9 @@ class EngineThread:
             if self._thread is None:
                 self._spawn()
 
-    async def run(self, fn: Callable[..., T], *args: object, meanwhile: Callable[[], None] | None = None) -> T:
+    async def run(
+        self, fn: Callable[..., T], *args: object, meanwhile: Callable[[], None] | None = None
+    ) -> T:
         """``fn(*args)`` on the thread, after the calls queued before it; its result or exception.
 
         Checks for cancellation first (a cancelled caller submits nothing),

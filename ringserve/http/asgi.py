@@ -16,8 +16,8 @@ from typing import Any
 
 import trio
 from quart import Response
-from quart.utils import encode_headers
 from quart.routing import QuartMap
+from quart.utils import encode_headers
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
