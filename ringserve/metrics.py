@@ -268,6 +268,9 @@ def _runner(s: RunnerStatistics) -> Iterator[Metric]:
     yield _counter("ringserve_cancels", "Generations cancelled by their consumer.", s.cancels)
     yield _counter("ringserve_decode_steps", "Decode calls that succeeded.", s.steps)
     yield _counter("ringserve_decode_seconds", "Wall seconds spent in decode calls.", s.decode_seconds_total)
+    yield _counter("ringserve_engine_idle_seconds",
+                   "Wall seconds between one decode call's end and the next one's start while generations were"
+                   " active: the engine waiting for the Python side.", s.engine_idle_seconds_total)
 
 
 def _logs(logs: LogStoreStatistics) -> Iterator[Metric]:

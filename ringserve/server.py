@@ -7,6 +7,7 @@ import logging
 import os
 import secrets
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import assert_never
@@ -358,9 +359,19 @@ def _limit(value: float, unit: str) -> str:
     return f"{int(value) if float(value).is_integer() else value}{unit}"
 
 
+#: The interpreter's switch interval in a server process (``sys.setswitchinterval``; Python's
+#: default is 5 ms): how long a thread that wants the GIL waits before the holder must let it go.
+#: The engine thread needs it for a moment after each decode and before the next one starts,
+#: while the Trio thread renders and writes the last step; with 5 ms, 64 streams of 10 ms steps
+#: waited 0.6-1.3 ms (p50) from handing a step to the engine thread to its start, with 0.2 ms
+#: about 0.3 ms (bench/gpu_proxy.py, docs/benchmarks.md).
+SWITCH_INTERVAL_SECONDS = 0.0002
+
+
 def run_process(config: Config, engine_factory: Callable[[Config], Engine] = load_llama_engine) -> int:
     """:func:`serve` as a process's main loop (``ringserve serve``): its exit status.
 
+    Sets the interpreter's switch interval to :data:`SWITCH_INTERVAL_SECONDS` first.
     Once it returns the process is about to exit, so every object left is
     frozen (``gc.freeze``): the interpreter's final garbage collection then
     skips them, which took 0.3-0.7 s of the drain's bound on a loaded 2-core
@@ -372,6 +383,7 @@ def run_process(config: Config, engine_factory: Callable[[Config], Engine] = loa
             (unwrapped from the nursery's exception group), besides what
             :func:`serve` raises.
     """
+    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     try:
         return trio.run(serve, config, engine_factory)
     except BaseExceptionGroup as group:

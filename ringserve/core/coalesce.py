@@ -55,9 +55,11 @@ class Coalescer:
             self._deadline = self._last_release + self.window
         return None
 
-    def due(self, now: float) -> str | None:
-        """The buffered text if its deadline has passed, else None."""
-        return self.flush(now) if now >= self._deadline else None
+    def due(self, now: float, ahead: float = 0.0) -> str | None:
+        """The buffered text if its deadline has passed, or passes within ``ahead`` seconds
+        (the caller's next chance to ask is that far away: releasing it now is closer to the
+        deadline than then), else None."""
+        return self.flush(now) if now + ahead >= self._deadline else None
 
     def flush(self, now: float | None = None) -> str:
         """Release everything buffered ("" when empty) and reset the window.

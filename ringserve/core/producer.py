@@ -296,12 +296,13 @@ class Producer:
         message = f"the safety check failed ({reason}); no unchecked text was sent"
         return self._fail(Failure(ErrorKind.API_ERROR, message, self.usage, retryable=True), now)
 
-    def tick(self, now: float) -> Step:
-        """The :attr:`deadline` may have passed: release the text that waited its window, or,
-        when nothing was appended for ``keepalive_seconds``, the keepalive events."""
+    def tick(self, now: float, ahead: float = 0.0) -> Step:
+        """The :attr:`deadline` may have passed (or passes within ``ahead`` seconds, before the
+        shell's next tick): release the text that waited its window, or, when nothing was
+        appended for ``keepalive_seconds``, the keepalive events."""
         if self._ended or self._pending is not None:
             return Step()
-        wire = self._text(self._coalescer.due(now))
+        wire = self._text(self._coalescer.due(now, ahead))
         if not wire and now >= self._written_at + self.keepalive_seconds:
             return self.keepalive(now)
         return self._step(wire, now)

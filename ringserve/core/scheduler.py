@@ -409,6 +409,11 @@ class Plan:
     admitted: tuple[Entry, ...] = ()
     feeds: tuple[SlotFeed, ...] = ()
     owners: tuple[Entry, ...] = ()
+    _by_slot: dict[int, Entry] = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        # owner() is asked once per sampled token: a dict, not a scan of the batch (256 slots)
+        object.__setattr__(self, "_by_slot", {f.slot: e for f, e in zip(self.feeds, self.owners, strict=True)})
 
     @property
     def n_tokens(self) -> int:
@@ -426,10 +431,7 @@ class Plan:
         Raises:
             KeyError: the slot is not in the batch.
         """
-        for feed, entry in zip(self.feeds, self.owners, strict=True):
-            if feed.slot == slot:
-                return entry
-        raise KeyError(slot)
+        return self._by_slot[slot]
 
 
 @attrs.frozen

@@ -12,7 +12,7 @@ engine; a generation owns its reply's state and its channel of events (:meth:`Ge
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import assert_never
 
 import attrs
@@ -44,7 +44,10 @@ from ringserve.engine.gbnf import Constraint, LazyCalls
 from ringserve.formats.base import ChatFormat
 from ringserve.formats.generic import GENERIC
 
-__all__ = ["Fed", "Generation", "Prepared"]
+__all__ = ["Consumer", "Fed", "Generation", "Prepared"]
+
+Consumer = Callable[[Sequence[GenerationEvent]], None]
+"""What :meth:`Generation.consume` takes: called with one step's events of a generation."""
 
 
 @attrs.frozen
@@ -145,14 +148,18 @@ class Generation:
     _reasoning_budget: int | None = None  # the prepared one until its closing marker is forced
     _outcome: Finish | Failure | None = None
     _cancel_time: float | None = None
+    _consumer: Consumer | None = None
+    _batch: list[GenerationEvent] = attrs.field(factory=list)  # the consumer's events since the last delivery
+    _text_ends: bool = False  # its text may end it (stop strings, tool calls): see text_decides
     tokens_after_cancel: int = 0
 
     def __attrs_post_init__(self) -> None:
+        request = self.prepared.request
+        choice = request.tool_choice
+        parsed = bool(request.tools) and choice.mode is not ToolChoiceMode.NONE
+        self._text_ends = bool(request.stop) or parsed
         if self._stage is None:
             prepared = self.prepared
-            request = prepared.request
-            choice = request.tool_choice
-            parsed = bool(request.tools) and choice.mode is not ToolChoiceMode.NONE
             self._stage = ReplyStage(
                 request.stop,
                 prepared.chat_format.parser(request.tools if parsed else None, reasoning_open=prepared.reasoning_open),
@@ -165,6 +172,13 @@ class Generation:
     def id(self) -> int:
         """The runner's ticket number for this request (increasing)."""
         return self._entry.id
+
+    @property
+    def text_decides(self) -> bool:
+        """Whether a sampled token's text can change what the next step feeds it: a stop string
+        or a tool call can end it, a reasoning budget force its next tokens. Otherwise only an
+        end-of-generation token and the token budget end it, which the sample says by itself."""
+        return self._text_ends or self._reasoning_budget is not None
 
     @property
     def entry(self) -> Entry:
@@ -206,6 +220,11 @@ class Generation:
     def outcome(self) -> Finish | Failure | None:
         """The terminal event once produced (whether or not it was read yet)."""
         return self._outcome
+
+    @property
+    def consumed(self) -> bool:
+        """Whether a consumer takes its events (:meth:`consume`) instead of an iteration."""
+        return self._consumer is not None
 
     # -- the runner's side ---------------------------------------------------
 
@@ -268,8 +287,12 @@ class Generation:
         return Fed(tuple(events), None if end is None else Finish(end.reason, self.usage, end.stop))
 
     def emit(self, event: GenerationEvent) -> None:
-        """Queue an event for the consumer (none once it left)."""
+        """Queue an event for the consumer (none once it left): for its next delivery
+        (:meth:`deliver`) where it has a consumer, else in the channel."""
         if self.cancelled:
+            return
+        if self._consumer is not None:
+            self._batch.append(event)
             return
         try:
             self._send.send_nowait(event)
@@ -286,6 +309,12 @@ class Generation:
         finally:
             self._send.close()
 
+    def deliver(self) -> None:
+        """Hand the consumer the events emitted since the last delivery (maybe none)."""
+        batch, self._batch = self._batch, []
+        if self._consumer is not None and not self.cancelled:
+            self._consumer(batch)
+
     def cancel(self, now: float) -> None:
         """Its consumer left at ``now`` (the Trio clock): no more events."""
         self._cancel_time = now
@@ -296,6 +325,18 @@ class Generation:
         self._receive.close()
 
     # -- the consumer's side -------------------------------------------------
+
+    def consume(self, consumer: Consumer) -> None:
+        """Have the runner call ``consumer`` with the events instead of queueing them for
+        iteration (do not iterate then): once per decode step that sampled for this
+        generation, with that step's events (maybe none, so that the consumer sees time
+        pass), in the runner's one pass over the step's generations, right after the next
+        step was handed to the engine (while it decodes, when the runner overlaps steps);
+        the terminal event included, and at once for events outside a step (a failure of
+        the loop). Never after the consumer's ``submit`` block was left. ``consumer`` runs
+        on the runner's task and must not raise or await.
+        """
+        self._consumer = consumer
 
     def __aiter__(self) -> Generation:
         return self

@@ -32,11 +32,16 @@ One step of the loop:
    block stop, a block start and a delta, as when a token ends a tool call's
    arguments and starts the next text; a token holds fewer characters than
    a call's wrapper, so it never closes one call and opens another), then the
-   closing events, so it never fills.
+   closing events, so it never fills. A generation with a consumer
+   (:meth:`Generation.consume`: the producer of a live message) gets them
+   instead in one synchronous pass over the step's generations, run as soon
+   as the next step is handed to the engine thread, so that work overlaps
+   the next decode without a task switch per token.
 
 5. Unless the runner overlaps steps (``overlap``, from ``[engine] overlap``
-   by :func:`~ringserve.config.overlap_steps`), the loop then lets the
-   consumers run before the next decode: it waits until every other task is
+   by :func:`~ringserve.config.overlap_steps`), the loop then delivers the
+   step's events to the consumers and lets the other tasks run before the
+   next decode: it waits until every other task is
    blocked (``trio.testing.wait_all_tasks_blocked``), for at most as long as
    the step took, so rendering, logging and HTTP writes of step N's tokens
    do not run beside step N+1's decode. Where llama.cpp's threads take every
@@ -127,6 +132,12 @@ class RunnerStatistics:
         failed_steps: decode calls that raised.
         last_step_seconds: wall time of the last decode call (seconds).
         decode_seconds_total: wall time of all decode calls (seconds).
+        engine_idle_seconds_total: wall time from the end of one decode call
+            to the start of the next while the loop had work (seconds): what
+            the engine waited for the Python side between steps (the hops
+            to and from its thread, the step's tokens, the plan, releases and
+            begins). Over this plus ``decode_seconds_total``: the share of
+            a busy engine's time that a GPU would sit idle.
         last_step_tokens: tokens in the last decoded batch.
         step_tokens_total: tokens in all decoded batches (prompt chunks and
             fed-back samples).
@@ -156,6 +167,7 @@ class RunnerStatistics:
     failed_steps: int
     last_step_seconds: float
     decode_seconds_total: float
+    engine_idle_seconds_total: float
     last_step_tokens: int
     step_tokens_total: int
     prompt_tokens_total: int
@@ -177,6 +189,7 @@ class _Counters:
     failed_steps: int = 0
     last_step_seconds: float = 0.0
     decode_seconds_total: float = 0.0
+    engine_idle_seconds_total: float = 0.0
     last_step_tokens: int = 0
     step_tokens_total: int = 0
     prompt_tokens_total: int = 0
@@ -215,6 +228,7 @@ class _StepOutcome:
     begin_errors: dict[int, Exception] = attrs.Factory(dict)
     sampled: list[Sampled] | None = None
     error: Exception | None = None
+    started: float | None = None  # time.perf_counter() when the decode call began (None: not called)
     seconds: float = 0.0
     kv_cells_used: int | None = None
 
@@ -284,6 +298,9 @@ class Runner:
         self._generations: dict[Entry, Generation] = {}
         self._kv_used = 0  # KV cells in use as of the last engine call
         self._counters = _Counters()
+        self._ready: dict[Generation, None] = {}  # generations with a consumer and events to deliver
+        self._late: list[tuple[Generation, Sampled]] = []  # tokens to turn into events after the next submit
+        self._last_decode_end: float | None = None  # time.perf_counter() at the end of the last decode call
 
     # -- pass-through ------------------------------------------------------
 
@@ -301,6 +318,11 @@ class Runner:
     def n_ctx_slot(self) -> int:
         """KV cells (tokens) per slot: prompt plus generated tokens must fit."""
         return self._engine.n_ctx_slot
+
+    @property
+    def last_step_seconds(self) -> float:
+        """Wall time of the last decode call (seconds; 0 before the first)."""
+        return self._counters.last_step_seconds
 
     @property
     def overlap(self) -> bool:
@@ -655,17 +677,20 @@ class Runner:
                 await self._release_ended()
                 plan = self._scheduler.plan()
                 if not plan.feeds:
+                    self._after_submit()
                     if self._scheduler.releases_pending:
                         continue  # a request ended during the release hop
                     if self._scheduler.active():
                         raise RuntimeError("live requests but nothing to feed")
                     self._idle.set()
+                    self._last_decode_end = None  # nothing to decode: the engine is not waiting for us
                     await self._wake.wait()
                     self._wake = trio.Event()
                     await self._gather_arrivals()
                     continue
                 await self._step(plan)
                 if not self._overlap:
+                    self._after_submit()
                     with trio.move_on_after(self._counters.last_step_seconds):
                         await trio.testing.wait_all_tasks_blocked()
         except BaseException as exc:
@@ -707,7 +732,7 @@ class Runner:
         if not ended:
             return
         slots = [(e.slot, len(e.kept)) for e in ended if e.slot is not None]
-        kv, lost = await self._engine_thread.run(self._release_sync, slots)
+        kv, lost = await self._engine_thread.run(self._release_sync, slots, meanwhile=self._after_submit)
         now = trio.current_time()
         if kv is not None:
             self._kv_used = kv
@@ -764,11 +789,12 @@ class Runner:
         except Exception as exc:
             return _StepOutcome(
                 error=exc,
+                started=t0,
                 seconds=time.perf_counter() - t0,
                 kv_cells_used=self._kv_cells_sync(),
             )
         seconds = time.perf_counter() - t0
-        return _StepOutcome(sampled=sampled, seconds=seconds, kv_cells_used=self._kv_cells_sync())
+        return _StepOutcome(sampled=sampled, started=t0, seconds=seconds, kv_cells_used=self._kv_cells_sync())
 
     async def _step(self, plan: Plan) -> None:
         """One decode step for ``plan`` and the handling of what it gave."""
@@ -780,12 +806,19 @@ class Runner:
             self._counters.prompt_tokens_total += len(entry.prompt)
         self._step_done = trio.Event()
         try:
-            outcome = await self._engine_thread.run(self._step_sync, begins, plan.feeds)
+            # overlapping: the last step's tokens become events and reach their consumers while this one decodes
+            outcome = await self._engine_thread.run(
+                self._step_sync, begins, plan.feeds, meanwhile=self._after_submit if self._overlap else None
+            )
         finally:
             self._step_done.set()
             self._step_done = None
         if outcome.kv_cells_used is not None:
             self._kv_used = outcome.kv_cells_used
+        if outcome.started is not None:
+            if self._last_decode_end is not None:
+                self._counters.engine_idle_seconds_total += outcome.started - self._last_decode_end
+            self._last_decode_end = outcome.started + outcome.seconds
 
         if outcome.begin_errors:
             admitted = {e.slot: e for e in plan.admitted}
@@ -814,7 +847,16 @@ class Runner:
                 continue
             self._scheduler.on_sampled(sampled.slot, sampled.token)
             self._counters.generated_tokens_total += 1
-            self._on_token(gen, sampled)
+            if gen.consumed:  # it sees this step, events or not
+                self._ready[gen] = None
+            if gen.text_decides:
+                self._on_token(gen, sampled)
+                continue
+            # Only the sample decides what the next step feeds it: its end (if any) is taken now,
+            # its text once the next step is handed to the engine (_after_submit).
+            if sampled.eog or entry.budget_left <= 0:
+                self._scheduler.finish(entry)
+            self._late.append((gen, sampled))
 
     def _on_decode_error(self, plan: Plan, error: Exception) -> None:
         """Fail the generations a failed decode affects; the rest retry next step."""
@@ -866,16 +908,37 @@ class Runner:
             self._scheduler.finish(entry, keep_cells=isinstance(event, Finish))
         elif entry.state is SlotState.QUEUED:
             self._leave(entry)  # only on shutdown
+        if gen.consumed:
+            self._ready[gen] = None
         gen.end(event)
 
+    def _after_submit(self) -> None:
+        """The work that waits for the next engine call to be submitted: the tokens whose text
+        cannot change that call (:attr:`Generation.text_decides`) into events, then the
+        events to their consumers."""
+        for gen, sampled in self._late:  # (if one raises, the loop ends: _fail_everything reads the list)
+            self._on_token(gen, sampled)
+        self._late.clear()
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand each generation with a consumer its events since the last delivery (one pass)."""
+        ready, self._ready = self._ready, {}
+        for gen in ready:
+            gen.deliver()
+
     def _fail_everything(self, kind: ErrorKind, message: str) -> None:
-        """The loop is ending: every queued or active generation gets a Failure."""
-        for entry in (*self._scheduler.active(), *self._scheduler.queued()):
-            gen = self._generations[entry]
+        """The loop is ending: every queued or active generation, and every one whose end was
+        taken from its last sample but not yet turned into events, gets a Failure."""
+        ending = [gen for gen, _ in self._late]
+        self._late.clear()
+        ending += [self._generations[entry] for entry in (*self._scheduler.active(), *self._scheduler.queued())]
+        for gen in ending:
             if gen.outcome is None and not gen.cancelled:
                 failure = Failure(kind, message, gen.usage, retryable=True)
                 try:
                     self._end(gen, failure)
                 except Exception:  # pragma: no cover - keep failing the others
                     gen.end(failure)
+        self._deliver()
 

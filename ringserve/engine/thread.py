@@ -41,6 +41,10 @@ T = TypeVar("T")
 _STOP = None
 """The queue entry that ends the thread."""
 
+HANDOVER_SECONDS = 0.001
+"""The longest :meth:`EngineThread.run` blocks the Trio thread for the engine thread to take a call
+before it runs its ``meanwhile`` work (the thread is woken and needs the GIL to start the call)."""
+
 
 class EngineThread:
     """A daemon thread that runs submitted calls in order; :meth:`run` awaits one from Trio.
@@ -119,16 +123,25 @@ class EngineThread:
             if self._thread is None:
                 self._spawn()
 
-    async def run(self, fn: Callable[..., T], *args: object) -> T:
+    async def run(
+        self, fn: Callable[..., T], *args: object, meanwhile: Callable[[], None] | None = None
+    ) -> T:
         """``fn(*args)`` on the thread, after the calls queued before it; its result or exception.
 
         Checks for cancellation first (a cancelled caller submits nothing),
-        then waits for the call without abandoning it.
+        then waits for the call without abandoning it. ``meanwhile()``, when
+        given, runs on the Trio thread once the call is submitted, before the
+        wait: work that overlaps the call (its result is delivered only to a
+        waiting task, and nothing yields between the submission and the wait).
+        It starts once the thread has taken the call, or after
+        :data:`HANDOVER_SECONDS`: the Trio thread blocks meanwhile, without
+        the GIL, which the engine thread needs to start the call (and would
+        otherwise wait for up to the switch interval while ``meanwhile`` runs).
 
         Raises:
             RuntimeError: the thread is not running (not started, or stopped).
             trio.Cancelled: the caller was cancelled before the call was submitted.
-            Exception: whatever ``fn`` raised.
+            Exception: whatever ``fn`` raised (or ``meanwhile``, after the call returned).
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         if not self._started or self._stopped:
@@ -136,10 +149,19 @@ class EngineThread:
         token = trio.lowlevel.current_trio_token()
         task = trio.lowlevel.current_task()
 
+        taken = threading.Event()
+
         def job() -> None:
+            taken.set()
             result = outcome.capture(fn, *args)
             token.run_sync_soon(trio.lowlevel.reschedule, task, result)
 
         self._submit(job)
+        failed = None
+        if meanwhile is not None:
+            taken.wait(HANDOVER_SECONDS)
+            failed = outcome.capture(meanwhile)
         result: T = await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+        if failed is not None:
+            failed.unwrap()
         return result

@@ -17,12 +17,13 @@ from typing import Any
 import trio
 from quart import Response
 from quart.routing import QuartMap
+from quart.utils import encode_headers
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
 from ringserve.http.accesslog import SCOPE_KEY as ACCESS_KEY
 from ringserve.http.accesslog import AccessRecord
-from ringserve.http.context import CLEANUPS_KEY, ServerState, extensions
+from ringserve.http.context import CLEANUPS_KEY, EventStream, ServerState, extensions
 from ringserve.http.generate import count_tokens, generate, render_prompt
 from ringserve.http.messages import cancel_message, get_message, issue_stream_token, resume_stream
 from ringserve.http.responses import cancel_response, delete_response, retrieve_response
@@ -50,12 +51,21 @@ class ClosingHTTPConnection(TrioASGIHTTPConnection):
     posts ``http.disconnect`` to the app, on which quart-trio cancels the
     request's nursery, i.e. the very task running the chain. Unshielded, the
     socket is never closed and the keep-alive timeout never fires again.
+
+    An event stream's body (:class:`~ringserve.http.context.EventStream`) is
+    written by :meth:`_send_response` straight to hypercorn's ``send``, one
+    write per chunk, timed by the watchdog and counted, without the wrappers
+    above (which its head and its final send still go through).
     """
+
+    _send_body: Any = None  # hypercorn's send, for an event stream's chunks
+    _cancel_scope: trio.CancelScope | None = None  # the request's, for the watchdog
 
     async def __call__(self, receive: Any, send: Any) -> None:
         scope = extensions(self.scope)
         cleanups: list[Callable[[], None]] = scope.setdefault(CLEANUPS_KEY, [])
         record = scope[ACCESS_KEY] = AccessRecord.from_scope(scope)
+        self._send_body = send
 
         async def send_counted(message: Any) -> None:  # an ASGI event, read and rebuilt as a dict
             if message["type"] == "http.response.start":
@@ -85,6 +95,7 @@ class ClosingHTTPConnection(TrioASGIHTTPConnection):
     # quart_trio's handle_request adds the nursery to quart's signature, hence the ignore.
     async def handle_request(self, nursery: trio.Nursery, request: Any, send: Any) -> None:  # type: ignore[override]
         watch = self._state.watchdog.watch
+        self._cancel_scope = nursery.cancel_scope
 
         async def send_watched(message: Any) -> None:  # an ASGI event
             # Every write is timed: a peer that stops reading is dropped (http/transport.py).
@@ -96,6 +107,26 @@ class ClosingHTTPConnection(TrioASGIHTTPConnection):
                     await send(message)
 
         await super().handle_request(nursery, request, send_watched)
+
+    async def _send_response(self, send: Any, response: Any) -> None:
+        if not isinstance(response, EventStream):
+            await super()._send_response(send, response)
+            return
+        await send({"type": "http.response.start", "status": response.status_code,
+                    "headers": encode_headers(response.headers)})
+        scope = extensions(self.scope)
+        record: AccessRecord = scope[ACCESS_KEY]
+        watchdog, cancel_scope, send_body = self._state.watchdog, self._cancel_scope, self._send_body
+        assert cancel_scope is not None, "handle_request sets it"
+        async with response.response as chunks:
+            async for chunk in chunks:
+                key = watchdog.started(scope, cancel_scope)
+                try:
+                    await send_body({"type": "http.response.body", "body": chunk, "more_body": True})
+                finally:
+                    watchdog.finished(key)
+                record.bytes += len(chunk)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class _RouteMap(QuartMap):

@@ -194,7 +194,13 @@ def stream_token(message_id: str) -> StreamToken:
     return StreamToken(message_id, token, expires)
 
 
-def sse_response(hub: Hub, log: MessageLog, after: int | None, message_id: str) -> Response:
+class EventStream(Response):
+    """A response whose body is a stream log's SSE bytes (:func:`sse_response`): ``http/asgi.py``
+    writes its chunks through the ASGI ``send`` itself, one write per chunk (every entry a reader
+    has ready), without the per-message wrappers of the other responses."""
+
+
+def sse_response(hub: Hub, log: MessageLog, after: int | None, message_id: str) -> EventStream:
     """``log`` after ``after`` as an event stream; this request reads it until the connection ends."""
     metrics = state().metrics
     reader = log.reader()
@@ -226,6 +232,6 @@ def sse_response(hub: Hub, log: MessageLog, after: int | None, message_id: str) 
         finally:
             release()
 
-    resp = Response(chunks(), 200, headers={**SSE_HEADERS, "X-Message-Id": message_id})
+    resp = EventStream(chunks(), 200, headers={**SSE_HEADERS, "X-Message-Id": message_id})
     resp.timeout = None
     return resp

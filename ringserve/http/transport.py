@@ -265,13 +265,22 @@ class SendWatchdog:
     @contextlib.contextmanager
     def watch(self, scope: dict[str, Any], cancel_scope: trio.CancelScope) -> Iterator[None]:
         """Time one ``send`` of the request ``scope`` (ASGI), cancellable by ``cancel_scope``."""
-        key = self._next_key
-        self._next_key += 1
-        self._sends[key] = _Send(self.clock(), scope, cancel_scope)
+        key = self.started(scope, cancel_scope)
         try:
             yield
         finally:
-            del self._sends[key]
+            self.finished(key)
+
+    def started(self, scope: dict[str, Any], cancel_scope: trio.CancelScope) -> int:
+        """:meth:`watch` without the context manager: a send starts; the key for :meth:`finished`."""
+        key = self._next_key
+        self._next_key += 1
+        self._sends[key] = _Send(self.clock(), scope, cancel_scope)
+        return key
+
+    def finished(self, key: int) -> None:
+        """The send that :meth:`started` gave ``key`` ended (returned or raised)."""
+        del self._sends[key]
 
     def check(self) -> int:
         """Act on every send older than the timeout (see the class docstring).

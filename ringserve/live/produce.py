@@ -6,22 +6,32 @@ producer passes the runner's events through the safety stage
 message's surface format, encodes them (``core/sse.py``) with the id
 ``<message_id>:<seq>``, and appends them to the message's ring log, coalesced
 by ``core/coalesce.py``. :class:`Production` only performs what the producer's
-steps say (append, close, persist through ``live/persist.py``, observe), and
-waits for the next event or the coalescing deadline.
+steps say (append, close, persist through ``live/persist.py``, observe).
+
+The producer is fed in the runner's pass over each decode step
+(:meth:`Generation.consume <ringserve.engine.generation.Generation.consume>`): its
+events, then a tick, with no task switch per token. Text that waits for its
+coalescing window goes at a step's end: the first one after its deadline when
+that is at most half a window late (``slack``; with steps shorter than that, the
+window gathers as many tokens as it would with a timer), else the last one
+before it (expecting the next pass one decode step later, as long as the last
+one took). The message's task wakes only for what needs awaiting: a safety check
+(events wait meanwhile, in order), the end, or its timer, half a window past the
+producer's deadline for text (at the deadline for a keepalive, which must not
+come late) and moved by every pass, which fires only when the next step came
+later than expected (a long decode, a keepalive).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable
-from typing import Final
+from collections import deque
+from collections.abc import Callable, Sequence
 
 import attrs
 import trio
 
 from ringserve.config import Config
-from ringserve.core.errors import ErrorKind
 from ringserve.core.events import Failure, Finish, GenerationEvent, Usage
 from ringserve.core.producer import Producer, Step
 from ringserve.core.safety import Check
@@ -36,11 +46,61 @@ from ringserve.store.sqlite import MessageStore, StoredMessage
 log = logging.getLogger("ringserve.hub")
 
 
-class _NotYet:
-    """No event came before the coalescing deadline."""
+@attrs.define(eq=False)
+class _Feed:
+    """A producer's consumer of its generation's events (the runner calls it, see the module doc).
 
+    ``slack``: how late (seconds) a deadline may be served by the next pass (half the flush
+    window). ``pending``: events that wait while the task resolves a safety check; ``check``: the step
+    whose check the task must ask; ``failed``: what a move raised, for the task to raise;
+    ``attention``: set when the task has something to do; ``timer``: the task's fallback
+    timer while it waits.
+    """
 
-_NOT_YET: Final = _NotYet()
+    production: Production
+    msg: LiveMessage
+    producer: Producer
+    gen: Generation
+    slack: float
+    pending: deque[GenerationEvent] = attrs.Factory(deque)
+    check: Step | None = None
+    failed: BaseException | None = None
+    attention: trio.Event = attrs.Factory(trio.Event)
+    timer: trio.CancelScope | None = None
+
+    def __call__(self, events: Sequence[GenerationEvent]) -> None:
+        if self.producer.ended or self.failed is not None:
+            return
+        if self.check is not None or self.pending:
+            self.pending.extend(events)
+            return
+        try:
+            now = trio.current_time()
+            for i, event in enumerate(events):
+                step = self.producer.event(event, self.gen.usage, now)
+                self.production._perform(self.msg, step)
+                if step.check is not None:
+                    self.check = step
+                    self.pending.extend(events[i + 1:])
+                    self.attention.set()
+                    return
+            # release now what the next pass (a decode step later) would serve over slack late
+            ahead = max(0.0, self.production.runner.last_step_seconds - self.slack)
+            if self.producer.deadline <= now + ahead:
+                self.production._perform(self.msg, self.producer.tick(now, ahead))
+        except Exception as exc:
+            self.failed = exc
+        if self.producer.ended or self.failed is not None:
+            self.attention.set()
+        elif self.timer is not None and self.timer.deadline != self.fallback:
+            self.timer.deadline = self.fallback  # (re-registers the timer: only on a change)
+
+    @property
+    def fallback(self) -> float:
+        """When the task ticks the producer itself: ``slack`` past its deadline for text
+        waiting for its window, at the deadline for a keepalive."""
+        producer = self.producer
+        return producer.deadline + self.slack if producer.text_waits else producer.deadline
 
 
 @attrs.frozen
@@ -111,32 +171,40 @@ class Production:
                 self._perform(msg, producer.interrupted(msg.cancel_reason, usage, trio.current_time()))
 
     async def _pump(self, msg: LiveMessage, producer: Producer, gen: Generation) -> None:
-        """Feed the generation's events to the producer until the message ends, and tick it at
-        its deadlines (coalesced text, keepalives); leaving returns to the runner's ``submit``
+        """Have the runner feed the generation's events to the producer (:class:`_Feed`) and do
+        what needs awaiting until the message ends; leaving returns to the runner's ``submit``
         block, which cancels a generation still running."""
-        events = gen.__aiter__()
+        feed = _Feed(self, msg, producer, gen, self.config.stream.flush_ms / 2000)
+        gen.consume(feed)
         while not producer.ended:
-            event: GenerationEvent | _NotYet | None = _NOT_YET
-            deadline = producer.deadline
-            if deadline == math.inf:  # nothing waits for a flush: no cancel scope per event
-                event = await anext(events, None)
-            else:
-                with trio.move_on_at(deadline):
-                    event = await anext(events, None)
-            if isinstance(event, _NotYet):
+            with trio.CancelScope(deadline=feed.fallback) as feed.timer:
+                await feed.attention.wait()
+            feed.timer = None
+            feed.attention = trio.Event()
+            if feed.failed is not None:
+                raise feed.failed
+            if feed.check is not None:
+                await self._resolve(feed)
+            elif producer.deadline <= trio.current_time():  # no step came to tick it
                 if producer.text_waits:  # a keepalive is too small to wait for the decode step
                     await self.runner.between_steps()
-                step = producer.tick(trio.current_time())
-            elif event is None:
-                failure = Failure(ErrorKind.API_ERROR, "generation ended without a result", gen.usage, True)
-                step = producer.event(failure, gen.usage, trio.current_time())
-            else:
-                step = producer.event(event, gen.usage, trio.current_time())
-            # A safety check runs outside the flush deadline's scope, which must not cut it short.
-            while step.check is not None:
-                self._perform(msg, step)
-                step = await self._judge(msg, producer, step.check)
+                self._perform(msg, producer.tick(trio.current_time()))
+
+    async def _resolve(self, feed: _Feed) -> None:
+        """Ask the safety check of ``feed.check``, then feed the events that waited for its verdict
+        (asking the checks they bring)."""
+        msg, producer = feed.msg, feed.producer
+        while feed.check is not None:
+            assert feed.check.check is not None
+            step = await self._judge(msg, producer, feed.check.check)
             self._perform(msg, step)
+            feed.check = step if step.check is not None else None
+            while feed.check is None and feed.pending and not producer.ended:
+                step = producer.event(feed.pending.popleft(), feed.gen.usage, trio.current_time())
+                self._perform(msg, step)
+                if step.check is not None:
+                    feed.check = step
+        feed.pending.clear()
 
     async def _judge(self, msg: LiveMessage, producer: Producer, check: Check) -> Step:
         assert self.safety is not None

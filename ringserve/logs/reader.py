@@ -87,11 +87,12 @@ async def tail(
 ) -> AsyncGenerator[bytes, None]:
     """Yield a log's SSE bytes after ``after``: replay, then live, then end.
 
-    Yields, in order:
+    Yields, in order, the entries' bytes exactly as appended, every entry read
+    at once (up to ``batch``) in one chunk, so that a reader writes once for
+    all it has to catch up on:
 
-    1. the bytes of every held entry after ``after`` (the replay), one chunk
-       per entry, exactly as appended;
-    2. each new entry's bytes as the producer appends it, and
+    1. the held entries after ``after`` (the replay);
+    2. the new entries as the producer appends them, and
        ``encode_comment("ping")`` (``b": ping\\n"``) whenever
        ``heartbeat_interval`` seconds pass with nothing to send
        (``on_heartbeat()`` is called before each ping, for metrics).
@@ -138,11 +139,10 @@ async def tail(
             yield encode_reconnect(None if cursor is None else format_event_id(log.message_id, cursor))
             return
         if got:
-            for entry in got:
-                # Advance before yielding: if the consumer stops here, the
-                # entry counts as handed over, like the bytes it got.
-                cursor = entry.seq
-                yield entry.data
+            # Advance before yielding: if the consumer stops here, the
+            # entries count as handed over, like the bytes it got.
+            cursor = got[-1].seq
+            yield got[0].data if len(got) == 1 else b"".join(entry.data for entry in got)
             continue
         with trio.move_on_at(min(trio.current_time() + heartbeat_interval, ends_at)) as scope:
             await log.wait_for_entries(cursor)

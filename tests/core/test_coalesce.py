@@ -35,6 +35,19 @@ def test_first_text_is_released_at_once_then_windowed():
     assert c.deadline == pytest.approx(0.0501)
 
 
+def test_due_ahead_releases_text_whose_deadline_passes_before_the_next_ask():
+    """A caller that asks once per decode step of 10 ms: at 0.020 the deadline (0.025) falls
+    before the next ask (0.030), so the text goes then, not 5 ms late; at 0.010 it waits."""
+    c = Coalescer(window=0.025, max_tokens=16)
+    assert c.add("a", 1, now=0.0) == "a"
+    assert c.add("b", 1, now=0.010) is None
+    assert c.due(0.010, ahead=0.010) is None
+    assert c.add("c", 1, now=0.020) is None
+    assert c.due(0.020, ahead=0.010) == "bc"
+    assert c.add("d", 1, now=0.030) is None
+    assert c.deadline == pytest.approx(0.045)  # one window after the release at 0.020
+
+
 def test_a_delta_a_window_or_more_after_the_last_release_goes_at_once():
     """Decode steps slower than the window (a CPU box): each step's text goes at once, no deadline is set."""
     c = Coalescer(window=0.025, max_tokens=16)

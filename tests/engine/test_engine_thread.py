@@ -176,3 +176,33 @@ def test_the_engine_s_openmp_threads_spin_while_the_decoding_thread_lives_and_st
     alive, ended = map(float, out.stdout.split())
     # spinning: most of a core for the second; after the exit: nothing (margins for a loaded machine)
     assert alive > 0.25 and ended < 0.1, (alive, ended)
+
+
+async def test_meanwhile_runs_on_the_trio_thread_while_the_call_runs(thread):
+    started, release = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def call() -> str:
+        started.set()
+        release.wait(GUARD)
+        return "done"
+
+    def meanwhile() -> None:
+        assert started.wait(GUARD)  # the call runs on its thread already
+        seen.append(threading.get_ident() != thread.ident)
+        release.set()
+
+    with trio.fail_after(GUARD):
+        assert await thread.run(call, meanwhile=meanwhile) == "done"
+    assert seen == [True]
+
+
+async def test_meanwhile_s_exception_is_raised_after_the_call_returned(thread):
+    finished: list[str] = []
+
+    def meanwhile() -> None:
+        raise RuntimeError("from meanwhile")
+
+    with trio.fail_after(GUARD), pytest.raises(RuntimeError, match="from meanwhile"):
+        await thread.run(lambda: finished.append("call"), meanwhile=meanwhile)
+    assert finished == ["call"]

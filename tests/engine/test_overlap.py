@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import time
 
 import httpx
@@ -233,3 +234,54 @@ async def test_text_goes_out_as_its_step_ends_when_steps_are_longer_than_the_flu
     assert len(arrivals) == 4
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     assert all(g < 1.5 * step for g in gaps), gaps
+
+
+
+class CountingEngine(FakeEngine):
+    """FakeEngine that counts the decode calls begun (on the worker thread) and lets a test wait for one."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.begun = 0
+        self.changed = threading.Condition()
+
+    def decode(self, feeds):
+        with self.changed:
+            self.begun += 1
+            self.changed.notify_all()
+        return super().decode(feeds)
+
+    def wait_begun(self, n: int, timeout: float) -> bool:
+        with self.changed:
+            return self.changed.wait_for(lambda: self.begun >= n, timeout)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_a_consumer_gets_each_step_in_one_call_while_the_next_decodes_only_with_overlap(overlap):
+    """Every step that sampled for the generation is one call (one delta per token here, the terminal
+    event with the last one). With overlap the next decode was handed to the engine before the call
+    (the call waits for it to begin, which blocks the Trio thread); without, only after it."""
+    engine = CountingEngine(n_slots=1, step_seconds=0.01)
+    runner = Runner(engine, EngineConfig(slots=1), overlap=overlap)
+    calls: list[list[str]] = []
+    next_began: list[bool] = []
+    ended = trio.Event()
+
+    def consumer(events):
+        kinds = [type(e).__name__ for e in events]
+        calls.append(kinds)
+        if "Finish" in kinds:
+            ended.set()
+        else:  # the call for the step that sampled token n: has decode call n + 1 begun?
+            next_began.append(engine.wait_begun(len(calls) + 1, 0.5 if overlap else 0.1))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        with trio.fail_after(GUARD):
+            prepared = await runner.prepare(request(4))
+            async with runner.submit(prepared) as gen:
+                gen.consume(consumer)
+                await ended.wait()
+        nursery.cancel_scope.cancel()
+    assert calls == [["BlockStart", "BlockDelta"], ["BlockDelta"], ["BlockDelta"], ["BlockDelta", "BlockStop", "Finish"]]
+    assert next_began == [overlap] * 3

@@ -881,3 +881,59 @@ async def test_idle_runner_parks_without_polling(autojump_clock):
         assert text == "ok"
         nursery.cancel_scope.cancel()
 
+
+class StallingAfterDecode(FakeEngine):
+    """FakeEngine whose ``release`` takes ``stall`` seconds: engine time outside decode calls."""
+
+    stall = 0.0
+
+    def release(self, slot, keep=0):
+        time.sleep(self.stall)
+        super().release(slot, keep)
+
+
+async def test_engine_idle_counts_the_gaps_between_decode_calls_while_work_is_pending():
+    """The time from one decode call's end to the next one's start counts while the loop has work
+    (a release of 50 ms between two requests' steps counts), not while it has none (a pause of 0.5 s)."""
+    engine = StallingAfterDecode(n_slots=2, step_seconds=0.005)
+    async with serving(engine, slots=2) as runner:
+        assert runner.statistics().engine_idle_seconds_total == 0
+        await generate(runner, req("echo:one", 1))  # one decode call: no gap
+        assert runner.statistics().engine_idle_seconds_total == 0
+        await trio.sleep(0.5)  # idle: not counted
+        engine.stall = 0.05
+        prepared = [await runner.prepare(req("echo:two", 1)), await runner.prepare(req("echo:three three", 8))]
+        async with runner.submit(prepared[0]) as first, runner.submit(prepared[1]) as second:
+            [e async for e in first]  # ends after one step: its slot's release stalls the other's steps
+            [e async for e in second]
+        stats = runner.statistics()
+    assert 0.05 <= stats.engine_idle_seconds_total < 0.5
+    assert stats.decode_seconds_total >= 0.005 * stats.steps
+
+
+async def test_no_step_feeds_a_generation_after_its_end_whether_its_text_decides_it_or_its_sample():
+    """A plain reply's text is turned into events after the next step is handed to the engine
+    (only its sample says whether it goes on); one with a stop string is read first. Neither is
+    fed once it ended: decode calls feed each slot as many times as it sampled (EOG included)."""
+    engine = FakeEngine(n_slots=3, piece_bytes=2, reply="alpha beta gamma delta", record=True, step_seconds=0.002)
+    async with serving(engine, slots=3) as runner:
+        results = {}
+
+        async def one(name: str, request: GenerationRequest) -> None:
+            results[name] = await generate(runner, request)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "stop", req("go", stop=["beta gamma"]))
+            nursery.start_soon(one, "eog", req("go"))
+            nursery.start_soon(one, "budget", req("go", 5))
+    texts = {name: r[1] for name, r in results.items()}
+    assert texts == {"stop": "alpha ", "eog": "alpha beta gamma delta", "budget": "alpha beta"}
+    assert {name: r[2].stop_reason for name, r in results.items()} == {
+        "stop": StopReason.STOP_SEQUENCE, "eog": StopReason.END, "budget": StopReason.MAX_TOKENS}
+    fed: dict[int, int] = {}
+    for call in engine.log:
+        for feed in call.feeds:
+            if feed.sample:
+                fed[feed.slot] = fed.get(feed.slot, 0) + 1
+    samples = sorted(r[3].usage.output_tokens for r in results.values())
+    assert sorted(fed.values()) == samples

@@ -36,6 +36,7 @@ from ringserve.surfaces.responses import RESPONSES
 from tests.support.helpers import anthropic_text
 from tests.support.wait import wait_until
 
+GUARD = 60  # seconds of real time: a guard against hangs, not a wait
 LONG = "echo:" + " ".join(f"w{i}" for i in range(400))
 
 # A fake engine paced by step_seconds sleeps in the engine thread, which the autojump clock sees as
@@ -114,6 +115,34 @@ async def test_a_message_is_generated_into_its_log_and_the_store_answers_once_it
         assert (view.status, view.text, view.live) == (MessageStatus.COMPLETE, "hello world", False)
         assert hub.store.get(msg.id).final_seq == len(events) - 1
         assert hub.statistics().active_generations == 0
+
+
+class StallingEngine(FakeEngine):
+    """A FakeEngine whose third decode call waits (on its thread) until ``go`` is set."""
+
+    go = threading.Event()
+
+    def decode(self, feeds):  # type: ignore[no-untyped-def]
+        if len(self.log) == 2:
+            self.go.wait(GUARD)
+        return super().decode(feeds)
+
+
+async def test_text_waiting_for_its_window_is_released_by_the_producer_s_timer_when_no_step_comes(autojump_clock):
+    """The producer is ticked after each step; when the next step does not come (a long decode),
+    the message's task ticks it itself, half a window past the deadline (a window of 10 minutes
+    here, so that no jump of the clock between steps releases the text early)."""
+    config = Config().replace("stream", flush_ms=600_000.0, flush_tokens=1000)
+    StallingEngine.go.clear()
+    async with running_hub(config, StallingEngine, record=True) as hub:
+        msg = live(await create(hub, "echo:hello world"))
+        await wait_until(lambda: msg.view().text == "hell", timeout=3600)  # the first text goes at once
+        await wait_until(lambda: len(hub.runner._engine.log) == 2, timeout=3600)  # type: ignore[attr-defined]
+        start = trio.current_time()
+        await wait_until(lambda: msg.view().text == "hello wo", timeout=3600, interval=1.0)  # while decode 3 waits
+        assert trio.current_time() - start >= 600
+        StallingEngine.go.set()
+        assert anthropic_text(await read_to_end(msg)) == "hello world"
 
 
 async def test_cancel_ends_every_reader_with_a_terminal_event_and_frees_the_slot():

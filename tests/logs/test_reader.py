@@ -27,6 +27,18 @@ def append_event(log: MemoryMessageLog, text: str) -> int:
     return seq
 
 
+def entries(chunks: list[bytes]) -> int:
+    """How many entries ``chunks`` hold (each starts with its ``id:`` line)."""
+    return b"".join(chunks).count(b"id: ")
+
+
+def held(log: MemoryMessageLog) -> list[bytes]:
+    """The bytes of every entry the log holds, one item per entry."""
+    got = log.read_from(None)
+    assert isinstance(got, list)
+    return [e.data for e in got]
+
+
 async def collect(log: MemoryMessageLog, after: int | None, **kwargs: object) -> list[bytes]:
     kwargs.setdefault("heartbeat_interval", 15.0)
     out: list[bytes] = []
@@ -47,16 +59,16 @@ async def test_replay_then_live_then_end(autojump_clock: trio.abc.Clock) -> None
         async with aclosing(tail(log, None, heartbeat_interval=15)) as chunks:
             async for chunk in chunks:
                 got.append(chunk)
-                if len(got) == 3:
-                    n_replayed.set()
+                n_replayed.set()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(consume)
         await n_replayed.wait()
         await trio.testing.wait_all_tasks_blocked()
+        assert len(got) == 1 and entries(got) == 3  # the replay in one chunk
         append_event(log, "new 3")
         await trio.testing.wait_all_tasks_blocked()
-        assert len(got) == 4  # delivered live, without waiting for a heartbeat
+        assert len(got) == 2  # delivered live, without waiting for a heartbeat
         append_event(log, "new 4")
         log.close(LogState.FINISHED)  # the reader still drains the last entry, then ends
     events = SSEParser().feed(b"".join(got))
@@ -70,14 +82,13 @@ async def test_resume_from_the_middle_is_byte_identical(autojump_clock: trio.abc
     for i in range(10):
         append_event(log, f"token {i}\nline two")
     log.close(LogState.FINISHED)
-    full = await collect(log, None)
-    assert len(full) == 10
+    full = held(log)
+    assert await collect(log, None) == [b"".join(full)]  # read at once: one chunk
     for after in range(-1, 10):
-        rest = await collect(log, after)
-        assert rest == full[after + 1 :]
-    assert b"".join(await collect(log, 3)) == b"".join(full)[len(b"".join(full[:4])) :]
-    # batch size does not change the bytes
-    assert await collect(log, None, batch=3) == full
+        assert b"".join(await collect(log, after)) == b"".join(full[after + 1 :])
+    # batch size does not change the bytes, only the chunks
+    batched = await collect(log, None, batch=3)
+    assert b"".join(batched) == b"".join(full) and [entries([c]) for c in batched] == [3, 3, 3, 1]
 
 
 async def test_resume_while_live_returns_exactly_the_rest(autojump_clock: trio.abc.Clock) -> None:
@@ -101,7 +112,8 @@ async def test_resume_while_live_returns_exactly_the_rest(autojump_clock: trio.a
         nursery.start_soon(read, "resumed", 6, 4.2)  # joins mid-stream, with id msg_1:6
     full, resumed = results["full"], results["resumed"]
     assert PING not in full  # entries every 0.5 s, interval 1 s
-    assert resumed == full[7:]
+    assert b"".join(full) == b"".join(held(log))
+    assert b"".join(resumed) == b"".join(held(log)[7:])
 
 
 async def test_heartbeats_while_silent(autojump_clock: trio.abc.Clock) -> None:
@@ -170,7 +182,7 @@ async def test_gap_at_start_raises_reader_lagged(autojump_clock: trio.abc.Clock)
         await collect(log, 2)
     assert (info.value.gap.after, info.value.gap.first_available) == (2, 6)
     assert "3 missing" in str(info.value)
-    assert len(await collect_until_blocked(log, 5)) == 4  # within the window: fine
+    assert entries(await collect_until_blocked(log, 5)) == 4  # within the window: fine
 
 
 async def collect_until_blocked(log: MemoryMessageLog, after: int | None) -> list[bytes]:
@@ -189,13 +201,13 @@ async def test_slow_reader_falls_behind_and_lags(autojump_clock: trio.abc.Clock)
         async with aclosing(tail(log, None, heartbeat_interval=10)) as chunks:
             for i in range(3):
                 append_event(log, str(i))
-            got.append(await chunks.__anext__())  # took seq 0 (and read 0..2)
+            got.append(await chunks.__anext__())  # took seqs 0..2
             for i in range(3, 12):
                 append_event(log, str(i))  # ring now holds 8..11
             async for chunk in chunks:
                 got.append(chunk)
-    # seqs 1 and 2 were already read in the first batch; 3..7 are gone
-    assert len(got) == 3
+    # seqs 0..2 were read in the first batch, one chunk; 3..7 are gone
+    assert len(got) == 1 and entries(got) == 3
     assert (info.value.gap.after, info.value.gap.first_available) == (2, 8)
 
 
@@ -227,7 +239,7 @@ async def test_cancel_and_aclose_leave_the_log_untouched(autojump_clock: trio.ab
     assert log.next_seq == 1 and not log.closed
     append_event(log, "b")
     log.close(LogState.FINISHED)
-    assert len(await collect(log, None)) == 2
+    assert entries(await collect(log, None)) == 2
 
 
 async def test_bad_heartbeat_interval() -> None:

@@ -203,3 +203,17 @@ def test_responses_memory_bench_stays_bounded(tmp_path: Path) -> None:
     assert points["after retention (restart)"]["ringserve_store_swept_messages"] == 240
     costs = out["store_per_response"]
     assert costs["rows"] == 240 and 0 < costs["trace"] < costs["text"]
+
+
+def test_gpu_proxy_bench_checks_every_stream_on_every_surface(tmp_path: Path) -> None:
+    printed: list[str] = []
+    out = run_bench("gpu_proxy", tmp_path, "--levels", "4:5:20", "--rounds", "1", stdout=printed)
+    assert out["surfaces"] == ["anthropic", "openai", "responses"]
+    [name] = out["names"]
+    for surface in out["surfaces"]:
+        [m] = out["runs"][name]["4x5ms"][surface]
+        assert m["streams_short"] == 0 and m["errors"] == []
+        assert 0 < m["ratio"] <= 1.5 and m["server_cpu_us_per_token"] > 0 and m["decode_steps"] >= 20
+        assert m["tokens_per_second"] == pytest.approx(m["ratio"] * m["ideal_tokens_per_second"])
+        assert 0 <= m["engine_idle_share"] < 1
+    assert "delivered / engine-bound rate" in printed[0]
