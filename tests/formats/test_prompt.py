@@ -4,6 +4,7 @@ prompt opened the thinking block (small templates of our own, and the corpus for
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 
 import pytest
@@ -19,6 +20,7 @@ from ringserve.core.events import (
     ToolSpec,
 )
 from ringserve.core.toolcalls import TOOLS_PROMPT
+from ringserve.formats.base import ChatFormat
 from ringserve.formats.detect import detect
 from ringserve.formats.families import FAMILIES
 from ringserve.formats.prompt import render_request
@@ -114,32 +116,41 @@ def test_special_token_text_of_a_continued_turn_stays_text() -> None:
 OPENED_WITHOUT_GENERATION_PROMPT = {"llama-cpp-rwkv-world.jinja"}
 
 
+@functools.cache
+def _reasoning_templates() -> tuple[tuple[str, ChatFormat, ChatTemplate], ...]:
+    """(file name, format, template) of every corpus template of a family with markers, loaded once
+    for both cases below."""
+    try:
+        folder = llama_cpp_templates()
+    except CorpusUnavailable as e:
+        pytest.skip(f"llama.cpp's template corpus is not available: {e}")
+    found = []
+    for path in sorted(folder.glob("*.jinja")):
+        source = path.read_text()
+        fmt = detect(source)
+        if fmt.reasoning is not None:
+            found.append((path.name, fmt, ChatTemplate(source)))
+    return tuple(found)
+
+
 @pytest.mark.parametrize("thinking", [True, False])
 def test_the_whole_prompt_opens_the_thinking_block_as_its_generation_prompt_does(thinking: bool) -> None:
     """render_request reads the rendered prompt's end instead of rendering twice more for the
     generation prompt: the same answer for every corpus template of a family with markers
     (but :data:`OPENED_WITHOUT_GENERATION_PROMPT`)."""
-    try:
-        folder = llama_cpp_templates()
-    except CorpusUnavailable as e:
-        pytest.skip(f"llama.cpp's template corpus is not available: {e}")
     history = (ChatMessage("user", "Hi"), ChatMessage("assistant", "Hello.", reasoning="Greet back."),
                ChatMessage("user", "Time?"))
     req = GenerationRequest(history, None, reasoning=ReasoningConfig(enabled=thinking))
     checked = 0
-    for path in sorted(folder.glob("*.jinja")):
-        source = path.read_text()
-        fmt = detect(source)
-        if fmt.reasoning is None:
-            continue
-        template = ChatTemplate(source)
+    for name, fmt, template in _reasoning_templates():
+        assert fmt.reasoning is not None
         try:
             rendered = render_request(template, fmt, req, now=NOW)
         except TemplateRenderError:
             continue
         generation = template.generation_prompt(history, enable_thinking=thinking, now=NOW)
-        expected = fmt.reasoning.opened_by(generation) or (thinking and path.name in OPENED_WITHOUT_GENERATION_PROMPT)
-        assert rendered.reasoning_open == expected, path.name
+        expected = fmt.reasoning.opened_by(generation) or (thinking and name in OPENED_WITHOUT_GENERATION_PROMPT)
+        assert rendered.reasoning_open == expected, name
         checked += 1
     assert checked > 30
 

@@ -66,7 +66,7 @@ def test_cpu_per_token_bench_measures_both_surfaces(tmp_path: Path) -> None:
 
 def test_gateway_bench_holds_and_fans_out(tmp_path: Path) -> None:
     out = run_bench("gateway", tmp_path, "--streams", "20", "--heartbeat", "1", "--hold-seconds", "2.5",
-                    "--fanout-seconds", "1.5", "--messages", "2", "--entry-rate", "10")
+                    "--fanout-seconds", "1.5", "--messages", "2", "--entry-rate", "10", "--rounds", "1")
     hold = out["runs"]["hold"]["20"][0]
     assert hold["alive"] == 20 and hold["streams_without_ping"] == 0
     assert hold["rss_bytes"] > hold["rss_base_bytes"] > 0

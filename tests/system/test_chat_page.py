@@ -14,6 +14,7 @@ import httpx
 import pytest
 import trio
 
+from ringserve.engine.fake import FakeEngine
 from tests.support.browser import (Browser, answer, in_browser, require_browser, send, stored_answer, wait_answer,
                            wait_finished)
 from tests.support.server import fake_config, running_server
@@ -86,10 +87,13 @@ def check_reloads(seen: dict[str, Any], reference: str) -> None:
 async def test_three_reloads_mid_answer_give_the_text_of_the_same_request_without_them(tmp_path: Path,
                                                                                      surface: str) -> None:
     require_browser()
-    async with running_server(config(tmp_path), **SLOW) as state:
+    cfg = config(tmp_path)
+    engine = FakeEngine(n_slots=cfg.engine.slots, n_ctx_slot=cfg.engine.ctx_per_slot, **SLOW)
+    async with running_server(cfg, lambda _config: engine) as state:
         seen = await trio.to_thread.run_sync(
             lambda: in_browser(tmp_path, lambda b: reload_three_times(b, state.urls[0], "Tell me about reloads.",
                                                                       surface, step=20)))
+        engine.step_seconds = 0  # the pace gave the reloads their time; the reference needs none (12 s less)
         reference = await same_request_without_reloads(state.urls[0], seen["record"])
     assert reference == LONG
     check_reloads(seen, reference)

@@ -121,30 +121,25 @@ def _caps_tool_turns(arguments: Json, calls: int) -> Json:
     ]
 
 
-_ProbeRender = Callable[..., tuple[bool, str, Json]]
+ProbeRender = Callable[..., tuple[bool, str, Json]]
 
 
-def probe_caps(source: str) -> TemplateCaps:
-    """The template's capabilities, found as ``jinja::caps_get`` (``common/jinja/caps.cpp``)
-    finds them: from what it reads of canned requests."""
-    return _caps(_prober(source))
-
-
-def probe_system_anywhere(source: str) -> bool:
-    """Whether the template renders a system turn between two user turns where it stands (not
-    dropped, not refused): ringserve's own probe (llama.cpp passes such a turn to the template
-    as it is), for the mid-conversation system turns Claude Code sends on every turn."""
-    ok, text, _ = _prober(source)([{"role": "user", "content": "FIRST_USER_MARKER"},
-                                   {"role": "system", "content": "MIDDLE_SYSTEM_MARKER"},
-                                   {"role": "user", "content": "LAST_USER_MARKER"}])
+def probe_system_anywhere(run: ProbeRender) -> bool:
+    """Whether the template behind ``run`` (:func:`prober`) renders a system turn between two
+    user turns where it stands (not dropped, not refused): ringserve's own probe (llama.cpp
+    passes such a turn to the template as it is), for the mid-conversation system turns Claude
+    Code sends on every turn."""
+    ok, text, _ = run([{"role": "user", "content": "FIRST_USER_MARKER"},
+                       {"role": "system", "content": "MIDDLE_SYSTEM_MARKER"},
+                       {"role": "user", "content": "LAST_USER_MARKER"}])
     markers = ("FIRST_USER_MARKER", "MIDDLE_SYSTEM_MARKER", "LAST_USER_MARKER")
     first, middle, last = (text.find(marker) for marker in markers)
     return ok and 0 <= first < middle < last
 
 
-def _prober(source: str) -> _ProbeRender:
+def prober(source: str) -> ProbeRender:
     """``run(messages, tools, **extra) -> (ok, text, context)``: the template rendered on
-    probe values that record what it reads."""
+    probe values that record what it reads (compiled once for every probe of a template)."""
     template = _ProbeEnvironment().from_string(source)
 
     def run(messages: Json, tools: Json = (), **extra: Json) -> tuple[bool, str, Json]:
@@ -168,8 +163,10 @@ def _prober(source: str) -> _ProbeRender:
     return run
 
 
-def _caps(run: _ProbeRender) -> TemplateCaps:
-    """:func:`probe_caps`, with the template's probe ``run``: llama.cpp's probes in its order."""
+def probe_caps(run: ProbeRender) -> TemplateCaps:
+    """The capabilities of the template behind ``run`` (:func:`prober`), found as
+    ``jinja::caps_get`` (``common/jinja/caps.cpp``) finds them: from what it reads of canned
+    requests, llama.cpp's probes in its order."""
     string_content, typed_content = _content_caps(run)
     _, _, context = run([_SYSTEM_TURN, _USER_TURN])
     system_role = _uses(context["messages"][0]["content"]).used
@@ -199,7 +196,7 @@ def _uses(value: Json) -> Uses:
     return cast(Probe, value).uses
 
 
-def _content_caps(run: _ProbeRender) -> tuple[bool, bool]:
+def _content_caps(run: ProbeRender) -> tuple[bool, bool]:
     """Whether the template renders a string content, and whether it reads a content as typed parts."""
     string_content = True
     marker = "STRING_MARKER"
@@ -215,7 +212,7 @@ def _content_caps(run: _ProbeRender) -> tuple[bool, bool]:
     return string_content, typed_content
 
 
-def _tool_caps(run: _ProbeRender) -> tuple[bool, bool, bool]:
+def _tool_caps(run: ProbeRender) -> tuple[bool, bool, bool]:
     """Whether the template reads the tools, the tool calls, and a call's arguments as an object."""
     tools = tool_calls = True
     object_arguments = False
@@ -235,7 +232,7 @@ def _tool_caps(run: _ProbeRender) -> tuple[bool, bool, bool]:
     return tools, tool_calls, object_arguments
 
 
-def _reasoning_caps(run: _ProbeRender) -> tuple[bool, bool]:
+def _reasoning_caps(run: ProbeRender) -> tuple[bool, bool]:
     """Whether the template keeps past reasoning when told to, and whether it reads ``reasoning_effort``."""
     reasoning = "<REASONING_CONTENT_PLACEHOLDER>"
     _, text, _ = run(

@@ -51,7 +51,7 @@ import jinja2.sandbox
 
 from ringserve.core.events import ChatMessage, Role, ToolSpec
 from ringserve.formats.template.base import Json, TemplateLoadError, TemplateRenderError
-from ringserve.formats.template.caps import probe_caps, probe_system_anywhere
+from ringserve.formats.template.caps import probe_caps, probe_system_anywhere, prober
 from ringserve.formats.template.environment import Environment, Raised, preserve_reasoning_vars, strftime_now
 from ringserve.formats.template.fragments import RenderedPrompt, SpecialTokens
 from ringserve.formats.template.literals import LITERALS_VAR, PLACEHOLDER_RE, Literals
@@ -122,10 +122,11 @@ class ChatTemplate:
             raise TemplateLoadError(
                 f"the chat template does not compile: line {e.lineno}: {e.message}"
             ) from e
-        self.caps = probe_caps(self.source)
+        probe = prober(self.source)
+        self.caps = probe_caps(probe)
         #: Whether a system turn in the middle of a conversation renders where it stands; if not,
         #: :meth:`render` folds it into a turn (:func:`fold_system_turns`).
-        self.system_anywhere = probe_system_anywhere(self.source)
+        self.system_anywhere = probe_system_anywhere(probe)
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.strip_bos = strip_bos
