@@ -9,7 +9,8 @@ the agent, not to the server) with its output in a log file, waits for ``GET /re
 it when the agent exits (SIGTERM, so it drains; ``--keep-server`` leaves it running). It reads
 the served model's name and context window from ``GET /v1/models`` (``max_input_tokens``), then
 runs the agent with the settings below, or prints them (``--print``: shell ``export`` lines and,
-for Codex, the ``config.toml`` that says the same). Arguments after ``--`` go to the agent. The
+for Codex, the ``config.toml`` that says the same; a server it started for them goes on, since
+they point at it). Arguments after ``--`` go to the agent. The
 exit status is the agent's (128 + N when signal N ended it); 2 and one line on stderr when the
 launcher cannot do its part.
 
@@ -446,12 +447,10 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
         return 2
     finally:
         if child is not None:
-            if args.keep_server:
+            if args.keep_server or args.print:  # printed settings point at the server
                 print(f"ringserve: the server goes on at {url} (pid {child.proc.pid}; log: {child.log})", file=err)
             else:
                 child.stop(config.server.drain_timeout)
-                if args.print:
-                    print("ringserve: stopped the server it started (--keep-server leaves it running)", file=err)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
@@ -477,6 +476,6 @@ def add_command(sub: Any) -> None:
                         help="the server's URL (default $RINGSERVE_URL, else the config's host and port)")
     launch.add_argument("--api-key", default=os.environ.get("RINGSERVE_API_KEY"),
                         help="API key (default $RINGSERVE_API_KEY, else the config's first key)")
-    launch.add_argument("--keep-server", action="store_true", help="leave a server this command started running")
+    launch.add_argument("--keep-server", action="store_true", help="leave a server this command started running (--print always does)")
     launch.add_argument("--print", action="store_true", help="print the agent's settings instead of running it")
     launch.set_defaults(client_command=run, agent_args=[])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -272,6 +273,25 @@ def test_launch_uses_a_running_server_and_leaves_it_running(tmp_path, agent_env,
         assert "wants an API key" in capsys.readouterr().err
     finally:
         server.stop()
+
+
+def test_print_leaves_the_server_it_started_running_for_the_settings_it_printed(tmp_path, agent_env, capsys):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = config_file(tmp_path, port)
+    assert launch.run(args("claude", "--config", str(config), "--print"), serve=FAKE_SERVE) == 0
+    out, err = capsys.readouterr()
+    try:
+        assert f"export ANTHROPIC_BASE_URL={url}\n" in out and "starting one" in err
+        assert "the server goes on at" in err
+        assert httpx.get(f"{url}/ready").status_code == 200  # the printed settings work
+    finally:
+        pid = int(err.split("(pid ", 1)[1].split(";", 1)[0])
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while not refused(url):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def test_a_server_that_cannot_start_is_one_line_with_its_own_last_line(tmp_path, agent_env, capsys):
