@@ -24,6 +24,13 @@ item's ``encrypted_content``) and the engine gets it as that turn's reasoning, n
 answered an error and none had a block or item dropped (the fields reported ignored, logged by
 the server).
 
+Then one plain turn per agent on the real bundled model (SmolLM2-135M, 8,192 tokens of context per
+slot), their prompts shrunk by their own options to fit it (:data:`CLAUDE_SMALL`,
+:func:`codex_small`; docs/agents.md, "On the bundled model"). Neither agent sends a temperature,
+and at the default of 1 the 135M model rambles on in one reply of five or more (to Claude Code's
+output cap, or for minutes to the end of the context for Codex, which has no cap), so the engine
+decodes these greedily (:func:`greedy_model`): the same short reply every run.
+
 Skipped where the agents are not installed (``npm ci --prefix .ci/agents``).
 """
 
@@ -40,13 +47,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
+import httpx
 import pytest
 import trio
 
-from ringserve.core.events import GenerationRequest, Role
+from ringserve.config import Config
+from ringserve.core.events import GenerationRequest, Role, SamplingParams
 from ringserve.core.toolcalls import format_call
 from ringserve.engine.fake import FakeEngine
-from ringserve.engine.protocol import ChatPrompt
+from ringserve.engine.protocol import ChatPrompt, Engine
+from ringserve.server import load_llama_engine
 from tests.support.capture_agents import BIN
 from tests.support.server import fake_config, running_server
 
@@ -60,6 +71,29 @@ CTX = 131072
 #: Seconds the first prompt of each run takes to prefill (the turns after it come from the cache).
 PREFILL_SECONDS = 9.0
 CODEX_IDLE_MS = 3000
+
+
+#: The bundled model's context per slot: all it was trained on (``n_ctx_train``).
+MODEL_CTX = 8192
+#: The system prompt both agents get on the bundled model, instead of their own (thousands of tokens).
+SMALL_SYSTEM = "You are a helpful assistant. Answer in one short sentence."
+#: Claude Code's options that shrink its first request from about 13,000 tokens to about 300: this
+#: system prompt, no built-in tools, no MCP servers.
+CLAUDE_SMALL = ("--system-prompt", SMALL_SYSTEM, "--tools", "", "--strict-mcp-config")
+#: Claude Code's output cap (``max_tokens``; its default is 32,000): a reply that reaches it is
+#: continued up to three times, then the turn fails.
+CLAUDE_MAX_OUTPUT = 256
+
+
+def codex_small(instructions: Path) -> list[str]:
+    """Codex's ``-c`` overrides that shrink its first request from about 7,900 tokens to about 2,500:
+    ``instructions`` (a file) as its base instructions, no permissions or environment messages, no
+    web search, and no goal, unified-exec or tool-search tools (its shell, ``apply_patch`` and
+    others stay)."""
+    return ["-c", f"model_instructions_file={json.dumps(str(instructions))}",
+            "-c", "include_permissions_instructions=false", "-c", "include_environment_context=false",
+            "-c", 'web_search="disabled"', "-c", "features.goals=false", "-c", "features.unified_exec=false",
+            "-c", "features.tool_search=false"]
 
 
 def script(*turns: str) -> Callable[[str], str]:
@@ -244,3 +278,86 @@ async def test_codex_shows_the_models_reasoning_and_sends_it_back_encrypted(tmp_
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     check_reasoning_went_back(engines[0], caplog)
+
+
+# -- a plain turn on the real bundled model --------------------------------------------------
+
+def greedy_model(monkeypatch: pytest.MonkeyPatch) -> Callable[[Config], Engine]:
+    """An engine factory: the configured real model, every sequence decoded greedily whatever the
+    request's temperature (the agents send none)."""
+    def factory(config: Config) -> Engine:
+        engine = load_llama_engine(config)
+        begin = engine.begin
+
+        def greedy_begin(slot: int, sampling: SamplingParams, *args: Any, **kwargs: Any) -> None:
+            begin(slot, attrs.evolve(sampling, temperature=0.0), *args, **kwargs)
+
+        monkeypatch.setattr(engine, "begin", greedy_begin)
+        return engine
+
+    return factory
+
+
+def model_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """An in-process server on the real bundled model, greedy: one slot of :data:`MODEL_CTX` tokens."""
+    config = fake_config(tmp_path, engine={"slots": 1, "ctx_per_slot": MODEL_CTX})
+    return running_server(config, engine_factory=greedy_model(monkeypatch))
+
+
+def generations(caplog: pytest.LogCaptureFixture, route: str) -> list[str]:
+    """The message ids of the access log's 200s on ``route``, in order."""
+    fields = [getattr(r, "access", None) for r in caplog.records if r.name == "ringserve.access"]
+    return [f["message_id"] for f in fields if f and f["route"] == route and f["status"] == 200]
+
+
+@pytest.mark.model
+async def test_claude_code_says_hi_on_the_bundled_model(tmp_path, caplog, monkeypatch):
+    """``claude -p "Say hi"`` with :data:`CLAUDE_SMALL` on the real model: exit 0, one generation,
+    and what it prints is the text the model wrote, as the server stored it."""
+    record_the_servers_log(caplog)
+    scratch = tmp_path / "claude"
+    scratch.mkdir()
+    async with model_server(tmp_path, monkeypatch) as state:
+        done = await launch("claude", state.urls[0], scratch, ["-p", "Say hi", *CLAUDE_SMALL],
+                            {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(CLAUDE_MAX_OUTPUT), "CLAUDE_CODE_MAX_RETRIES": "0"})
+        out, err = done.stdout.decode(), done.stderr.decode()
+        assert done.returncode == 0, (out[-2000:], err[-3000:])
+        ids = generations(caplog, "/v1/messages")
+        assert len(ids) == 1, ids  # one generation: a reply cut at the cap would be continued
+        async with httpx.AsyncClient(base_url=state.urls[0]) as client:
+            stored = [(await client.get(f"/v1/messages/{i}")).json() for i in ids]
+    [message] = stored
+    assert message["model"] == "SmolLM2-135M-Instruct.Q4_1" and message["status"] == "complete", message
+    assert 0 < message["usage"]["input_tokens"] < 1000, message["usage"]
+    assert message["stop_reason"] == "end_turn" and message["text"].strip(), message
+    assert out.strip() == message["text"].strip(), (out, message["text"])
+
+
+@pytest.mark.model
+async def test_codex_says_hi_on_the_bundled_model(tmp_path, caplog, monkeypatch):
+    """``codex exec --json "Say hi"`` with :func:`codex_small` on the real model: exit 0, one
+    generation, and the agent's message and token counts are those the server's engine produced
+    (Codex sends ``store: false``, so nothing is stored: its counts are compared with /metrics)."""
+    record_the_servers_log(caplog)
+    scratch = Path(tempfile.mkdtemp(prefix="ringserve-codex-", dir="/var/tmp"))  # Codex refuses helpers under /tmp
+    instructions = scratch / "instructions.md"
+    instructions.write_text(SMALL_SYSTEM + "\n")
+    try:
+        async with model_server(tmp_path, monkeypatch) as state:
+            done = await launch("codex", state.urls[0], scratch, [
+                *codex_small(instructions), "-c", "model_providers.ringserve.stream_max_retries=0",
+                "exec", "--json", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", "Say hi"])
+            out, err = done.stdout.decode(), done.stderr.decode()
+            assert done.returncode == 0, (out[-2000:], err[-3000:])
+            assert len(generations(caplog, "/v1/responses")) == 1
+            async with httpx.AsyncClient(base_url=state.urls[0]) as client:
+                metrics = (await client.get("/metrics")).text
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    said = [e["item"]["text"] for e in events if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]
+    usage = next(e["usage"] for e in events if e["type"] == "turn.completed")
+    counted = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("ringserve_")}
+    assert len(said) == 1 and said[0].strip(), events
+    assert usage["input_tokens"] == counted["ringserve_prompt_tokens_total"] < MODEL_CTX, (usage, metrics)
+    assert usage["output_tokens"] == counted["ringserve_generated_tokens_total"] > 0, (usage, metrics)
