@@ -676,6 +676,29 @@ def _metadata(value: Any) -> dict[str, str]:
     return value
 
 
+def _tool_choice(body: dict[str, Any], tools: tuple[ToolSpec, ...]) -> ToolChoice:
+    """``tool_choice`` and ``parallel_tool_calls``; a ``custom`` tool is named as a function is."""
+    value = body.get("tool_choice")
+    if isinstance(value, dict) and value.get("type") == "custom":
+        value = {**value, "type": "function"}
+    return openai_tool_choice(value, tools, named=_named_function, parallel=get_bool(body, "parallel_tool_calls", True))
+
+
+def _delivery(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """``stream`` (with its ``stream_options``), ``background`` and ``store``, checked together."""
+    stream = get_bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise invalid("stream_options: must be an object", param="stream_options")
+    if options is not None and not stream:
+        raise invalid("stream_options: only allowed when stream is true", param="stream_options")
+    STREAM_OPTIONS_FIELDS.check(options or {}, "stream_options", param="stream_options")
+    background, store = get_bool(body, "background"), get_bool(body, "store", default=True)
+    if background and not store:
+        raise invalid("background: a background response must be stored (store: true)", param="background")
+    return stream, background, store
+
+
 def parse_create(body: Any) -> ResponseCreate:
     """Validate a ``POST /v1/responses`` body (also the body of ``POST /v1/responses/input_tokens``).
 
@@ -717,24 +740,11 @@ def parse_create(body: Any) -> ResponseCreate:
         raise invalid("input: field required", param="input")
     messages, answers = _input_items(body["input"])
     tools = tool_list(body.get("tools"), "tools", _tool)
-    choice_value = body.get("tool_choice")
-    if isinstance(choice_value, dict) and choice_value.get("type") == "custom":  # named like a function
-        choice_value = {**choice_value, "type": "function"}
-    choice = openai_tool_choice(choice_value, tools, named=_named_function,
-                                parallel=get_bool(body, "parallel_tool_calls", True))
+    choice = _tool_choice(body, tools)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("instructions: must be a string (a list of items is not supported)", param="instructions")
-    stream = get_bool(body, "stream")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise invalid("stream_options: must be an object", param="stream_options")
-    if options is not None and not stream:
-        raise invalid("stream_options: only allowed when stream is true", param="stream_options")
-    STREAM_OPTIONS_FIELDS.check(options or {}, "stream_options", param="stream_options")
-    background, store = get_bool(body, "background"), get_bool(body, "store", default=True)
-    if background and not store:
-        raise invalid("background: a background response must be stored (store: true)", param="background")
+    stream, background, store = _delivery(body)
     previous = get_str(body, "previous_response_id") or None
     max_tokens = get_int(body, "max_output_tokens", lo=1, hi=MAX_OUTPUT_TOKENS_LIMIT)
     sampling = sampling_params(body, max_temperature=2.0)

@@ -500,12 +500,14 @@ async def test_bad_create_is_a_400_naming_the_field(fake_server, body, param):
     check_error(await client.post("/v1/responses", json={"model": "any", **body}), 400, param)
 
 
-@pytest.mark.parametrize("route", ["/v1/responses", "/v1/responses/input_tokens"])
-async def test_a_prompt_past_the_context_is_a_400_naming_input(tmp_path, route):
+async def test_a_prompt_past_the_context_is_a_400_naming_input_and_its_count_is_answered(tmp_path):
     async with running_server(fake_config(tmp_path, engine={"ctx_per_slot": 64})) as state:
         async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
-            error = check_error(await client.post(route, json={"model": "any", "input": "x" * 200}), 400, "input")
+            body = {"model": "any", "input": "x" * 200}
+            error = check_error(await client.post("/v1/responses", json=body), 400, "input")
+            count = await client.post("/v1/responses/input_tokens", json=body)
     assert "context per slot is 64 tokens" in error["message"]
+    assert count.status_code == 200 and count.json()["input_tokens"] > 200
 
 
 @pytest.mark.parametrize("route", ["/v1/responses", "/v1/responses/input_tokens"])
