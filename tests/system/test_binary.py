@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import anthropic
@@ -235,7 +236,7 @@ def test_chat_and_tail(binary, clean, server, greedy_text):
         ("serve", "--config", "{config}"),
         ("serve", "--config", "/nonexistent/ringserve.toml"),
         ("chat", "--url", "http://127.0.0.1:9", "--timeout", "1", "hello"),
-        # no server there: the launcher starts `ringserve serve` (the binary itself), prints, stops it
+        # no server there: the launcher starts `ringserve serve` (the binary itself), prints, leaves it running
         ("launch", "claude", "--print", "--url", "http://127.0.0.1:{port}"),
     ],
     ids=["help", "missing-model", "bad-config", "missing-config", "no-server", "launch"],
@@ -249,11 +250,37 @@ def test_same_output_and_exit_status_as_the_package(binary, clean, tmp_path, arg
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     args = tuple(a.format(config=bad, port=port) for a in args)
-    runs = [clean.run(binary, *args),
-            subprocess.run([sys.executable, "-m", "ringserve", *args], capture_output=True, text=True, timeout=120)]
-    frozen, package = ((r.returncode, r.stdout, r.stderr.strip().splitlines()[-1:]) for r in runs)
+    runs = [_stopping_its_server(clean.run(binary, *args)),
+            _stopping_its_server(subprocess.run([sys.executable, "-m", "ringserve", *args], capture_output=True,
+                                                text=True, timeout=120))]
+    frozen, package = ((r.returncode, r.stdout, [_LEFT_RUNNING.sub("(pid; log)", line)
+                                                 for line in r.stderr.strip().splitlines()[-1:]]) for r in runs)
     assert frozen == package
     assert "Traceback" not in runs[0].stderr
+
+
+#: The launcher's last line when it leaves the server it started running: its pid and log differ per run.
+_LEFT_RUNNING = re.compile(r"\(pid (\d+); log: [^)]*\)")
+
+
+def _stopping_its_server(run: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    """``run``, once the server a ``launch --print`` started and left running is stopped (SIGTERM: it drains)."""
+    left = _LEFT_RUNNING.search(run.stderr)
+    if left is not None:
+        pid = int(left.group(1))
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{pid}").exists() and b"zombie" not in _status(pid):
+            assert time.monotonic() < deadline, f"the server {pid} did not stop"
+            time.sleep(0.05)
+    return run
+
+
+def _status(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/status").read_bytes().lower()
+    except OSError:
+        return b"zombie"
 
 
 #: What the one-file executable needs of the system: glibc's libraries, which PyInstaller leaves to it,
