@@ -40,6 +40,7 @@ This module imports nothing of the server: ``ringserve serve`` runs in its own p
 from __future__ import annotations
 
 import argparse
+import ctypes
 import enum
 import hashlib
 import json
@@ -50,7 +51,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO, assert_never
@@ -111,6 +112,8 @@ PLACEHOLDER_KEY = "ringserve"
 PINNED_BIN = Path(__file__).resolve().parent.parent / ".ci" / "agents" / "node_modules" / ".bin"
 #: How long a started server may take to become ready (the model load), in seconds.
 READY_TIMEOUT_S = 600.0
+#: ``prctl(2)``'s option that names the signal a process gets when its parent dies (``<linux/prctl.h>``).
+PR_SET_PDEATHSIG = 1
 #: What starts a server: ``ringserve serve``, from this interpreter or this one-file executable.
 SERVE = (*SELF, "serve")
 
@@ -370,13 +373,38 @@ def _exit_on(signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
+def _dies_with_launcher() -> Callable[[], None] | None:
+    """What the agent's child process runs before it execs, on Linux: it asks for SIGTERM when the
+    launcher dies (``prctl(PR_SET_PDEATHSIG)``, ``prctl(2)``), or takes it at once if the launcher
+    died before that; None elsewhere.
+
+    A launcher killed by SIGKILL (a test harness's or ``timeout -s KILL``'s) cannot pass the signal
+    on: the agent would go on as an orphan, reading its stream, which keeps the generation a reader
+    and its slot busy to the reply's end (minutes on a small CPU model), while its user sees the
+    command gone. SIGTERM ends Claude Code and Codex, which close their connection.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+    launcher = os.getpid()
+
+    def die_with_launcher() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher:  # it died between the fork and the prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return die_with_launcher
+
+
 def _run_agent(argv: Sequence[str], env: Mapping[str, str]) -> int:
     """Run the agent to its end; the exit status (128 + N after signal N).
 
     Ctrl-C is the agent's (the terminal sends SIGINT to it directly; Claude Code reads a second one
-    as "quit"), so the launcher ignores it; SIGTERM and SIGHUP sent to the launcher are passed on.
+    as "quit"), so the launcher ignores it; SIGTERM and SIGHUP sent to the launcher are passed on,
+    and on Linux the agent gets SIGTERM when the launcher dies of any other cause
+    (:func:`_dies_with_launcher`).
     """
-    agent = subprocess.Popen(argv, env=dict(env))
+    agent = subprocess.Popen(argv, env=dict(env), preexec_fn=_dies_with_launcher())
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         agent.send_signal(signum)

@@ -180,7 +180,7 @@ if sys.argv[1:] == ["debug", "models", "--bundled"]:
 url = os.environ.get("ANTHROPIC_BASE_URL") or "http://127.0.0.1:" + os.environ["FAKE_PORT"]
 ready = urllib.request.urlopen(url + "/ready").status
 with open(os.environ["FAKE_AGENT_OUT"] + ".part", "w") as out:
-    json.dump({{"argv": sys.argv[1:], "env": dict(os.environ), "ready": ready}}, out)
+    json.dump({{"argv": sys.argv[1:], "env": dict(os.environ), "ready": ready, "pid": os.getpid()}}, out)
 os.rename(os.environ["FAKE_AGENT_OUT"] + ".part", os.environ["FAKE_AGENT_OUT"])
 if os.environ.get("FAKE_AGENT_WAIT"):
     sys.stdin.read()  # until a signal ends it
@@ -323,3 +323,45 @@ def test_a_launcher_told_to_stop_passes_it_to_the_agent_and_stops_the_server(tmp
         launcher.kill()
         launcher.wait()
     assert refused(f"http://127.0.0.1:{port}")
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, which nobody has reaped yet, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_agent_ends_with_a_launcher_killed_by_sigkill(tmp_path, agent_env, monkeypatch):
+    """SIGKILL cannot be passed on: the agent gets SIGTERM from the kernel instead, where it would go
+    on as an orphan reading its stream (its generation then keeps its slot to the reply's end). The
+    server runs before, so the launcher starts none (one would outlive it too)."""
+    port = free_port()
+    config = config_file(tmp_path, port)
+    server = ServerProcess([*FAKE_SERVE, "--config", str(config)])
+    monkeypatch.setenv("FAKE_AGENT_WAIT", "1")  # it reads stdin, which this test holds open, until a signal
+    code = (f"import sys; from tests.test_launch import args; from ringserve import launch; "
+            f"sys.exit(launch.run(args('claude', '--config', {str(config)!r})))")
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+    pid = None
+    try:
+        deadline = time.monotonic() + 60
+        while not agent_env["out"].exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read().decode()
+            time.sleep(0.05)
+        pid = json.loads(agent_env["out"].read_text())["pid"]
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while running(pid):
+            assert time.monotonic() < deadline, "the agent outlived its launcher"
+            time.sleep(0.05)
+    finally:
+        launcher.kill()
+        launcher.wait()
+        if pid is not None and running(pid):
+            os.kill(pid, signal.SIGKILL)
+        server.stop()
