@@ -42,7 +42,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -83,6 +82,10 @@ CLAUDE_SMALL = ("--system-prompt", SMALL_SYSTEM, "--tools", "", "--strict-mcp-co
 #: Claude Code's output cap (``max_tokens``; its default is 32,000): a reply that reaches it is
 #: continued up to three times, then the turn fails.
 CLAUDE_MAX_OUTPUT = 256
+
+
+#: Where the Codex turn on the bundled model runs (see its test).
+CODEX_SCRATCH = Path("/var/tmp/ringserve-codex-bundled-model")
 
 
 def codex_small(instructions: Path) -> list[str]:
@@ -160,7 +163,12 @@ async def test_codex_runs_exec_command_and_apply_patch_through_a_silence_then_sa
                    format_call("apply_patch", json.dumps({"input": PATCH})),
                    "Done: f.txt and g.txt are written.")
     server, engines = scripted_server(tmp_path, reply)
-    scratch = Path(tempfile.mkdtemp(prefix="ringserve-codex-", dir="/var/tmp"))  # Codex refuses helpers under /tmp
+    # Codex refuses helpers under /tmp. The folder's name is fixed: Codex writes its skills' root (a
+    # path under HOME) into the prompt, and the greedy reply to another name can run to the end of
+    # the context (with a random name, one CI run in several did).
+    scratch = CODEX_SCRATCH
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
     try:
         async with server as state:
             done = await launch("codex", state.urls[0], scratch, [
@@ -262,7 +270,12 @@ async def test_codex_shows_the_models_reasoning_and_sends_it_back_encrypted(tmp_
     record_the_servers_log(caplog)
     call = format_call("exec_command", json.dumps({"cmd": "echo hi > f.txt"}))
     server, engines = scripted_server(tmp_path, thinking_script(call), prefill_seconds=0.0, chat_format="hermes")
-    scratch = Path(tempfile.mkdtemp(prefix="ringserve-codex-", dir="/var/tmp"))  # Codex refuses helpers under /tmp
+    # Codex refuses helpers under /tmp. The folder's name is fixed: Codex writes its skills' root (a
+    # path under HOME) into the prompt, and the greedy reply to another name can run to the end of
+    # the context (with a random name, one CI run in several did).
+    scratch = CODEX_SCRATCH
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
     try:
         async with server as state:
             done = await launch("codex", state.urls[0], scratch, [
@@ -339,7 +352,12 @@ async def test_codex_says_hi_on_the_bundled_model(tmp_path, caplog, monkeypatch)
     generation, and the agent's message and token counts are those the server's engine produced
     (Codex sends ``store: false``, so nothing is stored: its counts are compared with /metrics)."""
     record_the_servers_log(caplog)
-    scratch = Path(tempfile.mkdtemp(prefix="ringserve-codex-", dir="/var/tmp"))  # Codex refuses helpers under /tmp
+    # Codex refuses helpers under /tmp. The folder's name is fixed: Codex writes its skills' root (a
+    # path under HOME) into the prompt, and the greedy reply to another name can run to the end of
+    # the context (with a random name, one CI run in several did).
+    scratch = CODEX_SCRATCH
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
     instructions = scratch / "instructions.md"
     instructions.write_text(SMALL_SYSTEM + "\n")
     try:
