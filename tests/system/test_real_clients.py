@@ -88,7 +88,11 @@ PROMPT = "Name three colours."
 
 def _agent_model(surface: str, url: str):
     if surface == "anthropic":
-        return AnthropicModel("claude-sonnet-4-5", provider=AnthropicProvider(base_url=url, api_key="unused"))
+        # anthropic>=2 sends anthropic-version 2026-10-21, with which pydantic-ai drops temperature (that
+        # version of Anthropic's API rejects it); the version before keeps it, so GREEDY is greedy.
+        client = anthropic.AsyncAnthropic(base_url=url, api_key="unused",
+                                          default_headers={"anthropic-version": "2023-06-01"})
+        return AnthropicModel("claude-sonnet-4-5", provider=AnthropicProvider(anthropic_client=client))
     return OpenAIChatModel("gpt-4o", provider=OpenAIProvider(base_url=url + "/v1", api_key="unused"))
 
 
