@@ -56,7 +56,7 @@ def side_run(side: str, seqs: int, tokens: int, threads: int) -> float:
     The calls go through :class:`~ringserve.engine.thread.EngineThread`, the runner's own: one of
     them, or two taking turns.
     """
-    engine = LlamaEngine(default_model_path(), n_slots=seqs, n_ctx_slot=2048, n_threads=threads)
+    engine = LlamaEngine(default_model_path(), n_slots=seqs, n_ctx=seqs * 2048, n_threads=threads)
     prompt = tuple(engine.tokenize(PROMPT, add_special=True, parse_special=True))
 
     async def generate(workers: list[EngineThread], n: int) -> float:

@@ -300,7 +300,7 @@ def engine_tokens_per_second(
     engine = LlamaEngine(
         path,
         n_slots=n_seqs,
-        n_ctx_slot=_ctx_per_seq(n_tokens),
+        n_ctx=n_seqs * _ctx_per_seq(n_tokens),
         n_batch=N_BATCH,
         n_threads=n_threads,
     )

@@ -46,7 +46,7 @@ def load_llama_engine(config: Config) -> Engine:
         ModelFileError: the file is missing, unreadable or not GGUF, the
             ``chat_template_file`` cannot be read, the chat template does not
             compile or ``chat_format`` names no family (one-line message).
-        EngineError: ``ctx_per_slot`` is above the model's trained context, or
+        EngineError: ``ctx_size`` is above ``slots`` times the model's trained context, or
             llama.cpp could not create the context (one line naming the settings).
     """
     from ringserve.engine.llama import LlamaEngine
@@ -64,8 +64,9 @@ def load_llama_engine(config: Config) -> Engine:
         return LlamaEngine(
             path,
             n_slots=config.engine.slots,
-            n_ctx_slot=config.engine.ctx_per_slot,
+            n_ctx=config.model.ctx_size,
             n_batch=config.engine.n_batch,
+            kv_unified=config.model.kv_unified,
             n_gpu_layers=config.model.n_gpu_layers,
             n_threads=config.model.n_threads,
             use_extra_bufts=config.model.use_extra_bufts,
@@ -75,7 +76,7 @@ def load_llama_engine(config: Config) -> Engine:
             chat_format=config.model.chat_format or None,
         )
     except EngineError as exc:  # name the settings behind the engine's sizes
-        raise EngineError(f"[engine] slots = {engine.slots}, ctx_per_slot = {engine.ctx_per_slot}: {exc}") from None
+        raise EngineError(f"[engine] slots = {engine.slots}, [model] ctx_size = {config.model.ctx_size}: {exc}") from None
 
 
 @attrs.frozen
@@ -320,9 +321,10 @@ async def _load(config: Config, engine_factory: Callable[[Config], Engine], back
     state.model_id = runner.model_id
     state.hub = hub
     log.info(
-        "ready: model %s, chat format %s, %d slots, %d tokens of context per slot, decode threads %d of %d cores,"
-        " overlapped steps %s, GPU offload %s, at %s",
-        runner.model_id, runner.chat_format.name, config.engine.slots, runner.n_ctx_slot, threads, cores,
+        "ready: model %s, chat format %s, %d slots sharing %d tokens of KV cache, context %d tokens per request,"
+        " decode threads %d of %d cores, overlapped steps %s, GPU offload %s, at %s",
+        runner.model_id, runner.chat_format.name, config.engine.slots, engine.n_ctx, runner.context_window,
+        threads, cores,
         "on" if overlap else "off", engine.offload.describe(), ", ".join(state.urls),
     )
     return hub

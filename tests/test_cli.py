@@ -51,16 +51,16 @@ def test_a_safety_checker_that_does_not_load_is_one_line_at_start(tmp_path):
 
 
 @pytest.mark.model
-def test_ctx_per_slot_above_the_trained_context_is_one_line(tmp_path):
-    """Refused before llama.cpp allocates 4 x 99999999 KV cells: exit 2, one line with setting and limit."""
+def test_a_context_above_the_slots_trained_contexts_is_one_line(tmp_path):
+    """Refused before llama.cpp allocates 99999999 KV cells: exit 2, one line with setting and limit."""
     cfg = tmp_path / "c.toml"
-    cfg.write_text('[server]\nport = 0\n[store]\npath = ":memory:"\n[engine]\nctx_per_slot = 99999999\n')
+    cfg.write_text('[server]\nport = 0\n[store]\npath = ":memory:"\n[model]\nctx_size = 99999999\n')
     result = run("serve", "--config", str(cfg), "--log-level", "ERROR")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
-    assert "ctx_per_slot = 99999999" in lines[0] and "trained context of 8192 tokens" in lines[0]
+    assert "ctx_size = 99999999" in lines[0] and "4 slot(s) of the model's trained context of 8192 tokens" in lines[0]
 
 
 def test_an_engine_that_fails_to_load_is_raised_bare(tmp_path):

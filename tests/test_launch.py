@@ -251,7 +251,7 @@ def test_launch_uses_a_running_server_and_leaves_it_running(tmp_path, agent_env,
     """Codex on a server that needs a key (the config's), ``--print``: settings with the model's metadata, and
     the server that was running before is running after."""
     port = free_port()
-    config = config_file(tmp_path, port, '[auth]\napi_keys = ["key-1"]\n')
+    config = config_file(tmp_path, port, '[auth]\napi_keys = ["key-1"]\n[model]\nctx_size = 4096\n')
     server = ServerProcess([*FAKE_SERVE, "--config", str(config)])
     try:
         catalog = {"models": [{"slug": launch.CODEX_TEMPLATE, "apply_patch_tool_type": "freeform", "base_instructions": "B"}]}

@@ -14,8 +14,11 @@ did to it:
   :func:`~ringserve.engine.protocol.check_feeds`, as on ``engine/llama.py``:
   positions continue the sequence, a slot is begun before it is fed, a batch
   holds at most ``n_batch`` tokens and one feed per slot (else
-  ``ValueError``), and a slot never holds more than ``n_ctx_slot`` tokens
-  (else :class:`KVCacheFull` for that slot).
+  ``ValueError``), a sequence never holds more than ``n_ctx_seq`` tokens
+  (else :class:`KVCacheFull` for that slot), and the slots' cells, the
+  cached ones of released slots included, never more than the pool's
+  ``n_ctx`` (else :class:`KVCacheFull` for every fed slot, as
+  ``llama_decode`` finds no cells).
 * The reply is chosen when a slot's prompt is complete (its first sample),
   from the prompt bytes in its KV cells: the last user message's text after
   ``"echo:"`` if it starts so, else ``reply`` (a str, or a callable taking
@@ -65,7 +68,7 @@ from ringserve.core.toolcalls import CallEnd, Text, ToolCallError, plain_message
 from ringserve.engine.examples import example
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.core.offload import Offload
-from ringserve.engine.protocol import ChatPrompt, EngineError, check_feeds
+from ringserve.engine.protocol import ChatPrompt, EngineError, KVCacheFull, check_feeds
 from ringserve.formats.base import ChatFormat
 from ringserve.formats.detect import detect
 from ringserve.formats.families import FAMILIES
@@ -177,7 +180,9 @@ class FakeEngine:
 
     Args:
         n_slots: sequences decoded together.
-        n_ctx_slot: KV cells (tokens) per slot.
+        n_ctx: KV cells (tokens) of the pool the slots share (the default: four slots of
+            4,096 tokens, ringserve's default before the pool).
+        n_ctx_seq: most cells one sequence holds; None: ``n_ctx``.
         n_batch: most tokens per decode call.
         piece_bytes: bytes per reply token (>= 1).
         split: cuts a reply's UTF-8 bytes into its tokens' pieces (tests give random
@@ -227,7 +232,8 @@ class FakeEngine:
         self,
         *,
         n_slots: int = 4,
-        n_ctx_slot: int = 4096,
+        n_ctx: int = 16384,
+        n_ctx_seq: int | None = None,
         n_batch: int = 512,
         piece_bytes: int = 4,
         split: Callable[[bytes], list[bytes]] | None = None,
@@ -243,11 +249,12 @@ class FakeEngine:
         chat_template: str | None = None,
         generation_prompt: str = "",
     ) -> None:
-        if n_slots < 1 or n_ctx_slot < 1 or n_batch < 1 or piece_bytes < 1:
-            raise ValueError("n_slots, n_ctx_slot, n_batch and piece_bytes must be >= 1")
+        if n_slots < 1 or n_ctx < 1 or n_batch < 1 or piece_bytes < 1:
+            raise ValueError("n_slots, n_ctx, n_batch and piece_bytes must be >= 1")
         self.model_id = "fake"
         self.n_slots = n_slots
-        self.n_ctx_slot = n_ctx_slot
+        self.n_ctx = n_ctx
+        self.n_ctx_seq = n_ctx if n_ctx_seq is None else min(n_ctx_seq, n_ctx)
         self.n_batch = n_batch
         self.piece_bytes = piece_bytes
         self.split = split
@@ -343,9 +350,12 @@ class FakeEngine:
         keep: int = 0,
         source: int | None = None,
         constraint: Constraint | LazyCalls | None = None,
+        replay: Sequence[int] = (),
     ) -> None:
         """Start a sequence in ``slot`` holding the first ``keep`` cells of its own, or of ``source``'s, KV cells;
         with a :class:`Constraint` its reply is ``example(constraint)`` (:class:`LazyCalls`: see the module docstring).
+        ``replay``: the tokens the request sampled before a preemption; its reply goes on after them
+        (chosen again at the next sample from the prompt, which its cells then hold before them).
 
         Raises:
             ValueError: a slot out of range, or fewer than ``keep`` cells
@@ -361,7 +371,11 @@ class FakeEngine:
             if keep > len(cells):
                 raise ValueError(f"slot {slot}: cannot keep {keep} cells of {len(cells)}")
             watch = CallWatch(constraint) if isinstance(constraint, LazyCalls) else None
-            self._slots[slot] = _SlotState(cells[:keep], constraint=constraint, watch=watch)
+            state = _SlotState(cells[:keep], constraint=constraint, watch=watch, samples=len(replay))
+            if watch is not None:
+                for token in replay:
+                    watch.feed(self._pieces[token] if token >= 256 else bytes([token]))
+            self._slots[slot] = state
             if self.record:
                 self.begins.append(Begin(slot, keep, source, constraint))
 
@@ -370,7 +384,8 @@ class FakeEngine:
 
         Raises:
             ValueError: the batch breaks a rule of :func:`~ringserve.engine.protocol.check_feeds`.
-            KVCacheFull: a feed would pass ``n_ctx_slot`` (names those slots).
+            KVCacheFull: a feed would pass ``n_ctx_seq`` (names those slots), or the batch the
+                pool's ``n_ctx`` (names every fed slot).
             EngineError: scripted ``fail_after_tokens``.
             RuntimeError: scripted ``crash_after_steps``.
         """
@@ -395,7 +410,10 @@ class FakeEngine:
             self._crashed = True
             raise RuntimeError(f"fake engine crash at decode call {call + 1}")
         held = [None if s is None or not s.begun else len(s.kv) for s in self._slots]
-        check_feeds(feeds, n_slots=self.n_slots, n_batch=self.n_batch, n_ctx_slot=self.n_ctx_slot, held=held)
+        check_feeds(feeds, n_slots=self.n_slots, n_batch=self.n_batch, n_ctx_seq=self.n_ctx_seq, held=held)
+        in_pool = sum(len(s.kv) for s in self._slots if s is not None) + sum(len(f.tokens) for f in feeds)
+        if in_pool > self.n_ctx:
+            raise KVCacheFull(f"no KV cells for the batch: {in_pool} of a pool of {self.n_ctx}", [f.slot for f in feeds])
         # Work out every sample before changing anything, so a failure leaves no trace.
         planned = [(f, *self._plan(f)) for f in feeds if f.sample]
         if self.step_seconds:
@@ -435,7 +453,8 @@ class FakeEngine:
         state = self._slot(f.slot)
         pieces = state.pieces
         if pieces is None:
-            prompt = bytes(t for t in (*state.kv, *f.tokens) if t < 256)
+            cells = (*state.kv, *f.tokens)
+            prompt = bytes(t for t in cells[: len(cells) - state.samples] if t < 256)  # (samples: a replay's)
             if isinstance(state.constraint, Constraint):
                 data = example(state.constraint).encode("utf-8")
             else:
@@ -514,4 +533,4 @@ class FakeEngine:
             raise EngineError("the engine is closed")
 
     def __repr__(self) -> str:
-        return f"<FakeEngine slots={self.n_slots} ctx/slot={self.n_ctx_slot} batch={self.n_batch}>"
+        return f"<FakeEngine slots={self.n_slots} ctx={self.n_ctx} batch={self.n_batch}>"

@@ -2,8 +2,9 @@
 
 This is the only module in ringserve that imports ``llama_cpp``. It drives
 llama-cpp-python's low-level ctypes API the way llama.cpp's ``tools/server``
-does: one ``llama_context`` with ``n_seq_max = n_slots`` and a per-sequence
-(non-unified) KV cache, one shared ``llama_batch`` that every decode step
+does: one ``llama_context`` with ``n_seq_max = n_slots`` and one KV pool of
+``n_ctx`` cells that the sequences share (``kv_unified``, llama-server's
+``--kv-unified``), one shared ``llama_batch`` that every decode step
 fills with the tokens of all active slots, and one sampler chain per slot
 sampled with ``llama_sampler_sample(chain, ctx, i)`` at the batch index of
 that slot's last token. A greedy slot with no grammar on its chain takes the
@@ -167,7 +168,7 @@ def _add_samplers(chain: Any, sampling: SamplingParams) -> None:
     lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
 
 
-def _check_sizes(n_slots: int, n_ctx_slot: int, n_batch: int, n_threads: int) -> None:
+def _check_sizes(n_slots: int, n_ctx: int, n_batch: int, n_threads: int) -> None:
     """:class:`LlamaEngine`'s size arguments in range.
 
     Raises:
@@ -177,8 +178,8 @@ def _check_sizes(n_slots: int, n_ctx_slot: int, n_batch: int, n_threads: int) ->
         raise ValueError(
             f"n_slots must be 1..{lc.llama_max_parallel_sequences()}, got {n_slots}"
         )
-    if n_ctx_slot < 1:
-        raise ValueError(f"n_ctx_slot must be >= 1, got {n_ctx_slot}")
+    if n_ctx < 0:
+        raise ValueError(f"n_ctx must be >= 0, got {n_ctx}")
     if n_batch < 1:
         raise ValueError(f"n_batch must be >= 1, got {n_batch}")
     if n_threads < 0:
@@ -250,18 +251,22 @@ class _Batch:
 class LlamaEngine:
     """An :class:`~ringserve.engine.protocol.Engine` backed by llama.cpp.
 
-    Loads the model and creates one context holding ``n_slots`` sequences of
-    ``n_ctx_slot`` KV cells each (``n_ctx = n_slots * n_ctx_slot``,
-    ``kv_unified = False``). llama.cpp rounds each sequence's share up to a
-    multiple of 256 cells, so a slot may in fact hold a little more than
-    ``n_ctx_slot`` tokens; the runner budgets with ``n_ctx_slot``.
+    Loads the model and creates one context of ``n_ctx`` KV cells that its
+    ``n_slots`` sequences share (``kv_unified = True``): any sequence may hold
+    up to :attr:`n_ctx_seq` of them, and the runner keeps their sum within
+    the pool. llama.cpp rounds ``n_ctx`` up to a multiple of 256 cells
+    (:attr:`n_ctx` is what it made).
 
     Args:
         path: the GGUF model file (checked with
             :func:`~ringserve.engine.modelfile.check_model_file`).
         n_slots: sequences decoded together (llama.cpp ``n_seq_max``), 1..
             ``llama_max_parallel_sequences()``.
-        n_ctx_slot: KV cells (tokens) per slot: prompt plus generated tokens.
+        n_ctx: KV cells (tokens) of the pool: every sequence's prompt and generated
+            tokens together; at most ``n_slots`` times the model's trained context; 0:
+            the trained context (llama.cpp's ``-c 0``).
+        kv_unified: one pool any sequence may fill (True), or ``n_ctx`` split evenly
+            among the sequences (False: each holds ``n_ctx / n_slots``).
         n_batch: most tokens per :meth:`decode`, summed over slots; also the
             physical micro-batch (``n_ubatch``).
         n_gpu_layers: layers to offload to the GPU devices llama.cpp finds
@@ -288,10 +293,12 @@ class LlamaEngine:
             detected from the template (``[model] chat_format``); None: detected.
 
     Attributes:
-        model_id, n_slots, n_ctx_slot, n_batch: as the arguments
+        model_id, n_slots, n_batch: as the arguments
             (the :class:`~ringserve.engine.protocol.Engine` attributes).
-        n_ctx_seq: KV cells llama.cpp actually gave each sequence
-            (``llama_n_ctx_seq``, >= ``n_ctx_slot``).
+        n_ctx: the pool's KV cells as llama.cpp made it (``llama_n_ctx``: the
+            argument rounded up to a multiple of 256).
+        n_ctx_seq: most cells one sequence may hold: the pool (its share of it
+            without ``kv_unified``), at most the trained context (``n_ctx_train``).
         n_ctx_train: the context the model was trained with (tokens,
             ``llama_model_n_ctx_train``, the GGUF's ``<arch>.context_length``).
         prefix_cache: whether a slot may keep a prefix of its cells and copy
@@ -327,9 +334,9 @@ class LlamaEngine:
         ChatTemplateError: the chat template does not compile, or
             ``chat_format`` names no family.
         ValueError: a size argument is out of range.
-        EngineError: ``n_ctx_slot`` is above ``n_ctx_train`` (refused, as
-            a context past it gives garbage and may not fit in memory), or
-            llama.cpp could not create the context or the batch.
+        EngineError: ``n_ctx`` is above ``n_slots * n_ctx_train`` (refused
+            before anything is allocated: a typo would take GBs), or llama.cpp
+            could not create the context or the batch.
     """
 
     def __init__(
@@ -337,8 +344,9 @@ class LlamaEngine:
         path: str | Path,
         *,
         n_slots: int = 4,
-        n_ctx_slot: int = 4096,
+        n_ctx: int = 4096,
         n_batch: int = 512,
+        kv_unified: bool = True,
         n_gpu_layers: int = ALL_LAYERS,
         n_threads: int = 0,
         use_extra_bufts: bool = False,
@@ -353,11 +361,12 @@ class LlamaEngine:
         self._closed = False
         path = check_model_file(path)
         _init_backend()
-        _check_sizes(n_slots, n_ctx_slot, n_batch, n_threads)
+        _check_sizes(n_slots, n_ctx, n_batch, n_threads)
         self.path = path
         self.model_id = model_id or path.stem
         self.n_slots = n_slots
-        self.n_ctx_slot = n_ctx_slot
+        self.n_ctx = n_ctx
+        self._kv_unified = kv_unified
         self.n_batch = n_batch
         self.n_threads = decode_threads(n_threads, os.cpu_count() or 1)
         self._chains: list[int | None] = [None] * n_slots
@@ -379,10 +388,11 @@ class LlamaEngine:
             self.max_token_bytes, specials = self._scan_vocab()
             self._load_chat(chat_template, chat_format, specials)
             self.n_ctx_train = lc.llama_model_n_ctx_train(self._model)
-            if n_ctx_slot > self.n_ctx_train > 0:
-                # Refused before llama.cpp allocates n_slots * n_ctx_slot KV cells (GBs for a typo).
+            n_ctx = self.n_ctx = n_ctx or self.n_ctx_train
+            if n_ctx > n_slots * self.n_ctx_train > 0:
+                # Refused before llama.cpp allocates the KV cells (GBs for a typo).
                 raise EngineError(
-                    f"n_ctx_slot={n_ctx_slot} is above the model's trained context of "
+                    f"a context of {n_ctx} tokens is more than {n_slots} slot(s) of the model's trained context of "
                     f"{self.n_ctx_train} tokens (n_ctx_train of {path})"
                 )
             self._create_context(flash_attn)
@@ -392,15 +402,15 @@ class LlamaEngine:
             raise
 
     def _create_context(self, flash_attn: bool | None) -> None:
-        """The context of ``n_slots`` sequences of ``n_ctx_slot`` cells each (per-sequence KV
-        cache), and what it says of the model's memory (:attr:`prefix_cache`, :attr:`n_ctx_seq`).
+        """The context of ``n_ctx`` cells that ``n_slots`` sequences share (unified KV cache, or split), and
+        what it says of the model's memory (:attr:`prefix_cache`, :attr:`n_ctx`, :attr:`n_ctx_seq`).
 
         Raises:
-            EngineError: llama.cpp could not create it, or gave a sequence fewer than ``n_ctx_slot`` cells.
+            EngineError: llama.cpp could not create it.
         """
-        n_slots, n_ctx_slot = self.n_slots, self.n_ctx_slot
+        n_slots, n_ctx = self.n_slots, self.n_ctx
         cparams = lc.llama_context_default_params()
-        cparams.n_ctx = n_slots * n_ctx_slot
+        cparams.n_ctx = n_ctx
         cparams.n_seq_max = n_slots
         cparams.n_batch = self.n_batch
         cparams.n_ubatch = self.n_batch
@@ -411,25 +421,18 @@ class LlamaEngine:
             cparams.flash_attn_type = (
                 lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
             )
-        if hasattr(cparams, "kv_unified"):
-            cparams.kv_unified = False
+        cparams.kv_unified = self._kv_unified
         self._ctx = lc.llama_init_from_model(self._model, cparams)
         if not self._ctx:
-            raise EngineError(
-                f"llama.cpp could not create a context of {n_slots} x {n_ctx_slot} tokens"
-            )
+            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens for {n_slots} slot(s)")
         self._mem: Any = lc.llama_get_memory(self._ctx)
         self.prefix_cache: bool = not (
             lc.llama_model_is_recurrent(self._model)
             or _call_if_bound("llama_model_is_hybrid", self._model)
             or _call_if_bound("llama_model_n_swa", self._model)
         )
-        self.n_ctx_seq: int = lc.llama_n_ctx_seq(self._ctx)
-        if self.n_ctx_seq < n_ctx_slot:
-            raise EngineError(
-                f"llama.cpp gave each sequence {self.n_ctx_seq} KV cells, "
-                f"fewer than n_ctx_slot={n_ctx_slot}"
-            )
+        self.n_ctx = lc.llama_n_ctx(self._ctx)
+        self.n_ctx_seq: int = min(lc.llama_n_ctx_seq(self._ctx), self.n_ctx_train or self.n_ctx)
 
     # -- chat template and tokens ------------------------------------------
 
@@ -647,6 +650,7 @@ class LlamaEngine:
         keep: int = 0,
         source: int | None = None,
         constraint: Constraint | LazyCalls | None = None,
+        replay: Sequence[int] = (),
     ) -> None:
         """Prepare ``slot`` for a new sequence: set up its KV cells and build its sampler chain.
 
@@ -671,7 +675,10 @@ class LlamaEngine:
         without one and a :class:`CallWatch` follows the slot's tokens: from the
         token after a ``<tool_call>`` marker to the one that completes the call,
         the call's grammar is first on the chain (see :meth:`decode`). Any
-        previous chain of the slot is freed.
+        previous chain of the slot is freed. The ``replay`` tokens (a preempted
+        request's samples) are then accepted by the chain, and fed to its call
+        watch, in order, as if sampled: penalties, a grammar and the watch are
+        where they were (a seeded draw's state is not: it starts again).
 
         Raises:
             ValueError: ``slot`` or ``source`` is not in ``0 .. n_slots-1``,
@@ -711,6 +718,8 @@ class LlamaEngine:
         _add_samplers(chain, sampling)
         self._argmax[slot] = sampling.temperature == 0 and not isinstance(constraint, Constraint)
         self._held[slot] = keep
+        for token in replay:
+            self._accept(slot, token)
 
     def _grammar(self, slot: int, constraint: Constraint) -> Any:
         """A grammar sampler for ``constraint`` (start rule ``root``).
@@ -782,7 +791,7 @@ class LlamaEngine:
                 :func:`~ringserve.engine.protocol.check_feeds` (too many tokens,
                 an empty feed, a slot out of range, fed twice or not begun, a
                 position that does not continue the slot). Nothing was decoded.
-            KVCacheFull: a feed would take its slot past ``n_ctx_slot``
+            KVCacheFull: a feed would take its sequence past ``n_ctx_seq``
                 tokens (checked before decoding; ``slots`` = those slots), or
                 ``llama_decode`` returned 1, no KV cells for the batch
                 (``slots`` = all fed slots). Either way nothing was decoded
@@ -794,7 +803,7 @@ class LlamaEngine:
         self._check_open()
         if not feeds:
             return []
-        check_feeds(feeds, n_slots=self.n_slots, n_batch=self.n_batch, n_ctx_slot=self.n_ctx_slot, held=self._held)
+        check_feeds(feeds, n_slots=self.n_slots, n_batch=self.n_batch, n_ctx_seq=self.n_ctx_seq, held=self._held)
         batch = self._batch
         assert batch is not None, "decode() after close()"
         sample_at = batch.fill(feeds)
@@ -814,12 +823,20 @@ class LlamaEngine:
         """The slot's token from the logits at batch index ``i`` (``forced``, where given, as if
         sampled), with its :class:`CallWatch` fed and any grammar switch applied."""
         if forced is not None:
-            token = forced
-            lc.llama_sampler_accept(self._chains[slot], token)
-        elif self._argmax[slot] and not self._call_grammar[slot]:
+            return self._accept(slot, forced)
+        if self._argmax[slot] and not self._call_grammar[slot]:
             token = self._sample_argmax(i)
         else:
             token = lc.llama_sampler_sample(self._chains[slot], self._ctx, i)
+        return self._watched(slot, token)
+
+    def _accept(self, slot: int, token: int) -> Sampled:
+        """``token`` taken by the slot's chain as if sampled (a forced or replayed token)."""
+        lc.llama_sampler_accept(self._chains[slot], token)
+        return self._watched(slot, token)
+
+    def _watched(self, slot: int, token: int) -> Sampled:
+        """The slot's sample of ``token``, with its call watch fed and any grammar switch applied."""
         piece, eog = self._piece(token)
         watch = self._watches[slot]
         if watch is not None:
@@ -932,6 +949,6 @@ class LlamaEngine:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return (
-            f"<LlamaEngine {self.model_id!r} slots={self.n_slots} ctx/slot={self.n_ctx_slot}"
+            f"<LlamaEngine {self.model_id!r} slots={self.n_slots} ctx={self.n_ctx}"
             f" batch={self.n_batch} {state}>"
         )

@@ -28,14 +28,14 @@ pytestmark = pytest.mark.model
 
 GREEDY = SamplingParams(temperature=0)
 N_SLOTS = 4
-N_CTX_SLOT = 512  # a multiple of 256, so llama.cpp gives each sequence exactly this
+N_CTX = 2048  # the KV pool the slots share: a multiple of 256, so llama.cpp makes exactly this
 N_BATCH = 256
 
 
 @pytest.fixture(scope="module")
 def engine():
     eng = llama.LlamaEngine(
-        default_model_path(), n_slots=N_SLOTS, n_ctx_slot=N_CTX_SLOT, n_batch=N_BATCH, n_threads=MODEL_THREADS
+        default_model_path(), n_slots=N_SLOTS, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=MODEL_THREADS
     )
     yield eng
     eng.close()
@@ -79,8 +79,8 @@ def greedy(eng, slots, prompt, n_tokens):
 
 def test_attributes(engine):
     assert engine.model_id == "SmolLM2-135M-Instruct.Q4_1"
-    assert (engine.n_slots, engine.n_ctx_slot, engine.n_batch) == (N_SLOTS, N_CTX_SLOT, N_BATCH)
-    assert engine.n_ctx_seq == N_CTX_SLOT
+    assert (engine.n_slots, engine.n_ctx, engine.n_batch) == (N_SLOTS, N_CTX, N_BATCH)
+    assert engine.n_ctx_seq == N_CTX  # any sequence may take the whole pool (below the trained 8,192)
 
 
 def test_default_offload_is_every_layer_on_a_gpu_and_none_without(engine):
@@ -158,25 +158,37 @@ def test_release_frees_only_that_slot(eng, prompt):
     assert eng.kv_cells_used(0) == used + 1
 
 
-def test_feeding_past_n_ctx_slot_is_kv_cache_full(eng):
-    # The engine refuses a feed that would take a slot past n_ctx_slot before
-    # calling llama_decode, naming only that slot; nothing in the batch is decoded.
-    eng.begin(0, GREEDY)
-    eng.begin(1, GREEDY)
-    filler = (word(eng),) * 250
-    eng.decode([SlotFeed(0, filler, 0, False)])
-    eng.decode([SlotFeed(0, filler, 250, False), SlotFeed(1, filler[:6], 0, False)])
-    eng.decode([SlotFeed(1, filler[:4], 6, False)])
-    assert eng.kv_cells_used(0) == 500
-    with pytest.raises(KVCacheFull) as exc:
-        eng.decode([SlotFeed(0, filler[:13], 500, True), SlotFeed(1, filler[:1], 10, True)])
-    assert exc.value.slots == (0,)
-    assert (eng.kv_cells_used(0), eng.kv_cells_used(1)) == (500, 10)
-    # Up to exactly n_ctx_slot cells is fine.
-    [s] = eng.decode([SlotFeed(0, filler[:12], 500, True)])
-    assert eng.kv_cells_used(0) == N_CTX_SLOT
-    with pytest.raises(KVCacheFull):
-        eng.decode([SlotFeed(0, (s.token,), N_CTX_SLOT, True)])
+def test_feeding_past_a_sequence_s_cells_or_the_pool_is_kv_cache_full():
+    """A pool of 512 cells that two sequences share: a feed that would take one past its 512
+    (``n_ctx_seq``) is refused before ``llama_decode``, naming that slot; one that fits the sequence
+    but not the pool is llama.cpp's "no KV cells" (``llama_decode`` returns 1) for the batch's slots;
+    either way nothing in the batch is decoded."""
+    eng = llama.LlamaEngine(default_model_path(), n_slots=2, n_ctx=512, n_batch=256, n_threads=MODEL_THREADS)
+    try:
+        assert (eng.n_ctx, eng.n_ctx_seq) == (512, 512)
+        eng.begin(0, GREEDY)
+        eng.begin(1, GREEDY)
+        filler = (word(eng),) * 250
+        eng.decode([SlotFeed(0, filler, 0, False)])
+        eng.decode([SlotFeed(0, filler, 250, False), SlotFeed(1, filler[:6], 0, False)])
+        eng.decode([SlotFeed(1, filler[:4], 6, False)])
+        assert eng.kv_cells_used(0) == 500
+        with pytest.raises(KVCacheFull) as exc:
+            eng.decode([SlotFeed(0, filler[:13], 500, True), SlotFeed(1, filler[:1], 10, True)])
+        assert exc.value.slots == (0,)
+        assert (eng.kv_cells_used(0), eng.kv_cells_used(1)) == (500, 10)
+        with pytest.raises(KVCacheFull) as exc:  # 500 + 10 + 3 > 512
+            eng.decode([SlotFeed(1, filler[:3], 10, True)])
+        assert exc.value.slots == (1,)
+        assert (eng.kv_cells_used(0), eng.kv_cells_used(1)) == (500, 10)
+        eng.release(1)
+        # Up to exactly the pool is fine for one sequence.
+        [s] = eng.decode([SlotFeed(0, filler[:12], 500, True)])
+        assert eng.kv_cells_used(0) == 512
+        with pytest.raises(KVCacheFull):
+            eng.decode([SlotFeed(0, (s.token,), 512, True)])
+    finally:
+        eng.close()
 
 
 def test_bad_feeds_raise_value_error_before_decoding(eng, prompt):
@@ -279,7 +291,7 @@ def test_seeded_sampling_repeats(eng, prompt):
 
 
 def test_close_is_idempotent_and_final(capfd):
-    eng = llama.LlamaEngine(default_model_path(), n_slots=1, n_ctx_slot=256, n_batch=32)
+    eng = llama.LlamaEngine(default_model_path(), n_slots=1, n_ctx=256, n_batch=32)
     assert capfd.readouterr().err == ""  # llama.cpp's log is silenced by default
     eng.close()
     eng.close()
@@ -297,10 +309,10 @@ def test_bad_model_file_is_one_line_error(tmp_path):
 
 def test_a_template_that_does_not_load_is_one_line_at_start():
     with pytest.raises(llama.ChatTemplateError) as exc:
-        llama.LlamaEngine(default_model_path(), n_slots=1, n_ctx_slot=256, n_batch=32, chat_template="{% if %}\nx")
+        llama.LlamaEngine(default_model_path(), n_slots=1, n_ctx=256, n_batch=32, chat_template="{% if %}\nx")
     assert "\n" not in str(exc.value) and "does not compile" in str(exc.value)
     with pytest.raises(llama.ChatTemplateError, match="unknown chat format 'nope'"):
-        llama.LlamaEngine(default_model_path(), n_slots=1, n_ctx_slot=256, n_batch=32, chat_format="nope")
+        llama.LlamaEngine(default_model_path(), n_slots=1, n_ctx=256, n_batch=32, chat_format="nope")
 
 
 def test_a_chat_template_file_that_cannot_be_read_is_one_line_at_start(tmp_path):
@@ -317,7 +329,7 @@ def test_a_configured_template_and_format_replace_the_ggufs():
     """``[model] chat_template_file`` and ``chat_format``: a ``<think>`` template opens the block, its
     markers are special tokens of no vocabulary here (plain text), and the forced family is read."""
     source = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]{{ '<think>\\n' }}"
-    eng = llama.LlamaEngine(default_model_path(), n_slots=1, n_ctx_slot=256, n_batch=32, chat_template=source,
+    eng = llama.LlamaEngine(default_model_path(), n_slots=1, n_ctx=256, n_batch=32, chat_template=source,
                             chat_format="qwen3-coder")
     try:
         assert eng.chat_format.name == "qwen3-coder"

@@ -160,7 +160,7 @@ def test_the_engine_s_openmp_threads_spin_while_the_decoding_thread_lives_and_st
         "from ringserve.core.batch import SlotFeed\n"
         "from ringserve.core.events import SamplingParams\n"
         "assert 'GOMP_SPINCOUNT' not in os.environ  # set for the import only\n"
-        "e = LlamaEngine(default_model_path(), n_slots=1, n_ctx_slot=64, n_threads=2)\n"
+        "e = LlamaEngine(default_model_path(), n_slots=1, n_ctx=64, n_threads=2)\n"
         "done, leave = threading.Event(), threading.Event()\n"
         "ours = {threading.get_native_id()}\n"
         "def decode():\n"

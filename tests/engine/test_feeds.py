@@ -16,7 +16,7 @@ HELD = [5, 0, None, None]  # slot 0 holds 5 cells, slot 1 begun and empty, 2 and
 
 
 def check(feeds):
-    check_feeds(feeds, n_slots=N_SLOTS, n_batch=N_BATCH, n_ctx_slot=N_CTX, held=HELD)
+    check_feeds(feeds, n_slots=N_SLOTS, n_batch=N_BATCH, n_ctx_seq=N_CTX, held=HELD)
 
 
 @pytest.mark.parametrize(("words", "batch"), bad_batches(N_SLOTS, N_BATCH, 5, 7))
@@ -27,17 +27,17 @@ def test_a_batch_that_breaks_a_rule_is_a_value_error_naming_it(words, batch):
 
 def test_a_batch_that_keeps_the_rules_passes():
     check([SlotFeed(0, (1,), 5, True), SlotFeed(1, (1,) * (N_BATCH - 1), 0, False)])
-    check([SlotFeed(0, (1,) * (N_CTX - 5), 5, True)])  # exactly n_ctx_slot cells
+    check([SlotFeed(0, (1,) * (N_CTX - 5), 5, True)])  # exactly n_ctx_seq cells
 
 
-def test_feeds_past_n_ctx_slot_are_kv_cache_full_naming_their_slots():
+def test_feeds_past_n_ctx_seq_are_kv_cache_full_naming_their_slots():
     with pytest.raises(KVCacheFull) as exc:
         check([SlotFeed(0, (1,) * (N_CTX - 4), 5, True), SlotFeed(1, (1,) * 3, 0, True)])
     assert exc.value.slots == (0,)
 
 
 def test_the_fake_engine_keeps_the_rules():
-    engine = FakeEngine(n_slots=N_SLOTS, n_batch=N_BATCH, n_ctx_slot=N_CTX)
+    engine = FakeEngine(n_slots=N_SLOTS, n_batch=N_BATCH, n_ctx=N_SLOTS * N_CTX, n_ctx_seq=N_CTX)
     check_bad_batches(engine, [ord(c) for c in "hello"], ord("x"))
 
 

@@ -60,7 +60,7 @@ WEATHER = ToolSpec("get_weather", "Get the current weather in a city.", json.dum
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = llama.LlamaEngine(default_model_path(), n_slots=4, n_ctx_slot=1024)
+    eng = llama.LlamaEngine(default_model_path(), n_slots=4, n_ctx=4096)
     yield eng
     eng.close()
 

@@ -506,7 +506,7 @@ async def test_a_prompt_past_the_context_is_a_400_naming_input_and_its_count_is_
             body = {"model": "any", "input": "x" * 200}
             error = check_error(await client.post("/v1/responses", json=body), 400, "input")
             count = await client.post("/v1/responses/input_tokens", json=body)
-    assert "context per slot is 64 tokens" in error["message"]
+    assert "but the context is 64 tokens" in error["message"]
     assert count.status_code == 200 and count.json()["input_tokens"] > 200
 
 

@@ -130,7 +130,7 @@ def scripted_server(tmp_path: Path, reply: Callable[[str], str], *, prefill_seco
     engines: list[RecordingEngine] = []
 
     def factory(_config: object) -> RecordingEngine:
-        engines.append(RecordingEngine(n_slots=2, n_ctx_slot=CTX, piece_bytes=8, reply=reply,
+        engines.append(RecordingEngine(n_slots=2, n_ctx=2 * CTX, piece_bytes=8, reply=reply,
                                        prefill_seconds=prefill_seconds, grammar_examples=False,
                                        chat_format=chat_format))
         return engines[0]
