@@ -52,7 +52,7 @@ import pytest
 import trio
 
 from ringserve.config import Config
-from ringserve.core.events import GenerationRequest, Role, SamplingParams
+from ringserve.core.events import Effort, GenerationRequest, Role, SamplingParams
 from ringserve.core.toolcalls import format_call
 from ringserve.engine.fake import FakeEngine
 from ringserve.engine.protocol import ChatPrompt, Engine
@@ -142,6 +142,12 @@ def scripted_server(tmp_path: Path, reply: Callable[[str], str], *, prefill_seco
 async def launch(agent: str, url: str, scratch: Path, agent_args: list[str],
                  extra_env: dict[str, str] | None = None) -> trio.CompletedProcess[bytes]:
     """``ringserve launch AGENT --url URL -- AGENT_ARGS`` in ``scratch/work``, with its own HOME."""
+    argv = [sys.executable, "-m", "ringserve", "launch", agent, "--url", url, "--", *agent_args]
+    return await run_in(scratch, argv, extra_env)
+
+
+async def run_in(scratch: Path, argv: list[str], extra_env: dict[str, str] | None = None) -> trio.CompletedProcess[bytes]:
+    """``argv`` in ``scratch/work``, with its own HOME (and CODEX_HOME under it)."""
     home, work = scratch / "home", scratch / "work"
     home.mkdir()
     work.mkdir()
@@ -149,7 +155,6 @@ async def launch(agent: str, url: str, scratch: Path, agent_args: list[str],
            "TERM": "dumb", "LANG": "C.UTF-8",
            "CODEX_HOME": str(home / ".codex"), **(extra_env or {})}
     (home / ".codex").mkdir()
-    argv = [sys.executable, "-m", "ringserve", "launch", agent, "--url", url, "--", *agent_args]
     with trio.fail_after(240):
         return await trio.run_process(argv, cwd=work, env=env, capture_stdout=True, capture_stderr=True,
                                       check=False, stdin=b"")
@@ -204,6 +209,37 @@ async def test_claude_code_runs_bash_and_write_through_a_silence_then_says_done(
     assert files == {"f.txt": "hi\n", "g.txt": "written by Write\n"}, (files, out[-2000:])
     assert "Done" in out, out
     assert len(engines[0].begins) == 3
+
+
+@pytest.mark.parametrize("model_args", [(), ("--model", "sonnet")], ids=["default", "sonnet"])
+async def test_claude_code_bare_on_a_claude_model_name_runs_bash_and_read_then_says_done(tmp_path, caplog, model_args):
+    """``claude --bare -p`` set up by hand (``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``; no
+    launcher, so the model name is Claude Code's: its default or ``sonnet``), whose per-turn
+    control message after the user turn has no content (``{"role": "system", "content": [],
+    "output_config": {"effort": "medium"}}``; issue 43, item 0): three turns, every request a 200,
+    each generation with the message's effort and no turn of its own."""
+    record_the_servers_log(caplog)
+    scratch = tmp_path / "claude"
+    scratch.mkdir()
+    work = scratch / "work"
+    reply = script(format_call("Bash", json.dumps({"command": "echo hi > f.txt", "description": "Write hi"})),
+                   format_call("Read", json.dumps({"file_path": str(work / "f.txt")})),
+                   "Done: f.txt is written.")
+    server, engines = scripted_server(tmp_path, reply, prefill_seconds=0.0)
+    async with server as state:
+        done = await run_in(scratch, [str(BIN / "claude"), "--bare", *model_args, "-p", PROMPT,
+                                      "--allowedTools", "Bash", "Read"],
+                            {"ANTHROPIC_BASE_URL": state.urls[0], "ANTHROPIC_API_KEY": "x", "DISABLE_TELEMETRY": "1",
+                             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_MAX_RETRIES": "0"})
+    out, err = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, (out[-2000:], err[-3000:])
+    assert (work / "f.txt").read_text() == "hi\n" and "Done" in out, out
+    statuses = [r.access["status"] for r in caplog.records if hasattr(r, "access") and r.access["method"] == "POST"]
+    assert statuses == [200, 200, 200], statuses
+    requests = engines[0].requests
+    assert [r.reasoning.effort for r in requests] == [Effort.MEDIUM] * 3
+    assert [[m.role for m in r.messages][:2] for r in requests] == [[Role.SYSTEM, Role.USER]] * 3
+    assert all(m.content for r in requests for m in r.messages if m.role is Role.SYSTEM)
 
 
 # -- reasoning: the agents show it and hand it back ----------------------------------------------
