@@ -42,7 +42,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ from ringserve.config import Config
 from ringserve.core.events import Effort, GenerationRequest, Role, SamplingParams
 from ringserve.core.toolcalls import format_call
 from ringserve.engine.fake import FakeEngine
-from ringserve.engine.protocol import ChatPrompt, Engine
+from ringserve.engine.protocol import ChatPrompt, Engine, EngineError, Sampled, SlotFeed
 from ringserve.server import load_llama_engine
 from tests.support.capture_agents import BIN
 from tests.support.server import fake_config, running_server
@@ -122,17 +122,32 @@ class RecordingEngine(FakeEngine):
         return super().tokenize_chat(request)
 
 
+class FailingOnceEngine(RecordingEngine):
+    """The recording engine whose first generation to reach ``fail_after_tokens`` tokens fails
+    there (an engine error: a retryable ``response.failed`` mid-message, as a drain's); the
+    generations after it do not."""
+
+    def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
+        try:
+            return super().decode(feeds)
+        except EngineError:
+            self.fail_after_tokens = None
+            raise
+
+
 def scripted_server(tmp_path: Path, reply: Callable[[str], str], *, prefill_seconds: float = PREFILL_SECONDS,
-                    chat_format: str | None = None) -> tuple[object, list[RecordingEngine]]:
-    """An in-process server whose fake engine plays ``reply`` (its calls as written, also under a
-    lazy grammar; read with ``chat_format``'s parser), each first prompt prefilled for
-    ``prefill_seconds``, a keepalive every second of silence; and the list that will hold its engine."""
+                    chat_format: str | None = None, engine: type[RecordingEngine] = RecordingEngine,
+                    **engine_kwargs: Any) -> tuple[object, list[RecordingEngine]]:
+    """An in-process server whose fake engine (an ``engine``, with ``engine_kwargs``) plays ``reply``
+    (its calls as written, also under a lazy grammar; read with ``chat_format``'s parser), each first
+    prompt prefilled for ``prefill_seconds``, a keepalive every second of silence; and the list that
+    will hold its engine."""
     engines: list[RecordingEngine] = []
 
     def factory(_config: object) -> RecordingEngine:
-        engines.append(RecordingEngine(n_slots=2, n_ctx_slot=CTX, piece_bytes=8, reply=reply,
-                                       prefill_seconds=prefill_seconds, grammar_examples=False,
-                                       chat_format=chat_format))
+        engines.append(engine(n_slots=2, n_ctx_slot=CTX, piece_bytes=8, reply=reply,
+                              prefill_seconds=prefill_seconds, grammar_examples=False,
+                              chat_format=chat_format, **engine_kwargs))
         return engines[0]
 
     config = fake_config(tmp_path, engine={"ctx_per_slot": CTX, "slots": 2}, server={"heartbeat_interval": 1.0})
@@ -240,6 +255,37 @@ async def test_claude_code_bare_on_a_claude_model_name_runs_bash_and_read_then_s
     assert [r.reasoning.effort for r in requests] == [Effort.MEDIUM] * 3
     assert [[m.role for m in r.messages][:2] for r in requests] == [[Role.SYSTEM, Role.USER]] * 3
     assert all(m.content for r in requests for m in r.messages if m.role is Role.SYSTEM)
+
+
+async def test_codex_retries_a_response_that_failed_mid_message_into_one_answer(tmp_path, caplog):
+    """A response that fails in the middle of its message (``response.failed``, retryable: the
+    engine's error here, a drain's alike) leaves Codex no message to keep: the message item gets no
+    ``response.output_item.done``, from which Codex builds its history. Its stream retry sends the
+    turn again as it was, and it shows one answer (issue 43, item 12: it showed the partial text as
+    an agent message and sent it back, so the answer came in two)."""
+    record_the_servers_log(caplog)
+    answer = "Hello! This answer streams in several pieces and comes whole."
+    server, engines = scripted_server(tmp_path, lambda _text: answer, prefill_seconds=0.0,
+                                      engine=FailingOnceEngine, fail_after_tokens=3)
+    # Codex refuses helpers under /tmp (see CODEX_SCRATCH)
+    scratch = CODEX_SCRATCH
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    try:
+        async with server as state:
+            done = await launch("codex", state.urls[0], scratch, [
+                "exec", "--json", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", "Say hello."])
+        out, err = done.stdout.decode(), done.stderr.decode()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert done.returncode == 0, (out[-2000:], err[-3000:])
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    items = [e["item"] for e in events if e["type"] == "item.completed"]
+    assert [(i["type"], i["text"]) for i in items] == [("agent_message", answer)], events
+    first, retry = engines[0].requests
+    assert retry.messages == first.messages  # nothing of the failed attempt came back
+    statuses = [r.access["status"] for r in caplog.records if hasattr(r, "access") and r.access["method"] == "POST"]
+    assert statuses == [200, 200], statuses
 
 
 # -- reasoning: the agents show it and hand it back ----------------------------------------------
