@@ -24,6 +24,10 @@ item's ``encrypted_content``) and the engine gets it as that turn's reasoning, n
 answered an error and none had a block or item dropped (the fields reported ignored, logged by
 the server).
 
+Issue 43: Claude Code under ``--bare`` with a Claude model name (set up by hand, not launched),
+whose per-turn control message has no content; and Codex through a response that fails in the
+middle of its message once, which its retry answers whole.
+
 Then one plain turn per agent on the real bundled model (SmolLM2-135M, 8,192 tokens of context per
 slot), their prompts shrunk by their own options to fit it (:data:`CLAUDE_SMALL`,
 :func:`codex_small`; docs/agents.md, "On the bundled model"). Neither agent sends a temperature,
