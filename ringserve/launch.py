@@ -497,7 +497,7 @@ def add_command(sub: Any) -> None:
     """Register ``launch`` on the CLI's subparsers (it sets ``client_command``, as ``chat`` does)."""
     about = "run Claude Code or Codex CLI on ringserve, starting the server if none runs"
     launch = sub.add_parser("launch", help=about, description=f"{about[0].upper()}{about[1:]} (docs/agents.md, Launch).",
-                            epilog="Arguments after -- go to the agent: ringserve launch codex -- exec 'Say hi'")
+                            epilog="Arguments after -- go to the agent: ringserve launch codex -- exec --skip-git-repo-check 'Say hi'")
     launch.add_argument("agent", choices=tuple(Agent), help="the agent")
     launch.add_argument("--config", type=Path, help="TOML config file, for the URL, the key and a server to start")
     launch.add_argument("--url", default=os.environ.get("RINGSERVE_URL"),

@@ -31,8 +31,9 @@ Terminal events, by how the generation ended:
   with its message item ``incomplete``. Both are values of the SDK's types, so
   every reader ends on an event its SDK accepts (``response.completed`` would
   claim an end of turn);
-- an error: ``response.failed`` with ``error.code`` (``server_error``,
-  ``rate_limit_exceeded``, ``invalid_prompt``) and the message.
+- an error (a drain's too): ``response.failed`` with ``error.code`` (``server_error``,
+  ``rate_limit_exceeded``, ``invalid_prompt``) and the message, right after the last delta: the
+  item it interrupted gets no done events (:class:`ResponsesRenderer`).
 
 HTTP errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``
 (the Chat Completions surface's table).
@@ -1312,8 +1313,15 @@ class ResponsesRenderer:
     ``summary_text`` part (``response.reasoning_summary_part.added``,
     ``response.reasoning_summary_text.delta``..., ``.done``, ``response.reasoning_summary_part.done``).
     A stopped block's done events wait for what follows: the next block (the item is
-    ``completed``) or the terminal event (the item has the response's outcome: ``incomplete``
-    after a cut or a cancel).
+    ``completed``) or the end of the generation (the item has the response's outcome:
+    ``incomplete`` after a cut or a cancel). A failure closes nothing: ``response.failed`` follows
+    the last delta, and the item it interrupted (or the stopped block whose done events waited)
+    gets no done events; the failed response's ``output`` holds it as far as it got,
+    ``incomplete``. A client builds its history from ``response.output_item.done`` (Codex does,
+    ``codex-rs/codex-api/src/sse/responses.rs``) and retries a failed response whole: a done
+    event would have made the partial item a finished one that the retry sends back (issue 43,
+    item 12). The openai SDK's stream accumulator expects the same, filling a failed response's
+    output with the items it saw added but not done.
     """
 
     def __init__(self, response_id: str, model: str, created: int, options: ResponseOptions,
@@ -1416,7 +1424,7 @@ class ResponsesRenderer:
         return []
 
     def _close(self, item_status: str) -> list[WireEvent]:
-        """The done events of the block that is stopped (or, after a failure, still open)."""
+        """The done events of the block that is stopped (or, at a finish, still open: a cancel's)."""
         index = self._stopped if self._stopped is not None else self._open
         if index is None:
             return []
@@ -1447,17 +1455,15 @@ class ResponsesRenderer:
         return [*events, self._event("response.output_item.done", output_index=index,
                                      item=_item(self._id, index, block, item_status, self._options, self._reasoning))]
 
-    def _end(self, type_: str, outcome: Outcome, usage: Usage) -> list[WireEvent]:
-        return [*self._close(outcome.item_status), self._event(type_, response=self._response(outcome, usage))]
-
     def finish(self, finish: Finish) -> list[WireEvent]:
         outcome = finish_outcome(finish.stop_reason)
-        return self._end("response.completed" if outcome.status == "completed" else "response.incomplete",
-                         outcome, finish.usage)
+        terminal = "response.completed" if outcome.status == "completed" else "response.incomplete"
+        return [*self._close(outcome.item_status), self._event(terminal, response=self._response(outcome, finish.usage))]
 
     def fail(self, failure: Failure) -> list[WireEvent]:
+        """``response.failed`` alone: the item in progress stays unfinished (see the class doc)."""
         outcome = Outcome("failed", error=failure_error(failure.kind, failure.message))
-        return self._end("response.failed", outcome, failure.usage)
+        return [self._event("response.failed", response=self._response(outcome, failure.usage))]
 
     def keepalive(self) -> list[WireEvent]:
         """``response.in_progress`` again, with the response as streamed so far (its id, every

@@ -123,6 +123,11 @@ def _ended_with(surface: str, events: list[ServerSentEvent]) -> str:
             return "complete"
         if last.event == "error" and json.loads(last.data)["error"]["type"] == "overloaded_error":
             return "retryable"
+    elif surface == "responses":
+        if last.event == "response.completed":
+            return "complete"
+        if last.event == "response.failed" and "retry" in json.loads(last.data)["response"]["error"]["message"]:
+            return "retryable"
     else:
         if last.data == "[DONE]":
             return "complete"
@@ -131,6 +136,12 @@ def _ended_with(surface: str, events: list[ServerSentEvent]) -> str:
     return "truncated"
 
 
+def _responses_text(events: list[ServerSentEvent]) -> str:
+    return "".join(json.loads(e.data)["delta"] for e in events if e.event == "response.output_text.delta")
+
+
+#: A surface's stream -> the text it carried (the Chat stream's last event is ``[DONE]`` or an error).
+TEXT_OF = {"anthropic": anthropic_text, "openai": lambda events: openai_text(events[:-1]), "responses": _responses_text}
 REPLY_BYTES = 2 * 1024 * 1024  # 8192 tokens of 256 bytes: several seconds at >= 1 ms a step
 FAKE = {"piece_bytes": 256, "step_seconds": 0.001}
 
@@ -149,6 +160,8 @@ async def test_sigterm_drains_streams_in_flight_and_exits_0(tmp_path):
             "finishes": ("anthropic", "/v1/messages", {**ANTHROPIC_BODY, "stream": True, "max_tokens": 60}),
             "long-anthropic": ("anthropic", "/v1/messages", {**ANTHROPIC_BODY, "stream": True, "max_tokens": 12000}),
             "long-openai": ("openai", "/v1/chat/completions", {**OPENAI_BODY, "stream": True, "max_tokens": 12000}),
+            "long-responses": ("responses", "/v1/responses", {"model": "any", "input": "hello", "stream": True,
+                                                              "max_output_tokens": 12000}),
         }
         out: dict[str, dict[str, Any]] = {name: {} for name in streams}
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
@@ -191,13 +204,20 @@ async def test_sigterm_drains_streams_in_flight_and_exits_0(tmp_path):
         events = out[name]["events"]
         ended[name] = _ended_with(surface, events)
         row = rows[out[name]["id"]]
-        text = anthropic_text(events) if surface == "anthropic" else openai_text(events[:-1])
+        text = TEXT_OF[surface](events)
         assert row["text"] == text, name  # the stored text is what the client got
         if ended[name] == "complete":
             assert row["status"] == "complete"
         else:
             assert row["status"] == "interrupted" and "shutting down" in row["error"]
-    assert ended == {"finishes": "complete", "long-anthropic": "retryable", "long-openai": "retryable"}
+    assert ended == {"finishes": "complete", "long-anthropic": "retryable", "long-openai": "retryable",
+                     "long-responses": "retryable"}
+    # the message a drain interrupted is not done (issue 43, item 12: Codex took its done item as a
+    # finished message and sent it back on its retry); the failed response holds its text, incomplete
+    events = out["long-responses"]["events"]
+    assert "response.output_item.done" not in [e.event for e in events]
+    [item] = json.loads(events[-1].data)["response"]["output"]
+    assert item["status"] == "incomplete" and item["content"][0]["text"] == _responses_text(events)
     assert all(row["status"] in ("complete", "interrupted") for row in rows.values())  # the stuck one too
 
 
