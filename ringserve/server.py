@@ -21,7 +21,7 @@ from ringserve.http.app import create_app
 from ringserve.http.context import ServerState
 from ringserve.http.auth import Authenticator, check_bind
 from ringserve.config import Config, LogBackend, Switch, decode_threads, overlap_steps
-from ringserve.http.transport import HypercornConfig, isolate_connection_faults
+from ringserve.http.transport import BindError, HypercornConfig, isolate_connection_faults
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.protocol import Engine, EngineError
 from ringserve.engine.runner import Runner
@@ -379,17 +379,18 @@ def run_process(config: Config, engine_factory: Callable[[Config], Engine] = loa
 
     Raises:
         EngineError, ModelFileError: the model could not be loaded, or a
-            context of ``[engine] slots`` x ``ctx_per_slot`` not created
-            (unwrapped from the nursery's exception group), besides what
+            context of ``[engine] slots`` x ``ctx_per_slot`` not created;
+        BindError: the listener could not be bound (unwrapped from the
+            nursery's exception group, like the two above), besides what
             :func:`serve` raises.
     """
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     try:
         return trio.run(serve, config, engine_factory)
     except BaseExceptionGroup as group:
-        # The model loads inside serve's nursery, which wraps its failure in a group;
-        # raise it bare so the command line prints its one line (and exits 2).
-        failed, rest = group.split((EngineError, ModelFileError))
+        # The listener binds and the model loads inside serve's nursery, which wraps their
+        # failures in a group; raise it bare so the command line prints its one line (and exits 2).
+        failed, rest = group.split((EngineError, ModelFileError, BindError))
         if failed is None or rest is not None:
             raise
         leaf: BaseException = failed
