@@ -7,8 +7,9 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import assert_never
 
@@ -212,10 +213,11 @@ async def serve(
 
     The listener starts first (``/ready`` answers 503 while the model loads);
     ``task_status.started(state)`` is called once the model is loaded and the
-    decode loop runs, with ``state.urls`` set. On SIGINT/SIGTERM: refuse new
-    generations, let running ones finish for up to ``drain_timeout`` seconds,
-    end the rest with a retryable in-band error, persist, and return. A second
-    signal stops at once.
+    decode loop runs, with ``state.urls`` set, and systemd is told ``READY=1``
+    (:func:`notify_systemd`). On SIGINT/SIGTERM (systemd is told ``STOPPING=1``):
+    refuse new generations, let running ones finish for up to ``drain_timeout``
+    seconds, end the rest with a retryable in-band error, persist, log a last
+    line (``stopped (exit status N)``) and return. A second signal stops at once.
 
     The drain, in order (hypercorn tells the app nothing before its lifespan
     shutdown, which runs last, so ringserve drains itself first): the hub
@@ -278,12 +280,44 @@ async def serve(
             log.info("listening on %s (loading the model)", ", ".join(state.urls))
             hub = await _load(config, engine_factory, backend, safety, state, nursery)
             task_status.started(state)
+            notify_systemd(f"READY=1\nSTATUS=serving {state.model_id} at {', '.join(state.urls)}")
             await stop.wait()
+            notify_systemd("STOPPING=1\nSTATUS=draining")
             await _drain(hub, http, config.server.drain_timeout)
             nursery.cancel_scope.cancel()
     finally:
         store.close()
+    log.info("stopped (exit status %d)", status)
     return status
+
+
+#: The environment variable that names systemd's notification socket (``sd_notify(3)``).
+NOTIFY_SOCKET = "NOTIFY_SOCKET"
+
+
+def notify_systemd(state: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """Tell systemd ``state``: newline-separated assignments such as ``READY=1`` (the model is
+    loaded: ``systemctl start`` of a ``Type=notify`` unit returns), ``STOPPING=1`` (the drain has
+    begun) and ``STATUS=...`` (what ``systemctl status`` shows).
+
+    The protocol of ``sd_notify(3)``, without libsystemd: one datagram to the ``AF_UNIX`` socket
+    that ``$NOTIFY_SOCKET`` names, a path or, after ``@``, a name in the abstract namespace. Without
+    that variable (not started by systemd, or not ``Type=notify``) nothing is sent. A send that
+    fails is logged as a warning; the server goes on.
+
+    Returns:
+        Whether the datagram was sent.
+    """
+    address = environ.get(NOTIFY_SOCKET, "")
+    if not address.startswith(("/", "@")):
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(state.encode(), "\0" + address[1:] if address.startswith("@") else address)
+    except OSError as exc:
+        log.warning("could not notify systemd at %s: %s", address, exc)
+        return False
+    return True
 
 
 def _open_store(config: Config, store: MessageStore) -> Config:
