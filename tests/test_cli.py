@@ -97,3 +97,15 @@ def test_an_unknown_log_level_is_one_line_and_exit_2():
     assert result.stderr.strip().splitlines() == [
         "ringserve: --log-level LOUD: not a level (DEBUG, INFO, WARNING, ERROR or CRITICAL)"
     ]
+
+
+def test_a_system_without_dev_null_is_one_line_and_exit_2():
+    """llama-cpp-python opens os.devnull as it loads (a traceback before); tests/system/test_binary.py has the
+    real case, a chroot without /dev/null."""
+    code = ("import os, sys; os.devnull = '/nonexistent/null'; from ringserve.__main__ import main; "
+            "sys.exit(main(['serve', '--port', '0']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "ringserve: /nonexistent/null cannot be opened for writing (No such file or directory), and llama-cpp-python"
+        " needs it: the system (a chroot, a container image) must provide it"]
