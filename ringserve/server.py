@@ -7,8 +7,9 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import assert_never
 
@@ -21,7 +22,7 @@ from ringserve.http.app import create_app
 from ringserve.http.context import ServerState
 from ringserve.http.auth import Authenticator, check_bind
 from ringserve.config import Config, LogBackend, Switch, decode_threads, overlap_steps
-from ringserve.http.transport import HypercornConfig, isolate_connection_faults
+from ringserve.http.transport import BindError, HypercornConfig, isolate_connection_faults
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.protocol import Engine, EngineError
 from ringserve.engine.runner import Runner
@@ -213,10 +214,11 @@ async def serve(
 
     The listener starts first (``/ready`` answers 503 while the model loads);
     ``task_status.started(state)`` is called once the model is loaded and the
-    decode loop runs, with ``state.urls`` set. On SIGINT/SIGTERM: refuse new
-    generations, let running ones finish for up to ``drain_timeout`` seconds,
-    end the rest with a retryable in-band error, persist, and return. A second
-    signal stops at once.
+    decode loop runs, with ``state.urls`` set, and systemd is told ``READY=1``
+    (:func:`notify_systemd`). On SIGINT/SIGTERM (systemd is told ``STOPPING=1``):
+    refuse new generations, let running ones finish for up to ``drain_timeout``
+    seconds, end the rest with a retryable in-band error, persist, log a last
+    line (``stopped (exit status N)``) and return. A second signal stops at once.
 
     The drain, in order (hypercorn tells the app nothing before its lifespan
     shutdown, which runs last, so ringserve drains itself first): the hub
@@ -279,12 +281,44 @@ async def serve(
             log.info("listening on %s (loading the model)", ", ".join(state.urls))
             hub = await _load(config, engine_factory, backend, safety, state, nursery)
             task_status.started(state)
+            notify_systemd(f"READY=1\nSTATUS=serving {state.model_id} at {', '.join(state.urls)}")
             await stop.wait()
+            notify_systemd("STOPPING=1\nSTATUS=draining")
             await _drain(hub, http, config.server.drain_timeout)
             nursery.cancel_scope.cancel()
     finally:
         store.close()
+    log.info("stopped (exit status %d)", status)
     return status
+
+
+#: The environment variable that names systemd's notification socket (``sd_notify(3)``).
+NOTIFY_SOCKET = "NOTIFY_SOCKET"
+
+
+def notify_systemd(state: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """Tell systemd ``state``: newline-separated assignments such as ``READY=1`` (the model is
+    loaded: ``systemctl start`` of a ``Type=notify`` unit returns), ``STOPPING=1`` (the drain has
+    begun) and ``STATUS=...`` (what ``systemctl status`` shows).
+
+    The protocol of ``sd_notify(3)``, without libsystemd: one datagram to the ``AF_UNIX`` socket
+    that ``$NOTIFY_SOCKET`` names, a path or, after ``@``, a name in the abstract namespace. Without
+    that variable (not started by systemd, or not ``Type=notify``) nothing is sent. A send that
+    fails is logged as a warning; the server goes on.
+
+    Returns:
+        Whether the datagram was sent.
+    """
+    address = environ.get(NOTIFY_SOCKET, "")
+    if not address.startswith(("/", "@")):
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(state.encode(), "\0" + address[1:] if address.startswith("@") else address)
+    except OSError as exc:
+        log.warning("could not notify systemd at %s: %s", address, exc)
+        return False
+    return True
 
 
 def _open_store(config: Config, store: MessageStore) -> Config:
@@ -381,17 +415,18 @@ def run_process(config: Config, engine_factory: Callable[[Config], Engine] = loa
 
     Raises:
         EngineError, ModelFileError: the model could not be loaded, or a
-            context of ``[engine] slots`` x ``ctx_per_slot`` not created
-            (unwrapped from the nursery's exception group), besides what
+            context of ``[engine] slots`` x ``ctx_per_slot`` not created;
+        BindError: the listener could not be bound (unwrapped from the
+            nursery's exception group, like the two above), besides what
             :func:`serve` raises.
     """
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     try:
         return trio.run(serve, config, engine_factory)
     except BaseExceptionGroup as group:
-        # The model loads inside serve's nursery, which wraps its failure in a group;
-        # raise it bare so the command line prints its one line (and exits 2).
-        failed, rest = group.split((EngineError, ModelFileError))
+        # The listener binds and the model loads inside serve's nursery, which wraps their
+        # failures in a group; raise it bare so the command line prints its one line (and exits 2).
+        failed, rest = group.split((EngineError, ModelFileError, BindError))
         if failed is None or rest is not None:
             raise
         leaf: BaseException = failed
