@@ -102,7 +102,7 @@ class Hub:
         self._production = Production(config, runner, logs, store, self.persister, self.metrics, self.safety,
                                       registered=self._live.__setitem__, on_idle=self._on_idle)
         self.signer = ReasoningSigner.from_text(config.server.signing_key or new_key())
-        self.resume = Resume(config.server, logs, nursery, self.signer, stored=self.stored,
+        self.resume = Resume(config.server, logs, nursery, self.signer, stored=self.find_stored,
                              is_live=self._live.__contains__)
         self.draining = False
 
@@ -302,6 +302,24 @@ class Hub:
             )
         return stored
 
+    async def find_stored(self, message_id: str) -> StoredMessage:
+        """The store's row (:meth:`stored`), else the state another replica wrote of it
+        (``Cluster.find_message``, its request left empty: it rebuilds the message's stream).
+
+        Raises:
+            RingserveError: ``NOT_FOUND`` when no replica has such a message; ``UNAVAILABLE``
+            when the store fails to read or the shared store is unreachable.
+        """
+        try:
+            return self.stored(message_id)
+        except RingserveError as exc:
+            if exc.kind is not ErrorKind.NOT_FOUND:
+                raise
+            shared = await self.cluster.find_message(message_id)
+            if shared is None:
+                raise
+            return shared
+
     def stored_request(self, message_id: str) -> tuple[MessageView, str] | None:
         """A stored message's view and its request body as received ("" when prompts are not kept),
         None when the store has no such message (``surfaces/base.py`` ``LoadStored``). It reads the
@@ -342,15 +360,8 @@ class Hub:
             RingserveError: ``NOT_FOUND`` when no replica has such a message;
             ``UNAVAILABLE`` when the shared store is unreachable.
         """
-        try:
-            return self.lookup(message_id)
-        except RingserveError as exc:
-            if exc.kind is not ErrorKind.NOT_FOUND:
-                raise
-            shared = await self.cluster.find_message(message_id)
-            if shared is None:
-                raise
-            return shared.view()
+        msg = self.live(message_id)
+        return msg.view() if msg is not None else (await self.find_stored(message_id)).view()
 
     async def ended(self, message: MessageView) -> MessageView:
         """``message`` once it has ended: cancelled (``REQUESTED``) if it still runs, here or on

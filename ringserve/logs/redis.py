@@ -41,7 +41,10 @@ through anyio; redis-py's asyncio client does not.
 
 Message state: :class:`MirroredMessageStore` copies every write of the
 owner's SQLite store to a hash ``ringserve:msg:{id}`` in the same pipeline,
-which :meth:`RedisCluster.find_message` reads on any replica. Cancel:
+which :meth:`RedisCluster.find_message` reads on any replica. An update is
+written only into a hash that was written whole; one that is gone (a Redis
+restart, an eviction) is written whole again from the owner's row at the next
+flush (:data:`_WRITE_STATUS`), so a hash never lacks a field. Cancel:
 :meth:`RedisCluster.request_cancel` adds the id to :data:`CANCEL_STREAM`,
 which every replica's pump reads; the owner calls its ``on_cancel``.
 
@@ -70,6 +73,7 @@ import json
 import logging
 import math
 import secrets
+import sqlite3
 from collections.abc import Callable, Iterator
 from typing import assert_never
 
@@ -137,7 +141,8 @@ LEASE_MS = 5000
 #: Ends a stream whose owner is gone: appends the given entries (ARGV[3..]) and the terminal marker
 #: at the ids after ARGV[1] (the last id the caller holds), only if that is still the stream's last
 #: id (else the owner, or another replica, wrote meanwhile: nothing is done); then EXPIRE ARGV[2] and
-#: the status hash KEYS[2] gets status "interrupted" and the error ARGV[#ARGV] (JSON). Returns 1 or 0.
+#: the status hash KEYS[2], if it exists, gets status "interrupted" and the error ARGV[#ARGV] (JSON).
+#: Returns 1 or 0.
 _TAKE_OVER = """
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if #last == 0 or last[1][1] ~= ARGV[1] then return 0 end
@@ -148,7 +153,20 @@ for i = 3, #ARGV - 1 do
 end
 redis.call('XADD', KEYS[1], (seq + 1) .. '-0', 's', 'failed')
 redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('HSET', KEYS[2], 'status', '"interrupted"', 'error', ARGV[#ARGV])
+if redis.call('EXISTS', KEYS[2]) == 1 then
+    redis.call('HSET', KEYS[2], 'status', '"interrupted"', 'error', ARGV[#ARGV])
+end
+return 1
+"""
+#: Writes a status hash KEYS[1]: the field-value pairs ARGV[3..] (HSET), then EXPIRE ARGV[2]. With
+#: ARGV[1] '0' (the fields an update changed) only into a hash that was written whole (it holds
+#: the message's ``id``): returns 0 and writes nothing when there is none (Redis restarted, or
+#: evicted it) or only a part of one (an owner of an older version wrote only what changed into
+#: a hash a restart had taken), else 1.
+_WRITE_STATUS = """
+if ARGV[1] == '0' and redis.call('HEXISTS', KEYS[1], 'id') == 0 then return 0 end
+if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 #: Prefix of each ``Idempotency-Key``'s claim (the key as ``Hub.create`` spells it, with its surface):
@@ -237,6 +255,18 @@ class _Readers:
 class _Status:
     key: str
     fields: dict[str, str]  # StoredMessage field -> JSON
+    # None: ``fields`` are all the hash holds (an insert), written whatever the key holds. Else
+    # they are the fields an update changed, written only into a hash that exists, and ``whole``
+    # gives all of them (the owner's row now; None once the row is gone) when it does not.
+    whole: Callable[[], dict[str, str] | None] | None = None
+
+
+#: What the flusher sends: an entry, a log's end, a reader count, a status write.
+_Op = _Append | _Close | _Readers | _Status
+
+
+def _encoded(fields: dict[str, object]) -> dict[str, str]:
+    return {name: json.dumps(value) for name, value in fields.items()}
 
 
 @attrs.define
@@ -253,7 +283,7 @@ class _PumpCursors:
 class _Writer:
     """The owned logs' :class:`~ringserve.logs.memory.LogMirror`: queues each append and close."""
 
-    pending: list[_Append | _Close | _Readers | _Status] = attrs.Factory(list)
+    pending: list[_Op] = attrs.Factory(list)
     wanted: trio.Event = attrs.Factory(trio.Event)
 
     def appended(self, log_: MemoryMessageLog, seq: int, data: bytes) -> None:
@@ -262,18 +292,33 @@ class _Writer:
     def closed(self, log_: MemoryMessageLog) -> None:
         self._queue(_Close(stream_key(log_.message_id), log_.next_seq, log_.state))
 
-    def status(self, message_id: str, fields: dict[str, object]) -> None:
-        encoded = {name: json.dumps(value) for name, value in fields.items() if name != "request"}
-        self._queue(_Status(MESSAGE_PREFIX + message_id, encoded))
+    def status(self, message_id: str, fields: dict[str, object],
+               whole: Callable[[], dict[str, object] | None] | None = None) -> None:
+        """Write ``fields`` to the message's status hash: all of them (``whole`` None), or the ones
+        an update changed, into a hash written whole; a hash that is gone (Redis restarted, or
+        evicted it), or was only partly written, is written whole again from ``whole()``, so it
+        never lacks a field for long."""
+
+        def whole_encoded() -> dict[str, str] | None:
+            assert whole is not None
+            got = whole()
+            return None if got is None else _encoded(got)
+
+        self._queue(_Status(MESSAGE_PREFIX + message_id, _encoded(fields), None if whole is None else whole_encoded))
 
     def readers(self, message_id: str, delta: int) -> None:
         self._queue(_Readers(message_id, delta))
 
-    def _queue(self, op: _Append | _Close | _Readers | _Status) -> None:
+    def _queue(self, op: _Op) -> None:
         self.pending.append(op)
         self.wanted.set()
 
-    def take(self) -> list[_Append | _Close | _Readers | _Status]:
+    def again_first(self, ops: list[_Op]) -> None:
+        """Send ``ops`` before everything queued (at the next flush)."""
+        self.pending[:0] = ops
+        self.wanted.set()
+
+    def take(self) -> list[_Op]:
         ops, self.pending = self.pending, []
         self.wanted = trio.Event()
         return ops
@@ -287,6 +332,12 @@ def _unavailable_if_down() -> Iterator[None]:
     except _REDIS_ERRORS as exc:
         log.warning("redis: %r", exc)
         raise store_unavailable() from None
+
+
+#: The fields of :class:`~ringserve.store.sqlite.StoredMessage`, which a status hash holds (but
+#: ``request``), and those it cannot be without.
+_STATE_FIELDS = tuple(field.name for field in attrs.fields(StoredMessage))
+_REQUIRED_FIELDS = frozenset(field.name for field in attrs.fields(StoredMessage) if field.default is attrs.NOTHING)
 
 
 def _holder_json(holder: KeyHolder) -> str:
@@ -448,18 +499,19 @@ class RedisLogStore:
         return await entries, await owner
 
     async def message_state(self, message_id: str) -> StoredMessage | None:
-        """The status its owner last wrote to Redis (``request`` left empty), or ``None``.
-
+        """The status its owner last wrote to Redis (``request`` left empty), or ``None``: there is
+        none, or one that lacks a field a message cannot be without (only an owner of an older
+        version leaves one so; the owner writes it whole again at its next write, ``_Writer.status``).
         Raises:
             RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable.
         """
+        names = [name for name in _STATE_FIELDS if name != "request"]
         with _unavailable_if_down():
-            fields = await self._client.hgetall(MESSAGE_PREFIX + message_id)
-        if not fields:
+            values = await self._client.hmget(MESSAGE_PREFIX + message_id, names)
+        found = {name: json.loads(value) for name, value in zip(names, values, strict=True) if value is not None}
+        if not _REQUIRED_FIELDS <= {*found, "request"}:
             return None
-        values = {name.decode(): json.loads(value) for name, value in fields.items()}
-        values.pop("owner", None)
-        return StoredMessage(**{**values, "request": ""})
+        return StoredMessage(**{"request": "", **found})
 
     def forget(self, message_id: str) -> None:
         """Drop a log from this replica now (its Redis key expires by itself)."""
@@ -550,14 +602,22 @@ class RedisLogStore:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0), contextlib.suppress(*_REDIS_ERRORS):
                     await self._send(ops)
 
-    async def _send(self, ops: list[_Append | _Close | _Readers | _Status]) -> None:
-        """One pipelined round trip: every queued XADD in order, and the EXPIREs."""
+    async def _send(self, ops: list[_Op]) -> None:
+        """One pipelined round trip: the status writes, every queued XADD in order, and the EXPIREs.
+        A status update that found its hash gone is queued again whole, first
+        (``_Writer.status``)."""
         ttl = max(1, math.ceil(self.config.ttl_seconds))  # EXPIRE 0 would delete before a remote reader saw the end
         expiries: dict[str, int] = {}
         # Statuses first: a reader that sees a log's terminal marker then reads the final status.
-        ordered = [op for op in ops if isinstance(op, _Status)] + [op for op in ops if not isinstance(op, _Status)]
+        statuses = [op for op in ops if isinstance(op, _Status)]
+        rest = [op for op in ops if not isinstance(op, _Status)]
+        written = []
         async with self._client.pipeline(transaction=False, raise_on_error=False) as pipe:
-            for op in ordered:
+            for status in statuses:
+                flat = [item for pair in status.fields.items() for item in pair]
+                written.append(pipe.eval(_WRITE_STATUS, keys=[status.key],
+                                         args=["1" if status.whole is None else "0", MESSAGE_KEY_SECONDS, *flat]))
+            for op in rest:
                 match op:
                     case _Append(key=key, seq=seq, data=data):
                         pipe.xadd(key, {_DATA: data}, identifier=_entry_id(seq), trim_strategy=PureToken.MAXLEN,
@@ -570,14 +630,18 @@ class RedisLogStore:
                         pipe.xadd(READERS_STREAM, {b"id": message_id.encode(), b"d": str(delta).encode()},
                                   trim_strategy=PureToken.MAXLEN, threshold=CANCEL_STREAM_MAXLEN,
                                   trim_operator=PureToken.APPROXIMATELY)
-                    case _Status(key=key, fields=fields):
-                        pipe.hset(key, fields)
-                        expiries[key] = MESSAGE_KEY_SECONDS
                     case _:
                         assert_never(op)
             for key, seconds in expiries.items():
                 pipe.expire(key, seconds)
         self.round_trips_total += 1
+        again: list[_Op] = []
+        for status, result in zip(statuses, written, strict=True):
+            with contextlib.suppress(coredis.exceptions.ResponseError):  # dropped, as a failed XADD is
+                if not await result and status.whole is not None and (fields := status.whole()) is not None:
+                    again.append(_Status(status.key, fields))
+        if again:
+            self._writer.again_first(again)
 
     # -- tailing ------------------------------------------------------------
 
@@ -761,7 +825,8 @@ class MirroredMessageStore(MessageStore):
     ``HSET`` of the fields written (with ``owner``, this replica) on that
     store's next pipelined flush, so that :meth:`RedisCluster.find_message`
     on any replica reads the status, the text so far and the usage (as fresh
-    as ``[stream] persist_seconds``).
+    as ``[stream] persist_seconds``). An update whose hash is gone (Redis
+    restarted, or evicted it) writes the row whole again instead.
     """
 
     _logs: RedisLogStore | None = None
@@ -771,16 +836,35 @@ class MirroredMessageStore(MessageStore):
         self._logs = logs
         return self
 
+    @property
+    def _writer(self) -> _Writer:
+        assert self._logs is not None, "mirror_to() was not called"
+        return self._logs._writer
+
+    def _shared(self, message: StoredMessage) -> dict[str, object]:
+        """What the other replicas read of ``message``: all its fields but the request, and its owner."""
+        assert self._logs is not None, "mirror_to() was not called"
+        return {**attrs.asdict(message, filter=lambda field, _value: field.name != "request"),
+                "owner": self._logs.replica}
+
+    def _whole(self, message_id: str) -> dict[str, object] | None:
+        """The row as the other replicas read it, as this store has it now; None once deleted, or
+        when the store fails to read (logged: the hash is written whole at a later update)."""
+        try:
+            row = self.get(message_id)
+        except sqlite3.Error as exc:
+            log.warning("redis: the status of %s is not in Redis, and the store failed to read it: %r", message_id, exc)
+            return None
+        return None if row is None else self._shared(row)
+
     def insert(self, message: StoredMessage) -> None:
         super().insert(message)
-        assert self._logs is not None, "mirror_to() was not called"
-        self._logs._writer.status(message.id, {**attrs.asdict(message), "owner": self._logs.replica})
+        self._writer.status(message.id, self._shared(message))
 
     def update(self, message_id: str, **fields: object) -> None:
         """Write ``fields`` to SQLite and to Redis; the other replicas read them even when the SQLite
         write fails (the hub writes the state again once it works)."""
-        assert self._logs is not None, "mirror_to() was not called"
         try:
             super().update(message_id, **fields)
         finally:
-            self._logs._writer.status(message_id, fields)
+            self._writer.status(message_id, fields, whole=lambda: self._whole(message_id))

@@ -1,0 +1,125 @@
+"""What two replicas share through one redis-server, in one process each on the fake engine: the
+messages that were live across a Redis restart read back whole through the other replica."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ringserve.core.batch import Sampled, SlotFeed
+from ringserve.engine.fake import FakeEngine
+from tests.support.redis_server import RedisServer, needs_redis
+from tests.support.server import fake_config, running_server
+from tests.support.wait import wait_until
+
+pytest.importorskip("coredis", reason="the redis extra is not installed (pip install 'ringserve[redis]')")
+
+pytestmark = needs_redis
+
+REPLY = "abcdefghij" * 240
+
+
+class GatedEngine(FakeEngine):
+    """The fake engine, whose decode calls wait while :attr:`gate` is clear (the test's hand on
+    the generation: it pauses and goes on at the facts the test waits for, not at times)."""
+
+    def __init__(self, gate: threading.Event, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gate = gate
+
+    def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
+        self.gate.wait()
+        return super().decode(feeds)
+
+
+@asynccontextmanager
+async def two_replicas(tmp_path: Path, redis: RedisServer, gate: threading.Event,
+                       **engine: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """Replicas A and B (their ServerStates) on ``redis``; A's engine decodes while ``gate`` is set."""
+    configs = []
+    for name in "ab":
+        (tmp_path / name).mkdir()
+        configs.append(fake_config(tmp_path / name, stream={"backend": "redis", "redis_url": redis.url}))
+    async with running_server(configs[0], lambda _config: GatedEngine(gate, **engine)) as a, \
+            running_server(configs[1], **engine) as b:
+        try:
+            yield a, b
+        finally:
+            gate.set()  # a decode waiting on it lets the servers stop
+
+
+def _url(replica: Any) -> str:
+    return replica.urls[0]
+
+
+async def _events(client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> bytes:
+    """The whole SSE body of a resume (it ends at the terminal event of an ended message)."""
+    resp = await client.get(url, headers=headers)
+    assert resp.status_code == 200, (url, resp.status_code, resp.text)
+    return resp.content
+
+
+async def test_responses_live_across_a_redis_restart_read_back_whole_through_the_other_replica(tmp_path):
+    """Three background responses generate on A; Redis stops while they run and starts again
+    (empty: no persistence) before they end. Through B afterwards, each one's status, Response
+    object and resume after an early event are what A answers: the owner writes a status hash that
+    went missing whole again (not only the fields that changed, which B read as a 500), and B
+    rebuilds a stream whose head the restart lost from that state."""
+    gate = threading.Event()
+    gate.set()
+    redis = RedisServer(tmp_path)
+    try:
+        # 1,200 tokens of 2 bytes, 5 ms each: it ends only after the steps below let it go on
+        engine = {"piece_bytes": 2, "step_seconds": 0.005, "reply": REPLY}
+        async with two_replicas(tmp_path, redis, gate, **engine) as (a, b), \
+                httpx.AsyncClient(timeout=30) as client:
+            body = {"model": "any", "input": "hello", "background": True, "max_output_tokens": 2000}
+            ids = []
+            for _ in range(3):
+                resp = await client.post(f"{_url(a)}/v1/responses", json=body)
+                assert resp.status_code == 200, resp.text
+                ids.append(resp.json()["id"])
+
+            async def seen_on_b_with_text() -> bool:
+                for response_id in ids:
+                    status = (await client.get(f"{_url(b)}/v1/messages/{response_id}")).json()
+                    if status.get("status") != "generating" or not status["text"]:
+                        return False
+                return True
+
+            await wait_until(seen_on_b_with_text)
+            gate.clear()
+            redis.stop()
+            await wait_until(lambda: not a.hub.logs.available and not b.hub.logs.available)
+            # A goes on while Redis is down: its entries and state wait in its flusher's queue
+            marks = {response_id: a.hub.live(response_id).open_log.next_seq for response_id in ids}
+            gate.set()
+            await wait_until(lambda: all(a.hub.live(i).open_log.next_seq > marks[i] + 5 for i in ids))
+            gate.clear()
+            redis = RedisServer(tmp_path, port=redis.port)  # the same address, nothing in it
+            await wait_until(lambda: a.hub.logs.available and b.hub.logs.available)
+            gate.set()
+
+            await wait_until(lambda: not any(a.hub.live(i) for i in ids), timeout=60)
+            for response_id in ids:
+                on_a = await client.get(f"{_url(a)}/v1/messages/{response_id}")
+                on_b = await client.get(f"{_url(b)}/v1/messages/{response_id}")
+                assert on_b.status_code == 200, on_b.text
+                assert on_b.json() == on_a.json() and on_a.json()["text"] == REPLY
+                object_a = await client.get(f"{_url(a)}/v1/responses/{response_id}")
+                object_b = await client.get(f"{_url(b)}/v1/responses/{response_id}")
+                assert object_b.status_code == 200 and object_b.json() == object_a.json()
+                resume = {"Last-Event-ID": f"{response_id}:2"}  # in the head the restart lost
+                stream = f"/v1/responses/{response_id}?stream=true"
+                whole = await _events(client, f"{_url(a)}{stream}", resume)
+                assert await _events(client, f"{_url(b)}{stream}", resume) == whole
+                assert b"response.completed" in whole
+    finally:
+        redis.stop()
+
