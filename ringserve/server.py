@@ -92,7 +92,8 @@ def make_backend(config: Config, cancel: Callable[[str], None],
     """The ``[stream] backend``: in-process memory (one replica), or Redis (``logs/redis.py``:
     replicas that share their logs, their messages' state and their keys; ``cancel`` is called with
     the id of a message of this replica that another one asks to cancel, ``owner_lost`` renders
-    the end of a stream whose replica died: ``live/resume.py`` ``owner_lost_entries``).
+    the end of a stream whose replica died: ``live/resume.py`` ``owner_lost_entries``). The request bodies of the surfaces whose
+    messages a later request continues (``Surfaces.continued``) are shared with the state.
 
     Raises:
         SystemExit: backend ``redis`` without coredis installed (one-line message).
@@ -109,7 +110,8 @@ def make_backend(config: Config, cancel: Callable[[str], None],
                 raise SystemExit(f"[stream] backend = \"redis\" needs coredis: pip install 'ringserve[redis]' ({exc})") from None
             logs = RedisLogStore(config.stream, config.stream.redis_url_from(os.environ), on_cancel=cancel,
                                  on_owner_lost=owner_lost)
-            return Backend(logs, RedisCluster(logs), MirroredMessageStore.from_config(config.store).mirror_to(logs))
+            store = MirroredMessageStore.from_config(config.store).mirror_to(logs, SURFACES.continued)
+            return Backend(logs, RedisCluster(logs), store)
         case _:
             assert_never(config.stream.backend)
 

@@ -49,6 +49,10 @@ log = logging.getLogger("ringserve.hub")
 
 #: Seconds a cancel sent to another replica waits for that replica to end the message.
 CANCEL_WAIT_SECONDS = 10.0
+#: Seconds a request that continues another replica's message waits for that message's end to
+#: reach the shared state (:meth:`Hub.shared_request`): a few flush intervals, with room for a
+#: loaded host.
+CONTINUE_WAIT_SECONDS = 1.0
 
 
 class Hub:
@@ -322,17 +326,39 @@ class Hub:
 
     def stored_request(self, message_id: str) -> tuple[MessageView, str] | None:
         """A stored message's view and its request body as received ("" when prompts are not kept),
-        None when the store has no such message (``surfaces/base.py`` ``LoadStored``). It reads the
-        store without Trio, so it may run on a worker thread.
+        None when no replica has such a message (``surfaces/base.py`` ``LoadStored``). It runs on a
+        Trio worker thread (``trio.to_thread.run_sync``): it reads the store there, and a message
+        the store lacks from the state other replicas share (:meth:`shared_request`) back on the
+        event loop.
 
         Raises:
-            RingserveError: ``UNAVAILABLE`` when the store fails to read.
+            RingserveError: ``UNAVAILABLE`` when the store fails to read or the shared store is
+            unreachable.
         """
         try:
             stored = self.store.get(message_id)
         except sqlite3.DatabaseError as exc:
             raise store_failed(exc) from None
-        return None if stored is None else (stored.view(), stored.request)
+        if stored is not None:
+            return stored.view(), stored.request
+        return trio.from_thread.run(self.shared_request, message_id)
+
+    async def shared_request(self, message_id: str) -> tuple[MessageView, str] | None:
+        """A message another replica made, and its request body (the replicas share it for the
+        surfaces whose messages a later request continues, ``Surfaces.continued``; else ""), once
+        it has ended; None when no replica has it. Its end reaches the shared state up to a flush
+        interval after its own client had it (``[stream] flush_ms``), so one that is not there
+        yet, or not ended there, is waited for as a reader of its log, at most
+        :data:`CONTINUE_WAIT_SECONDS`; then it is as it is (a client may continue only an ended one).
+
+        Raises:
+            RingserveError: ``UNAVAILABLE``: the shared store is unreachable.
+        """
+        shared = await self.cluster.find_message(message_id, request=True)
+        if shared is None or not shared.status.final:
+            await self._log_ended(message_id, CONTINUE_WAIT_SECONDS)
+            shared = await self.cluster.find_message(message_id, request=True)
+        return None if shared is None else (shared.view(), shared.request)
 
     def delete(self, message_id: str) -> None:
         """Delete a message that has ended: its stored row and its log (``DELETE /v1/responses/{id}``)."""
@@ -391,10 +417,16 @@ class Hub:
         """
         if message.status.final:
             return message
-        log_ = await self.logs.find(message.id)
+        await self._log_ended(message.id, seconds)
+        shared = await self.cluster.find_message(message.id)
+        return message if shared is None else shared.view()
+
+    async def _log_ended(self, message_id: str, seconds: float) -> None:
+        """Wait until the log of ``message_id`` (here, or a copy of another replica's) has ended, at
+        most ``seconds``, as a reader of it (so the abort policy counts the wait); at once if there
+        is no log."""
+        log_ = await self.logs.find(message_id)
         if log_ is not None:
             with log_.reader(), trio.move_on_after(seconds):
                 while not log_.closed:
                     await log_.wait_for_entries(log_.next_seq - 1 if log_.next_seq else None)
-        shared = await self.cluster.find_message(message.id)
-        return message if shared is None else shared.view()

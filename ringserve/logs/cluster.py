@@ -39,8 +39,9 @@ class Cluster(Protocol):
     """The replicas' shared state (every method raises ``RingserveError`` ``UNAVAILABLE`` while
     it cannot be reached, but :meth:`release_key`, which never raises)."""
 
-    async def find_message(self, message_id: str) -> StoredMessage | None:
-        """The state another replica last wrote of ``message_id`` (``request`` empty), or None."""
+    async def find_message(self, message_id: str, *, request: bool = False) -> StoredMessage | None:
+        """The state another replica last wrote of ``message_id``, or None; its ``request`` is empty
+        unless asked for (and kept only for a message a later request may continue)."""
         ...
 
     async def request_cancel(self, message_id: str) -> None:
@@ -60,7 +61,7 @@ class Cluster(Protocol):
 class LocalCluster:
     """One replica: nothing is shared (the hub keeps its own keys, and cancels its own messages)."""
 
-    async def find_message(self, message_id: str) -> None:
+    async def find_message(self, message_id: str, *, request: bool = False) -> None:
         """Always ``None``: no other replica writes message state."""
         await trio.lowlevel.checkpoint()
 

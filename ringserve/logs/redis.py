@@ -334,8 +334,8 @@ def _unavailable_if_down() -> Iterator[None]:
         raise store_unavailable() from None
 
 
-#: The fields of :class:`~ringserve.store.sqlite.StoredMessage`, which a status hash holds (but
-#: ``request``), and those it cannot be without.
+#: The fields of :class:`~ringserve.store.sqlite.StoredMessage`, which a status hash holds (``request``
+#: only for a surface whose messages a later request continues), and those it cannot be without.
 _STATE_FIELDS = tuple(field.name for field in attrs.fields(StoredMessage))
 _REQUIRED_FIELDS = frozenset(field.name for field in attrs.fields(StoredMessage) if field.default is attrs.NOTHING)
 
@@ -498,14 +498,20 @@ class RedisLogStore:
             owner = pipe.hget(MESSAGE_PREFIX + message_id, "owner")
         return await entries, await owner
 
-    async def message_state(self, message_id: str) -> StoredMessage | None:
-        """The status its owner last wrote to Redis (``request`` left empty), or ``None``: there is
-        none, or one that lacks a field a message cannot be without (only an owner of an older
-        version leaves one so; the owner writes it whole again at its next write, ``_Writer.status``).
+    async def message_state(self, message_id: str, *, request: bool = False) -> StoredMessage | None:
+        """The status its owner last wrote to Redis, or ``None``: there is none, or one that lacks
+        a field a message cannot be without (only an owner of an older version leaves one so; the
+        owner writes it whole again at its next write, ``_Writer.status``).
+
+        Args:
+            message_id: the message.
+            request: read its request body too (the hash holds it for the surfaces whose messages
+                a later request continues: ``MirroredMessageStore``); else ``request`` is empty.
+
         Raises:
             RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable.
         """
-        names = [name for name in _STATE_FIELDS if name != "request"]
+        names = [name for name in _STATE_FIELDS if request or name != "request"]
         with _unavailable_if_down():
             values = await self._client.hmget(MESSAGE_PREFIX + message_id, names)
         found = {name: json.loads(value) for name, value in zip(names, values, strict=True) if value is not None}
@@ -772,9 +778,9 @@ class RedisCluster:
 
     logs: RedisLogStore
 
-    async def find_message(self, message_id: str) -> StoredMessage | None:
+    async def find_message(self, message_id: str, *, request: bool = False) -> StoredMessage | None:
         """The status its owner last wrote to Redis (``RedisLogStore.message_state``)."""
-        return await self.logs.message_state(message_id)
+        return await self.logs.message_state(message_id, request=request)
 
     async def request_cancel(self, message_id: str) -> None:
         """Ask the replica that owns ``message_id`` to cancel it (an entry in :data:`CANCEL_STREAM`).
@@ -826,14 +832,20 @@ class MirroredMessageStore(MessageStore):
     store's next pipelined flush, so that :meth:`RedisCluster.find_message`
     on any replica reads the status, the text so far and the usage (as fresh
     as ``[stream] persist_seconds``). An update whose hash is gone (Redis
-    restarted, or evicted it) writes the row whole again instead.
+    restarted, or evicted it) writes the row whole again instead. The request
+    body is written only for the surfaces named in ``shared_requests`` (those
+    whose messages a later request continues: the other replicas read the
+    conversation from it).
     """
 
     _logs: RedisLogStore | None = None
+    _shared_requests: frozenset[str] = frozenset()
 
-    def mirror_to(self, logs: RedisLogStore) -> MirroredMessageStore:
-        """Send every later write to ``logs``'s flusher too; returns ``self``."""
+    def mirror_to(self, logs: RedisLogStore, shared_requests: frozenset[str] = frozenset()) -> MirroredMessageStore:
+        """Send every later write to ``logs``'s flusher too, with the request bodies of the messages
+        of the surfaces named in ``shared_requests``; returns ``self``."""
         self._logs = logs
+        self._shared_requests = shared_requests
         return self
 
     @property
@@ -842,9 +854,11 @@ class MirroredMessageStore(MessageStore):
         return self._logs._writer
 
     def _shared(self, message: StoredMessage) -> dict[str, object]:
-        """What the other replicas read of ``message``: all its fields but the request, and its owner."""
+        """What the other replicas read of ``message``: all its fields (the request only if shared),
+        and its owner."""
         assert self._logs is not None, "mirror_to() was not called"
-        return {**attrs.asdict(message, filter=lambda field, _value: field.name != "request"),
+        shared = {"request": message.request} if message.surface in self._shared_requests else {}
+        return {**attrs.asdict(message, filter=lambda field, _value: field.name != "request"), **shared,
                 "owner": self._logs.replica}
 
     def _whole(self, message_id: str) -> dict[str, object] | None:

@@ -346,22 +346,23 @@ async def test_an_update_whose_status_hash_is_gone_writes_it_whole_again(redis_s
     from ringserve.store.sqlite import StoredMessage
 
     async with stores(redis_server.url) as (a, b), redis(redis_server.url) as client:
-        store = MirroredMessageStore(str(tmp_path / "a.sqlite3")).mirror_to(a)
+        store = MirroredMessageStore(str(tmp_path / "a.sqlite3")).mirror_to(a, frozenset({"responses"}))
         row = StoredMessage(id="resp_m", surface="responses", model="fake", created=7,
                             status=MessageStatus.GENERATING, request='{"input": "hi"}', request_hash="h")
         store.insert(row)
         cluster = RedisCluster(b)
 
         async def on_b(**expected: object) -> bool:
-            found = await cluster.find_message("resp_m")
+            found = await cluster.find_message("resp_m", request=True)
             return found is not None and all(getattr(found, k) == v for k, v in expected.items())
 
         await until(lambda: on_b(status=MessageStatus.GENERATING))
         await client.delete([MESSAGE_PREFIX + "resp_m"])  # what a restart leaves
         store.update("resp_m", text="so far")
         await until(lambda: on_b(text="so far"))
-        found = await cluster.find_message("resp_m")
-        assert found == attrs.evolve(row, text="so far", request="")  # every field
+        found = await cluster.find_message("resp_m", request=True)
+        assert found == attrs.evolve(row, text="so far")  # every field, the request body too
+        assert (await cluster.find_message("resp_m")).request == ""  # read only when asked for
 
         # what an owner of an older version left after a restart: only the fields it changed
         await client.delete([MESSAGE_PREFIX + "resp_m"])

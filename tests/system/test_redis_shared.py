@@ -1,5 +1,6 @@
 """What two replicas share through one redis-server, in one process each on the fake engine: the
-messages that were live across a Redis restart read back whole through the other replica."""
+messages that were live across a Redis restart read back whole through the other replica, a
+``previous_response_id`` chain continues on any replica."""
 
 from __future__ import annotations
 
@@ -120,6 +121,42 @@ async def test_responses_live_across_a_redis_restart_read_back_whole_through_the
                 whole = await _events(client, f"{_url(a)}{stream}", resume)
                 assert await _events(client, f"{_url(b)}{stream}", resume) == whole
                 assert b"response.completed" in whole
+    finally:
+        redis.stop()
+
+
+async def test_a_previous_response_id_chain_continues_on_either_replica(tmp_path):
+    """A conversation whose turns go to A and B in turn, as a round-robin balancer sends them: each
+    turn continues the one the other replica just answered (its end may not have reached Redis
+    yet), and its prompt is the whole conversation, the same on both replicas (the render and
+    ``input_tokens`` routes, and the generation's own count). Each replica read only its own
+    SQLite for the chain: the second turn was a 404."""
+    gate = threading.Event()
+    gate.set()
+    redis = RedisServer(tmp_path)
+    try:
+        async with two_replicas(tmp_path, redis, gate, reply=lambda text: f"reply to {text}") as (a, b), \
+                httpx.AsyncClient(timeout=30) as client:
+            previous: dict[str, str] = {}
+            for turn in range(5):
+                here, there = (a, b) if turn % 2 == 0 else (b, a)
+                body = {"model": "any", "input": f"turn {turn}", **previous}
+                resp = await client.post(f"{_url(here)}/v1/responses", json=body)
+                assert resp.status_code == 200, (turn, resp.text)
+                answer = resp.json()
+                assert answer["status"] == "completed"
+                assert answer["output"][0]["content"][0]["text"] == f"reply to turn {turn}"
+                prompts = [(await client.post(f"{_url(r)}/v1/responses/render", json=body)).json()
+                           for r in (a, b)]
+                counts = [(await client.post(f"{_url(r)}/v1/responses/input_tokens", json=body)).json()
+                          for r in (a, b)]
+                assert prompts[0] == prompts[1] and counts[0] == counts[1]
+                assert prompts[0]["input_tokens"] == counts[0]["input_tokens"]
+                assert counts[0]["input_tokens"] == answer["usage"]["input_tokens"]
+                turns = [f"<|user|>turn {i}\n<|assistant|>reply to turn {i}\n" for i in range(turn)]
+                assert prompts[0]["prompt"].startswith("".join(turns) + f"<|user|>turn {turn}\n"), prompts[0]
+                previous = {"previous_response_id": answer["id"]}
+            assert there is not here
     finally:
         redis.stop()
 
