@@ -360,10 +360,37 @@ class Hub:
             shared = await self.cluster.find_message(message_id, request=True)
         return None if shared is None else (shared.view(), shared.request)
 
-    def delete(self, message_id: str) -> None:
-        """Delete a message that has ended: its stored row and its log (``DELETE /v1/responses/{id}``)."""
-        self.store.delete(message_id)
+    def delete(self, message_id: str) -> bool:
+        """Delete a message this replica holds (``DELETE /v1/responses/{id}``, here or relayed by
+        another replica): its stored row and its log, at once if its generation has ended, else
+        once it has (cancelled). Whether this replica held it.
+
+        Raises:
+            RingserveError: ``UNAVAILABLE`` when the store fails to write.
+        """
+        live = self.live(message_id)
+        if live is not None and not live.done.is_set():
+            live.cancel(CancelReason.REQUESTED)
+            self.delete_when_done(live)
+            return True
+        try:
+            held = self.store.delete(message_id)
+        except sqlite3.DatabaseError as exc:
+            raise store_failed(exc) from None
         self.logs.forget(message_id)
+        return held
+
+    async def delete_anywhere(self, message: MessageView) -> None:
+        """Delete ``message`` once it has ended (cancelled if it still runs: :meth:`ended`), here
+        if this replica holds it, else on the replica that does, and return once every replica
+        has lost it (``Cluster.delete_message``).
+
+        Raises:
+            RingserveError: ``UNAVAILABLE``: it was not deleted (a store failed, the shared store
+            is unreachable, or the replica that holds it did not delete it in time).
+        """
+        await self.ended(message)
+        await self.cluster.delete_message(message.id, here=self.delete(message.id))
 
     def surface_of(self, view: MessageView) -> Surface:
         """The surface that spells ``view``'s objects: its own, restored with its echo and the

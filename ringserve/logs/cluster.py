@@ -1,12 +1,12 @@
-"""What the replicas of one deployment share beyond the logs: a message's state, cancels, keys.
+"""What the replicas of one deployment share beyond the logs: a message's state, cancels, deletes, keys.
 
 One replica (the memory backend) shares nothing: :class:`LocalCluster`. With
 ``[stream] backend = "redis"`` every replica reads the state the owner of a
-message writes, asks the owner to cancel it, and claims ``Idempotency-Key``\\ s
+message writes, asks the owner to cancel or delete it, and claims ``Idempotency-Key``\\ s
 so that a key names one message on every replica (``logs/redis.py``
 ``RedisCluster``). The owner's lease, and the end of a stream whose owner
-died, ride on the Redis log store's pump (``RedisLogStore``'s ``on_cancel``
-and ``on_owner_lost``).
+died, ride on the Redis log store's pump (``RedisLogStore``'s ``on_cancel``,
+``on_delete`` and ``on_owner_lost``).
 """
 
 from __future__ import annotations
@@ -48,6 +48,11 @@ class Cluster(Protocol):
         """Ask the replica generating ``message_id`` to cancel it."""
         ...
 
+    async def delete_message(self, message_id: str, *, here: bool) -> None:
+        """Return once ``message_id`` is gone from every replica, having had the replica that holds
+        it delete it unless this one did (``here``); else ``UNAVAILABLE``: it was not deleted."""
+        ...
+
     async def claim_key(self, key: str, holder: KeyHolder, *, replaces: str | None = None) -> KeyHolder | None:
         """Make ``key`` name ``holder`` on every replica unless it names another message (other than
         ``replaces``, the one ``holder`` takes it over from): None once it does, else the holder it names."""
@@ -67,6 +72,10 @@ class LocalCluster:
 
     async def request_cancel(self, message_id: str) -> None:
         """Nothing to do: every message is this replica's (``LiveMessage.cancel`` stops it)."""
+        await trio.lowlevel.checkpoint()
+
+    async def delete_message(self, message_id: str, *, here: bool) -> None:
+        """Nothing to do: every message is this replica's (``Hub.delete`` deleted it)."""
         await trio.lowlevel.checkpoint()
 
     async def claim_key(self, key: str, holder: KeyHolder, *, replaces: str | None = None) -> None:

@@ -54,6 +54,8 @@ Protocol                       Redis
                                every pump); ``readers`` counts both.
 ``Cluster.find_message(id)``   ``HMGET msg:{id} <fields>``: the status the owner wrote.
 ``Cluster.request_cancel(id)`` ``XADD cancel * id <id>``, read by every pump.
+``Cluster.delete_message(id)`` ``XADD cancel * id <id> do delete``, read by every
+                               pump; then ``EXISTS msg:{id}`` until it is gone.
 ``Cluster.claim_key``          ``SET idem:{key} [id, hash] NX EX`` in a script that
                                also replaces the holder it is told to replace
                                (compare and set); ``release_key`` deletes it if

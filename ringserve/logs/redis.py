@@ -46,7 +46,10 @@ written only into a hash that was written whole; one that is gone (a Redis
 restart, an eviction) is written whole again from the owner's row at the next
 flush (:data:`_WRITE_STATUS`), so a hash never lacks a field. Cancel:
 :meth:`RedisCluster.request_cancel` adds the id to :data:`CANCEL_STREAM`,
-which every replica's pump reads; the owner calls its ``on_cancel``.
+which every replica's pump reads; the owner calls its ``on_cancel``. Delete:
+:meth:`RedisCluster.delete_message` adds it there as a delete; the replica
+whose store has the row calls its ``on_delete``, which deletes the row, and
+the hash and the stream at its next flush.
 
 Reader counts: each reader of a remote copy entering and leaving is queued
 (``+1``/``-1``) for :data:`READERS_STREAM`, which the owner's pump adds to
@@ -85,6 +88,7 @@ import trio
 from coredis.tokens import PureToken
 
 from ringserve.config import StreamConfig
+from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.ringlog import LogState, RingLog
 from ringserve.core.status import OWNER_LOST_MESSAGE
 from ringserve.logs.cluster import KeyHolder
@@ -126,8 +130,13 @@ LIVE_KEY_SECONDS = 3600
 MESSAGE_PREFIX = "ringserve:msg:"
 #: Seconds a status hash lives past its latest write (SQLite on the owner keeps the row for good).
 MESSAGE_KEY_SECONDS = 86400
-#: The stream every replica's pump reads: cancel requests (field ``id``), acted on by the owner.
+#: The stream every replica's pump reads: cancel requests (field ``id``), acted on by the owner, and
+#: delete requests (fields ``id`` and ``do``: ``delete``), acted on by the replica whose store has it.
 CANCEL_STREAM = "ringserve:cancel"
+#: The longest :meth:`RedisCluster.delete_message` waits for the message's replica to delete it, in
+#: seconds, and how often it looks.
+DELETE_WAIT_SECONDS = 10.0
+DELETE_POLL_SECONDS = 0.02
 #: The stream every replica's pump reads: readers of a message coming and going on a replica
 #: (fields ``id`` and ``d``, ``+1``/``-1``), counted by the owner.
 READERS_STREAM = "ringserve:readers"
@@ -261,8 +270,13 @@ class _Status:
     whole: Callable[[], dict[str, str] | None] | None = None
 
 
-#: What the flusher sends: an entry, a log's end, a reader count, a status write.
-_Op = _Append | _Close | _Readers | _Status
+@attrs.frozen
+class _Delete:
+    message_id: str
+
+
+#: What the flusher sends: an entry, a log's end, a reader count, a status write, a deletion.
+_Op = _Append | _Close | _Readers | _Status | _Delete
 
 
 def _encoded(fields: dict[str, object]) -> dict[str, str]:
@@ -305,6 +319,10 @@ class _Writer:
             return None if got is None else _encoded(got)
 
         self._queue(_Status(MESSAGE_PREFIX + message_id, _encoded(fields), None if whole is None else whole_encoded))
+
+    def deleted(self, message_id: str) -> None:
+        """Delete the message's status hash and stream (after every write queued before)."""
+        self._queue(_Delete(message_id))
 
     def readers(self, message_id: str, delta: int) -> None:
         self._queue(_Readers(message_id, delta))
@@ -366,6 +384,8 @@ class RedisLogStore:
         url: the Redis server (``StreamConfig.redis_url_from``).
         on_cancel: called with a message id when any replica asks for the cancel of a message
             this one owns (the hub cancels it).
+        on_delete: called with a message id when any replica asks for its deletion (the hub
+            deletes it if its store has it).
         on_owner_lost: renders the in-band error that ends a stream whose owner died: called
             with the message's shared state and the seq of the first entry to write; returns
             those entries' SSE bytes (``live/resume.py`` ``owner_lost_entries``).
@@ -379,6 +399,7 @@ class RedisLogStore:
     config: StreamConfig
     url: str
     on_cancel: Callable[[str], None] | None = attrs.field(default=None, kw_only=True)
+    on_delete: Callable[[str], None] | None = attrs.field(default=None, kw_only=True)
     on_owner_lost: Callable[[StoredMessage, int], list[bytes]] | None = attrs.field(default=None, kw_only=True)
     clock: Callable[[], float] = attrs.field(default=trio.current_time, kw_only=True)
     replica: str = attrs.field(factory=lambda: secrets.token_hex(8), kw_only=True)
@@ -609,14 +630,16 @@ class RedisLogStore:
                     await self._send(ops)
 
     async def _send(self, ops: list[_Op]) -> None:
-        """One pipelined round trip: the status writes, every queued XADD in order, and the EXPIREs.
-        A status update that found its hash gone is queued again whole, first
+        """One pipelined round trip: the status writes, every queued XADD in order, the EXPIREs,
+        then the deletions. A status update that found its hash gone is queued again whole, first
         (``_Writer.status``)."""
         ttl = max(1, math.ceil(self.config.ttl_seconds))  # EXPIRE 0 would delete before a remote reader saw the end
         expiries: dict[str, int] = {}
         # Statuses first: a reader that sees a log's terminal marker then reads the final status.
+        # Deletions last: nothing queued before one brings its keys back.
         statuses = [op for op in ops if isinstance(op, _Status)]
-        rest = [op for op in ops if not isinstance(op, _Status)]
+        deleted = [op.message_id for op in ops if isinstance(op, _Delete)]
+        rest = [op for op in ops if not isinstance(op, _Status | _Delete)]
         written = []
         async with self._client.pipeline(transaction=False, raise_on_error=False) as pipe:
             for status in statuses:
@@ -640,6 +663,8 @@ class RedisLogStore:
                         assert_never(op)
             for key, seconds in expiries.items():
                 pipe.expire(key, seconds)
+            for message_id in deleted:
+                pipe.delete([MESSAGE_PREFIX + message_id, stream_key(message_id)])
         self.round_trips_total += 1
         again: list[_Op] = []
         for status, result in zip(statuses, written, strict=True):
@@ -757,7 +782,10 @@ class RedisLogStore:
                     cursors.cancel = entries[-1].identifier.decode()  # type: ignore[union-attr]
                     for entry in entries:
                         message_id = entry.field_values[b"id"].decode()  # type: ignore[union-attr]
-                        if self.on_cancel is not None and self.local.get(message_id) is not None:
+                        if entry.field_values.get(b"do") == b"delete":
+                            if self.on_delete is not None:
+                                self.on_delete(message_id)
+                        elif self.on_cancel is not None and self.local.get(message_id) is not None:
                             self.on_cancel(message_id)
                     continue
                 copy = self._remote.get(name.removeprefix(KEY_PREFIX))
@@ -791,6 +819,35 @@ class RedisCluster:
         with _unavailable_if_down():
             await self.logs.client.xadd(CANCEL_STREAM, {b"id": message_id.encode()}, trim_strategy=PureToken.MAXLEN,
                                         threshold=CANCEL_STREAM_MAXLEN, trim_operator=PureToken.APPROXIMATELY)
+
+    async def delete_message(self, message_id: str, *, here: bool) -> None:
+        """Wait until ``message_id``'s status hash is gone (looking every :data:`DELETE_POLL_SECONDS`),
+        having asked the replica that holds it to delete it unless this one did (``here``: then
+        its flusher deletes the hash and the stream, ``MirroredMessageStore.delete``). The ask is an
+        entry ``id``, ``do=delete`` in :data:`CANCEL_STREAM`: every replica whose store has the row
+        deletes it, and its hash and stream with it (``RedisLogStore``'s ``on_delete``).
+
+        Raises:
+            RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable, or the
+            hash is still there after :data:`DELETE_WAIT_SECONDS` (the replica that holds the
+            message is stopped or cut off): the message was not deleted.
+        """
+        key = MESSAGE_PREFIX + message_id
+        with _unavailable_if_down():
+            if not here:
+                await self.logs.client.xadd(CANCEL_STREAM, {b"id": message_id.encode(), b"do": b"delete"},
+                                            trim_strategy=PureToken.MAXLEN, threshold=CANCEL_STREAM_MAXLEN,
+                                            trim_operator=PureToken.APPROXIMATELY)
+            with trio.move_on_after(DELETE_WAIT_SECONDS):
+                while await self.logs.client.exists([key]):
+                    await trio.sleep(DELETE_POLL_SECONDS)
+                return
+        raise RingserveError(
+            ErrorKind.UNAVAILABLE,
+            f"{message_id[:80]} was not deleted: the replica that generated it did not delete it within"
+            f" {DELETE_WAIT_SECONDS:g} s (it may be stopped); retry",
+            retryable=True,
+        )
 
     async def claim_key(self, key: str, holder: KeyHolder, *, replaces: str | None = None) -> KeyHolder | None:
         """Make ``key`` name ``holder`` on every replica unless it names another message (one script).
@@ -835,7 +892,7 @@ class MirroredMessageStore(MessageStore):
     restarted, or evicted it) writes the row whole again instead. The request
     body is written only for the surfaces named in ``shared_requests`` (those
     whose messages a later request continues: the other replicas read the
-    conversation from it).
+    conversation from it). :meth:`delete` deletes the hash and the stream too.
     """
 
     _logs: RedisLogStore | None = None
@@ -882,3 +939,10 @@ class MirroredMessageStore(MessageStore):
             super().update(message_id, **fields)
         finally:
             self._writer.status(message_id, fields, whole=lambda: self._whole(message_id))
+
+    def delete(self, message_id: str) -> bool:
+        """Delete the row; if there was one, its status hash and its stream too (at the next flush)."""
+        existed = super().delete(message_id)
+        if existed:
+            self._writer.deleted(message_id)
+        return existed

@@ -341,7 +341,8 @@ async def test_an_update_whose_status_hash_is_gone_writes_it_whole_again(redis_s
     """Redis lost the hash (a restart, an eviction): the next update writes the owner's whole row,
     not only the fields it changed, so the other replicas read a complete message; a hash that
     lacks a field (left by an owner of an older version) reads as none, never as a broken
-    message, and is written whole at the next update."""
+    message, and is written whole at the next update; a deleted row takes its hash with it and is
+    not written back."""
     from ringserve.core.status import MessageStatus
     from ringserve.store.sqlite import StoredMessage
 
@@ -370,3 +371,13 @@ async def test_an_update_whose_status_hash_is_gone_writes_it_whole_again(redis_s
         assert await cluster.find_message("resp_m") is None
         store.update("resp_m", status=MessageStatus.COMPLETE)
         await until(lambda: on_b(status=MessageStatus.COMPLETE, surface="responses"))
+        assert store.delete("resp_m")
+        await until(lambda: _no_status(client, "resp_m"))
+        trips = a.round_trips_total
+        store.update("resp_m", text="late")  # a write after the delete does not bring it back
+        await until(lambda: _is(a.round_trips_total > trips))
+        assert await cluster.find_message("resp_m") is None and not a._writer.pending
+
+
+async def _no_status(client, message_id: str) -> bool:
+    return not await client.exists([MESSAGE_PREFIX + message_id])

@@ -1,6 +1,7 @@
 """What two replicas share through one redis-server, in one process each on the fake engine: the
 messages that were live across a Redis restart read back whole through the other replica, a
-``previous_response_id`` chain continues on any replica."""
+``previous_response_id`` chain continues on any replica, and a delete through either replica
+deletes the response everywhere."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+import trio
 
 from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.engine.fake import FakeEngine
@@ -160,3 +162,74 @@ async def test_a_previous_response_id_chain_continues_on_either_replica(tmp_path
     finally:
         redis.stop()
 
+
+async def test_a_delete_through_either_replica_deletes_the_response_everywhere(tmp_path, monkeypatch):
+    """``DELETE /v1/responses/{id}`` through B of a response A made (ended, or still generating)
+    is relayed to A, which deletes its row, its status hash and its stream; through A it deletes
+    the hash too (B and A itself read it from Redis for a day). Either way both replicas then
+    answer 404, and B answered ``deleted: true`` only once it was. When the replica that holds
+    the response does not delete it, the answer is a 503 that says so, not ``deleted: true``."""
+    from ringserve.logs import redis as redis_module
+
+    gate = threading.Event()
+    gate.set()
+    redis = RedisServer(tmp_path)
+    try:
+        async with two_replicas(tmp_path, redis, gate, piece_bytes=2, reply=REPLY) as (a, b), \
+                httpx.AsyncClient(timeout=30) as client:
+            body = {"model": "any", "input": "hello"}
+
+            async def made_on_a(**extra: Any) -> str:
+                resp = await client.post(f"{_url(a)}/v1/responses", json={**body, **extra})
+                assert resp.status_code == 200, resp.text
+                response_id = resp.json()["id"]
+
+                async def seen_on_b() -> bool:
+                    return (await client.get(f"{_url(b)}/v1/responses/{response_id}")).status_code == 200
+
+                await wait_until(seen_on_b)
+                return response_id
+
+            async def gone_everywhere(response_id: str) -> None:
+                for replica in (a, b):
+                    got = await client.get(f"{_url(replica)}/v1/responses/{response_id}")
+                    assert got.status_code == 404, (replica.urls, got.text)
+                    again = await client.delete(f"{_url(replica)}/v1/responses/{response_id}")
+                    assert again.status_code == 404, again.text
+                assert a.hub.store.get(response_id) is None
+
+            for through in (b, a):
+                response_id = await made_on_a()
+                deleted = await client.delete(f"{_url(through)}/v1/responses/{response_id}")
+                assert deleted.status_code == 200, deleted.text
+                assert deleted.json() == {"id": response_id, "object": "response.deleted", "deleted": True}
+                await gone_everywhere(response_id)
+
+            gate.clear()  # a background response still generating on A, deleted through B
+            response_id = await made_on_a(background=True)
+            answers: list[httpx.Response] = []
+            async with trio.open_nursery() as nursery:
+
+                async def delete_through_b() -> None:
+                    answers.append(await client.delete(f"{_url(b)}/v1/responses/{response_id}"))
+
+                nursery.start_soon(delete_through_b)
+                def cancelled_on_a() -> bool:  # B's cancel reached A (the message ends at once)
+                    live = a.hub.live(response_id)
+                    return live is None or live.cancel_reason is not None
+
+                await wait_until(cancelled_on_a)
+                gate.set()
+            assert answers[0].status_code == 200 and answers[0].json()["deleted"] is True, answers[0].text
+            await gone_everywhere(response_id)
+
+            monkeypatch.setattr(redis_module, "DELETE_WAIT_SECONDS", 0.5)
+            response_id = await made_on_a()
+            monkeypatch.setattr(a.hub.logs, "on_delete", None)  # A does not act on the relayed delete
+            refused = await client.delete(f"{_url(b)}/v1/responses/{response_id}")
+            assert refused.status_code == 503, refused.text
+            assert "was not deleted" in refused.json()["error"]["message"]
+            for replica in (a, b):
+                assert (await client.get(f"{_url(replica)}/v1/responses/{response_id}")).status_code == 200
+    finally:
+        redis.stop()
