@@ -26,6 +26,7 @@ from ringserve.http.transport import BindError, HypercornConfig, isolate_connect
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.protocol import Engine, EngineError
 from ringserve.engine.runner import Runner
+from ringserve.core.errors import RingserveError
 from ringserve.core.signals import ECHO_SECONDS, EchoFilter
 from ringserve.core.signing import ReasoningSigner, new_key
 from ringserve.store.sqlite import MessageStore, StoreError, StoredMessage, run_retention
@@ -89,12 +90,14 @@ class Backend:
     store: MessageStore
 
 
-def make_backend(config: Config, cancel: Callable[[str], None],
+def make_backend(config: Config, cancel: Callable[[str], None], delete: Callable[[str], None],
                  owner_lost: Callable[[StoredMessage, int], list[bytes]]) -> Backend:
     """The ``[stream] backend``: in-process memory (one replica), or Redis (``logs/redis.py``:
     replicas that share their logs, their messages' state and their keys; ``cancel`` is called with
-    the id of a message of this replica that another one asks to cancel, ``owner_lost`` renders
-    the end of a stream whose replica died: ``live/resume.py`` ``owner_lost_entries``).
+    the id of a message of this replica that another one asks to cancel, ``delete`` with the id of
+    a message another one asks to delete, ``owner_lost`` renders the end of a stream whose replica
+    died: ``live/resume.py`` ``owner_lost_entries``). The request bodies of the surfaces whose
+    messages a later request continues (``Surfaces.continued``) are shared with the state.
 
     Raises:
         SystemExit: backend ``redis`` without coredis installed (one-line message).
@@ -110,8 +113,9 @@ def make_backend(config: Config, cancel: Callable[[str], None],
             except ImportError as exc:
                 raise SystemExit(f"[stream] backend = \"redis\" needs coredis: pip install 'ringserve[redis]' ({exc})") from None
             logs = RedisLogStore(config.stream, config.stream.redis_url_from(os.environ), on_cancel=cancel,
-                                 on_owner_lost=owner_lost)
-            return Backend(logs, RedisCluster(logs), MirroredMessageStore.from_config(config.store).mirror_to(logs))
+                                 on_delete=delete, on_owner_lost=owner_lost)
+            store = MirroredMessageStore.from_config(config.store).mirror_to(logs, SURFACES.continued)
+            return Backend(logs, RedisCluster(logs), store)
         case _:
             assert_never(config.stream.backend)
 
@@ -127,6 +131,18 @@ def _cancel_live(state: ServerState, message_id: str) -> None:
     msg = None if state.hub is None else state.hub.live(message_id)
     if msg is not None:
         msg.cancel(CancelReason.REQUESTED)
+
+
+def _delete_held(state: ServerState, message_id: str) -> None:
+    """Delete ``message_id`` if this replica holds it (a delete another replica relays; that replica
+    answers its client once the message's shared state is gone, so a store that fails to delete
+    here is only logged: the client is told it was not deleted)."""
+    if state.hub is None:
+        return
+    try:
+        state.hub.delete(message_id)
+    except RingserveError as exc:
+        log.warning("a delete of %s relayed by another replica failed: %s", message_id, exc.message)
 
 
 #: Seconds the drain gives readers to write their terminal events once every generation
@@ -252,6 +268,7 @@ async def serve(
     isolate_connection_faults()
     state = ServerState(config, auth=auth)
     backend = make_backend(config, lambda message_id: _cancel_live(state, message_id),
+                           lambda message_id: _delete_held(state, message_id),
                            lambda stored, seq: _owner_lost(state, stored, seq))
     store = backend.store
     config = state.config = _open_store(config, store)
