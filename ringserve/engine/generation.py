@@ -59,7 +59,7 @@ class Prepared:
         prompt_tokens: the rendered, tokenized prompt.
         max_tokens: the token budget: ``request.max_tokens``, or when that is
             None or larger, what the slot's context leaves after the prompt
-            (``n_ctx_slot - len(prompt_tokens)``).
+            (the context window less ``len(prompt_tokens)``).
         context_bound: the budget is the context's, not the caller's: using
             it up ends with :attr:`StopReason.CONTEXT_FULL` instead of
             :attr:`StopReason.MAX_TOKENS`.
