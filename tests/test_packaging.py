@@ -59,4 +59,4 @@ def test_the_docker_build_context_is_what_the_dockerfile_copies():
     patterns = [line for line in lines if line and not line.startswith("#")]
     assert patterns[0] == "*"
     kept = {pattern[1:] for pattern in patterns if pattern.startswith("!")}
-    assert kept == copied == {"pyproject.toml", "README.md", "ringserve", "packaging"}
+    assert kept == copied == {"pyproject.toml", "README.md", "constraints.txt", "ringserve", "packaging"}
