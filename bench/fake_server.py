@@ -31,9 +31,9 @@ if __package__ in (None, ""):
 
 from ringserve.config import Config  # noqa: E402
 from ringserve.core.batch import Sampled, SlotFeed  # noqa: E402
-from ringserve.core.events import SamplingParams  # noqa: E402
+from ringserve.core.sampling import ResolvedSampling  # noqa: E402
 from ringserve.engine.fake import FakeEngine  # noqa: E402
-from ringserve.engine.gbnf import Constraint  # noqa: E402
+from ringserve.engine.gbnf import Constraint, LazyCalls  # noqa: E402
 from ringserve.server import run_process  # noqa: E402
 
 REPLY_UNIT = "0123456789abcdef"
@@ -58,12 +58,15 @@ class GatedFakeEngine(FakeEngine):
     def begin(
         self,
         slot: int,
-        sampling: SamplingParams,
+        sampling: ResolvedSampling,
         keep: int = 0,
         source: int | None = None,
-        constraint: Constraint | None = None,
+        constraint: Constraint | LazyCalls | None = None,
+        *,
+        prompt: Sequence[int] = (),
+        logprobs: int | None = None,
     ) -> None:
-        super().begin(slot, sampling, keep, source, constraint)
+        super().begin(slot, sampling, keep, source, constraint, prompt=prompt, logprobs=logprobs)
         self._begun += 1
 
     def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
