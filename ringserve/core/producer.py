@@ -189,8 +189,8 @@ class Producer:
     _ops: list[int] = attrs.field(init=False, factory=list)
     _counts: list[int] | None = attrs.field(init=False, default=None)  # Trace.logprobs, once a delta carries some
     # the open block's log probabilities not released yet, each with the length of the block's text that
-    # holds its token's text (they go out with the text that reaches it: the coalescer and the safety
-    # stage release text late, never reordered), and the characters of its deltas received and released
+    # holds its token's text (they go out with the text that reaches it, in _text: the coalescer and the
+    # safety stage release text late, never reordered), and the characters of its deltas received and released
     _waiting: list[tuple[int, TokenLogprob]] = attrs.field(init=False, factory=list)
     _received: int = attrs.field(init=False, default=0)
     _sent: int = attrs.field(init=False, default=0)
@@ -261,7 +261,9 @@ class Producer:
             case BlockStart():
                 return self._step(self._block_start(event), now)
             case BlockDelta():
-                self._receive(event)
+                self._received += len(event.text)  # the open block's, for its log probabilities (_text)
+                if event.logprobs:
+                    self._waiting += [(self._received, logprob) for logprob in event.logprobs]
                 if self._held(event.index):
                     assert self._holdback is not None
                     check = self._holdback.push(event.text, event.tokens)
@@ -346,13 +348,6 @@ class Producer:
 
     # -- the chain -----------------------------------------------------------------------
 
-    def _receive(self, delta: BlockDelta) -> None:
-        """Count a delta's text in the open block, and hold its log probabilities until the
-        text that holds their tokens' text is released (:meth:`_text`)."""
-        self._received += len(delta.text)
-        if delta.logprobs:
-            self._waiting += [(self._received, logprob) for logprob in delta.logprobs]
-
     def _held(self, index: int) -> bool:
         """Whether block ``index``'s deltas pass the hold-back (text blocks, with a safety stage)."""
         return self._holdback is not None and self._blocks[index].kind is BlockKind.TEXT
@@ -394,7 +389,7 @@ class Producer:
             logprobs = tuple(logprob for _, logprob in self._waiting[:n])
             del self._waiting[:n]
             block.logprobs += logprobs
-        return self._render(BlockDelta(self._open, text, logprobs=logprobs))
+        return self._render(BlockDelta(self._open, text, 0, logprobs))
 
     def _generating(self) -> None:
         if self.status is MessageStatus.QUEUED:
@@ -473,10 +468,10 @@ class Producer:
                 self._ops.append(TRACE_START)
             case BlockDelta():
                 self._ops.append(len(event.text))
-                if event.logprobs and self._counts is None:  # the first delta that carries some
-                    self._counts = [0] * sum(op > 0 for op in self._ops[:-1])
                 if self._counts is not None:
                     self._counts.append(len(event.logprobs))
+                elif event.logprobs:  # the first delta that carries some
+                    self._counts = [0] * sum(op > 0 for op in self._ops[:-1]) + [len(event.logprobs)]
             case BlockStop():
                 self._ops.append(TRACE_STOP)
             case Failure():
