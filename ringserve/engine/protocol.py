@@ -121,32 +121,18 @@ def check_feeds(
         raise KVCacheFull(f"slot(s) {full} would exceed n_ctx_seq={n_ctx_seq} tokens", full)
 
 
-class Engine(Protocol):
-    """What the runner needs from an inference backend."""
+class Tokenizer(Protocol):
+    """A model's vocabulary and chat template: what a request needs before the model decodes
+    (``engine/prompter.py``). An :class:`Engine` is one; ``engine/llama.py``'s ``LlamaVocab`` is
+    one without the weights (a vocabulary-only load), which a catalog model has before it loads."""
 
     model_id: str
     """Name reported to clients (the GGUF file's stem)."""
-    n_slots: int
-    """Number of sequences decoded together (llama.cpp ``n_seq_max``)."""
-    n_ctx: int
-    """KV cells (tokens) of the pool every slot shares (llama.cpp ``n_ctx``, unified KV cache)."""
-    n_ctx_seq: int
-    """Most KV cells one sequence may hold (prompt + generated): the pool, at most the model's
-    trained context."""
-    n_batch: int
-    """Most tokens one ``decode`` call may carry, summed over slots."""
     max_token_bytes: int | None
     """Most UTF-8 bytes of message text that one prompt token stands for (None: not known).
 
-    Message text of more than ``n_ctx_seq * max_token_bytes`` bytes cannot fit
-    a sequence, so the runner refuses it without tokenizing it."""
-    offload: Offload
-    """The model's layers on GPU devices (the ready line says it; ``[engine] overlap`` ``auto`` reads it)."""
-    prefix_cache: bool
-    """Whether ``begin`` and ``release`` may keep a prefix of a slot's cells (``keep > 0``)
-    and ``begin`` may copy one from another slot; False for models whose memory cannot
-    drop a sequence's tail (recurrent, hybrid or sliding-window attention)."""
-
+    Message text of more than ``window * max_token_bytes`` bytes cannot fit a
+    request's context window, so the prompter refuses it without tokenizing it."""
     n_vocab: int
     """Tokens in the vocabulary (ids ``0 .. n_vocab-1``)."""
 
@@ -177,6 +163,29 @@ class Engine(Protocol):
         """Plain text's tokens (no chat template): BOS/EOS where ``add_special`` and the model
         adds them; special-token text as its token where ``parse_special``, else as text.
         Safe beside a decode, as :meth:`tokenize_chat`."""
+
+    def close(self) -> None:
+        """Free what it holds."""
+
+
+class Engine(Tokenizer, Protocol):
+    """What the runner needs from an inference backend: a :class:`Tokenizer` that also decodes."""
+
+    n_slots: int
+    """Number of sequences decoded together (llama.cpp ``n_seq_max``)."""
+    n_ctx: int
+    """KV cells (tokens) of the pool every slot shares (llama.cpp ``n_ctx``, unified KV cache)."""
+    n_ctx_seq: int
+    """Most KV cells one sequence may hold (prompt + generated): the pool, at most the model's
+    trained context."""
+    n_batch: int
+    """Most tokens one ``decode`` call may carry, summed over slots."""
+    offload: Offload
+    """The model's layers on GPU devices (the ready line says it; ``[engine] overlap`` ``auto`` reads it)."""
+    prefix_cache: bool
+    """Whether ``begin`` and ``release`` may keep a prefix of a slot's cells (``keep > 0``)
+    and ``begin`` may copy one from another slot; False for models whose memory cannot
+    drop a sequence's tail (recurrent, hybrid or sliding-window attention)."""
 
     def begin(
         self,
@@ -252,4 +261,4 @@ class Engine(Protocol):
         """KV cells holding tokens of ``slot`` (of every slot when None)."""
 
     def close(self) -> None:
-        """Free the context and the model."""
+        """Free the context and the model (and the vocabulary it was given)."""

@@ -35,7 +35,7 @@ from ringserve.core.events import (
 from ringserve.core.scheduler import SlotState
 from ringserve.core.toolcalls import format_call
 from ringserve.engine import examples, gbnf
-from ringserve.engine import runner as runner_module
+from ringserve.engine import prompter as prompter_module
 from ringserve.engine.gbnf import GrammarOff, GrammarOn, LazyCalls, constraint_for
 from ringserve.engine.fake import FakeEngine, Switched
 from ringserve.engine.runner import Runner
@@ -353,7 +353,7 @@ async def test_the_grammar_is_made_on_a_worker_thread(monkeypatch):
         made_on.append(threading.current_thread())
         return constraint_for(request, *format_and_prompt)
 
-    monkeypatch.setattr(runner_module, "constraint_for", spy)
+    monkeypatch.setattr(prompter_module, "constraint_for", spy)
     async with serving(FakeEngine()) as runner:
         prepared = await runner.prepare(req(choice=ToolChoice(ToolChoiceMode.REQUIRED)))
     assert prepared.constraint is not None and len(made_on) == 1
