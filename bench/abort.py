@@ -48,7 +48,17 @@ import trio
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import figure, fmt, machine, machine_line, pct, save_figure, table, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    default_runner,
+    figure,
+    fmt,
+    machine,
+    machine_line,
+    pct,
+    save_figure,
+    table,
+    write_json,
+)
 from ringserve.config import Config  # noqa: E402
 from ringserve.metrics import Metrics  # noqa: E402
 from ringserve.server import load_llama_engine, serve  # noqa: E402
@@ -131,7 +141,7 @@ async def cancels(state: Any, setting: str, n: int, slots: int, freed: Freed, rn
                 if live is None or live.done.is_set():  # it ended before the client left
                     continue
                 sampled_at_close = live.snapshot().usage.output_tokens
-                before = hub.runner.statistics().tokens_after_cancel_total
+                before = default_runner(hub).statistics().tokens_after_cancel_total
                 closed = time.perf_counter()
             freed_at, runner_seconds = await freed.next(len(freed.times) + 1)
             await live.done.wait()
@@ -139,7 +149,7 @@ async def cancels(state: Any, setting: str, n: int, slots: int, freed: Freed, rn
                 "chunks_read": chunks,
                 "cancel_to_free_seconds": runner_seconds,
                 "close_to_free_seconds": freed_at - closed,
-                "tokens_after_cancel": hub.runner.statistics().tokens_after_cancel_total - before,
+                "tokens_after_cancel": default_runner(hub).statistics().tokens_after_cancel_total - before,
                 "tokens_after_close": live.snapshot().usage.output_tokens - sampled_at_close,
                 "status": live.status,
             })

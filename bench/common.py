@@ -167,14 +167,31 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def scrape(url: str) -> dict[str, float]:
-    """The unlabelled samples of the server at ``url``'s ``/metrics``, by sample name
-    (``ringserve_decode_steps_total``...), parsed by prometheus-client."""
-    import httpx
+def metric_totals(text: str) -> dict[str, float]:
+    """The samples of a ``/metrics`` text by sample name (``ringserve_decode_steps_total``...), each
+    summed over its ``model`` label (a series per model: ``live/models.py``); samples with other
+    labels are left out. Parsed by prometheus-client."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples if not s.labels}
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if set(sample.labels) <= {"model"}:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def scrape(url: str) -> dict[str, float]:
+    """:func:`metric_totals` of the server at ``url``."""
+    import httpx
+
+    return metric_totals(httpx.get(f"{url}/metrics", timeout=30).text)
+
+
+def default_runner(hub: Any) -> Any:
+    """The runner of an in-process server's default model (``Hub.models``: ``live/models.py``), which
+    the tests and the in-process benchmarks drive; None while it is not loaded."""
+    return hub.models.find("").runner
 
 
 def python() -> str:

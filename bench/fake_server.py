@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     config = Config.from_toml(args.config)
+    config = config.replace("model", name=config.model.name or "fake")  # the fake engine's name for itself
     kwargs = json.loads(args.fake)
     kwargs.setdefault("record", False)  # no test reads this process's engine log: it would only grow
     kwargs.setdefault("n_slots", config.engine.slots)

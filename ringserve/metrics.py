@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ringserve.core.errors import ErrorKind
-from ringserve.engine.runner import RunnerStatistics
+from ringserve.engine.runner import ModelsStatistics
 from ringserve.logs.memory import LogStoreStatistics
 from ringserve.store.sqlite import StoreStatistics
 
@@ -84,7 +84,7 @@ class WatchdogStatistics:
 
 
 #: What :meth:`Metrics.watch` reads a snapshot of.
-Statistics = RunnerStatistics | LogStoreStatistics | StoreStatistics | GenerationStatistics | WatchdogStatistics
+Statistics = ModelsStatistics | LogStoreStatistics | StoreStatistics | GenerationStatistics | WatchdogStatistics
 
 
 class Source(Protocol):
@@ -151,8 +151,8 @@ class Metrics:
     # -- wiring ---------------------------------------------------------------------------
 
     def watch(self, *sources: Source) -> None:
-        """Expose the snapshot metrics of ``sources`` (the runner, the log store, the message store,
-        the hub, the slow-reader watchdog), read at each scrape; call it once per server."""
+        """Expose the snapshot metrics of ``sources`` (the model pool, the log store, the message
+        store, the hub, the slow-reader watchdog), read at each scrape; call it once per server."""
         self.registry.register(_SnapshotCollector(sources))
 
     def render(self) -> bytes:
@@ -212,8 +212,8 @@ class _SnapshotCollector(Collector):
         for source in self._sources:
             stats = source.statistics()
             match stats:
-                case RunnerStatistics():
-                    yield from _runner(stats)
+                case ModelsStatistics():
+                    yield from _models(stats)
                 case LogStoreStatistics():
                     yield from _logs(stats)
                 case StoreStatistics():
@@ -238,39 +238,57 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
-def _runner(s: RunnerStatistics) -> Iterator[Metric]:
-    queue = GaugeMetricFamily("ringserve_queue_depth", "Requests waiting for a slot, by priority.", labels=["priority"])
-    for priority, n in sorted(s.queue_depth.items()):
-        queue.add_metric([str(priority)], n)
+#: The runner's metrics: (name, type, help, the :class:`RunnerStatistics` field), each labelled by model.
+_RUNNER_METRICS: tuple[tuple[str, type[GaugeMetricFamily | CounterMetricFamily], str, str], ...] = (
+    ("ringserve_slots_busy", GaugeMetricFamily, "Slots holding a request or being released.", "slots_busy"),
+    ("ringserve_slots_total", GaugeMetricFamily, "Slots decoded together.", "slots_total"),
+    ("ringserve_kv_cells_used", GaugeMetricFamily,
+     "KV-cache cells (tokens) held by requests over all slots (prefix-cache cells not counted).", "kv_cells_used"),
+    ("ringserve_kv_cells_total", GaugeMetricFamily, "KV-cache cells (tokens) of the pool the slots share.",
+     "kv_cells_total"),
+    ("ringserve_prompt_tokens", CounterMetricFamily, "Prompt tokens of admitted requests.", "prompt_tokens_total"),
+    ("ringserve_prompt_tokens_prefilled", CounterMetricFamily,
+     "Prompt tokens fed to the engine (not reused from the prefix cache).", "prompt_tokens_prefilled_total"),
+    ("ringserve_prefix_cache_lookup_tokens", CounterMetricFamily,
+     "Prompt tokens of requests admitted with the prompt-prefix cache on.", "prefix_cache_lookup_tokens_total"),
+    ("ringserve_prefix_cache_hit_tokens", CounterMetricFamily,
+     "Prompt tokens whose KV cells were reused from the prefix cache instead of prefilled.",
+     "prefix_cache_hit_tokens_total"),
+    ("ringserve_prefix_cache_cells", GaugeMetricFamily,
+     "KV-cache cells (tokens) that free slots keep as prefix-cache entries.", "prefix_cache_cells"),
+    ("ringserve_generated_tokens", CounterMetricFamily, "Tokens sampled for live requests.", "generated_tokens_total"),
+    ("ringserve_zombie_tokens", CounterMetricFamily,
+     "Tokens decoded for a generation after its cancel (its last reader gone under abort, or a cancel request):"
+     " 0, or 1 per cancel that raced a decode step.", "tokens_after_cancel_total"),
+    ("ringserve_cancels", CounterMetricFamily, "Generations cancelled by their consumer.", "cancels"),
+    ("ringserve_preemptions", CounterMetricFamily,
+     "Requests that gave their KV cells up so an older one could grow (they wait, then go on).", "preemptions"),
+    ("ringserve_decode_steps", CounterMetricFamily, "Decode calls that succeeded.", "steps"),
+    ("ringserve_decode_seconds", CounterMetricFamily, "Wall seconds spent in decode calls.", "decode_seconds_total"),
+    ("ringserve_engine_idle_seconds", CounterMetricFamily,
+     "Wall seconds between one decode call's end and the next one's start while generations were active:"
+     " the engine waiting for the Python side.", "engine_idle_seconds_total"),
+)
+
+
+def _models(s: ModelsStatistics) -> Iterator[Metric]:
+    """Each model's status, and its runner's metrics (labelled ``model``) while it is loaded."""
+    status = GaugeMetricFamily("ringserve_model_status", "1 for each model's status (loaded, loading, unloaded,"
+                               " unloading, failed).", labels=["model", "status"])
+    queue = GaugeMetricFamily("ringserve_queue_depth", "Requests waiting for a slot, by model and priority.",
+                              labels=["model", "priority"])
+    families = [(kind(name, doc, labels=["model"]), field) for name, kind, doc, field in _RUNNER_METRICS]
+    for model in s.models:
+        status.add_metric([model.name, model.status], 1)
+        if model.runner is None:
+            continue
+        for priority, n in sorted(model.runner.queue_depth.items()):
+            queue.add_metric([model.name, str(priority)], n)
+        for family, field in families:
+            family.add_metric([model.name], getattr(model.runner, field))
+    yield status
     yield queue
-    yield _gauge("ringserve_slots_busy", "Slots holding a request or being released.", s.slots_busy)
-    yield _gauge("ringserve_slots_total", "Slots decoded together.", s.slots_total)
-    yield _gauge("ringserve_kv_cells_used",
-                 "KV-cache cells (tokens) held by requests over all slots (prefix-cache cells not counted).",
-                 s.kv_cells_used)
-    yield _gauge("ringserve_kv_cells_total", "KV-cache cells (tokens) over all slots.", s.kv_cells_total)
-    yield _counter("ringserve_prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens_total)
-    yield _counter("ringserve_prompt_tokens_prefilled", "Prompt tokens fed to the engine (not reused from the prefix cache).",
-                   s.prompt_tokens_prefilled_total)
-    yield _counter("ringserve_prefix_cache_lookup_tokens",
-                   "Prompt tokens of requests admitted with the prompt-prefix cache on.",
-                   s.prefix_cache_lookup_tokens_total)
-    yield _counter("ringserve_prefix_cache_hit_tokens",
-                   "Prompt tokens whose KV cells were reused from the prefix cache instead of prefilled.",
-                   s.prefix_cache_hit_tokens_total)
-    yield _gauge("ringserve_prefix_cache_cells", "KV-cache cells (tokens) that free slots keep as prefix-cache entries.",
-                 s.prefix_cache_cells)
-    yield _counter("ringserve_generated_tokens", "Tokens sampled for live requests.", s.generated_tokens_total)
-    yield _counter("ringserve_zombie_tokens",
-                   "Tokens decoded for a generation after its cancel (its last reader gone under abort,"
-                   " or a cancel request): 0, or 1 per cancel that raced a decode step.",
-                   s.tokens_after_cancel_total)
-    yield _counter("ringserve_cancels", "Generations cancelled by their consumer.", s.cancels)
-    yield _counter("ringserve_decode_steps", "Decode calls that succeeded.", s.steps)
-    yield _counter("ringserve_decode_seconds", "Wall seconds spent in decode calls.", s.decode_seconds_total)
-    yield _counter("ringserve_engine_idle_seconds",
-                   "Wall seconds between one decode call's end and the next one's start while generations were"
-                   " active: the engine waiting for the Python side.", s.engine_idle_seconds_total)
+    yield from (family for family, _ in families)
 
 
 def _logs(logs: LogStoreStatistics) -> Iterator[Metric]:

@@ -21,11 +21,13 @@ import trio
 from ringserve.http.app import create_app
 from ringserve.http.context import ServerState
 from ringserve.http.auth import Authenticator, check_bind
-from ringserve.config import Config, LogBackend, Switch, decode_threads, overlap_steps
+from ringserve.config import Config, LogBackend, ModelSettings, Switch, decode_threads
 from ringserve.http.transport import BindError, HypercornConfig, isolate_connection_faults
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.protocol import Engine, EngineError
-from ringserve.engine.runner import Runner
+from ringserve.engine.catalog import discover
+from ringserve.engine.loader import FactoryLoader, ModelLoader
+from ringserve.live.models import ModelPool
 from ringserve.core.errors import RingserveError
 from ringserve.core.signals import ECHO_SECONDS, EchoFilter
 from ringserve.core.signing import ReasoningSigner, new_key
@@ -41,8 +43,8 @@ from ringserve.logs.memory import LogStore, MemoryLogStore
 log = logging.getLogger("ringserve")
 
 
-def load_llama_engine(config: Config) -> Engine:
-    """Load the configured GGUF (the bundled model when ``model.path`` is empty).
+def load_llama_engine(settings: ModelSettings) -> Engine:
+    """Load the GGUF ``settings.model.path`` names (the bundled model when it is empty) with its settings.
 
     Raises:
         ModelFileError: the file is missing, unreadable or not GGUF, the
@@ -54,31 +56,31 @@ def load_llama_engine(config: Config) -> Engine:
     from ringserve.engine.llama import LlamaEngine
     from ringserve.engine.modelfile import check_model_file, default_model_path
 
-    path = check_model_file(config.model.path or default_model_path())
-    engine = config.engine
+    model, engine = settings.model, settings.engine
+    path = check_model_file(model.path or default_model_path())
     template = None
-    if config.model.chat_template_file:
+    if model.chat_template_file:
         try:
-            template = Path(config.model.chat_template_file).read_text(encoding="utf-8")
+            template = Path(model.chat_template_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise ModelFileError(f"[model] chat_template_file cannot be read: {exc}", config.model.chat_template_file) from None
+            raise ModelFileError(f"[model] chat_template_file cannot be read: {exc}", model.chat_template_file) from None
     try:
         return LlamaEngine(
             path,
-            n_slots=config.engine.slots,
-            n_ctx=config.model.ctx_size,
-            n_batch=config.engine.n_batch,
-            kv_unified=config.model.kv_unified,
-            n_gpu_layers=config.model.n_gpu_layers,
-            n_threads=config.model.n_threads,
-            use_extra_bufts=config.model.use_extra_bufts,
-            flash_attn={Switch.AUTO: None, Switch.ON: True, Switch.OFF: False}[config.model.flash_attn],
-            model_id=config.model.name or None,
+            n_slots=engine.slots,
+            n_ctx=model.ctx_size,
+            n_batch=engine.n_batch,
+            kv_unified=model.kv_unified,
+            n_gpu_layers=model.n_gpu_layers,
+            n_threads=model.n_threads,
+            use_extra_bufts=model.use_extra_bufts,
+            flash_attn={Switch.AUTO: None, Switch.ON: True, Switch.OFF: False}[model.flash_attn],
+            model_id=model.name or None,
             chat_template=template,
-            chat_format=config.model.chat_format or None,
+            chat_format=model.chat_format or None,
         )
     except EngineError as exc:  # name the settings behind the engine's sizes
-        raise EngineError(f"[engine] slots = {engine.slots}, [model] ctx_size = {config.model.ctx_size}: {exc}") from None
+        raise EngineError(f"[engine] slots = {engine.slots}, [model] ctx_size = {model.ctx_size}: {exc}") from None
 
 
 @attrs.frozen
@@ -220,7 +222,7 @@ def signing_key(configured: str, store_path: str) -> str:
 # the work is in _open_store, _load and _drain.
 async def serve(
     config: Config,
-    engine_factory: Callable[[Config], Engine] = load_llama_engine,
+    loader: ModelLoader | Callable[[ModelSettings], Engine] = load_llama_engine,
     *,
     handle_signals: bool = True,
     shutdown_trigger: trio.Event | None = None,
@@ -296,9 +298,10 @@ async def serve(
             http = _Http(hc)
             state.urls = await nursery.start(_serve_http, app, http)
             log.info("listening on %s (loading the model)", ", ".join(state.urls))
-            hub = await _load(config, engine_factory, backend, safety, state, nursery)
+            hub = await _start_models(config, _loader(loader), backend, safety, state, nursery)
             task_status.started(state)
-            notify_systemd(f"READY=1\nSTATUS=serving {state.model_id} at {', '.join(state.urls)}")
+            loaded = ", ".join(m.name for m in hub.models.models() if m.runner is not None) or "no model yet"
+            notify_systemd(f"READY=1\nSTATUS=serving {loaded} at {', '.join(state.urls)}")
             await stop.wait()
             notify_systemd("STOPPING=1\nSTATUS=draining")
             await _drain(hub, http, config.server.drain_timeout)
@@ -357,27 +360,40 @@ def _open_store(config: Config, store: MessageStore) -> Config:
     return config.replace("server", signing_key=signing_key(config.server.signing_key, store.path))
 
 
-async def _load(config: Config, engine_factory: Callable[[Config], Engine], backend: Backend,
-                safety: SafetyStage | None, state: ServerState, nursery: trio.Nursery) -> Hub:
-    """Load the model (on a worker thread), start its runner and the hub: ``state`` is then ready."""
-    engine = await trio.to_thread.run_sync(engine_factory, config)
-    cores = os.cpu_count() or 1
-    threads = decode_threads(config.model.n_threads, cores)
-    overlap = overlap_steps(config.engine.overlap, threads=threads, cores=cores, gpu=engine.offload.layers > 0)
-    runner = Runner(engine, config.engine, on_cancel_freed=state.metrics.cancel_freed, overlap=overlap)
-    await nursery.start(runner.run)
-    hub = Hub(config, runner, backend.logs, backend.cluster, backend.store, nursery, safety=safety,
+def _loader(loader: ModelLoader | Callable[[ModelSettings], Engine]) -> ModelLoader:
+    """``loader``, or a :class:`FactoryLoader` of an engine factory (a function of a model's settings)."""
+    return FactoryLoader(loader) if callable(loader) else loader
+
+
+async def _start_models(config: Config, loader: ModelLoader, backend: Backend, safety: SafetyStage | None,
+                        state: ServerState, nursery: trio.Nursery) -> Hub:
+    """The model pool over the catalog (``live/models.py``), and the hub; the models loaded at start
+    (``load_on_startup``: the ``[model]`` table's, by default) are loaded before it returns, with
+    ``state`` then ready.
+
+    Raises:
+        EngineError: a model loaded at start could not be loaded (one line saying why).
+    """
+    catalog = discover(config)
+    pool = ModelPool(catalog, loader, nursery, max_loaded=config.router.max_loaded,
+                     on_cancel_freed=state.metrics.cancel_freed)
+    await nursery.start(pool.expire)
+    hub = Hub(config, pool, backend.logs, backend.cluster, backend.store, nursery, safety=safety,
               metrics=state.metrics)
-    state.metrics.watch(runner, backend.logs, backend.store, hub, state.watchdog)
-    state.model_id = runner.model_id
+    state.metrics.watch(pool, backend.logs, backend.store, hub, state.watchdog)
+    for entry in catalog.entries:
+        if entry.settings.model.load_on_startup:
+            try:
+                await pool.load(entry.name)
+            except RingserveError as exc:
+                raise EngineError(exc.message) from None
     state.hub = hub
-    log.info(
-        "ready: model %s, chat format %s, %d slots sharing %d tokens of KV cache, context %d tokens per request,"
-        " decode threads %d of %d cores, overlapped steps %s, GPU offload %s, at %s",
-        runner.model_id, runner.chat_format.name, config.engine.slots, engine.n_ctx, runner.context_window,
-        threads, cores,
-        "on" if overlap else "off", engine.offload.describe(), ", ".join(state.urls),
-    )
+    cores = os.cpu_count() or 1
+    loaded = [pool.summary(m) for m in pool.models() if m.runner is not None]
+    waiting = [m.name for m in pool.models() if m.runner is None]
+    log.info("ready: %s%s, decode threads %d of %d cores, at %s", "; ".join(loaded) or "no model loaded yet",
+             f"; {len(waiting)} more loaded on demand ({', '.join(waiting)})" if waiting else "",
+             decode_threads(config.model.n_threads, cores), cores, ", ".join(state.urls))
     return hub
 
 
@@ -421,7 +437,7 @@ def _limit(value: float, unit: str) -> str:
 SWITCH_INTERVAL_SECONDS = 0.0002
 
 
-def run_process(config: Config, engine_factory: Callable[[Config], Engine] = load_llama_engine) -> int:
+def run_process(config: Config, loader: ModelLoader | Callable[[ModelSettings], Engine] = load_llama_engine) -> int:
     """:func:`serve` as a process's main loop (``ringserve serve``): its exit status.
 
     Sets the interpreter's switch interval to :data:`SWITCH_INTERVAL_SECONDS` first.
@@ -439,7 +455,7 @@ def run_process(config: Config, engine_factory: Callable[[Config], Engine] = loa
     """
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     try:
-        return trio.run(serve, config, engine_factory)
+        return trio.run(serve, config, loader)
     except BaseExceptionGroup as group:
         # The listener binds and the model loads inside serve's nursery, which wraps their
         # failures in a group; raise it bare so the command line prints its one line (and exits 2).

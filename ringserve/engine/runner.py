@@ -88,7 +88,7 @@ from ringserve.engine.protocol import ChatPrompt, Engine, EngineError, KVCacheFu
 from ringserve.engine.thread import EngineThread
 from ringserve.formats.base import ChatFormat
 
-__all__ = ["Runner", "RunnerStatistics"]
+__all__ = ["ModelStatistics", "ModelsStatistics", "Runner", "RunnerStatistics"]
 
 
 #: Seconds without an engine call after which the engine thread ends (and with it llama.cpp's
@@ -172,6 +172,23 @@ class RunnerStatistics:
     last_cancel_to_free_seconds: float | None
     max_cancel_to_free_seconds: float | None
     running: bool
+
+
+@attrs.frozen
+class ModelStatistics:
+    """One model of the catalog at a scrape: its name, its status (``core/router.py``'s
+    ``ModelStatus`` value) and its runner's snapshot while it is loaded."""
+
+    name: str
+    status: str
+    runner: RunnerStatistics | None = None
+
+
+@attrs.frozen
+class ModelsStatistics:
+    """Every model's :class:`ModelStatistics` (``live/models.py``'s ``ModelPool.statistics``)."""
+
+    models: tuple[ModelStatistics, ...]
 
 
 @attrs.define

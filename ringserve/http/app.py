@@ -37,7 +37,8 @@ async def authenticate() -> Response | None:
     if request.url_rule is not None:
         context.access().route = request.url_rule.rule
     auth = context.state().auth
-    if not auth.enabled or not request.path.startswith("/v1/") or auth.request_key_ok(request.headers):
+    protected = request.path.startswith(("/v1/", "/models"))
+    if not auth.enabled or not protected or auth.request_key_ok(request.headers):
         return None
     message = "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"
     token = request.args.get("stream_token")

@@ -27,7 +27,7 @@ from ringserve.http.context import CLEANUPS_KEY, EventStream, ServerState, exten
 from ringserve.http.generate import count_tokens, generate, render_prompt
 from ringserve.http.messages import cancel_message, get_message, issue_stream_token, resume_stream
 from ringserve.http.responses import cancel_response, delete_response, retrieve_response
-from ringserve.http.service import health, metrics, model, models, playground, ready
+from ringserve.http.service import health, load_model, metrics, model, models, playground, ready, unload_model
 from ringserve.surfaces.base import IGNORED_FIELDS_HEADER, Counting, Surface
 from ringserve.surfaces.registry import SURFACES
 
@@ -157,6 +157,9 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("/v1/responses/<response_id>", "DELETE", delete_response),
     ("/v1/models", "GET", models),
     ("/v1/models/<path:model_id>", "GET", model),
+    ("/models", "GET", models),
+    ("/models/load", "POST", load_model),
+    ("/models/unload", "POST", unload_model),
     ("/", "GET", playground),
     ("/health", "GET", health),
     ("/ready", "GET", ready),

@@ -52,11 +52,10 @@ P = ParamSpec("P")
 
 @attrs.define(eq=False)
 class ServerState:
-    """What the routes need; ``hub`` is set once the model is loaded and the runner runs."""
+    """What the routes need; ``hub`` is set once the models loaded at start are loaded."""
 
     config: Config
     hub: Hub | None = None
-    model_id: str = ""
     urls: list[str] = attrs.Factory(list)
     started: float = attrs.Factory(time.time)
     metrics: Metrics = attrs.Factory(Metrics)

@@ -208,22 +208,19 @@ def parse_json(raw: bytes, *, refuse_lone_surrogates: bool = False) -> Any:
     return body
 
 
-def checked(parsed: ParsedRequest, config: Config, model_id: str) -> ParsedRequest:
-    """``parsed``, once it is within ``[limits]`` and ``[router] strict_model_name``.
+def checked(parsed: ParsedRequest, config: Config) -> ParsedRequest:
+    """``parsed``, once it is within ``[limits]`` (the model it names is looked up when it
+    starts: ``live/models.py``).
 
     Raises:
-        RingserveError: ``INVALID_REQUEST`` (over a limit) or ``NOT_FOUND`` (a model that is not
-            served, with ``strict_model_name``).
+        RingserveError: ``INVALID_REQUEST`` (over a limit).
     """
     limits = config.limits
     check_request(parsed.request, max_messages=limits.max_messages, max_text_chars=limits.max_message_chars)
-    if config.router.strict_model_name and parsed.model and parsed.model != model_id:
-        raise RingserveError(ErrorKind.NOT_FOUND, f"model {parsed.model[:100]!r} is not served here", param="model")
     return parsed
 
 
-def parse_body(surface: Surface, parse: Callable[[Any], ParsedRequest], raw: bytes, config: Config,
-               model_id: str) -> ParsedRequest:
+def parse_body(surface: Surface, parse: Callable[[Any], ParsedRequest], raw: bytes, config: Config) -> ParsedRequest:
     """The request in ``raw``, parsed by ``parse`` (``surface``'s ``parse_request`` or
     ``parse_count``) and :func:`checked`; a request that continues a stored conversation is
     checked once that is in it (:func:`continued`). The fields it accepted and ignored are in its
@@ -235,10 +232,10 @@ def parse_body(surface: Surface, parse: Callable[[Any], ParsedRequest], raw: byt
     """
     body = parse_json(raw, refuse_lone_surrogates=surface.refuses_lone_surrogates)
     parsed = read_request(parse, body, config.server.signing_key)
-    return parsed if parsed.continues is not None else checked(parsed, config, model_id)
+    return parsed if parsed.continues is not None else checked(parsed, config)
 
 
-def continued(parsed: ParsedRequest, history: tuple[ChatMessage, ...], config: Config, model_id: str) -> ParsedRequest:
+def continued(parsed: ParsedRequest, history: tuple[ChatMessage, ...], config: Config) -> ParsedRequest:
     """A request that continues a stored conversation, with ``history`` (its conversation, read by
     ``parsed.continues.history``) in it, then :func:`checked`.
 
@@ -247,18 +244,18 @@ def continued(parsed: ParsedRequest, history: tuple[ChatMessage, ...], config: C
             as :func:`checked`.
     """
     assert parsed.continues is not None, "the request continues no conversation"
-    return checked(attrs.evolve(parsed.continues.apply(history), ignored=parsed.ignored), config, model_id)
+    return checked(attrs.evolve(parsed.continues.apply(history), ignored=parsed.ignored), config)
 
 
-def admit(surface: Surface, raw: bytes, headers: RequestHeaders, config: Config, model_id: str) -> Start | Refuse:
+def admit(surface: Surface, raw: bytes, headers: RequestHeaders, config: Config) -> Start | Refuse:
     """Decide whether a generation request may start, and how.
 
     Checks, in order: the body is JSON (and, on a surface that echoes request fields, holds no
     lone surrogate) and a valid request of ``surface`` (``Surface.parse_request``); ``[limits]``
-    ``max_messages`` and ``max_message_chars`` (``core/limits.py``); with ``[model]
-    strict_model_name``, a ``model`` other than ``model_id`` is a 404 (both once the stored
+    ``max_messages`` and ``max_message_chars`` (``core/limits.py``; once the stored
     conversation a request continues is in it: :func:`continued`); a malformed
-    ``Ringserve-Disconnect-Policy`` is a 400.
+    ``Ringserve-Disconnect-Policy`` is a 400. The model it names is looked up when it starts
+    (``Hub.create``: a 404 listing the models when none matches).
 
     ``Prefer: respond-async`` (on a surface that takes it) and the request's own ``background``
     make the disconnect policy ``continue``.
@@ -267,14 +264,13 @@ def admit(surface: Surface, raw: bytes, headers: RequestHeaders, config: Config,
         surface: the route's surface.
         raw: the request body as received.
         headers: the headers that steer the request.
-        config: the server config (``limits``, ``model``, ``policy`` are read).
-        model_id: the served model's id.
+        config: the server config (``limits`` and ``policy`` are read).
 
     Returns:
         :class:`Start`, or :class:`Refuse` with the first failed check's error.
     """
     try:
-        parsed = parse_body(surface, surface.parse_request, raw, config, model_id)
+        parsed = parse_body(surface, surface.parse_request, raw, config)
         prefer = surface.prefer_respond_async and RESPOND_ASYNC in parse_prefer(",".join(headers.prefer))
         policy = disconnect_policy(
             config.policy, surface, respond_async=prefer or parsed.background, override=headers.disconnect_policy

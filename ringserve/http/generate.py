@@ -14,15 +14,16 @@ objects, whether it takes ``Prefer: respond-async``), never in a branch here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, assert_never
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, assert_never
 
 import attrs
 import trio
 from quart import Response
 
 from ringserve.core.errors import RingserveError
-from ringserve.core.events import ChatMessage, GenerationRequest
+from ringserve.core.events import ChatMessage
+from ringserve.engine.prompter import Prompter
 from ringserve.http import context
 from ringserve.http.context import error_response, json_response, object_surface
 from ringserve.http.decide import (
@@ -48,6 +49,8 @@ from ringserve.surfaces import ringserve as ringserve_json
 from ringserve.surfaces.base import Continuation, Counting, ParsedRequest, Surface
 from ringserve.surfaces.ringserve import message_url
 
+T = TypeVar("T")
+
 
 async def history(hub: Hub, continuation: Continuation) -> tuple[ChatMessage, ...]:
     """The stored conversation a request continues, read on a worker thread (the stored bodies it
@@ -60,8 +63,7 @@ async def _whole(hub: Hub, parsed: ParsedRequest) -> ParsedRequest:
     """``parsed`` with the conversation it continues in it (``decide.continued``), or as it is."""
     if parsed.continues is None:
         return parsed
-    config = context.state().config
-    return continued(parsed, await history(hub, parsed.continues), config, context.state().model_id)
+    return continued(parsed, await history(hub, parsed.continues), context.state().config)
 
 
 async def generate(surface: Surface) -> Response:
@@ -71,7 +73,7 @@ async def generate(surface: Surface) -> Response:
         hub = context.hub()
         if not hub.logs.available:
             raise store_unavailable()
-        start = admit(surface, await context.body(), context.request_headers(), state.config, state.model_id)
+        start = admit(surface, await context.body(), context.request_headers(), state.config)
         if isinstance(start, Refuse):
             return error_response(surface, start.error)
         context.access().note_ignored(start.parsed.ignored)
@@ -124,28 +126,42 @@ async def respond(hub: Hub, surface: Surface, decision: Decision, live: LiveMess
             assert_never(decision)
 
 
-async def _prompt_request(hub: Hub, surface: Surface, parse: Callable[[Any], ParsedRequest]) -> GenerationRequest:
-    """The generation request of a counting or render route's body, parsed by ``parse`` (the
-    conversation it continues in it), its ignored fields noted.
+async def _prompt_request(hub: Hub, surface: Surface, parse: Callable[[Any], ParsedRequest]) -> ParsedRequest:
+    """A counting or render route's body, parsed by ``parse`` (the conversation it continues in
+    it), its ignored fields noted.
 
     Raises:
         RingserveError: as ``decide.parse_body`` and ``decide.continued``.
     """
-    state = context.state()
-    parsed = parse_body(surface, parse, await context.body(), state.config, state.model_id)
+    parsed = parse_body(surface, parse, await context.body(), context.state().config)
     context.access().note_ignored(parsed.ignored)
-    return (await _whole(hub, parsed)).request
+    return await _whole(hub, parsed)
+
+
+async def _with_prompter(hub: Hub, parsed: ParsedRequest, use: Callable[[Prompter], Awaitable[T]]) -> T:
+    """``use`` with the prompter of the model ``parsed`` names, held meanwhile (``live/models.py``:
+    its front, loaded or not: a count or a render never waits for its weights).
+
+    Raises:
+        RingserveError: ``NOT_FOUND`` (no such model), ``UNAVAILABLE`` (it cannot be loaded), as ``use``.
+    """
+    lease = await hub.models.lease(parsed.model)
+    try:
+        return await use(lease.prompter)
+    finally:
+        lease.release()
 
 
 async def count_tokens(surface: Counting) -> Response:
     """``POST`` on ``surface``'s counting route: the prompt the same generation request would be
     given, in tokens (system prompt, tools and output format included; its usage's ``input_tokens``).
     Nothing is generated; a prompt longer than a slot is counted too (the generation route refuses
-    it). It is tokenized apart from the generations' prepares (``Runner.count``), so a burst of
+    it). It is tokenized apart from the generations' prepares (``Prompter.count``), so a burst of
     counts does not queue behind them."""
     try:
         hub = context.hub()
-        count = await hub.runner.count(await _prompt_request(hub, surface, surface.parse_count))
+        parsed = await _prompt_request(hub, surface, surface.parse_count)
+        count = await _with_prompter(hub, parsed, lambda prompter: prompter.count(parsed.request))
     except RingserveError as exc:
         return error_response(surface, exc)
     return json_response(surface.count_json(count.input_tokens, count.original_input_tokens))
@@ -153,13 +169,14 @@ async def count_tokens(surface: Counting) -> Response:
 
 async def render_prompt(surface: Surface) -> Response:
     """``POST`` on ``surface``'s render route (``SURFACES.renders``): the body of a generation
-    request of that surface, answered with the prompt it would be given (``Runner.render``: the
+    request of that surface, answered with the prompt it would be given (``Prompter.render``: the
     model's chat template's text, its tokens; ``surfaces/ringserve.py`` ``prompt_json``), as
     llama-server's ``POST /apply-template``. Nothing is generated; the prompt may be longer than a
     slot. A request the template cannot render is the surface's 400, as on its generation route."""
     try:
         hub = context.hub()
-        prompt = await hub.runner.render(await _prompt_request(hub, surface, surface.parse_request))
+        parsed = await _prompt_request(hub, surface, surface.parse_request)
+        prompt = await _with_prompter(hub, parsed, lambda prompter: prompter.render(parsed.request))
     except RingserveError as exc:
         return error_response(surface, exc)
     return json_response(ringserve_json.prompt_json(prompt.text, len(prompt.tokens), prompt.reasoning_open))

@@ -1,40 +1,116 @@
-"""The server's own routes: the served model, the playground, health, readiness and metrics."""
+"""The server's own routes: the models (``GET /v1/models``, ``POST /models/load`` and ``/unload``),
+the playground, health, readiness and metrics."""
 
 from __future__ import annotations
 
+import json
+
+import trio
 from quart import Response, current_app
 
 from ringserve.core import health as core_health
-from ringserve.core.errors import ErrorKind, RingserveError
+from ringserve.core.errors import ErrorKind, RingserveError, invalid
+from ringserve.core.router import ModelStatus
+from ringserve.formats.generic import GENERIC
 from ringserve.http import context
 from ringserve.http.context import answering_errors, json_response
+from ringserve.live.hub import Hub
+from ringserve.live.models import ModelState
 from ringserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ringserve.surfaces import ringserve as ringserve_json
 from ringserve.surfaces.ringserve import ModelInfo
 
 
-def _served_model() -> ModelInfo:
-    """The served model (``UNAVAILABLE`` while it loads, without ``Retry-After``)."""
-    state = context.state()
-    if state.hub is None:
-        raise RingserveError(ErrorKind.UNAVAILABLE, "the model is still loading")
-    return ModelInfo(state.model_id, state.started, state.hub.runner.context_window)
+def _info(model: ModelState, started: float, now: float) -> ModelInfo:
+    """``model`` as ``GET /v1/models`` lists it (its front and runner say what is known of it)."""
+    front, runner, resident = model.front, model.runner, model.resident
+    stats = None if runner is None else runner.statistics()
+    tokenizer = None if front is None else front.tokenizer
+    return ModelInfo(
+        id=model.name,
+        started=started,
+        status=model.status,
+        aliases=model.entry.settings.model.aliases,
+        context_window=None if front is None else front.context_window,
+        progress=model.progress if model.status is ModelStatus.LOADING else None,
+        error=None if model.error is None or model.status is not ModelStatus.FAILED else model.error.message,
+        slots=None if stats is None else stats.slots_total,
+        busy_slots=None if stats is None else stats.slots_busy,
+        idle_seconds=max(0.0, now - resident.released_at) if resident.idle else None,
+        family=None if tokenizer is None else tokenizer.chat_format.name,
+        tools=None if tokenizer is None else tokenizer.chat_format is not GENERIC,
+        reasoning=None if tokenizer is None else tokenizer.chat_format.reasoning is not None,
+    )
 
 
 @answering_errors
 async def models() -> Response:
-    """``GET /v1/models``: the one served model, in the shape of the SDK that asks (Anthropic's
-    for a request with ``anthropic-version``, else OpenAI's)."""
-    return json_response(ringserve_json.models_json(_served_model(), context.request_surface().name))
+    """``GET /v1/models`` (and llama-server's ``GET /models``): every model of the catalog, loaded
+    or not, with its status, in the shape of the SDK that asks (Anthropic's for a request with
+    ``anthropic-version``, else OpenAI's)."""
+    state = context.state()
+    listed = [_info(m, state.started, trio.current_time()) for m in context.hub().models.models()]
+    return json_response(ringserve_json.models_json(listed, context.request_surface().name))
 
 
 @answering_errors
 async def model(model_id: str) -> Response:
-    """The served model under its own id (and, unless names are strict, under any id)."""
-    served = _served_model()
-    if model_id != served.id and context.state().config.router.strict_model_name:
-        raise RingserveError(ErrorKind.NOT_FOUND, f"no model {model_id[:100]!r}")
-    return json_response(ringserve_json.model_json(served, context.request_surface().name))
+    """``GET /v1/models/{id}``: the model ``id`` names (a name, an alias, a pattern; with no
+    ``strict_model_name``, any name reaches the default model)."""
+    state = context.state()
+    found = context.hub().models.find(model_id)
+    return json_response(ringserve_json.model_json(_info(found, state.started, trio.current_time()),
+                                                   context.request_surface().name))
+
+
+async def _model_named() -> str:
+    """The ``model`` of a ``/models/load`` or ``/models/unload`` body (llama-server's router's).
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST``: no JSON object with a ``model`` string.
+    """
+    try:
+        body = json.loads(await context.body())
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or not isinstance(body.get("model"), str) or not body["model"]:
+        raise invalid('the body must be a JSON object with a "model" name', param="model")
+    return str(body["model"])
+
+
+@answering_errors
+async def load_model() -> Response:
+    """``POST /models/load`` (llama-server's router): load the model the body names, answering once
+    it is loaded.
+
+    Raises (answered in the error shape of the request's surface):
+        RingserveError: ``INVALID_REQUEST`` (no name, or it is loaded already), ``NOT_FOUND``,
+            ``UNAVAILABLE`` (it cannot be loaded: the message says why).
+    """
+    pool = context.hub().models
+    found = pool.find(await _model_named())
+    if found.status is ModelStatus.LOADED:
+        raise invalid(f"the model {found.name!r} is loaded already", param="model")
+    await pool.load(found.name)
+    return json_response(ringserve_json.model_action_json())
+
+
+@answering_errors
+async def unload_model() -> Response:
+    """``POST /models/unload`` (llama-server's router): unload the model the body names, once
+    nothing runs on it (answering at once when nothing does).
+
+    Raises (answered in the error shape of the request's surface):
+        RingserveError: ``INVALID_REQUEST`` (no name, or it is not loaded), ``NOT_FOUND``,
+            ``CONFLICT`` (requests are running on it: it stays).
+    """
+    pool = context.hub().models
+    found = pool.find(await _model_named())
+    if found.status is not ModelStatus.LOADED:
+        raise invalid(f"the model {found.name!r} is not loaded", param="model")
+    if not await pool.unload(found.name):
+        raise RingserveError(ErrorKind.CONFLICT, f"the model {found.name!r} has requests running; it stays")
+    return json_response(ringserve_json.model_action_json())
 
 
 async def playground() -> Response:
@@ -51,8 +127,17 @@ async def health() -> Response:
     state = context.state()
     hub = state.hub
     status = core_health.health(loaded=hub is not None, draining=hub is not None and hub.draining)
-    body = ringserve_json.health_json(status, None if hub is None else state.model_id)
+    body = ringserve_json.health_json(status, *_names(hub))
     return json_response(body, 503 if status is core_health.Health.LOADING else 200)
+
+
+def _names(hub: Hub | None) -> tuple[str | None, list[str]]:
+    """The default model's name (None: none, or not up yet) and the loaded models' names."""
+    if hub is None:
+        return None, []
+    default = hub.models.catalog.resolve("")
+    loaded = [m.name for m in hub.models.models() if m.status is ModelStatus.LOADED]
+    return None if default is None else default.name, loaded
 
 
 async def ready() -> Response:
@@ -63,11 +148,11 @@ async def ready() -> Response:
     status = core_health.readiness(
         loaded=hub is not None,
         draining=hub is not None and hub.draining,
-        running=hub is not None and hub.runner.running,
+        running=hub is not None and all(m.runner.running for m in hub.models.models() if m.runner),
         store_available=hub is not None and hub.logs.available,
     )
     ready = status is core_health.Readiness.READY
-    return json_response(ringserve_json.ready_json(status, state.model_id), 200 if ready else 503)
+    return json_response(ringserve_json.ready_json(status, *_names(hub)), 200 if ready else 503)
 
 
 async def metrics() -> Response:

@@ -31,7 +31,7 @@ from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.signing import ReasoningSigner, new_key
 from ringserve.core.status import CancelReason, MessageStatus, Policy
 from ringserve.core.view import MessageView
-from ringserve.engine.runner import Runner
+from ringserve.live.models import Lease, ModelPool
 from ringserve.live.idempotency import SESSION_GRACE_SECONDS, Keys, SessionTurns, retry_answer, session_key, surface_key
 from ringserve.live.message import Created, LiveMessage
 from ringserve.live.persist import Persister
@@ -60,7 +60,7 @@ class Hub:
 
     Args:
         config: the server config (stream and policy tables are used).
-        runner: the engine's owner task.
+        models: the models this server serves (``live/models.py``), each with its runner.
         logs: the stream-log backend.
         cluster: what the replicas share (``logs/cluster.py``; one replica: ``LocalCluster``).
         store: the durable message store.
@@ -82,7 +82,7 @@ class Hub:
     def __init__(
         self,
         config: Config,
-        runner: Runner,
+        models: ModelPool,
         logs: LogStore,
         cluster: Cluster,
         store: MessageStore,
@@ -94,7 +94,7 @@ class Hub:
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()
         self.safety = safety
-        self.runner = runner
+        self.models = models
         self.logs = logs
         self.cluster = cluster
         self.store = store
@@ -103,7 +103,7 @@ class Hub:
         self.keys = Keys(cluster, store, find=self.find)
         self.sessions = SessionTurns(logs)
         self.persister = Persister(store, nursery, written=self._forget)
-        self._production = Production(config, runner, logs, store, self.persister, self.metrics, self.safety,
+        self._production = Production(config, logs, store, self.persister, self.metrics, self.safety,
                                       registered=self._live.__setitem__, on_idle=self._on_idle)
         self.signer = ReasoningSigner.from_text(config.server.signing_key or new_key())
         self.resume = Resume(config.server, logs, nursery, self.signer, stored=self.find_stored,
@@ -149,8 +149,9 @@ class Hub:
             ``INVALID_REQUEST`` (a prompt that does not fit the context, or a malformed
             ``Idempotency-Key``),
             ``OVERLOADED`` (queue full), ``UNAVAILABLE`` (draining, or a store
-            write failed less than ``persist.STORE_RETRY_SECONDS`` ago); a retry
-            that waited for the key's first attempt gets that attempt's error.
+            write failed less than ``persist.STORE_RETRY_SECONDS`` ago, or the model
+            cannot be loaded), ``NOT_FOUND`` (no model of that name: ``live/models.py``);
+            a retry that waited for the key's first attempt gets that attempt's error.
         """
         key = None if idempotency_key is None else surface_key(surface.name, idempotency_key)
         if self.draining:
@@ -164,10 +165,11 @@ class Hub:
                 return Created(answer, self.live(answer.id))
             replaces = existing.id
         self.persister.check_new()
+        lease = await self.models.lease(parsed.model)
         msg = LiveMessage(
             id=f"{surface.id_prefix}{secrets.token_hex(12)}",
             surface=surface.restored(parsed.echo, self.signer),
-            model=self.runner.model_id,
+            model=lease.name,
             created=int(time.time()),
             include_usage=parsed.include_usage,
             policy=policy,
@@ -177,10 +179,11 @@ class Hub:
             session_key=implicit,
             replaces=replaces,
         )
-        return await self._start(msg, parsed, request_json)
+        return await self._start(msg, parsed, request_json, lease)
 
-    async def _start(self, msg: LiveMessage, parsed: ParsedRequest, request_json: str) -> Created:
-        """Prepare ``msg``'s prompt, claim its key on every replica, and start its producer."""
+    async def _start(self, msg: LiveMessage, parsed: ParsedRequest, request_json: str, lease: Lease) -> Created:
+        """Prepare ``msg``'s prompt on ``lease``'s model, claim its key on every replica, and start its
+        producer (which releases the lease when it ends)."""
         key = msg.idempotency_key
         claimed = False
         if key is not None:
@@ -188,7 +191,7 @@ class Hub:
         if msg.session_key is not None:
             self.sessions.add(msg.session_key, msg)
         try:
-            prepared = await self.runner.prepare(parsed.request)
+            prepared = await lease.prompter.prepare(parsed.request)
             if key is not None:
                 claimed = True  # from the claim's round trip on, the key may name msg
                 elsewhere = await self.keys.claim(key, msg)
@@ -205,8 +208,9 @@ class Hub:
                 idempotency_key=key, input_tokens=len(prepared.prompt_tokens),
                 render=render_json(RenderArgs(parsed.include_usage, self.config.server.retry_ms, echo)),
             )
-            await self._nursery.start(self._production.run, msg, prepared, row)
+            await self._nursery.start(self._production.run, msg, prepared, row, lease)
         except BaseException as exc:
+            lease.release()
             if isinstance(exc, RingserveError):
                 msg.start_error = exc  # for the retries waiting on this attempt
             if msg.session_key is not None:

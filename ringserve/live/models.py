@@ -31,7 +31,7 @@ from ringserve.engine.loader import Front, ModelLoader
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.prompter import Prompter
 from ringserve.engine.protocol import Engine, EngineError
-from ringserve.engine.runner import Runner
+from ringserve.engine.runner import ModelsStatistics, ModelStatistics, Runner
 
 __all__ = ["Catalog", "CatalogEntry", "Lease", "ModelPool", "ModelState"]
 
@@ -300,9 +300,7 @@ class ModelPool:
             await self._nursery.start(self._run, model, runner)
             model.engine, model.runner, model.error = engine, runner, None
             self._router.loaded(model.name, trio.current_time(), front.memory)
-            log.info("ready: model %s, chat format %s, %d slots sharing %d tokens of KV cache, context %d"
-                     " tokens per request, GPU offload %s", model.name, front.tokenizer.chat_format.name,
-                     settings.engine.slots, engine.n_ctx, runner.context_window, engine.offload.describe())
+            log.info("loaded %s", self.summary(model))
         except RingserveError as exc:
             self._failed(model, exc)
         except (ModelFileError, EngineError, ValueError) as exc:
@@ -377,6 +375,23 @@ class ModelPool:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
+
+    @staticmethod
+    def summary(model: ModelState) -> str:
+        """What a loaded model runs with, for the log: ``model NAME (chat format ..., N slots sharing
+        ... tokens of KV cache, context ... tokens per request, GPU offload ...)``."""
+        assert model.front is not None and model.engine is not None and model.runner is not None
+        engine = model.engine
+        return (f"model {model.name} (chat format {model.front.tokenizer.chat_format.name},"
+                f" {model.entry.settings.engine.slots} slots sharing {engine.n_ctx} tokens of KV cache,"
+                f" context {model.runner.context_window} tokens per request,"
+                f" GPU offload {engine.offload.describe()})")
+
+    def statistics(self) -> ModelsStatistics:
+        """Each model's status and, while it is loaded, its runner's snapshot (for ``metrics.py``)."""
+        return ModelsStatistics(tuple(
+            ModelStatistics(m.name, m.status.value, None if m.runner is None else m.runner.statistics())
+            for m in self._models.values()))
 
     # -- by hand -------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ later than expected (a long decode, a keepalive).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -32,11 +33,13 @@ import attrs
 import trio
 
 from ringserve.config import Config
+from ringserve.core.errors import RingserveError
 from ringserve.core.events import Failure, Finish, GenerationEvent, Usage
 from ringserve.core.producer import Producer, Step
 from ringserve.core.safety import Check
 from ringserve.engine.runner import Generation, Prepared, Runner
 from ringserve.live.message import LiveMessage
+from ringserve.live.models import Lease
 from ringserve.live.persist import Persister
 from ringserve.live.safety import SafetyStage
 from ringserve.logs.memory import LogStore
@@ -58,6 +61,7 @@ class _Feed:
     """
 
     production: Production
+    runner: Runner
     msg: LiveMessage
     producer: Producer
     gen: Generation
@@ -85,7 +89,7 @@ class _Feed:
                     self.attention.set()
                     return
             # release now what the next pass (a decode step later) would serve over slack late
-            ahead = max(0.0, self.production.runner.last_step_seconds - self.slack)
+            ahead = max(0.0, self.runner.last_step_seconds - self.slack)
             if self.producer.deadline <= now + ahead:
                 self.production._perform(self.msg, self.producer.tick(now, ahead))
         except Exception as exc:
@@ -109,7 +113,6 @@ class Production:
 
     Args:
         config: the server config (``[stream]``, ``[server] retry_ms``).
-        runner: the engine's owner task.
         logs: the stream-log backend.
         store: the durable message store (the new row, and the key a retry takes over).
         persister: the snapshot writes and what follows a message's end.
@@ -122,7 +125,6 @@ class Production:
     """
 
     config: Config
-    runner: Runner
     logs: LogStore
     store: MessageStore
     persister: Persister
@@ -147,16 +149,26 @@ class Production:
             keepalive_seconds=self.config.server.heartbeat_interval,
         )
 
-    async def run(self, msg: LiveMessage, prepared: Prepared, row: StoredMessage, *,
+    async def run(self, msg: LiveMessage, prepared: Prepared, row: StoredMessage, lease: Lease, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Generate ``msg`` to its end: its row and its log first (``task_status.started()`` then),
-        then every event of the generation through its producer. Cancelled by
-        ``msg.cancel_scope``: the producer's ``interrupted`` end."""
+        """Generate ``msg`` to its end on ``lease``'s model: its row and its log first
+        (``task_status.started()`` then), then every event of the generation through its producer.
+        Cancelled by ``msg.cancel_scope``: the producer's ``interrupted`` end. The lease is released
+        at the end, whatever it is.
+
+        With the model loaded, the request is enqueued first, so a full queue is the client's
+        error before its stream (``OVERLOADED``). With the model still loading, the stream starts,
+        its keepalives go on while it loads (:meth:`_loaded`), and then the request is enqueued; a
+        load that fails, or a full queue then, ends the stream with the error in-band.
+        """
         msg.producer = producer = self.producer(msg, prepared)
         gen = None
         try:
             with msg.cancel_scope:
-                async with self.runner.submit(prepared) as gen:
+                async with contextlib.AsyncExitStack() as stack:
+                    runner = lease.model.runner
+                    if runner is not None:
+                        gen = await stack.enter_async_context(runner.submit(prepared))
                     if msg.replaces is not None:
                         self.store.update(msg.replaces, idempotency_key=None)  # the key moves to this message
                     self.store.insert(row)
@@ -164,17 +176,38 @@ class Production:
                     self.registered(msg.id, msg)
                     task_status.started()
                     self._perform(msg, producer.start(trio.current_time()))
-                    await self._pump(msg, producer, gen)
+                    if gen is None:
+                        try:
+                            runner = await self._loaded(msg, producer, lease)
+                            gen = await stack.enter_async_context(runner.submit(prepared))
+                        except RingserveError as exc:
+                            failure = Failure(exc.kind, exc.message, producer.usage, exc.retryable)
+                            self._perform(msg, producer.event(failure, producer.usage, trio.current_time()))
+                            return
+                    assert runner is not None
+                    await self._pump(msg, producer, gen, runner)
         finally:
+            lease.release()
             if msg.log is not None and not msg.log.closed:
                 usage = producer.usage if gen is None else gen.usage
                 self._perform(msg, producer.interrupted(msg.cancel_reason, usage, trio.current_time()))
 
-    async def _pump(self, msg: LiveMessage, producer: Producer, gen: Generation) -> None:
+    async def _loaded(self, msg: LiveMessage, producer: Producer, lease: Lease) -> Runner:
+        """The runner of ``lease``'s model once it is loaded; the stream's keepalives go on meanwhile.
+
+        Raises:
+            RingserveError: the model's load failed.
+        """
+        while True:
+            with trio.move_on_at(producer.deadline):
+                return await lease.runner()
+            self._perform(msg, producer.tick(trio.current_time()))
+
+    async def _pump(self, msg: LiveMessage, producer: Producer, gen: Generation, runner: Runner) -> None:
         """Have the runner feed the generation's events to the producer (:class:`_Feed`) and do
         what needs awaiting until the message ends; leaving returns to the runner's ``submit``
         block, which cancels a generation still running."""
-        feed = _Feed(self, msg, producer, gen, self.config.stream.flush_ms / 2000)
+        feed = _Feed(self, runner, msg, producer, gen, self.config.stream.flush_ms / 2000)
         gen.consume(feed)
         while not producer.ended:
             with trio.CancelScope(deadline=feed.fallback) as feed.timer:
@@ -187,7 +220,7 @@ class Production:
                 await self._resolve(feed)
             elif producer.deadline <= trio.current_time():  # no step came to tick it
                 if producer.text_waits:  # a keepalive is too small to wait for the decode step
-                    await self.runner.between_steps()
+                    await runner.between_steps()
                 self._perform(msg, producer.tick(trio.current_time()))
 
     async def _resolve(self, feed: _Feed) -> None:

@@ -11,11 +11,13 @@ in as plain values; this module only spells them.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
 from ringserve.core.health import Health, Readiness
+from ringserve.core.router import ModelStatus
 from ringserve.core.status import MessageStatus
 from ringserve.core.view import MessageView
 from ringserve.surfaces.base import Surface
@@ -100,49 +102,98 @@ def accepted_json(status: MessageStatus, token: StreamToken) -> dict[str, Any]:
 
 @attrs.frozen
 class ModelInfo:
-    """The served model: its id, when the server started (Unix seconds), and its context window
-    (tokens of KV cache per slot, the prompt and the reply together)."""
+    """A model of the catalog as ``GET /v1/models`` lists it.
+
+    Attributes:
+        id: its name.
+        started: when the server started (Unix seconds: the models' ``created``).
+        status: where it is (``core/router.py``).
+        aliases: other names and patterns that reach it.
+        context_window: the most tokens one request may hold, prompt and reply (None before
+            it was sized: it loads on its first request).
+        progress: the share of its weights loaded, while it loads.
+        error: why its last load failed.
+        slots: requests it decodes together; busy_slots: of those, holding a request now.
+        idle_seconds: since its last request ended, while it is loaded and nobody holds it.
+        family: its chat format (``ringserve/formats``), once known.
+        tools: whether its chat template has a tool-call syntax of its own (else ringserve's generic
+            one carries its calls); reasoning: whether its format has a thinking block.
+    """
 
     id: str
     started: float
-    context_window: int
+    status: ModelStatus = ModelStatus.LOADED
+    aliases: tuple[str, ...] = ()
+    context_window: int | None = None
+    progress: float | None = None
+    error: str | None = None
+    slots: int | None = None
+    busy_slots: int | None = None
+    idle_seconds: float | None = None
+    family: str | None = None
+    tools: bool | None = None
+    reasoning: bool | None = None
+
+
+def _ringserve_fields(model: ModelInfo) -> dict[str, Any]:
+    """What ringserve says of a model beyond an SDK's type (extra fields, which the SDKs keep):
+    its ``status`` in llama-server's router's shape (``{"value": "loaded"}``, with the load's
+    ``progress`` and a failure's ``failed`` and ``error``), aliases, what it supports and its load."""
+    status: dict[str, Any] = {"value": model.status.value}
+    if model.progress is not None:
+        status["progress"] = model.progress
+    if model.error is not None:
+        status |= {"failed": True, "error": model.error}
+    extra: dict[str, Any] = {"status": status, "aliases": list(model.aliases)}
+    optional = {"context_window": model.context_window, "slots": model.slots, "busy_slots": model.busy_slots,
+                "idle_seconds": model.idle_seconds, "family": model.family}
+    extra |= {key: value for key, value in optional.items() if value is not None}
+    if model.tools is not None and model.reasoning is not None:
+        extra["capabilities"] = {"tools": model.tools, "reasoning": model.reasoning}
+    return extra
 
 
 def _openai_model(model: ModelInfo) -> dict[str, Any]:
     """OpenAI's ``Model``, with the context window as ``max_input_tokens`` (Anthropic's name for
     it, "Maximum input context window size in tokens", ``anthropic/types/model_info.py``), an
-    extra field of OpenAI's type, which ``ringserve launch`` reads."""
+    extra field of OpenAI's type, which ``ringserve launch`` reads; and
+    :func:`_ringserve_fields`."""
+    window = {} if model.context_window is None else {"max_input_tokens": model.context_window}
     return {"id": model.id, "object": "model", "created": int(model.started), "owned_by": "ringserve",
-            "max_input_tokens": model.context_window}
+            **window, **_ringserve_fields(model)}
 
 
 def _anthropic_model(model: ModelInfo) -> dict[str, Any]:
     """Anthropic's ``ModelInfo`` (anthropic 2.16: ``lifecycle`` is required); the context window
-    bounds the prompt (``max_input_tokens``) and the reply (``max_tokens``)."""
+    bounds the prompt (``max_input_tokens``) and the reply (``max_tokens``); and :func:`_ringserve_fields`."""
+    window = {} if model.context_window is None else {"max_input_tokens": model.context_window,
+                                                      "max_tokens": model.context_window}
     return {
         "type": "model",
         "id": model.id,
         "display_name": model.id,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(model.started)),
         "lifecycle": "active",
-        "max_input_tokens": model.context_window,
-        "max_tokens": model.context_window,
+        **window,
+        **_ringserve_fields(model),
     }
 
 
-def _anthropic_page(model: ModelInfo) -> dict[str, Any]:
+def _anthropic_page(models: Sequence[ModelInfo]) -> dict[str, Any]:
     """Anthropic's ``SyncPage[ModelInfo]``."""
-    return {"data": [_anthropic_model(model)], "has_more": False, "first_id": model.id, "last_id": model.id}
+    return {"data": [_anthropic_model(m) for m in models], "has_more": False,
+            "first_id": models[0].id if models else None, "last_id": models[-1].id if models else None}
 
 
-def _openai_page(model: ModelInfo) -> dict[str, Any]:
+def _openai_page(models: Sequence[ModelInfo]) -> dict[str, Any]:
     """OpenAI's ``SyncPage[Model]``."""
-    return {"object": "list", "data": [_openai_model(model)]}
+    return {"object": "list", "data": [_openai_model(m) for m in models]}
 
 
 #: The surface whose request it is (``Surfaces.for_request``: Anthropic's by its
-#: ``anthropic-version`` header) → the shapes of the served model and of the models page its SDK reads.
-_MODEL_SHAPES = {
+#: ``anthropic-version`` header) → the shapes of a model and of the models page its SDK reads.
+_MODEL_SHAPES: dict[str, tuple[Callable[[ModelInfo], dict[str, Any]],
+                               Callable[[Sequence[ModelInfo]], dict[str, Any]]]] = {
     "anthropic": (_anthropic_model, _anthropic_page),
     "openai": (_openai_model, _openai_page),
     "responses": (_openai_model, _openai_page),
@@ -150,23 +201,30 @@ _MODEL_SHAPES = {
 
 
 def model_json(model: ModelInfo, surface: str) -> dict[str, Any]:
-    """``GET /v1/models/{id}``: the served model as the SDK of ``surface`` (its name) reads it."""
+    """``GET /v1/models/{id}``: a model as the SDK of ``surface`` (its name) reads it."""
     return _MODEL_SHAPES[surface][0](model)
 
 
-def models_json(model: ModelInfo, surface: str) -> dict[str, Any]:
-    """``GET /v1/models``: a one-model page as the SDK of ``surface`` reads it: Anthropic's
-    (``data``, ``has_more``, ``first_id``, ``last_id``) or OpenAI's (``object: "list"``, ``data``)."""
-    return _MODEL_SHAPES[surface][1](model)
+def models_json(models: Sequence[ModelInfo], surface: str) -> dict[str, Any]:
+    """``GET /v1/models``: every model of the catalog as the SDK of ``surface`` reads a page of
+    them: Anthropic's (``data``, ``has_more``, ``first_id``, ``last_id``) or OpenAI's
+    (``object: "list"``, ``data``)."""
+    return _MODEL_SHAPES[surface][1](models)
 
 
-def health_json(health: Health, model_id: str | None) -> dict[str, Any]:
-    """``GET /health``: the liveness status and the served model (None while loading)."""
-    return {"status": health.value, "model": model_id}
+def model_action_json() -> dict[str, Any]:
+    """``POST /models/load`` and ``/models/unload``: llama-server's router's answer."""
+    return {"success": True}
 
 
-def ready_json(readiness: Readiness, model_id: str) -> dict[str, Any]:
-    """``GET /ready``: the readiness status, with the served model once ready."""
+def health_json(health: Health, default: str | None, loaded: Sequence[str]) -> dict[str, Any]:
+    """``GET /health``: the liveness status, the default model (None: none, or still loading)
+    and the loaded models."""
+    return {"status": health.value, "model": default, "models": list(loaded)}
+
+
+def ready_json(readiness: Readiness, default: str | None, loaded: Sequence[str]) -> dict[str, Any]:
+    """``GET /ready``: the readiness status, with the default model and the loaded ones once ready."""
     if readiness is Readiness.READY:
-        return {"status": readiness.value, "model": model_id}
+        return {"status": readiness.value, "model": default, "models": list(loaded)}
     return {"status": readiness.value}

@@ -25,6 +25,7 @@ from ringserve.engine.fake import DEFAULT_REPLY, FakeEngine
 from ringserve.engine.runner import Runner
 from tests.support.server import fake_config, running_server
 from tests.support.helpers import OPENAI_BODY, openai_text, sse_events
+from bench.common import default_runner
 
 GUARD = 20  # seconds: a guard against hangs, not a wait
 
@@ -205,7 +206,7 @@ async def test_a_server_streams_the_whole_reply_in_either_mode(tmp_path, overlap
     """Over HTTP, with flush deadlines that pass during every decode (5 ms against 20 ms steps)."""
     config = fake_config(tmp_path, engine={"overlap": overlap}, stream={"flush_ms": 5.0})
     async with running_server(config, step_seconds=0.02) as state:
-        assert state.hub.runner.overlap is (overlap == "on")
+        assert default_runner(state.hub).overlap is (overlap == "on")
         async with httpx.AsyncClient(base_url=state.urls[0], timeout=GUARD) as client:
             body = {**OPENAI_BODY, "stream": True}
             resp, events, _ = await sse_events(client, "POST", "/v1/chat/completions", json=body)

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import trio
 
+from bench.common import default_runner, metric_totals
 from ringserve.core.errors import ErrorKind
 from ringserve.core.events import (
     BlockDelta,
@@ -186,7 +187,7 @@ async def test_surfaces_report_cached_tokens_in_their_own_fields(tmp_path):
             _, events, _ = await sse_events(client, "POST", "/v1/messages", json={**body, "stream": True})
             # the terminal event is in the log before the runner's next step releases the slot
             with trio.fail_after(10):
-                while state.hub.runner.statistics().slots_busy:
+                while default_runner(state.hub).statistics().slots_busy:
                     await trio.sleep(0.01)
             metrics = (await client.get("/metrics")).text
     n = first["usage"]["prompt_tokens"]
@@ -200,7 +201,7 @@ async def test_surfaces_report_cached_tokens_in_their_own_fields(tmp_path):
     assert delta["usage"]["cache_read_input_tokens"] == n - 1
 
     def metric(name: str) -> float:
-        return next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith(name + " "))
+        return metric_totals(metrics)[name]
 
     assert metric("ringserve_prefix_cache_lookup_tokens_total") == 4 * n
     assert metric("ringserve_prefix_cache_hit_tokens_total") == 3 * (n - 1)

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import pytest
 
-from ringserve.config import Config, LimitsConfig, PolicyConfig, RouterConfig
+from ringserve.config import Config, LimitsConfig, PolicyConfig
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import BlockDelta, BlockKind, BlockStart, BlockStop, ContentBlock, Failure, Finish, StopReason, Usage
 from ringserve.core.producer import Producer
@@ -45,14 +45,14 @@ def raw(body: Any) -> bytes:
 
 def admitted(body: Any = ANTHROPIC_BODY, headers: RequestHeaders = RequestHeaders(), config: Config = Config(),
              surface: Any = ANTHROPIC) -> Start:
-    decision = admit(surface, raw(body), headers, config, SERVED)
+    decision = admit(surface, raw(body), headers, config)
     assert isinstance(decision, Start), decision
     return decision
 
 
 def refused(body: Any = ANTHROPIC_BODY, headers: RequestHeaders = RequestHeaders(), config: Config = Config(),
             surface: Any = ANTHROPIC, *, raw_body: bytes | None = None) -> RingserveError:
-    decision = admit(surface, raw(body) if raw_body is None else raw_body, headers, config, SERVED)
+    decision = admit(surface, raw(body) if raw_body is None else raw_body, headers, config)
     assert isinstance(decision, Refuse), decision
     return decision.error
 
@@ -134,15 +134,6 @@ def test_the_text_limit_counts_tool_definitions_and_tool_calls_in_the_history() 
     assert error.param == "messages" and "at most 200 characters of message text" in error.message
 
 
-def test_a_strict_model_name_refuses_another_model_but_not_an_empty_one() -> None:
-    strict = Config(router=RouterConfig(strict_model_name=True))
-    error = refused(ANTHROPIC_BODY, config=strict)
-    assert (error.kind, error.param) == (ErrorKind.NOT_FOUND, "model") and "'any'" in error.message
-    admitted({**ANTHROPIC_BODY, "model": SERVED}, config=strict)
-    admitted({**OPENAI_BODY, "model": ""}, config=strict, surface=OPENAI)
-    admitted(ANTHROPIC_BODY)  # not strict: any name is served
-
-
 def test_prefer_respond_async_in_any_header_line_means_continue() -> None:
     for prefer in (("respond-async",), ("wait=5", "Respond-Async; x=1"), ("wait=5, respond-async",)):
         start = admitted(headers=RequestHeaders(prefer=prefer))
@@ -165,12 +156,12 @@ def test_the_disconnect_policy_header_wins_else_the_surfaces_setting() -> None:
 
 
 def test_the_first_failed_check_is_the_answer() -> None:
-    config = Config(limits=LimitsConfig(max_messages=1), router=RouterConfig(strict_model_name=True))
+    config = Config(limits=LimitsConfig(max_messages=1))
     bad_policy = RequestHeaders(disconnect_policy="never")
     assert "not valid JSON" in refused(headers=bad_policy, config=config, raw_body=b"nope").message
     two = {**ANTHROPIC_BODY, "messages": [{"role": "user", "content": "a"}] * 2}
-    assert refused(two, bad_policy, config).param == "messages"  # limits before the model name
-    assert refused(ANTHROPIC_BODY, bad_policy, config).param == "model"  # the model name before the policy
+    assert refused(two, bad_policy, config).param == "messages"  # limits before the policy
+    assert "Ringserve-Disconnect-Policy" in refused(ANTHROPIC_BODY, bad_policy, config).message
 
 
 # -- answer -----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import httpx
 import pytest
 import trio
 
+from bench.common import default_runner
 from ringserve.core.sse import SSEParser
 from ringserve.server import load_llama_engine
 from tests.support.helpers import anthropic_text, sse_events
@@ -34,7 +35,7 @@ async def real_server(tmp_path):
 async def test_stream_client_gone_frees_slot_within_one_step(real_server):
     """C1: max_tokens 4000, close the socket after 3 events."""
     state, client = real_server
-    runner = state.hub.runner
+    runner = default_runner(state.hub)
     events = 0
     async with client.stream("POST", "/v1/messages", json={**LONG, "stream": True}) as resp:
         message_id = resp.headers["x-message-id"]
@@ -68,7 +69,7 @@ async def test_stream_client_gone_frees_slot_within_one_step(real_server):
 async def test_non_stream_client_gone_frees_slot(real_server):
     """C2: stream false, max_tokens 4000, the client is killed once its tokens are being decoded."""
     state, client = real_server
-    runner = state.hub.runner
+    runner = default_runner(state.hub)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(partial(client.post, "/v1/chat/completions", json=LONG))
         await wait_until(lambda: runner.statistics().generated_tokens_total > 0)

@@ -16,6 +16,7 @@ from ringserve.store.sqlite import MessageStore
 from tests.support.server import fake_config, running_server
 from tests.support.helpers import anthropic_text, openai_text, sse_events
 from tests.http.test_resume import ASYNC, LONG_TEXT, body_for, wait_until
+from bench.common import default_runner
 
 PATHS = {"/v1/messages": "anthropic", "/v1/chat/completions": "openai"}
 KEY = {"Idempotency-Key": "one-key"}
@@ -143,10 +144,10 @@ async def test_a_retry_after_a_crash_or_drain_generates_the_message_again_under_
             assert answer["id"] == new
             text = answer["content"][0]["text"] if path == "/v1/messages" else answer["choices"][0]["message"]["content"]
             assert text == REPLY
-        prompt_tokens = state.hub.runner.statistics().prompt_tokens_total
+        prompt_tokens = default_runner(state.hub).statistics().prompt_tokens_total
         # the key now names the new, complete message: a further retry returns it as stored
         assert await post(client, path, body) == (200, new, answer)
-        assert state.hub.runner.statistics().prompt_tokens_total == prompt_tokens
+        assert default_runner(state.hub).statistics().prompt_tokens_total == prompt_tokens
         old_row = (await client.get(f"/v1/messages/{old}")).json()
         assert old_row["status"] == "interrupted" and REPLY.startswith(old_row["text"])
         assert (await client.get(f"/v1/messages/{new}")).json()["status"] == "complete"
@@ -173,7 +174,7 @@ async def test_failed_messages_are_generated_again_and_cancelled_ones_returned_a
             cancelled = (await client.post(path, json=body, headers={**headers, **ASYNC})).json()["id"]
             await wait_until(lambda: state.hub.live(cancelled).view().text)
             await client.post(f"/v1/messages/{cancelled}/cancel")
-            prompt_tokens = state.hub.runner.statistics().prompt_tokens_total
+            prompt_tokens = default_runner(state.hub).statistics().prompt_tokens_total
             if stream:
                 resp, events, _ = await sse_events(client, "POST", path, json=body, headers=headers)
                 assert resp.headers["x-message-id"] == cancelled and events[-1].event == "message_stop"
@@ -183,7 +184,7 @@ async def test_failed_messages_are_generated_again_and_cancelled_ones_returned_a
                 resp = await client.post(path, json=body, headers=headers)
                 assert resp.status_code == 200 and resp.json()["id"] == cancelled
                 assert resp.json()["stop_reason"] == "end_turn" and resp.json()["ringserve_cancelled"] is True
-            assert state.hub.runner.statistics().prompt_tokens_total == prompt_tokens
+            assert default_runner(state.hub).statistics().prompt_tokens_total == prompt_tokens
 
 
 # -- issue 33 item 5: one generation per logical turn of an agent's session ----------------------

@@ -26,6 +26,7 @@ from ringserve.server import serve
 from tests.support.server import fake_config, running_server
 from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY, sse_events
 from tests.support.wait import wait_until
+from bench.common import default_runner
 
 ROOT = Path(__file__).resolve().parents[2]
 ASYNC = {"Prefer": "respond-async"}
@@ -49,7 +50,10 @@ class Scrape:
                 self.samples[(s.name, frozenset(s.labels.items()))] = s.value
 
     def __call__(self, name: str, **labels: str) -> float:
-        return self.samples.get((name, frozenset(labels.items())), 0.0)
+        """The sample of ``name`` with ``labels``; the runners' series (labelled by ``model``) summed
+        over their models."""
+        return sum(value for (sample, sample_labels), value in self.samples.items()
+                   if sample == name and {k: v for k, v in sample_labels if k != "model"} == labels)
 
 
 async def scrape(client: httpx.AsyncClient) -> Scrape:
@@ -67,10 +71,10 @@ async def test_a_stream_a_cancel_and_resumes_are_counted(tmp_path):
     config = fake_config(tmp_path, stream={"flush_ms": 0.0})
     async with running_server(config, step_seconds=0.003, piece_bytes=2) as state, \
             httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
-        runner = state.hub.runner
+        runner = default_runner(state.hub)
         before = await scrape(client)
         assert before("ringserve_slots_total") == config.engine.slots
-        assert before("ringserve_kv_cells_total") == state.hub.runner.statistics().kv_cells_total == 16384  # the pool
+        assert before("ringserve_kv_cells_total") == default_runner(state.hub).statistics().kv_cells_total == 16384  # the pool
 
         # 1. a whole stream: TTFT, gaps between its text entries, TPOT
         resp, events, raw = await sse_events(client, "POST", "/v1/messages",
@@ -232,7 +236,7 @@ async def test_ready_is_503_until_the_model_is_loaded_and_while_draining(tmp_pat
                 with trio.fail_after(10):
                     while (await client.get("/ready")).status_code != 200:
                         await trio.sleep(0.01)
-                assert (await client.get("/health")).json() == {"status": "ok", "model": "fake"}
+                assert (await client.get("/health")).json() == {"status": "ok", "model": "fake", "models": ["fake"]}
                 # draining: the listener still answers while a generation finishes
                 mid = (await client.post("/v1/messages", json=body(LONG), headers=ASYNC)).json()["id"]
                 stop.set()

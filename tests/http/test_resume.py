@@ -9,6 +9,7 @@ import httpx
 import pytest
 import trio
 
+from bench.common import default_runner
 from ringserve.core.sse import SSEParser
 from ringserve.server import load_llama_engine
 from ringserve.store.sqlite import MessageStore
@@ -116,7 +117,7 @@ async def test_continue_policy_finishes_and_persists(tmp_path):
             message_id = resp.headers["x-message-id"]
             async for _ in resp.aiter_raw():
                 break
-        await wait_until(lambda: state.hub.runner.statistics().slots_busy == 0)
+        await wait_until(lambda: default_runner(state.hub).statistics().slots_busy == 0)
         status = (await client.get(f"/v1/messages/{message_id}")).json()
         assert status["status"] == "complete"
         assert status["text"] == LONG_TEXT.removeprefix("echo:")
@@ -136,7 +137,7 @@ async def test_per_request_policy_override(tmp_path):
             message_id = resp.headers["x-message-id"]
             async for _ in resp.aiter_raw():
                 break
-        await wait_until(lambda: state.hub.runner.statistics().slots_busy == 0)
+        await wait_until(lambda: default_runner(state.hub).statistics().slots_busy == 0)
         assert (await client.get(f"/v1/messages/{message_id}")).json()["status"] == "complete"
         bad = await client.post("/v1/chat/completions", headers={"Ringserve-Disconnect-Policy": "maybe"},
                                 json=body_for("/v1/chat/completions", "hi"))
@@ -165,7 +166,7 @@ async def test_explicit_cancel_ends_every_reader_with_a_terminal_event(tmp_path)
             final = json.loads(events[-2].data)
             assert final["choices"][0]["finish_reason"] == "stop"
             assert final["choices"][0]["ringserve_cancelled"] is True
-        await wait_until(lambda: state.hub.runner.statistics().slots_busy == 0)  # within one step
+        await wait_until(lambda: default_runner(state.hub).statistics().slots_busy == 0)  # within one step
         usage = answer.json()["usage"]
         assert 0 < usage["output_tokens"] < 200
 
@@ -191,7 +192,7 @@ async def test_idempotent_retry_returns_the_same_message(tmp_path):
         second = await client.post("/v1/messages", json=body, headers={"Idempotency-Key": "k-1"})
         assert first.status_code == second.status_code == 200
         assert first.json() == second.json()
-        assert state.hub.runner.statistics().prompt_tokens_total == first.json()["usage"]["input_tokens"]
+        assert default_runner(state.hub).statistics().prompt_tokens_total == first.json()["usage"]["input_tokens"]
         other = await client.post("/v1/messages", json={**body, "max_tokens": 7}, headers={"Idempotency-Key": "k-1"})
         assert other.status_code == 422
         assert other.json()["error"]["type"] == "invalid_request_error"
@@ -207,7 +208,7 @@ async def test_idempotent_retry_returns_the_same_message(tmp_path):
                 nursery.start_soon(retry)
         assert answers[0] == answers[1] == answers[2]
         expected = first.json()["usage"]["input_tokens"] + answers[0]["usage"]["input_tokens"]
-        assert state.hub.runner.statistics().prompt_tokens_total == expected
+        assert default_runner(state.hub).statistics().prompt_tokens_total == expected
 
 
 async def test_resume_answers_for_bad_ids_unknown_and_expired(tmp_path):

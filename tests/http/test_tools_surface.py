@@ -19,6 +19,7 @@ import pydantic
 import pytest
 import trio
 
+from bench.common import default_runner
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.events import (
     BlockDelta,
@@ -475,7 +476,7 @@ async def test_a_prompt_longer_than_a_slot_is_counted_and_its_generation_refused
     """``count_tokens`` counts a prompt the context cannot hold (how a client such as Claude Code
     learns how much to trim), where the generation route answers its 400."""
     state, client = fake_server
-    ctx = state.hub.runner.context_window
+    ctx = default_runner(state.hub).context_window
     body = {"model": "any", "messages": [{"role": "user", "content": "w " * ctx}]}
     resp = await client.post("/v1/messages/count_tokens", json=body)
     assert resp.status_code == 200, resp.text

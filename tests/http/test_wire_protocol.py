@@ -9,6 +9,7 @@ import httpx
 import pytest
 import trio
 
+from bench.common import default_runner
 from ringserve.core.sse import SSEParser
 from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY, anthropic_text, openai_text, sse_events
 from tests.support.server import fake_config, running_server
@@ -257,8 +258,8 @@ async def test_raw_socket_framing_byte_by_byte(fake_server):
 async def test_models_and_health(fake_server):
     state, client = fake_server
     models = (await client.get("/v1/models")).json()
-    assert models["data"][0]["id"] == state.model_id
-    assert models["data"][0]["max_input_tokens"] == state.hub.runner.context_window == 16384  # a request's window
+    assert models["data"][0]["id"] == default_runner(state.hub).model_id
+    assert models["data"][0]["max_input_tokens"] == default_runner(state.hub).context_window == 16384  # a request's window
     assert (await client.get("/health")).status_code == 200
 
 
@@ -276,17 +277,19 @@ async def test_models_answer_in_the_shape_of_the_sdk_that_asks(fake_server):
     """Anthropic's SDK (it sends ``anthropic-version``) gets its list and ``ModelInfo``; any other
     client OpenAI's (``ringserve launch`` reads ``max_input_tokens`` there)."""
     state, client = fake_server
-    one = (await client.get(f"/v1/models/{state.model_id}")).json()
-    assert one["id"] == state.model_id and one["object"] == "model" and "type" not in one
+    one = (await client.get(f"/v1/models/{default_runner(state.hub).model_id}")).json()
+    assert one["id"] == default_runner(state.hub).model_id and one["object"] == "model" and "type" not in one
     version = {"anthropic-version": "2023-06-01"}
-    one = (await client.get(f"/v1/models/{state.model_id}", headers=version)).json()
-    assert one["id"] == state.model_id and one["type"] == "model" and one["lifecycle"] == "active"
+    one = (await client.get(f"/v1/models/{default_runner(state.hub).model_id}", headers=version)).json()
+    assert one["id"] == default_runner(state.hub).model_id and one["type"] == "model" and one["lifecycle"] == "active"
     page = (await client.get("/v1/models", headers=version)).json()
-    assert page == {"data": [one], "has_more": False, "first_id": state.model_id, "last_id": state.model_id}
+    name = default_runner(state.hub).model_id
+    page["data"][0].pop("idle_seconds"), one.pop("idle_seconds")  # (a clock, read twice)
+    assert page == {"data": [one], "has_more": False, "first_id": name, "last_id": name}
     sdk = anthropic.AsyncAnthropic(base_url=state.urls[0], api_key="unused")
     listed = [m async for m in sdk.models.list()]
-    assert [(m.id, m.max_input_tokens) for m in listed] == [(state.model_id, 16384)]
-    assert (await sdk.models.retrieve(state.model_id)).display_name == state.model_id
+    assert [(m.id, m.max_input_tokens) for m in listed] == [(default_runner(state.hub).model_id, 16384)]
+    assert (await sdk.models.retrieve(default_runner(state.hub).model_id)).display_name == default_runner(state.hub).model_id
     resp = await client.get("/v1/embeddings")
     assert resp.status_code == 404 and set(resp.json()["error"]) == {"message", "type", "param", "code"}
 

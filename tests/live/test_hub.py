@@ -18,14 +18,17 @@ import attrs
 import pytest
 import trio
 
+from bench.common import default_runner
 from ringserve.config import Config
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.sse import SSEParser
 from ringserve.core.status import CancelReason, MessageStatus, Policy
+from ringserve.engine.catalog import discover
 from ringserve.engine.fake import FakeEngine
-from ringserve.engine.runner import Runner
+from ringserve.engine.loader import FactoryLoader
 from ringserve.live.hub import Hub
 from ringserve.live.message import Created, LiveMessage
+from ringserve.live.models import ModelPool
 from ringserve.live.persist import STORE_RETRY_SECONDS
 from ringserve.live.resume import StreamEnded
 from ringserve.logs.cluster import LocalCluster
@@ -65,15 +68,15 @@ async def running_hub(config: Config = Config(), engine: Callable[..., FakeEngin
                       **fake: Any) -> AsyncIterator[Hub]:
     """A hub over a :class:`FakeEngine` (made by ``engine``; ``fake``: its arguments), a memory
     log store and a ``:memory:`` message store; everything is cancelled at the end."""
-    engine = engine(n_slots=config.engine.slots, **fake)
+    made = engine(n_slots=config.engine.slots, **fake)
     store = MessageStore(":memory:")
     try:
         async with trio.open_nursery() as nursery:
-            runner = Runner(engine, config.engine)
-            await nursery.start(runner.run)
+            pool = ModelPool(discover(config), FactoryLoader(lambda _settings: made), nursery, max_loaded=1)
+            await pool.load("")
             logs = MemoryLogStore(config.stream)
             await nursery.start(logs.run)
-            yield Hub(config, runner, logs, LocalCluster(), store, nursery, safety=None)
+            yield Hub(config, pool, logs, LocalCluster(), store, nursery, safety=None)
             nursery.cancel_scope.cancel()
     finally:
         store.close()
@@ -139,7 +142,7 @@ async def test_text_waiting_for_its_window_is_released_by_the_producer_s_timer_w
     async with running_hub(config, StallingEngine, record=True) as hub:
         msg = live(await create(hub, "echo:hello world"))
         await wait_until(lambda: msg.view().text == "hell", timeout=3600)  # the first text goes at once
-        await wait_until(lambda: len(hub.runner._engine.log) == 2, timeout=3600)  # type: ignore[attr-defined]
+        await wait_until(lambda: len(default_runner(hub)._engine.log) == 2, timeout=3600)  # type: ignore[attr-defined]
         start = trio.current_time()
         await wait_until(lambda: msg.view().text == "hello wo", timeout=3600, interval=1.0)  # while decode 3 waits
         assert trio.current_time() - start >= 600
@@ -162,12 +165,12 @@ async def test_cancel_ends_every_reader_with_a_terminal_event_and_frees_the_slot
         assert ended.status is MessageStatus.CANCELLED and 0 < ended.usage.output_tokens < 400
         assert reading[0][-1].event == "message_stop"
         assert json.loads(reading[0][-2].data)["delta"]["ringserve_cancelled"] is True
-        await hub.runner.wait_idle()
-        stats = hub.runner.statistics()
+        await default_runner(hub).wait_idle()
+        stats = default_runner(hub).statistics()
         assert (stats.slots_busy, stats.kv_cells_used, stats.cancels) == (0, 0, 1)
         steps = stats.steps
         await trio.sleep(0.2)  # 200 steps' time: no decode step for the cancelled message
-        assert hub.runner.statistics().steps == steps
+        assert default_runner(hub).statistics().steps == steps
         assert hub.store.get(msg.id).status is MessageStatus.CANCELLED
 
 
@@ -189,8 +192,8 @@ async def test_abort_policy_cancels_after_the_grace_unless_a_reader_comes_back()
         assert trio.current_time() - t1 >= grace and t1 - t0 > grace  # the first grace did not end it
         assert (msg.cancel_reason, msg.status) == (CancelReason.CLIENT_GONE, MessageStatus.CANCELLED)
         assert hub.lookup(msg.id).usage.output_tokens > 0
-        await hub.runner.wait_idle()
-        assert hub.runner.statistics().kv_cells_used == 0
+        await default_runner(hub).wait_idle()
+        assert default_runner(hub).statistics().kv_cells_used == 0
 
 
 async def test_continue_policy_finishes_with_no_reader(autojump_clock):
@@ -238,7 +241,7 @@ async def test_an_idempotent_retry_finds_its_message_live_or_stored_and_regenera
         await read_to_end(live(first))
         stored = await create(hub, LONG, key="k")
         assert (stored.view.id, stored.live, stored.view.status) == (first.view.id, None, MessageStatus.COMPLETE)
-        assert hub.runner.statistics().prompt_tokens_total == first.view.usage.input_tokens  # one generation
+        assert default_runner(hub).statistics().prompt_tokens_total == first.view.usage.input_tokens  # one generation
         hub.store.update(first.view.id, status=MessageStatus.FAILED)  # as if it had failed
         retried = await create(hub, LONG, key="k")
         assert retried.view.id != first.view.id and retried.live is not None

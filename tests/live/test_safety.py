@@ -48,6 +48,7 @@ from ringserve.live.safety import InlineChecker, SafetySetupError, SafetyStage, 
 from tests.support import safety_checkers
 from tests.support.server import fake_config, running_server
 from tests.support.helpers import RecordingRenderer, anthropic_text, openai_text, sse_events
+from bench.common import default_runner
 
 GUARD = 20  # seconds: no test comes near this
 ALLOW = Verdict.allow()
@@ -511,8 +512,8 @@ async def test_a_pattern_mid_stream_reaches_no_reader_and_is_never_stored(tmp_pa
         _, replay, replay_raw = await sse_events(client, "GET", f"/v1/messages/{message_id}/stream")
         stored = (await client.get(f"/v1/messages/{message_id}")).json()
         whole = (await client.post(path, json=body(path, "echo:" + SECRET_REPLY))).json()
-        await state.hub.runner.wait_idle()
-        stats = state.hub.runner.statistics()
+        await default_runner(state.hub).wait_idle()
+        stats = default_runner(state.hub).statistics()
 
     text = text_of(path, live)
     # released: a prefix of the reply that stops before the match, and not much before it
@@ -582,8 +583,8 @@ async def test_a_slow_threaded_classifier_never_stalls_decoding(tmp_path):
                 httpx.AsyncClient(base_url=state.urls[0], timeout=GUARD) as client:
             created = (await client.post("/v1/messages", json=body("/v1/messages", "hi"), headers=ASYNC)).json()
             await trio.to_thread.run_sync(safety_checkers.WAITING.wait, GUARD)  # the first check hangs
-            await state.hub.runner.wait_idle()  # meanwhile the whole reply was decoded
-            stats = state.hub.runner.statistics()
+            await default_runner(state.hub).wait_idle()  # meanwhile the whole reply was decoded
+            stats = default_runner(state.hub).statistics()
             assert stats.generated_tokens_total == FakeEngine(piece_bytes=4).reply_tokens("hi")
             status = (await client.get(f"/v1/messages/{created['id']}")).json()
             assert (status["status"], status["text"]) == ("generating", "")

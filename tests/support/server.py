@@ -31,11 +31,15 @@ MODEL_TOML = f"[model]\nn_threads = {MODEL_THREADS}\nkv_unified = false\n"
 SERVE = (sys.executable, "-m", "ringserve", "serve", "--port", "0")
 
 
+#: The name the test config gives its model (what the fake engine calls itself).
+FAKE_MODEL = "fake"
+
+
 def fake_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
-    """A test config: port 0, a store in ``tmp_path``, :data:`MODEL_THREADS` and a split pool for a real
-    model (as :data:`MODEL_TOML`), overrides per table."""
+    """A test config: port 0, a store in ``tmp_path``, the model named :data:`FAKE_MODEL`,
+    :data:`MODEL_THREADS` and a split pool for a real model (as :data:`MODEL_TOML`), overrides per table."""
     config = (Config().replace("server", port=0).replace("store", path=str(tmp_path / "store.sqlite3"))
-              .replace("model", n_threads=MODEL_THREADS, kv_unified=False))
+              .replace("model", n_threads=MODEL_THREADS, kv_unified=False, name=FAKE_MODEL))
     for section, changes in sections.items():
         config = config.replace(section, **changes)
     return config

@@ -56,6 +56,7 @@ import httpx
 import pytest
 import trio
 
+from bench.common import metric_totals
 from ringserve.config import Config
 from ringserve.core.events import Effort, GenerationRequest, Role
 from ringserve.core.sampling import ResolvedSampling
@@ -463,7 +464,7 @@ async def test_codex_says_hi_on_the_bundled_model(tmp_path, caplog, monkeypatch)
     events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     said = [e["item"]["text"] for e in events if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]
     usage = next(e["usage"] for e in events if e["type"] == "turn.completed")
-    counted = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("ringserve_")}
+    counted = metric_totals(metrics)
     assert len(said) == 1 and said[0].strip(), events
     assert usage["input_tokens"] == counted["ringserve_prompt_tokens_total"] < MODEL_CTX, (usage, metrics)
     assert usage["output_tokens"] == counted["ringserve_generated_tokens_total"] > 0, (usage, metrics)

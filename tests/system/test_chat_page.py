@@ -6,7 +6,6 @@ See ``tests/support/browser.py`` for the browser set-up and where screenshots go
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from tests.support.browser import (Browser, answer, in_browser, require_browser,
                            wait_finished)
 from tests.support.server import fake_config, running_server
 from tests.support.wait import wait_until
+from bench.common import metric_totals
 
 #: About 12 s of generation on the fake engine (2-byte tokens, 40 ms a step): time for three reloads.
 LONG = "Reloading the page mid-answer must continue it where it was, with no repeated and no missing text. " * 6
@@ -245,9 +245,7 @@ async def test_a_second_tab_follows_the_same_answer_live(tmp_path: Path) -> None
 
 
 def metric(text: str, name: str) -> float:
-    m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-    assert m, name
-    return float(m.group(1))
+    return metric_totals(text)[name]
 
 
 async def test_stop_in_one_tab_stops_both_and_frees_the_slot(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import trio
 
-from bench.common import ServerProcess
+from bench.common import ServerProcess, metric_totals
 from ringserve.core.sse import SSEParser
 from tests.http.test_drain import FakeServerProcess, _toml
 from tests.support.helpers import ANTHROPIC_BODY
@@ -158,7 +158,7 @@ async def test_the_scale_out_nginx_config_spreads_resumes_over_both_replicas(rep
 
 
 def _metric(text: str, name: str) -> float:
-    return float(re.search(rf"^{name} (\S+)$", text, re.M)[1])
+    return metric_totals(text)[name]
 
 
 async def test_status_stream_token_and_cancel_through_b_for_a_message_generated_on_a(tmp_path):

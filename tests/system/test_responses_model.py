@@ -5,13 +5,13 @@ Kept short: greedy decoding, few tokens, the session's shared ``model_server`` (
 
 from __future__ import annotations
 
-import re
 import time
 
 import httpx
 import openai
 import pytest
 
+from bench.common import metric_totals
 from tests.http.test_responses import check_stream, read_to_seq_10
 
 pytestmark = pytest.mark.model
@@ -26,8 +26,7 @@ def client(model_server) -> openai.OpenAI:
 
 
 def kv_cells_used(url: str) -> int:
-    text = httpx.get(url + "/metrics").text
-    return int(re.search(r"^ringserve_kv_cells_used (\d+)", text, re.M).group(1))
+    return int(metric_totals(httpx.get(url + "/metrics").text)["ringserve_kv_cells_used"])
 
 
 def test_stream_equals_plain_with_equal_usage(client):
