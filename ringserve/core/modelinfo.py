@@ -128,10 +128,10 @@ class GGUFInfo:
             (None where absent).
         file_type: ``general.file_type`` by llama.cpp's ``LLAMA_FTYPE_MOSTLY_*`` name without the
             prefix (``Q4_K_M``, ``F16``; gguf-py's ``LlamaFileType``); None when absent or unknown.
-        n_ctx_train: ``<arch>.context_length`` (tokens; 0 when absent).
+        n_ctx_train: ``<arch>.context_length`` (tokens).
         n_layer: ``<arch>.block_count``, the repeating layers.
         n_embd: ``<arch>.embedding_length``.
-        n_vocab: the tokens in ``tokenizer.ggml.tokens``.
+        n_vocab: the tokens in ``tokenizer.ggml.tokens`` (else ``<arch>.vocab_size``, else 0).
         n_head, n_head_kv: per layer, ``<arch>.attention.head_count`` and ``head_count_kv`` (a
             number or an array; ``n_head_kv`` defaults to ``n_head``).
         key_length, value_length: a head's K and V width, ``<arch>.attention.key_length`` /

@@ -241,7 +241,8 @@ def _info(headers: list[_Header]) -> GGUFInfo:
         n_ctx_train=_required(fields, key(llm.CONTEXT_LENGTH), int),
         n_layer=n_layer,
         n_embd=n_embd,
-        n_vocab=tokens.length if isinstance(tokens, _Long) else len(tokens),
+        n_vocab=(tokens.length if isinstance(tokens, _Long) else len(tokens))
+        or int(fields.get(key(llm.VOCAB_SIZE), 0)),
         n_head=n_head,
         n_head_kv=n_head_kv,
         key_length=key_length,
