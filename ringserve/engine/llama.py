@@ -47,6 +47,7 @@ from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.events import ChatMessage, GenerationRequest, Role, TokenLogprob, TopLogprob
 from ringserve.core.offload import ALL_LAYERS, plan_offload
 from ringserve.core.sampling import ResolvedSampling
+from ringserve.core.sizing import CacheType, GpuMemory, MemoryReport
 from ringserve.core.toolcalls import plain_messages
 from ringserve.engine._native import llama_cpp as lc
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
@@ -65,7 +66,7 @@ from ringserve.formats.template import (
     prompt_fragments,
 )
 
-__all__ = ["ChatTemplateError", "LlamaEngine"]
+__all__ = ["ChatTemplateError", "LlamaEngine", "host_available", "memory_report"]
 
 log = logging.getLogger("ringserve.engine")
 
@@ -114,10 +115,10 @@ class _DeviceType(enum.IntEnum):
     ACCEL = 3  # BLAS, AMX: works beside the CPU, never an offload target
 
 
-def gpu_devices() -> tuple[str, ...]:
-    """The devices llama.cpp offloads layers to, each ``NAME (DESCRIPTION)``: the GPUs ggml
+def _offload_devices() -> list[tuple[int, str]]:
+    """(handle, ``NAME (DESCRIPTION)``) of each device llama.cpp offloads layers to: the GPUs ggml
     registered, or, when there is none, the integrated GPUs (as ``llama_model_load_from_file_impl``
-    in llama.cpp's ``src/llama.cpp`` picks them). Empty on a CPU-only build.
+    in llama.cpp's ``src/llama.cpp`` picks them).
 
     ggml's device registry (``ggml_backend_dev_*``, ``ggml/include/ggml-backend.h``) has no
     binding in llama-cpp-python; its functions are reached through ``libllama``'s handle, which
@@ -132,14 +133,89 @@ def gpu_devices() -> tuple[str, ...]:
     for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
         getattr(lib, name).argtypes = [ctypes.c_void_p]
         getattr(lib, name).restype = ctypes.c_char_p
-    found: dict[_DeviceType, list[str]] = {_DeviceType.GPU: [], _DeviceType.IGPU: []}
+    found: dict[_DeviceType, list[tuple[int, str]]] = {_DeviceType.GPU: [], _DeviceType.IGPU: []}
     for i in range(lib.ggml_backend_dev_count()):
         dev = lib.ggml_backend_dev_get(i)
         kind = lib.ggml_backend_dev_type(dev)
         if kind in found:
             name = lib.ggml_backend_dev_name(dev).decode(errors="replace")
-            found[_DeviceType(kind)].append(f"{name} ({lib.ggml_backend_dev_description(dev).decode(errors='replace')})")
-    return tuple(found[_DeviceType.GPU] or found[_DeviceType.IGPU])
+            found[_DeviceType(kind)].append((dev, f"{name} ({lib.ggml_backend_dev_description(dev).decode(errors='replace')})"))
+    return found[_DeviceType.GPU] or found[_DeviceType.IGPU]
+
+
+def gpu_devices() -> tuple[str, ...]:
+    """The devices llama.cpp offloads layers to, each ``NAME (DESCRIPTION)`` (:func:`_offload_devices`).
+    Empty on a CPU-only build. Call after ``llama_backend_init``."""
+    return tuple(name for _, name in _offload_devices())
+
+
+def memory_report() -> MemoryReport:
+    """The memory a model may use now: each offload device's free and total bytes
+    (``ggml_backend_dev_memory``) and the host's available bytes (:func:`host_available`).
+
+    Initializes llama.cpp's backends (``llama_backend_init``) if no engine has.
+    """
+    _init_backend()
+    lib = lc.llama_cpp._lib
+    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    lib.ggml_backend_dev_memory.restype = None
+    gpus = []
+    for dev, name in _offload_devices():
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        gpus.append(GpuMemory(name, free.value, total.value))
+    return MemoryReport(tuple(gpus), host_available())
+
+
+def host_available(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Bytes the host can give this process without swapping: ``MemAvailable`` of
+    ``/proc/meminfo``, or, when lower, the cgroup's limit less what it uses that the kernel
+    cannot reclaim (cgroup v2 ``memory.max - memory.current + inactive_file`` of ``memory.stat``,
+    as the kubelet counts a container's working set; v1 ``memory.limit_in_bytes -
+    memory.usage_in_bytes + total_inactive_file``), the cgroup found from ``/proc/self/cgroup``.
+    A file that is missing or unreadable counts as no limit; no ``MemAvailable`` counts as 0.
+    """
+    available = 0
+    for line in _read(proc / "meminfo").splitlines():
+        if line.startswith("MemAvailable:"):
+            available = int(line.split()[1]) * 1024
+    for limit_name, usage_name, inactive_name in (
+        ("memory.max", "memory.current", "inactive_file"),
+        ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+    ):
+        for folder in _cgroup_folders(proc, cgroup):
+            limit, usage = _read(folder / limit_name).strip(), _read(folder / usage_name).strip()
+            if not limit.isdigit() or not usage.isdigit():
+                continue
+            inactive = 0
+            for line in _read(folder / "memory.stat").splitlines():
+                key, _, value = line.partition(" ")
+                if key == inactive_name and value.strip().isdigit():
+                    inactive = int(value)
+            available = min(available, max(0, int(limit) - int(usage) + inactive))
+    return available
+
+
+def _cgroup_folders(proc: Path, cgroup: Path) -> list[Path]:
+    """This process's memory cgroup folders under ``cgroup`` (``/proc/self/cgroup``: ``0::/path``
+    for v2, ``N:memory:/path`` for v1; ``cgroup/memory`` for v1's hierarchy), and the root's."""
+    folders = [cgroup, cgroup / "memory"]
+    for line in _read(proc / "self" / "cgroup").splitlines():
+        _, controllers, rel = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        rel = rel.lstrip("/")
+        if controllers == "" and rel:
+            folders.append(cgroup / rel)
+        elif "memory" in controllers.split(",") and rel:
+            folders.append(cgroup / "memory" / rel)
+    return folders
+
+
+def _read(path: Path) -> str:
+    """A small system file's text, ``""`` when it is missing or unreadable."""
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 class ChatTemplateError(ModelFileError):
@@ -219,6 +295,33 @@ def token_logprob(logits: np.ndarray, token: int, n_top: int, piece: Callable[[i
     else:
         alternatives = ()
     return TokenLogprob(piece(token), float(logits[token]) - total, alternatives)
+
+
+#: ``enum ggml_type`` of each cache type (``ggml/include/ggml.h``; llama-cpp-python has no
+#: ``GGML_TYPE_BF16``).
+_GGML_TYPES = {
+    CacheType.F16: lc.GGML_TYPE_F16,
+    CacheType.BF16: 30,  # GGML_TYPE_BF16
+    CacheType.Q8_0: lc.GGML_TYPE_Q8_0,
+    CacheType.Q4_0: lc.GGML_TYPE_Q4_0,
+}
+
+
+def _flash_attn_for(type_v: CacheType, flash_attn: bool | None) -> bool | None:
+    """The flash attention setting for a V cache of ``type_v``: a quantized V cache needs it
+    (llama.cpp refuses the context without it), so llama.cpp's choice (None) becomes on, with a
+    log line.
+
+    Raises:
+        ValueError: a quantized ``type_v`` with flash attention off.
+    """
+    if not type_v.quantized:
+        return flash_attn
+    if flash_attn is False:
+        raise ValueError(f"a {type_v} V cache needs flash attention, which is off (turn it on or use an f16 V cache)")
+    if flash_attn is None:
+        log.info("flash attention on: the %s V cache needs it", type_v)
+    return True
 
 
 def _check_sizes(n_slots: int, n_ctx: int, n_batch: int, n_threads: int) -> None:
@@ -337,6 +440,10 @@ class LlamaEngine:
             greedy output after a prompt-prefix cache hit (the rest of the
             prompt fed in other batch shapes) can differ from a full
             prefill's; off, it does not.
+        type_k, type_v: the KV cache's element types (llama.cpp's ``-ctk`` /
+            ``-ctv``; :class:`~ringserve.core.sizing.CacheType`). A quantized V
+            cache needs flash attention: with ``flash_attn=None`` it is turned on
+            (and logged), with ``flash_attn=False`` the engine refuses.
         model_id: name reported to clients; default the file's stem.
         chat_template: the chat template's Jinja source, over the GGUF's
             ``tokenizer.chat_template`` (``[model] chat_template_file``); None:
@@ -386,7 +493,8 @@ class LlamaEngine:
             ``n_gpu_layers`` when layers were to go to a GPU).
         ChatTemplateError: the chat template does not compile, or
             ``chat_format`` names no family.
-        ValueError: a size argument is out of range.
+        ValueError: a size argument is out of range, or a quantized ``type_v``
+            with ``flash_attn=False``.
         EngineError: ``n_ctx`` is above ``n_slots * n_ctx_train`` (refused
             before anything is allocated: a typo would take GBs), or llama.cpp
             could not create the context or the batch.
@@ -404,6 +512,8 @@ class LlamaEngine:
         n_threads: int = 0,
         use_extra_bufts: bool = False,
         flash_attn: bool | None = False,
+        type_k: CacheType = CacheType.F16,
+        type_v: CacheType = CacheType.F16,
         model_id: str | None = None,
         chat_template: str | None = None,
         chat_format: str | None = None,
@@ -415,6 +525,7 @@ class LlamaEngine:
         path = check_model_file(path)
         _init_backend()
         _check_sizes(n_slots, n_ctx, n_batch, n_threads)
+        flash_attn = _flash_attn_for(type_v, flash_attn)
         self.path = path
         self.model_id = model_id or path.stem
         self.n_slots = n_slots
@@ -449,13 +560,13 @@ class LlamaEngine:
                     f"a context of {n_ctx} tokens is more than {n_slots} slot(s) of the model's trained context of "
                     f"{self.n_ctx_train} tokens (n_ctx_train of {path})"
                 )
-            self._create_context(flash_attn)
+            self._create_context(flash_attn, type_k, type_v)
             self._batch = _Batch(n_batch)  # one batch for the engine's life
         except BaseException:
             self.close()
             raise
 
-    def _create_context(self, flash_attn: bool | None) -> None:
+    def _create_context(self, flash_attn: bool | None, type_k: CacheType, type_v: CacheType) -> None:
         """The context of ``n_ctx`` cells that ``n_slots`` sequences share (unified KV cache, or split), and
         what it says of the model's memory (:attr:`prefix_cache`, :attr:`n_ctx`, :attr:`n_ctx_seq`).
 
@@ -471,11 +582,14 @@ class LlamaEngine:
         cparams.n_threads = self.n_threads
         cparams.n_threads_batch = self.n_threads
         cparams.no_perf = True
+        cparams.type_k = _GGML_TYPES[type_k]
+        cparams.type_v = _GGML_TYPES[type_v]
         if flash_attn is not None:
             cparams.flash_attn_type = (
                 lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
             )
         cparams.kv_unified = self._kv_unified
+        cparams.swa_full = False  # sliding-window layers keep their window, as llama-server's (a fraction of the memory)
         self._ctx = lc.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens for {n_slots} slot(s)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 from ringserve.core.batch import SlotFeed
 from ringserve.core.events import ChatMessage, LogitBias, TokenLogprob
 from ringserve.core.offload import Offload
+from ringserve.core.sizing import CacheType
 from ringserve.engine.modelfile import ModelFileError, default_model_path
 from ringserve.engine.protocol import EngineError, KVCacheFull
 from tests.support.feeds import check_bad_batches
@@ -298,6 +300,21 @@ def test_close_is_idempotent_and_final(capfd):
     eng.close()
     with pytest.raises(EngineError, match="closed"):
         eng.decode([SlotFeed(0, (1,), 0, False)])
+
+
+def test_a_quantized_v_cache_turns_flash_attention_on_or_is_refused(caplog):
+    with pytest.raises(ValueError, match=r"^a q4_0 V cache needs flash attention, which is off \(turn it on or use an f16 V cache\)$"):
+        llama.LlamaEngine(default_model_path(), n_slots=1, n_ctx=256, flash_attn=False, type_v=CacheType.Q4_0)
+    with caplog.at_level(logging.INFO, logger="ringserve.engine"):
+        eng = llama.LlamaEngine(default_model_path(), n_slots=1, n_ctx=256, n_batch=32, n_threads=MODEL_THREADS,
+                                flash_attn=None, type_k=CacheType.Q8_0, type_v=CacheType.Q8_0)
+    assert "flash attention on: the q8_0 V cache needs it" in caplog.text
+    with eng:
+        prompt = eng.tokenize("Hello, my name is", add_special=True)
+        eng.begin(0, GREEDY)
+        [first] = eng.decode([SlotFeed(0, tuple(prompt), 0, True)])
+        [second] = eng.decode([SlotFeed(0, (first.token,), len(prompt), True)])
+        assert first.piece and second.piece
 
 
 def test_bad_model_file_is_one_line_error(tmp_path):

@@ -217,3 +217,22 @@ def test_gpu_proxy_bench_checks_every_stream_on_every_surface(tmp_path: Path) ->
         assert m["tokens_per_second"] == pytest.approx(m["ratio"] * m["ideal_tokens_per_second"])
         assert 0 <= m["engine_idle_share"] < 1
     assert "delivered / engine-bound rate" in printed[0]
+
+
+@pytest.mark.model
+def test_kv_types_bench_reports_memory_and_speed_per_cache_type(tmp_path: Path) -> None:
+    printed: list[str] = []
+    out = run_bench("kv_types", tmp_path, "--models", "smollm2", "--ctx", "512", "--fills", "16", "64",
+                    "--tokens", "4", "--rounds", "2", "--threads", str(MODEL_THREADS), stdout=printed)
+    rows = out["results"]["smollm2"]["rows"]
+    assert list(rows) == ["f16/f16 fa=off", "f16/f16 fa=on", "bf16/bf16 fa=off", "bf16/bf16 fa=on",
+                          "q8_0/f16 fa=off", "q8_0/q8_0 fa=on", "q4_0/q4_0 fa=on"]
+    for row in rows.values():
+        assert set(row["tokens_per_second"]) == {"16", "64"}
+        assert all(len(speeds) == 2 and min(speeds) > 0 for speeds in row["tokens_per_second"].values())
+        assert row["kv_per_token_llama"] == pytest.approx(row["kv_per_token_estimated"], rel=0.01)
+    assert rows["f16/f16 fa=off"]["speed_ratio"] == {"16": 1, "64": 1}
+    assert rows["f16/f16 fa=off"]["memory_ratio"] == 1
+    assert rows["q8_0/q8_0 fa=on"]["memory_ratio"] == pytest.approx(34 / 64, rel=0.01)
+    assert rows["q4_0/q4_0 fa=on"]["memory_ratio"] == pytest.approx(18 / 64, rel=0.01)
+    assert "KV/token llama" in printed[0] and "tok/s @64" in printed[0]
