@@ -46,8 +46,9 @@ from ringserve.config import Config, ModelSettings, RouterConfig
 from ringserve.engine.modelfile import ModelFileError, default_model_path
 
 __all__ = [
-    "Catalog", "CatalogEntry", "CatalogError", "DEFAULT_QUANTS", "GGUFName", "HFSpec", "Source", "discover",
-    "find_mmproj", "hf_name", "is_model_file", "parse_name", "pick_file", "quant_tags", "split_parts",
+    "Catalog", "CatalogEntry", "CatalogError", "DEFAULT_QUANTS", "GGUFName", "HFSpec", "Source", "cache_name",
+    "discover", "find_mmproj", "hf_name", "is_model_file", "parse_name", "pick_file", "quant_tags",
+    "scan_hf_cache", "scan_models_dir", "split_parts",
 ]
 
 
@@ -76,7 +77,8 @@ class CatalogEntry:
         source: where it was found.
         settings: what it is served with: its preset's (:meth:`Config.preset`), the ``[model]``
             table's for its own model and the bundled one, :attr:`Config.defaults` for the others;
-            ``settings.model.path`` and ``name`` are this entry's.
+            ``settings.model.path`` and ``name`` are this entry's, and ``load_on_startup`` is
+            decided (not set: true for the ``[model]`` table's and the bundled model).
         aliases: other names and ``fnmatch`` patterns that reach it, in the config's order.
         files: every file of the model (a split model's parts, in order; empty when ``path`` is None).
         mmproj: the multimodal projector beside it, if any.
@@ -483,16 +485,21 @@ def scan_hf_cache(cache_dir: Path | None = None) -> list[_CachedRepo]:
     return repos
 
 
+def cache_name(repo: str, path: str) -> str:
+    """The name of the model file ``path`` of ``repo`` in the cache: ``REPO:TAG``
+    (``common_list_cached_models``), or ``REPO:PATH`` when its name has no quant tag."""
+    parsed = parse_name(path)
+    return f"{repo}:{parsed.tag}" if parsed is not None and parsed.tag else f"{repo}:{path}"
+
+
 def _cached_models(repo: _CachedRepo) -> list[_Found]:
-    """The models of one cached repository, named ``REPO:TAG`` (or ``REPO:FILE``), each tag once
-    (``common_list_cached_models``)."""
+    """The models of one cached repository (:func:`cache_name`), each name once, the first file's."""
     names = list(repo.files)
     found: dict[str, _Found] = {}
     for name in names:
-        parsed = parse_name(name)
-        if parsed is None or not is_model_file(name) or not _first_part(name):
+        if not is_model_file(name) or not _first_part(name):
             continue
-        spec = f"{repo.repo}:{parsed.tag}" if parsed.tag else f"{repo.repo}:{name}"
+        spec = cache_name(repo.repo, name)
         if spec not in found:
             mmproj = find_mmproj(names, name)
             found[spec] = _Found(spec, tuple(repo.files[p] for p in split_parts(names, name)),
@@ -513,6 +520,12 @@ def _from_cache(spec: str, repos: Sequence[_CachedRepo]) -> _Found | None:
     mmproj = find_mmproj(names, primary)
     return _Found(hf_name(spec), tuple(repo.files[p] for p in split_parts(names, primary)),
                   None if mmproj is None else repo.files[mmproj], spec)
+
+
+def _on_startup(value: bool | None, source: Source) -> bool:
+    """``load_on_startup`` as set, else true for the ``[model]`` table's model (and the bundled one)
+    and false for the others (``ModelConfig``)."""
+    return value if value is not None else source in (Source.MODEL, Source.BUNDLED)
 
 
 def _same_file(a: Path | None, b: Path | None) -> bool:
@@ -558,7 +571,8 @@ def discover(config: Config, *, hf_cache_dir: Path | None = None,
             files, mmproj = _local_parts(given), None
             name = model.name or named or given.name.removesuffix(".gguf")
         path = files[0] if files else None
-        model = attrs.evolve(model, path="" if path is None else str(path), name=name)
+        model = attrs.evolve(model, path="" if path is None else str(path), name=name,
+                             load_on_startup=_on_startup(model.load_on_startup, source))
         return CatalogEntry(name, path, source, ModelSettings(model, settings.engine), model.aliases, files,
                             mmproj, model.hf, _sizes(files), preset)
 
@@ -574,24 +588,24 @@ def discover(config: Config, *, hf_cache_dir: Path | None = None,
 
     found: list[_Found] = []
     if router.models_dir:
-        found += scan_models_dir(Path(router.models_dir).expanduser())
+        found += scan_models_dir(Path(router.models_dir).expanduser().absolute())
     if router.hf_cache:
         for repo in cached:
             found += _cached_models(repo)
     taken = [e.path for e in entries]
-    for model in found:
-        if any(_same_file(model.files[0], path) for path in taken):
+    for item in found:
+        if any(_same_file(item.files[0], path) for path in taken):
             continue  # the [model] table or a preset serves this file already
-        preset_name = model.name if model.name in pending else ""
+        preset_name = item.name if item.name in pending else ""
         if router.presets_only and not preset_name:
             continue
         base = config.preset(preset_name) if preset_name else config.defaults
-        name = base.model.name or model.name
-        settings = ModelSettings(attrs.evolve(base.model, path=str(model.files[0]), name=name, hf=model.hf),
-                                 base.engine)
-        source = Source.HF_CACHE if model.hf else Source.MODELS_DIR
-        entries.append(CatalogEntry(name, model.files[0], source, settings, base.model.aliases, model.files,
-                                    model.mmproj, model.hf, _sizes(model.files), preset_name))
+        name = base.model.name or item.name
+        settings = ModelSettings(attrs.evolve(base.model, path=str(item.files[0]), name=name, hf=item.hf,
+                                              load_on_startup=bool(base.model.load_on_startup)), base.engine)
+        source = Source.HF_CACHE if item.hf else Source.MODELS_DIR
+        entries.append(CatalogEntry(name, item.files[0], source, settings, base.model.aliases, item.files,
+                                    item.mmproj, item.hf, _sizes(item.files), preset_name))
         if preset_name:
             pending.remove(preset_name)
     if pending:
@@ -600,7 +614,9 @@ def discover(config: Config, *, hf_cache_dir: Path | None = None,
     if not entries:
         path = bundled()
         name = config.model.name or path.name.removesuffix(".gguf")
-        settings = ModelSettings(attrs.evolve(config.model, path=str(path), name=name), config.engine)
+        on_startup = _on_startup(config.model.load_on_startup, Source.BUNDLED)
+        model = attrs.evolve(config.model, path=str(path), name=name, load_on_startup=on_startup)
+        settings = ModelSettings(model, config.engine)
         entries.append(CatalogEntry(name, path, Source.BUNDLED, settings, config.model.aliases, (path,),
                                     size=_sizes([path])))
     return Catalog.of(entries, router)

@@ -159,6 +159,7 @@ aliases = ["claude-*"]
     assert big.aliases == ("claude-*",) and big.settings.model.path == str(big.path)
     alpha = catalog.get("alpha")
     assert alpha is not None and alpha.settings.model.ctx_size == 1024 and alpha.preset == ""
+    assert big.settings.model.load_on_startup is False and alpha.settings.model.load_on_startup is False
     assert catalog.resolve("claude-sonnet-4-5") == big
 
 
@@ -216,6 +217,7 @@ def test_the_bundled_model_comes_only_when_nothing_else_does(tmp_path):
     (entry,) = catalog.entries
     assert entry.source is Source.BUNDLED and entry.name == "small" and entry.path == bundled
     assert entry.settings.model.ctx_size == 512 and entry.aliases == ("gpt-*",)
+    assert entry.settings.model.load_on_startup is True  # not set: the [model] table's model is
     assert catalog.resolve("anything") == entry  # the [model] table's model is the fallback
     d = models_dir(tmp_path)
 
