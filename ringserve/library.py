@@ -197,8 +197,7 @@ def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 def _config(args: argparse.Namespace) -> Config:
     """The configuration as ``serve`` reads it, from ``--config``, ``--models-dir`` and the environment."""
-    given = argparse.Namespace(config=getattr(args, "config", None), model_file=None,
-                               models_dir=getattr(args, "models_dir", None))
+    given = argparse.Namespace(config=args.config, model_file=None, models_dir=args.models_dir)
     try:
         config: Config = args.load_config(given)
     except (OSError, ValueError) as exc:
@@ -237,6 +236,9 @@ def server_models(url: str, api_key: str | None) -> list[dict[str, Any]] | None:
         response = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
     except httpx.TransportError:
         return None
+    if response.status_code == 401 and api_key:
+        raise LibraryError(f"{url} refused the API key: give one of the server's keys (--api-key or "
+                           "$RINGSERVE_API_KEY)")
     if response.status_code == 401:
         raise LibraryError(f"{url} wants an API key: give --api-key or set RINGSERVE_API_KEY")
     try:
@@ -385,7 +387,8 @@ def pull(spec: str, *, revision: str = "main", cache_dir: Path | None = None, en
         raise LibraryError(f"{parsed.repo}: {str(exc).splitlines()[0]}") from None
     except Exception as exc:
         if _is_network(exc):
-            raise LibraryError(f"cannot reach {where} ({exc}); HF_ENDPOINT sets a mirror") from None
+            raise LibraryError(f"cannot reach {where} ({exc}): check the network, or set HF_ENDPOINT to a "
+                               "mirror") from None
         raise
     return Pulled(cache_name(parsed.repo, primary), tuple(files))
 

@@ -157,6 +157,9 @@ def test_a_gated_repository_needs_the_token_and_an_unknown_one_is_one_line(tmp_p
         pull("org/Nothing", token=False, **kwargs)
     with pytest.raises(LibraryError, match=r"^'nothing' is not a Hugging Face model"):
         pull("nothing", token=False, **kwargs)
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(LibraryError, match=rf"^cannot reach {nowhere} \(.*\): check the network, or set"):
+        pull("org/Model-GGUF", token=False, **{**kwargs, "endpoint": nowhere})
 
 
 def test_the_pull_command_uses_hf_endpoint_hf_token_and_the_cache_of_hf_home(tmp_path, hub):
@@ -379,6 +382,8 @@ def test_ps_lists_the_loaded_models_with_memory_busy_slots_and_idle_time():
         status, out, err = run_command("ps", "--url", url)
         assert (status, out) == (1, "")
         assert err == f"ringserve: {url} wants an API key: give --api-key or set RINGSERVE_API_KEY\n"
+        status, out, err = run_command("ps", "--url", url, "--api-key", "k-2")
+        assert (status, out) == (1, "") and err.startswith(f"ringserve: {url} refused the API key: give one")
 
 
 def test_ps_with_no_server_is_one_line():
