@@ -44,6 +44,7 @@ from ringserve.engine.catalog import (
     HFSpec,
     Source,
     cache_name,
+    chat_format,
     discover,
     is_model_file,
     quant_tags,
@@ -51,8 +52,6 @@ from ringserve.engine.catalog import (
 )
 from ringserve.engine.modelfile import ModelFileError, check_model_file
 from ringserve.formats.base import ChatFormat
-from ringserve.formats.detect import detect
-from ringserve.formats.families import FAMILIES
 from ringserve.launch import SERVE, LaunchError, check_url, open_server, server_url
 
 __all__ = ["LibraryError", "Pulled", "add_commands", "pull", "remove"]
@@ -124,23 +123,6 @@ def _read_gguf(path: Path) -> _GGUFFacts:
         chat_template=text(gguf.Keys.Tokenizer.CHAT_TEMPLATE),
         sampling=sampling,
     )
-
-
-def chat_format(settings: ModelSettings, template: str | None) -> ChatFormat | None:
-    """The format family a model is served with, as ``engine/llama.py`` picks it at load: ``[model]
-    chat_format`` when set (None when it names no family), else the one
-    :func:`~ringserve.formats.detect.detect` finds in the template (``chat_template_file``'s, else
-    the GGUF's ``template``), else the generic format.
-
-    Raises:
-        OSError: ``chat_template_file`` cannot be read.
-    """
-    model = settings.model
-    if model.chat_format:
-        return FAMILIES.get(model.chat_format)
-    if model.chat_template_file:
-        template = Path(model.chat_template_file).read_text(encoding="utf-8")
-    return detect(template) if template else FAMILIES["generic"]
 
 
 #: The families whose tool calls are ringserve's own syntax and tools prompt (``formats/generic.py``).

@@ -44,11 +44,14 @@ import attrs
 
 from ringserve.config import Config, ModelSettings, RouterConfig
 from ringserve.engine.modelfile import ModelFileError, default_model_path
+from ringserve.formats.base import ChatFormat
+from ringserve.formats.detect import detect
+from ringserve.formats.families import FAMILIES
 
 __all__ = [
     "Catalog", "CatalogEntry", "CatalogError", "DEFAULT_QUANTS", "GGUFName", "HFSpec", "Source", "cache_name",
-    "discover", "find_mmproj", "hf_name", "is_model_file", "parse_name", "pick_file", "quant_tags",
-    "scan_hf_cache", "scan_models_dir", "split_parts",
+    "chat_format", "discover", "find_mmproj", "hf_name", "is_model_file", "parse_name", "pick_file",
+    "quant_tags", "scan_hf_cache", "scan_models_dir", "split_parts",
 ]
 
 
@@ -214,6 +217,23 @@ class Catalog:
         if found is None and self.fallback is not None:
             found = self.get(self.fallback)
         return found
+
+
+def chat_format(settings: ModelSettings, template: str | None) -> ChatFormat | None:
+    """The format family a model is served with, as ``engine/llama.py`` picks it at load
+    (``_load_chat``), for a model not loaded: ``[model] chat_format`` when set (None when it names
+    no family), else the one :func:`~ringserve.formats.detect.detect` finds in the template
+    (``chat_template_file``'s, else the GGUF's ``template``), else the generic format.
+
+    Raises:
+        OSError: ``chat_template_file`` cannot be read.
+    """
+    model = settings.model
+    if model.chat_format:
+        return FAMILIES.get(model.chat_format)
+    if model.chat_template_file:
+        template = Path(model.chat_template_file).read_text(encoding="utf-8")
+    return detect(template) if template else FAMILIES["generic"]
 
 
 # --- file names (llama.cpp common/download.cpp) ----------------------------------------------------
