@@ -5,7 +5,8 @@
 variable and a config key: the flag wins over the variable, which wins over the config file
 (``--config``), which wins over the defaults. ``serve --print-config`` prints the result as TOML.
 Also ``ringserve chat "PROMPT"`` and ``ringserve tail MESSAGE_ID`` (clients; see ``ringserve/client/cli.py``),
-and ``ringserve launch claude|codex`` (an agent on the server; see ``ringserve/launch.py``).
+``ringserve launch claude|codex`` (an agent on the server; see ``ringserve/launch.py``), and the model
+library: ``pull``, ``ls``, ``ps``, ``rm``, ``show``, ``run`` (``ringserve/library.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ringserve.config import CacheType, Config, Switch
 from ringserve.core.signals import ECHO_SECONDS, EchoFilter
 from ringserve.launch import add_command as add_launch
 from ringserve.launch import split_argv
+from ringserve.library import add_commands as add_library
 
 
 @attrs.frozen
@@ -129,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     add_commands(sub)
     add_launch(sub)
+    add_library(sub, load_config)
     return parser
 
 

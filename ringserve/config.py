@@ -674,6 +674,13 @@ class Config:
         """The ``[model]`` table's model: its settings."""
         return ModelSettings(self.model, self.engine)
 
+    @property
+    def defaults(self) -> ModelSettings:
+        """What every model but the ``[model]`` table's own starts from: ``[model]`` less the keys
+        that name its one model (:data:`IDENTITY_KEYS`), and ``[engine]``."""
+        return ModelSettings(
+            attrs.evolve(self.model, **{key: getattr(ModelConfig(), key) for key in IDENTITY_KEYS}), self.engine)
+
     def preset(self, name: str) -> ModelSettings:
         """The settings of the ``[models.NAME]`` preset: what it sets, over ``[model]`` (but
         :data:`IDENTITY_KEYS`), ``[model.sampling]`` (key by key) and ``[engine]``.
@@ -683,7 +690,7 @@ class Config:
             ValueError: a value out of range once merged (one line naming ``[models.NAME]``).
         """
         preset = self.models[name]
-        base = attrs.evolve(self.model, **{key: getattr(ModelConfig(), key) for key in IDENTITY_KEYS})
+        base = self.defaults.model
         try:
             sampling = _sampling({**attrs.asdict(self.model.sampling, recurse=False), **preset.sampling})
             model = attrs.evolve(base, **preset.model, sampling=sampling)

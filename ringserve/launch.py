@@ -66,9 +66,9 @@ from ringserve.config import Config
 from ringserve.core.frozen import SELF
 
 __all__ = [
-    "AGENTS", "AGENT_TIMEOUT_S", "CODEX_TEMPLATE", "Agent", "AgentInfo", "LaunchError", "Served", "Settings",
-    "add_command", "claude_settings", "codex_model_entry", "codex_settings", "context_warning", "find_agent",
-    "render", "run", "split_argv",
+    "AGENTS", "AGENT_TIMEOUT_S", "CODEX_TEMPLATE", "Agent", "AgentInfo", "LaunchError", "Served", "ServerChild",
+    "Settings", "add_command", "check_url", "claude_settings", "codex_model_entry", "codex_settings",
+    "context_warning", "find_agent", "open_server", "render", "run", "server_url", "split_argv",
 ]
 
 
@@ -350,7 +350,7 @@ def _served_model(client: httpx.Client, url: str, api_key: str, key_source: str 
                           "a ringserve older than this launcher?") from None
 
 
-class _ServerChild:
+class ServerChild:
     """``ringserve serve`` started by the launcher: its own session, output in ``log``."""
 
     def __init__(self, argv: Sequence[str], log: Path) -> None:
@@ -370,7 +370,7 @@ class _ServerChild:
             self.proc.wait()
 
 
-def _wait_ready(client: httpx.Client, url: str, child: _ServerChild | None) -> None:
+def _wait_ready(client: httpx.Client, url: str, child: ServerChild | None) -> None:
     """Wait until the server at ``url`` is ready (its model loaded): the one the launcher started
     (``child``), or one that answered but was loading."""
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -384,6 +384,34 @@ def _wait_ready(client: httpx.Client, url: str, child: _ServerChild | None) -> N
         if time.monotonic() > deadline:
             raise LaunchError(f"the server at {where} is not ready after {READY_TIMEOUT_S:.0f} s")
         time.sleep(0.2)
+
+
+def open_server(client: httpx.Client, url: str, config_path: Path | None, url_arg: str | None, *,
+                drain_timeout: float, serve: Sequence[str] = SERVE, err: TextIO = sys.stderr) -> ServerChild | None:
+    """The server at ``url`` once it is ready: the one running there (None), or one started as
+    ``serve`` with ``config_path`` and the host and port of ``url_arg`` (``--url``), in a session
+    of its own with its output in a log file (the child, for the caller to stop); a line on
+    ``err`` says so. ``ringserve launch`` and ``ringserve run`` use it.
+
+    Raises:
+        LaunchError: a server that exited or did not become ready (one it started is stopped
+            first, given ``drain_timeout`` seconds), a URL no server can be started at.
+    """
+    readiness = _readiness(client, url)
+    if readiness is _Readiness.LOADING:
+        _wait_ready(client, url, None)
+    if readiness is not _Readiness.NONE:
+        return None
+    log = platformdirs.user_log_path("ringserve") / f"server-{urlsplit(url).port}.log"
+    config_path = None if config_path is None else config_path.resolve()
+    child = ServerChild([*serve, *_serve_args(config_path, url_arg)], log)
+    print(f"ringserve: no server at {url}; starting one (log: {log})", file=err)
+    try:
+        _wait_ready(client, url, child)
+    except BaseException:
+        child.stop(drain_timeout)
+        raise
+    return child
 
 
 def _codex_catalog(program: str | None, env: Mapping[str, str], served: Served, err: TextIO) -> Path | None:
@@ -472,7 +500,7 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
     agent = Agent(args.agent)
     info = AGENTS[agent]
     previous = {signum: signal.signal(signum, _exit_on) for signum in (signal.SIGTERM, signal.SIGHUP)}
-    child: _ServerChild | None = None
+    child: ServerChild | None = None
     keep = False  # leave the server it started running (once the launcher has done its part)
     config = Config()
     try:
@@ -491,15 +519,8 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
         if program is None and not args.print:
             raise _missing(info)
         with httpx.Client(timeout=10) as client:
-            readiness = _readiness(client, url)
-            if readiness is _Readiness.NONE:
-                log = platformdirs.user_log_path("ringserve") / f"server-{urlsplit(url).port}.log"
-                config_path = None if args.config is None else args.config.resolve()
-                child = _ServerChild([*serve, *_serve_args(config_path, args.url)], log)
-                print(f"ringserve: no server at {url}; starting one (log: {log})", file=err)
-                _wait_ready(client, url, child)
-            elif readiness is _Readiness.LOADING:
-                _wait_ready(client, url, None)
+            child = open_server(client, url, args.config, args.url, drain_timeout=config.server.drain_timeout,
+                                serve=serve, err=err)
             model, context_window = _served_model(client, url, api_key, key_source)
         served = Served(url, model, context_window, api_key, config.server.max_stream_seconds or AGENT_TIMEOUT_S)
         warning = context_warning(agent, served)

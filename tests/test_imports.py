@@ -37,8 +37,10 @@ def imports_without_llama_cpp(*modules: str) -> subprocess.CompletedProcess[str]
 
 @pytest.mark.parametrize(
     "modules",
-    [("ringserve.client",), ("ringserve.__main__",), ("ringserve.surfaces.registry",), CORE],
-    ids=["client", "cli", "surfaces", "core"],  # the CLI: what `ringserve chat` and `ringserve tail` import
+    [("ringserve.client",), ("ringserve.__main__",), ("ringserve.surfaces.registry",), CORE,
+     ("ringserve.library",)],
+    # the CLI: what `ringserve chat` and `ringserve tail` import; the library: `ringserve pull`, `ls`, `run`
+    ids=["client", "cli", "surfaces", "core", "library"],
 )
 def test_imports_without_llama_cpp(modules):
     done = imports_without_llama_cpp(*modules)

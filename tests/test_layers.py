@@ -45,9 +45,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     "server": frozenset({"core", "formats", "config", "engine", "surfaces", "store", "logs", "live", "metrics", "http"}),
     "client": frozenset({"core"}),
     "launch": frozenset({"core", "config", "client"}),  # `ringserve launch`: finds or starts a server over HTTP
+    # `ringserve pull|ls|ps|rm|show|run`: the catalog and a GGUF's metadata, never libllama (tests/test_imports.py)
+    "library": frozenset({"core", "formats", "config", "engine", "client", "launch"}),
     "__main__": frozenset(
         {"core", "formats", "config", "engine", "surfaces", "store", "logs", "live", "metrics", "http", "server", "client",
-         "launch"}
+         "launch", "library"}
     ),
 }
 

