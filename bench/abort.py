@@ -60,8 +60,9 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 from ringserve.config import Config  # noqa: E402
+from ringserve.engine.llama import LlamaLoader  # noqa: E402
 from ringserve.metrics import Metrics  # noqa: E402
-from ringserve.server import load_llama_engine, serve  # noqa: E402
+from ringserve.server import serve  # noqa: E402
 
 SETTINGS = ("idle", "loaded")
 
@@ -165,7 +166,7 @@ async def run(config: Config, n: int, slots: int, seed: int) -> dict[str, list[d
     results = {}
     async with trio.open_nursery() as nursery:
         state = await nursery.start(lambda task_status: serve(
-            config, load_llama_engine, handle_signals=False, shutdown_trigger=stop, task_status=task_status))
+            config, LlamaLoader(), handle_signals=False, shutdown_trigger=stop, task_status=task_status))
         for setting in SETTINGS:
             results[setting] = await cancels(state, setting, n, slots, freed, rng)
             print(f"  {setting}: {n} cancels done", flush=True)

@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         if ECHO_SECONDS:  # the one-file executable
             _interrupt_once(ECHO_SECONDS)
         return args.client_command(args)
-    from ringserve.engine.modelfile import ModelFileError, check_model_file, default_model_path
+    from ringserve.engine.catalog import discover
+    from ringserve.engine.modelfile import ModelFileError, check_model_file
     from ringserve.engine.protocol import EngineError
     from ringserve.http.auth import AuthSetupError
     from ringserve.http.transport import BindError
@@ -267,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(config_toml(config), end="")
             return 0
-        check_model_file(config.model.path or default_model_path())
+        if config.model.path:
+            check_model_file(config.model.path)
+        discover(config)  # a catalog that cannot be made (a name twice, a preset of no model...): one line
     except (OSError, ValueError, ModelFileError) as exc:
         print(f"ringserve: {exc}", file=sys.stderr)
         return 2

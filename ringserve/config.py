@@ -21,6 +21,7 @@ from ringserve.core.events import SamplingParams
 from ringserve.core.offload import ALL_LAYERS
 from ringserve.core.safety import check_checker_path, compile_patterns
 from ringserve.core.signing import ReasoningSigner
+from ringserve.core.sizing import CacheType
 from ringserve.core.status import Policy
 
 
@@ -37,16 +38,6 @@ class LogBackend(enum.StrEnum):
 
     MEMORY = "memory"
     REDIS = "redis"
-
-
-class CacheType(enum.StrEnum):
-    """``[model] cache_type_k`` / ``cache_type_v``: the KV cache's element type (llama.cpp's
-    ``-ctk`` / ``-ctv``). A quantized V cache needs flash attention."""
-
-    F16 = "f16"
-    BF16 = "bf16"
-    Q8_0 = "q8_0"
-    Q4_0 = "q4_0"
 
 
 _E = TypeVar("_E", bound=enum.Enum)
@@ -205,9 +196,10 @@ class ModelConfig:
     patterns (``fnmatch``: ``claude-*``) that reach it.
     ``ctx_size`` is the KV pool every slot shares (tokens, llama-server's ``-c``):
     0 (the default) the model's trained context, lowered to what fits the memory;
-    at most ``[engine] slots`` times the trained context. ``kv_unified`` false
-    splits it evenly among the slots instead (llama-server's ``--no-kv-unified``):
-    a greedy reply then never depends on what else is in the pool.
+    at most the trained context. ``kv_unified`` false splits it evenly among the slots
+    instead (llama-server's ``--no-kv-unified``; without a ``ctx_size``, each slot holds
+    ``[engine] ctx_per_slot``, else its share of the trained context): a greedy reply then
+    never depends on what else is in the pool.
     ``n_gpu_layers`` is how many layers go to the GPU devices llama.cpp finds: -1 (the
     default) every layer that fits the free memory, 0 none, N the last N; with no GPU device
     (a CPU build of llama-cpp-python, or no GPU on the machine) none go, whatever it says.

@@ -21,11 +21,11 @@ import trio
 from ringserve.http.app import create_app
 from ringserve.http.context import ServerState
 from ringserve.http.auth import Authenticator, check_bind
-from ringserve.config import Config, LogBackend, ModelSettings, Switch, decode_threads
+from ringserve.config import Config, LogBackend, ModelSettings, decode_threads
 from ringserve.http.transport import BindError, HypercornConfig, isolate_connection_faults
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.protocol import Engine, EngineError
-from ringserve.engine.catalog import discover
+from ringserve.engine.catalog import Catalog, discover
 from ringserve.engine.loader import FactoryLoader, ModelLoader
 from ringserve.live.models import ModelPool
 from ringserve.core.errors import RingserveError
@@ -41,46 +41,6 @@ from ringserve.logs.cluster import Cluster, LocalCluster
 from ringserve.logs.memory import LogStore, MemoryLogStore
 
 log = logging.getLogger("ringserve")
-
-
-def load_llama_engine(settings: ModelSettings) -> Engine:
-    """Load the GGUF ``settings.model.path`` names (the bundled model when it is empty) with its settings.
-
-    Raises:
-        ModelFileError: the file is missing, unreadable or not GGUF, the
-            ``chat_template_file`` cannot be read, the chat template does not
-            compile or ``chat_format`` names no family (one-line message).
-        EngineError: ``ctx_size`` is above ``slots`` times the model's trained context, or
-            llama.cpp could not create the context (one line naming the settings).
-    """
-    from ringserve.engine.llama import LlamaEngine
-    from ringserve.engine.modelfile import check_model_file, default_model_path
-
-    model, engine = settings.model, settings.engine
-    path = check_model_file(model.path or default_model_path())
-    template = None
-    if model.chat_template_file:
-        try:
-            template = Path(model.chat_template_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ModelFileError(f"[model] chat_template_file cannot be read: {exc}", model.chat_template_file) from None
-    try:
-        return LlamaEngine(
-            path,
-            n_slots=engine.slots,
-            n_ctx=model.ctx_size,
-            n_batch=engine.n_batch,
-            kv_unified=model.kv_unified,
-            n_gpu_layers=model.n_gpu_layers,
-            n_threads=model.n_threads,
-            use_extra_bufts=model.use_extra_bufts,
-            flash_attn={Switch.AUTO: None, Switch.ON: True, Switch.OFF: False}[model.flash_attn],
-            model_id=model.name or None,
-            chat_template=template,
-            chat_format=model.chat_format or None,
-        )
-    except EngineError as exc:  # name the settings behind the engine's sizes
-        raise EngineError(f"[engine] slots = {engine.slots}, [model] ctx_size = {model.ctx_size}: {exc}") from None
 
 
 @attrs.frozen
@@ -222,7 +182,7 @@ def signing_key(configured: str, store_path: str) -> str:
 # the work is in _open_store, _load and _drain.
 async def serve(
     config: Config,
-    loader: ModelLoader | Callable[[ModelSettings], Engine] = load_llama_engine,
+    loader: ModelLoader | Callable[[ModelSettings], Engine] | None = None,
     *,
     handle_signals: bool = True,
     shutdown_trigger: trio.Event | None = None,
@@ -266,6 +226,7 @@ async def serve(
     SURFACES.check_policies(config.policy)
     auth = Authenticator.from_config(config.auth)
     check_bind(config.server.host, auth, config.auth.allow_remote_without_keys)
+    catalog = discover(config)
     safety = SafetyStage.from_config(config.safety, max_threads=config.engine.slots)
     isolate_connection_faults()
     state = ServerState(config, auth=auth)
@@ -298,7 +259,7 @@ async def serve(
             http = _Http(hc)
             state.urls = await nursery.start(_serve_http, app, http)
             log.info("listening on %s (loading the model)", ", ".join(state.urls))
-            hub = await _start_models(config, _loader(loader), backend, safety, state, nursery)
+            hub = await _start_models(config, catalog, _loader(loader, config), backend, safety, state, nursery)
             task_status.started(state)
             loaded = ", ".join(m.name for m in hub.models.models() if m.runner is not None) or "no model yet"
             notify_systemd(f"READY=1\nSTATUS=serving {loaded} at {', '.join(state.urls)}")
@@ -360,13 +321,18 @@ def _open_store(config: Config, store: MessageStore) -> Config:
     return config.replace("server", signing_key=signing_key(config.server.signing_key, store.path))
 
 
-def _loader(loader: ModelLoader | Callable[[ModelSettings], Engine]) -> ModelLoader:
-    """``loader``, or a :class:`FactoryLoader` of an engine factory (a function of a model's settings)."""
+def _loader(loader: ModelLoader | Callable[[ModelSettings], Engine] | None, config: Config) -> ModelLoader:
+    """``loader``; a :class:`FactoryLoader` of an engine factory (a function of a model's settings);
+    None: the GGUF files' (``engine/llama.py`` ``LlamaLoader``, keeping ``[router] memory_margin`` free)."""
+    if loader is None:
+        from ringserve.engine.llama import LlamaLoader
+
+        return LlamaLoader(config.router.memory_margin)
     return FactoryLoader(loader) if callable(loader) else loader
 
 
-async def _start_models(config: Config, loader: ModelLoader, backend: Backend, safety: SafetyStage | None,
-                        state: ServerState, nursery: trio.Nursery) -> Hub:
+async def _start_models(config: Config, catalog: Catalog, loader: ModelLoader, backend: Backend,
+                        safety: SafetyStage | None, state: ServerState, nursery: trio.Nursery) -> Hub:
     """The model pool over the catalog (``live/models.py``), and the hub; the models loaded at start
     (``load_on_startup``: the ``[model]`` table's, by default) are loaded before it returns, with
     ``state`` then ready.
@@ -374,8 +340,7 @@ async def _start_models(config: Config, loader: ModelLoader, backend: Backend, s
     Raises:
         EngineError: a model loaded at start could not be loaded (one line saying why).
     """
-    catalog = discover(config)
-    pool = ModelPool(catalog, loader, nursery, max_loaded=config.router.max_loaded,
+    pool = ModelPool(catalog, loader, nursery, max_loaded=config.router.max_loaded, free_memory=loader.free_memory,
                      on_cancel_freed=state.metrics.cancel_freed)
     await nursery.start(pool.expire)
     hub = Hub(config, pool, backend.logs, backend.cluster, backend.store, nursery, safety=safety,
@@ -437,7 +402,7 @@ def _limit(value: float, unit: str) -> str:
 SWITCH_INTERVAL_SECONDS = 0.0002
 
 
-def run_process(config: Config, loader: ModelLoader | Callable[[ModelSettings], Engine] = load_llama_engine) -> int:
+def run_process(config: Config, loader: ModelLoader | Callable[[ModelSettings], Engine] | None = None) -> int:
     """:func:`serve` as a process's main loop (``ringserve serve``): its exit status.
 
     Sets the interpreter's switch interval to :data:`SWITCH_INTERVAL_SECONDS` first.

@@ -16,8 +16,10 @@ import attrs
 
 from ringserve.core.errors import invalid
 from ringserve.core.events import RANDOM_SEED, LogitBias, SamplingParams
+from ringserve.core.modelinfo import SamplingDefaults
 
-__all__ = ["LLAMA_SERVER_DEFAULTS", "ResolvedSampling", "check_logit_bias", "resolve_sampling"]
+__all__ = ["LLAMA_SERVER_DEFAULTS", "ResolvedSampling", "check_logit_bias", "gguf_sampling",
+           "resolve_sampling"]
 
 
 @attrs.frozen
@@ -139,3 +141,16 @@ def check_logit_bias(sampling: ResolvedSampling, n_vocab: int,
                           f" (ids 0..{n_vocab - 1})", param="logit_bias")
         checked.append(entry)
     return attrs.evolve(sampling, logit_bias=tuple(checked))
+
+
+def gguf_sampling(defaults: SamplingDefaults) -> SamplingParams:
+    """The GGUF's ``general.sampling.*`` keys as a sampling layer (llama-server applies them the
+    same way, ``common/arg.cpp`` ``common_params_sampling`` from the model's metadata): ``temp``,
+    ``top_k``, ``top_p``, ``min_p``, ``penalty_last_n`` and ``penalty_repeat`` as the request
+    fields of those names, and XTC; ``sequence`` (the samplers' order) and mirostat are not applied
+    (ringserve's chain has llama.cpp's default order and no mirostat)."""
+    return SamplingParams(
+        temperature=defaults.temp, top_k=defaults.top_k, top_p=defaults.top_p, min_p=defaults.min_p,
+        repeat_last_n=defaults.penalty_last_n, repeat_penalty=defaults.penalty_repeat,
+        xtc_probability=defaults.xtc_probability, xtc_threshold=defaults.xtc_threshold,
+    )

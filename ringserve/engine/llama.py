@@ -40,19 +40,30 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, assert_never
 
+import attrs
 import numpy as np
 
-from ringserve.config import decode_threads
+from ringserve.config import ModelSettings, Switch, decode_threads
 from ringserve.core.batch import Sampled, SlotFeed
 from ringserve.core.events import ChatMessage, GenerationRequest, Role, TokenLogprob, TopLogprob
 from ringserve.core.offload import ALL_LAYERS, plan_offload
-from ringserve.core.sampling import ResolvedSampling
-from ringserve.core.sizing import CacheType, GpuMemory, MemoryReport
+from ringserve.core.sampling import ResolvedSampling, gguf_sampling
+from ringserve.core.sizing import (
+    CacheType,
+    GpuMemory,
+    MemoryReport,
+    Sizing,
+    SizingError,
+    SizingRequest,
+    plan_sizing,
+)
 from ringserve.core.toolcalls import plain_messages
 from ringserve.engine._native import llama_cpp as lc
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
-from ringserve.engine.modelfile import ModelFileError, check_model_file
-from ringserve.engine.protocol import ChatPrompt, EngineError, KVCacheFull, check_feeds
+from ringserve.engine.gguf import read_gguf
+from ringserve.engine.loader import Front, context_window
+from ringserve.engine.modelfile import ModelFileError, check_model_file, default_model_path
+from ringserve.engine.protocol import ChatPrompt, Engine, EngineError, KVCacheFull, check_feeds
 from ringserve.formats.base import ChatFormat
 from ringserve.formats.detect import detect
 from ringserve.formats.families import FAMILIES
@@ -342,8 +353,10 @@ def _check_sizes(n_slots: int, n_ctx: int, n_batch: int, n_threads: int) -> None
         raise ValueError(f"n_threads must be >= 0, got {n_threads}")
 
 
-def _load_model(path: Path, n_gpu_layers: int, use_extra_bufts: bool, devices: tuple[str, ...]) -> Any:
-    """``llama_model_load_from_file`` with ``n_gpu_layers`` offloaded to ``devices``.
+def _load_model(path: Path, n_gpu_layers: int, use_extra_bufts: bool, devices: tuple[str, ...],
+                progress: Callable[[float], None] | None = None) -> Any:
+    """``llama_model_load_from_file`` with ``n_gpu_layers`` offloaded to ``devices``; ``progress`` is
+    told the share loaded (0..1) as llama.cpp reports it (``progress_callback``).
 
     Raises:
         ModelFileError: llama.cpp could not load it (the message suggests a lower
@@ -352,6 +365,13 @@ def _load_model(path: Path, n_gpu_layers: int, use_extra_bufts: bool, devices: t
     mparams = lc.llama_model_default_params()
     mparams.n_gpu_layers = n_gpu_layers
     mparams.use_extra_bufts = use_extra_bufts
+    if progress is not None:
+        @lc.llama_progress_callback
+        def report(share: float, _user: ctypes.c_void_p) -> bool:
+            progress(share)
+            return True  # go on
+
+        mparams.progress_callback = report
     model = lc.llama_model_load_from_file(str(path).encode(), mparams)
     if not model:
         on_gpu = f" (offloading to {', '.join(devices)}: lower [model] n_gpu_layers if it does not fit)"
@@ -404,205 +424,79 @@ class _Batch:
         lc.llama_batch_free(self.raw)
 
 
-class LlamaEngine:
-    """An :class:`~ringserve.engine.protocol.Engine` backed by llama.cpp.
+class LlamaVocab:
+    """A model's vocabulary and chat template: a :class:`~ringserve.engine.protocol.Tokenizer`.
 
-    Loads the model and creates one context of ``n_ctx`` KV cells that its
-    ``n_slots`` sequences share (``kv_unified = True``): any sequence may hold
-    up to :attr:`n_ctx_seq` of them, and the runner keeps their sum within
-    the pool. llama.cpp rounds ``n_ctx`` up to a multiple of 256 cells
-    (:attr:`n_ctx` is what it made).
+    Over a loaded model's ``llama_model`` (an engine's), or over its own, loaded with
+    ``vocab_only`` (:meth:`load`: the metadata and the vocabulary, without the weights or a
+    context; a fraction of a second), so that a catalog model's requests are tokenized and
+    checked against its context before its weights load (``engine/loader.py``). Token ids are the
+    file's, whichever loaded them.
 
     Args:
-        path: the GGUF model file (checked with
-            :func:`~ringserve.engine.modelfile.check_model_file`).
-        n_slots: sequences decoded together (llama.cpp ``n_seq_max``), 1..
-            ``llama_max_parallel_sequences()``.
-        n_ctx: KV cells (tokens) of the pool: every sequence's prompt and generated
-            tokens together; at most ``n_slots`` times the model's trained context; 0:
-            the trained context (llama.cpp's ``-c 0``).
-        kv_unified: one pool any sequence may fill (True), or ``n_ctx`` split evenly
-            among the sequences (False: each holds ``n_ctx / n_slots``).
-        n_batch: most tokens per :meth:`decode`, summed over slots; also the
-            physical micro-batch (``n_ubatch``).
-        n_gpu_layers: layers to offload to the GPU devices llama.cpp finds
-            (:func:`gpu_devices`): a count, or -1 (the default) for every layer;
-            with no GPU device none is offloaded, whatever the value.
-        n_threads: CPU threads for decoding; 0 means
-            :func:`ringserve.config.decode_threads` (every core but one).
-        use_extra_bufts: let llama.cpp use extra CPU buffer types (weight
-            repacking, AMX). Off by default: with a native build on AMX CPUs
-            ``ggml_backend_amx_mul_mat`` crashes on multi-token batches.
-        flash_attn: flash attention on (True), off (False, the default) or
-            llama.cpp's choice (None: on where the backend supports it, CPUs
-            included). With it on, a token's attention is summed in an order
-            that depends on how many tokens of its sequence share the batch, so
-            greedy output after a prompt-prefix cache hit (the rest of the
-            prompt fed in other batch shapes) can differ from a full
-            prefill's; off, it does not.
-        type_k, type_v: the KV cache's element types (llama.cpp's ``-ctk`` /
-            ``-ctv``; :class:`~ringserve.core.sizing.CacheType`). A quantized V
-            cache needs flash attention: with ``flash_attn=None`` it is turned on
-            (and logged), with ``flash_attn=False`` the engine refuses.
+        model: the ``llama_model`` pointer.
+        path: its file.
         model_id: name reported to clients; default the file's stem.
-        chat_template: the chat template's Jinja source, over the GGUF's
-            ``tokenizer.chat_template`` (``[model] chat_template_file``); None:
-            the GGUF's.
-        chat_format: the name of the model's family
-            (:data:`~ringserve.formats.families.FAMILIES`), over the one
-            detected from the template (``[model] chat_format``); None: detected.
+        chat_template: Jinja source over the GGUF's ``tokenizer.chat_template`` (``[model]
+            chat_template_file``); None: the GGUF's.
+        chat_format: the family's name over the detected one (``[model] chat_format``); None: detected.
+        owned: free ``model`` on :meth:`close` (a vocabulary-only load's own model).
 
     Attributes:
-        model_id, n_slots, n_batch: as the arguments
-            (the :class:`~ringserve.engine.protocol.Engine` attributes).
-        n_ctx: the pool's KV cells as llama.cpp made it (``llama_n_ctx``: the
-            argument rounded up to a multiple of 256).
-        n_ctx_seq: most cells one sequence may hold: the pool (its share of it
-            without ``kv_unified``), at most the trained context (``n_ctx_train``).
-        n_ctx_train: the context the model was trained with (tokens,
-            ``llama_model_n_ctx_train``, the GGUF's ``<arch>.context_length``).
-        prefix_cache: whether a slot may keep a prefix of its cells and copy
-            one from another slot: False for recurrent and hybrid models and
-            for sliding-window attention, whose memory cannot drop a
-            sequence's tail or has already dropped its head
-            (``llama_model_is_recurrent``, ``llama_model_is_hybrid``,
-            ``llama_model_n_swa``).
-        n_vocab: tokens in the vocabulary.
-        max_token_bytes: the longest piece in the vocabulary (bytes): plain
-            text of N bytes is at least ``N / max_token_bytes`` tokens, as a
-            BPE or SentencePiece token stands for the bytes of its piece;
-            None for other vocabulary types (the runner then does not bound
-            the text before tokenizing).
-        n_threads: CPU threads used.
-        offload: the layers on GPU devices (:func:`~ringserve.core.offload.plan_offload`
-            from ``n_gpu_layers``, ``llama_model_n_layer`` and :func:`gpu_devices`).
-        path: the checked, absolute model path.
-        chat_template: the loaded chat template; None when the GGUF has none
-            and none was configured (llama.cpp's ChatML is then used, with
-            the generic format).
-        chat_format: the model's format: the configured family, else the one
-            :func:`~ringserve.formats.detect.detect` finds in the template
-            (the generic one without a template).
-        reasoning_close: the tokens of the format's
-            :attr:`~ringserve.formats.base.ReasoningMarkers.closing` (empty
-            for a format without a thinking block).
+        model_id, n_vocab, max_token_bytes, chat_template, chat_format, reasoning_close:
+            the :class:`~ringserve.engine.protocol.Tokenizer`'s (``max_token_bytes``: the longest
+            piece in the vocabulary, for BPE and SentencePiece vocabularies; None for others).
+        n_ctx_train: the context the model was trained with (tokens).
 
     Raises:
-        ModelFileError: the file is missing, unreadable or not GGUF, or
-            llama.cpp could not load it (the message suggests a lower
-            ``n_gpu_layers`` when layers were to go to a GPU).
-        ChatTemplateError: the chat template does not compile, or
-            ``chat_format`` names no family.
-        ValueError: a size argument is out of range, or a quantized ``type_v``
-            with ``flash_attn=False``.
-        EngineError: ``n_ctx`` is above ``n_slots * n_ctx_train`` (refused
-            before anything is allocated: a typo would take GBs), or llama.cpp
-            could not create the context or the batch.
+        ChatTemplateError: the chat template does not compile, or ``chat_format`` names no family.
     """
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        n_slots: int = 4,
-        n_ctx: int = 4096,
-        n_batch: int = 512,
-        kv_unified: bool = True,
-        n_gpu_layers: int = ALL_LAYERS,
-        n_threads: int = 0,
-        use_extra_bufts: bool = False,
-        flash_attn: bool | None = False,
-        type_k: CacheType = CacheType.F16,
-        type_v: CacheType = CacheType.F16,
-        model_id: str | None = None,
-        chat_template: str | None = None,
-        chat_format: str | None = None,
-    ) -> None:
-        self._model = None
-        self._ctx = None
-        self._batch: _Batch | None = None
-        self._closed = False
-        path = check_model_file(path)
-        _init_backend()
-        _check_sizes(n_slots, n_ctx, n_batch, n_threads)
-        flash_attn = _flash_attn_for(type_v, flash_attn)
+    def __init__(self, model: Any, path: Path, *, model_id: str | None = None, chat_template: str | None = None,
+                 chat_format: str | None = None, owned: bool = False) -> None:
+        self._model = model
+        self._owned = owned
         self.path = path
         self.model_id = model_id or path.stem
-        self.n_slots = n_slots
-        self.n_ctx = n_ctx
-        self._kv_unified = kv_unified
-        self.n_batch = n_batch
-        self.n_threads = decode_threads(n_threads, os.cpu_count() or 1)
-        self._chains: list[int | None] = [None] * n_slots
-        self._held: list[int | None] = [None] * n_slots  # cells of a begun slot's sequence (check_feeds)
-        self._watches: list[CallWatch | None] = [None] * n_slots
-        self._call_grammar: list[bool] = [False] * n_slots  # a call's grammar is first on the chain
-        self._argmax: list[bool] = [False] * n_slots  # plain greedy, no grammar on the chain: argmax of _logits
-        self._logprobs: list[int | None] = [None] * n_slots  # alternatives per token, where logprobs are asked
+        self._vocab = lc.llama_model_get_vocab(model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        self._bos = lc.llama_vocab_bos(self._vocab)
+        self._add_bos = bool(lc.llama_vocab_get_add_bos(self._vocab))
         self._pieces: dict[int, tuple[bytes, bool]] = {}
         self._piece_buf = ctypes.create_string_buffer(64)
+        self.n_ctx_train = lc.llama_model_n_ctx_train(model)
+        self.max_token_bytes, specials = self._scan_vocab()
+        self._load_chat(chat_template, chat_format, specials)
 
-        devices = gpu_devices()
-        self._model = _load_model(path, n_gpu_layers, use_extra_bufts, devices)
-        try:
-            self.offload = plan_offload(n_gpu_layers, lc.llama_model_n_layer(self._model), devices)
-            self._vocab = lc.llama_model_get_vocab(self._model)
-            self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
-            self._bos = lc.llama_vocab_bos(self._vocab)
-            self._add_bos = bool(lc.llama_vocab_get_add_bos(self._vocab))
-            self.max_token_bytes, specials = self._scan_vocab()
-            self._load_chat(chat_template, chat_format, specials)
-            self.n_ctx_train = lc.llama_model_n_ctx_train(self._model)
-            n_ctx = self.n_ctx = n_ctx or self.n_ctx_train
-            if n_ctx > n_slots * self.n_ctx_train > 0:
-                # Refused before llama.cpp allocates the KV cells (GBs for a typo).
-                raise EngineError(
-                    f"a context of {n_ctx} tokens is more than {n_slots} slot(s) of the model's trained context of "
-                    f"{self.n_ctx_train} tokens (n_ctx_train of {path})"
-                )
-            self._create_context(flash_attn, type_k, type_v)
-            self._batch = _Batch(n_batch)  # one batch for the engine's life
-        except BaseException:
-            self.close()
-            raise
-
-    def _create_context(self, flash_attn: bool | None, type_k: CacheType, type_v: CacheType) -> None:
-        """The context of ``n_ctx`` cells that ``n_slots`` sequences share (unified KV cache, or split), and
-        what it says of the model's memory (:attr:`prefix_cache`, :attr:`n_ctx`, :attr:`n_ctx_seq`).
+    @classmethod
+    def load(cls, path: str | Path, *, model_id: str | None = None, chat_template: str | None = None,
+             chat_format: str | None = None) -> LlamaVocab:
+        """The vocabulary and chat template of the GGUF at ``path``, without its weights.
 
         Raises:
-            EngineError: llama.cpp could not create it.
+            ModelFileError: the file is missing, not GGUF, or llama.cpp could not read it.
+            ChatTemplateError: as the constructor.
         """
-        n_slots, n_ctx = self.n_slots, self.n_ctx
-        cparams = lc.llama_context_default_params()
-        cparams.n_ctx = n_ctx
-        cparams.n_seq_max = n_slots
-        cparams.n_batch = self.n_batch
-        cparams.n_ubatch = self.n_batch
-        cparams.n_threads = self.n_threads
-        cparams.n_threads_batch = self.n_threads
-        cparams.no_perf = True
-        cparams.type_k = _GGML_TYPES[type_k]
-        cparams.type_v = _GGML_TYPES[type_v]
-        if flash_attn is not None:
-            cparams.flash_attn_type = (
-                lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
-            )
-        cparams.kv_unified = self._kv_unified
-        cparams.swa_full = False  # sliding-window layers keep their window, as llama-server's (a fraction of the memory)
-        self._ctx = lc.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens for {n_slots} slot(s)")
-        self._mem: Any = lc.llama_get_memory(self._ctx)
-        self.prefix_cache: bool = not (
-            lc.llama_model_is_recurrent(self._model)
-            or _call_if_bound("llama_model_is_hybrid", self._model)
-            or _call_if_bound("llama_model_n_swa", self._model)
-        )
-        self.n_ctx = lc.llama_n_ctx(self._ctx)
-        self.n_ctx_seq: int = min(lc.llama_n_ctx_seq(self._ctx), self.n_ctx_train or self.n_ctx)
+        path = check_model_file(path)
+        _init_backend()
+        params = lc.llama_model_default_params()
+        params.vocab_only = True
+        model = lc.llama_model_load_from_file(str(path).encode(), params)
+        if not model:
+            raise ModelFileError(f"llama.cpp could not read the model's vocabulary: {path}", path)
+        try:
+            return cls(model, path, model_id=model_id, chat_template=chat_template, chat_format=chat_format,
+                       owned=True)
+        except BaseException:
+            lc.llama_model_free(model)
+            raise
 
-    # -- chat template and tokens ------------------------------------------
+    def close(self) -> None:
+        """Free the vocabulary-only model it loaded (nothing for an engine's). Idempotent."""
+        if self._owned and self._model:
+            lc.llama_model_free(self._model)
+        self._model = None
+
 
     def _scan_vocab(self) -> tuple[int | None, SpecialTokens]:
         """One pass over the vocabulary: the bytes of the longest token piece (for BPE and SPM
@@ -740,7 +634,6 @@ class LlamaEngine:
         Raises:
             ValueError: no messages, or llama.cpp failed to apply the template.
         """
-        self._check_open()
         if not messages:
             raise ValueError("at least one message is required")
         chat = (lc.llama_chat_message * len(messages))()
@@ -774,7 +667,6 @@ class LlamaEngine:
         Returns:
             Token ids.
         """
-        self._check_open()
         data = text.encode("utf-8") if isinstance(text, str) else text
         cap = len(data) + 8
         while True:
@@ -792,9 +684,9 @@ class LlamaEngine:
         """Raw bytes of ``token`` as generated text: its piece, special tokens' text included
         (``<|channel|>``, ``[TOOL_CALLS]``: the formats' parsers read them), except the
         end-of-generation tokens', which render empty."""
-        return self._piece(token)[0]
+        return self.piece(token)[0]
 
-    def _piece(self, token: int) -> tuple[bytes, bool]:
+    def piece(self, token: int) -> tuple[bytes, bool]:
         """(bytes, is-end-of-generation) of ``token``, cached per token id."""
         hit = self._pieces.get(token)
         if hit is not None:
@@ -808,6 +700,238 @@ class LlamaEngine:
         hit = (buf.raw[:n], eog)
         self._pieces[token] = hit
         return hit
+
+
+class LlamaEngine:
+    """An :class:`~ringserve.engine.protocol.Engine` backed by llama.cpp.
+
+    Loads the model and creates one context of ``n_ctx`` KV cells that its
+    ``n_slots`` sequences share (``kv_unified = True``): any sequence may hold
+    up to :attr:`n_ctx_seq` of them, and the runner keeps their sum within
+    the pool. llama.cpp rounds ``n_ctx`` up to a multiple of 256 cells
+    (:attr:`n_ctx` is what it made).
+
+    Args:
+        path: the GGUF model file (checked with
+            :func:`~ringserve.engine.modelfile.check_model_file`).
+        n_slots: sequences decoded together (llama.cpp ``n_seq_max``), 1..
+            ``llama_max_parallel_sequences()``.
+        n_ctx: KV cells (tokens) of the pool: every sequence's prompt and generated
+            tokens together; at most ``n_slots`` times the model's trained context; 0:
+            the trained context (llama.cpp's ``-c 0``).
+        kv_unified: one pool any sequence may fill (True), or ``n_ctx`` split evenly
+            among the sequences (False: each holds ``n_ctx / n_slots``).
+        n_batch: most tokens per :meth:`decode`, summed over slots; also the
+            physical micro-batch (``n_ubatch``).
+        n_gpu_layers: layers to offload to the GPU devices llama.cpp finds
+            (:func:`gpu_devices`): a count, or -1 (the default) for every layer;
+            with no GPU device none is offloaded, whatever the value.
+        n_threads: CPU threads for decoding; 0 means
+            :func:`ringserve.config.decode_threads` (every core but one).
+        use_extra_bufts: let llama.cpp use extra CPU buffer types (weight
+            repacking, AMX). Off by default: with a native build on AMX CPUs
+            ``ggml_backend_amx_mul_mat`` crashes on multi-token batches.
+        flash_attn: flash attention on (True), off (False, the default) or
+            llama.cpp's choice (None: on where the backend supports it, CPUs
+            included). With it on, a token's attention is summed in an order
+            that depends on how many tokens of its sequence share the batch, so
+            greedy output after a prompt-prefix cache hit (the rest of the
+            prompt fed in other batch shapes) can differ from a full
+            prefill's; off, it does not.
+        type_k, type_v: the KV cache's element types (llama.cpp's ``-ctk`` /
+            ``-ctv``; :class:`~ringserve.core.sizing.CacheType`). A quantized V
+            cache needs flash attention: with ``flash_attn=None`` it is turned on
+            (and logged), with ``flash_attn=False`` the engine refuses.
+        model_id: name reported to clients; default the file's stem.
+        chat_template: the chat template's Jinja source, over the GGUF's
+            ``tokenizer.chat_template`` (``[model] chat_template_file``); None:
+            the GGUF's.
+        chat_format: the name of the model's family
+            (:data:`~ringserve.formats.families.FAMILIES`), over the one
+            detected from the template (``[model] chat_format``); None: detected.
+
+    Attributes:
+        model_id, n_slots, n_batch: as the arguments
+            (the :class:`~ringserve.engine.protocol.Engine` attributes).
+        n_ctx: the pool's KV cells as llama.cpp made it (``llama_n_ctx``: the
+            argument rounded up to a multiple of 256).
+        n_ctx_seq: most cells one sequence may hold: the pool (its share of it
+            without ``kv_unified``), at most the trained context (``n_ctx_train``).
+        n_ctx_train: the context the model was trained with (tokens,
+            ``llama_model_n_ctx_train``, the GGUF's ``<arch>.context_length``).
+        prefix_cache: whether a slot may keep a prefix of its cells and copy
+            one from another slot: False for recurrent and hybrid models and
+            for sliding-window attention, whose memory cannot drop a
+            sequence's tail or has already dropped its head
+            (``llama_model_is_recurrent``, ``llama_model_is_hybrid``,
+            ``llama_model_n_swa``).
+        n_vocab: tokens in the vocabulary.
+        max_token_bytes: the longest piece in the vocabulary (bytes): plain
+            text of N bytes is at least ``N / max_token_bytes`` tokens, as a
+            BPE or SentencePiece token stands for the bytes of its piece;
+            None for other vocabulary types (the runner then does not bound
+            the text before tokenizing).
+        n_threads: CPU threads used.
+        offload: the layers on GPU devices (:func:`~ringserve.core.offload.plan_offload`
+            from ``n_gpu_layers``, ``llama_model_n_layer`` and :func:`gpu_devices`).
+        path: the checked, absolute model path.
+        chat_template: the loaded chat template; None when the GGUF has none
+            and none was configured (llama.cpp's ChatML is then used, with
+            the generic format).
+        chat_format: the model's format: the configured family, else the one
+            :func:`~ringserve.formats.detect.detect` finds in the template
+            (the generic one without a template).
+        reasoning_close: the tokens of the format's
+            :attr:`~ringserve.formats.base.ReasoningMarkers.closing` (empty
+            for a format without a thinking block).
+
+    Raises:
+        ModelFileError: the file is missing, unreadable or not GGUF, or
+            llama.cpp could not load it (the message suggests a lower
+            ``n_gpu_layers`` when layers were to go to a GPU).
+        ChatTemplateError: the chat template does not compile, or
+            ``chat_format`` names no family.
+        ValueError: a size argument is out of range, or a quantized ``type_v``
+            with ``flash_attn=False``.
+        EngineError: ``n_ctx`` is above ``n_slots * n_ctx_train`` (refused
+            before anything is allocated: a typo would take GBs), or llama.cpp
+            could not create the context or the batch.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        n_slots: int = 4,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        kv_unified: bool = True,
+        n_gpu_layers: int = ALL_LAYERS,
+        n_threads: int = 0,
+        use_extra_bufts: bool = False,
+        flash_attn: bool | None = False,
+        type_k: CacheType = CacheType.F16,
+        type_v: CacheType = CacheType.F16,
+        model_id: str | None = None,
+        chat_template: str | None = None,
+        chat_format: str | None = None,
+        vocab: LlamaVocab | None = None,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
+        self._model = None
+        self._ctx = None
+        self._batch: _Batch | None = None
+        self._closed = False
+        path = check_model_file(path)
+        _init_backend()
+        _check_sizes(n_slots, n_ctx, n_batch, n_threads)
+        flash_attn = _flash_attn_for(type_v, flash_attn)
+        self.path = path
+        self.n_slots = n_slots
+        self.n_ctx = n_ctx
+        self._kv_unified = kv_unified
+        self.n_batch = n_batch
+        self.n_threads = decode_threads(n_threads, os.cpu_count() or 1)
+        self._chains: list[int | None] = [None] * n_slots
+        self._held: list[int | None] = [None] * n_slots  # cells of a begun slot's sequence (check_feeds)
+        self._watches: list[CallWatch | None] = [None] * n_slots
+        self._call_grammar: list[bool] = [False] * n_slots  # a call's grammar is first on the chain
+        self._argmax: list[bool] = [False] * n_slots  # plain greedy, no grammar on the chain: argmax of _logits
+        self._logprobs: list[int | None] = [None] * n_slots  # alternatives per token, where logprobs are asked
+
+        devices = gpu_devices()
+        self._model = _load_model(path, n_gpu_layers, use_extra_bufts, devices, progress)
+        try:
+            self.offload = plan_offload(n_gpu_layers, lc.llama_model_n_layer(self._model), devices)
+            self._vocab = lc.llama_model_get_vocab(self._model)
+            self.vocab = vocab if vocab is not None else LlamaVocab(
+                self._model, path, model_id=model_id, chat_template=chat_template, chat_format=chat_format)
+            self.model_id = self.vocab.model_id
+            self.n_ctx_train = lc.llama_model_n_ctx_train(self._model)
+            n_ctx = self.n_ctx = n_ctx or self.n_ctx_train
+            if n_ctx > n_slots * self.n_ctx_train > 0:
+                # Refused before llama.cpp allocates the KV cells (GBs for a typo).
+                raise EngineError(
+                    f"a context of {n_ctx} tokens is more than {n_slots} slot(s) of the model's trained context of "
+                    f"{self.n_ctx_train} tokens (n_ctx_train of {path})"
+                )
+            self._create_context(flash_attn, type_k, type_v)
+            self._batch = _Batch(n_batch)  # one batch for the engine's life
+        except BaseException:
+            self.close()
+            raise
+
+    def _create_context(self, flash_attn: bool | None, type_k: CacheType, type_v: CacheType) -> None:
+        """The context of ``n_ctx`` cells that ``n_slots`` sequences share (unified KV cache, or split), and
+        what it says of the model's memory (:attr:`prefix_cache`, :attr:`n_ctx`, :attr:`n_ctx_seq`).
+
+        Raises:
+            EngineError: llama.cpp could not create it.
+        """
+        n_slots, n_ctx = self.n_slots, self.n_ctx
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_seq_max = n_slots
+        cparams.n_batch = self.n_batch
+        cparams.n_ubatch = self.n_batch
+        cparams.n_threads = self.n_threads
+        cparams.n_threads_batch = self.n_threads
+        cparams.no_perf = True
+        cparams.type_k = _GGML_TYPES[type_k]
+        cparams.type_v = _GGML_TYPES[type_v]
+        if flash_attn is not None:
+            cparams.flash_attn_type = (
+                lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            )
+        cparams.kv_unified = self._kv_unified
+        cparams.swa_full = False  # sliding-window layers keep their window, as llama-server's (a fraction of the memory)
+        self._ctx = lc.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens for {n_slots} slot(s)")
+        self._mem: Any = lc.llama_get_memory(self._ctx)
+        self.prefix_cache: bool = not (
+            lc.llama_model_is_recurrent(self._model)
+            or _call_if_bound("llama_model_is_hybrid", self._model)
+            or _call_if_bound("llama_model_n_swa", self._model)
+        )
+        self.n_ctx = lc.llama_n_ctx(self._ctx)
+        self.n_ctx_seq: int = min(lc.llama_n_ctx_seq(self._ctx), self.n_ctx_train or self.n_ctx)
+
+    # -- the vocabulary ------------------------------------------------------
+
+    @property
+    def n_vocab(self) -> int:
+        return self.vocab.n_vocab
+
+    @property
+    def max_token_bytes(self) -> int | None:
+        return self.vocab.max_token_bytes
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        return self.vocab.chat_template
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        return self.vocab.chat_format
+
+    @property
+    def reasoning_close(self) -> tuple[int, ...]:
+        return self.vocab.reasoning_close
+
+    def tokenize_chat(self, request: GenerationRequest) -> ChatPrompt:
+        """:meth:`LlamaVocab.tokenize_chat` of the engine's vocabulary."""
+        self._check_open()
+        return self.vocab.tokenize_chat(request)
+
+    def tokenize(self, text: str | bytes, *, add_special: bool = False, parse_special: bool = False) -> list[int]:
+        """:meth:`LlamaVocab.tokenize` of the engine's vocabulary."""
+        self._check_open()
+        return self.vocab.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def token_piece(self, token: int) -> bytes:
+        """:meth:`LlamaVocab.token_piece` of the engine's vocabulary."""
+        return self.vocab.token_piece(token)
 
     # -- slots --------------------------------------------------------------
 
@@ -1018,7 +1142,7 @@ class LlamaEngine:
     def _watched(self, slot: int, token: int) -> tuple[bytes, bool]:
         """``token``'s piece and whether it ends generation, with the slot's call watch fed and any
         grammar switch applied."""
-        piece, eog = self._piece(token)
+        piece, eog = self.vocab.piece(token)
         watch = self._watches[slot]
         if watch is not None:
             switch = watch.feed(piece)
@@ -1134,3 +1258,121 @@ class LlamaEngine:
             f"<LlamaEngine {self.model_id!r} slots={self.n_slots} ctx={self.n_ctx}"
             f" batch={self.n_batch} {state}>"
         )
+
+
+@attrs.frozen
+class LlamaLoader:
+    """The :class:`~ringserve.engine.loader.ModelLoader` of GGUF files.
+
+    Its front reads the GGUF's metadata (``engine/gguf.py``), sizes the context and the GPU layers
+    to the free memory (``core/sizing.py``: the context the model was trained with, lowered to what
+    fits, keeping ``margin`` bytes free; GPU layers lowered when the weights do not fit) and loads the
+    vocabulary alone (:meth:`LlamaVocab.load`); its engine loads the weights as sized.
+
+    Args:
+        margin: bytes left free on each device (``[router] memory_margin``).
+        memory: the memory report (:func:`memory_report`; a test's own).
+    """
+
+    margin: int = 1024**3
+    memory: Callable[[], MemoryReport] = memory_report
+
+    def front(self, settings: ModelSettings) -> Front:
+        """The model's vocabulary, sizing and sampling layers (``[model.sampling]``, then the GGUF's).
+
+        Raises:
+            ModelFileError: the file is missing or not GGUF, its template file cannot be read or
+                its template does not load (one line).
+            EngineError: it cannot be sized: a context above the trained one, or nothing fits
+                the memory (one line: what it needs, what there is).
+        """
+        model, engine = settings.model, settings.engine
+        path = check_model_file(model.path or default_model_path())
+        info = read_gguf(path)
+        template = _template_file(model.chat_template_file)
+        report = self.memory()
+        slots = engine.slots
+        request = SizingRequest(
+            n_ctx=model.ctx_size if model.kv_unified else _split_share(settings, info.n_ctx_train),
+            n_gpu_layers=model.n_gpu_layers, type_k=model.cache_type_k, type_v=model.cache_type_v,
+            flash_attn=bool(_flash_attn(model.flash_attn, model.cache_type_v, gpu=bool(report.gpus))),
+            n_batch=engine.n_batch, n_ubatch=engine.n_batch, n_seq=slots, kv_unified=model.kv_unified,
+            margin=self.margin)
+        try:
+            sizing = plan_sizing(info, report, request)
+        except SizingError as exc:
+            raise EngineError(f"{path.name}: {exc}") from None
+        n_ctx = sizing.n_ctx if model.kv_unified else sizing.n_ctx * slots
+        n_ctx_seq = min(sizing.n_ctx, info.n_ctx_train or sizing.n_ctx)
+        vocab = LlamaVocab.load(path, model_id=model.name or None, chat_template=template,
+                                chat_format=model.chat_format or None)
+        estimate = sizing.estimate
+        memory = estimate.gpu if report.gpus and sizing.gpu_layers else estimate.host
+        log.info("model %s sized: %s", vocab.model_id, sizing.describe())
+        return Front(vocab, n_ctx, context_window(settings, n_ctx_seq), (model.sampling, gguf_sampling(info.sampling)),
+                     memory, sizing)
+
+    def engine(self, settings: ModelSettings, front: Front, progress: Callable[[float], None]) -> Engine:
+        """The model's engine with its front's sizing and vocabulary.
+
+        Raises:
+            ModelFileError, EngineError: llama.cpp could not load it or make its context (one line).
+        """
+        model, engine = settings.model, settings.engine
+        sizing = front.sizing
+        assert isinstance(sizing, Sizing) and isinstance(front.tokenizer, LlamaVocab)
+        gpu = bool(sizing.gpus)
+        try:
+            return LlamaEngine(
+                front.tokenizer.path, n_slots=engine.slots, n_ctx=front.n_ctx, n_batch=engine.n_batch,
+                kv_unified=model.kv_unified, n_gpu_layers=sizing.gpu_layers if gpu else 0,
+                n_threads=model.n_threads, use_extra_bufts=model.use_extra_bufts,
+                flash_attn=_flash_attn(model.flash_attn, model.cache_type_v, gpu=gpu),
+                type_k=model.cache_type_k, type_v=model.cache_type_v, vocab=front.tokenizer, progress=progress,
+            )
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
+
+    def free_memory(self) -> int | None:
+        report = self.memory()
+        free = sum(g.free for g in report.gpus) if report.gpus else report.host_available
+        return max(0, free - self.margin)
+
+
+def _split_share(settings: ModelSettings, n_ctx_train: int) -> int:
+    """Each sequence's cells when the pool is split (``kv_unified`` false): its share of ``ctx_size``
+    (llama-server's ``-c`` with ``-np``); without one, ``[engine] ctx_per_slot`` each, else a share
+    of the trained context."""
+    slots, cap = settings.engine.slots, settings.engine.ctx_per_slot
+    return settings.model.ctx_size // slots if settings.model.ctx_size else cap or n_ctx_train // slots
+
+
+def _template_file(path: str) -> str | None:
+    """The Jinja source of ``[model] chat_template_file`` (None when it is empty).
+
+    Raises:
+        ModelFileError: it cannot be read (one line naming it).
+    """
+    if not path:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelFileError(f"[model] chat_template_file cannot be read: {exc}", path) from None
+
+
+def _flash_attn(setting: Switch, type_v: CacheType, *, gpu: bool) -> bool | None:
+    """``[model] flash_attn`` for the engine: ``on``/``off`` as said; ``auto`` on with a GPU,
+    off on the CPU, where it was slower for the bundled model (0.35 to 0.71 times the decode
+    rate; 1.14 to 1.18 times for gemma-3-270m: docs/benchmarks.md, "KV cache types") and makes a
+    greedy reply after a prefix-cache hit differ (docs/prefix-cache.md); a quantized V cache turns
+    it on (:func:`_flash_attn_for`)."""
+    match setting:
+        case Switch.ON:
+            return True
+        case Switch.OFF:
+            return False
+        case Switch.AUTO:
+            return True if gpu else None if type_v.quantized else False
+        case _:
+            assert_never(setting)

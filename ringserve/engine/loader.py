@@ -71,6 +71,10 @@ class ModelLoader(Protocol):
             ModelFileError, EngineError: llama.cpp could not load it or make its context (one line).
         """
 
+    def free_memory(self) -> int | None:
+        """Bytes free where models load now (the GPUs', else the host's), less the margin the
+        sizing keeps; None: not known (only ``max_loaded`` limits the loaded models)."""
+
 
 def context_window(settings: ModelSettings, n_ctx_seq: int) -> int:
     """The most tokens one request may hold: what one sequence may hold of the pool, at most
@@ -95,3 +99,6 @@ class FactoryLoader:
         assert front.engine is not None, "a FactoryLoader's front holds its engine"
         progress(1.0)
         return front.engine
+
+    def free_memory(self) -> int | None:
+        return None

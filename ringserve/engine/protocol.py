@@ -126,22 +126,30 @@ class Tokenizer(Protocol):
     (``engine/prompter.py``). An :class:`Engine` is one; ``engine/llama.py``'s ``LlamaVocab`` is
     one without the weights (a vocabulary-only load), which a catalog model has before it loads."""
 
-    model_id: str
-    """Name reported to clients (the GGUF file's stem)."""
-    max_token_bytes: int | None
-    """Most UTF-8 bytes of message text that one prompt token stands for (None: not known).
+    @property
+    def model_id(self) -> str:
+        """Name reported to clients (the GGUF file's stem)."""
 
-    Message text of more than ``window * max_token_bytes`` bytes cannot fit a
-    request's context window, so the prompter refuses it without tokenizing it."""
-    n_vocab: int
-    """Tokens in the vocabulary (ids ``0 .. n_vocab-1``)."""
+    @property
+    def max_token_bytes(self) -> int | None:
+        """Most UTF-8 bytes of message text that one prompt token stands for (None: not known).
 
-    chat_format: ChatFormat
-    """The model's output format (its family: thinking markers, call syntax, parser and
-    call grammar), chosen once at load (:func:`ringserve.formats.detect.detect`)."""
-    reasoning_close: tuple[int, ...]
-    """The tokens of the format's :attr:`~ringserve.formats.base.ReasoningMarkers.closing`
-    (what a spent reasoning budget forces); empty for a format without a thinking block."""
+        Message text of more than ``window * max_token_bytes`` bytes cannot fit a
+        request's context window, so the prompter refuses it without tokenizing it."""
+
+    @property
+    def n_vocab(self) -> int:
+        """Tokens in the vocabulary (ids ``0 .. n_vocab-1``)."""
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        """The model's output format (its family: thinking markers, call syntax, parser and
+        call grammar), chosen once at load (:func:`ringserve.formats.detect.detect`)."""
+
+    @property
+    def reasoning_close(self) -> tuple[int, ...]:
+        """The tokens of the format's :attr:`~ringserve.formats.base.ReasoningMarkers.closing`
+        (what a spent reasoning budget forces); empty for a format without a thinking block."""
 
     def tokenize_chat(self, request: GenerationRequest) -> ChatPrompt:
         """Render the request's conversation with the model's chat template (generation prompt

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -27,39 +26,20 @@ import trio
 from ringserve.config import ModelSettings, decode_threads, overlap_steps
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.router import Evict, Load, ModelMove, ModelStatus, Resident, Router, Wait
+from ringserve.engine.catalog import Catalog, CatalogEntry
 from ringserve.engine.loader import Front, ModelLoader
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.prompter import Prompter
 from ringserve.engine.protocol import Engine, EngineError
 from ringserve.engine.runner import ModelsStatistics, ModelStatistics, Runner
 
-__all__ = ["Catalog", "CatalogEntry", "Lease", "ModelPool", "ModelState"]
+__all__ = ["Lease", "ModelPool", "ModelState"]
 
 log = logging.getLogger("ringserve.models")
 
 #: A model's ``keep_alive`` when its settings give none: loaded on demand, unloaded after 5 minutes
 #: idle (Ollama's default); loaded at start, kept.
 DEFAULT_KEEP_ALIVE = 300.0
-
-
-class CatalogEntry(Protocol):
-    """A model of the catalog, as the pool needs it (``engine/catalog.py``)."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def settings(self) -> ModelSettings: ...
-
-
-class Catalog(Protocol):
-    """The models a server knows (``engine/catalog.py``)."""
-
-    @property
-    def entries(self) -> Sequence[CatalogEntry]: ...
-
-    def resolve(self, requested: str) -> CatalogEntry | None:
-        """The model ``requested`` names (a name, alias or pattern), else the default model; None: none."""
 
 
 def keep_alive(settings: ModelSettings) -> float:
@@ -252,6 +232,7 @@ class ModelPool:
                 continue
             done = model._fronting = trio.Event()
             try:
+                model.entry.model_file()  # an hf model not pulled yet: the pull to run
                 front = await trio.to_thread.run_sync(self._loader.front, model.entry.settings)
             except (ModelFileError, EngineError, ValueError) as exc:
                 model._front_error = self._load_error(model, exc)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -335,11 +335,11 @@ def test_a_template_that_does_not_load_is_one_line_at_start():
 
 def test_a_chat_template_file_that_cannot_be_read_is_one_line_at_start(tmp_path):
     from ringserve.config import Config
-    from ringserve.server import load_llama_engine
 
     missing = tmp_path / "nope.jinja"
+    settings = Config().replace("model", path=str(default_model_path()), chat_template_file=str(missing)).settings
     with pytest.raises(ModelFileError) as exc:
-        load_llama_engine(Config().replace("model", chat_template_file=str(missing)))
+        llama.LlamaLoader().front(settings)
     assert "\n" not in str(exc.value) and "chat_template_file" in str(exc.value) and str(missing) in str(exc.value)
 
 

@@ -13,7 +13,7 @@ import trio
 
 from bench.common import default_runner
 from ringserve.core.sse import SSEParser
-from ringserve.server import load_llama_engine
+from ringserve.engine.llama import LlamaLoader
 from tests.support.helpers import anthropic_text, sse_events
 from tests.support.server import fake_config, running_server
 from tests.support.wait import wait_until
@@ -27,7 +27,7 @@ LONG = {"model": "m", "max_tokens": 4000, "temperature": 0,
 @pytest.fixture
 async def real_server(tmp_path):
     config = fake_config(tmp_path, engine={"slots": 2, "ctx_per_slot": 4608})
-    async with running_server(config, engine_factory=load_llama_engine) as state:
+    async with running_server(config, engine_factory=LlamaLoader()) as state:
         async with httpx.AsyncClient(base_url=state.urls[0], timeout=60) as client:
             yield state, client
 
@@ -87,7 +87,7 @@ async def test_non_stream_client_gone_frees_slot(real_server):
 async def test_four_concurrent_streams_all_start_before_any_finishes(tmp_path):
     """C8 over HTTP: 4 streams on 4 slots; every first token arrives before any stream ends."""
     config = fake_config(tmp_path, engine={"slots": 4, "ctx_per_slot": 512})
-    async with running_server(config, engine_factory=load_llama_engine) as state:
+    async with running_server(config, engine_factory=LlamaLoader()) as state:
         first: dict[int, float] = {}
         done: dict[int, float] = {}
         texts: dict[int, str] = {}

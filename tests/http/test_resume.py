@@ -11,7 +11,7 @@ import trio
 
 from bench.common import default_runner
 from ringserve.core.sse import SSEParser
-from ringserve.server import load_llama_engine
+from ringserve.engine.llama import LlamaLoader
 from ringserve.store.sqlite import MessageStore
 from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY, anthropic_text, openai_text, sse_events
 from tests.support.server import fake_config, running_server
@@ -86,7 +86,7 @@ async def test_chaos_readers_drop_and_resume_fake_engine(tmp_path, path):
 async def test_chaos_readers_drop_and_resume_real_model(tmp_path):
     config = fake_config(tmp_path, engine={"slots": 2, "ctx_per_slot": 512}, stream={"flush_ms": 0.0})
     rng = random.Random(99)
-    async with running_server(config, engine_factory=load_llama_engine) as state, \
+    async with running_server(config, engine_factory=LlamaLoader()) as state, \
             httpx.AsyncClient(base_url=state.urls[0], timeout=60) as client:
         for path in ("/v1/messages", "/v1/chat/completions"):
             for _ in range(2):

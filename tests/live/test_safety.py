@@ -631,7 +631,7 @@ async def test_real_model_refusal_through_the_official_sdks(tmp_path):
     import anthropic
     import openai
 
-    from ringserve.server import load_llama_engine
+    from ringserve.engine.llama import LlamaLoader
 
     prompt = [{"role": "user", "content": "Name three colours."}]
     for name in "ab":
@@ -649,14 +649,14 @@ async def test_real_model_refusal_through_the_official_sdks(tmp_path):
         o_stop = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
         return (a_text, a_stop), (o_text, o_stop)
 
-    async with running_server(fake_config(tmp_path / "a", **small), engine_factory=load_llama_engine) as state:
+    async with running_server(fake_config(tmp_path / "a", **small), engine_factory=LlamaLoader()) as state:
         (plain, _), (plain_openai, _) = await trio.to_thread.run_sync(sdk_texts, state.urls[0])
     assert plain == plain_openai
     words = [m for m in re.finditer(r"[A-Za-z]{4,}", plain) if m.start() > len(plain) // 3]
     assert words, plain
     word = words[0]
     config = fake_config(tmp_path / "b", **small, safety={"window_tokens": 4, "patterns": [re.escape(word.group())]})
-    async with running_server(config, engine_factory=load_llama_engine) as state:
+    async with running_server(config, engine_factory=LlamaLoader()) as state:
         (a_text, a_stop), (o_text, o_stop) = await trio.to_thread.run_sync(sdk_texts, state.urls[0])
     assert (a_stop, o_stop) == ("refusal", "content_filter")
     assert a_text == o_text and plain.startswith(a_text) and len(a_text) <= word.start()

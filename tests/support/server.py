@@ -37,9 +37,11 @@ FAKE_MODEL = "fake"
 
 def fake_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
     """A test config: port 0, a store in ``tmp_path``, the model named :data:`FAKE_MODEL`,
-    :data:`MODEL_THREADS` and a split pool for a real model (as :data:`MODEL_TOML`), overrides per table."""
+    :data:`MODEL_THREADS` and a split pool for a real model (as :data:`MODEL_TOML`), no models from the
+    machine's Hugging Face cache, overrides per table."""
     config = (Config().replace("server", port=0).replace("store", path=str(tmp_path / "store.sqlite3"))
-              .replace("model", n_threads=MODEL_THREADS, kv_unified=False, name=FAKE_MODEL))
+              .replace("model", n_threads=MODEL_THREADS, kv_unified=False, name=FAKE_MODEL)
+              .replace("router", hf_cache=False))
     for section, changes in sections.items():
         config = config.replace(section, **changes)
     return config
@@ -57,7 +59,8 @@ async def running_server(config: Config, engine_factory: Any = None, **engine_kw
     """Serve ``config`` in this Trio run; yields the ServerState (``.urls[0]``, ``.hub``).
 
     The engine is a :class:`FakeEngine` built from ``engine_kwargs`` unless
-    ``engine_factory`` (``Config -> Engine``, e.g. ``load_llama_engine``) is given.
+    ``engine_factory`` is given: an engine factory (``ModelSettings -> Engine``) or a model loader
+    (``engine/loader.py``: ``LlamaLoader()`` for the real model).
     """
     stop = trio.Event()
     engine_kwargs.setdefault("n_slots", config.engine.slots)

@@ -33,8 +33,8 @@ slot), their prompts shrunk by their own options to fit it (:data:`CLAUDE_SMALL`
 :func:`codex_small`; docs/agents.md, "On the bundled model"). Neither agent sends a temperature,
 so the defaults sample (llama-server's); at temperature 1 the 135M model rambled on in one reply of
 five or more (to Claude Code's output cap, or for minutes to the end of the context for Codex,
-which has no cap), and any sampling varies the reply, so the engine decodes these greedily
-(:func:`greedy_model`): the same short reply every run.
+which has no cap), and any sampling varies the reply, so the model's sampling defaults make them
+greedy (``[model.sampling] temperature = 0``, :func:`model_server`): the same short reply every run.
 
 Skipped where the agents are not installed (``npm ci --prefix .ci/agents``).
 """
@@ -51,19 +51,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
 import httpx
 import pytest
 import trio
 
 from bench.common import metric_totals
-from ringserve.config import Config
 from ringserve.core.events import Effort, GenerationRequest, Role
-from ringserve.core.sampling import ResolvedSampling
 from ringserve.core.toolcalls import format_call
 from ringserve.engine.fake import FakeEngine
-from ringserve.engine.protocol import ChatPrompt, Engine, EngineError, Sampled, SlotFeed
-from ringserve.server import load_llama_engine
+from ringserve.engine.llama import LlamaLoader
+from ringserve.engine.protocol import ChatPrompt, EngineError, Sampled, SlotFeed
 from tests.support.capture_agents import BIN
 from tests.support.server import fake_config, running_server
 
@@ -384,26 +381,13 @@ async def test_codex_shows_the_models_reasoning_and_sends_it_back_encrypted(tmp_
 
 # -- a plain turn on the real bundled model --------------------------------------------------
 
-def greedy_model(monkeypatch: pytest.MonkeyPatch) -> Callable[[Config], Engine]:
-    """An engine factory: the configured real model, every sequence decoded greedily whatever the
-    request's temperature (the agents send none)."""
-    def factory(config: Config) -> Engine:
-        engine = load_llama_engine(config)
-        begin = engine.begin
-
-        def greedy_begin(slot: int, sampling: ResolvedSampling, *args: Any, **kwargs: Any) -> None:
-            begin(slot, attrs.evolve(sampling, temperature=0.0), *args, **kwargs)
-
-        monkeypatch.setattr(engine, "begin", greedy_begin)
-        return engine
-
-    return factory
-
-
 def model_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """An in-process server on the real bundled model, greedy: one slot of :data:`MODEL_CTX` tokens."""
-    config = fake_config(tmp_path, engine={"slots": 1, "ctx_per_slot": MODEL_CTX})
-    return running_server(config, engine_factory=greedy_model(monkeypatch))
+    """An in-process server on the real bundled model, greedy by its sampling defaults
+    (``[model.sampling] temperature = 0``: the agents send no temperature): one slot of
+    :data:`MODEL_CTX` tokens."""
+    config = fake_config(tmp_path, engine={"slots": 1, "ctx_per_slot": MODEL_CTX}).replace(
+        "model.sampling", temperature=0.0)
+    return running_server(config, engine_factory=LlamaLoader())
 
 
 def generations(caplog: pytest.LogCaptureFixture, route: str) -> list[str]:
