@@ -30,6 +30,9 @@ PAST_A_BOUND_AT_LOAD = {
         "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "steps"),
     "'x' * 100000000": ("{{ 'x' * 100000000 }}", "memory"),
     "[1] * 10**9": ("{% set l = [1] * 1000000000 %}", "memory"),
+    "a list extended by itself 40 times": (
+        "{% set ns = namespace(l=[1]) %}{% for i in range(40) %}{% set _ = ns.l.extend(ns.l) %}{% endfor %}",
+        "memory"),
     "a padding filter": ("{{ 'x' | center(1000000000) }}", "memory"),
     "a padding method": ("{{ 'x'.rjust(1000000000) }}", "memory"),
     "a % width": ("{{ '%1000000000d' % 1 }}", "memory"),

@@ -246,6 +246,8 @@ class Environment(jinja2.sandbox.SandboxedEnvironment):
                 budget.weigh(owner)
             if name in _GROWS:
                 args = tuple(list(a) if _iterator(a) else a for a in args)  # read twice
+                # its references, before it runs: l.extend(l) doubles l
+                budget.reserve(sum(8 * len(a) for a in args if isinstance(a, (list, tuple, dict))))
             if name in _COMPARES:
                 for value in (*args, *_given(kwargs).values()):
                     budget.weigh(value)
