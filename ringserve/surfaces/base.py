@@ -107,6 +107,10 @@ class ParsedRequest:
         continues: the stored conversation the request continues, still to be put into
             ``request`` (:class:`Continuation`); None for a request whole as it is.
         ignored: the paths of the fields accepted and ignored (:func:`read_request`).
+        grammars: the Lark grammars of the request's freeform tools, each with the field that
+            holds it (``tools[0].format.definition``): checked before the generation starts
+            (``http/decide.py`` ``check_grammars``), on a worker thread, as their check takes
+            time.
     """
 
     request: GenerationRequest
@@ -119,6 +123,7 @@ class ParsedRequest:
     echo_without_prompts: str = ""
     continues: Continuation | None = None
     ignored: tuple[str, ...] = ()
+    grammars: tuple[tuple[str, str], ...] = ()
 
 
 @attrs.frozen(eq=False)
