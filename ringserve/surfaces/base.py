@@ -759,19 +759,20 @@ class CallIds:
 
 
 def arguments_json(value: Any, where: str, param: str) -> str:
-    """A history tool call's arguments: JSON text of an object (OpenAI's ``arguments``), as
-    compact JSON text (what the prompt shows the model).
+    """A history tool call's arguments: JSON text of an object (OpenAI's ``arguments``), kept as
+    the client sent it, as llama-server keeps it: a template that writes the arguments as text
+    shows the model that text (``{"city": "Paris"}`` stays so, not ``{"city":"Paris"}``).
 
     Raises:
         RingserveError: ``INVALID_REQUEST`` when it is not a string holding a JSON object.
     """
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            parsed = json.loads(value)
         except (ValueError, RecursionError):
             raise invalid(f"{where}: must be JSON text of an object", param=param) from None
-        if isinstance(value, dict):
-            return dumps(value)
+        if isinstance(parsed, dict):
+            return value
     raise invalid(f"{where}: must be JSON text of an object", param=param)
 
 

@@ -211,18 +211,35 @@ class ChatTemplate:
     ) -> str:
         """What the generation prompt adds after ``messages``: ``<|im_start|>assistant\n``,
         or ``<|im_start|>assistant\n<think>\n`` where the template opens the thinking block
-        itself (so the reply starts inside it).
+        itself (so the reply starts inside it). Arguments and errors as :meth:`render`."""
+        rendered, at = self.split_generation_prompt(
+            messages, tools=tools, enable_thinking=enable_thinking, reasoning_effort=reasoning_effort,
+            template_kwargs=template_kwargs, now=now,
+        )
+        return rendered.text[at:]
 
-        As llama.cpp's ``common_chat_template_generation_prompt_impl``: the rendering with
-        the generation prompt, less the longest prefix it shares with the rendering without.
-        Arguments and errors as :meth:`render`.
-        """
+    def split_generation_prompt(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[ToolSpec] = (),
+        enable_thinking: bool = True,
+        reasoning_effort: str | None = None,
+        template_kwargs: Mapping[str, Json] | None = None,
+        now: dt.datetime | None = None,
+    ) -> tuple[RenderedPrompt, int]:
+        """The rendering of ``messages`` with the generation prompt, and the offset (characters)
+        where its generation prompt starts: the rendering with the generation prompt less the
+        longest prefix it shares with the rendering without, as llama.cpp's
+        ``common_chat_template_generation_prompt_impl`` finds it. Arguments and errors as
+        :meth:`render`."""
         now = now or dt.datetime.now()
-        options = (enable_thinking, reasoning_effort, template_kwargs, now)
-        with_prompt, literals = self._apply(messages, tools, True, *options)
-        without, _ = self._apply(messages, tools, False, *options)
-        common = len(os.path.commonprefix([with_prompt, without]))
-        return literals.restore(with_prompt[common:]).text
+        with_prompt, without = (
+            self.render(messages, tools=tools, add_generation_prompt=add, enable_thinking=enable_thinking,
+                        reasoning_effort=reasoning_effort, template_kwargs=template_kwargs, now=now)
+            for add in (True, False)
+        )
+        return with_prompt, len(os.path.commonprefix([with_prompt.text, without.text]))
 
     def _apply(
         self,
