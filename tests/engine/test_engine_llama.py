@@ -325,7 +325,7 @@ def test_a_template_past_the_bounds_of_a_render_is_one_line_at_start(source, bou
     the start (llama.cpp's capability probes render it); now a probe goes past a bound of the
     render (``formats/template/bounds.py``) and the start fails with one line naming the file."""
     with pytest.raises(llama.ChatTemplateError) as exc:
-        llama.LlamaEngine(default_model_path(), n_slots=1, n_ctx_slot=256, n_batch=32, chat_template=source)
+        llama.LlamaEngine(default_model_path(), n_slots=1, n_ctx=256, n_batch=32, chat_template=source)
     message = str(exc.value)
     assert "\n" not in message and bound in message and str(default_model_path()) in message
 
