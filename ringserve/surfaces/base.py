@@ -107,6 +107,10 @@ class ParsedRequest:
         continues: the stored conversation the request continues, still to be put into
             ``request`` (:class:`Continuation`); None for a request whole as it is.
         ignored: the paths of the fields accepted and ignored (:func:`read_request`).
+        grammars: the Lark grammars of the request's freeform tools, each with the field that
+            holds it (``tools[0].format.definition``): checked before the generation starts
+            (``http/decide.py`` ``check_grammars``), on a worker thread, as their check takes
+            time.
     """
 
     request: GenerationRequest
@@ -119,6 +123,7 @@ class ParsedRequest:
     echo_without_prompts: str = ""
     continues: Continuation | None = None
     ignored: tuple[str, ...] = ()
+    grammars: tuple[tuple[str, str], ...] = ()
 
 
 @attrs.frozen(eq=False)
@@ -754,19 +759,20 @@ class CallIds:
 
 
 def arguments_json(value: Any, where: str, param: str) -> str:
-    """A history tool call's arguments: JSON text of an object (OpenAI's ``arguments``), as
-    compact JSON text (what the prompt shows the model).
+    """A history tool call's arguments: JSON text of an object (OpenAI's ``arguments``), kept as
+    the client sent it, as llama-server keeps it: a template that writes the arguments as text
+    shows the model that text (``{"city": "Paris"}`` stays so, not ``{"city":"Paris"}``).
 
     Raises:
         RingserveError: ``INVALID_REQUEST`` when it is not a string holding a JSON object.
     """
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            parsed = json.loads(value)
         except (ValueError, RecursionError):
             raise invalid(f"{where}: must be JSON text of an object", param=param) from None
-        if isinstance(value, dict):
-            return dumps(value)
+        if isinstance(parsed, dict):
+            return value
     raise invalid(f"{where}: must be JSON text of an object", param=param)
 
 

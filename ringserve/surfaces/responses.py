@@ -73,7 +73,7 @@ from ringserve.core.events import (
     ToolSpec,
     Usage,
 )
-from ringserve.core.lark import LarkGrammarError, lark_to_gbnf
+from ringserve.core.lark import MAX_CHARS as MAX_GRAMMAR_CHARS
 from ringserve.core.status import INTERRUPTED_MESSAGE, MessageStatus
 from ringserve.core.render import SEQ_VALUE, WireEvent
 from ringserve.core.signing import ReasoningSigner
@@ -547,8 +547,9 @@ def freeform_parameters(grammar: str) -> str:
 def _custom_tool(raw: dict[str, Any], where: str) -> ToolSpec:
     """A ``custom`` tool (:data:`CUSTOM_TOOL_FIELDS`): a freeform tool whose input is decoded under
     its ``format``'s grammar (Lark, or a ``regex`` as a Lark grammar of one terminal; none for
-    ``{"type": "text"}``), checked here so that one ``core/lark.py`` cannot translate is a 400
-    naming ``tools[i].format``."""
+    ``{"type": "text"}``). A grammar longer than ``core/lark.py``'s ``MAX_CHARS`` is a 400 naming
+    ``tools[i].format.definition`` here; the rest of its check takes time, and is the shell's, on
+    a worker thread (:attr:`ParsedRequest.grammars`, :func:`_grammars`)."""
     CUSTOM_TOOL_FIELDS.check(raw, where, param="tools")
     name = tool_name(raw.get("name"), f"{where}.name", "tools")
     fmt = raw.get("format")
@@ -559,10 +560,9 @@ def _custom_tool(raw: dict[str, Any], where: str) -> ToolSpec:
         if kind == "grammar" and syntax in ("lark", "regex") and isinstance(definition, str) and definition:
             grammar = definition if syntax == "lark" else (
                 "start: /" + definition.replace("/", "\\/").replace("\n", "\\n") + "/")
-            try:
-                lark_to_gbnf(grammar)
-            except LarkGrammarError as exc:
-                raise invalid(f"{where}.format.definition: {exc}", param="tools") from None
+            if len(grammar) > MAX_GRAMMAR_CHARS:
+                raise invalid(f"{where}.format.definition: longer than {MAX_GRAMMAR_CHARS:,} characters",
+                              param="tools")
         elif kind != "text" or len(fmt) > 1:
             raise invalid(f'{where}.format: must be {{"type": "text"}} or {{"type": "grammar", "syntax": "lark"'
                           ' or "regex", "definition": ...}}', param="tools")
@@ -582,6 +582,21 @@ def _call_names(value: Any) -> dict[str, CallName]:
                 names[qualified(tool["name"], inner["name"])] = CallName(inner["name"], tool["name"],
                                                                          inner["type"] == "custom")
     return names
+
+
+def _grammars(value: Any, tools: tuple[ToolSpec, ...]) -> tuple[tuple[str, str], ...]:
+    """The grammar of each of a request's (valid) ``custom`` tools that has one, as
+    :func:`_custom_tool` made it, by the field that holds it (``tools[i].format.definition``, in a
+    namespace ``tools[i].tools[j].format.definition``)."""
+    grammar = {tool.name: tool.grammar for tool in tools if tool.grammar}
+    fields = []
+    for i, tool in enumerate(value or ()):
+        inner = [(f"tools[{i}].tools[{j}]", qualified(tool["name"], t["name"]), t)
+                 for j, t in enumerate(tool["tools"])] if tool.get("type") == "namespace" else []
+        for where, name, raw in [(f"tools[{i}]", tool.get("name"), tool), *inner]:
+            if raw.get("type") == "custom" and name in grammar:
+                fields.append((f"{where}.format.definition", grammar[name]))
+    return tuple(fields)
 
 
 def _tool_echo(value: Any, tools: tuple[ToolSpec, ...]) -> tuple[dict[str, Any], ...]:
@@ -790,7 +805,8 @@ def parse_create(body: Any) -> ResponseCreate:
             top_logprobs=top_logprobs,
         ),
         input=messages,
-        parsed=ParsedRequest(request=request, stream=stream, model=get_str(body, "model")),
+        parsed=ParsedRequest(request=request, stream=stream, model=get_str(body, "model"),
+                             grammars=_grammars(body.get("tools"), tools)),
         answers=answers,
     )
 

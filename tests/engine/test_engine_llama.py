@@ -333,6 +333,20 @@ def test_a_template_that_does_not_load_is_one_line_at_start():
         llama.LlamaEngine(default_model_path(), n_slots=1, n_ctx=256, n_batch=32, chat_format="nope")
 
 
+@pytest.mark.parametrize("source, bound", [
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "memory"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "steps"),
+])
+def test_a_template_past_the_bounds_of_a_render_is_one_line_at_start(source, bound):
+    """Issue 43: a template that doubles a string 40 times, or loops 10**10 times, never finished
+    the start (llama.cpp's capability probes render it); now a probe goes past a bound of the
+    render (``formats/template/bounds.py``) and the start fails with one line naming the file."""
+    with pytest.raises(llama.ChatTemplateError) as exc:
+        llama.LlamaEngine(default_model_path(), n_slots=1, n_ctx=256, n_batch=32, chat_template=source)
+    message = str(exc.value)
+    assert "\n" not in message and bound in message and str(default_model_path()) in message
+
+
 def test_a_chat_template_file_that_cannot_be_read_is_one_line_at_start(tmp_path):
     from ringserve.config import Config
 
