@@ -1,10 +1,11 @@
 """A ringserve server process on the fake engine, with a start gate, for the gateway benchmarks.
 
-``python bench/fake_server.py --config FILE [--fake JSON] [--reply-bytes N] [--gate-after K]``
+``python bench/fake_server.py [MODEL] --config FILE [--fake JSON] [--reply-bytes N] [--gate-after K]``
 runs :func:`ringserve.server.run_process` exactly as ``ringserve serve`` does
-(listener, hub, signals, drain, the ``ready: ... at URL`` log line) with a
+(listener, hub, signals, drain, the ``ready: ... at URL`` log line; ``MODEL``, a file, names the
+model after its stem as ``ringserve serve MODEL`` does, its contents unread) with a
 :class:`~ringserve.engine.fake.FakeEngine` built from the ``--fake`` JSON
-keyword arguments (``n_slots`` and ``n_ctx`` default to the config's, ``record`` to false: no
+keyword arguments (``n_slots`` and ``n_ctx`` default to each model's settings, ``record`` to false: no
 test can read this process's engine log, which would grow with every decode call).
 
 With ``--gate-after K``, once ``K`` sequences have been begun every decode
@@ -25,11 +26,12 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ringserve.config import Config  # noqa: E402
+from ringserve.config import Config, ModelSettings  # noqa: E402
 from ringserve.core.batch import Sampled, SlotFeed  # noqa: E402
 from ringserve.core.sampling import ResolvedSampling  # noqa: E402
 from ringserve.engine.fake import FakeEngine  # noqa: E402
@@ -78,6 +80,7 @@ class GatedFakeEngine(FakeEngine):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench/fake_server.py", description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", type=Path, help="a model file: the model's name is its stem")
     ap.add_argument("--config", type=Path, required=True)
     ap.add_argument("--fake", default="{}", help="FakeEngine keyword arguments as a JSON object")
     ap.add_argument("--reply-bytes", type=int, help=f"reply with this many bytes of {REPLY_UNIT!r} repeated")
@@ -85,19 +88,26 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     config = Config.from_toml(args.config)
-    config = config.replace("model", name=config.model.name or "fake")  # the fake engine's name for itself
-    kwargs = json.loads(args.fake)
-    kwargs.setdefault("record", False)  # no test reads this process's engine log: it would only grow
-    kwargs.setdefault("n_slots", config.engine.slots)
-    if config.model.ctx_size:
-        kwargs.setdefault("n_ctx", config.model.ctx_size)
+    if args.model is not None:  # as `ringserve serve MODEL`: the file's stem
+        config = config.replace("model", path=str(args.model), hf="", name="")
+    elif not (config.model.path or config.model.hf or config.model.name):
+        config = config.replace("model", name="fake")  # the fake engine's name for itself, for the bundled model
+    given = json.loads(args.fake)
+    given.setdefault("record", False)  # no test reads this process's engine log: it would only grow
     if args.reply_bytes is not None:
-        kwargs["reply"] = REPLY_UNIT * (args.reply_bytes // len(REPLY_UNIT))
+        given["reply"] = REPLY_UNIT * (args.reply_bytes // len(REPLY_UNIT))
+
+    def arguments(settings: ModelSettings) -> dict[str, Any]:
+        """The engine's keyword arguments for one model: its slots and KV pool unless ``--fake`` sets them."""
+        sized = {"n_slots": settings.engine.slots} | ({"n_ctx": settings.model.ctx_size} if settings.model.ctx_size else {})
+        return sized | given
+
     if args.gate_after is None:
-        return run_process(config, lambda _config: FakeEngine(**kwargs))
+        return run_process(config, lambda settings: FakeEngine(**arguments(settings)))
     gate = threading.Event()
     signal.signal(signal.SIGUSR1, lambda _signum, _frame: gate.set())
-    return run_process(config, lambda _config: GatedFakeEngine(gate=gate, gate_after=args.gate_after, **kwargs))
+    return run_process(config, lambda settings: GatedFakeEngine(gate=gate, gate_after=args.gate_after,
+                                                                **arguments(settings)))
 
 
 if __name__ == "__main__":

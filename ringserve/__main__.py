@@ -159,6 +159,9 @@ def _settings(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str,
         if getattr(args, "model", None) is not None:
             raise ValueError(f"a model twice: {args.model_file} and -m {args.model}")
         values["model.path"] = args.model_file
+    if "model.path" in values:  # a file named here is the model, named by its stem unless -a names it
+        values["model.hf"] = ""
+        values.setdefault("model.name", "")
     return values
 
 

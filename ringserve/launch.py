@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import enum
+import fnmatch
 import hashlib
 import json
 import os
@@ -56,7 +57,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO, assert_never
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import attrs
 import httpx
@@ -125,14 +126,17 @@ class LaunchError(Exception):
 
 @attrs.frozen
 class Served:
-    """The server an agent talks to: its base URL (no trailing ``/``), the served model's name
-    and context window (tokens per slot), the key to send, and the request timeout (seconds)."""
+    """The server an agent talks to: its base URL (no trailing ``/``), the model's name and context
+    window (the most tokens one request may hold), the key to send, the request timeout (seconds),
+    and the model of the agent's small background calls (Claude Code's titles and checks: its
+    ``--small-model``; None: the same model)."""
 
     url: str
     model: str
     context_window: int
     api_key: str
     timeout: float
+    small_model: str | None = None
 
 
 @attrs.frozen
@@ -147,11 +151,13 @@ class Settings:
 
 def claude_settings(served: Served) -> Settings:
     """Claude Code's environment (its variables: ``docs/agents.md``; names from its binary)."""
+    small = served.small_model or served.model
     model = {name: served.model for name in (
-        "ANTHROPIC_MODEL",
-        "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+        "ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL",
+    )}
+    model |= {name: small for name in (
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL",  # its haiku-class calls
         "ANTHROPIC_SMALL_FAST_MODEL",  # the older name of the background calls' model
-        "CLAUDE_CODE_SUBAGENT_MODEL",
     )}
     return Settings({
         "ANTHROPIC_BASE_URL": served.url,
@@ -214,21 +220,24 @@ def codex_model_entry(catalog: Mapping[str, Any], served: Served) -> dict[str, A
 
 
 def context_warning(agent: Agent, served: Served) -> str | None:
-    """One line when the served model's context is smaller than the agent's first request."""
+    """One line, before the agent starts, when the model's context is smaller than the agent's
+    first request: the request's size, the context, and what to do."""
     info = AGENTS[agent]
     if served.context_window >= info.prompt_tokens:
         return None
-    return (f"ringserve: warning: {served.model} has {served.context_window:,} tokens of context per slot, and "
-            f"{info.name}'s first request alone is about {info.prompt_tokens:,}: expect a 400 (prompt too long); "
-            "serve a model with a longer context ([engine] ctx_per_slot)")
+    return (f"ringserve: warning: {info.name}'s first request is about {info.prompt_tokens:,} tokens, more than "
+            f"{served.model}'s context of {served.context_window:,}: expect a 400 (prompt too long); launch it on a "
+            "model with a longer context: ringserve launch "
+            f"{agent.value} --model MODEL.gguf (or --model NAME of the server's, GET /v1/models)")
 
 
 def render(agent: Agent, served: Served, settings: Settings) -> str:
     """The ``--print`` text: a comment naming the server, ``export`` lines, and for Codex its
     ``config.toml``."""
     info = AGENTS[agent]
-    lines = [f"# {info.name} on ringserve at {served.url}: model {served.model}, "
-             f"{served.context_window:,} tokens of context per slot"]
+    small = "" if served.small_model is None else f" (small model {served.small_model})"
+    lines = [f"# {info.name} on ringserve at {served.url}: model {served.model}{small}, "
+             f"{served.context_window:,} tokens of context"]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in settings.env.items()]
     if settings.config_toml:
         lines += ["# config.toml (~/.codex/ or $CODEX_HOME; `ringserve launch codex` passes these as -c overrides):",
@@ -303,9 +312,10 @@ def check_key(api_key: str, source: str) -> None:
         raise LaunchError(f"the API key ({source}) has {bad[1]!r} at position {bad[0]}: a key is printable ASCII")
 
 
-def _serve_args(config_path: Path | None, url: str | None) -> list[str]:
-    """``ringserve serve``'s arguments: the config, and the host and port of a ``--url``."""
-    args = [] if config_path is None else ["--config", str(config_path)]
+def _serve_args(config_path: Path | None, url: str | None, model_file: Path | None = None) -> list[str]:
+    """``ringserve serve``'s arguments: the model file, the config, and the host and port of a ``--url``."""
+    args = [] if model_file is None else [str(model_file)]
+    args += [] if config_path is None else ["--config", str(config_path)]
     if url is not None:
         parts = urlsplit(url)
         if parts.hostname is None or parts.port is None:
@@ -332,22 +342,63 @@ def _readiness(client: httpx.Client, url: str) -> _Readiness:
     raise LaunchError(f"{url}/ready answered {status}: is this a ringserve server?")
 
 
-def _served_model(client: httpx.Client, url: str, api_key: str, key_source: str | None) -> tuple[str, int]:
-    """The served model's name and context window, from ``GET /v1/models`` (``key_source``: where
-    ``api_key`` came from, None for the placeholder)."""
-    response = client.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {api_key}"})
+def _get(client: httpx.Client, url: str, path: str, api_key: str, key_source: str | None,
+         body: dict[str, Any] | None = None) -> httpx.Response:
+    """``GET`` (or, with ``body``, ``POST``) ``path`` with the key; a refused key is a :class:`LaunchError`."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    if body is None:
+        response = client.get(f"{url}{path}", headers=headers)
+    else:
+        response = client.post(f"{url}{path}", headers=headers, json=body, timeout=READY_TIMEOUT_S)
     if response.status_code == 401 and key_source is None:
         raise LaunchError(f"{url} wants an API key: give --api-key or set RINGSERVE_API_KEY")
     if response.status_code == 401:
         raise LaunchError(f"{url} refused the API key ({key_source}): give one of the server's keys")
-    if response.status_code != 200:
-        raise LaunchError(f"{url}/v1/models answered {response.status_code}")
-    try:
-        model = response.json()["data"][0]
-        return str(model["id"]), int(model["max_input_tokens"])
-    except (ValueError, LookupError, TypeError):
-        raise LaunchError(f"{url}/v1/models does not give the model's context window (max_input_tokens): "
-                          "a ringserve older than this launcher?") from None
+    return response
+
+
+def served_model(client: httpx.Client, url: str, api_key: str, key_source: str | None,
+                 wanted: str | None) -> tuple[str, int]:
+    """The name and context window of the model ``wanted`` names on the server (a name, an alias;
+    None: the server's default model, else its first), loaded (``POST /models/load``) when its
+    window is not known yet (``key_source``: where ``api_key`` came from, None for the placeholder).
+
+    Raises:
+        LaunchError: the server has no such model, or it cannot be loaded (one line).
+    """
+    named = wanted is not None
+    if wanted is None:
+        wanted = _get(client, url, "/health", api_key, key_source).json().get("model")
+    if wanted is None:
+        listed = _get(client, url, "/v1/models", api_key, key_source).json().get("data") or [{}]
+        wanted = str(listed[0].get("id", ""))
+    path = f"/v1/models/{quote(wanted, safe='')}"
+    response = _get(client, url, path, api_key, key_source)
+    for _ in range(2):
+        if response.status_code != 200:
+            message = response.json().get("error", {}).get("message", "") if response.content else ""
+            raise LaunchError(f"{url}: {message or f'GET {path} answered {response.status_code}'}")
+        model = response.json()
+        if named and not _names(model, wanted):  # the server's fallback to its default model
+            listed = _get(client, url, "/v1/models", api_key, key_source).json().get("data") or []
+            raise LaunchError(f"{url}: no model {wanted!r} there (a request for it gets {model['id']}); the models "
+                              f"are: {', '.join(sorted(str(m.get('id')) for m in listed))}")
+        if "max_input_tokens" in model:
+            return str(model["id"]), int(model["max_input_tokens"])
+        loaded = _get(client, url, "/models/load", api_key, key_source, {"model": model["id"]})
+        if loaded.status_code not in (200, 400):  # (400: loaded meanwhile)
+            raise LaunchError(f"{url}: the model {model['id']!r} cannot be loaded: "
+                              f"{loaded.json().get('error', {}).get('message', loaded.status_code)}")
+        response = _get(client, url, path, api_key, key_source)
+    raise LaunchError(f"{url}{path} does not give the model's context window (max_input_tokens): "
+                      "a ringserve older than this launcher?")
+
+
+def _names(model: dict[str, Any], name: str) -> bool:
+    """Whether ``GET /v1/models/{name}``'s ``model`` is the one ``name`` names, not the fallback: its
+    id, an alias, or an alias pattern that matches (as ``Catalog.find`` matches, ``fnmatch``)."""
+    aliases = [str(alias) for alias in model.get("aliases", ())]
+    return name == model.get("id") or any(fnmatch.fnmatchcase(name, alias) for alias in aliases)
 
 
 class ServerChild:
@@ -387,11 +438,12 @@ def _wait_ready(client: httpx.Client, url: str, child: ServerChild | None) -> No
 
 
 def open_server(client: httpx.Client, url: str, config_path: Path | None, url_arg: str | None, *,
-                drain_timeout: float, serve: Sequence[str] = SERVE, err: TextIO = sys.stderr) -> ServerChild | None:
+                drain_timeout: float, serve: Sequence[str] = SERVE, err: TextIO = sys.stderr,
+                model_file: Path | None = None) -> ServerChild | None:
     """The server at ``url`` once it is ready: the one running there (None), or one started as
-    ``serve`` with ``config_path`` and the host and port of ``url_arg`` (``--url``), in a session
-    of its own with its output in a log file (the child, for the caller to stop); a line on
-    ``err`` says so. ``ringserve launch`` and ``ringserve run`` use it.
+    ``serve`` with ``model_file``, ``config_path`` and the host and port of ``url_arg`` (``--url``),
+    in a session of its own with its output in a log file (the child, for the caller to stop); a
+    line on ``err`` says so. ``ringserve launch`` and ``ringserve run`` use it.
 
     Raises:
         LaunchError: a server that exited or did not become ready (one it started is stopped
@@ -404,7 +456,7 @@ def open_server(client: httpx.Client, url: str, config_path: Path | None, url_ar
         return None
     log = platformdirs.user_log_path("ringserve") / f"server-{urlsplit(url).port}.log"
     config_path = None if config_path is None else config_path.resolve()
-    child = ServerChild([*serve, *_serve_args(config_path, url_arg)], log)
+    child = ServerChild([*serve, *_serve_args(config_path, url_arg, model_file)], log)
     print(f"ringserve: no server at {url}; starting one (log: {log})", file=err)
     try:
         _wait_ready(client, url, child)
@@ -518,11 +570,15 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
         program = find_agent(info, os.environ.get("PATH"), PINNED_BIN)
         if program is None and not args.print:
             raise _missing(info)
+        model_file, wanted = _model_arg(args.model)
         with httpx.Client(timeout=10) as client:
             child = open_server(client, url, args.config, args.url, drain_timeout=config.server.drain_timeout,
-                                serve=serve, err=err)
-            model, context_window = _served_model(client, url, api_key, key_source)
-        served = Served(url, model, context_window, api_key, config.server.max_stream_seconds or AGENT_TIMEOUT_S)
+                                serve=serve, err=err, model_file=model_file)
+            model, context_window = served_model(client, url, api_key, key_source, wanted)
+            small = None if args.small_model is None else served_model(
+                client, url, api_key, key_source, args.small_model)[0]
+        served = Served(url, model, context_window, api_key, config.server.max_stream_seconds or AGENT_TIMEOUT_S,
+                        small)
         warning = context_warning(agent, served)
         if warning is not None:
             print(warning, file=err)
@@ -554,6 +610,17 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
             signal.signal(signum, handler)
 
 
+def _model_arg(model: str | None) -> tuple[Path | None, str | None]:
+    """``--model``: a GGUF file (a server started here serves it; its name is the file's stem) and
+    the name to ask for, or a name of the server's models; None: the server's default model."""
+    if model is None:
+        return None, None
+    path = Path(model).expanduser()
+    if model.endswith(".gguf") and path.is_file():
+        return path.resolve(), path.name.removesuffix(".gguf")
+    return None, model
+
+
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """``launch ... -- AGENT ARGS`` split at its first ``--`` (argparse in Python 3.11 loses a
     ``--`` in a subcommand's arguments, and every later one); other commands are left whole."""
@@ -575,6 +642,10 @@ def add_command(sub: Any) -> None:
                         help="the server's URL (default $RINGSERVE_URL, else the config's host and port)")
     launch.add_argument("--api-key", default=os.environ.get("RINGSERVE_API_KEY"),
                         help="API key (default $RINGSERVE_API_KEY, else the config's first key)")
+    launch.add_argument("--model", help="the model: a name of the server's models, or a GGUF file (a server started"
+                        " here serves it); default: the server's default model")
+    launch.add_argument("--small-model", help="Claude Code's model for its small background calls (titles, checks;"
+                        " a name of the server's models); default: --model")
     launch.add_argument("--keep-server", action="store_true", help="leave a server this command started running (--print always does)")
     launch.add_argument("--print", action="store_true", help="print the agent's settings instead of running it")
     launch.set_defaults(client_command=run, agent_args=[])

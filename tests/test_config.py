@@ -65,6 +65,21 @@ def test_the_flag_wins_over_the_environment_which_wins_over_the_file(tmp_path):
     assert (config.model.ctx_size, config.model.n_gpu_layers, config.model.sampling.temperature) == (1000, 5, 0.1)
 
 
+def test_a_model_file_on_the_command_line_is_the_model_named_by_its_stem_not_the_files(tmp_path):
+    """The file's ``[model]`` name and ``hf`` described another model: a file given by flag or environment
+    replaces them (``ringserve launch --model FILE`` asks the server it starts for the file's stem)."""
+    from ringserve.__main__ import _parser
+
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\nhf = "org/repo:Q4_K_M"\nname = "big"\nctx_size = 1000\n')
+    config = load_config(_parser().parse_args(["serve", "--config", str(path), "/m/small.gguf"]), {})
+    assert (config.model.path, config.model.hf, config.model.name, config.model.ctx_size) == ("/m/small.gguf", "", "", 1000)
+    config = load_config(_parser().parse_args(["serve", "--config", str(path), "-a", "mine"]), {"RINGSERVE_MODEL": "/s.gguf"})
+    assert (config.model.path, config.model.hf, config.model.name) == ("/s.gguf", "", "mine")
+    config = load_config(_parser().parse_args(["serve", "--config", str(path)]), {})
+    assert (config.model.hf, config.model.name) == ("org/repo:Q4_K_M", "big")
+
+
 def test_llama_server_s_flags_set_their_keys():
     from ringserve.__main__ import _parser
     from ringserve.config import CacheType, Switch

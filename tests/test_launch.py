@@ -17,6 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 
@@ -44,6 +45,15 @@ def test_claude_code_gets_the_url_the_key_one_model_for_every_call_and_a_timeout
         "DISABLE_TELEMETRY": "1",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     })
+
+
+def test_claude_codes_small_background_calls_go_to_the_small_model_when_one_is_named():
+    env = launch.claude_settings(attrs.evolve(SERVED, small_model="smollm2")).env
+    assert {name for name, value in env.items() if value == "smollm2"} == {
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_SMALL_FAST_MODEL"}
+    assert env["ANTHROPIC_MODEL"] == env["ANTHROPIC_DEFAULT_SONNET_MODEL"] == env["CLAUDE_CODE_SUBAGENT_MODEL"] == "qwen3-8b"
+    printed = launch.render(Agent.CLAUDE, attrs.evolve(SERVED, small_model="smollm2"), Settings({}))
+    assert printed.startswith("# Claude Code on ringserve at http://127.0.0.1:8080: model qwen3-8b (small model smollm2),")
 
 
 def overrides(args: tuple[str, ...]) -> dict[str, Any]:
@@ -111,12 +121,13 @@ def test_a_context_smaller_than_the_agents_first_request_is_one_warning_line(con
         warning = launch.context_warning(agent, served)
         assert (warning is not None) is warned
         if warning is not None:
-            assert "\n" not in warning and f"{context:,} tokens" in warning and AGENTS[agent].name in warning
+            assert "\n" not in warning and f"context of {context:,}" in warning and AGENTS[agent].name in warning
+            assert f"ringserve launch {agent.value} --model" in warning
 
 
 def test_print_is_export_lines_and_codexs_config_file():
     claude = launch.render(Agent.CLAUDE, SERVED, Settings({"A": "1", "B": "two words"}))
-    assert claude == ("# Claude Code on ringserve at http://127.0.0.1:8080: model qwen3-8b, 32,768 tokens of context per slot\n"
+    assert claude == ("# Claude Code on ringserve at http://127.0.0.1:8080: model qwen3-8b, 32,768 tokens of context\n"
                       "export A=1\nexport B='two words'\n")
     settings = launch.codex_settings(SERVED, Path("/cache/catalog.json"))
     codex = launch.render(Agent.CODEX, SERVED, settings)
@@ -234,17 +245,20 @@ def test_launch_starts_a_server_runs_the_agent_with_its_settings_and_stops_the_s
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     config = config_file(tmp_path, port, "[engine]\nctx_per_slot = 16384\n")
-    status = launch.run(args("claude", "--config", str(config), "--", "-p", "Say hi", "--", "x"), serve=FAKE_SERVE)
+    model = tmp_path / "tiny-model.gguf"  # (the fake engine does not read it)
+    model.write_bytes(b"GGUF")
+    status = launch.run(args("claude", "--config", str(config), "--model", str(model), "--", "-p", "Say hi", "--", "x"),
+                        serve=FAKE_SERVE)
     assert status == 3  # the agent's
     seen = json.loads(agent_env["out"].read_text())
     assert seen["ready"] == 200  # the server ran while the agent did
     assert seen["argv"] == ["-p", "Say hi", "--", "x"]
-    expected = launch.claude_settings(Served(url, "fake", 16384, launch.PLACEHOLDER_KEY, launch.AGENT_TIMEOUT_S)).env
+    expected = launch.claude_settings(Served(url, "tiny-model", 16384, launch.PLACEHOLDER_KEY, launch.AGENT_TIMEOUT_S)).env
     assert {k: seen["env"][k] for k in expected} == expected
     assert refused(url)  # and stopped after it
     err = capsys.readouterr().err
     assert f"no server at {url}; starting one" in err and "warning" not in err
-    assert (tmp_path / "state" / "ringserve" / "log" / f"server-{port}.log").read_text().count("ready: model fake") == 1
+    assert (tmp_path / "state" / "ringserve" / "log" / f"server-{port}.log").read_text().count("ready: model tiny-model") == 1
 
 
 def test_launch_uses_a_running_server_and_leaves_it_running(tmp_path, agent_env, monkeypatch, capsys):
@@ -267,10 +281,36 @@ def test_launch_uses_a_running_server_and_leaves_it_running(tmp_path, agent_env,
             **catalog["models"][0], "slug": "fake", "display_name": "fake", "description": "fake, served by ringserve",
             "context_window": 4096, "max_context_window": 4096, "default_reasoning_summary": "auto"}]}
         assert "starting one" not in err
-        assert err.count("\n") == 1 and "4,096 tokens of context per slot" in err  # the context warning only
+        assert err.count("\n") == 1 and "context of 4,096" in err  # the context warning only
         assert httpx.get(f"{server.url}/ready").status_code == 200
         assert launch.run(args("codex", "--url", server.url, "--print"), serve=FAKE_SERVE) == 2  # no key
         assert "wants an API key" in capsys.readouterr().err
+    finally:
+        server.stop()
+
+
+def test_launch_names_a_model_and_a_small_model_of_the_servers_loading_them_and_an_unknown_one_is_one_line(
+        tmp_path, agent_env, capsys):
+    port = free_port()
+    config = config_file(tmp_path, port, f'[model]\npath = "{tmp_path / "big.gguf"}"\n'
+                                         f'[models.small]\npath = "{tmp_path / "small.gguf"}"\nctx_size = 2048\n'
+                                         '[router]\nhf_cache = false\n')
+    for name in ("big", "small"):  # (the fake engine does not read them)
+        (tmp_path / f"{name}.gguf").write_bytes(b"GGUF")
+    server = ServerProcess([*FAKE_SERVE, "--config", str(config)])
+    try:
+        assert httpx.get(f"{server.url}/v1/models/small").json()["status"]["value"] == "unloaded"
+        assert launch.run(args("claude", "--url", server.url, "--small-model", "small", "--print")) == 0
+        out, err = capsys.readouterr()
+        assert "export ANTHROPIC_MODEL=big\n" in out and "export ANTHROPIC_DEFAULT_HAIKU_MODEL=small\n" in out
+        assert httpx.get(f"{server.url}/v1/models/small").json()["status"]["value"] == "loaded"  # loaded for it
+        assert launch.run(args("codex", "--url", server.url, "--model", "small", "--print")) == 0
+        out, err = capsys.readouterr()
+        assert "context of 2,048" in err.splitlines()[0]  # the warning names the model launched on
+        assert tomllib.loads(out.split("-c overrides):\n", 1)[1])["model"] == "small"
+        assert launch.run(args("claude", "--url", server.url, "--model", "gpt-5", "--print")) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"ringserve: {server.url}: no model 'gpt-5' there (a request for it gets big); the models are: big, small"]
     finally:
         server.stop()
 

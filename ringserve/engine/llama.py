@@ -52,7 +52,6 @@ from ringserve.core.sizing import (
     CacheType,
     GpuMemory,
     MemoryReport,
-    Sizing,
     SizingError,
     SizingRequest,
     plan_sizing,
@@ -1320,7 +1319,7 @@ class LlamaLoader:
         """
         model, engine = settings.model, settings.engine
         sizing = front.sizing
-        assert isinstance(sizing, Sizing) and isinstance(front.tokenizer, LlamaVocab)
+        assert sizing is not None and isinstance(front.tokenizer, LlamaVocab)
         gpu = bool(sizing.gpus)
         try:
             return LlamaEngine(

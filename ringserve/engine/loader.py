@@ -21,6 +21,7 @@ import attrs
 
 from ringserve.config import ModelSettings
 from ringserve.core.events import SamplingParams
+from ringserve.core.sizing import Sizing
 from ringserve.engine.protocol import Engine, Tokenizer
 
 __all__ = ["FactoryLoader", "Front", "ModelLoader"]
@@ -38,8 +39,8 @@ class Front:
             (the config's ``[model.sampling]``, then the GGUF's ``general.sampling.*``).
         memory: the bytes its engine will take where it loads (the estimate it was sized with;
             0: not known).
-        sizing: what was chosen for it and why, as plain values for ``GET /v1/models`` and the
-            ready line (``core/sizing.py``'s ``Sizing``; None where nothing was sized).
+        sizing: what was chosen for it and why, for ``GET /v1/models`` and the ready line
+            (None where nothing was sized).
         engine: the engine itself, when the front made it whole (:class:`FactoryLoader`).
     """
 
@@ -48,7 +49,7 @@ class Front:
     context_window: int
     sampling_defaults: tuple[SamplingParams, ...] = ()
     memory: int = 0
-    sizing: object | None = None
+    sizing: Sizing | None = None
     engine: Engine | None = None
 
 

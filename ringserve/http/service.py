@@ -11,6 +11,7 @@ from quart import Response, current_app
 from ringserve.core import health as core_health
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.router import ModelStatus
+from ringserve.core.sampling import LLAMA_SERVER_DEFAULTS, resolve_sampling
 from ringserve.formats.generic import GENERIC
 from ringserve.http import context
 from ringserve.http.context import answering_errors, json_response
@@ -40,6 +41,8 @@ def _info(model: ModelState, started: float, now: float) -> ModelInfo:
         family=None if tokenizer is None else tokenizer.chat_format.name,
         tools=None if tokenizer is None else tokenizer.chat_format is not GENERIC,
         reasoning=None if tokenizer is None else tokenizer.chat_format.reasoning is not None,
+        sizing=None if front is None else front.sizing,
+        sampling=None if front is None else resolve_sampling(*front.sampling_defaults, LLAMA_SERVER_DEFAULTS),
     )
 
 

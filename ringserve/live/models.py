@@ -236,6 +236,7 @@ class ModelPool:
                 front = await trio.to_thread.run_sync(self._loader.front, model.entry.settings)
             except (ModelFileError, EngineError, ValueError) as exc:
                 model._front_error = self._load_error(model, exc)
+                self._failed(model, model._front_error)
                 raise model._front_error from None
             else:
                 model._front_error = None

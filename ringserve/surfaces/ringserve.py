@@ -18,6 +18,8 @@ import attrs
 
 from ringserve.core.health import Health, Readiness
 from ringserve.core.router import ModelStatus
+from ringserve.core.sampling import ResolvedSampling
+from ringserve.core.sizing import Sizing
 from ringserve.core.status import MessageStatus
 from ringserve.core.view import MessageView
 from ringserve.surfaces.base import Surface
@@ -118,6 +120,8 @@ class ModelInfo:
         family: its chat format (``ringserve/formats``), once known.
         tools: whether its chat template has a tool-call syntax of its own (else ringserve's generic
             one carries its calls); reasoning: whether its format has a thinking block.
+        sizing: what its context and GPU layers were sized to and why (where it was sized).
+        sampling: the sampler settings a request gets for what it does not send.
     """
 
     id: str
@@ -133,6 +137,33 @@ class ModelInfo:
     family: str | None = None
     tools: bool | None = None
     reasoning: bool | None = None
+    sizing: Sizing | None = None
+    sampling: ResolvedSampling | None = None
+
+
+def sizing_json(sizing: Sizing) -> dict[str, Any]:
+    """What the context and the GPU layers were sized to, and why (``core/sizing.py``; bytes)."""
+    e = sizing.estimate
+    return {
+        "context": sizing.n_ctx, "context_reason": sizing.reason.value, "context_wanted": sizing.n_ctx_wanted,
+        "kv_cache_types": [sizing.type_k.value, sizing.type_v.value],
+        "kv_bytes_per_token": sizing.kv_bytes_per_token, "kv_bytes": e.kv,
+        "weights_bytes": {"gpu": e.weights_gpu, "host": e.weights_host},
+        "compute_bytes": {"gpu": e.compute_gpu, "host": e.compute_host},
+        "gpu_layers": sizing.gpu_layers, "total_layers": sizing.total_layers,
+        "layers_reason": sizing.layers_reason.value,
+        "free_bytes": {"gpu": sizing.gpu_free, "host": sizing.host_free}, "margin_bytes": sizing.margin,
+        "gpus": list(sizing.gpus),
+    }
+
+
+def sampling_json(sampling: ResolvedSampling) -> dict[str, Any]:
+    """The sampler settings a request gets for what it does not send (the model's defaults, in
+    llama-server's request names)."""
+    values = attrs.asdict(sampling, recurse=False)
+    values["dry_sequence_breakers"] = list(sampling.dry_sequence_breakers)
+    values["logit_bias"] = [[bias.token, bias.bias] for bias in sampling.logit_bias]
+    return values
 
 
 def _ringserve_fields(model: ModelInfo) -> dict[str, Any]:
@@ -150,6 +181,10 @@ def _ringserve_fields(model: ModelInfo) -> dict[str, Any]:
     extra |= {key: value for key, value in optional.items() if value is not None}
     if model.tools is not None and model.reasoning is not None:
         extra["capabilities"] = {"tools": model.tools, "reasoning": model.reasoning}
+    if model.sizing is not None:
+        extra["sizing"] = sizing_json(model.sizing)
+    if model.sampling is not None:
+        extra["sampling_defaults"] = sampling_json(model.sampling)
     return extra
 
 

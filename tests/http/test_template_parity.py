@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ringserve.server import load_llama_engine
+from ringserve.engine.llama import LlamaLoader
 from tests.formats.test_template_parity import PARITY
 from tests.support.llama_sdist import CorpusUnavailable, llama_cpp_templates
 from tests.support.server import fake_config, running_server
@@ -40,7 +40,7 @@ def _template_path(name: str) -> Path:
 async def _client(tmp_path: Path, name: str) -> AsyncIterator[httpx.AsyncClient]:
     """A client of ringserve serving the bundled model with the corpus template ``name``."""
     config = fake_config(tmp_path, model={"chat_template_file": str(_template_path(name)), "ctx_size": 4096})
-    async with running_server(config, engine_factory=load_llama_engine) as state:
+    async with running_server(config, engine_factory=LlamaLoader()) as state:
         async with httpx.AsyncClient(base_url=state.urls[0], timeout=60) as client:
             yield client
 
