@@ -21,7 +21,7 @@ import trio
 from ringserve.http.app import create_app
 from ringserve.http.context import ServerState
 from ringserve.http.auth import Authenticator, check_bind
-from ringserve.config import Config, LogBackend, ModelSettings, decode_threads
+from ringserve.config import Config, LogBackend, ModelSettings
 from ringserve.http.transport import BindError, HypercornConfig, isolate_connection_faults
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.protocol import Engine, EngineError
@@ -353,12 +353,11 @@ async def _start_models(config: Config, catalog: Catalog, loader: ModelLoader, b
             except RingserveError as exc:
                 raise EngineError(exc.message) from None
     state.hub = hub
-    cores = os.cpu_count() or 1
     loaded = [pool.summary(m) for m in pool.models() if m.runner is not None]
     waiting = [m.name for m in pool.models() if m.runner is None]
-    log.info("ready: %s%s, decode threads %d of %d cores, at %s", "; ".join(loaded) or "no model loaded yet",
+    log.info("ready: %s%s, at %s", "; ".join(loaded) or "no model loaded yet",
              f"; {len(waiting)} more loaded on demand ({', '.join(waiting)})" if waiting else "",
-             decode_threads(config.model.n_threads, cores), cores, ", ".join(state.urls))
+             ", ".join(state.urls))
     return hub
 
 

@@ -1297,10 +1297,13 @@ class LlamaLoader:
             flash_attn=bool(_flash_attn(model.flash_attn, model.cache_type_v, gpu=bool(report.gpus))),
             n_batch=engine.n_batch, n_ubatch=engine.n_batch, n_seq=slots, kv_unified=model.kv_unified,
             margin=self.margin)
+        if request.n_ctx > info.n_ctx_train:  # (plan_sizing's check, said in the settings' terms)
+            raise EngineError(f"{_context_setting(settings)} is above the model's trained context of"
+                              f" {info.n_ctx_train} tokens (ctx_size = 0 takes it): {path}")
         try:
             sizing = plan_sizing(info, report, request)
         except SizingError as exc:
-            raise EngineError(f"{path.name}: {exc}") from None
+            raise EngineError(str(exc)) from None
         n_ctx = sizing.n_ctx if model.kv_unified else sizing.n_ctx * slots
         n_ctx_seq = min(sizing.n_ctx, info.n_ctx_train or sizing.n_ctx)
         vocab = LlamaVocab.load(path, model_id=model.name or None, chat_template=template,
@@ -1344,6 +1347,16 @@ def _split_share(settings: ModelSettings, n_ctx_train: int) -> int:
     of the trained context."""
     slots, cap = settings.engine.slots, settings.engine.ctx_per_slot
     return settings.model.ctx_size // slots if settings.model.ctx_size else cap or n_ctx_train // slots
+
+
+def _context_setting(settings: ModelSettings) -> str:
+    """The setting that asked for each sequence's context, as the operator wrote it."""
+    model, engine = settings.model, settings.engine
+    if model.kv_unified:
+        return f"ctx_size = {model.ctx_size}"
+    if model.ctx_size:
+        return f"ctx_size = {model.ctx_size} split over {engine.slots} slots (kv_unified = false)"
+    return f"ctx_per_slot = {engine.ctx_per_slot} (kv_unified = false)"
 
 
 def _template_file(path: str) -> str | None:

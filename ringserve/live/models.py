@@ -247,7 +247,7 @@ class ModelPool:
                 done.set()
 
     def _load_error(self, model: ModelState, exc: BaseException) -> RingserveError:
-        log.error("model %s cannot be loaded: %s", model.name, exc)
+        log.warning("model %s cannot be loaded: %s", model.name, exc)
         return RingserveError(ErrorKind.UNAVAILABLE, f"the model {model.name!r} cannot be loaded: {exc}")
 
     def _start_load(self, model: ModelState) -> None:
@@ -360,14 +360,20 @@ class ModelPool:
 
     @staticmethod
     def summary(model: ModelState) -> str:
-        """What a loaded model runs with, for the log: ``model NAME (chat format ..., N slots sharing
-        ... tokens of KV cache, context ... tokens per request, GPU offload ...)``."""
+        """What a loaded model runs with, for the log: ``model NAME, chat format ..., N slots sharing
+        ... tokens of KV cache (sized: ...), context ... tokens per request, decode threads T of C
+        cores, overlapped steps on|off, GPU offload ...`` (the sizing where it was sized:
+        ``Sizing.describe``)."""
         assert model.front is not None and model.engine is not None and model.runner is not None
-        engine = model.engine
-        return (f"model {model.name} (chat format {model.front.tokenizer.chat_format.name},"
-                f" {model.entry.settings.engine.slots} slots sharing {engine.n_ctx} tokens of KV cache,"
+        engine, settings = model.engine, model.entry.settings
+        cores = os.cpu_count() or 1
+        sized = "" if model.front.sizing is None else f" (sized: {model.front.sizing.describe()})"
+        return (f"model {model.name}, chat format {model.front.tokenizer.chat_format.name},"
+                f" {settings.engine.slots} slots sharing {engine.n_ctx} tokens of KV cache{sized},"
                 f" context {model.runner.context_window} tokens per request,"
-                f" GPU offload {engine.offload.describe()})")
+                f" decode threads {decode_threads(settings.model.n_threads, cores)} of {cores} cores,"
+                f" overlapped steps {'on' if model.runner.overlap else 'off'},"
+                f" GPU offload {engine.offload.describe()}")
 
     def statistics(self) -> ModelsStatistics:
         """Each model's status and, while it is loaded, its runner's snapshot (for ``metrics.py``)."""

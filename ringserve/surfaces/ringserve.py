@@ -169,7 +169,8 @@ def sampling_json(sampling: ResolvedSampling) -> dict[str, Any]:
 def _ringserve_fields(model: ModelInfo) -> dict[str, Any]:
     """What ringserve says of a model beyond an SDK's type (extra fields, which the SDKs keep):
     its ``status`` in llama-server's router's shape (``{"value": "loaded"}``, with the load's
-    ``progress`` and a failure's ``failed`` and ``error``), aliases, what it supports and its load."""
+    ``progress`` and a failure's ``failed`` and ``error``), aliases, what it ``supports`` (not
+    ``capabilities``: Anthropic's ``ModelInfo`` types that name, with every key required) and its load."""
     status: dict[str, Any] = {"value": model.status.value}
     if model.progress is not None:
         status["progress"] = model.progress
@@ -180,7 +181,7 @@ def _ringserve_fields(model: ModelInfo) -> dict[str, Any]:
                 "idle_seconds": model.idle_seconds, "family": model.family}
     extra |= {key: value for key, value in optional.items() if value is not None}
     if model.tools is not None and model.reasoning is not None:
-        extra["capabilities"] = {"tools": model.tools, "reasoning": model.reasoning}
+        extra["supports"] = {"tools": model.tools, "reasoning": model.reasoning}
     if model.sizing is not None:
         extra["sizing"] = sizing_json(model.sizing)
     if model.sampling is not None:

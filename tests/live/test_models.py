@@ -68,7 +68,7 @@ async def test_two_models_answer_side_by_side_on_every_surface(tmp_path):
         assert responses["model"] == "alpha" and responses["output"][0]["content"][0]["text"] == "I am alpha."
         assert await statuses(client) == {"alpha": "loaded", "beta": "loaded"}
         listed = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
-        assert listed["alpha"]["capabilities"] == {"tools": False, "reasoning": False}
+        assert listed["alpha"]["supports"] == {"tools": False, "reasoning": False}
         assert listed["alpha"]["family"] == "generic" and listed["alpha"]["max_input_tokens"] > 0
 
 

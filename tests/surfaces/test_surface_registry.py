@@ -11,8 +11,10 @@ import openai
 import pytest
 
 from ringserve.core.view import MessageView
-from ringserve.core.events import BlockKind, ContentBlock, StopReason, Usage
+from ringserve.core.events import BlockKind, ContentBlock, SamplingParams, StopReason, Usage
 from ringserve.core.health import Health, Readiness, health, readiness
+from ringserve.core.router import ModelStatus
+from ringserve.core.sampling import LLAMA_SERVER_DEFAULTS, resolve_sampling
 from ringserve.core.status import MessageStatus
 from ringserve.surfaces import ringserve as wire
 from ringserve.surfaces.registry import ANTHROPIC, OPENAI, SURFACES, Surfaces
@@ -112,21 +114,32 @@ def test_the_202_body_and_the_stream_token_body() -> None:
 
 
 def test_models_in_the_shape_of_the_sdk_that_asks() -> None:
-    model = wire.ModelInfo("tiny", 86400.5, 4096)
+    sampling = resolve_sampling(SamplingParams(temperature=0.0), LLAMA_SERVER_DEFAULTS)
+    model = wire.ModelInfo("tiny", 86400.5, ModelStatus.LOADED, ("tiny-*",), 4096, slots=4, busy_slots=1,
+                           idle_seconds=None, family="chatml", tools=True, reasoning=False, sampling=sampling)
+    ours = {"status": {"value": "loaded"}, "aliases": ["tiny-*"], "context_window": 4096, "slots": 4, "busy_slots": 1, "family": "chatml",
+            "supports": {"tools": True, "reasoning": False}, "sampling_defaults": wire.sampling_json(sampling)}
+    assert ours["sampling_defaults"]["temperature"] == 0.0 and ours["sampling_defaults"]["top_k"] == 40
     anthropic_one = {"type": "model", "id": "tiny", "display_name": "tiny", "created_at": "1970-01-02T00:00:00Z",
-                     "lifecycle": "active", "max_input_tokens": 4096, "max_tokens": 4096}
+                     "lifecycle": "active", "max_input_tokens": 4096, "max_tokens": 4096, **ours}
     assert wire.model_json(model, "anthropic") == anthropic_one
-    assert wire.models_json(model, "anthropic") == {"data": [anthropic_one], "has_more": False,
+    assert wire.models_json([model], "anthropic") == {"data": [anthropic_one], "has_more": False,
                                                     "first_id": "tiny", "last_id": "tiny"}
-    openai_one = {"id": "tiny", "object": "model", "created": 86400, "owned_by": "ringserve", "max_input_tokens": 4096}
+    openai_one = {"id": "tiny", "object": "model", "created": 86400, "owned_by": "ringserve", "max_input_tokens": 4096,
+                  **ours}
     for surface in ("openai", "responses"):
         assert wire.model_json(model, surface) == openai_one
-        assert wire.models_json(model, surface) == {"object": "list", "data": [openai_one]}
+        assert wire.models_json([model], surface) == {"object": "list", "data": [openai_one]}
     # the SDKs' own types read them, strictly
     anthropic.types.ModelInfo.model_validate_json(json.dumps(anthropic_one), strict=True)
     anthropic.types.beta.BetaModelInfo.model_validate_json(json.dumps(anthropic_one), strict=True)
     openai.types.Model.model_validate_json(json.dumps(openai_one), strict=True)
     assert {s.name for s in SURFACES.surfaces} == set(wire._MODEL_SHAPES)
+    loading = wire.model_json(wire.ModelInfo("big", 0.0, ModelStatus.LOADING, progress=0.25), "openai")
+    assert "max_input_tokens" not in loading and loading["status"] == {"value": "loading", "progress": 0.25}
+    failed = wire.model_json(wire.ModelInfo("bad", 0.0, ModelStatus.FAILED, error="no such file"), "anthropic")
+    assert failed["status"] == {"value": "failed", "failed": True, "error": "no such file"}
+    anthropic.types.ModelInfo.model_validate_json(json.dumps({**failed, "max_input_tokens": None, "max_tokens": None}))
 
 
 def test_health_and_readiness() -> None:
@@ -139,6 +152,7 @@ def test_health_and_readiness() -> None:
     assert readiness(**{**up, "running": False, "store_available": False}) is Readiness.STOPPED
     assert readiness(**{**up, "draining": True, "running": False}) is Readiness.DRAINING
     assert readiness(**{**up, "loaded": False, "draining": True}) is Readiness.LOADING
-    assert wire.health_json(Health.LOADING, None) == {"status": "loading", "model": None}
-    assert wire.ready_json(Readiness.READY, "tiny") == {"status": "ready", "model": "tiny"}
-    assert wire.ready_json(Readiness.STORE_UNAVAILABLE, "tiny") == {"status": "log store unavailable"}
+    assert wire.health_json(Health.LOADING, None, ()) == {"status": "loading", "model": None, "models": []}
+    assert wire.ready_json(Readiness.READY, "tiny", ["tiny", "big"]) == {
+        "status": "ready", "model": "tiny", "models": ["tiny", "big"]}
+    assert wire.ready_json(Readiness.STORE_UNAVAILABLE, "tiny", ["tiny"]) == {"status": "log store unavailable"}
