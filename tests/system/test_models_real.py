@@ -21,6 +21,7 @@ from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metada
 from bench.common import rss_bytes
 from ringserve.config import Config
 from ringserve.core.router import ModelStatus
+from ringserve.core.sizing import GIB, ContextReason, GpuMemory, LayersReason, MemoryReport
 from ringserve.core.sse import SSEParser
 from ringserve.engine.catalog import discover
 from ringserve.engine.llama import LlamaLoader
@@ -212,3 +213,50 @@ async def test_loading_and_unloading_fifty_times_does_not_leak(tmp_path):
                 rss.append(rss_bytes(os.getpid()))
         nursery.cancel_scope.cancel()
     assert rss[1] - rss[0] < 40 * 1024 * 1024, rss
+
+
+MIB = 1 << 20
+
+
+def fake_gpu(free: int) -> Any:
+    """A memory report of one GPU this machine lacks, with ``free`` bytes, and ample host memory."""
+    return lambda: MemoryReport((GpuMemory("CUDA0 (Fake GPU)", free, 24 * GIB),), 16 * GIB)
+
+
+async def test_a_fake_gpu_report_sizes_the_context_and_layers_and_the_json_and_log_say_so(tmp_path, caplog):
+    """Issue 40's VRAM path on a machine without a GPU: the loader sizes gemma to a device report
+    of one GPU (margin 0). With room for all, every layer and the trained context; with 48 MiB less
+    than that, every layer and a context lowered to fit; with a fifth less than all needs, the
+    fewest context (4,096) and fewer layers. The model then loads on the CPU (a CPU build offloads
+    nothing) and its JSON and the ready line say what the report gave."""
+    settings = Config().replace("model", path=str(gemma_path())).settings
+    full = LlamaLoader(margin=0, memory=fake_gpu(24 * GIB)).front(settings).sizing
+    assert full is not None and full.gpus == ("CUDA0 (Fake GPU)",)
+    assert (full.n_ctx, full.reason, full.gpu_layers, full.layers_reason) == (
+        32768, ContextReason.TRAINED, full.total_layers, LayersReason.ALL)
+    lowered = LlamaLoader(margin=0, memory=fake_gpu(full.estimate.gpu - 48 * MIB)).front(settings).sizing
+    assert lowered is not None and lowered.reason is ContextReason.MEMORY and lowered.n_ctx_wanted == 32768
+    assert 4096 <= lowered.n_ctx < 32768 and lowered.gpu_layers == full.total_layers
+    assert lowered.estimate.gpu <= full.estimate.gpu - 48 * MIB
+    small = full.estimate.gpu * 4 // 5  # (its compute buffer, 512 x 262,144 logits, needs 0.54 GB of it)
+    few = LlamaLoader(margin=0, memory=fake_gpu(small)).front(settings).sizing
+    assert few is not None and few.layers_reason is LayersReason.MEMORY
+    assert 0 < few.gpu_layers < full.total_layers
+    assert few.n_ctx == 4096 and few.estimate.gpu <= small
+
+    caplog.set_level("INFO", logger="ringserve")
+    config = config_of(tmp_path).replace("model", path=str(gemma_path()))
+    loader = LlamaLoader(margin=0, memory=fake_gpu(full.estimate.gpu - 48 * MIB))
+    async with (
+        running_server(config, engine_factory=loader) as state,
+        httpx.AsyncClient(base_url=state.urls[0], timeout=60) as client,
+    ):
+        sizing = (await client.get(f"/v1/models/{gemma_path().name.removesuffix('.gguf')}")).json()["sizing"]
+        assert (sizing["context"], sizing["context_reason"], sizing["gpus"]) == (
+            lowered.n_ctx, "lowered to fit memory", ["CUDA0 (Fake GPU)"])
+        assert sizing["gpu_layers"] == sizing["total_layers"] and sizing["layers_reason"] == "all"
+        assert sizing["free_bytes"]["gpu"] == full.estimate.gpu - 48 * MIB
+    ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready:")]
+    assert len(ready) == 1
+    assert f"context {lowered.n_ctx} tokens (lowered from 32768 to fit memory)" in ready[0], ready[0]
+    assert f"{full.total_layers} of {full.total_layers} layers on GPU (all)" in ready[0], ready[0]
