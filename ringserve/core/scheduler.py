@@ -650,6 +650,14 @@ class Scheduler:
         self._n_queued += 1
         return entry
 
+    def ahead(self, entry: Entry) -> int | None:
+        """How many queued requests admission takes before ``entry`` (:meth:`queued`'s order)
+        while it is queued; None once it holds a slot or ended. (O(queued): for status reads,
+        not for the step loop.)"""
+        if entry.state is not SlotState.QUEUED:
+            return None
+        return next(i for i, e in enumerate(self.queued()) if e is entry)
+
     def _next(self) -> Entry:
         """The request admission takes next (there is one)."""
         return self._queues[min(self._queues)][0]

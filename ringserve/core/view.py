@@ -11,10 +11,38 @@ needs Trio (waiting for the end, cancelling) takes the live handle instead
 
 from __future__ import annotations
 
+import enum
+
 import attrs
 
 from ringserve.core.events import BlockKind, ContentBlock, StopReason, Usage
 from ringserve.core.status import MessageStatus
+
+
+class WaitReason(enum.Enum):
+    """Why a queued message has no token yet."""
+
+    MODEL_LOADING = "model_loading"
+    """Its model is loading (``live/models.py``)."""
+    QUEUED = "queued"
+    """In its model's admission queue, for a slot and room in the KV pool (``core/scheduler.py``)."""
+    PREFILL = "prefill"
+    """Admitted: its prompt is being read."""
+
+
+@attrs.frozen
+class Waiting:
+    """What a queued message waits for.
+
+    Attributes:
+        reason: see :class:`WaitReason`.
+        ahead: requests admission takes before it (``QUEUED``).
+        progress: the share of its model's weights loaded, 0 to 1 (``MODEL_LOADING``).
+    """
+
+    reason: WaitReason
+    ahead: int | None = None
+    progress: float | None = None
 
 
 @attrs.frozen
@@ -37,6 +65,7 @@ class MessageView:
         request_hash: its request body's fingerprint (``Idempotency-Key`` checks).
         live: its generation runs on this replica (or ended here and the store has not
             written its final state yet): ``Hub.live`` has its handle.
+        waiting: what it waits for while it is queued here (None otherwise).
     """
 
     id: str
@@ -52,6 +81,7 @@ class MessageView:
     echo: str = ""
     request_hash: str = ""
     live: bool = False
+    waiting: Waiting | None = None
 
     @property
     def text(self) -> str:

@@ -82,6 +82,7 @@ from ringserve.core.events import (
     GenerationRequest,
 )
 from ringserve.core.scheduler import Entry, Plan, Scheduler, SlotState
+from ringserve.core.view import Waiting, WaitReason
 from ringserve.engine.generation import Count, Generation, Prepared
 from ringserve.engine.prompter import Prompter
 from ringserve.engine.protocol import ChatPrompt, Engine, EngineError, KVCacheFull
@@ -436,6 +437,12 @@ class Runner:
         if not entry.done:
             self._leave(entry)
         self._poke()
+
+    def waiting(self, gen: Generation) -> Waiting:
+        """What ``gen``, before its first token, waits for: its place in the admission queue, or
+        its prefill once admitted (Trio thread)."""
+        ahead = self._scheduler.ahead(gen.entry)
+        return Waiting(WaitReason.PREFILL) if ahead is None else Waiting(WaitReason.QUEUED, ahead=ahead)
 
     def _leave(self, entry: Entry) -> None:
         """Cancel ``entry`` in the scheduler: a queued one leaves the queue (and the runner's

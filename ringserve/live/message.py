@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import trio
 
@@ -9,7 +11,7 @@ from ringserve.core.errors import RingserveError
 from ringserve.core.events import Finish, StopReason
 from ringserve.core.producer import Producer, Snapshot
 from ringserve.core.status import CancelReason, MessageStatus, Policy
-from ringserve.core.view import MessageView
+from ringserve.core.view import MessageView, Waiting
 from ringserve.logs.memory import MessageLog
 from ringserve.metrics import Metrics
 from ringserve.surfaces.base import Surface
@@ -62,7 +64,8 @@ class LiveMessage:
     failed, so the store holds an older state (``store_failed``: one did,
     which was logged). ``echo`` is what its objects echo while it is live
     (``Surface.restored``; the store may keep less: no prompt text without
-    ``[store] keep_prompts``).
+    ``[store] keep_prompts``). ``waiting``, set by its producer's task (``live/produce.py``),
+    says what it waits for while it is queued: its model's load, then its runner's queue.
     """
 
     id: str
@@ -83,6 +86,7 @@ class LiveMessage:
     unsaved: bool = False
     store_failed: bool = False
     cancel_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    waiting: Callable[[], Waiting] | None = None
     timer: StreamTimer = attrs.Factory(lambda: StreamTimer(trio.current_time()))
     started: trio.Event = attrs.Factory(trio.Event)
     done: trio.Event = attrs.Factory(trio.Event)
@@ -105,13 +109,15 @@ class LiveMessage:
     def view(self) -> MessageView:
         """Its view now (``core/view.py``): the content released so far, live."""
         snap = None if self.producer is None else self.producer.snapshot()
+        status = MessageStatus.QUEUED if snap is None else snap.status
+        waiting = self.waiting() if status is MessageStatus.QUEUED and self.waiting is not None else None
         if snap is None:
-            return MessageView(self.id, self.surface.name, self.model, self.created, MessageStatus.QUEUED,
-                               echo=self.echo, request_hash=self.request_hash, live=True)
+            return MessageView(self.id, self.surface.name, self.model, self.created, status,
+                               echo=self.echo, request_hash=self.request_hash, live=True, waiting=waiting)
         return MessageView(
-            id=self.id, surface=self.surface.name, model=self.model, created=self.created, status=snap.status,
+            id=self.id, surface=self.surface.name, model=self.model, created=self.created, status=status,
             content=snap.content, stop_reason=snap.stop_reason, stop_sequence=snap.stop_sequence, usage=snap.usage,
-            error=snap.error, echo=self.echo, request_hash=self.request_hash, live=True,
+            error=snap.error, echo=self.echo, request_hash=self.request_hash, live=True, waiting=waiting,
         )
 
     def cancel(self, reason: CancelReason) -> None:

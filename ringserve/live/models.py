@@ -26,6 +26,7 @@ import trio
 from ringserve.config import ModelSettings, decode_threads, overlap_steps
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.router import Evict, Load, ModelMove, ModelStatus, Resident, Router, Wait
+from ringserve.core.view import Waiting, WaitReason
 from ringserve.engine.catalog import Catalog, CatalogEntry
 from ringserve.engine.loader import Front, ModelLoader
 from ringserve.engine.modelfile import ModelFileError
@@ -87,6 +88,10 @@ class ModelState:
     @property
     def status(self) -> ModelStatus:
         return self.resident.status
+
+    def waiting(self) -> Waiting:
+        """What a request for it waits for before its runner exists: the load, this far."""
+        return Waiting(WaitReason.MODEL_LOADING, progress=self.progress)
 
 
 @attrs.define(eq=False)

@@ -25,6 +25,7 @@ later than expected (a long decode, a keepalive).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -169,6 +170,9 @@ class Production:
                     runner = lease.model.runner
                     if runner is not None:
                         gen = await stack.enter_async_context(runner.submit(prepared))
+                        msg.waiting = functools.partial(runner.waiting, gen)
+                    else:
+                        msg.waiting = lease.model.waiting
                     if msg.replaces is not None:
                         self.store.update(msg.replaces, idempotency_key=None)  # the key moves to this message
                     self.store.insert(row)
@@ -180,6 +184,7 @@ class Production:
                         try:
                             runner = await self._loaded(msg, producer, lease)
                             gen = await stack.enter_async_context(runner.submit(prepared))
+                            msg.waiting = functools.partial(runner.waiting, gen)
                         except RingserveError as exc:
                             failure = Failure(exc.kind, exc.message, producer.usage, exc.retryable)
                             self._perform(msg, producer.event(failure, producer.usage, trio.current_time()))

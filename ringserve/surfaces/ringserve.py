@@ -21,7 +21,7 @@ from ringserve.core.router import ModelStatus
 from ringserve.core.sampling import ResolvedSampling
 from ringserve.core.sizing import Sizing
 from ringserve.core.status import MessageStatus
-from ringserve.core.view import MessageView
+from ringserve.core.view import MessageView, Waiting
 from ringserve.surfaces.base import Surface
 
 #: The ``object`` of a message status body.
@@ -44,7 +44,7 @@ def message_status_json(view: MessageView, surface: Surface) -> dict[str, Any]:
     """``GET /v1/messages/{id}`` (and the cancel answer): status, the text and content blocks so far
     (``content`` in the shape of ``surface``, the one that made the message, restored with its
     echo and signer: its reasoning blocks too), stop reason, usage (``reasoning_tokens``: the
-    output tokens of its reasoning)."""
+    output tokens of its reasoning), and while it is queued what it waits for (:func:`waiting_json`)."""
     return {
         "id": view.id,
         "object": MESSAGE_OBJECT,
@@ -59,8 +59,16 @@ def message_status_json(view: MessageView, surface: Surface) -> dict[str, Any]:
         "usage": {"input_tokens": view.usage.input_tokens, "output_tokens": view.usage.output_tokens,
                   "reasoning_tokens": view.usage.reasoning_tokens},
         "error": view.error,
+        "waiting": None if view.waiting is None else waiting_json(view.waiting),
         "stream_url": stream_url(view.id),
     }
+
+
+def waiting_json(waiting: Waiting) -> dict[str, Any]:
+    """What a queued message waits for: ``{"reason": "model_loading", "progress": 0.4}``,
+    ``{"reason": "queued", "ahead": 2}`` (requests admitted before it) or ``{"reason": "prefill"}``."""
+    return {"reason": waiting.reason.value} | {key: value for key, value in (
+        ("ahead", waiting.ahead), ("progress", waiting.progress)) if value is not None}
 
 
 def prompt_json(text: str, tokens: int, reasoning_open: bool) -> dict[str, Any]:

@@ -139,6 +139,7 @@ def test_fifo_within_priority_smaller_priority_first():
     d = s.enqueue(prompt(2), 1, priority=0)
     e = s.enqueue(prompt(2), 1, priority=-1)
     assert s.queued() == (e, b, d, a, c)
+    assert [s.ahead(x) for x in (a, b, c, d, e)] == [3, 1, 4, 2, 0]  # a request's place, for its status
     assert s.statistics().queue_depth == {-1: 1, 0: 2, 1: 2}
 
     order = []
@@ -150,7 +151,7 @@ def test_fifo_within_priority_smaller_priority_first():
         s.on_sampled(admitted.slot, 9)
         s.finish(admitted)
         drain(s)
-    assert order == [e, b, d, a, c]
+    assert order == [e, b, d, a, c] and s.ahead(c) is None  # admitted (and ended): no place
 
 
 def test_admission_fills_lowest_free_slots():

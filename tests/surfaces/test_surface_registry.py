@@ -96,7 +96,7 @@ def test_message_status_json_spells_content_and_stop_reason_in_the_message_surfa
         "id": "chatcmpl-1", "object": "ringserve.message", "surface": "openai", "model": "m", "created": 17,
         "status": "complete", "text": "hi", "content": {"role": "assistant", "content": "hi", "refusal": None},
         "stop_reason": "length", "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 2, "reasoning_tokens": 0},
-        "error": None, "stream_url": "/v1/messages/chatcmpl-1/stream",
+        "error": None, "waiting": None, "stream_url": "/v1/messages/chatcmpl-1/stream",
     }
     queued = attrs.evolve(view, surface="anthropic", status=MessageStatus.QUEUED, stop_reason=None)
     body = wire.message_status_json(queued, ANTHROPIC)
