@@ -232,6 +232,19 @@ def server_models(url: str, api_key: str | None) -> list[dict[str, Any]] | None:
     return models
 
 
+def _model_status(model: Mapping[str, Any]) -> tuple[str, float | None]:
+    """A model's status in ``GET /v1/models`` and the share of it loaded while it loads: its
+    ``status`` object's ``value`` and ``progress`` (``{"value": "loading", "progress": 0.5}``,
+    llama-server's router's shape: ``surfaces/ringserve.py``); ``loaded`` for a server that gives
+    none (it serves what it lists)."""
+    status = model.get("status")
+    if not isinstance(status, Mapping):
+        return "loaded", None
+    value, progress = status.get("value"), status.get("progress")
+    return (value if isinstance(value, str) else "loaded",
+            float(progress) if isinstance(progress, (int, float)) and value == "loading" else None)
+
+
 def _find(catalog: Catalog, name: str) -> CatalogEntry:
     """The entry of this name or exact alias.
 
@@ -412,7 +425,7 @@ def _run_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except LibraryError as exc:
         print(f"ringserve: {exc}", file=err)
         served = None
-    status = {m["id"]: str(m.get("status", "loaded")) for m in served or ()}
+    status = {m["id"]: _model_status(m)[0] for m in served or ()}
     rows = []
     for entry in catalog.entries:
         facts = _facts(entry)
@@ -434,13 +447,13 @@ def _run_ps(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                            "(--url or $RINGSERVE_URL)")
     rows = []
     for model in models:
-        state = str(model.get("status", "loaded"))
+        state, progress = _model_status(model)
         if state not in ("loaded", "loading"):
             continue
         memory = model.get("memory_bytes")
         slots, busy, idle = model.get("slots"), model.get("busy_slots"), model.get("idle_seconds")
         rows.append((
-            str(model["id"]), state,
+            str(model["id"]), state if progress is None else f"{state} {progress:.0%}",
             human_size(memory) if isinstance(memory, int) else "-",
             f"{busy}/{slots}" if isinstance(slots, int) and isinstance(busy, int) else "-",
             "busy" if busy else human_duration(idle) if isinstance(idle, (int, float)) else "-",

@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,22 +20,27 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import attrs
 import gguf
+import httpx
 import pytest
 import trio
 from huggingface_hub.constants import DOWNLOAD_CHUNK_SIZE
 
 from ringserve.__main__ import _parser
 from ringserve.client import AsyncClient
-from ringserve.config import Config
+from ringserve.config import Config, ModelSettings
 from ringserve.engine.catalog import discover
 from ringserve.engine.fake import FakeEngine
+from ringserve.engine.loader import FactoryLoader, Front
 from ringserve.library import LibraryError, _run_run, pull, remove
 from tests.client.test_cli import sigint_not_ignored
+from tests.live.test_models import ask, presets
 from tests.support.gguf_files import write_gguf
 from tests.support.hf import FakeHub
 from tests.support.proxy import REPLY, Cut, server_and_proxy
 from tests.support.server import fake_config, running_server
+from tests.support.wait import wait_until
 from tests.test_launch import FAKE_SERVE, free_port, refused
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -241,9 +247,11 @@ def models_stub(models: list[dict[str, Any]], *, key: str | None = None) -> Iter
         server.server_close()
 
 
-#: A model object of ``/v1/models`` with the fields ringserve adds (issue 41).
-def model_json(name: str, status: str, **fields: Any) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "ringserve", "status": status, **fields}
+#: A model object of ``/v1/models`` with the fields ringserve adds (issue 41): its status in
+#: llama-server's router's shape (``{"value": ..., "progress": ...}``).
+def model_json(name: str, status: str, progress: float | None = None, **fields: Any) -> dict[str, Any]:
+    state = {"value": status} if progress is None else {"value": status, "progress": progress}
+    return {"id": name, "object": "model", "created": 0, "owned_by": "ringserve", "status": state, **fields}
 
 
 def test_ls_lists_each_model_with_its_size_quant_context_family_and_status(tmp_path):
@@ -366,7 +374,7 @@ def test_ps_lists_the_loaded_models_with_memory_busy_slots_and_idle_time():
     models = [
         model_json("coder", "loaded", memory_bytes=4_700_000_000, slots=4, busy_slots=2, idle_seconds=0),
         model_json("small", "loaded", memory_bytes=180_000_000, slots=2, busy_slots=0, idle_seconds=185.5),
-        model_json("big", "loading", slots=4, busy_slots=0),
+        model_json("big", "loading", 0.25),
         model_json("other", "unloaded"),
         model_json("broken", "failed"),
     ]
@@ -374,16 +382,62 @@ def test_ps_lists_the_loaded_models_with_memory_busy_slots_and_idle_time():
         status, out, err = run_command("ps", "--url", url, "--api-key", "k-1")
         assert status == 0, err
         assert out.splitlines() == [
-            "NAME    STATUS    MEMORY   BUSY SLOTS   IDLE FOR",
-            "coder   loaded    4.7 GB   2/4          busy",
-            "small   loaded    180 MB   0/2          3m 5s",
-            "big     loading   -        0/4          -",
+            "NAME    STATUS        MEMORY   BUSY SLOTS   IDLE FOR",
+            "coder   loaded        4.7 GB   2/4          busy",
+            "small   loaded        180 MB   0/2          3m 5s",
+            "big     loading 25%   -        -            -",
         ]
         status, out, err = run_command("ps", "--url", url)
         assert (status, out) == (1, "")
         assert err == f"ringserve: {url} wants an API key: give --api-key or set RINGSERVE_API_KEY\n"
         status, out, err = run_command("ps", "--url", url, "--api-key", "k-2")
         assert (status, out) == (1, "") and err.startswith(f"ringserve: {url} refused the API key: give one")
+
+
+#: The memory estimate of each preset's front (``GET /v1/models``' ``memory_bytes``).
+MEMORY = {"alpha": 4_700_000_000, "beta": 180_000_000, "gamma": 1_000_000}
+
+
+class SizedLoader(FactoryLoader):
+    """The fake engines' loader, with a memory estimate for each model, as a sized front has."""
+
+    def front(self, settings: ModelSettings) -> Front:
+        return attrs.evolve(super().front(settings), memory=MEMORY[settings.model.name])
+
+
+async def test_ps_and_ls_read_a_running_server(tmp_path):
+    """``ps`` and ``ls`` read what a server of presets on fake engines says of its models: alpha
+    generating (busy), beta loaded and idle, gamma never loaded."""
+    def engine(settings: ModelSettings) -> FakeEngine:
+        slow = {"step_seconds": 0.05, "piece_bytes": 1} if settings.model.name == "alpha" else {}
+        return FakeEngine(n_slots=settings.engine.slots, reply="slowly " * 100, **slow)
+
+    path = write_gguf(tmp_path / "small.gguf")  # (ls reads its metadata; the fake engines ignore it)
+    config = presets(tmp_path, tuple(MEMORY), **{name: {"path": str(path)} for name in MEMORY})
+    config_file = tmp_path / "config.toml"
+    config_file.write_text('[router]\nhf_cache = false\n' + "".join(
+        f'[models.{name}]\npath = "{path}"\n' for name in MEMORY))
+    async with running_server(config, SizedLoader(engine)) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client, trio.open_nursery() as nursery:
+        assert (await client.post("/models/load", json={"model": "beta"})).status_code == 200
+        nursery.start_soon(ask, client, "alpha")
+        await wait_until(lambda: (runner := state.hub.models.find("alpha").runner) is not None
+                         and runner.statistics().slots_busy == 1)
+        url = state.urls[0]
+        ps = await trio.to_thread.run_sync(run_command, "ps", "--url", url)
+        ls = await trio.to_thread.run_sync(run_command, "ls", "--config", str(config_file), "--url", url)
+        nursery.cancel_scope.cancel()
+    slots = config.engine.slots
+    assert ps[0] == 0 and ps[2] == "", ps
+    assert [line.split() for line in ps[1].splitlines()] == [
+        ["NAME", "STATUS", "MEMORY", "BUSY", "SLOTS", "IDLE", "FOR"],
+        ["alpha", "loaded", "4.7", "GB", f"1/{slots}", "busy"],
+        ["beta", "loaded", "180", "MB", f"0/{slots}", ps[1].split()[-1]],
+    ]
+    assert re.fullmatch(r"\d+s", ps[1].split()[-1])  # idle for a few seconds
+    assert ls[0] == 0 and ls[2] == "", ls
+    assert {line.split()[0]: line.split()[-1] for line in ls[1].splitlines()[1:]} == {
+        "alpha": "loaded", "beta": "loaded", "gamma": "unloaded"}
 
 
 def test_ps_with_no_server_is_one_line():

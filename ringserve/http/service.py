@@ -35,6 +35,7 @@ def _info(model: ModelState, started: float, now: float) -> ModelInfo:
         context_window=None if front is None else front.context_window,
         progress=model.progress if model.status is ModelStatus.LOADING else None,
         error=None if model.error is None or model.status is not ModelStatus.FAILED else model.error.message,
+        memory_bytes=front.memory if front is not None and front.memory > 0 else None,
         slots=None if stats is None else stats.slots_total,
         busy_slots=None if stats is None else stats.slots_busy,
         idle_seconds=max(0.0, now - resident.released_at) if resident.idle else None,

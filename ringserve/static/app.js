@@ -28,6 +28,12 @@
 // thinking_delta, OpenAI delta.reasoning_content) and read back from GET /v1/messages/{id}'s
 // content with the text.
 //
+// The model picker lists GET /v1/models (each with its status) and starts on the server's default
+// model (GET /health's "model"), or the one the user picked last. A request names the picked
+// model; while its answer waits for its first event the page reads GET /v1/models/{id}, and a
+// model that is loading shows as "loading the model" with its progress (the stream meanwhile
+// has only keepalives). A load that fails ends the answer with the server's reason for it.
+//
 // All model and user text reaches the DOM as Text nodes (markdown.js builds elements, never HTML).
 import { renderMarkdown } from "./markdown.js";
 import * as store from "./store.js";
@@ -40,6 +46,8 @@ const WATCH_MS = 1000;                // a following tab notes it is still watch
 const TIMING_GAP_MS = 3000;           // away longer than this (tab closed): timings are not measurable
 const POLL_MS = 1000;
 const RENDER_MS = 50;                 // an answer's Markdown is rendered again at most this often while streaming
+const LOAD_POLL_MS = 500;             // a waiting answer reads its model's load progress this often
+const FALLBACK_MODEL = "ringserve";   // the name sent before the models are known (a default model answers it)
 
 // The read side of each surface: what an event adds to the answer, and whether it ends the stream;
 // `reasoning` reads the reasoning of GET /v1/messages/{id}'s `content` (in the surface's shape).
@@ -86,7 +94,8 @@ const STATUS_FROM_SERVER = { complete: "done", cancelled: "stopped", failed: "er
 const state = {
   conv: null,               // the conversation on screen
   keysOn: false,            // the server asked for an API key
-  model: "ringserve",       // from GET /v1/models
+  defaultModel: null,       // the server's default model (GET /health), null: none
+  picked: null,             // the model the user picked last (kept in the settings), null: none
   followers: new Map(),     // assistant message id -> Follower (this conversation's unfinished answers)
   views: new Map(),         // message id -> its DOM parts
   logs: new Map(),          // message id -> connection log lines (this tab)
@@ -246,10 +255,87 @@ async function checkServer() {
     state.keyWaiters.clear();
   }
   $("key-panel").hidden = true;
-  if (models && models.data && models.data.length) {
-    state.model = models.data[0].id;
-    $("model").textContent = state.model;
+  if (models && Array.isArray(models.data)) {
+    state.defaultModel = await serverDefaultModel();
+    showModels(models.data);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Models: the picker, and a model's load
+
+const MODEL_STATES = { loaded: "loaded", loading: "loading", unloaded: "not loaded", failed: "failed to load" };
+
+function percent(share) {
+  return `${Math.round(share * 100)}%`;
+}
+
+/** A model's status object of GET /v1/models ({value, progress, error}) in words. */
+function statusWords(status) {
+  if (!status || typeof status.value !== "string") return "";
+  if (status.value === "loading" && typeof status.progress === "number") return `loading ${percent(status.progress)}`;
+  return MODEL_STATES[status.value] || status.value;
+}
+
+function optionText(model) {
+  const words = statusWords(model.status);
+  return words ? `${model.id} · ${words}` : model.id;
+}
+
+/** GET /health's default model (null: none, or no answer). */
+async function serverDefaultModel() {
+  try {
+    const body = await (await fetch("/health", { cache: "no-store" })).json();
+    return typeof body.model === "string" ? body.model : null;
+  } catch {
+    return null;
+  }
+}
+
+/**
+ * Fill the picker with GET /v1/models' `data`, keeping its choice: the model on it, else the one
+ * picked last, else the server's default, else the first listed.
+ */
+function showModels(models) {
+  const picker = $("model");
+  const ids = models.map((m) => m.id);
+  const current = [...picker.options].map((o) => o.value);
+  if (ids.length === current.length && ids.every((id, i) => id === current[i])) {
+    models.forEach((m, i) => { picker.options[i].textContent = optionText(m); });  // an open list stays open
+    return;
+  }
+  const wanted = [picker.value, state.picked, state.defaultModel].find((id) => id && ids.includes(id));
+  picker.replaceChildren(...models.map((m) => {
+    const option = el("option", null, null, optionText(m));
+    option.value = m.id;
+    return option;
+  }));
+  picker.value = wanted || ids[0] || "";
+}
+
+/** The picker's line for model `id`, with its status as just read. */
+function showModelStatus(id, status) {
+  const option = [...$("model").options].find((o) => o.value === id);
+  if (option) option.textContent = optionText({ id, status });
+}
+
+/** Read the models again (their statuses change as they load and unload). */
+async function refreshModels() {
+  if (state.keysOn && !apiKey()) return;
+  const resp = await api("/v1/models").catch(() => null);
+  if (resp && resp.status === 200 && resp.data && Array.isArray(resp.data.data)) showModels(resp.data.data);
+}
+
+/** The status object of model `id` (GET /v1/models/{id}), or null when it cannot be read. */
+async function modelStatus(id) {
+  const resp = await api(`/v1/models/${encodeURIComponent(id)}`).catch(() => null);
+  return resp && resp.status === 200 && resp.data && resp.data.status ? resp.data.status : null;
+}
+
+/** What an answer says when its model failed to load: the server's reason, and what to do. */
+function loadFailure(model, status) {
+  const why = status.error || `the model ${model} failed to load`;
+  return `${why.charAt(0).toUpperCase()}${why.slice(1)}. Sending again tries to load it once more.`;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -265,6 +351,7 @@ function loadSettings() {
   if (saved.surface in SURFACES) $("surface").value = saved.surface;
   if (saved.maxTokens) $("max-tokens").value = saved.maxTokens;
   if (saved.temperature !== undefined) $("temperature").value = saved.temperature;
+  if (typeof saved.model === "string") state.picked = saved.model;
   limitTemperature();
 }
 
@@ -280,6 +367,7 @@ function settings() {
     surface: $("surface").value,
     maxTokens: Math.max(1, Math.floor(Number($("max-tokens").value) || 512)),
     temperature: Math.max(0, Number($("temperature").value) || 0),
+    model: state.picked,
   };
   localStorage.setItem(SETTINGS_KEY, JSON.stringify(s));
   return s;
@@ -478,6 +566,9 @@ function renderConversation() {
                    body: el("div", "body", article), rendered: null, timer: null };
     view.src = el("pre", "src", article);
     view.src.hidden = true;
+    view.load = el("div", "load", article);
+    view.loadBar = el("progress", null, view.load);
+    view.loadText = el("span", null, view.load);
     view.note = el("p", "note", article);
     const meta = el("div", "meta", article);
     view.state = el("span", "state", meta);
@@ -491,6 +582,7 @@ function renderConversation() {
     view.tps = stat("", "tps", " tok/s");
     view.stopReason = stat("stop ", "stop-reason");
     view.reconnects = stat("reconnects ", "reconnects");
+    view.model = el("span", "model", meta);
     el("span", "surface", meta, `${msg.surface} · t=${msg.temperature ?? "?"}`);
     const toggle = el("button", "toggle-src", meta, "source");
     toggle.type = "button";
@@ -514,6 +606,7 @@ function stateLabel(msg) {
   if (!store.isTerminal(msg) && follower) {
     if (follower.stopping) return "stopping";
     if (follower.reconnecting) return "reconnecting";
+    if (follower.loading !== null) return "loading the model";
   }
   return { sending: "sending", waiting: "waiting for the model", streaming: "streaming", done: "done",
            stopped: "stopped", error: "error" }[msg.status];
@@ -555,6 +648,14 @@ function updateMessage(msg) {
     ? (msg.outputTokens / seconds).toFixed(1) : "–";
   view.stopReason.textContent = msg.stopReason || "–";
   view.reconnects.textContent = String(msg.reconnects || 0);
+  view.model.textContent = msg.model || "";
+  const follower = state.followers.get(msg.id);
+  const loading = follower && !store.isTerminal(msg) ? follower.loading : null;
+  view.load.hidden = loading === null;
+  if (loading !== null) {
+    view.loadBar.value = loading;
+    view.loadText.textContent = `Loading ${msg.model}… ${percent(loading)}`;
+  }
   const notes = [];
   if (msg.status === "stopped") notes.push("Stopped: the text above is what was generated before the stop.");
   if (msg.error) notes.push(msg.error);
@@ -596,6 +697,8 @@ class Follower {
     this.url = null;
     this.refusals = 0;  // refused connections in a row
     this.awaitingId = false;  // another tab posts this answer; its message id is still to come
+    this.loading = null;  // the share of its model loaded (0..1) while the answer waits for the load
+    this.watchingLoad = false;
     // what SURFACES[...].read adds to the answer
     this.answer = {
       text: (t) => {
@@ -684,11 +787,54 @@ class Follower {
     this.close();
     state.followers.delete(msg.id);
     this.changed(true);
+    refreshModels();  // the picker's statuses: a model may have loaded for it
   }
 
   endWithError(text) {
     this.msg.error = text;
     this.end("error");
+  }
+
+  /**
+   * End with `error`; one that came before any text, from a model that failed to load, is said
+   * as the server's reason for the failed load (not the surface's error type).
+   */
+  async endWithFailure(error) {
+    const msg = this.msg;
+    this.close();  // no reconnect while the model's status is read
+    const status = !msg.text && !msg.reasoning && msg.model ? await modelStatus(msg.model) : null;
+    this.endWithError(status && status.value === "failed" ? loadFailure(msg.model, status) : error);
+  }
+
+  /**
+   * While the answer waits for its first event, read its model's status every LOAD_POLL_MS and
+   * show a load's progress, until the model is loaded (a failed load: the stream's error follows)
+   * or the answer moves on.
+   */
+  async watchLoad() {
+    if (this.watchingLoad || !this.msg.model) return;
+    this.watchingLoad = true;
+    try {
+      while (!this.closed && this.msg.status === "waiting") {
+        const status = await modelStatus(this.msg.model);
+        if (this.closed || this.msg.status !== "waiting") break;
+        if (status) showModelStatus(this.msg.model, status);
+        const loading = status && status.value === "loading" ? (status.progress ?? 0) : null;
+        if (loading !== this.loading) {
+          if (loading !== null && this.loading === null) logLine(this.msg, `waiting for the model ${this.msg.model} to load`);
+          this.loading = loading;
+          updateMessage(this.msg);
+        }
+        if (status && (status.value === "loaded" || status.value === "failed")) break;
+        await sleep(LOAD_POLL_MS);
+      }
+    } finally {
+      this.watchingLoad = false;
+      if (this.loading !== null) {
+        this.loading = null;
+        updateMessage(this.msg);
+      }
+    }
   }
 
   async post() {
@@ -710,7 +856,7 @@ class Follower {
       return;
     }
     if (resp.status !== 202) {
-      this.endWithError(`The server refused the request (HTTP ${resp.status}): ${resp.message}`);
+      this.endWithFailure(`The server refused the request (HTTP ${resp.status}): ${resp.message}`);
       return;
     }
     const body = resp.data;
@@ -741,6 +887,7 @@ class Follower {
     this.url = this.streamUrl();
     const es = new EventSource(this.url);
     this.es = es;
+    if (msg.status === "waiting") this.watchLoad();
     let gotEvent = false;
     let opened = false;
     const onEvent = (ev) => {
@@ -759,7 +906,8 @@ class Follower {
       msg.lastSeq = seq;
       msg.watchedAt = Date.now();
       if (SURFACES[msg.surface].read(ev.type, data, this.answer)) {
-        this.end(msg.error ? "error" : msg.cancelled ? "stopped" : "done");
+        if (msg.error) this.endWithFailure(msg.error);
+        else this.end(msg.cancelled ? "stopped" : "done");
       } else {
         this.changed(false);
       }
@@ -940,6 +1088,7 @@ class Follower {
     }
     msg.text = body.text;
     msg.reasoning = SURFACES[msg.surface].reasoning(body.content);
+    msg.model = body.model;  // the model that wrote it (the store keeps it)
     msg.source = "stored";
     if (note) msg.note = note;
     if (final === undefined) {
@@ -1031,9 +1180,10 @@ function send(event) {
   const now = Date.now();
   const user = { id: store.newId(), role: "user", text, at: now };
   const messages = [...historyFor(conv), { role: "user", content: text }];
-  const request = JSON.stringify(SURFACES[s.surface].body(state.model, messages, s));
+  const model = $("model").value || FALLBACK_MODEL;
+  const request = JSON.stringify(SURFACES[s.surface].body(model, messages, s));
   const answer = {
-    id: store.newId(), role: "assistant", surface: s.surface, temperature: s.temperature, request,
+    id: store.newId(), role: "assistant", surface: s.surface, model, temperature: s.temperature, request,
     idempotencyKey: store.newId(), messageId: null, url: null, streamUrl: null, tokenExpires: null,
     text: "", reasoning: "", lastSeq: -1, source: "stream", status: "sending", stopReason: null, outputTokens: null,
     error: null, note: null, reconnects: 0, connects: 0,
@@ -1078,6 +1228,9 @@ function init() {
   $("key-form").addEventListener("submit", useKey);
   $("key-button").addEventListener("click", () => { $("key-panel").hidden = false; $("api-key").focus(); });
   $("surface").addEventListener("change", () => { limitTemperature(); settings(); });
+  $("model").addEventListener("change", () => { state.picked = $("model").value; settings(); });
+  $("model").addEventListener("pointerenter", refreshModels);
+  $("model").addEventListener("focus", refreshModels);
   $("max-tokens").addEventListener("change", settings);
   $("temperature").addEventListener("change", settings);
   $("settings-toggle").addEventListener("click", () => toggle("settings-toggle", "settings"));

@@ -4,6 +4,7 @@
 // {id, role: "user", text, at}. An assistant message is the state of one answer:
 //   request, idempotencyKey, surface   the POST body (a string, re-sent byte for byte after a reload
 //                                      during the POST, with the same Idempotency-Key)
+//   model                              the model it asked for (the stored message's, once read back)
 //   messageId, url, streamUrl, tokenExpires   from the 202 answer (streamUrl carries a stream token)
 //   text, reasoning, lastSeq           the text and the reasoning of every event up to seq lastSeq,
 //                                      written together in one setItem, so a reload resumes after

@@ -123,6 +123,8 @@ class ModelInfo:
             it was sized: it loads on its first request).
         progress: the share of its weights loaded, while it loads.
         error: why its last load failed.
+        memory_bytes: the bytes its engine takes where it loads, or will take: the estimate it was
+            sized with (``engine/loader.py`` ``Front.memory``; None: not known, or no front yet).
         slots: requests it decodes together; busy_slots: of those, holding a request now.
         idle_seconds: since its last request ended, while it is loaded and nobody holds it.
         family: its chat format (``ringserve/formats``), once known.
@@ -139,6 +141,7 @@ class ModelInfo:
     context_window: int | None = None
     progress: float | None = None
     error: str | None = None
+    memory_bytes: int | None = None
     slots: int | None = None
     busy_slots: int | None = None
     idle_seconds: float | None = None
@@ -185,8 +188,9 @@ def _ringserve_fields(model: ModelInfo) -> dict[str, Any]:
     if model.error is not None:
         status |= {"failed": True, "error": model.error}
     extra: dict[str, Any] = {"status": status, "aliases": list(model.aliases)}
-    optional = {"context_window": model.context_window, "slots": model.slots, "busy_slots": model.busy_slots,
-                "idle_seconds": model.idle_seconds, "family": model.family}
+    optional = {"context_window": model.context_window, "memory_bytes": model.memory_bytes,
+                "slots": model.slots, "busy_slots": model.busy_slots, "idle_seconds": model.idle_seconds,
+                "family": model.family}
     extra |= {key: value for key, value in optional.items() if value is not None}
     if model.tools is not None and model.reasoning is not None:
         extra["supports"] = {"tools": model.tools, "reasoning": model.reasoning}

@@ -4,6 +4,7 @@ unload, llama-server's ``/models`` routes, and a stream that waits for its model
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,26 @@ async def test_a_message_is_read_and_resumed_after_its_model_was_unloaded(tmp_pa
                                    headers={"Last-Event-ID": events[1].id})
         whole = anthropic_text(events[:2] + parse(resumed.content))
         assert whole == anthropic_text(events) == "I am alpha."
+
+
+async def test_the_store_records_which_model_wrote_a_message_and_says_it_after_a_restart(tmp_path):
+    """A message keeps the name of the model that wrote it (the one its alias reached), in its row:
+    read back and replayed from the store by a server that has no model loaded, it says its model."""
+    config = presets(tmp_path, alpha={"aliases": ["sonnet"]})
+    async with running_server(config, engine_factory=named) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        ids = {model: (await ask(client, model)).json()["id"] for model in ("sonnet", "beta")}
+        assert {model: state.hub.store.get(i).model for model, i in ids.items()} == {"sonnet": "alpha",
+                                                                                     "beta": "beta"}
+    async with running_server(config, engine_factory=named) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        assert await statuses(client) == {"alpha": "unloaded", "beta": "unloaded"}
+        stored = (await client.get(f"/v1/messages/{ids['sonnet']}")).json()
+        assert (stored["status"], stored["model"], stored["text"]) == ("complete", "alpha", "I am alpha.")
+        replayed = parse((await client.get(f"/v1/messages/{ids['beta']}/stream")).content)
+        assert json.loads(replayed[0].data)["message"]["model"] == "beta"
+        assert anthropic_text(replayed) == "I am beta."
+        assert await statuses(client) == {"alpha": "unloaded", "beta": "unloaded"}  # read without loading
 
 
 async def test_models_load_and_unload_by_hand_as_llama_server_s_router(tmp_path):

@@ -36,6 +36,7 @@ _ANSWER = """(() => {
   const thinking = a.querySelector('.thinking');
   return {state: a.dataset.state, messageId: a.dataset.messageId, text: q('.src'), rendered: q('.body'),
           ttft: q('.ttft'), tps: q('.tps'), stopReason: q('.stop-reason'), reconnects: q('.reconnects'),
+          model: q('.meta .model'), loading: a.querySelector('.load').hidden ? null : q('.load'),
           note: q('.note'), log: q('.log ol'), thinking: q('.thinking-text'), thinkingShown: !thinking.hidden,
           thinkingOpen: thinking.open, thinkingFirst: thinking.nextElementSibling === a.querySelector('.body')};
 })()"""
@@ -104,8 +105,9 @@ def in_browser(tmp_path: Path, script: Callable[[Browser], Any]) -> Any:
 
 
 def answer(page: Any) -> dict[str, Any] | None:
-    """The last answer on ``page``: state, message id, source text, rendered text, stats, note, log;
-    its thinking section's text, whether it is shown, open, and just above the answer."""
+    """The last answer on ``page``: state, message id, source text, rendered text, stats, model, the
+    model's load line (None when hidden), note, log; its thinking section's text, whether it is
+    shown, open, and just above the answer."""
     return page.evaluate(_ANSWER)
 
 
@@ -129,8 +131,12 @@ def wait_finished(page: Any, timeout_ms: int = 30_000) -> dict[str, Any]:
 
 
 def send(page: Any, text: str, *, surface: str | None = None, temperature: float | None = None,
-         max_tokens: int | None = None) -> None:
-    """Set the given settings, type ``text`` and press Enter."""
+         max_tokens: int | None = None, model: str | None = None) -> None:
+    """Set the given settings (``model``: pick it once the picker lists the models), type ``text``
+    and press Enter."""
+    if model is not None:
+        picker(page)
+        page.select_option("#model", model)
     if surface is not None or temperature is not None or max_tokens is not None:
         if page.is_hidden("#settings"):
             page.click("#settings-toggle")
@@ -142,6 +148,15 @@ def send(page: Any, text: str, *, surface: str | None = None, temperature: float
             page.fill("#max-tokens", str(max_tokens))
     page.fill("#input", text)
     page.press("#input", "Enter")
+
+
+def picker(page: Any) -> dict[str, Any]:
+    """The model picker once it lists the models: the chosen model and each option's text."""
+    page.wait_for_function("document.getElementById('model').options.length > 0")
+    return page.evaluate("""(() => {
+      const select = document.getElementById('model');
+      return {value: select.value, options: [...select.options].map((o) => o.textContent)};
+    })()""")
 
 
 def stored_answer(page: Any) -> dict[str, Any]:

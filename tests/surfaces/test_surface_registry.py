@@ -115,9 +115,11 @@ def test_the_202_body_and_the_stream_token_body() -> None:
 
 def test_models_in_the_shape_of_the_sdk_that_asks() -> None:
     sampling = resolve_sampling(SamplingParams(temperature=0.0), LLAMA_SERVER_DEFAULTS)
-    model = wire.ModelInfo("tiny", 86400.5, ModelStatus.LOADED, ("tiny-*",), 4096, slots=4, busy_slots=1,
-                           idle_seconds=None, family="chatml", tools=True, reasoning=False, sampling=sampling)
-    ours = {"status": {"value": "loaded"}, "aliases": ["tiny-*"], "context_window": 4096, "slots": 4, "busy_slots": 1, "family": "chatml",
+    model = wire.ModelInfo("tiny", 86400.5, ModelStatus.LOADED, ("tiny-*",), 4096, memory_bytes=180_000_000,
+                           slots=4, busy_slots=1, idle_seconds=None, family="chatml", tools=True, reasoning=False,
+                           sampling=sampling)
+    ours = {"status": {"value": "loaded"}, "aliases": ["tiny-*"], "context_window": 4096, "memory_bytes": 180_000_000,
+            "slots": 4, "busy_slots": 1, "family": "chatml",
             "supports": {"tools": True, "reasoning": False}, "sampling_defaults": wire.sampling_json(sampling)}
     assert ours["sampling_defaults"]["temperature"] == 0.0 and ours["sampling_defaults"]["top_k"] == 40
     anthropic_one = {"type": "model", "id": "tiny", "display_name": "tiny", "created_at": "1970-01-02T00:00:00Z",
@@ -137,6 +139,7 @@ def test_models_in_the_shape_of_the_sdk_that_asks() -> None:
     assert {s.name for s in SURFACES.surfaces} == set(wire._MODEL_SHAPES)
     loading = wire.model_json(wire.ModelInfo("big", 0.0, ModelStatus.LOADING, progress=0.25), "openai")
     assert "max_input_tokens" not in loading and loading["status"] == {"value": "loading", "progress": 0.25}
+    assert "memory_bytes" not in loading  # not known
     failed = wire.model_json(wire.ModelInfo("bad", 0.0, ModelStatus.FAILED, error="no such file"), "anthropic")
     assert failed["status"] == {"value": "failed", "failed": True, "error": "no such file"}
     anthropic.types.ModelInfo.model_validate_json(json.dumps({**failed, "max_input_tokens": None, "max_tokens": None}))

@@ -13,8 +13,12 @@ import httpx
 import pytest
 import trio
 
+from ringserve.config import ModelSettings
 from ringserve.engine.fake import FakeEngine
-from tests.support.browser import (Browser, answer, in_browser, require_browser, send, stored_answer, wait_answer,
+from ringserve.engine.loader import Front
+from ringserve.engine.protocol import EngineError
+from tests.live.test_models import SlowLoader, named, presets
+from tests.support.browser import (Browser, answer, in_browser, picker, require_browser, send, stored_answer, wait_answer,
                            wait_finished)
 from tests.support.server import fake_config, running_server
 from tests.support.wait import wait_until
@@ -491,3 +495,81 @@ async def test_keyboard_and_phone_width(tmp_path: Path) -> None:
     assert seen["input"] == ""
     assert seen["state"] == "stopped"
     assert seen["overflow"] <= 0 and not seen["sidebarShown"] and seen["composerBottom"] <= 780
+
+
+async def test_the_model_picker_lists_the_models_starts_on_the_default_and_sends_the_one_picked(tmp_path: Path) -> None:
+    """Two presets on fake engines that say which model they are, beta the default: the picker lists
+    both with their status and starts on beta (not the first listed); a request goes to the model
+    picked, the answer says which model wrote it, and the pick outlives a reload."""
+    require_browser()
+    config = presets(tmp_path, router={"default_model": "beta"}).replace("server", **SERVER)
+    async with running_server(config, engine_factory=named) as state:
+
+        def script(browser: Browser) -> dict[str, Any]:
+            page = browser.page(state.urls[0])
+            first = picker(page)
+            send(page, "hello")
+            on_default = {**wait_finished(page), "record": stored_answer(page)}
+            send(page, "hello again", model="alpha")
+            picked = {**wait_finished(page), "record": stored_answer(page)}
+            page.wait_for_function("document.getElementById('model').textContent.includes('alpha · loaded')")
+            browser.shot(page, "model-picker")
+            page.reload()
+            return {"first": first, "on_default": on_default, "picked": picked, "reloaded": picker(page)}
+
+        seen = await trio.to_thread.run_sync(in_browser, tmp_path, script)
+    assert seen["first"] == {"value": "beta", "options": ["alpha · not loaded", "beta · not loaded"]}
+    on_default, picked = seen["on_default"], seen["picked"]
+    assert (on_default["state"], on_default["text"], on_default["model"]) == ("done", "I am beta.", "beta")
+    assert json.loads(on_default["record"]["request"])["model"] == "beta"
+    assert (picked["state"], picked["text"], picked["model"]) == ("done", "I am alpha.", "alpha")
+    assert json.loads(picked["record"]["request"])["model"] == "alpha"
+    assert seen["reloaded"] == {"value": "alpha", "options": ["alpha · loaded", "beta · loaded"]}
+
+
+class BrokenFront(SlowLoader):
+    """A model whose front cannot be made (a file that is not GGUF, say): its POST is refused."""
+
+    def front(self, settings: ModelSettings) -> Front:
+        raise EngineError("not a GGUF file")
+
+
+@pytest.mark.parametrize("outcome", ["loads", "fails", "refused"])
+async def test_an_answer_shows_its_model_loading_and_a_failed_load_plainly(tmp_path: Path, outcome: str) -> None:
+    """The model loads on the first request, its engine held by the test: the answer says it is
+    loading the model, with the progress the loader reported (after a reload too), until the text
+    comes. A load that
+    fails, in the stream (the engine) or before it (the front: the POST is refused), ends the
+    answer with the server's reason, not an error type."""
+    require_browser()
+    loader = BrokenFront() if outcome == "refused" else SlowLoader(fail=outcome == "fails")
+    async with running_server(presets(tmp_path, ("alpha",)).replace("server", **SERVER), loader) as state:
+
+        def script(browser: Browser) -> dict[str, Any]:
+            page = browser.page(state.urls[0])
+            send(page, "hello", model="alpha")
+            during = None
+            if outcome != "refused":
+                during = wait_answer(page, "a.state === 'loading the model'")
+                browser.shot(page, "model-loading")
+                page.reload()  # the reloaded page follows the same answer, still waiting for the load
+                during = {**wait_answer(page, "a.state === 'loading the model'"), "before": during}
+                loader.release.set()
+            seen = wait_finished(page)
+            browser.shot(page, f"model-{outcome}")
+            return {"during": during, **seen, "picker": picker(page)}
+
+        seen = await trio.to_thread.run_sync(in_browser, tmp_path, script)
+    if outcome != "refused":
+        during = seen["during"]
+        assert (during["loading"], during["text"]) == ("Loading alpha… 50%", "")
+        assert during["messageId"] == during["before"]["messageId"] != ""
+        assert "waiting for the model alpha to load" in during["before"]["log"]
+    if outcome == "loads":
+        assert (seen["state"], seen["text"], seen["loading"]) == ("done", "loaded and answering", None)
+        return
+    reason = "out of memory" if outcome == "fails" else "not a GGUF file"
+    assert (seen["state"], seen["text"], seen["loading"]) == ("error", "", None)
+    assert seen["note"] == (f"The model 'alpha' cannot be loaded: {reason}."
+                            " Sending again tries to load it once more.")
+    assert seen["picker"]["options"] == ["alpha · failed to load"]
