@@ -37,6 +37,7 @@ import httpx
 from ringserve.client import Client, ClientError, NoServer, Reconnect
 from ringserve.client._wires import WIRES
 from ringserve.config import IDENTITY_KEYS, Config, ModelSettings
+from ringserve.core.modelinfo import GGUFInfo
 from ringserve.engine.catalog import (
     Catalog,
     CatalogEntry,
@@ -50,7 +51,7 @@ from ringserve.engine.catalog import (
     quant_tags,
     split_parts,
 )
-from ringserve.engine.modelfile import ModelFileError, check_model_file
+from ringserve.engine.modelfile import ModelFileError
 from ringserve.formats.base import ChatFormat
 from ringserve.launch import SERVE, LaunchError, check_url, open_server, server_url
 
@@ -67,62 +68,16 @@ class LibraryError(Exception):
 # --- a GGUF's metadata -------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class _GGUFFacts:
-    """What the commands show of a GGUF file, under the names of ``ringserve.core.modelinfo.GGUFInfo``
-    (branch ``sizing``), which :func:`_read_gguf` stands in for until ``engine/gguf.py``'s
-    ``read_gguf`` is merged: then ``_read_gguf`` is ``read_gguf``, and ``sampling`` is
-    ``attrs.asdict(info.sampling)``."""
-
-    architecture: str
-    name: str | None
-    size_label: str | None
-    file_type: str | None
-    n_ctx_train: int
-    chat_template: str | None
-    sampling: Mapping[str, Any]
-
-
-def _read_gguf(path: Path) -> _GGUFFacts:
-    """The metadata of the GGUF at ``path`` (gguf-py's ``GGUFReader``: keys ``general.*``,
-    ``<arch>.context_length``, ``tokenizer.chat_template``, ``general.sampling.*``).
+def _read_gguf(path: Path) -> GGUFInfo:
+    """The metadata of the GGUF at ``path`` (``engine/gguf.py``, imported here: it brings numpy,
+    which no other command needs).
 
     Raises:
-        ModelFileError: not a readable GGUF file, or one without ``general.architecture`` (one line).
+        ModelFileError: not a readable GGUF file (one line).
     """
-    import gguf
-    import numpy as np
+    from ringserve.engine.gguf import read_gguf
 
-    check_model_file(path)
-    try:
-        fields = {key: field.contents() for key, field in gguf.GGUFReader(path).fields.items()
-                  if not key.startswith("tokenizer.ggml.")}  # the vocabulary: long, and not shown
-        arch = str(fields[gguf.Keys.General.ARCHITECTURE])
-    except (ValueError, KeyError, OSError) as exc:
-        raise ModelFileError(f"cannot read the GGUF metadata ({exc}): {path}", path) from None
-
-    def text(key: str) -> str | None:
-        value = fields.get(key)
-        return value if isinstance(value, str) else None
-
-    file_type = fields.get(gguf.Keys.General.FILE_TYPE)
-    try:
-        kind = None if file_type is None else gguf.LlamaFileType(int(file_type) & ~gguf.LlamaFileType.GUESSED)
-        ftype = None if kind is None else kind.name
-    except ValueError:
-        ftype = None
-    prefix = "general.sampling."
-    sampling = {key.removeprefix(prefix): float(str(np.float32(v))) if isinstance(v, float) else v
-                for key, v in fields.items() if key.startswith(prefix)}
-    return _GGUFFacts(
-        architecture=arch,
-        name=text(gguf.Keys.General.NAME),
-        size_label=text(gguf.Keys.General.SIZE_LABEL),
-        file_type=None if ftype is None else ftype.removeprefix("MOSTLY_").removeprefix("ALL_"),
-        n_ctx_train=int(fields.get(gguf.Keys.LLM.CONTEXT_LENGTH.format(arch=arch), 0)),
-        chat_template=text(gguf.Keys.Tokenizer.CHAT_TEMPLATE),
-        sampling=sampling,
-    )
+    return read_gguf(path)
 
 
 #: The families whose tool calls are ringserve's own syntax and tools prompt (``formats/generic.py``).
@@ -399,7 +354,7 @@ def _run_pull(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 # --- ls, ps, show --------------------------------------------------------------------------------------
 
 
-def _facts(entry: CatalogEntry) -> _GGUFFacts | None:
+def _facts(entry: CatalogEntry) -> GGUFInfo | None:
     if entry.path is None:
         return None
     try:
@@ -408,7 +363,7 @@ def _facts(entry: CatalogEntry) -> _GGUFFacts | None:
         return None
 
 
-def _family(entry: CatalogEntry, facts: _GGUFFacts | None) -> str:
+def _family(entry: CatalogEntry, facts: GGUFInfo | None) -> str:
     try:
         fmt = chat_format(entry.settings, facts.chat_template if facts else None)
     except OSError:
@@ -518,7 +473,7 @@ def describe(entry: CatalogEntry) -> list[tuple[str, str]]:
         how = "chat_format" if model.chat_format else "detected"
         lines += [("family", f"{fmt.name} ({how})"), ("tools", tool_support(fmt)),
                   ("reasoning", reasoning_support(fmt))]
-    sampling = ", ".join(f"{k} {v}" for k, v in facts.sampling.items())
+    sampling = ", ".join(f"{k} {v}" for k, v in attrs.asdict(facts.sampling).items() if v is not None)
     lines.append(("sampling", f"{sampling} (the GGUF's general.sampling.*)" if sampling
                   else "none in the GGUF: llama-server's defaults apply"))
     return lines

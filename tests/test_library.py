@@ -290,7 +290,7 @@ def test_show_gives_the_metadata_the_family_its_support_and_the_settings(tmp_pat
     assert shown["family"] == "hermes (detected)"
     assert shown["tools"] == "the template's own syntax (hermes)"
     assert shown["reasoning"] == "<think> ... </think>"
-    assert shown["sampling"] == "temp 0.6, top_k 20 (the GGUF's general.sampling.*)"
+    assert shown["sampling"] == "top_k 20, temp 0.6 (the GGUF's general.sampling.*)"
     status, out, _ = run_command("show", "gpt-5", "--config", str(config))  # an alias... a pattern is not one
     assert status == 1
     status, out, _ = run_command("show", "plain", "--config", str(config))
