@@ -207,10 +207,11 @@ class ModelConfig:
     ``use_extra_bufts`` false avoids llama.cpp's AMX/extra CPU buffer types,
     whose ``ggml_backend_amx_mul_mat`` crashes on some CPUs with native builds.
     ``n_threads`` is llama.cpp's decode and prefill threads; 0 (the default)
-    means :func:`decode_threads`: every core but one. ``flash_attn`` ``off`` (the default) keeps greedy output the same with
-    and without a prompt-prefix cache hit; ``on`` or ``auto`` (llama.cpp's
-    choice: on where supported) may be faster, on GPUs above all, but a reply
-    after a cache hit can then differ from a full prefill's.
+    means :func:`decode_threads`: every core but one. ``flash_attn`` ``auto`` (the default) is on
+    where layers run on a GPU (faster there) and off on the CPU (slower there for the bundled
+    model: ``engine/llama.py`` ``_flash_attn``), unless a quantized V cache needs it; ``off``
+    keeps greedy output the same with and without a prompt-prefix cache hit, which ``on`` does
+    not promise (a reply after a cache hit can differ from a full prefill's).
     ``cache_type_k`` and ``cache_type_v`` are the KV cache's element types
     (:class:`CacheType`; ``q8_0`` halves the memory a token takes).
     ``chat_template_file`` is a file of Jinja source that replaces the GGUF's
@@ -237,7 +238,7 @@ class ModelConfig:
     n_gpu_layers: int = attrs.field(default=ALL_LAYERS, validator=v.ge(-1))
     n_threads: int = attrs.field(default=0, validator=_non_negative)
     use_extra_bufts: bool = False
-    flash_attn: Switch = attrs.field(default=Switch.OFF, converter=_flash_attn)
+    flash_attn: Switch = attrs.field(default=Switch.AUTO, converter=_flash_attn)
     cache_type_k: CacheType = attrs.field(default=CacheType.F16, converter=_cache_type_k)
     cache_type_v: CacheType = attrs.field(default=CacheType.F16, converter=_cache_type_v)
     chat_template_file: str = ""
