@@ -1,5 +1,7 @@
 """The docs (README.md and docs/*.md), read with markdown-it-py: every relative link and anchor
-resolves, and docs/compatibility.md says what each surface's FieldTables do with each field."""
+resolves, docs/compatibility.md says what each surface's FieldTables do with each field,
+docs/operations.md has every ``serve`` flag (with its variable and key) and every config key, and
+docs/models.md every preset key, ``[router]`` key and model status."""
 
 from __future__ import annotations
 
@@ -14,6 +16,10 @@ import pytest
 from markdown_it import MarkdownIt
 from markdown_it.token import Token
 
+from ringserve.__main__ import OPTIONS
+from ringserve.config import Config, EngineConfig, ModelConfig, RouterConfig
+from ringserve.core.events import SamplingParams
+from ringserve.core.router import ModelStatus
 from ringserve.surfaces.base import FieldTable
 from ringserve.surfaces.registry import SURFACES
 
@@ -108,26 +114,37 @@ CATEGORY_ROWS = {"supported": "supported", "ignored": "accepted and ignored", "r
 SURFACE_SECTIONS = {"anthropic": "Anthropic Messages", "openai": "OpenAI Chat Completions", "responses": "OpenAI Responses"}
 
 
-def table_rows(path: Path) -> dict[str, dict[str, set[str]]]:
-    """Per second-level heading, per table row (its first cell), the words in the code spans of
-    the row's other cells: ``output_config.format`` and ``{"type": "json_schema"}`` give their
-    field names."""
-    sections: dict[str, dict[str, set[str]]] = {}
-    heading, row, cells = "", None, 0
-    tokens = MD.parse(path.read_text())
-    for prev, token in itertools.pairwise([None, *tokens]):
-        if token.type == "inline" and prev is not None and prev.type == "heading_open" and prev.tag == "h2":
+def table_cells(path: Path) -> dict[str, list[list[Token]]]:
+    """Per second-level heading, the body rows of its tables, each the inline tokens of its cells."""
+    sections: dict[str, list[list[Token]]] = {}
+    heading, row = "", list[Token]()
+    for prev, token in itertools.pairwise(MD.parse(path.read_text())):
+        if token.type == "inline" and prev.type == "heading_open" and prev.tag == "h2":
             heading = inline_text(token)
         elif token.type == "tr_open":
-            cells = 0
-        elif token.type == "inline" and prev is not None and prev.type == "td_open":
-            cells += 1
-            if cells == 1:
-                row = sections.setdefault(heading, {}).setdefault(inline_text(token), set())
-            elif row is not None:
-                for child in token.children or ():
-                    if child.type == "code_inline":
-                        row |= set(re.findall(r"[A-Za-z_]\w*", child.content))
+            row = []
+            sections.setdefault(heading, []).append(row)
+        elif token.type == "inline" and prev.type == "td_open":
+            row.append(token)
+    return {heading: [row for row in rows if row] for heading, rows in sections.items()}
+
+
+def span_words(token: Token) -> set[str]:
+    """The words in an inline token's code spans: ``output_config.format`` and
+    ``{"type": "json_schema"}`` give their field names."""
+    return {word for child in token.children or () if child.type == "code_inline"
+            for word in re.findall(r"[A-Za-z_]\w*", child.content)}
+
+
+def table_rows(path: Path) -> dict[str, dict[str, set[str]]]:
+    """Per second-level heading, per table row (its first cell), the words in the code spans of
+    the row's other cells (:func:`span_words`)."""
+    sections: dict[str, dict[str, set[str]]] = {}
+    for heading, rows in table_cells(path).items():
+        for first, *others in rows:
+            words = sections.setdefault(heading, {}).setdefault(inline_text(first), set())
+            for cell in others:
+                words |= span_words(cell)
     return sections
 
 
@@ -171,3 +188,100 @@ def test_table_rows_reads_code_spans_per_section_and_row(tmp_path: Path) -> None
         "A (POST /a)": {"supported": {"model", "output_config", "format", "type", "json_schema"}, "refused (400)": {"n"}},
         "B": {"supported": {"x"}},
     }
+
+
+def first_cells(path: Path) -> dict[str, list[str]]:
+    """Per second-level heading, the text of each table row's first cell, in order."""
+    return {heading: [inline_text(first) for first, *_ in rows] for heading, rows in table_cells(path).items()}
+
+
+def code_words(path: Path) -> set[str]:
+    """The words in the code spans of a Markdown file (not in code blocks)."""
+    return {word for token in MD.parse(path.read_text()) if token.type == "inline" for word in span_words(token)}
+
+
+OPERATIONS = ROOT / "docs" / "operations.md"
+MODELS = ROOT / "docs" / "models.md"
+#: The ``[model.sampling]`` keys a config may set: the request's sampler fields but ``logit_bias``
+#: (``config._sampling_table`` refuses it: token ids are a model's own).
+SAMPLING_KEYS = [f.name for f in attrs.fields(SamplingParams) if f.name != "logit_bias"]
+
+
+def flag_table_misses(path: Path) -> list[str]:
+    """What the flag table of ``path``'s "Configuration" section lacks: a row per ``serve`` option
+    (its first cell naming every spelling) that names its variable and its config key."""
+    sections = table_rows(path)
+    rows = sections.get("Configuration", {})
+    missing = []
+    for option in OPTIONS:
+        found = [words for first, words in rows.items() if set(option.flags) <= set(re.findall(r"-{1,2}[\w-]+", first))]
+        if not found:
+            missing.append(f"no row for {', '.join(option.flags)}")
+            continue
+        # --api-key adds to the keys; its variable is the list's (comma-separated), which serve reads
+        env = "RINGSERVE_API_KEYS" if option.key == "auth.api_keys" else option.env
+        missing += [f"{option.long}: {want} not in its row" for want in (env, *option.key.split("."))
+                    if want not in found[0]]
+    return missing
+
+
+def test_every_serve_flag_is_in_the_flag_table_with_its_variable_and_key() -> None:
+    """docs/operations.md's flag table has a row for each of ``serve``'s options (``__main__.OPTIONS``),
+    naming its spellings, its ``RINGSERVE_*`` variable and its config key."""
+    assert flag_table_misses(OPERATIONS) == []
+
+
+def config_table_misses(path: Path) -> list[str]:
+    """The config keys the "Configuration" tables of ``path`` do not name in their table's row
+    (``[server]``: ``host``, ...; ``[model.sampling]``'s keys; ``[policy]``'s surface names)."""
+    rows = table_rows(path).get("Configuration", {})
+    config = Config()
+    wanted: dict[str, list[str]] = {}
+    for field in attrs.fields(Config):
+        section = getattr(config, field.name)
+        if attrs.has(type(section)):
+            wanted[field.name] = [f.name for f in attrs.fields(type(section)) if f.name != "sampling"]
+    wanted["policy"] = [*(surface.name for surface in SURFACES.surfaces), "grace_seconds"]
+    wanted["model.sampling"] = SAMPLING_KEYS
+    missing = []
+    for table, keys in wanted.items():
+        row = rows.get(f"[{table}]")
+        if row is None:
+            missing.append(f"no row [{table}]")
+            continue
+        missing += [f"[{table}] {key}" for key in keys if key not in row]
+    return missing
+
+
+def test_every_config_key_is_in_the_configuration_tables() -> None:
+    """docs/operations.md names every key of every config table (``[router]``'s too) in that table's
+    row: a new key fails here until it is documented."""
+    assert config_table_misses(OPERATIONS) == []
+
+
+def test_every_preset_key_and_router_key_is_in_docs_models() -> None:
+    """docs/models.md's preset table names every key a ``[models.NAME]`` table takes (``[model]``'s,
+    ``[engine]``'s and the sampling keys), and the page names every ``[router]`` key and every
+    status a model's ``status.value`` may have."""
+    named = {word for first in first_cells(MODELS).get("Presets", []) for word in re.findall(r"[A-Za-z_]\w*", first)}
+    keys = [*(f.name for f in attrs.fields(ModelConfig) if f.name != "sampling"),
+            *(f.name for f in attrs.fields(EngineConfig)), *SAMPLING_KEYS]
+    assert [key for key in keys if key not in named] == []
+    words = code_words(MODELS)
+    assert [f.name for f in attrs.fields(RouterConfig) if f.name not in words] == []
+    assert [status.value for status in ModelStatus if status.value not in words] == []
+
+
+def test_the_doc_checks_find_what_is_missing(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "# T\n\n## Configuration\n\n| flag | variable | key |\n|---|---|---|\n"
+        "| `-c`, `--ctx-size` | `RINGSERVE_CTX_SIZE` | `[model] ctx_size` |\n"
+        "| `-m`, `--model` | `RINGSERVE_MODEL` | `[model] name` |\n\n"
+        "| table | keys |\n|---|---|\n| `[router]` | `models_dir`, `hf_cache` |\n"
+    )
+    flags = flag_table_misses(doc)
+    assert "--model: path not in its row" in flags and "no row for -np, --slots, --parallel" in flags
+    assert not any(m.startswith("--ctx-size") for m in flags)
+    keys = config_table_misses(doc)
+    assert "[router] presets_only" in keys and "[router] models_dir" not in keys and "no row [server]" in keys
