@@ -153,7 +153,8 @@ class Catalog:
     def of(cls, entries: Iterable[CatalogEntry], router: RouterConfig | None = None) -> Catalog:
         """A checked catalog of ``entries`` with ``router``'s fallback: ``strict_model_name``
         none; else ``default_model`` (a name or an exact alias); else the ``[model]`` table's
-        model (or the bundled one), if there is one.
+        model (or the bundled one), if there is one; else the only model, if there is one (a
+        single ``ringserve pull`` then serves like ``serve -m``).
 
         Raises:
             CatalogError: two entries of one name, an exact alias that is another entry's name
@@ -185,6 +186,8 @@ class Catalog:
                                    f"(one of: {', '.join(catalog.names())})")
         else:
             fallback = next((e for e in entries if e.source in (Source.MODEL, Source.BUNDLED)), None)
+            if fallback is None and len(entries) == 1:
+                fallback = entries[0]
         if router.strict_model_name or fallback is None:
             return catalog
         return cls(entries, fallback.name)

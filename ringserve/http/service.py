@@ -88,11 +88,12 @@ async def load_model() -> Response:
     it is loaded.
 
     Raises (answered in the error shape of the request's surface):
-        RingserveError: ``INVALID_REQUEST`` (no name, or it is loaded already), ``NOT_FOUND``,
+        RingserveError: ``INVALID_REQUEST`` (no name, or it is loaded already), ``NOT_FOUND`` (a
+            name that reaches no model but through the default: llama-server's exact names),
             ``UNAVAILABLE`` (it cannot be loaded: the message says why).
     """
     pool = context.hub().models
-    found = pool.find(await _model_named())
+    found = pool.find(await _model_named(), fallback=False)  # (a typo must not load the default model)
     if found.status is ModelStatus.LOADED:
         raise invalid(f"the model {found.name!r} is loaded already", param="model")
     await pool.load(found.name)
@@ -105,11 +106,12 @@ async def unload_model() -> Response:
     nothing runs on it (answering at once when nothing does).
 
     Raises (answered in the error shape of the request's surface):
-        RingserveError: ``INVALID_REQUEST`` (no name, or it is not loaded), ``NOT_FOUND``,
+        RingserveError: ``INVALID_REQUEST`` (no name, or it is not loaded), ``NOT_FOUND`` (as
+            for ``/models/load``),
             ``CONFLICT`` (requests are running on it: it stays).
     """
     pool = context.hub().models
-    found = pool.find(await _model_named())
+    found = pool.find(await _model_named(), fallback=False)  # (nor unload it)
     if found.status is not ModelStatus.LOADED:
         raise invalid(f"the model {found.name!r} is not loaded", param="model")
     if not await pool.unload(found.name):

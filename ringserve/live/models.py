@@ -162,13 +162,14 @@ class ModelPool:
         """Every model of the catalog, in its order."""
         return tuple(self._models.values())
 
-    def find(self, requested: str) -> ModelState:
-        """The model ``requested`` names (``Catalog.resolve``).
+    def find(self, requested: str, *, fallback: bool = True) -> ModelState:
+        """The model ``requested`` names (``Catalog.resolve``; without ``fallback``,
+        ``Catalog.find``: a name, an alias or a pattern, never the default model).
 
         Raises:
             RingserveError: ``NOT_FOUND``, listing the names served.
         """
-        entry = self.catalog.resolve(requested)
+        entry = self.catalog.resolve(requested) if fallback else self.catalog.find(requested)
         if entry is None:
             names = ", ".join(sorted(self._models))
             raise RingserveError(ErrorKind.NOT_FOUND, f"no model {requested[:100]!r} here; the models are:"

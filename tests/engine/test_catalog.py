@@ -304,6 +304,7 @@ def test_default_model_is_the_fallback_and_strict_has_none():
     strict = Catalog.of(ENTRIES, RouterConfig(default_model="small", strict_model_name=True))
     assert strict.resolve("llama") is None and strict.resolve("gpt-5") == CODER
     assert Catalog.of((CODER, SMALL)).resolve("llama") is None  # no [model] model, no default_model
+    assert Catalog.of((SMALL,)).resolve("llama") == SMALL  # the only model (one `ringserve pull`)
     unknown = r"^\[router\] default_model 'gpt-5' names no model \(one of: main, coder, small\)$"
     with pytest.raises(CatalogError, match=unknown):
         Catalog.of(ENTRIES, RouterConfig(default_model="gpt-5"))  # a pattern is no default

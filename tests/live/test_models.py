@@ -211,7 +211,10 @@ async def test_the_store_records_which_model_wrote_a_message_and_says_it_after_a
 
 
 async def test_models_load_and_unload_by_hand_as_llama_server_s_router(tmp_path):
-    async with running_server(presets(tmp_path), engine_factory=named) as state, \
+    """With a default model (beta) too: a name that reaches only the default neither loads nor
+    unloads it."""
+    config = presets(tmp_path, router={"default_model": "beta"})
+    async with running_server(config, engine_factory=named) as state, \
             httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
         loaded = await client.post("/models/load", json={"model": "beta"})
         assert (loaded.status_code, loaded.json()) == (200, {"success": True})
@@ -219,7 +222,8 @@ async def test_models_load_and_unload_by_hand_as_llama_server_s_router(tmp_path)
         again = await client.post("/models/load", json={"model": "beta"})
         assert again.status_code == 400 and "loaded already" in again.json()["error"]["message"]
         missing = await client.post("/models/unload", json={"model": "nope"})
-        assert missing.status_code == 404
+        assert missing.status_code == 404 and "models are: alpha, beta" in missing.json()["error"]["message"]
+        assert (await client.post("/models/load", json={"model": "gpt-4o"})).status_code == 404
         bad = await client.post("/models/load", json={"name": "beta"})
         assert bad.status_code == 400 and '"model"' in bad.json()["error"]["message"]
         assert (await client.post("/models/unload", json={"model": "alpha"})).status_code == 400  # not loaded
