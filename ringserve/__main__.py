@@ -130,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     _serve_parser(sub)
     add_commands(sub)
-    add_launch(sub)
+    add_launch(sub, load_config)
     add_library(sub, load_config)
     return parser
 

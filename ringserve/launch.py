@@ -554,13 +554,11 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
     previous = {signum: signal.signal(signum, _exit_on) for signum in (signal.SIGTERM, signal.SIGHUP)}
     child: ServerChild | None = None
     keep = False  # leave the server it started running (once the launcher has done its part)
-    config = Config()
     try:
-        if args.config is not None:
-            try:
-                config = Config.from_toml(args.config)
-            except (OSError, ValueError) as exc:
-                raise LaunchError(str(exc)) from None
+        try:  # as `ringserve serve` reads it: the file, then the RINGSERVE_* variables
+            config: Config = args.load_config(argparse.Namespace(config=args.config, model_file=None))
+        except (OSError, ValueError) as exc:
+            raise LaunchError(str(exc)) from None
         url = server_url(config) if args.url is None else check_url(args.url)
         key_source = ("--api-key or $RINGSERVE_API_KEY" if args.api_key
                       else "the config's [auth] api_keys" if config.auth.api_keys else None)
@@ -631,8 +629,10 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def add_command(sub: Any) -> None:
-    """Register ``launch`` on the CLI's subparsers (it sets ``client_command``, as ``chat`` does)."""
+def add_command(sub: Any, load_config: Callable[[argparse.Namespace], Config]) -> None:
+    """Register ``launch`` on the CLI's subparsers (it sets ``client_command``, as ``chat`` does); it
+    reads the configuration with ``load_config`` (``__main__.load_config``: the file and the
+    ``RINGSERVE_*`` variables, as the server it may start reads them)."""
     about = "run Claude Code or Codex CLI on ringserve, starting the server if none runs"
     launch = sub.add_parser("launch", help=about, description=f"{about[0].upper()}{about[1:]} (docs/agents.md, Launch).",
                             epilog="Arguments after -- go to the agent: ringserve launch codex -- exec --skip-git-repo-check 'Say hi'")
@@ -648,4 +648,4 @@ def add_command(sub: Any) -> None:
                         " a name of the server's models); default: --model")
     launch.add_argument("--keep-server", action="store_true", help="leave a server this command started running (--print always does)")
     launch.add_argument("--print", action="store_true", help="print the agent's settings instead of running it")
-    launch.set_defaults(client_command=run, agent_args=[])
+    launch.set_defaults(client_command=run, agent_args=[], load_config=load_config)

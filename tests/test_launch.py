@@ -315,6 +315,22 @@ def test_launch_names_a_model_and_a_small_model_of_the_servers_loading_them_and_
         server.stop()
 
 
+def test_launch_reads_the_ringserve_variables_as_the_server_does(tmp_path, agent_env, monkeypatch, capsys):
+    """``RINGSERVE_PORT`` beats the config's port, for the server a launch would start and so for the URL
+    it looks at: here the running server's."""
+    port = free_port()
+    server = ServerProcess([*FAKE_SERVE, "--config", str(config_file(tmp_path, port))])
+    try:
+        other = tmp_path / "other.toml"
+        other.write_text(f"[server]\nport = {free_port()}\n")
+        monkeypatch.setenv("RINGSERVE_PORT", str(port))
+        assert launch.run(args("claude", "--config", str(other), "--print")) == 0
+        out, err = capsys.readouterr()
+        assert f"export ANTHROPIC_BASE_URL={server.url}\n" in out and "starting one" not in err
+    finally:
+        server.stop()
+
+
 def test_print_leaves_the_server_it_started_running_for_the_settings_it_printed(tmp_path, agent_env, capsys):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
