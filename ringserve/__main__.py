@@ -73,7 +73,7 @@ OPTIONS = (
            choices=tuple(t.value for t in CacheType)),
     Option(("-ctv", "--cache-type-v"), "model.cache_type_v", help="V cache type (default f16; quantized needs flash attention)",
            choices=tuple(t.value for t in CacheType)),
-    Option(("-fa", "--flash-attn"), "model.flash_attn", help="flash attention (default off)",
+    Option(("-fa", "--flash-attn"), "model.flash_attn", help="flash attention (default auto: on with a GPU, off on the CPU, on for a quantized V cache)",
            choices=tuple(s.value for s in Switch)),
     Option(("-t", "--threads"), "model.n_threads", int, "CPU threads for decoding (default 0: every core but one)"),
     Option(("--chat-template-file",), "model.chat_template_file", help="a Jinja chat template over the GGUF's"),

@@ -52,7 +52,7 @@ from ringserve.engine.catalog import (
     split_parts,
 )
 from ringserve.engine.modelfile import ModelFileError
-from ringserve.formats.base import ChatFormat
+from ringserve.formats.base import TOOLS_PROMPT_FAMILIES, ChatFormat
 from ringserve.launch import SERVE, LaunchError, check_url, open_server, server_url
 
 __all__ = ["LibraryError", "Pulled", "add_commands", "pull", "remove"]
@@ -80,13 +80,9 @@ def _read_gguf(path: Path) -> GGUFInfo:
     return read_gguf(path)
 
 
-#: The families whose tool calls are ringserve's own syntax and tools prompt (``formats/generic.py``).
-GENERIC_FAMILIES = frozenset({"generic", "generic-think"})
-
-
 def tool_support(fmt: ChatFormat) -> str:
     """How the family calls tools: its template's own syntax, or ringserve's generic prompt."""
-    if fmt.name in GENERIC_FAMILIES:
+    if fmt.name in TOOLS_PROMPT_FAMILIES:
         return "ringserve's generic tool prompt (<tool_call> JSON)"
     return f"the template's own syntax ({fmt.name})"
 
@@ -473,9 +469,12 @@ def describe(entry: CatalogEntry) -> list[tuple[str, str]]:
         how = "chat_format" if model.chat_format else "detected"
         lines += [("family", f"{fmt.name} ({how})"), ("tools", tool_support(fmt)),
                   ("reasoning", reasoning_support(fmt))]
+    configured = ", ".join(f"{k} {v}" for k, v in attrs.asdict(model.sampling).items() if v is not None)
     sampling = ", ".join(f"{k} {v}" for k, v in attrs.asdict(facts.sampling).items() if v is not None)
-    lines.append(("sampling", f"{sampling} (the GGUF's general.sampling.*)" if sampling
-                  else "none in the GGUF: llama-server's defaults apply"))
+    layers = [f"{configured} (the config's)"] if configured else []
+    layers += [f"{sampling} (the GGUF's general.sampling.*)"] if sampling else []
+    lines.append(("sampling", "; then ".join([*layers, "llama-server's defaults"]) if layers
+                  else "llama-server's defaults (none set in the config or the GGUF)"))
     return lines
 
 

@@ -213,6 +213,7 @@ hf_cache = false
 ctx_size = 2048
 aliases = ["gpt-*"]
 chat_format = "hermes"
+sampling = {{ temperature = 0.2 }}
 [models.named]
 path = "{tmp_path / 'elsewhere' / 'named.gguf'}"
 """)
@@ -290,16 +291,18 @@ def test_show_gives_the_metadata_the_family_its_support_and_the_settings(tmp_pat
     assert shown["family"] == "hermes (detected)"
     assert shown["tools"] == "the template's own syntax (hermes)"
     assert shown["reasoning"] == "<think> ... </think>"
-    assert shown["sampling"] == "top_k 20, temp 0.6 (the GGUF's general.sampling.*)"
+    assert shown["sampling"] == ("top_k 20, temp 0.6 (the GGUF's general.sampling.*); then llama-server's"
+                                 " defaults")
     status, out, _ = run_command("show", "gpt-5", "--config", str(config))  # an alias... a pattern is not one
     assert status == 1
     status, out, _ = run_command("show", "plain", "--config", str(config))
     assert "  ctx_size = 2048\n" in out and "  chat_format = \"hermes\"\n" in out
+    assert "sampling       temperature 0.2 (the config's); then llama-server's defaults\n" in out
     assert "aliases        gpt-*\n" in out
     status, out, _ = run_command("show", "big", "--config", str(config))
     assert f"mmproj         {tmp_path / 'models' / 'big' / 'mmproj-Big-F16.gguf'}\n" in out
     assert "(and 1 more parts)" in out
-    assert "sampling       none in the GGUF: llama-server's defaults apply\n" in out
+    assert "sampling       llama-server's defaults (none set in the config or the GGUF)\n" in out
 
 
 def test_show_of_a_generic_model_says_ringserve_gives_it_tools_and_no_thinking(tmp_path):

@@ -40,6 +40,7 @@ __all__ = [
     "Reasoning",
     "ReasoningMarkers",
     "Text",
+    "TOOLS_PROMPT_FAMILIES",
     "Thinking",
     "ToolCallError",
     "ToolRules",
@@ -237,6 +238,11 @@ def answer_start(markers: ReasoningMarkers | None, reasoning_open: bool = False)
     if markers.close:
         return AnswerStart(rules, opened, markers.start + markers.closing)
     return AnswerStart(rules, f"( {opened} )?", "")
+
+
+TOOLS_PROMPT_FAMILIES = frozenset({"generic", "generic-think"})
+"""The families whose tools are rendered by ringserve's generic tools prompt, not the template
+(``formats/prompt.py``): a template with no tool-call syntax of its own."""
 
 
 class ChatFormat(Protocol):

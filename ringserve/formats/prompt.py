@@ -34,14 +34,11 @@ import attrs
 
 from ringserve.core.events import GenerationRequest, Role
 from ringserve.core.toolcalls import plain_messages
-from ringserve.formats.base import ChatFormat
+from ringserve.formats.base import TOOLS_PROMPT_FAMILIES, ChatFormat
 from ringserve.formats.continuation import continued
 from ringserve.formats.template import ChatTemplate, RenderedPrompt, TemplateRenderError
 
 __all__ = ["THINKING_OFF_FAMILIES", "TOOLS_PROMPT_FAMILIES", "Rendered", "render_request"]
-
-TOOLS_PROMPT_FAMILIES = frozenset({"generic", "generic-think"})
-"""The families whose tools are rendered by ringserve's generic tools prompt, not the template."""
 
 THINKING_OFF_FAMILIES = frozenset({"apertus"})
 """The families with a thinking block whose thinking is off unless the request turns it on:

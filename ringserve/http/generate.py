@@ -164,7 +164,7 @@ async def _with_prompter(hub: Hub, parsed: ParsedRequest, use: Callable[[Prompte
     Raises:
         RingserveError: ``NOT_FOUND`` (no such model), ``UNAVAILABLE`` (it cannot be loaded), as ``use``.
     """
-    lease = await hub.models.lease(parsed.model)
+    lease = await hub.models.lease(parsed.model, load=False)
     try:
         return await use(lease.prompter)
     finally:

@@ -12,7 +12,7 @@ from ringserve.core import health as core_health
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.router import ModelStatus
 from ringserve.core.sampling import LLAMA_SERVER_DEFAULTS, resolve_sampling
-from ringserve.formats.generic import GENERIC
+from ringserve.formats.base import TOOLS_PROMPT_FAMILIES
 from ringserve.http import context
 from ringserve.http.context import answering_errors, json_response
 from ringserve.live.hub import Hub
@@ -40,7 +40,7 @@ def _info(model: ModelState, started: float, now: float) -> ModelInfo:
         busy_slots=None if stats is None else stats.slots_busy,
         idle_seconds=max(0.0, now - resident.released_at) if resident.idle else None,
         family=None if tokenizer is None else tokenizer.chat_format.name,
-        tools=None if tokenizer is None else tokenizer.chat_format is not GENERIC,
+        tools=None if tokenizer is None else tokenizer.chat_format.name not in TOOLS_PROMPT_FAMILIES,
         reasoning=None if tokenizer is None else tokenizer.chat_format.reasoning is not None,
         sizing=None if front is None else front.sizing,
         sampling=None if front is None else resolve_sampling(*front.sampling_defaults, LLAMA_SERVER_DEFAULTS),

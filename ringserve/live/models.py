@@ -178,9 +178,9 @@ class ModelPool:
 
     # -- leases --------------------------------------------------------------------------------
 
-    async def lease(self, requested: str) -> Lease:
-        """Hold the model ``requested`` names, with its front made (its load started when it is
-        not loaded).
+    async def lease(self, requested: str, *, load: bool = True) -> Lease:
+        """Hold the model ``requested`` names, with its front made (and, with ``load``, its load
+        started when it is not loaded: a count or a render needs the front alone).
 
         Raises:
             RingserveError: ``NOT_FOUND`` (no such model, listing the names); ``UNAVAILABLE``
@@ -197,7 +197,7 @@ class ModelPool:
             self.release(model)
             raise
         assert model.prompter is not None
-        if model.status in (ModelStatus.UNLOADED, ModelStatus.FAILED) and not model._loading:
+        if load and model.status in (ModelStatus.UNLOADED, ModelStatus.FAILED) and not model._loading:
             self._start_load(model)
         return Lease(self, model, model.prompter)
 

@@ -287,3 +287,14 @@ async def test_a_stream_starts_at_once_and_keeps_alive_while_its_model_loads(tmp
             assert events[-1].event == "error" and "cannot be loaded: out of memory" in events[-1].data
         else:
             assert events[-1].event == "message_stop" and anthropic_text(events) == "loaded and answering"
+
+
+async def test_counting_and_rendering_read_a_model_s_front_without_loading_it(tmp_path):
+    async with running_server(presets(tmp_path), engine_factory=named) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        counted = await client.post("/v1/messages/count_tokens", json={
+            "model": "alpha", "messages": [{"role": "user", "content": "hello"}]})
+        assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+        rendered = await client.post("/v1/chat/completions/render", json={**OPENAI_BODY, "model": "beta"})
+        assert rendered.status_code == 200 and rendered.json()["input_tokens"] > 0
+        assert await statuses(client) == {"alpha": "unloaded", "beta": "unloaded"}
