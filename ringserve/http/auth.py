@@ -1,7 +1,9 @@
 """API keys and stream tokens: who may use the server, and who may read one stream.
 
-API keys come from ``[auth] api_keys`` and from the environment variable
-``RINGSERVE_API_KEYS`` (comma-separated); both sets are accepted. A client
+API keys come from ``[auth] api_keys`` and from the environment variables
+``RINGSERVE_API_KEYS`` (comma-separated) and ``RINGSERVE_API_KEY`` (one: the variable ringserve's
+clients and ``launch`` send from, so that one exported key protects the server it starts too);
+all are accepted. A client
 presents one as ``Authorization: Bearer KEY`` (what the OpenAI SDK sends) or
 ``x-api-key: KEY`` (what the Anthropic SDK sends). Keys are kept only as
 SHA-256 digests and compared with :func:`hmac.compare_digest` against every
@@ -39,10 +41,12 @@ import attrs
 
 from ringserve.config import AuthConfig
 
-__all__ = ["ENV_KEYS", "ENV_TOKEN_SECRET", "AuthSetupError", "Authenticator", "check_bind", "is_loopback"]
+__all__ = ["ENV_KEY", "ENV_KEYS", "ENV_TOKEN_SECRET", "AuthSetupError", "Authenticator", "check_bind", "is_loopback"]
 
 #: Environment variable with extra API keys, comma-separated.
 ENV_KEYS = "RINGSERVE_API_KEYS"
+#: Environment variable with one more API key (the one ringserve's clients send).
+ENV_KEY = "RINGSERVE_API_KEY"
 #: Environment variable with the stream-token secret (replaces ``[auth] stream_token_secret``).
 ENV_TOKEN_SECRET = "RINGSERVE_STREAM_TOKEN_SECRET"
 
@@ -102,7 +106,7 @@ class Authenticator:
 
     @classmethod
     def from_config(cls, config: AuthConfig, environ: Mapping[str, str] = os.environ) -> Authenticator:
-        """Keys from ``config.api_keys`` plus ``RINGSERVE_API_KEYS`` in ``environ``.
+        """Keys from ``config.api_keys`` plus ``RINGSERVE_API_KEYS`` and ``RINGSERVE_API_KEY`` in ``environ``.
 
         The stream-token secret: ``RINGSERVE_STREAM_TOKEN_SECRET``, else
         ``config.stream_token_secret`` (its SHA-256 is the HMAC key, so every
@@ -115,6 +119,7 @@ class Authenticator:
         """
         keys = list(config.api_keys)
         keys += [k.strip() for k in environ.get(ENV_KEYS, "").split(",") if k.strip()]
+        keys += [environ[ENV_KEY]] if environ.get(ENV_KEY) else []
         shared = environ.get(ENV_TOKEN_SECRET, "") or config.stream_token_secret
         secret = _digest(shared) if shared else secrets.token_bytes(32)
         return cls(tuple(_digest(_check_key(k)) for k in keys), config.stream_token_ttl, secret)

@@ -19,7 +19,7 @@ import pytest
 from ringserve.config import AuthConfig
 from ringserve.core.sse import SSEParser
 from ringserve.http.accesslog import redact_query
-from ringserve.http.auth import ENV_KEYS, Authenticator, AuthSetupError, check_bind, is_loopback
+from ringserve.http.auth import ENV_KEY, ENV_KEYS, Authenticator, AuthSetupError, check_bind, is_loopback
 from ringserve.server import serve
 from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY
 from tests.support.server import fake_config, running_server
@@ -60,6 +60,8 @@ def test_keys_from_config_and_environment():
     assert not any(auth.key_matches(k) for k in ("", "a-ke", "a-key ", "b-key,c-key", None))
     assert not Authenticator.from_config(AuthConfig(), {}).enabled
     assert "a-key" not in repr(auth) and "b-key" not in repr(auth)
+    one = Authenticator.from_config(AuthConfig(), {ENV_KEY: "d-key"})  # the clients' and launch's variable
+    assert one.enabled and one.key_matches("d-key") and not one.key_matches("a-key")
 
 
 @pytest.mark.parametrize("bad", ["has space", "tab\there", "caf\u00e9", "x" * 513])
