@@ -57,6 +57,7 @@ from bench.common import (  # noqa: E402
 from bench.raw_decode import on_own_thread  # noqa: E402
 from ringserve.core.batch import SlotFeed  # noqa: E402
 from ringserve.core.events import SamplingParams  # noqa: E402
+from ringserve.core.sampling import LLAMA_SERVER_DEFAULTS, resolve_sampling  # noqa: E402
 from ringserve.core.sizing import CacheType, Estimate, SizingRequest, estimate, kv_cells  # noqa: E402
 from ringserve.engine.gguf import read_gguf  # noqa: E402
 from ringserve.engine.modelfile import default_model_path  # noqa: E402
@@ -196,7 +197,7 @@ class _Decoder:
         self.engine = engine
         self.pos = 0
         self.token: int | None = None
-        engine.begin(0, SamplingParams(temperature=0))
+        engine.begin(0, resolve_sampling(SamplingParams(temperature=0), LLAMA_SERVER_DEFAULTS))
 
     def fill(self, n: int) -> None:
         """Feed made-up prompt tokens until the sequence holds ``n`` (untimed)."""
