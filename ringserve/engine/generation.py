@@ -334,9 +334,19 @@ class Generation:
         step was handed to the engine (while it decodes, when the runner overlaps steps);
         the terminal event included, and at once for events outside a step (a failure of
         the loop). Never after the consumer's ``submit`` block was left. ``consumer`` runs
-        on the runner's task and must not raise or await.
+        on the runner's task and must not raise or await. The events queued before this call
+        (its caller awaited something after ``submit``: ``live/produce.py`` writes the
+        message's row) are handed to it at once, here.
         """
         self._consumer = consumer
+        queued = []
+        while True:
+            try:
+                queued.append(self._receive.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        if queued:
+            consumer(queued)
 
     def __aiter__(self) -> Generation:
         return self
