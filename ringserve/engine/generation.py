@@ -321,8 +321,10 @@ class Generation:
         self._send.close()
 
     def close(self) -> None:
-        """The consumer's side is done with the events (the ``submit`` block was left)."""
+        """The consumer's side is done with the events (the ``submit`` block was left); the
+        consumer is let go of (it may hold this generation: a cycle the refcount would not free)."""
         self._receive.close()
+        self._consumer = None
 
     # -- the consumer's side -------------------------------------------------
 

@@ -25,6 +25,7 @@ later than expected (a long decode, a keepalive).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -162,7 +163,7 @@ class Production:
                     # The key moves to this message. No checkpoint follows the write until
                     # started(): a request cancelled meanwhile leaves no row without its message.
                     await self.persister.insert(row, replaces=msg.replaces)
-                    msg.log = self.logs.create(msg.id, on_idle=lambda: self.on_idle(msg))
+                    msg.log = self.logs.create(msg.id, on_idle=self._idle_hook(msg))
                     self.registered(msg.id, msg)
                     task_status.started(msg.view())
                     self._perform(msg, producer.start(trio.current_time()))
@@ -174,6 +175,19 @@ class Production:
                     self._perform(msg, producer.interrupted(msg.cancel_reason, usage, trio.current_time()))
                 with trio.CancelScope(shield=True):  # a drain or the server's end: the final state still goes
                     await self._close(msg, producer)
+
+    def _idle_hook(self, msg: LiveMessage) -> Callable[[], None]:
+        """The log's ``on_idle``: :attr:`on_idle` with the message while anything else holds it (the
+        hub while it runs, a request, ``live/idempotency.py``'s session turns). Held weakly, so
+        that an ended message (its text, its renderer) does not live as long as its log does
+        (``[stream] ttl_seconds``), beside it and uncounted by ``[stream] memory_cap_bytes``."""
+        ref = weakref.ref(msg)
+
+        def idle() -> None:
+            if (held := ref()) is not None:
+                self.on_idle(held)
+
+        return idle
 
     async def _close(self, msg: LiveMessage, producer: Producer) -> None:
         """Close the ended message's log once the store has its final state (or it is unsaved)."""

@@ -459,13 +459,17 @@ class MemoryLogStore:
     * Dropping a log removes it from the store only: a reader already holding
       it reads on to the end, and the memory is freed when that reader lets
       go.
-    * :meth:`evicted` remembers (the last ``remember_gone`` ids) which ids
-      the store held and let go of, so the app can tell 410 Gone from 404.
+    * :meth:`evicted` remembers which ids the store held and let go of
+      within the last ``ttl_seconds`` (at most ``remember_gone`` of them), so
+      the app can tell 410 Gone from 404: ``logs/redis.py`` does not look in
+      Redis for a log this replica let go of, whose Redis stream expires at
+      most ``ttl_seconds`` later (its TTL started at its close). So they are
+      as many as the messages of a TTL, not of the process's life.
 
     Args:
         config: ring bounds, memory cap and TTL.
         clock: seconds; ``trio.current_time`` by default.
-        remember_gone: how many gone ids :meth:`evicted` remembers.
+        remember_gone: the most gone ids :meth:`evicted` remembers.
     """
 
     config: StreamConfig
@@ -474,7 +478,7 @@ class MemoryLogStore:
     _logs: dict[str, MemoryMessageLog] = attrs.field(factory=dict, init=False)
     # Completed logs in the order they completed (clock is monotonic), oldest first.
     _completed: OrderedDict[str, MemoryMessageLog] = attrs.field(factory=OrderedDict, init=False)
-    _gone: OrderedDict[str, None] = attrs.field(factory=OrderedDict, init=False, repr=False)
+    _gone: OrderedDict[str, float] = attrs.field(factory=OrderedDict, init=False, repr=False)  # id -> when
     _bytes: int = attrs.field(default=0, init=False)
     _appends_total: int = attrs.field(default=0, init=False)
     _append_bytes_total: int = attrs.field(default=0, init=False)
@@ -537,17 +541,21 @@ class MemoryLogStore:
             self._drop(log)
 
     def evicted(self, message_id: str) -> bool:
-        """Whether this store held ``message_id`` and has let it go
-        (expired, evicted for memory, or forgotten): 410 Gone rather than 404."""
-        return message_id in self._gone
+        """Whether this store held ``message_id`` and has let it go (expired, evicted for memory,
+        or forgotten) less than ``ttl_seconds`` ago: 410 Gone rather than 404."""
+        gone = self._gone.get(message_id)
+        return gone is not None and self.clock() - gone < self.config.ttl_seconds
 
     def expire(self) -> int:
-        """Drop every completed log older than ``ttl_seconds``.
+        """Drop every completed log older than ``ttl_seconds``, and forget the ids gone longer ago
+        than that (:meth:`evicted`).
 
         Returns:
             How many were dropped.
         """
         now = self.clock()
+        while self._gone and now - next(iter(self._gone.values())) >= self.config.ttl_seconds:
+            self._gone.popitem(last=False)
         dropped = 0
         while self._completed:
             log = next(iter(self._completed.values()))
@@ -620,7 +628,7 @@ class MemoryLogStore:
         self._bytes -= log.nbytes
         self._entries_evicted_gone += log._ring.evicted_total
         log._store = None
-        self._gone[log.message_id] = None
+        self._gone[log.message_id] = self.clock()
         self._gone.move_to_end(log.message_id)
         while len(self._gone) > self.remember_gone:
             self._gone.popitem(last=False)

@@ -217,6 +217,19 @@ def test_evicted_memory_is_bounded() -> None:
     assert [store.evicted(str(i)) for i in range(5)] == [False, False, True, True, True]
 
 
+async def test_the_gone_ids_remembered_are_those_of_the_last_ttl(autojump_clock: trio.abc.Clock) -> None:
+    """Ten messages a second for 100 s, a TTL of 10 s: the store remembers the ids it let go of
+    in the last 10 s (a Redis stream expires by then), about 100, not the 900 of its life."""
+    store = MemoryLogStore(small_config(ttl_seconds=10.0))
+    for i in range(1000):
+        store.create(str(i)).close(LogState.FINISHED)
+        store.expire()
+        await trio.sleep(0.1)
+    store.expire()
+    assert len(store._logs) <= 101 and len(store._gone) <= 101
+    assert store.evicted("880") and not store.evicted("10")
+
+
 async def test_statistics_snapshot(autojump_clock: trio.abc.Clock) -> None:
     store = MemoryLogStore(small_config(ring_max_entries=8, ring_max_bytes=1000))
     a = store.create("a")
