@@ -230,6 +230,25 @@ async def test_the_gone_ids_remembered_are_those_of_the_last_ttl(autojump_clock:
     assert store.evicted("880") and not store.evicted("10")
 
 
+async def test_freed_memory_is_given_back_once_no_log_is_live() -> None:
+    """20 MiB of entries leave a live log's ring: no trim while it is live; one at the sweep after
+    it ended; none again until another 16 MiB (heap.TRIM_AFTER_BYTES) are let go of."""
+    trims: list[int] = []
+    store = MemoryLogStore(small_config(ring_max_bytes=1 << 20, memory_cap_bytes=1 << 30),
+                           trim=lambda: trims.append(1))  # (on a worker thread)
+    log = store.create("a")
+    for _ in range(20):
+        log.append(b"x" * (1 << 20))
+    await store._trim_when_idle()
+    assert trims == []  # 19 MiB left the ring, but the log is live
+    log.close(LogState.FINISHED)
+    await store._trim_when_idle()
+    assert trims == [1]
+    store.forget("a")  # its last MiB: not enough for another
+    await store._trim_when_idle()
+    assert trims == [1]
+
+
 async def test_statistics_snapshot(autojump_clock: trio.abc.Clock) -> None:
     store = MemoryLogStore(small_config(ring_max_entries=8, ring_max_bytes=1000))
     a = store.create("a")
