@@ -205,6 +205,26 @@ def test_responses_memory_bench_stays_bounded(tmp_path: Path) -> None:
     assert costs["rows"] == 240 and 0 < costs["trace"] < costs["text"]
 
 
+def test_soak_bench_runs_every_operation_and_reports_rss_over_time(tmp_path: Path) -> None:
+    """Issue 43 item 8: RSS sampled over the run and its slope per half reported, not judged; every
+    operation of the mix answered as expected."""
+    out = run_bench("soak", tmp_path, "--minutes", "0.4", "--sample-seconds", "2", "--workers", "4")
+    summary = out["summary"]
+    assert summary["unexpected"] == {} and summary["requests"] > 100
+    assert len(out["points"]) >= 6 and all(p["rss_bytes"] > 0 for p in out["points"])
+    assert summary["slope_second_half_mb_per_min"] is not None
+
+
+def test_reply_waves_bench_reports_peak_and_idle_rss(tmp_path: Path) -> None:
+    """Issue 43 item 8: each wave's peak and RSS after, and once the logs' TTL passed (no log
+    left); figures reported, not judged."""
+    out = run_bench("reply_waves", tmp_path, "--waves", "2", "--messages", "4", "--reply-mb", "0.2",
+                    "--slots", "4", "--ttl", "1")
+    rows = out["rows"]
+    assert [r["when"] for r in rows[:3]] == ["start", "wave 1", "wave 2"] and rows[-1]["ring_mb"] == 0
+    assert all(r["read_mb"] >= 4 * 0.2 * 0.9 for r in rows[1:3])
+
+
 def test_gpu_proxy_bench_checks_every_stream_on_every_surface(tmp_path: Path) -> None:
     printed: list[str] = []
     out = run_bench("gpu_proxy", tmp_path, "--levels", "4:5:20", "--rounds", "1", stdout=printed)
