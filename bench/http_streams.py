@@ -265,14 +265,16 @@ def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Seque
     """Start the servers in ``names`` (ringserve always), stopping those started if one fails.
 
     ``llama-server`` runs as :func:`bench.common.llama_server` starts it: as many slots as ringserve,
-    the same context per slot (2048), threads, batch and flash attention. Their logs go to
-    ``logs`` (default ``tmp``), ringserve's config and store to ``tmp``.
+    the same context per slot (2048), threads, batch and flash attention. ringserve has no limit on
+    the readers of one client (every stream comes from this process). Their logs go to ``logs``
+    (default ``tmp``), ringserve's config and store to ``tmp``.
     """
     logs = logs or tmp
     cfg = ringserve_config(tmp / "ringserve.toml", {
         "model": {"path": str(model), "n_threads": threads, "flash_attn": flash_attn},
         "engine": {"ctx_per_slot": 2048, "overlap": overlap},
         "store": {"path": str(tmp / "store.sqlite3")},
+        "limits": {"max_readers_per_client": 0},  # every stream comes from one address: 64 by default
     })
     servers: dict[str, ServerProcess] = {}
     try:
@@ -324,8 +326,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="flash attention in both servers: ringserve's [model] flash_attn, llama-server's -fa"
                          " (off: ringserve's default; llama-server's own default is auto; the raw loop runs without)")
     ap.add_argument("--logs", type=Path, default=None, help="keep the servers' logs in this folder")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from the start: run no round that would end after it, as the last one took")
     ap.add_argument("--replot", type=Path, help="only redraw the plot from this script's JSON")
     args = ap.parse_args(argv)
+    deadline = None if args.deadline is None else time.monotonic() + args.deadline
     if args.replot is not None:
         payload = json.loads(args.replot.read_text())
         print(f"wrote {plot(payload)}")
@@ -356,7 +361,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             warm = {name: warm_up(server.url, args.tokens) for name, server in servers.items()}
             for name, w in warm.items():
                 print(f"  {name} at {servers[name].url}: warm-up usage {w['usage']}")
+            rounds_run = 0
             for r in range(args.rounds):
+                round_start = time.monotonic()
                 order = [name for name in (SERVERS if r % 2 == 0 else SERVERS[::-1]) if name in servers]
                 load = os.getloadavg()[0]
                 for n in args.streams:
@@ -382,6 +389,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               flush=True)
                 print(f"  round {r + 1}: load average {load:.2f} at its start, {os.getloadavg()[0]:.2f} at its end",
                       flush=True)
+                rounds_run = r + 1
+                if deadline is not None and time.monotonic() + (time.monotonic() - round_start) > deadline:
+                    if rounds_run < args.rounds:
+                        print(f"  stopping after {rounds_run} of {args.rounds} rounds: another would pass --deadline",
+                              flush=True)
+                    break
         finally:
             for server in servers.values():
                 server.stop()
@@ -416,7 +429,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          fmt(x["tpot_p50"], 1e3), fmt(x["engine_idle_share"], digits=3)])
         if n in raw_rounds:
             rows.append([n, "raw loop", fmt(summary[n]["raw_loop_tokens_per_second"]), "-", "-", "-", "-"])
-    print(f"\nmedians of {args.rounds} rounds:")
+    print(f"\nmedians of {rounds_run} rounds:")
     print(table(headers, rows))
     ratio_headers = ["streams", "vs raw loop tok/s", "per round"]
     for o in others:
@@ -439,6 +452,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": model.name,
         "max_tokens": args.tokens,
         "requests_per_client": args.requests,
+        "rounds_run": rounds_run,
         "servers": args.servers,
         "ringserve_slots": args.slots,
         "threads": threads,

@@ -69,13 +69,13 @@ def report(out: Path) -> str:
     """The Markdown for the results in ``out`` (module docstring)."""
     payload = json.loads((out / "http_streams.json").read_text())
     info = payload["machine"]
-    rounds = len(next(iter(payload["rounds"]["ringserve"].values())))
     lines = [
         f"GPU run ({info['when']}, ringserve `{info['ringserve_commit']}`, llama-cpp-python"
         f" {info['llama_cpp_python']}): {machine_line(info)}.",
         "",
         f"`bash bench/gpu/run.sh`: model `{payload['model']}`, {payload['max_tokens']} tokens per request,"
-        f" {rounds} rounds, {payload['ringserve_slots']} slots, {payload['threads']} CPU threads per server,"
+        f" {payload['rounds_run']} rounds, {payload['ringserve_slots']} slots,"
+        f" {payload['threads']} CPU threads per server,"
         f" flash attention {payload['flash_attn']}, ringserve overlap {payload['ringserve_overlap']}"
         " (medians of rounds; ratios are medians of per-round ratios, every round's in brackets):",
         "",

@@ -105,11 +105,11 @@ if [ "$DRY" = 1 ]; then
     echo "stage preflight (${BUDGET[preflight]}s): $PYTHON >= 3.11 with numpy, cmake, ninja$([ "$MODE" = cuda ] && echo ", nvcc, nvidia-smi"), $CARGO/MANIFEST.json"
     echo "stage python (${BUDGET[python]}s): $PYTHON -m pip install --no-index --no-deps --find-links $CARGO/wheels --target $SITE -r $CARGO/wheels/requirements.txt"
     echo "stage source (${BUDGET[source]}s): tar xJf $CARGO/llama.cpp.tar.xz -C $WORK"
-    echo "stage configure (${BUDGET[configure]}s): cmake -S $SRC -B $BUILD ${CMAKE_FLAGS[*]}$([ "$MODE" = cuda ] && echo " (and cuBLAS's paths when the toolkit has none: from $PYTHON's nvidia-cublas)")"
+    echo "stage configure (${BUDGET[configure]}s): cmake -S $SRC -B $BUILD ${CMAKE_FLAGS[*]}$([ "$MODE" = cuda ] && echo " (cuBLAS from $PYTHON's nvidia-cublas when the toolkit has none; the driver the loader knows, else -DGGML_CUDA_NO_VMM=ON)")"
     echo "stage build (${BUDGET[build]}s): cmake --build $BUILD -j $JOBS --target llama llama-server"
     echo "stage bindings (${BUDGET[bindings]}s): LLAMA_CPP_LIB_PATH=$BUILD/bin $PYTHON -c 'import llama_cpp, ringserve.server'"
     echo "stage model (${BUDGET[model]}s): $PYTHON bench/gpu/make_model.py --vocab $CARGO/vocab.gguf --shape $SHAPE --out $MODEL"
-    echo "stage bench (what is left of ${DEADLINE}s, at least ${BENCH_MIN}s): RINGSERVE_BENCH_RESULTS=$OUT $PYTHON ${BENCH_ARGS[*]}"
+    echo "stage bench (what is left of ${DEADLINE}s, at least ${BENCH_MIN}s): RINGSERVE_BENCH_RESULTS=$OUT $PYTHON ${BENCH_ARGS[*]}$([ "$DEADLINE" -gt 0 ] && echo " --deadline <what is left - 30>")"
     echo "stage report (${BUDGET[report]}s): $PYTHON bench/gpu/report.py $OUT > $OUT/gpu_run.md"
     exit 0
 fi
@@ -195,29 +195,36 @@ assert gpu or sys.argv[1] == "cpu", "libllama was built without a GPU backend"
 EOF
 }
 
-# cuBLAS: the CUDA toolkit's own, else the nvidia-cublas wheel in $PYTHON's site-packages (PyTorch's;
-# this workplace's toolkit is nvcc and the runtime, without cuBLAS), through a folder of links to
-# its headers and libraries only (its include/ holds other CUDA headers than the toolkit's).
-cublas_flags() {
-    if echo '#include <cublas_v2.h>' | nvcc -E -x cu - -o /dev/null 2>/dev/null; then return 0; fi
-    local header inc lib shim=$WORK/cublas
-    header=$("$PYTHON" -c 'import glob, site; print(next(iter(sorted(h for d in site.getsitepackages() for h in glob.glob(d + "/nvidia/*/include/cublas_v2.h")))), ""))')
-    [ -n "$header" ] || { echo "no cuBLAS: neither nvcc's toolkit nor $PYTHON's site-packages (nvidia-cublas) has cublas_v2.h" >&2; return 1; }
-    inc=$(dirname "$header"); lib=$(dirname "$inc")/lib
-    rm -rf "$shim"; mkdir -p "$shim/include" "$shim/lib"
-    ln -s "$inc"/cublas*.h "$shim/include/"
-    for so in "$lib"/libcublas.so.* "$lib"/libcublasLt.so.*; do
-        ln -sf "$so" "$shim/lib/"  # the name it is loaded by (libcublas.so.13)
-        ln -sf "$so" "$shim/lib/$(basename "$so" | sed 's/\.so\..*/.so/')"  # the name the linker looks for
-    done
-    echo "-DCUDA_cublas_LIBRARY=$shim/lib/libcublas.so -DCUDA_cublasLt_LIBRARY=$shim/lib/libcublasLt.so -DCMAKE_CUDA_FLAGS=-I$shim/include"
+# CMake flags for what FindCUDAToolkit may not find on a machine whose toolkit is NVIDIA's pip wheels
+# (this workplace's: nvcc and the runtime, no cuBLAS, no driver stub):
+# - cuBLAS: the toolkit's own, else the nvidia-cublas wheel in $PYTHON's site-packages (PyTorch's),
+#   through a folder of links to its headers and libraries only (the wheel's include/ holds other
+#   CUDA headers than the toolkit's);
+# - the driver (libcuda, which ggml links for its virtual-memory pool): the one the loader knows,
+#   else none and GGML_CUDA_NO_VMM (cudaMalloc'd pools; a build without a GPU, as in a rehearsal).
+cuda_flags() {
+    local header inc lib driver shim=$WORK/cublas
+    if ! echo '#include <cublas_v2.h>' | nvcc -E -x cu - -o /dev/null 2>/dev/null; then
+        header=$("$PYTHON" -c 'import glob, site; h = sorted(h for d in site.getsitepackages() for h in glob.glob(d + "/nvidia/*/include/cublas_v2.h")); print(h[0] if h else "")')
+        [ -n "$header" ] || { echo "no cuBLAS: neither nvcc's toolkit nor $PYTHON's site-packages (nvidia-cublas) has cublas_v2.h" >&2; return 1; }
+        inc=$(dirname "$header"); lib=$(dirname "$inc")/lib
+        rm -rf "$shim"; mkdir -p "$shim/include" "$shim/lib"
+        ln -s "$inc"/cublas*.h "$shim/include/"
+        for so in "$lib"/libcublas.so.* "$lib"/libcublasLt.so.*; do
+            ln -sf "$so" "$shim/lib/"  # the name it is loaded by (libcublas.so.13)
+            ln -sf "$so" "$shim/lib/$(basename "$so" | sed 's/\.so\..*/.so/')"  # the name the linker looks for
+        done
+        echo "-DCUDA_cublas_LIBRARY=$shim/lib/libcublas.so -DCUDA_cublasLt_LIBRARY=$shim/lib/libcublasLt.so -DCMAKE_CUDA_FLAGS=-I$shim/include"
+    fi
+    driver=$(ldconfig -p 2>/dev/null | awk '$1 ~ /^libcuda\.so/ {print $NF; exit}')
+    if [ -n "$driver" ]; then echo "-DCUDA_cuda_driver_LIBRARY=$driver"; else echo "-DGGML_CUDA_NO_VMM=ON"; fi
 }
 
 configure() {
     local extra=""
-    if [ "$MODE" = cuda ]; then extra=$(cublas_flags) || return 1; fi
-    [ -z "$extra" ] || echo "cuBLAS from outside the toolkit: $extra"
-    # shellcheck disable=SC2086 # the flags are words without spaces
+    if [ "$MODE" = cuda ]; then extra=$(cuda_flags) || return 1; fi
+    [ -z "$extra" ] || echo "CUDA paths:" $extra
+    # shellcheck disable=SC2086 # the flags are words without spaces, one a line
     cmake -S "$SRC" -B "$BUILD" "$@" $extra
 }
 
@@ -228,8 +235,8 @@ make_model() {
 }
 
 # the stages run in a child bash under timeout (which ends the whole process group on time-out)
-export -f preflight install_wheels unpack_source cublas_flags configure check_bindings make_model
-export MODE PYTHON CARGO WORK SITE SRC BUILD MODEL OUT CUDA_ARCH="${CUDA_ARCH:-}"
+export -f preflight install_wheels unpack_source cuda_flags configure check_bindings make_model
+export MODE SHAPE PYTHON CARGO WORK SITE SRC BUILD MODEL OUT CUDA_ARCH="${CUDA_ARCH:-}"
 
 stage preflight "${BUDGET[preflight]}" preflight
 stage python "${BUDGET[python]}" install_wheels
@@ -245,6 +252,8 @@ if [ "$left" -lt "$BENCH_MIN" ]; then
     echo "run.sh: ${left}s left of the ${DEADLINE}s deadline, under the benchmark's ${BENCH_MIN}s: run the same command again (the build and the model are kept)" >&2
     exit 1
 fi
+# rounds stop early when another would not end 30 s before the stage's time-out (servers stopped, files written)
+[ "$DEADLINE" -gt 0 ] && BENCH_ARGS+=(--deadline "$(( left - 30 ))")
 stage bench "$left" env RINGSERVE_BENCH_RESULTS="$OUT" "$PYTHON" "${BENCH_ARGS[@]}"
 stage report "${BUDGET[report]}" sh -c '"$PYTHON" bench/gpu/report.py "$OUT" > "$OUT/gpu_run.md"'
 echo "done in $(( $(date +%s) - START ))s: $OUT/gpu_run.md"
