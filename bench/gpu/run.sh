@@ -28,7 +28,8 @@
 #
 # Environment: PYTHON (default python3, which must have numpy: PyTorch's has), CARGO (default
 # bench/gpu/cargo), WORK (default bench/gpu/work), JOBS (compile jobs, default nproc),
-# CUDA_ARCH (default: nvidia-smi's compute capability, 9.0 -> 90).
+# CUDA_ARCH (default: nvidia-smi's compute capability, 9.0 -> 90), BUILD_BUDGET (the build's
+# seconds: 360 on a GPU, 3600 with --cpu; more to rehearse the CUDA compile on a small machine).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -85,6 +86,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1
 declare -A BUDGET=([preflight]=30 [python]=120 [source]=60 [configure]=120 [build]=360 [bindings]=60
                    [model]=120 [bench]=0 [report]=30)
 [ "$MODE" = cpu ] && BUDGET[build]=3600
+BUDGET[build]=${BUILD_BUDGET:-${BUDGET[build]}}
 BENCH_MIN=90
 
 CMAKE_FLAGS=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_CCACHE=OFF -DLLAMA_CURL=OFF
