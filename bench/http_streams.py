@@ -327,7 +327,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          " (off: ringserve's default; llama-server's own default is auto; the raw loop runs without)")
     ap.add_argument("--logs", type=Path, default=None, help="keep the servers' logs in this folder")
     ap.add_argument("--deadline", type=float, default=None,
-                    help="seconds from the start: run no round that would end after it, as the last one took")
+                    help="seconds from the start: start no round that would end after it, if it took as"
+                         " long as the last one (the first round always runs)")
     ap.add_argument("--replot", type=Path, help="only redraw the plot from this script's JSON")
     args = ap.parse_args(argv)
     deadline = None if args.deadline is None else time.monotonic() + args.deadline

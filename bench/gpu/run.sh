@@ -202,8 +202,9 @@ EOF
 # - cuBLAS: the toolkit's own, else the nvidia-cublas wheel in $PYTHON's site-packages (PyTorch's),
 #   through a folder of links to its headers and libraries only (the wheel's include/ holds other
 #   CUDA headers than the toolkit's);
-# - the driver (libcuda, which ggml links for its virtual-memory pool): the one the loader knows,
-#   else none and GGML_CUDA_NO_VMM (cudaMalloc'd pools; a build without a GPU, as in a rehearsal).
+# - the driver (libcuda, which ggml links for its virtual-memory pool): the one the loader knows or
+#   one in LD_LIBRARY_PATH or the usual folders, else none and GGML_CUDA_NO_VMM (cudaMalloc'd
+#   pools; a build on a machine without a GPU, as in a rehearsal).
 cuda_flags() {
     local header inc lib driver shim=$WORK/cublas
     if ! echo '#include <cublas_v2.h>' | nvcc -E -x cu - -o /dev/null 2>/dev/null; then
@@ -219,6 +220,10 @@ cuda_flags() {
         echo "-DCUDA_cublas_LIBRARY=$shim/lib/libcublas.so -DCUDA_cublasLt_LIBRARY=$shim/lib/libcublasLt.so -DCMAKE_CUDA_FLAGS=-I$shim/include"
     fi
     driver=$(ldconfig -p 2>/dev/null | awk '$1 ~ /^libcuda\.so/ {print $NF; exit}')
+    for d in ${LD_LIBRARY_PATH//:/ } /usr/local/nvidia/lib64 /usr/lib/x86_64-linux-gnu /usr/lib64; do
+        [ -z "$driver" ] || break
+        for f in "$d/libcuda.so" "$d/libcuda.so.1"; do [ -e "$f" ] && { driver=$f; break; }; done
+    done
     if [ -n "$driver" ]; then echo "-DCUDA_cuda_driver_LIBRARY=$driver"; else echo "-DGGML_CUDA_NO_VMM=ON"; fi
 }
 

@@ -110,15 +110,17 @@ def test_abort_bench_frees_every_cancel(tmp_path: Path) -> None:
 
 @pytest.mark.model
 def test_http_bench_runs_end_to_end(tmp_path: Path) -> None:
-    """The smallest run: ringserve only, one stream, one request, one round, one llama.cpp thread (two
-    stall each other on a loaded machine: 3 minutes for this run at load average 11, against 35 s with
-    one). The comparison with llama_cpp.server, which starts a second model server, is opt-in:
-    RINGSERVE_BENCH_BOTH=1."""
+    """The smallest run: ringserve only, one stream, one request, one round (of two, cut by --deadline),
+    one llama.cpp thread (two stall each other on a loaded machine: 3 minutes for this run at load
+    average 11, against 35 s with one). The comparison with llama_cpp.server, which starts a second
+    model server, is opt-in: RINGSERVE_BENCH_BOTH=1."""
     printed: list[str] = []
     out = run_bench("http_streams", tmp_path, "--servers", "ringserve", "--streams", "1", "--tokens", "8",
-                    "--requests", "1", "--rounds", "1", "--slots", "1", "--threads", str(MODEL_THREADS),
-                    "--logs", str(tmp_path / "logs"), stdout=printed)
-    level = out["rounds"]["ringserve"]["1"][0]
+                    "--requests", "1", "--rounds", "2", "--deadline", "1", "--slots", "1",
+                    "--threads", str(MODEL_THREADS), "--logs", str(tmp_path / "logs"), stdout=printed)
+    # a second round would end after --deadline (1 s from the start, before the first round ends)
+    assert out["rounds_run"] == 1 and "stopping after 1 of 2 rounds" in printed[0]
+    [level] = out["rounds"]["ringserve"]["1"]
     assert level["errors"] == [] and level["requests"] == 1
     assert level["tokens"] > 0 and level["ttft_p50"] > 0
     # the engine-idle share: time between decode calls while busy, over that plus the decode calls
