@@ -2,7 +2,7 @@
 # The GPU run of issue 42, in one command: ringserve against llama.cpp's llama-server on a GPU.
 #
 #   bash bench/gpu/run.sh [--cpu] [--dry-run] [--shape 1b|tiny] [--streams "1 8 32 64"]
-#                         [--tokens N] [--rounds N] [--threads N] [--deadline SECONDS]
+#                         [--tokens N] [--rounds N] [--threads N] [--flash-attn off|on] [--deadline SECONDS]
 #
 # Runs from the repository root on a machine with no network, with only what
 # bench/gpu/pack.py put in bench/gpu/cargo/ (carried beside the checkout): installs the wheels
@@ -14,6 +14,8 @@
 #
 # --cpu rehearses the same stages on a machine without a GPU: the CPU backend, the tiny shape,
 # 1 and 4 streams, 1 thread. --dry-run prints the stages and commands and runs nothing.
+# --flash-attn (default off, ringserve's default) is both servers' flash attention; off, the CUDA
+# build leaves out its kernels (GGML_CUDA_FA=OFF: a third less to compile, bench/gpu/README.md).
 #
 # Each stage runs under `timeout` with its budget (seconds; the build's fits a 16-core machine,
 # bench/gpu/README.md says how it was measured), logs to $OUT/run.log and appends its time to
@@ -36,10 +38,10 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"
 START=$(date +%s)
 
-usage() { echo "usage: bash bench/gpu/run.sh [--cpu] [--dry-run] [--shape 1b|tiny] [--streams \"N ...\"] [--tokens N] [--rounds N] [--threads N] [--deadline S]" >&2; exit 2; }
+usage() { echo "usage: bash bench/gpu/run.sh [--cpu] [--dry-run] [--shape 1b|tiny] [--streams \"N ...\"] [--tokens N] [--rounds N] [--threads N] [--flash-attn off|on] [--deadline S]" >&2; exit 2; }
 die() { echo "run.sh: $*" >&2; exit 2; }
 
-CPU=0 DRY=0 SHAPE="" STREAMS="" TOKENS="" ROUNDS="" THREADS="" DEADLINE=""
+CPU=0 DRY=0 SHAPE="" STREAMS="" TOKENS="" ROUNDS="" THREADS="" DEADLINE="" FA=off
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpu) CPU=1 ;;
@@ -49,6 +51,7 @@ while [ $# -gt 0 ]; do
         --tokens) TOKENS=${2-}; shift ;;
         --rounds) ROUNDS=${2-}; shift ;;
         --threads) THREADS=${2-}; shift ;;
+        --flash-attn) FA=${2-}; shift ;;
         --deadline) DEADLINE=${2-}; shift ;;
         -h|--help) usage ;;
         *) die "unknown argument: $1 (--help)" ;;
@@ -62,6 +65,7 @@ else
     MODE=cuda; : "${SHAPE:=1b}" "${STREAMS:=1 8 32 64}" "${TOKENS:=256}" "${ROUNDS:=3}" "${THREADS:=4}" "${DEADLINE:=570}"
 fi
 case "$SHAPE" in 1b|tiny) ;; *) die "--shape must be 1b or tiny, not '$SHAPE'" ;; esac
+case "$FA" in on|off) ;; *) die "--flash-attn must be on or off, not '$FA'" ;; esac
 for n in $STREAMS $TOKENS $ROUNDS $THREADS; do
     case "$n" in ''|*[!0-9]*|0) die "--streams, --tokens, --rounds and --threads take positive integers, not '$n'" ;; esac
 done
@@ -96,14 +100,15 @@ if [ "$MODE" = cuda ]; then
     if [ -z "${CUDA_ARCH:-}" ] && command -v nvidia-smi >/dev/null; then
         CUDA_ARCH=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
     fi
-    CMAKE_FLAGS+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-<nvidia-smi compute_cap>}-real")
+    CMAKE_FLAGS+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-<nvidia-smi compute_cap>}-real"
+                  "-DGGML_CUDA_FA=$([ "$FA" = on ] && echo ON || echo OFF)")
 fi
 BENCH_ARGS=(bench/http_streams.py --model "$MODEL" --llama-server "$BUILD/bin/llama-server"
             --servers ringserve llama-server --streams $STREAMS --slots "$SLOTS" --tokens "$TOKENS"
-            --rounds "$ROUNDS" --threads "$THREADS" --logs "$OUT")
+            --rounds "$ROUNDS" --threads "$THREADS" --flash-attn "$FA" --logs "$OUT")
 
 if [ "$DRY" = 1 ]; then
-    echo "mode $MODE: shape $SHAPE, streams $STREAMS (slots $SLOTS), $TOKENS tokens, $ROUNDS rounds, $THREADS threads, deadline ${DEADLINE}s"
+    echo "mode $MODE: shape $SHAPE, streams $STREAMS (slots $SLOTS), $TOKENS tokens, $ROUNDS rounds, $THREADS threads, flash attention $FA, deadline ${DEADLINE}s"
     echo "stage preflight (${BUDGET[preflight]}s): $PYTHON >= 3.11 with numpy, cmake, ninja$([ "$MODE" = cuda ] && echo ", nvcc, nvidia-smi"), $CARGO/MANIFEST.json"
     echo "stage python (${BUDGET[python]}s): $PYTHON -m pip install --no-index --no-deps --find-links $CARGO/wheels --target $SITE -r $CARGO/wheels/requirements.txt"
     echo "stage source (${BUDGET[source]}s): tar xJf $CARGO/llama.cpp.tar.xz -C $WORK"
@@ -121,7 +126,7 @@ LOG=$OUT/run.log
 STAGES=$OUT/stages.tsv
 : > "$LOG"
 printf 'stage\tstatus\tseconds\tbudget\n' > "$STAGES"
-echo "run.sh $MODE: shape $SHAPE, streams $STREAMS, $TOKENS tokens, $ROUNDS rounds, $THREADS threads; log $LOG"
+echo "run.sh $MODE: shape $SHAPE, streams $STREAMS, $TOKENS tokens, $ROUNDS rounds, $THREADS threads, flash attention $FA; log $LOG"
 
 # stage NAME BUDGET COMMAND...: run COMMAND under timeout, its output appended to the log; time it;
 # on failure print one line and exit 1.

@@ -110,6 +110,7 @@ def test_run_script_dry_run_names_each_stage_and_its_commands() -> None:
                       "report"]
     out = proc.stdout
     assert "-DGGML_CUDA=ON" in out and "-DCMAKE_CUDA_ARCHITECTURES=90-real" in out
+    assert "-DGGML_CUDA_FA=OFF" in out and "--flash-attn off" in out  # both servers run without it
     assert "-DLLAMA_USE_PREBUILT_UI=OFF" in out  # no download of the web UI at configure time
     assert "--target llama llama-server" in out and "--no-index" in out
     assert "--servers ringserve llama-server --streams 1 8 32 64 --slots 64" in out
@@ -118,9 +119,12 @@ def test_run_script_dry_run_names_each_stage_and_its_commands() -> None:
     cpu = _run("--cpu", "--dry-run").stdout
     assert "GGML_CUDA" not in cpu and "build-cpu" in cpu and "--shape tiny" in cpu
 
+    fa = _run("--dry-run", "--flash-attn", "on", CUDA_ARCH="90").stdout
+    assert "-DGGML_CUDA_FA=ON" in fa and "--flash-attn on" in fa
+
 
 @pytest.mark.parametrize("args", [["--shape", "7b"], ["--streams", "1 x"], ["--rounds", "0"], ["--bogus"],
-                                  ["--deadline", "soon"]])
+                                  ["--deadline", "soon"], ["--flash-attn", "auto"]])
 def test_run_script_refuses_bad_arguments_in_one_line(args: list[str]) -> None:
     proc = _run(*args, "--dry-run")
     assert proc.returncode == 2 and proc.stdout == ""
