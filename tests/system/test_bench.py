@@ -138,13 +138,13 @@ def test_http_bench_runs_end_to_end(tmp_path: Path) -> None:
 
 @pytest.mark.model
 def test_raw_loop_prefills_more_prompts_than_one_batch_holds() -> None:
-    """24 prompts of about 25 tokens are more than the raw loop's 512-token batch: it prefills them in
-    two batches, each sequence sampled after the batch that holds its last prompt token (the GPU run
+    """32 prompts of 21 tokens are more than the raw loop's 512-token batch: it prefills them in two
+    batches, each sequence sampled after the batch that holds its last prompt token (the GPU run
     takes the raw loop to 64 streams)."""
     from bench.raw_decode import N_BATCH, RawDecoder
 
-    with RawDecoder(default_model_path(), 24, 2, n_threads=MODEL_THREADS) as decoder:
-        assert len(decoder.prompt) * 24 > N_BATCH
+    with RawDecoder(default_model_path(), 32, 2, n_threads=MODEL_THREADS) as decoder:
+        assert len(decoder.prompt) * 32 > N_BATCH
         run = decoder.run()
     assert run.tokens_per_second > 0 and run.prefill_seconds > 0 and len(run.step_seconds) == 2
 

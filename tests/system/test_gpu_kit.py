@@ -16,6 +16,7 @@ import sys
 from pathlib import Path, PurePosixPath
 
 import gguf
+import numpy as np
 import pytest
 
 from bench.gpu import make_model, pack
@@ -152,6 +153,11 @@ def test_random_model_speaks_the_bundled_tokenizer_and_never_samples_an_end(tmp_
     reader = gguf.GGUFReader(model)
     assert params == sum(int(t.n_elements) for t in reader.tensors)
     assert reader.fields["general.architecture"].contents() == "llama" and not vocab.stat().st_size >> 21
+    # the (tied) embedding rows of the control tokens are zero: their logit is 0, the largest other is > 0
+    types = np.asarray(reader.fields["tokenizer.ggml.token_type"].contents())
+    control = types == gguf.TokenType.CONTROL
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight").data
+    assert control.sum() == 17 and not embd[control].any() and embd[~control].any(axis=1).all()
 
     text = "<|im_start|>user\nHello, lighthouse<|im_end|>\n<|im_start|>assistant\n"
     engines = [LlamaEngine(path, n_slots=1, n_ctx_slot=256, n_batch=64, n_threads=MODEL_THREADS)
