@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         sources |= {name: (args.templates / f"{name}.jinja").read_text() for name in TEMPLATES}
     rows, results = [], {}
     for name, source in sources.items():
-        engine = LlamaEngine(default_model_path(), n_slots=1, n_ctx_slot=8192, n_batch=64, chat_template=source)
+        engine = LlamaEngine(default_model_path(), n_slots=1, n_ctx=8192, n_batch=64, chat_template=source)
         try:
             figures = {kind: timed(engine, request, args.repeats) for kind, request in REQUESTS.items()}
         finally:

@@ -133,7 +133,7 @@ def compare(path: Path, n_seqs: int, n_tokens: int, n_threads: int, bursts: int)
     load spike lands on both sides alike over the bursts.
     """
     with RawDecoder(path, n_seqs, n_tokens, n_threads=n_threads) as raw, LlamaEngine(
-        path, n_slots=n_seqs, n_ctx_slot=_ctx_per_seq(n_tokens), n_batch=N_BATCH, n_threads=n_threads
+        path, n_slots=n_seqs, n_ctx=n_seqs * _ctx_per_seq(n_tokens), n_batch=N_BATCH, n_threads=n_threads
     ) as engine:
         prompt = tuple(engine.tokenize(PROMPT, add_special=True, parse_special=True))
         assert list(prompt) == raw.prompt, "both sides must decode the same prompt tokens"

@@ -4,7 +4,7 @@
 runs :func:`ringserve.server.run_process` exactly as ``ringserve serve`` does
 (listener, hub, signals, drain, the ``ready: ... at URL`` log line) with a
 :class:`~ringserve.engine.fake.FakeEngine` built from the ``--fake`` JSON
-keyword arguments (``n_slots`` and ``n_ctx_slot`` default to the config's, ``record`` to false: no
+keyword arguments (``n_slots`` and ``n_ctx`` default to the config's, ``record`` to false: no
 test can read this process's engine log, which would grow with every decode call).
 
 With ``--gate-after K``, once ``K`` sequences have been begun every decode
@@ -31,9 +31,9 @@ if __package__ in (None, ""):
 
 from ringserve.config import Config  # noqa: E402
 from ringserve.core.batch import Sampled, SlotFeed  # noqa: E402
-from ringserve.core.events import SamplingParams  # noqa: E402
+from ringserve.core.sampling import ResolvedSampling  # noqa: E402
 from ringserve.engine.fake import FakeEngine  # noqa: E402
-from ringserve.engine.gbnf import Constraint  # noqa: E402
+from ringserve.engine.gbnf import Constraint, LazyCalls  # noqa: E402
 from ringserve.server import run_process  # noqa: E402
 
 REPLY_UNIT = "0123456789abcdef"
@@ -58,12 +58,16 @@ class GatedFakeEngine(FakeEngine):
     def begin(
         self,
         slot: int,
-        sampling: SamplingParams,
+        sampling: ResolvedSampling,
         keep: int = 0,
         source: int | None = None,
-        constraint: Constraint | None = None,
+        constraint: Constraint | LazyCalls | None = None,
+        *,
+        prompt: Sequence[int] = (),
+        logprobs: int | None = None,
+        replay: Sequence[int] = (),
     ) -> None:
-        super().begin(slot, sampling, keep, source, constraint)
+        super().begin(slot, sampling, keep, source, constraint, prompt=prompt, logprobs=logprobs, replay=replay)
         self._begun += 1
 
     def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = json.loads(args.fake)
     kwargs.setdefault("record", False)  # no test reads this process's engine log: it would only grow
     kwargs.setdefault("n_slots", config.engine.slots)
-    kwargs.setdefault("n_ctx_slot", config.engine.ctx_per_slot)
+    if config.model.ctx_size:
+        kwargs.setdefault("n_ctx", config.model.ctx_size)
     if args.reply_bytes is not None:
         kwargs["reply"] = REPLY_UNIT * (args.reply_bytes // len(REPLY_UNIT))
     if args.gate_after is None:

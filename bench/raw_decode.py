@@ -302,13 +302,14 @@ def engine_tokens_per_second(
     """
     from ringserve.core.batch import SlotFeed
     from ringserve.core.events import SamplingParams
+    from ringserve.core.sampling import LLAMA_SERVER_DEFAULTS, resolve_sampling
     from ringserve.engine.llama import LlamaEngine
 
-    greedy = SamplingParams(temperature=0)
+    greedy = resolve_sampling(SamplingParams(temperature=0), LLAMA_SERVER_DEFAULTS)
     engine = LlamaEngine(
         path,
         n_slots=n_seqs,
-        n_ctx_slot=_ctx_per_seq(n_tokens),
+        n_ctx=n_seqs * _ctx_per_seq(n_tokens),
         n_batch=N_BATCH,
         n_threads=n_threads,
     )

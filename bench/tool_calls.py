@@ -150,7 +150,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     from ringserve.engine.llama import LlamaEngine  # the real model only here
     from ringserve.engine.modelfile import default_model_path
 
-    engine = LlamaEngine(args.model or default_model_path(), n_slots=args.slots, n_ctx_slot=1024, n_batch=1024)
+    engine = LlamaEngine(args.model or default_model_path(), n_slots=args.slots, n_ctx=args.slots * 1024, n_batch=1024)
     try:
         runner = Runner(engine, EngineConfig(slots=args.slots, queue_size=args.calls))
         async with trio.open_nursery() as nursery:

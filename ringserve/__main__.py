@@ -49,6 +49,21 @@ def load_config(args: argparse.Namespace) -> Config:
     return config
 
 
+#: The names ``--log-level`` takes (any case), most verbose first.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def start_logging(level: str) -> None:
+    """The server's log on stderr, from ``level`` (a name of :data:`LOG_LEVELS`, any case) up.
+
+    Raises:
+        ValueError: ``level`` names no level (one line).
+    """
+    if level.upper() not in LOG_LEVELS:
+        raise ValueError(f"--log-level {level}: not a level ({', '.join(LOG_LEVELS[:-1])} or {LOG_LEVELS[-1]})")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def _interrupt_once(window: float) -> None:
     """Ctrl-C raises ``KeyboardInterrupt`` once, not again for its echo (:mod:`ringserve.core.signals`)."""
     echoes = EchoFilter(window)
@@ -69,16 +84,17 @@ def main(argv: list[str] | None = None) -> int:
         if ECHO_SECONDS:  # the one-file executable
             _interrupt_once(ECHO_SECONDS)
         return args.client_command(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ringserve.engine.modelfile import ModelFileError, check_model_file, default_model_path
     from ringserve.engine.protocol import EngineError
     from ringserve.http.auth import AuthSetupError
+    from ringserve.http.transport import BindError
     from ringserve.live.safety import SafetySetupError
     from ringserve.server import run_process
     from ringserve.store.sqlite import StoreError
     from ringserve.surfaces.registry import SURFACES
 
     try:
+        start_logging(args.log_level)
         config = load_config(args)
         SURFACES.check_policies(config.policy)  # a [policy] key that names no surface
         check_model_file(config.model.path or default_model_path())
@@ -87,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return run_process(config)  # 0 after a drain, 1 if a second signal cut it short
-    except (AuthSetupError, SafetySetupError, StoreError, EngineError, ModelFileError) as exc:
+    except (AuthSetupError, SafetySetupError, StoreError, BindError, EngineError, ModelFileError) as exc:
         # a non-loopback host with no keys, a malformed key, a safety checker that does not load, a bad store
-        # file, a model or context that did not load
+        # file, a port taken, a model or context that did not load
         print(f"ringserve: {exc}", file=sys.stderr)
         return 2
 

@@ -158,9 +158,16 @@ class ModelConfig:
     model family whose output format (thinking markers, tool-call syntax) to
     read, instead of the one detected from the template (``ringserve/formats``,
     docs/formats.md). Empty: the GGUF's template, the detected family.
+    ``ctx_size`` is the KV pool every slot shares (tokens, llama-server's ``-c``):
+    0 (the default) the model's trained context, lowered to what fits the memory;
+    at most ``[engine] slots`` times the trained context. ``kv_unified`` false
+    splits it evenly among the slots instead (llama-server's ``--no-kv-unified``):
+    a greedy reply then never depends on what else is in the pool.
     """
 
     path: str = ""
+    ctx_size: int = attrs.field(default=0, validator=_non_negative)
+    kv_unified: bool = True
     n_gpu_layers: int = attrs.field(default=ALL_LAYERS, validator=v.ge(-1))
     n_threads: int = attrs.field(default=0, validator=_non_negative)
     use_extra_bufts: bool = False
@@ -186,16 +193,24 @@ class EngineConfig:
     ``overlap`` says whether the Trio side renders and writes step N's
     tokens while step N+1 decodes (``"on"``), or the owner loop lets it finish
     first (``"off"``); ``"auto"`` decides by :func:`overlap_steps`.
+    The slots share one KV pool (``[model] ctx_size``); ``ctx_per_slot`` caps
+    what one request may hold of it (tokens; 0, the default: the whole pool, at
+    most the model's trained context).
     """
 
     slots: int = attrs.field(default=4, validator=[v.ge(1), v.le(256)])
-    ctx_per_slot: int = attrs.field(default=4096, validator=v.ge(16))
+    ctx_per_slot: int = attrs.field(default=0, validator=lambda _i, _a, value: _cap(value))
     n_batch: int = attrs.field(default=512, validator=v.ge(1))
     prefill_chunk: int = attrs.field(default=256, validator=v.ge(1))
     queue_size: int = attrs.field(default=64, validator=_non_negative)
     prefix_cache: bool = attrs.field(default=True, validator=v.instance_of(bool))
     prefix_cache_output: bool = attrs.field(default=True, validator=v.instance_of(bool))
     overlap: Switch = attrs.field(default=Switch.AUTO, converter=_overlap)
+
+
+def _cap(value: int) -> None:
+    if value and value < 16:
+        raise ValueError(f"ctx_per_slot must be 0 (no cap) or >= 16, got {value!r}")
 
 
 def decode_threads(n_threads: int, cores: int) -> int:

@@ -12,7 +12,8 @@ runs the agent with the settings below, or prints them (``--print``: shell ``exp
 for Codex, the ``config.toml`` that says the same; a server it started for them goes on, since
 they point at it). Arguments after ``--`` go to the agent. The
 exit status is the agent's (128 + N when signal N ended it); 2 and one line on stderr when the
-launcher cannot do its part.
+launcher cannot do its part (a URL no server can have, a key refused, a server that exited), and
+then a server it started is stopped.
 
 What each agent gets (the facts behind each are in ``docs/agents.md``, observed on the versions
 pinned in ``.ci/agents/package.json``):
@@ -263,6 +264,45 @@ def server_url(config: Config) -> str:
     return f"{'https' if server.certfile else 'http'}://{host}:{server.port}"
 
 
+def _url_arg(url: str) -> str:
+    return f"the URL {url!r} (--url or $RINGSERVE_URL)"
+
+
+def check_url(url: str) -> str:
+    """The server's URL from ``--url`` or ``$RINGSERVE_URL`` as the launcher uses it: checked, without
+    a trailing ``/``.
+
+    Raises:
+        LaunchError: not an ``http``/``https`` URL with a host; a port that is malformed, out of
+            range or 0 (a server started there would listen on a port chosen at start, which the
+            launcher cannot find).
+    """
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # a port out of range or not a number, a malformed IPv6 host
+        raise LaunchError(f"{_url_arg(url)}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise LaunchError(f"{_url_arg(url)}: not an http:// or https:// URL with a host (e.g. http://127.0.0.1:8080)")
+    if port == 0:
+        raise LaunchError(f"{_url_arg(url)}: port 0 names no server (one started there would listen on a random"
+                          " port): give the server's port")
+    return url.rstrip("/")
+
+
+def check_key(api_key: str, source: str) -> None:
+    """Check that an HTTP header can carry ``api_key``: printable ASCII (RFC 9110's field values,
+    less the controls and non-ASCII bytes that no server's key holds).
+
+    Raises:
+        LaunchError: a character that is not (a newline, a tab, a non-ASCII letter): one line
+            naming ``source``, the character and its position, never the key.
+    """
+    bad = next(((i, c) for i, c in enumerate(api_key) if not (c.isascii() and c.isprintable())), None)
+    if bad is not None:
+        raise LaunchError(f"the API key ({source}) has {bad[1]!r} at position {bad[0]}: a key is printable ASCII")
+
+
 def _serve_args(config_path: Path | None, url: str | None) -> list[str]:
     """``ringserve serve``'s arguments: the config, and the host and port of a ``--url``."""
     args = [] if config_path is None else ["--config", str(config_path)]
@@ -292,11 +332,14 @@ def _readiness(client: httpx.Client, url: str) -> _Readiness:
     raise LaunchError(f"{url}/ready answered {status}: is this a ringserve server?")
 
 
-def _served_model(client: httpx.Client, url: str, api_key: str) -> tuple[str, int]:
-    """The served model's name and context window, from ``GET /v1/models``."""
+def _served_model(client: httpx.Client, url: str, api_key: str, key_source: str | None) -> tuple[str, int]:
+    """The served model's name and context window, from ``GET /v1/models`` (``key_source``: where
+    ``api_key`` came from, None for the placeholder)."""
     response = client.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {api_key}"})
-    if response.status_code == 401:
+    if response.status_code == 401 and key_source is None:
         raise LaunchError(f"{url} wants an API key: give --api-key or set RINGSERVE_API_KEY")
+    if response.status_code == 401:
+        raise LaunchError(f"{url} refused the API key ({key_source}): give one of the server's keys")
     if response.status_code != 200:
         raise LaunchError(f"{url}/v1/models answered {response.status_code}")
     try:
@@ -430,6 +473,7 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
     info = AGENTS[agent]
     previous = {signum: signal.signal(signum, _exit_on) for signum in (signal.SIGTERM, signal.SIGHUP)}
     child: _ServerChild | None = None
+    keep = False  # leave the server it started running (once the launcher has done its part)
     config = Config()
     try:
         if args.config is not None:
@@ -437,8 +481,12 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
                 config = Config.from_toml(args.config)
             except (OSError, ValueError) as exc:
                 raise LaunchError(str(exc)) from None
-        url = (args.url or server_url(config)).rstrip("/")
+        url = server_url(config) if args.url is None else check_url(args.url)
+        key_source = ("--api-key or $RINGSERVE_API_KEY" if args.api_key
+                      else "the config's [auth] api_keys" if config.auth.api_keys else None)
         api_key = args.api_key or next(iter(config.auth.api_keys), PLACEHOLDER_KEY)
+        if key_source is not None:
+            check_key(api_key, key_source)
         program = find_agent(info, os.environ.get("PATH"), PINNED_BIN)
         if program is None and not args.print:
             raise _missing(info)
@@ -452,7 +500,7 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
                 _wait_ready(client, url, child)
             elif readiness is _Readiness.LOADING:
                 _wait_ready(client, url, None)
-            model, context_window = _served_model(client, url, api_key)
+            model, context_window = _served_model(client, url, api_key, key_source)
         served = Served(url, model, context_window, api_key, config.server.max_stream_seconds or AGENT_TIMEOUT_S)
         warning = context_warning(agent, served)
         if warning is not None:
@@ -465,6 +513,8 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
                 settings = codex_settings(served, _codex_catalog(program, env, served, err))
             case _:
                 assert_never(agent)
+        # Printed settings point at the server; --keep-server keeps it for the agent's next run.
+        keep = args.keep_server or args.print
         if args.print:
             out.write(render(agent, served, settings))
             return 0
@@ -475,9 +525,9 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
         return 2
     finally:
         if child is not None:
-            if args.keep_server or args.print:  # printed settings point at the server
+            if keep and child.proc.poll() is None:
                 print(f"ringserve: the server goes on at {url} (pid {child.proc.pid}; log: {child.log})", file=err)
-            else:
+            else:  # the launcher failed, or the server exited: none is left behind
                 child.stop(config.server.drain_timeout)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -497,7 +547,7 @@ def add_command(sub: Any) -> None:
     """Register ``launch`` on the CLI's subparsers (it sets ``client_command``, as ``chat`` does)."""
     about = "run Claude Code or Codex CLI on ringserve, starting the server if none runs"
     launch = sub.add_parser("launch", help=about, description=f"{about[0].upper()}{about[1:]} (docs/agents.md, Launch).",
-                            epilog="Arguments after -- go to the agent: ringserve launch codex -- exec 'Say hi'")
+                            epilog="Arguments after -- go to the agent: ringserve launch codex -- exec --skip-git-repo-check 'Say hi'")
     launch.add_argument("agent", choices=tuple(Agent), help="the agent")
     launch.add_argument("--config", type=Path, help="TOML config file, for the URL, the key and a server to start")
     launch.add_argument("--url", default=os.environ.get("RINGSERVE_URL"),

@@ -7,8 +7,9 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import assert_never
 
@@ -21,10 +22,11 @@ from ringserve.http.app import create_app
 from ringserve.http.context import ServerState
 from ringserve.http.auth import Authenticator, check_bind
 from ringserve.config import Config, LogBackend, Switch, decode_threads, overlap_steps
-from ringserve.http.transport import HypercornConfig, isolate_connection_faults
+from ringserve.http.transport import BindError, HypercornConfig, isolate_connection_faults
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.engine.protocol import Engine, EngineError
 from ringserve.engine.runner import Runner
+from ringserve.core.errors import RingserveError
 from ringserve.core.signals import ECHO_SECONDS, EchoFilter
 from ringserve.core.signing import ReasoningSigner, new_key
 from ringserve.store.sqlite import MessageStore, StoreError, StoredMessage, run_retention
@@ -46,7 +48,7 @@ def load_llama_engine(config: Config) -> Engine:
         ModelFileError: the file is missing, unreadable or not GGUF, the
             ``chat_template_file`` cannot be read, the chat template does not
             compile or ``chat_format`` names no family (one-line message).
-        EngineError: ``ctx_per_slot`` is above the model's trained context, or
+        EngineError: ``ctx_size`` is above ``slots`` times the model's trained context, or
             llama.cpp could not create the context (one line naming the settings).
     """
     from ringserve.engine.llama import LlamaEngine
@@ -64,8 +66,9 @@ def load_llama_engine(config: Config) -> Engine:
         return LlamaEngine(
             path,
             n_slots=config.engine.slots,
-            n_ctx_slot=config.engine.ctx_per_slot,
+            n_ctx=config.model.ctx_size,
             n_batch=config.engine.n_batch,
+            kv_unified=config.model.kv_unified,
             n_gpu_layers=config.model.n_gpu_layers,
             n_threads=config.model.n_threads,
             use_extra_bufts=config.model.use_extra_bufts,
@@ -75,7 +78,7 @@ def load_llama_engine(config: Config) -> Engine:
             chat_format=config.model.chat_format or None,
         )
     except EngineError as exc:  # name the settings behind the engine's sizes
-        raise EngineError(f"[engine] slots = {engine.slots}, ctx_per_slot = {engine.ctx_per_slot}: {exc}") from None
+        raise EngineError(f"[engine] slots = {engine.slots}, [model] ctx_size = {config.model.ctx_size}: {exc}") from None
 
 
 @attrs.frozen
@@ -87,12 +90,14 @@ class Backend:
     store: MessageStore
 
 
-def make_backend(config: Config, cancel: Callable[[str], None],
+def make_backend(config: Config, cancel: Callable[[str], None], delete: Callable[[str], None],
                  owner_lost: Callable[[StoredMessage, int], list[bytes]]) -> Backend:
     """The ``[stream] backend``: in-process memory (one replica), or Redis (``logs/redis.py``:
     replicas that share their logs, their messages' state and their keys; ``cancel`` is called with
-    the id of a message of this replica that another one asks to cancel, ``owner_lost`` renders
-    the end of a stream whose replica died: ``live/resume.py`` ``owner_lost_entries``).
+    the id of a message of this replica that another one asks to cancel, ``delete`` with the id of
+    a message another one asks to delete, ``owner_lost`` renders the end of a stream whose replica
+    died: ``live/resume.py`` ``owner_lost_entries``). The request bodies of the surfaces whose
+    messages a later request continues (``Surfaces.continued``) are shared with the state.
 
     Raises:
         SystemExit: backend ``redis`` without coredis installed (one-line message).
@@ -108,8 +113,9 @@ def make_backend(config: Config, cancel: Callable[[str], None],
             except ImportError as exc:
                 raise SystemExit(f"[stream] backend = \"redis\" needs coredis: pip install 'ringserve[redis]' ({exc})") from None
             logs = RedisLogStore(config.stream, config.stream.redis_url_from(os.environ), on_cancel=cancel,
-                                 on_owner_lost=owner_lost)
-            return Backend(logs, RedisCluster(logs), MirroredMessageStore.from_config(config.store).mirror_to(logs))
+                                 on_delete=delete, on_owner_lost=owner_lost)
+            store = MirroredMessageStore.from_config(config.store).mirror_to(logs, SURFACES.continued)
+            return Backend(logs, RedisCluster(logs), store)
         case _:
             assert_never(config.stream.backend)
 
@@ -125,6 +131,18 @@ def _cancel_live(state: ServerState, message_id: str) -> None:
     msg = None if state.hub is None else state.hub.live(message_id)
     if msg is not None:
         msg.cancel(CancelReason.REQUESTED)
+
+
+def _delete_held(state: ServerState, message_id: str) -> None:
+    """Delete ``message_id`` if this replica holds it (a delete another replica relays; that replica
+    answers its client once the message's shared state is gone, so a store that fails to delete
+    here is only logged: the client is told it was not deleted)."""
+    if state.hub is None:
+        return
+    try:
+        state.hub.delete(message_id)
+    except RingserveError as exc:
+        log.warning("a delete of %s relayed by another replica failed: %s", message_id, exc.message)
 
 
 #: Seconds the drain gives readers to write their terminal events once every generation
@@ -212,10 +230,11 @@ async def serve(
 
     The listener starts first (``/ready`` answers 503 while the model loads);
     ``task_status.started(state)`` is called once the model is loaded and the
-    decode loop runs, with ``state.urls`` set. On SIGINT/SIGTERM: refuse new
-    generations, let running ones finish for up to ``drain_timeout`` seconds,
-    end the rest with a retryable in-band error, persist, and return. A second
-    signal stops at once.
+    decode loop runs, with ``state.urls`` set, and systemd is told ``READY=1``
+    (:func:`notify_systemd`). On SIGINT/SIGTERM (systemd is told ``STOPPING=1``):
+    refuse new generations, let running ones finish for up to ``drain_timeout``
+    seconds, end the rest with a retryable in-band error, persist, log a last
+    line (``stopped (exit status N)``) and return. A second signal stops at once.
 
     The drain, in order (hypercorn tells the app nothing before its lifespan
     shutdown, which runs last, so ringserve drains itself first): the hub
@@ -249,6 +268,7 @@ async def serve(
     isolate_connection_faults()
     state = ServerState(config, auth=auth)
     backend = make_backend(config, lambda message_id: _cancel_live(state, message_id),
+                           lambda message_id: _delete_held(state, message_id),
                            lambda stored, seq: _owner_lost(state, stored, seq))
     store = backend.store
     config = state.config = _open_store(config, store)
@@ -278,12 +298,44 @@ async def serve(
             log.info("listening on %s (loading the model)", ", ".join(state.urls))
             hub = await _load(config, engine_factory, backend, safety, state, nursery)
             task_status.started(state)
+            notify_systemd(f"READY=1\nSTATUS=serving {state.model_id} at {', '.join(state.urls)}")
             await stop.wait()
+            notify_systemd("STOPPING=1\nSTATUS=draining")
             await _drain(hub, http, config.server.drain_timeout)
             nursery.cancel_scope.cancel()
     finally:
         store.close()
+    log.info("stopped (exit status %d)", status)
     return status
+
+
+#: The environment variable that names systemd's notification socket (``sd_notify(3)``).
+NOTIFY_SOCKET = "NOTIFY_SOCKET"
+
+
+def notify_systemd(state: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """Tell systemd ``state``: newline-separated assignments such as ``READY=1`` (the model is
+    loaded: ``systemctl start`` of a ``Type=notify`` unit returns), ``STOPPING=1`` (the drain has
+    begun) and ``STATUS=...`` (what ``systemctl status`` shows).
+
+    The protocol of ``sd_notify(3)``, without libsystemd: one datagram to the ``AF_UNIX`` socket
+    that ``$NOTIFY_SOCKET`` names, a path or, after ``@``, a name in the abstract namespace. Without
+    that variable (not started by systemd, or not ``Type=notify``) nothing is sent. A send that
+    fails is logged as a warning; the server goes on.
+
+    Returns:
+        Whether the datagram was sent.
+    """
+    address = environ.get(NOTIFY_SOCKET, "")
+    if not address.startswith(("/", "@")):
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(state.encode(), "\0" + address[1:] if address.startswith("@") else address)
+    except OSError as exc:
+        log.warning("could not notify systemd at %s: %s", address, exc)
+        return False
+    return True
 
 
 def _open_store(config: Config, store: MessageStore) -> Config:
@@ -320,9 +372,10 @@ async def _load(config: Config, engine_factory: Callable[[Config], Engine], back
     state.model_id = runner.model_id
     state.hub = hub
     log.info(
-        "ready: model %s, chat format %s, %d slots, %d tokens of context per slot, decode threads %d of %d cores,"
-        " overlapped steps %s, GPU offload %s, at %s",
-        runner.model_id, runner.chat_format.name, config.engine.slots, runner.n_ctx_slot, threads, cores,
+        "ready: model %s, chat format %s, %d slots sharing %d tokens of KV cache, context %d tokens per request,"
+        " decode threads %d of %d cores, overlapped steps %s, GPU offload %s, at %s",
+        runner.model_id, runner.chat_format.name, config.engine.slots, engine.n_ctx, runner.context_window,
+        threads, cores,
         "on" if overlap else "off", engine.offload.describe(), ", ".join(state.urls),
     )
     return hub
@@ -379,17 +432,18 @@ def run_process(config: Config, engine_factory: Callable[[Config], Engine] = loa
 
     Raises:
         EngineError, ModelFileError: the model could not be loaded, or a
-            context of ``[engine] slots`` x ``ctx_per_slot`` not created
-            (unwrapped from the nursery's exception group), besides what
+            context of ``[engine] slots`` x ``ctx_per_slot`` not created;
+        BindError: the listener could not be bound (unwrapped from the
+            nursery's exception group, like the two above), besides what
             :func:`serve` raises.
     """
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     try:
         return trio.run(serve, config, engine_factory)
     except BaseExceptionGroup as group:
-        # The model loads inside serve's nursery, which wraps its failure in a group;
-        # raise it bare so the command line prints its one line (and exits 2).
-        failed, rest = group.split((EngineError, ModelFileError))
+        # The listener binds and the model loads inside serve's nursery, which wraps their
+        # failures in a group; raise it bare so the command line prints its one line (and exits 2).
+        failed, rest = group.split((EngineError, ModelFileError, BindError))
         if failed is None or rest is not None:
             raise
         leaf: BaseException = failed

@@ -1,5 +1,6 @@
 """The command line: clear one-line errors for a bad model file or config, not a traceback."""
 
+import socket
 import subprocess
 import sys
 
@@ -51,16 +52,16 @@ def test_a_safety_checker_that_does_not_load_is_one_line_at_start(tmp_path):
 
 
 @pytest.mark.model
-def test_ctx_per_slot_above_the_trained_context_is_one_line(tmp_path):
-    """Refused before llama.cpp allocates 4 x 99999999 KV cells: exit 2, one line with setting and limit."""
+def test_a_context_above_the_slots_trained_contexts_is_one_line(tmp_path):
+    """Refused before llama.cpp allocates 99999999 KV cells: exit 2, one line with setting and limit."""
     cfg = tmp_path / "c.toml"
-    cfg.write_text('[server]\nport = 0\n[store]\npath = ":memory:"\n[engine]\nctx_per_slot = 99999999\n')
+    cfg.write_text('[server]\nport = 0\n[store]\npath = ":memory:"\n[model]\nctx_size = 99999999\n')
     result = run("serve", "--config", str(cfg), "--log-level", "ERROR")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
-    assert "ctx_per_slot = 99999999" in lines[0] and "trained context of 8192 tokens" in lines[0]
+    assert "ctx_size = 99999999" in lines[0] and "4 slot(s) of the model's trained context of 8192 tokens" in lines[0]
 
 
 def test_an_engine_that_fails_to_load_is_raised_bare(tmp_path):
@@ -72,3 +73,39 @@ def test_an_engine_that_fails_to_load_is_raised_bare(tmp_path):
 
     with pytest.raises(EngineError, match="could not create a context"):
         run_process(config, factory)
+
+
+def test_a_port_in_use_is_one_line_and_exit_2(tmp_path):
+    """Exit 2 is a start-up mistake: the systemd unit does not restart it (RestartPreventExitStatus=2)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(f'[server]\nport = {port}\n[store]\npath = ":memory:"\n')
+        result = run("serve", "--config", str(cfg), "--log-level", "ERROR")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"ringserve: cannot listen on 127.0.0.1:{port}: Address already in use: another process has that port"
+        " (choose another: --port or [server] port)"
+    ]
+
+
+def test_an_unknown_log_level_is_one_line_and_exit_2():
+    result = run("serve", "--log-level", "LOUD")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "ringserve: --log-level LOUD: not a level (DEBUG, INFO, WARNING, ERROR or CRITICAL)"
+    ]
+
+
+def test_a_system_without_dev_null_is_one_line_and_exit_2():
+    """llama-cpp-python opens os.devnull as it loads (a traceback before); tests/system/test_binary.py has the
+    real case, a chroot without /dev/null."""
+    code = ("import os, sys; os.devnull = '/nonexistent/null'; from ringserve.__main__ import main; "
+            "sys.exit(main(['serve', '--port', '0']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "ringserve: /nonexistent/null cannot be opened for writing (No such file or directory), and llama-cpp-python"
+        " needs it: the system (a chroot, a container image) must provide it"]

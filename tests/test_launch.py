@@ -251,7 +251,7 @@ def test_launch_uses_a_running_server_and_leaves_it_running(tmp_path, agent_env,
     """Codex on a server that needs a key (the config's), ``--print``: settings with the model's metadata, and
     the server that was running before is running after."""
     port = free_port()
-    config = config_file(tmp_path, port, '[auth]\napi_keys = ["key-1"]\n')
+    config = config_file(tmp_path, port, '[auth]\napi_keys = ["key-1"]\n[model]\nctx_size = 4096\n')
     server = ServerProcess([*FAKE_SERVE, "--config", str(config)])
     try:
         catalog = {"models": [{"slug": launch.CODEX_TEMPLATE, "apply_patch_tool_type": "freeform", "base_instructions": "B"}]}
@@ -365,3 +365,59 @@ def test_the_agent_ends_with_a_launcher_killed_by_sigkill(tmp_path, agent_env, m
         if pid is not None and running(pid):
             os.kill(pid, signal.SIGKILL)
         server.stop()
+
+
+@pytest.mark.parametrize("url", [
+    "http://127.0.0.1:0",  # a server started there listens on a random port: polling port 0 waited 600 s
+    "ftp://127.0.0.1:21",  # a server was started on port 21
+    "127.0.0.1:8080",  # no scheme
+    "http://127.0.0.1:99999",  # a port out of range, a malformed IPv6 host: tracebacks
+    "http://[::1:8080",
+])
+def test_a_url_no_server_can_have_is_one_line_and_starts_nothing(tmp_path, agent_env, capsys, url):
+    started = tmp_path / "started"
+    serve = (sys.executable, "-c", f"open({str(started)!r}, 'w')")  # what would have been started
+    assert launch.run(args("claude", "--url", url, "--print"), serve=serve) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"ringserve: the URL {url!r} (--url or $RINGSERVE_URL): ")
+    assert not started.exists()
+
+
+def test_a_port_in_use_is_the_servers_one_line_and_leaves_no_server(tmp_path, agent_env, capsys):
+    """The real ``ringserve serve`` cannot bind (the port is bound, not listening, so nothing answers
+    there): the launcher says why in one line, and says no server goes on (none does)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        config = config_file(tmp_path, port)
+        assert launch.run(args("claude", "--config", str(config), "--print")) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "starting one" in err[0]
+    assert err[1].startswith(f"ringserve: the server exited with status 2: ringserve: cannot listen on 127.0.0.1:{port}:"
+                             " Address already in use")
+
+
+def test_a_refused_or_malformed_key_is_one_line_that_does_not_show_it(tmp_path, agent_env, capsys):
+    port = free_port()
+    config = config_file(tmp_path, port, '[auth]\napi_keys = ["key-1"]\n')
+    server = ServerProcess([*FAKE_SERVE, "--config", str(config)])
+    try:
+        assert launch.run(args("claude", "--url", server.url, "--api-key", "wrong-key", "--print")) == 2
+        assert capsys.readouterr().err == (f"ringserve: {server.url} refused the API key (--api-key or"
+                                           " $RINGSERVE_API_KEY): give one of the server's keys\n")
+        for key, bad in (("key-1\n", "'\\n' at position 5"), ("k\u00e9y", "'\u00e9' at position 1")):
+            assert launch.run(args("claude", "--url", server.url, "--api-key", key, "--print")) == 2
+            assert capsys.readouterr().err == (f"ringserve: the API key (--api-key or $RINGSERVE_API_KEY) has {bad}:"
+                                               " a key is printable ASCII\n")
+    finally:
+        server.stop()
+
+
+def test_a_launcher_that_fails_stops_the_server_it_started_even_with_print(tmp_path, agent_env, capsys):
+    port = free_port()
+    config = config_file(tmp_path, port, '[auth]\napi_keys = ["key-1"]\n')
+    status = launch.run(args("claude", "--config", str(config), "--api-key", "wrong-key", "--print"), serve=FAKE_SERVE)
+    assert status == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "starting one" in err[0] and "refused the API key" in err[1]
+    assert refused(f"http://127.0.0.1:{port}")  # stopped: nothing the printed settings could use

@@ -55,6 +55,9 @@ shells only send what it asks for and feed it what arrives):
 * An in-band error event raises :class:`StreamError`. HTTP errors that a
   retry cannot fix raise :class:`APIError`; more than ``max_retries``
   consecutive failed attempts without progress raise :class:`ConnectionLost`.
+  A refused connection before the client's server has ever answered it
+  raises :class:`NoServer` at once (nothing listens at the URL); after the
+  first answer it is a drop like any other (a server restarting).
 
 Timeouts (seconds): ``idle_timeout`` is the longest silence allowed on a
 connection between any two reads, heartbeats (``: ping``) included; hitting
@@ -72,7 +75,14 @@ OpenAI Responses streaming events, and WHATWG HTML "Server-sent events"
 (decoded by ``ringserve.core.sse.SSEParser``, the server's own parser).
 """
 
-from ringserve.client._errors import APIError, ClientError, ConnectionLost, RequestTimeout, StreamError
+from ringserve.client._errors import (
+    APIError,
+    ClientError,
+    ConnectionLost,
+    NoServer,
+    RequestTimeout,
+    StreamError,
+)
 from ringserve.client._models import (
     Backoff,
     FinalMessage,
@@ -99,6 +109,7 @@ __all__ = [
     "ConnectionLost",
     "FinalMessage",
     "MessageStream",
+    "NoServer",
     "Phase",
     "PhaseError",
     "Reconnect",

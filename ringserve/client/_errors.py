@@ -53,6 +53,13 @@ class ConnectionLost(ClientError):
     """More than ``max_retries`` consecutive attempts failed without a new event."""
 
 
+class NoServer(ClientError):
+    """The connection was refused, and this client has had no answer from its server yet: nothing
+    listens at its URL (the server is not running, or runs elsewhere). Raised at once, without
+    retrying; once the client has had an answer, a refused connection (a server restarting) is a
+    drop like any other."""
+
+
 class RequestTimeout(ClientError, TimeoutError):
     """The stream did not finish within the client's ``timeout``."""
 

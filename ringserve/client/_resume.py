@@ -39,7 +39,14 @@ from typing import Any, TypeVar, assert_never
 
 import attrs
 
-from ringserve.client._errors import APIError, ClientError, ConnectionLost, RequestTimeout, StreamError
+from ringserve.client._errors import (
+    APIError,
+    ClientError,
+    ConnectionLost,
+    NoServer,
+    RequestTimeout,
+    StreamError,
+)
 from ringserve.client._models import Backoff, FinalMessage, Reconnect, Request, StreamEvent, ToolCall
 from ringserve.client._wires import WIRES, Read, Reading, Stored, Wire, message_path, wire
 from ringserve.core.ringlog import parse_event_id
@@ -391,24 +398,32 @@ class ResumeState:
             case _:
                 raise self._failed(ClientError("expected an event stream, got a 200 answer of another type"))
 
-    def reconnect(self, error: BaseException | None, now: float) -> Reconnect | None:
+    def reconnect(self, error: BaseException | None, now: float, *, refused: bool = False) -> Reconnect | None:
         """The connection is over and the message is not done: when to make the next request.
 
         Args:
             error: the network error (an idle timeout included) that ended
                 the connection, or None (it closed, or the answer decided).
             now: the shell's clock.
+            refused: the shell's finding that ``error`` is a refused
+                connection and that its client has had no answer from the
+                server yet: nothing listens there, and no retry will find
+                anything sooner than the user can start it.
 
         Returns:
             How long to wait and why, or None when the next request follows at
             once as a step of the same stream (after a lookup), not a reconnect.
 
         Raises:
+            NoServer: ``refused``.
             ConnectionLost: ``max_retries`` consecutive failures without progress.
             RequestTimeout: the next attempt would start after the deadline.
             PhaseError: the stream is over.
         """
         self._require("reconnect", Phase.LOOKUP, Phase.CREATE, Phase.STREAM, Phase.READ, Phase.FETCH)
+        if refused:
+            cause = "connection refused" if error is None else _cause(error)
+            raise self._failed(NoServer(f"nothing listens at the server's address ({cause}){self._about()}")) from error
         if self._wait is None:  # nothing the server said: the attempt failed
             cause = "the stream closed before its terminal event" if error is None else _cause(error)
             self._next(self._dropped(), _Wait(_Pause.RETRY, cause))

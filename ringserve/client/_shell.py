@@ -82,6 +82,23 @@ class SyncBackend:
         return contextlib.nullcontext()
 
 
+def is_refused(error: BaseException) -> bool:
+    """Whether a connection failed with ``ECONNREFUSED`` (nothing listens there): a
+    :class:`ConnectionRefusedError` among ``error``'s causes, which httpx and httpcore wrap, and trio
+    groups (one per address it tried)."""
+    seen, todo = set(), [error]
+    while todo:
+        exc = todo.pop()
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        if id(exc) not in seen:
+            seen.add(id(exc))
+            todo += [e for e in (exc.__cause__, exc.__context__) if e is not None]
+            if isinstance(exc, BaseExceptionGroup):
+                todo += exc.exceptions
+    return False
+
+
 def json_answer(response: httpx.Response) -> dict[str, Any]:
     """The JSON object of a 200 answer.
 

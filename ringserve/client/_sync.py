@@ -26,6 +26,7 @@ from ringserve.client._shell import (
     Settings,
     StreamView,
     SyncBackend,
+    is_refused,
     json_answer,
 )
 from ringserve.client._wires import message_path
@@ -109,6 +110,7 @@ class MessageStream(StreamView):
                 opened = client.http.stream(request.method, request.url, headers=request.headers, json=request.json,
                                             timeout=timeout)
                 with opened as response:
+                    client.reached = True
                     if state.received(response.status_code, response.headers) is Body.WHOLE:
                         for event in state.answered(response.status_code, response.headers, response.read()):
                             yield event
@@ -125,7 +127,8 @@ class MessageStream(StreamView):
                 error = exc
             if state.done:
                 return
-            reconnect = state.reconnect(error, SyncBackend.now())
+            reconnect = state.reconnect(error, SyncBackend.now(),
+                                        refused=error is not None and not client.reached and is_refused(error))
             if reconnect is not None:
                 if self._on_reconnect is not None:
                     self._on_reconnect(reconnect)
@@ -150,6 +153,12 @@ class Client:
         backoff: the wait between attempts.
         rng: randomness for the jitter (tests pass a seeded one).
         transport: an httpx transport (tests).
+
+    Attributes:
+        reached: whether the server has answered any of this client's
+            requests: until then a refused connection raises
+            :class:`~ringserve.client.NoServer` at once (nothing listens);
+            after, it is a drop, retried (a server restarting).
     """
 
     def __init__(self, base_url: str = DEFAULT_URL, *, api_key: str | None = None, timeout: float | None = 600.0,
@@ -158,6 +167,7 @@ class Client:
                  transport: httpx.BaseTransport | None = None) -> None:
         self._settings = Settings(api_key, timeout, idle_timeout, connect_timeout, max_retries, backoff, rng)
         self.http = httpx.Client(base_url=base_url, transport=transport)
+        self.reached = False
 
     def stream(self, prompt: str | Sequence[Mapping[str, Any]], *, max_tokens: int = 1024,
                surface: str = "anthropic", model: str = "ringserve", system: str | None = None,

@@ -7,7 +7,8 @@ end with a summary line on stderr. Ctrl-C in ``chat`` cancels the generation
 on the server (``POST /v1/messages/{id}/cancel``); in ``tail`` it only stops
 following.
 
-Exit status: 0 done, 1 a client error (the message is on stderr), 130 Ctrl-C.
+Exit status: 0 done, 1 a client error (the message is on stderr; at once, in one line, when nothing
+listens at the URL), 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ import os
 import sys
 from typing import Any, TextIO
 
-from ringserve.client import DEFAULT_URL, Client, ClientError, FinalMessage, MessageStream, Reconnect
+from ringserve.client import (
+    DEFAULT_URL,
+    Client,
+    ClientError,
+    FinalMessage,
+    MessageStream,
+    NoServer,
+    Reconnect,
+)
 from ringserve.client._wires import WIRES
 
 
@@ -56,6 +65,12 @@ def _note(err: TextIO) -> Any:
     return on_reconnect
 
 
+def _no_server(args: argparse.Namespace, err: TextIO) -> int:
+    print(f"ringserve: nothing listens at {args.url} (connection refused): start the server (ringserve serve),"
+          " or give its URL (--url or $RINGSERVE_URL)", file=err)
+    return 1
+
+
 def _print_stream(stream: MessageStream, out: TextIO, err: TextIO) -> FinalMessage:
     for text in stream.text_stream:
         out.write(text)
@@ -86,6 +101,8 @@ def run_chat(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = s
                     print(f"\n[cancelled {stream.message_id}: {status.get('status')}, "
                           f"{usage.get('output_tokens', 0)} output tokens]", file=err)
                 return 130
+            except NoServer:
+                return _no_server(args, err)
             except ClientError as exc:
                 print(f"\nringserve: {exc}", file=err)
                 return 1
@@ -99,6 +116,8 @@ def run_tail(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = s
             _print_stream(stream, out, err)
         except KeyboardInterrupt:
             return 130
+        except NoServer:
+            return _no_server(args, err)
         except ClientError as exc:
             print(f"\nringserve: {exc}", file=err)
             return 1

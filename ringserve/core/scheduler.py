@@ -12,8 +12,10 @@ Rules of this file (in the manner of h11's ``_state.py``):
   request, its state and the move::
 
       QUEUED  --admit-------> PREFILL --prompt_done--> DECODE --finish--> FINISHED
-         |                       |  \\--finish (failed while prefilling)--> FINISHED
-         \\--cancel--> CANCELLED <-+--------------------------+ cancel
+        ^  |                     |  |  \\--refilled------^  |
+        |  |                     |  \\--finish (failed while prefilling)--> FINISHED
+        |  \\--cancel--> CANCELLED <-+--------------------------+ cancel
+        +------------------------preempt (PREFILL or DECODE)--+
 
 * A slot is *free*, *occupied* by one request in PREFILL or DECODE, or
   *draining*: its request ended (FINISHED or CANCELLED) but the engine has
@@ -22,6 +24,31 @@ Rules of this file (in the manner of h11's ``_state.py``):
   :meth:`Scheduler.released`, so a new request is never admitted into a
   slot whose cells are still there.
 * Admission is by priority (smaller int first), FIFO within a priority.
+* One KV pool (llama.cpp's unified KV cache) of ``n_cells`` cells is shared by
+  every slot: a request may use all of it while the others are idle. The
+  scheduler keeps the books: each live request *claims* the cells it will
+  hold after the step being planned (its whole prompt from its admission
+  on; its committed cells plus the next token while it decodes), a free
+  slot's cache entry holds its tokens' cells, a draining slot its cells until
+  released. A copy of another slot's prefix counts in full (llama.cpp shares
+  the cells of a copy in one pool, so the books never hold less than the
+  engine does). What is reserved, and what happens at the edge:
+
+  - admission (FIFO within a priority: a request that does not fit waits at
+    the head of the queue, and those behind it wait too) needs room for the
+    whole prompt plus :data:`ADMIT_HEADROOM` tokens of reply (or its whole
+    budget when smaller); cache entries are evicted for it, least recently
+    used first;
+  - when the requests already decoding would claim more than the pool at
+    the next step, cache entries are evicted first, then the youngest live
+    request of the lowest priority is *preempted*: its cells are freed and
+    it goes back to the head of its queue with what it sampled (nothing is
+    lost or sent again: its stream waits, with keepalives); once readmitted
+    it refills its cells (prompt and samples, no sample drawn) and decodes on
+    from its last sample. The oldest request is preempted only when it is
+    alone, which cannot happen: it never claims more than ``n_cells``
+    (``max_tokens`` leaves room, see the runner), so a running request never
+    fails because another arrived.
 * Prompt-prefix cache (``prefix_cache=True``): a slot whose request ended
   keeps its KV cells and the list of tokens they hold (:class:`SlotCache`) while
   it is free. A request is admitted into the slot that :func:`choose_slot`
@@ -86,9 +113,9 @@ class SlotState(enum.Enum):
     """Where a request is in its life."""
 
     QUEUED = "queued"
-    """Waiting in the admission queue for a free slot."""
+    """Waiting in the admission queue for a free slot and room in the KV pool (or preempted)."""
     PREFILL = "prefill"
-    """Holds a slot; its prompt is being fed in chunks."""
+    """Holds a slot; its prompt (or, preempted before, its prompt and samples) is being fed in chunks."""
     DECODE = "decode"
     """Holds a slot; one sampled token is fed back per step."""
     FINISHED = "finished"
@@ -102,6 +129,8 @@ class Move(enum.Enum):
 
     ADMIT = "admit"
     PROMPT_DONE = "prompt_done"
+    REFILLED = "refilled"
+    PREEMPT = "preempt"
     FINISH = "finish"
     CANCEL = "cancel"
 
@@ -119,8 +148,11 @@ TRANSITIONS: Mapping[tuple[SlotState, Move], SlotState] = MappingProxyType(
         (_Q, Move.ADMIT): _P,
         (_Q, Move.CANCEL): _C,
         (_P, Move.PROMPT_DONE): _D,
+        (_P, Move.REFILLED): _D,  # a preempted request's cells are back: it decodes on from its last sample
+        (_P, Move.PREEMPT): _Q,
         (_P, Move.FINISH): _F,  # a failure while the prompt is being fed
         (_P, Move.CANCEL): _C,
+        (_D, Move.PREEMPT): _Q,
         (_D, Move.FINISH): _F,
         (_D, Move.CANCEL): _C,
     }
@@ -159,6 +191,19 @@ A copy between two slots' sequences (``llama_memory_seq_cp``) moves the whole
 source buffer, whatever the prefix length, so it pays only for a prefix worth
 more than a short prefill.
 """
+
+
+ADMIT_HEADROOM = 256
+"""Cells of reply a request needs room for at admission beyond its prompt (tokens; its budget when smaller).
+
+Room for a reply's first steps, so that a request admitted into a nearly full
+pool is not preempted at once; past it, requests grow into what is free and
+the youngest gives way at the edge (module docstring).
+"""
+
+
+UNBOUNDED = 2**62
+"""A KV pool no request reaches (:class:`Scheduler`'s default ``n_cells``)."""
 
 
 @attrs.frozen
@@ -344,6 +389,13 @@ class Entry:
             each sampling feed carries the first as :attr:`SlotFeed.forced`, and
             :meth:`Scheduler.on_sampled` takes it off.
         cache_key: the request's cache hint (:func:`choose_slot`).
+        reuse: the cells its last admission reused (its slot's own, or copied from
+            ``source``): the cells the engine's ``begin`` keeps; ``cached`` is the first
+            admission's.
+        refill: after a preemption that came once it had sampled, the tokens whose cells it
+            feeds again on readmission (its prompt and samples but the last), with no sample
+            drawn at their end; None: it feeds its prompt.
+        preemptions: times it gave its cells up for an older request (:meth:`Scheduler.plan`).
     """
 
     id: int
@@ -361,6 +413,20 @@ class Entry:
     kept: tuple[int, ...] = ()
     forced: list[int] = attrs.Factory(list)
     cache_key: str = ""
+    reuse: int = 0
+    refill: tuple[int, ...] | None = None
+    preemptions: int = 0
+
+    @property
+    def target(self) -> tuple[int, ...]:
+        """The tokens its PREFILL feeds: its prompt, or its :attr:`refill`."""
+        return self.prompt if self.refill is None else self.refill
+
+    @property
+    def claim(self) -> int:
+        """KV cells it holds once the step being planned is decoded: all of :attr:`target` in
+        PREFILL (claimed from admission on), its committed cells and the next token in DECODE."""
+        return len(self.target) if self.state is SlotState.PREFILL else self.pos + 1
 
     @property
     def cells(self) -> tuple[int, ...]:
@@ -404,11 +470,17 @@ class Plan:
             order; the engine must ``begin`` their slots before the decode.
         feeds: the batch, DECODE slots first; at most one feed per slot.
         owners: the request of each feed (same order as ``feeds``).
+        clear: slots whose KV cells the engine must remove before the batch (a cache
+            entry evicted, or a preempted request's), each ``release(slot, 0)``.
+        preempted: requests moved back to the queue by this plan (their slots are in
+            ``clear``).
     """
 
     admitted: tuple[Entry, ...] = ()
     feeds: tuple[SlotFeed, ...] = ()
     owners: tuple[Entry, ...] = ()
+    clear: tuple[int, ...] = ()
+    preempted: tuple[Entry, ...] = ()
     _by_slot: dict[int, Entry] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -450,6 +522,10 @@ class SchedulerStatistics:
         prefix_lookup_tokens: prompt tokens of requests admitted with the
             prefix cache on (looked up in it).
         prefix_hit_tokens: of those, the tokens whose cells were reused.
+        pool_cells: the KV pool's cells (``n_cells``).
+        claimed_cells: cells the books hold (:meth:`Scheduler.plan`: the live requests'
+            claims, draining slots, cache entries).
+        preemptions: requests preempted so far to let older ones grow.
     """
 
     slots_total: int
@@ -462,6 +538,9 @@ class SchedulerStatistics:
     cached_cells: int = 0
     prefix_lookup_tokens: int = 0
     prefix_hit_tokens: int = 0
+    pool_cells: int = UNBOUNDED
+    claimed_cells: int = 0
+    preemptions: int = 0
 
 
 def _positive(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -488,6 +567,8 @@ class Scheduler:
             False: only the prompt's (see the module docstring).
         min_hit: see :data:`MIN_HIT` (tokens).
         min_copy: see :data:`MIN_COPY` (tokens).
+        n_cells: the KV pool the slots share (tokens; the module docstring); the
+            default, :data:`UNBOUNDED`, keeps no books (a test of other rules).
 
     Raises:
         ValueError: a size is out of range, or ``n_batch < n_slots``.
@@ -501,18 +582,20 @@ class Scheduler:
     cache_output: bool = True
     min_hit: int = attrs.field(default=MIN_HIT, validator=attrs.validators.ge(1))
     min_copy: int = attrs.field(default=MIN_COPY, validator=attrs.validators.ge(1))
+    n_cells: int = attrs.field(default=UNBOUNDED, validator=_positive)
     _queues: dict[int, deque[Entry]] = attrs.field(init=False, factory=dict)
     _n_queued: int = attrs.field(init=False, default=0)
     _slots: list[Entry | None] = attrs.field(init=False)
     _free: set[int] = attrs.field(init=False)
     _draining: list[Entry] = attrs.field(init=False, factory=list)
-    _handed_out: set[int] = attrs.field(init=False, factory=set)
+    _handed_out: dict[int, Entry] = attrs.field(init=False, factory=dict)
     _admit_order: list[Entry] = attrs.field(init=False, factory=list)
     _ids: itertools.count[int] = attrs.field(init=False, factory=itertools.count)
     _cache: dict[int, SlotCache] = attrs.field(init=False, factory=dict)
     _ticks: itertools.count[int] = attrs.field(init=False, factory=itertools.count)
     _lookup_tokens: int = attrs.field(init=False, default=0)
     _hit_tokens: int = attrs.field(init=False, default=0)
+    _preemptions: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         if self.n_batch < self.n_slots:
@@ -551,12 +634,15 @@ class Scheduler:
 
         Raises:
             QueueFull: ``capacity`` requests are already waiting.
-            ValueError: empty prompt or ``max_tokens < 1``.
+            ValueError: empty prompt, ``max_tokens < 1``, or more cells than the pool
+                holds (the runner bounds ``max_tokens`` by what the pool leaves).
         """
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if len(prompt) + max_tokens > self.n_cells:
+            raise ValueError(f"{len(prompt)} prompt tokens and {max_tokens} to sample exceed the pool of {self.n_cells} cells")
         if self._n_queued >= self.capacity:
             raise QueueFull(self._n_queued, self.capacity)
         entry = Entry(next(self._ids), tuple(prompt), max_tokens, priority, cache_key=cache_key)
@@ -564,48 +650,65 @@ class Scheduler:
         self._n_queued += 1
         return entry
 
-    def _pop_next(self) -> Entry | None:
-        if not self._queues:
-            return None
+    def _next(self) -> Entry:
+        """The request admission takes next (there is one)."""
+        return self._queues[min(self._queues)][0]
+
+    def _pop_next(self) -> None:
         priority = min(self._queues)
         queue = self._queues[priority]
-        entry = queue.popleft()
+        queue.popleft()
         if not queue:
             del self._queues[priority]
         self._n_queued -= 1
-        return entry
 
     # -- planning ------------------------------------------------------------
 
     def plan(self) -> Plan:
-        """Admit queued requests into free slots, then build one batch.
+        """Make room in the KV pool, admit queued requests, then build one batch.
 
-        Admission goes in priority then FIFO order while slots are free. With
-        the prefix cache each request takes the slot :func:`choose_slot`
-        picks (live requests, those admitted just before in this plan
-        included, may be copied from) and its position starts after the
-        reused prefix; without it, the lowest free slot and position 0. The
-        batch is one token for
-        every DECODE request (its last sample at its next position), then
-        for each PREFILL request, oldest admission first, the next
-        ``min(prefill_chunk, prompt left, room left)`` prompt tokens, until
-        ``n_batch`` tokens are used. A chunk that ends the prompt has
-        ``sample=True``.
+        First the pool: when the live requests would claim more cells than it
+        holds at this step (:attr:`Entry.claim`), cache entries are evicted
+        (least recently used first), then the youngest live requests of the
+        lowest priority are preempted, back to the head of their queue, until
+        they fit (module docstring). Then admission, in priority then FIFO
+        order, while a slot is free and the pool has room for the next
+        request's prompt plus :data:`ADMIT_HEADROOM` (its budget when smaller),
+        evicting cache entries for it; a request that does not fit stops
+        admission. With the prefix cache each request takes the slot
+        :func:`choose_slot` picks (live requests, those admitted just before
+        in this plan included, may be copied from) and its position starts
+        after the reused prefix; without it, the lowest free slot and
+        position 0. The batch is one token for every DECODE request (its last
+        sample at its next position), then for each PREFILL request, oldest
+        admission first, the next ``min(prefill_chunk, tokens left, room
+        left)`` tokens of its :attr:`Entry.target`, until ``n_batch`` tokens
+        are used. A chunk that ends a prompt has ``sample=True``; one that ends
+        a refill has not.
 
         Returns:
             The plan; ``feeds`` is empty when there is nothing to decode.
         """
+        clear: list[int] = []
+        preempted = self._make_room(clear)
         admitted = []
         while self._free and self._queues:
-            entry = self._pop_next()
-            assert entry is not None
-            choice = self._choose(entry.prompt, entry.cache_key)
+            entry = self._next()
+            choice = self._room_for(entry, clear)
+            if choice is None:
+                break
+            self._pop_next()
+            if self.prefix_cache:
+                self._lookup_tokens += len(entry.target)
+                self._hit_tokens += choice.reuse
             slot = choice.slot
             self._free.remove(slot)
             self._cache.pop(slot, None)
             entry._move(Move.ADMIT)
             entry.slot = slot
-            entry.pos = entry.cached = choice.reuse
+            entry.pos = entry.reuse = choice.reuse
+            if entry.refill is None and not entry.preemptions:
+                entry.cached = choice.reuse
             entry.source = choice.source
             self._slots[slot] = entry
             self._admit_order.append(entry)
@@ -624,27 +727,104 @@ class Scheduler:
         for entry in self._admit_order:
             if room <= 0:
                 break
-            if entry.state is SlotState.PREFILL and entry.pos < len(entry.prompt):
+            target = entry.target
+            if entry.state is SlotState.PREFILL and entry.pos < len(target):
                 assert entry.slot is not None
-                n = min(self.prefill_chunk, len(entry.prompt) - entry.pos, room)
+                n = min(self.prefill_chunk, len(target) - entry.pos, room)
                 end = entry.pos + n
-                chunk = entry.prompt[entry.pos : end]
-                last = end == len(entry.prompt)
-                forced = entry.forced[0] if last and entry.forced else None
-                feeds.append(SlotFeed(entry.slot, chunk, entry.pos, last, forced))
+                sample = end == len(target) and entry.refill is None
+                forced = entry.forced[0] if sample and entry.forced else None
+                feeds.append(SlotFeed(entry.slot, target[entry.pos : end], entry.pos, sample, forced))
                 owners.append(entry)
                 room -= n
-        return Plan(tuple(admitted), tuple(feeds), tuple(owners))
+        return Plan(tuple(admitted), tuple(feeds), tuple(owners), tuple(clear), tuple(preempted))
+
+    def _held(self, without: Iterable[int | None] = ()) -> int:
+        """KV cells the books hold at the step being planned: the live requests' claims, the
+        draining slots' cells and the free slots' cache entries (but those of ``without``)."""
+        skip = set(without)
+        held = sum(e.claim for e in self._admit_order)
+        held += sum(e.pos for e in self._draining)
+        held += sum(e.pos for e in self._handed_out.values())
+        return held + sum(len(c.tokens) for slot, c in self._cache.items() if slot in self._free and slot not in skip)
+
+    def _room_for(self, entry: Entry, clear: list[int]) -> CacheChoice | None:
+        """Where ``entry`` is admitted, once the pool has room for its prompt and headroom (cache
+        entries evicted for it, their slots put on ``clear``); None when it has not.
+
+        :func:`choose_slot`'s choice first; when it copies from a free slot's cache entry (which
+        must then stay) and does not fit, that slot itself (its cells are reused in place, and
+        none is counted twice); then the chosen slot with nothing reused.
+        """
+        choice = self._choose(entry.target, entry.cache_key)
+        need = len(entry.target) + min(ADMIT_HEADROOM, entry.budget_left)
+        choices = [choice]
+        if choice.source is not None and choice.source in self._free:
+            choices.append(CacheChoice(choice.source, choice.reuse))
+        choices.append(CacheChoice(choice.slot))
+        for candidate in choices:
+            keep = {candidate.slot, candidate.source}
+            evictable = sum(len(c.tokens) for c in self._evictable(keep))
+            if self._held([candidate.slot]) - evictable + need <= self.n_cells:
+                while self._held([candidate.slot]) + need > self.n_cells:
+                    self._evict_one(keep, clear)
+                return candidate
+        return None
+
+    def _evictable(self, keep: set[int | None]) -> list[SlotCache]:
+        """The free slots' cache entries that hold cells, but those of the slots in ``keep``."""
+        return [c for slot, c in self._cache.items() if slot in self._free and slot not in keep and c.tokens]
+
+    def _evict_one(self, keep: set[int | None], clear: list[int]) -> bool:
+        """Drop the least recently used cache entry not in ``keep``; False when there is none."""
+        cached = self._evictable(keep)
+        if not cached:
+            return False
+        victim = min(cached, key=lambda c: c.last_used)
+        self._cache[victim.slot] = SlotCache(victim.slot, (), victim.last_used, 0)
+        clear.append(victim.slot)
+        return True
+
+    def _make_room(self, clear: list[int]) -> list[Entry]:
+        """Evict cache entries, then preempt the youngest live requests of the lowest priority,
+        until the live requests' claims fit the pool; the preempted, in the order they went."""
+        preempted = []
+        while self._held() > self.n_cells:
+            if self._evict_one(set(), clear):
+                continue
+            if len(self._admit_order) < 2:
+                break  # one request alone never claims more than the pool (enqueue's bound)
+            victim = max(self._admit_order, key=lambda e: (e.priority, e.id))
+            assert victim.slot is not None
+            clear.append(victim.slot)
+            self._preempt(victim)
+            preempted.append(victim)
+        return preempted
+
+    def _preempt(self, entry: Entry) -> None:
+        """Give ``entry``'s slot and cells up; it waits at the head of its queue with what it sampled."""
+        entry._move(Move.PREEMPT)
+        slot = entry.slot
+        assert slot is not None
+        if entry.generated:
+            entry.refill = entry.cells  # its prompt and samples but the last, which is fed next
+        entry.pos = entry.reuse = 0
+        entry.slot = entry.source = None
+        entry.preemptions += 1
+        self._preemptions += 1
+        self._slots[slot] = None
+        self._admit_order.remove(entry)
+        self._free.add(slot)
+        self._cache[slot] = SlotCache(slot, (), next(self._ticks), 0)
+        self._queues.setdefault(entry.priority, deque()).appendleft(entry)
+        self._n_queued += 1
 
     def _choose(self, prompt: tuple[int, ...], cache_key: str) -> CacheChoice:
         if not self.prefix_cache:
             return CacheChoice(min(self._free))
         free = [self._cache.get(slot) or SlotCache(slot) for slot in sorted(self._free)]
         live = {e.slot: e.cells for e in self._admit_order if e.slot is not None}
-        choice = choose_slot(prompt, free, live, min_hit=self.min_hit, min_copy=self.min_copy, cache_key=cache_key)
-        self._lookup_tokens += len(prompt)
-        self._hit_tokens += choice.reuse
-        return choice
+        return choose_slot(prompt, free, live, min_hit=self.min_hit, min_copy=self.min_copy, cache_key=cache_key)
 
     def commit(self, plan: Plan) -> None:
         """Record that ``plan``'s batch was decoded: advance each fed request's position.
@@ -661,6 +841,8 @@ class Scheduler:
                         f" request is at {entry.pos} (plan committed twice?)"
                     )
                 entry.pos += len(feed.tokens)
+                if entry.refill is not None and entry.state is SlotState.PREFILL and entry.pos == len(entry.refill):
+                    entry._move(Move.REFILLED)  # its last sample is fed at the next step
 
     def on_sampled(self, slot: int, token: int) -> Entry:
         """Record a token sampled for ``slot``: it is fed back at the next step.
@@ -752,7 +934,7 @@ class Scheduler:
         the first ``len(entry.kept)``, which stay as its cache entry.
         """
         out = tuple(self._draining)
-        self._handed_out.update(e.slot for e in out if e.slot is not None)
+        self._handed_out.update((e.slot, e) for e in out if e.slot is not None)
         self._draining.clear()
         return out
 
@@ -771,7 +953,7 @@ class Scheduler:
             slot = entry.slot
             if slot not in self._handed_out:
                 raise RuntimeError(f"slot {slot} released without take_releases()")
-            self._handed_out.remove(slot)
+            del self._handed_out[slot]
             self._free.add(slot)
             kept = () if slot in lost else entry.kept
             self._cache[slot] = SlotCache(slot, kept, next(self._ticks), min(len(kept), len(entry.prompt)),
@@ -815,4 +997,7 @@ class Scheduler:
             cached_cells=sum(len(self._cache[s].tokens) for s in self._free if s in self._cache),
             prefix_lookup_tokens=self._lookup_tokens,
             prefix_hit_tokens=self._hit_tokens,
+            pool_cells=self.n_cells,
+            claimed_cells=self._held(),
+            preemptions=self._preemptions,
         )

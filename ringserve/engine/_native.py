@@ -33,11 +33,18 @@ thread's team when the thread exits). Code that decodes with ``n_threads > 1``
 from a thread of its own keeps ``n_threads - 1`` cores busy until that thread
 exits, unless it sets ``GOMP_SPINCOUNT`` itself. With one thread (the default
 on a 2-core machine: every core but one) there is no team and nothing spins.
+
+llama-cpp-python opens ``os.devnull`` for writing as it is imported
+(``llama_cpp/_utils.py``). On a system without a usable one (a chroot or an
+image that lacks ``/dev/null``) the import exits with status 2 and one line
+saying so, as other start-up mistakes do, rather than a traceback that ends
+deep in llama-cpp-python.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 #: libgomp's spin count while a thread waits: never sleep.
 GOMP_SPINCOUNT = "infinite"
@@ -48,6 +55,12 @@ if _ours:
 try:
     import llama_cpp
     from llama_cpp import llama_grammar
+except OSError as exc:
+    if exc.filename != os.devnull:
+        raise
+    print(f"ringserve: {os.devnull} cannot be opened for writing ({exc.strerror}), and llama-cpp-python needs"
+          " it: the system (a chroot, a container image) must provide it", file=sys.stderr)
+    raise SystemExit(2) from None
 finally:
     if _ours:
         del os.environ["GOMP_SPINCOUNT"]

@@ -14,8 +14,11 @@ did to it:
   :func:`~ringserve.engine.protocol.check_feeds`, as on ``engine/llama.py``:
   positions continue the sequence, a slot is begun before it is fed, a batch
   holds at most ``n_batch`` tokens and one feed per slot (else
-  ``ValueError``), and a slot never holds more than ``n_ctx_slot`` tokens
-  (else :class:`KVCacheFull` for that slot).
+  ``ValueError``), a sequence never holds more than ``n_ctx_seq`` tokens
+  (else :class:`KVCacheFull` for that slot), and the slots' cells, the
+  cached ones of released slots included, never more than the pool's
+  ``n_ctx`` (else :class:`KVCacheFull` for every fed slot, as
+  ``llama_decode`` finds no cells).
 * The reply is chosen when a slot's prompt is complete (its first sample),
   from the prompt bytes in its KV cells: the last user message's text after
   ``"echo:"`` if it starts so, else ``reply`` (a str, or a callable taking
@@ -25,7 +28,8 @@ did to it:
   model writes them. Its UTF-8 bytes are cut into tokens of ``piece_bytes``
   bytes (or by ``split``), so multi-byte characters and markers are split
   across tokens, then one EOG token (empty piece) ends it. Sampling
-  parameters are accepted and ignored. A slot begun with a ``constraint``
+  parameters are accepted and ignored; a slot begun with ``logprobs`` gets
+  each token's :func:`fake_logprob`. A slot begun with a ``constraint``
   (a forced tool call, JSON output) replies the constraint's example
   instead: a text its grammar accepts, made from the schema on the decode
   thread, a call in the family's syntax
@@ -53,6 +57,7 @@ whether it raised), so tests can see which slots were fed at which step, and
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,19 +65,20 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from ringserve.core.batch import Sampled, SlotFeed
-from ringserve.core.events import ChatMessage, GenerationRequest, SamplingParams
+from ringserve.core.events import ChatMessage, GenerationRequest, TokenLogprob, TopLogprob
+from ringserve.core.sampling import ResolvedSampling
 from ringserve.core.toolcalls import CallEnd, Text, ToolCallError, plain_messages
 from ringserve.engine.examples import example
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
 from ringserve.core.offload import Offload
-from ringserve.engine.protocol import ChatPrompt, EngineError, check_feeds
+from ringserve.engine.protocol import ChatPrompt, EngineError, KVCacheFull, check_feeds
 from ringserve.formats.base import ChatFormat
 from ringserve.formats.detect import detect
 from ringserve.formats.families import FAMILIES
 from ringserve.formats.prompt import render_request
 from ringserve.formats.template import ChatTemplate, TemplateRenderError
 
-__all__ = ["DEFAULT_REPLY", "EOG_TOKEN", "Begin", "DecodeCall", "FakeEngine", "Switched"]
+__all__ = ["DEFAULT_REPLY", "EOG_TOKEN", "Begin", "DecodeCall", "FakeEngine", "Switched", "fake_logprob"]
 
 DEFAULT_REPLY = "The quick brown fox jumps over the lazy dog."
 """The reply when the request is not an ``echo:`` and no ``reply`` was given."""
@@ -81,6 +87,17 @@ EOG_TOKEN = 256
 """Token id of the fake end-of-generation token (its piece is empty)."""
 
 _USER_MARK = "<|user|>"
+
+
+def fake_logprob(piece: bytes, sample: int, n_top: int) -> TokenLogprob:
+    """The fake's log probabilities of the token ``piece``, its slot's sample number ``sample``
+    (0-based), with ``n_top`` alternatives: it is the most likely, of probability 1/2, 1/4 or 1/8
+    in turn, and the alternative ``k`` (``b"alt<k>"`` after it) has half the probability of the one
+    before it."""
+    logprob = -math.log(2) * (1 + sample % 3)
+    top = [TopLogprob(piece, logprob), *(TopLogprob(f"alt{k}".encode(), logprob - k * math.log(2))
+                                         for k in range(1, n_top))]
+    return TokenLogprob(piece, logprob, tuple(top[:n_top]))
 
 
 @attrs.frozen
@@ -106,12 +123,14 @@ class DecodeCall:
 @attrs.frozen
 class Begin:
     """One :meth:`FakeEngine.begin` call: the slot, the cells it kept, where they came from,
-    and its constraint."""
+    its constraint; its sampler settings and how many prompt tokens it was given (not compared)."""
 
     slot: int
     keep: int
     source: int | None
     constraint: Constraint | LazyCalls | None = None
+    sampling: ResolvedSampling | None = attrs.field(default=None, eq=False)
+    prompt_tokens: int = attrs.field(default=0, eq=False)
 
 
 @attrs.frozen
@@ -132,6 +151,7 @@ class _SlotState:
     begun: bool = True
     constraint: Constraint | LazyCalls | None = None
     watch: CallWatch | None = None
+    logprobs: int | None = None
 
 
 def _after_unit(calls: LazyCalls, script: str) -> str:
@@ -177,7 +197,9 @@ class FakeEngine:
 
     Args:
         n_slots: sequences decoded together.
-        n_ctx_slot: KV cells (tokens) per slot.
+        n_ctx: KV cells (tokens) of the pool the slots share (the default: four slots of
+            4,096 tokens, ringserve's default before the pool).
+        n_ctx_seq: most cells one sequence holds; None: ``n_ctx``.
         n_batch: most tokens per decode call.
         piece_bytes: bytes per reply token (>= 1).
         split: cuts a reply's UTF-8 bytes into its tokens' pieces (tests give random
@@ -220,6 +242,8 @@ class FakeEngine:
 
     max_token_bytes = 1
     """Bytes of message text one prompt token stands for, at most (one token per byte)."""
+    n_vocab = 1 << 16
+    """Token ids: the bytes, :data:`EOG_TOKEN`, then the reply pieces of more than one byte."""
     offload = Offload(0, 0)
     """No layers and no GPU device."""
 
@@ -227,7 +251,8 @@ class FakeEngine:
         self,
         *,
         n_slots: int = 4,
-        n_ctx_slot: int = 4096,
+        n_ctx: int = 16384,
+        n_ctx_seq: int | None = None,
         n_batch: int = 512,
         piece_bytes: int = 4,
         split: Callable[[bytes], list[bytes]] | None = None,
@@ -243,11 +268,12 @@ class FakeEngine:
         chat_template: str | None = None,
         generation_prompt: str = "",
     ) -> None:
-        if n_slots < 1 or n_ctx_slot < 1 or n_batch < 1 or piece_bytes < 1:
-            raise ValueError("n_slots, n_ctx_slot, n_batch and piece_bytes must be >= 1")
+        if n_slots < 1 or n_ctx < 1 or n_batch < 1 or piece_bytes < 1:
+            raise ValueError("n_slots, n_ctx, n_batch and piece_bytes must be >= 1")
         self.model_id = "fake"
         self.n_slots = n_slots
-        self.n_ctx_slot = n_ctx_slot
+        self.n_ctx = n_ctx
+        self.n_ctx_seq = n_ctx if n_ctx_seq is None else min(n_ctx_seq, n_ctx)
         self.n_batch = n_batch
         self.piece_bytes = piece_bytes
         self.split = split
@@ -312,6 +338,10 @@ class FakeEngine:
             opened = markers is not None and markers.opened_by(text)
         return ChatPrompt(text, tuple(text.encode("utf-8")), opened)
 
+    def tokenize(self, text: str | bytes, *, add_special: bool = False, parse_special: bool = False) -> list[int]:
+        """One token per UTF-8 byte (no special tokens)."""
+        return list(text.encode("utf-8") if isinstance(text, str) else text)
+
     def reply_for(self, last_user_text: str) -> str:
         """The reply the fake gives to a last user message (see the module docstring)."""
         if last_user_text.startswith("echo:"):
@@ -339,13 +369,20 @@ class FakeEngine:
     def begin(
         self,
         slot: int,
-        sampling: SamplingParams,
+        sampling: ResolvedSampling,
         keep: int = 0,
         source: int | None = None,
         constraint: Constraint | LazyCalls | None = None,
+        *,
+        prompt: Sequence[int] = (),
+        logprobs: int | None = None,
+        replay: Sequence[int] = (),
     ) -> None:
         """Start a sequence in ``slot`` holding the first ``keep`` cells of its own, or of ``source``'s, KV cells;
-        with a :class:`Constraint` its reply is ``example(constraint)`` (:class:`LazyCalls`: see the module docstring).
+        with a :class:`Constraint` its reply is ``example(constraint)`` (:class:`LazyCalls`: see the module docstring);
+        with ``logprobs`` its tokens come with :func:`fake_logprob`. ``sampling`` and ``prompt`` are recorded.
+        ``replay``: the tokens the request sampled before a preemption; its reply goes on after them
+        (chosen again at the next sample from the prompt, which its cells then hold before them).
 
         Raises:
             ValueError: a slot out of range, or fewer than ``keep`` cells
@@ -361,16 +398,22 @@ class FakeEngine:
             if keep > len(cells):
                 raise ValueError(f"slot {slot}: cannot keep {keep} cells of {len(cells)}")
             watch = CallWatch(constraint) if isinstance(constraint, LazyCalls) else None
-            self._slots[slot] = _SlotState(cells[:keep], constraint=constraint, watch=watch)
+            state = _SlotState(cells[:keep], constraint=constraint, watch=watch, logprobs=logprobs,
+                               samples=len(replay))
+            if watch is not None:
+                for token in replay:
+                    watch.feed(self._pieces[token] if token >= 256 else bytes([token]))
+            self._slots[slot] = state
             if self.record:
-                self.begins.append(Begin(slot, keep, source, constraint))
+                self.begins.append(Begin(slot, keep, source, constraint, sampling, len(prompt)))
 
     def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
         """Apply one batch; one :class:`Sampled` per feed with ``sample``, in feed order.
 
         Raises:
             ValueError: the batch breaks a rule of :func:`~ringserve.engine.protocol.check_feeds`.
-            KVCacheFull: a feed would pass ``n_ctx_slot`` (names those slots).
+            KVCacheFull: a feed would pass ``n_ctx_seq`` (names those slots), or the batch the
+                pool's ``n_ctx`` (names every fed slot).
             EngineError: scripted ``fail_after_tokens``.
             RuntimeError: scripted ``crash_after_steps``.
         """
@@ -395,7 +438,10 @@ class FakeEngine:
             self._crashed = True
             raise RuntimeError(f"fake engine crash at decode call {call + 1}")
         held = [None if s is None or not s.begun else len(s.kv) for s in self._slots]
-        check_feeds(feeds, n_slots=self.n_slots, n_batch=self.n_batch, n_ctx_slot=self.n_ctx_slot, held=held)
+        check_feeds(feeds, n_slots=self.n_slots, n_batch=self.n_batch, n_ctx_seq=self.n_ctx_seq, held=held)
+        in_pool = sum(len(s.kv) for s in self._slots if s is not None) + sum(len(f.tokens) for f in feeds)
+        if in_pool > self.n_ctx:
+            raise KVCacheFull(f"no KV cells for the batch: {in_pool} of a pool of {self.n_ctx}", [f.slot for f in feeds])
         # Work out every sample before changing anything, so a failure leaves no trace.
         planned = [(f, *self._plan(f)) for f in feeds if f.sample]
         if self.step_seconds:
@@ -416,7 +462,9 @@ class FakeEngine:
             if state.watch is not None:
                 self._watch(f.slot, state, piece)
             token = f.forced if f.forced is not None else EOG_TOKEN if eog else self._token_for(piece)
-            result.append(Sampled(f.slot, token, piece, eog))
+            n_top = state.logprobs
+            logprob = None if n_top is None else fake_logprob(piece, state.samples - 1, n_top)
+            result.append(Sampled(f.slot, token, piece, eog, logprob))
         return result
 
     def _slot(self, slot: int) -> _SlotState:
@@ -435,7 +483,8 @@ class FakeEngine:
         state = self._slot(f.slot)
         pieces = state.pieces
         if pieces is None:
-            prompt = bytes(t for t in (*state.kv, *f.tokens) if t < 256)
+            cells = (*state.kv, *f.tokens)
+            prompt = bytes(t for t in cells[: len(cells) - state.samples] if t < 256)  # (samples: a replay's)
             if isinstance(state.constraint, Constraint):
                 data = example(state.constraint).encode("utf-8")
             else:
@@ -514,4 +563,4 @@ class FakeEngine:
             raise EngineError("the engine is closed")
 
     def __repr__(self) -> str:
-        return f"<FakeEngine slots={self.n_slots} ctx/slot={self.n_ctx_slot} batch={self.n_batch}>"
+        return f"<FakeEngine slots={self.n_slots} ctx={self.n_ctx} batch={self.n_batch}>"

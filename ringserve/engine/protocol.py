@@ -14,6 +14,9 @@ touch nothing but the vocabulary and the chat template (llama.cpp's
 server tokenizes on HTTP threads while its main loop decodes).
 
 Slots are integers ``0 .. n_slots-1`` and double as llama.cpp sequence ids.
+They share one KV pool of ``n_ctx`` cells (llama.cpp's unified KV cache): a
+sequence may hold up to ``n_ctx_seq`` of them, and the runner's scheduler keeps
+the sum within the pool (``core/scheduler.py``).
 A slot's life on the engine side: ``begin`` (fresh sampler; KV cells removed
 except a reused prefix of ``keep`` cells, its own or copied from another slot)
 → one or more ``decode`` calls that feed the rest of its prompt in chunks and
@@ -31,8 +34,9 @@ from typing import Protocol
 import attrs
 
 from ringserve.core.batch import Sampled, SlotFeed
-from ringserve.core.events import GenerationRequest, SamplingParams
+from ringserve.core.events import GenerationRequest
 from ringserve.core.offload import Offload
+from ringserve.core.sampling import ResolvedSampling
 from ringserve.engine.gbnf import Constraint, LazyCalls
 from ringserve.formats.base import ChatFormat
 
@@ -67,7 +71,7 @@ class KVCacheFull(EngineError):
 
 
 def check_feeds(
-    feeds: Sequence[SlotFeed], *, n_slots: int, n_batch: int, n_ctx_slot: int, held: Sequence[int | None]
+    feeds: Sequence[SlotFeed], *, n_slots: int, n_batch: int, n_ctx_seq: int, held: Sequence[int | None]
 ) -> None:
     """The rules of :meth:`Engine.decode`'s batch, which every engine checks before it decodes anything.
 
@@ -75,21 +79,21 @@ def check_feeds(
     ``0 .. n_slots-1``, at most one feed per slot, holds at least one token,
     is for a slot begun since its last release (it has a sampler, whether or
     not the feed samples), and starts at the position that continues the
-    slot's sequence (the cells it holds). A feed that would take its slot past
-    ``n_ctx_slot`` cells is no caller error: the slot is full.
+    slot's sequence (the cells it holds). A feed that would take its sequence past
+    ``n_ctx_seq`` cells is no caller error: the sequence is full.
 
     Args:
         feeds: the batch (not empty).
         n_slots: slots of the engine.
         n_batch: most tokens one decode carries.
-        n_ctx_slot: KV cells per slot.
+        n_ctx_seq: most KV cells one sequence may hold.
         held: per slot, the cells its sequence holds, or None for a slot not begun.
 
     Raises:
         ValueError: more than ``n_batch`` tokens, then (feed by feed) a slot out of range,
             an empty feed, a slot fed twice, a slot not begun, or a position that does
             not continue the slot's sequence. The message names the rule.
-        KVCacheFull: otherwise, feeds that would take their slots past ``n_ctx_slot``
+        KVCacheFull: otherwise, feeds that would take their sequences past ``n_ctx_seq``
             (``slots`` = those slots).
     """
     total = sum(len(f.tokens) for f in feeds)
@@ -111,10 +115,10 @@ def check_feeds(
             raise ValueError(f"slot {slot} has no sampler; call begin() first")
         if f.pos != cells:
             raise ValueError(f"slot {slot}: feed at position {f.pos}, the sequence holds {cells} cells")
-        if f.pos + len(f.tokens) > n_ctx_slot:
+        if f.pos + len(f.tokens) > n_ctx_seq:
             full.append(slot)
     if full:
-        raise KVCacheFull(f"slot(s) {full} would exceed n_ctx_slot={n_ctx_slot} tokens", full)
+        raise KVCacheFull(f"slot(s) {full} would exceed n_ctx_seq={n_ctx_seq} tokens", full)
 
 
 class Engine(Protocol):
@@ -124,21 +128,27 @@ class Engine(Protocol):
     """Name reported to clients (the GGUF file's stem)."""
     n_slots: int
     """Number of sequences decoded together (llama.cpp ``n_seq_max``)."""
-    n_ctx_slot: int
-    """KV cells (tokens) available to one slot: prompt + generated must fit."""
+    n_ctx: int
+    """KV cells (tokens) of the pool every slot shares (llama.cpp ``n_ctx``, unified KV cache)."""
+    n_ctx_seq: int
+    """Most KV cells one sequence may hold (prompt + generated): the pool, at most the model's
+    trained context."""
     n_batch: int
     """Most tokens one ``decode`` call may carry, summed over slots."""
     max_token_bytes: int | None
     """Most UTF-8 bytes of message text that one prompt token stands for (None: not known).
 
-    Message text of more than ``n_ctx_slot * max_token_bytes`` bytes cannot fit
-    a slot, so the runner refuses it without tokenizing it."""
+    Message text of more than ``n_ctx_seq * max_token_bytes`` bytes cannot fit
+    a sequence, so the runner refuses it without tokenizing it."""
     offload: Offload
     """The model's layers on GPU devices (the ready line says it; ``[engine] overlap`` ``auto`` reads it)."""
     prefix_cache: bool
     """Whether ``begin`` and ``release`` may keep a prefix of a slot's cells (``keep > 0``)
     and ``begin`` may copy one from another slot; False for models whose memory cannot
     drop a sequence's tail (recurrent, hybrid or sliding-window attention)."""
+
+    n_vocab: int
+    """Tokens in the vocabulary (ids ``0 .. n_vocab-1``)."""
 
     chat_format: ChatFormat
     """The model's output format (its family: thinking markers, call syntax, parser and
@@ -161,19 +171,31 @@ class Engine(Protocol):
                 that refused it, a call's arguments that are not JSON...).
         """
 
+    def tokenize(
+        self, text: str | bytes, *, add_special: bool = False, parse_special: bool = False
+    ) -> list[int]:
+        """Plain text's tokens (no chat template): BOS/EOS where ``add_special`` and the model
+        adds them; special-token text as its token where ``parse_special``, else as text.
+        Safe beside a decode, as :meth:`tokenize_chat`."""
+
     def begin(
         self,
         slot: int,
-        sampling: SamplingParams,
+        sampling: ResolvedSampling,
         keep: int = 0,
         source: int | None = None,
         constraint: Constraint | LazyCalls | None = None,
+        *,
+        prompt: Sequence[int] = (),
+        logprobs: int | None = None,
+        replay: Sequence[int] = (),
     ) -> None:
         """Prepare ``slot`` for a new sequence: build its sampler chain and set up its KV cells.
 
         Args:
             slot: the slot.
-            sampling: the sampler settings.
+            sampling: the sampler settings (``logit_bias`` by token id:
+                :func:`~ringserve.core.sampling.check_logit_bias`).
             keep: cells (tokens at positions ``0 .. keep-1``) the new
                 sequence reuses; every other cell of the slot is removed
                 (``llama_memory_seq_rm(mem, slot, keep, -1)``), so the next
@@ -192,6 +214,15 @@ class Engine(Protocol):
                 feeds a :class:`~ringserve.engine.gbnf.CallWatch` each token
                 it samples and applies the switches before it samples the
                 next.
+            replay: tokens already sampled for this request before it gave its cells up
+                (a preemption, ``core/scheduler.py``), in order: the new chain accepts each
+                as if it had sampled it (penalties' history, a grammar's state, a call
+                watch), so the request goes on where it was.
+            prompt: the sequence's prompt tokens: the repetition penalties and DRY count its
+                last ones as llama-server's do (it accepts the prompt into its sampler).
+            logprobs: each token sampled for the sequence comes with its
+                :class:`~ringserve.core.events.TokenLogprob` and this many alternatives
+                (:attr:`Sampled.logprob <ringserve.core.batch.Sampled>`); None: none.
 
         Raises:
             ValueError: a slot out of range, ``keep > 0`` on an engine without
@@ -205,7 +236,7 @@ class Engine(Protocol):
 
         Raises:
             ValueError: the batch breaks a rule of :func:`check_feeds`; nothing was decoded.
-            KVCacheFull: no room in the KV cache for this batch.
+            KVCacheFull: no room in the KV pool (or the sequence) for this batch.
             EngineError: any other decode failure.
         """
 

@@ -81,12 +81,12 @@ from ringserve.core.events import (
     Finish,
     GenerationEvent,
     GenerationRequest,
-    SamplingParams,
     ToolChoiceMode,
 )
 from ringserve.engine.gbnf import Constraint, LazyCalls, constraint_for
 from ringserve.core.context import cleared_input_tokens, edit_prompt
 from ringserve.core.limits import message_texts, tool_texts
+from ringserve.core.sampling import LLAMA_SERVER_DEFAULTS, ResolvedSampling, check_logit_bias, resolve_sampling
 from ringserve.core.scheduler import Entry, Plan, Scheduler, SlotState
 from ringserve.engine.generation import Count, Generation, Prepared
 from ringserve.engine.protocol import ChatPrompt, Engine, EngineError, KVCacheFull
@@ -117,7 +117,7 @@ class RunnerStatistics:
         kv_cells_used: KV cells in use by requests over all slots, as of the
             last engine call (tokens); the cells that free slots keep for the
             prefix cache are not counted (``prefix_cache_cells``).
-        kv_cells_total: ``slots_total * n_ctx_slot`` (tokens).
+        kv_cells_total: the KV pool the slots share (``engine.n_ctx``, tokens).
         prefix_cache: the prompt-prefix cache is on (the config asks for it
             and the engine supports it).
         prefix_cache_cells: KV cells (tokens) that free slots keep as cache
@@ -144,6 +144,8 @@ class RunnerStatistics:
         prompt_tokens_total: prompt tokens of admitted requests.
         generated_tokens_total: tokens sampled for live requests (EOG counted).
         cancels: requests cancelled by their consumer.
+        preemptions: requests that gave their cells up so an older one could grow
+            (``core/scheduler.py``), and waited to go on.
         tokens_after_cancel_total: tokens decoded for requests after their
             cancel (0, or 1 per cancel that raced an in-flight step).
         last_cancel_to_free_seconds: time from the last cancel of a request
@@ -173,6 +175,7 @@ class RunnerStatistics:
     prompt_tokens_total: int
     generated_tokens_total: int
     cancels: int
+    preemptions: int
     tokens_after_cancel_total: int
     last_cancel_to_free_seconds: float | None
     max_cancel_to_free_seconds: float | None
@@ -240,8 +243,10 @@ class Runner:
     slots, batches of at most ``min(config.n_batch, engine.n_batch)`` tokens,
     prompt chunks of at most ``config.prefill_chunk`` tokens per slot and
     step, and up to ``config.queue_size`` requests waiting beyond the free
-    slots. The context per slot is ``engine.n_ctx_slot``. The prompt-prefix
-    cache is on when ``config.prefix_cache`` and ``engine.prefix_cache`` are.
+    slots. The slots share the engine's KV pool of ``engine.n_ctx`` cells
+    (``core/scheduler.py`` keeps its books); one request may hold
+    :attr:`context_window` of them. The prompt-prefix cache is on when
+    ``config.prefix_cache`` and ``engine.prefix_cache`` are.
 
     Args:
         engine: the backend; the runner calls it only from its worker thread.
@@ -280,6 +285,7 @@ class Runner:
             queue_size=config.queue_size,
             prefix_cache=config.prefix_cache and engine.prefix_cache,
             cache_output=config.prefix_cache_output,
+            n_cells=engine.n_ctx,
         )
         # decode, begin, release: one call at a time; the thread (and llama.cpp's spinning OpenMP
         # team) ends once the runner has been idle for ENGINE_IDLE_SECONDS
@@ -315,9 +321,12 @@ class Runner:
         return self._engine.chat_format
 
     @property
-    def n_ctx_slot(self) -> int:
-        """KV cells (tokens) per slot: prompt plus generated tokens must fit."""
-        return self._engine.n_ctx_slot
+    def context_window(self) -> int:
+        """The most tokens one request may hold, prompt plus generated: the engine's
+        ``n_ctx_seq`` (the pool, at most the trained context), at most ``[engine] ctx_per_slot``
+        when that is set."""
+        cap = self._config.ctx_per_slot
+        return min(self._engine.n_ctx_seq, cap) if cap else self._engine.n_ctx_seq
 
     @property
     def last_step_seconds(self) -> float:
@@ -361,7 +370,7 @@ class Runner:
 
         The grammar (:func:`~ringserve.engine.gbnf.constraint_for`) is made first, on a
         thread under the tokenizer's limiter: its cost grows with the schemas' bounds, which
-        the event loop must not wait on. Text longer than ``n_ctx_slot * engine.max_token_bytes`` bytes (UTF-8)
+        the event loop must not wait on. Text longer than ``context_window * engine.max_token_bytes`` bytes (UTF-8)
         cannot fit and is refused before it is tokenized: the message texts
         (contents, and the tool calls in the history) and, unless the tool
         choice is ``NONE``, the tool definitions
@@ -379,17 +388,18 @@ class Runner:
             The request with its prompt tokens and resolved ``max_tokens``; with its
             ``context_edits`` applied (:meth:`_prompt_sync`).
 
-        A ``max_tokens`` larger than what the slot's context leaves after the
+        A ``max_tokens`` larger than what the context window leaves after the
         prompt is accepted (issue 22: clients send large defaults, such as
-        pydantic-ai's 16384): the budget is then what the context leaves, and
+        pydantic-ai's 16384): the budget is then what the window leaves, and
         a generation that uses it all ends with
-        :attr:`StopReason.CONTEXT_FULL`. So the budget never exceeds the
-        slot's own KV cells, which no other request can use anyway.
+        :attr:`StopReason.CONTEXT_FULL`. So a request never claims more cells
+        than the pool holds; the scheduler shares the pool (module docstring
+        of ``core/scheduler.py``).
 
         Raises:
             RingserveError: ``INVALID_REQUEST`` with ``param=PROMPT_PARAM`` (``"messages"``) when
                 the prompt is empty, cannot be rendered (the engine raised
-                ``ValueError``) or fills the slot's context by itself (at
+                ``ValueError``) or fills the context window by itself (at
                 least 1 token must be left to generate). The message gives the
                 numbers (tokens, or bytes when refused
                 before tokenizing). ``INVALID_REQUEST`` from
@@ -410,7 +420,7 @@ class Runner:
         self._check_bytes(request)
         self._tokenizing += 1
         try:
-            request, prompt, constraint, applied = await trio.to_thread.run_sync(
+            request, prompt, constraint, applied, sampling = await trio.to_thread.run_sync(
                 self._prompt_sync, request, limiter=self._tokenize_limiter, abandon_on_cancel=False
             )
         finally:
@@ -418,7 +428,7 @@ class Runner:
             self._tokenize_ended += 1
             self._tokenized.set()
             self._tokenized = trio.Event()
-        return self._fitted(request, prompt, applied, constraint)
+        return self._fitted(request, prompt, applied, constraint, sampling)
 
     async def count(self, request: GenerationRequest) -> Count:
         """The prompt :meth:`prepare` would give ``request``, counted, enqueuing nothing: the
@@ -444,7 +454,7 @@ class Runner:
 
     def _check_bytes(self, request: GenerationRequest) -> None:
         """Refuse text that cannot fit a slot, before it is tokenized (see :meth:`prepare`)."""
-        ctx = self.n_ctx_slot
+        ctx = self.context_window
         per_token = self._engine.max_token_bytes
         rendered = request.tool_choice.mode is not ToolChoiceMode.NONE  # the tools go into the prompt
         if per_token is not None:
@@ -453,21 +463,22 @@ class Runner:
             if n_bytes > ctx * per_token:
                 raise invalid(
                     f"the messages{' and tools' if rendered and request.tools else ''} hold {n_bytes} bytes"
-                    f" of text, at least {-(-n_bytes // per_token)} tokens, but the context per slot is {ctx} tokens",
+                    f" of text, at least {-(-n_bytes // per_token)} tokens, but the context is {ctx} tokens",
                     PROMPT_PARAM,
                 )
 
     def _fitted(self, request: GenerationRequest, prompt: ChatPrompt, applied: tuple[AppliedEdit, ...],
-                constraint: Constraint | LazyCalls | None) -> Prepared:
-        """The prepared request, once its prompt is known to fit a slot with a token to spare (see :meth:`prepare`)."""
-        ctx = self.n_ctx_slot
+                constraint: Constraint | LazyCalls | None, sampling: ResolvedSampling) -> Prepared:
+        """The prepared request, once its prompt is known to fit the context window with a token to spare
+        (see :meth:`prepare`)."""
+        ctx = self.context_window
         tokens = prompt.tokens
         n_prompt = len(tokens)
         if n_prompt == 0:
             raise invalid("the prompt is empty", PROMPT_PARAM)
         if n_prompt >= ctx:
             raise invalid(
-                f"the prompt is {n_prompt} tokens, but the context per slot is {ctx} tokens"
+                f"the prompt is {n_prompt} tokens, but the context is {ctx} tokens"
                 f" and at least 1 must be left to generate",
                 PROMPT_PARAM,
             )
@@ -475,7 +486,7 @@ class Runner:
         asked = request.max_tokens
         budget = room if asked is None or asked > room else asked
         return Prepared(
-            request, tokens, budget, context_bound=budget != asked, constraint=constraint,
+            request, tokens, budget, sampling, context_bound=budget != asked, constraint=constraint,
             chat_format=self.chat_format, reasoning_open=prompt.reasoning_open,
             reasoning_budget=self._reasoning_budget(request, constraint), applied_edits=applied,
         )
@@ -515,19 +526,33 @@ class Runner:
 
     def _prompt_sync(
         self, request: GenerationRequest
-    ) -> tuple[GenerationRequest, ChatPrompt, Constraint | LazyCalls | None, tuple[AppliedEdit, ...]]:
+    ) -> tuple[GenerationRequest, ChatPrompt, Constraint | LazyCalls | None, tuple[AppliedEdit, ...],
+               ResolvedSampling]:
         """Worker thread: the request with its context edits applied (``core/context.py``
         ``edit_prompt``: a trigger measured in tokens tokenizes it again after each edit that
         clears something), its prompt, then the grammar its reply is decoded under (in the
-        model's format; whether the prompt opened the thinking block decides how it starts), and
-        the edits applied.
+        model's format; whether the prompt opened the thinking block decides how it starts), the
+        edits applied, and its sampler settings (:meth:`_sampling_sync`).
 
         Raises:
-            RingserveError: ``INVALID_REQUEST``: as :meth:`_tokenize_sync` and
-                :func:`~ringserve.engine.gbnf.constraint_for`.
+            RingserveError: ``INVALID_REQUEST``: as :meth:`_tokenize_sync`,
+                :func:`~ringserve.engine.gbnf.constraint_for` and :meth:`_sampling_sync`.
         """
+        sampling = self._sampling_sync(request)
         request, prompt, applied = edit_prompt(request, request.context_edits, self._tokenize_sync)
-        return request, prompt, constraint_for(request, self.chat_format, prompt.reasoning_open), applied
+        return request, prompt, constraint_for(request, self.chat_format, prompt.reasoning_open), applied, sampling
+
+    def _sampling_sync(self, request: GenerationRequest) -> ResolvedSampling:
+        """Worker thread: the request's sampler settings over the defaults
+        (``core/sampling.py`` :func:`~ringserve.core.sampling.resolve_sampling`), its
+        ``logit_bias`` by token id and checked against the vocabulary
+        (:func:`~ringserve.core.sampling.check_logit_bias`).
+
+        Raises:
+            RingserveError: ``INVALID_REQUEST`` naming ``logit_bias``: a token id out of the vocabulary.
+        """
+        sampling = resolve_sampling(request.sampling, LLAMA_SERVER_DEFAULTS)
+        return check_logit_bias(sampling, self._engine.n_vocab, self._engine.tokenize)
 
     def _tokenize_sync(self, request: GenerationRequest) -> ChatPrompt:
         """Worker thread: ``engine.tokenize_chat``.
@@ -629,7 +654,8 @@ class Runner:
             slots_busy=s.slots_busy,
             queue_depth=dict(s.queue_depth),
             kv_cells_used=max(0, self._kv_used - s.cached_cells),
-            kv_cells_total=s.slots_total * self.n_ctx_slot,
+            kv_cells_total=self._engine.n_ctx,
+            preemptions=s.preemptions,
             prefix_cache=self._scheduler.prefix_cache,
             prefix_cache_cells=s.cached_cells,
             prefix_cache_lookup_tokens_total=s.prefix_lookup_tokens,
@@ -748,6 +774,11 @@ class Runner:
     def _release_sync(self, slots: Sequence[tuple[int, int]]) -> tuple[int | None, list[int]]:
         """Worker thread: ``engine.release`` each (slot, cells to keep); return KV cells in use
         and the slots whose release failed (their cells are not reused)."""
+        lost = self._release_each(slots)
+        return self._kv_cells_sync(), lost
+
+    def _release_each(self, slots: Sequence[tuple[int, int]]) -> list[int]:
+        """Worker thread: ``engine.release`` each (slot, cells to keep); the slots whose release failed."""
         lost = []
         for slot, keep in slots:
             try:
@@ -756,7 +787,7 @@ class Runner:
                 # begin() with nothing kept empties the slot again before its next use.
                 log.exception("engine.release(%d) failed", slot)
                 lost.append(slot)
-        return self._kv_cells_sync(), lost
+        return lost
 
     def _kv_cells_sync(self) -> int | None:
         try:
@@ -766,19 +797,23 @@ class Runner:
 
     def _step_sync(
         self,
-        begins: Sequence[tuple[int, SamplingParams, int, int | None, Constraint | LazyCalls | None]],
+        clear: Sequence[int],
+        begins: Sequence[tuple[int, Prepared, int, int | None, tuple[int, ...]]],
         feeds: Sequence[SlotFeed],
     ) -> _StepOutcome:
-        """Worker thread: begin the admitted slots (slot, sampling, cells kept, copied from,
-        grammar), then decode the batch once.
+        """Worker thread: empty the slots the plan clears (evicted cache entries, preempted
+        requests), begin the admitted slots (slot, request, cells kept, copied from, tokens to
+        replay), then decode the batch once.
 
         Exceptions come back in the outcome instead of being raised, so the
         owner loop sees which call failed.
         """
+        self._release_each([(slot, 0) for slot in clear])
         begin_errors: dict[int, Exception] = {}
-        for slot, sampling, keep, source, constraint in begins:
+        for slot, prepared, keep, source, replay in begins:
             try:
-                self._engine.begin(slot, sampling, keep, source, constraint)
+                self._engine.begin(slot, prepared.sampling, keep, source, prepared.constraint,
+                                   prompt=prepared.prompt_tokens, logprobs=prepared.request.logprobs, replay=replay)
             except Exception as exc:
                 begin_errors[slot] = exc
         if begin_errors:
@@ -801,14 +836,18 @@ class Runner:
         begins = []
         for entry in plan.admitted:
             assert entry.slot is not None
-            prepared = self._generations[entry].prepared
-            begins.append((entry.slot, prepared.request.sampling, entry.cached, entry.source, prepared.constraint))
-            self._counters.prompt_tokens_total += len(entry.prompt)
+            begins.append((entry.slot, self._generations[entry].prepared, entry.reuse, entry.source,
+                           tuple(entry.sampled)))
+            if not entry.preemptions:
+                self._counters.prompt_tokens_total += len(entry.prompt)
+        for entry in plan.preempted:
+            log.info("request %d gave its %d cells up for an older one (preempted %d time(s)); it waits to go on",
+                     entry.id, len(entry.refill or entry.prompt), entry.preemptions)
         self._step_done = trio.Event()
         try:
             # overlapping: the last step's tokens become events and reach their consumers while this one decodes
             outcome = await self._engine_thread.run(
-                self._step_sync, begins, plan.feeds, meanwhile=self._after_submit if self._overlap else None
+                self._step_sync, plan.clear, begins, plan.feeds, meanwhile=self._after_submit if self._overlap else None
             )
         finally:
             self._step_done.set()

@@ -15,7 +15,9 @@ API's own is spelled in ``surfaces/responses.py``.
   after it ended. Idempotent: a cancelled one answers the same object again. A
   foreground response is a 400, and so is one that ended otherwise.
 - ``DELETE /v1/responses/{id}``: cancel it if it runs, then delete its row and
-  its log; GET is then 404.
+  its log, on the replica that made it (with the Redis backend, a delete through
+  another replica is relayed, and answered once it is done, or a 503 that says it
+  was not); GET is then 404 on every replica.
 """
 
 from __future__ import annotations
@@ -84,9 +86,8 @@ async def cancel_response(response_id: str) -> Response:
 
 @answering_errors
 async def delete_response(response_id: str) -> Response:
-    """``DELETE /v1/responses/{id}``: cancelled if it runs, then its row and its log deleted."""
+    """``DELETE /v1/responses/{id}``: cancelled if it runs, then its row and its log deleted, here or
+    on the replica that made it (``Hub.delete_anywhere``; a 503 if it was not)."""
     context.access().message_id = response_id
-    hub = context.hub()
-    await hub.ended(await find(response_id))
-    hub.delete(response_id)
+    await context.hub().delete_anywhere(await find(response_id))
     return json_response(RESPONSES.deleted_json(response_id))

@@ -18,7 +18,7 @@ def _served_model() -> ModelInfo:
     state = context.state()
     if state.hub is None:
         raise RingserveError(ErrorKind.UNAVAILABLE, "the model is still loading")
-    return ModelInfo(state.model_id, state.started, state.hub.runner.n_ctx_slot)
+    return ModelInfo(state.model_id, state.started, state.hub.runner.context_window)
 
 
 @answering_errors

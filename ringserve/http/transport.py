@@ -39,6 +39,7 @@ exiting.
 from __future__ import annotations
 
 import contextlib
+import errno
 import http
 import logging
 import math
@@ -71,6 +72,7 @@ from ringserve.surfaces.base import dumps
 
 __all__ = [
     "RESET_STREAM",
+    "BindError",
     "HypercornConfig",
     "SendWatchdog",
     "abort_connection",
@@ -120,6 +122,12 @@ def tune_listening_socket(sock: socket.socket, timeout: float) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
+class BindError(Exception):
+    """The server cannot listen where ``[server] host`` and ``port`` say: the port is taken, the
+    address is not one of this machine's, or a port below 1024 needs a right the process lacks.
+    The message is one line naming the address and the system's reason."""
+
+
 class HypercornConfig(hypercorn.config.Config):
     """hypercorn's config whose listening sockets get :func:`tune_listening_socket`, and which
     knows every connection open on them (:class:`_TCPServer` enters and leaves ``connections``).
@@ -148,7 +156,17 @@ class HypercornConfig(hypercorn.config.Config):
         return len(self.connections)
 
     def create_sockets(self) -> hypercorn.config.Sockets:
-        sockets = super().create_sockets()
+        """hypercorn's listening sockets, tuned.
+
+        Raises:
+            BindError: a socket could not be bound (``bind(2)``, or the host's name not resolved).
+        """
+        try:
+            sockets = super().create_sockets()
+        except OSError as exc:
+            hint = ": another process has that port (choose another: --port or [server] port)" \
+                if exc.errno == errno.EADDRINUSE else ""
+            raise BindError(f"cannot listen on {', '.join(self.bind)}: {exc.strerror or exc}{hint}") from None
         if self.tcp_user_timeout > 0:
             for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
                 tune_listening_socket(sock, self.tcp_user_timeout)

@@ -49,6 +49,10 @@ log = logging.getLogger("ringserve.hub")
 
 #: Seconds a cancel sent to another replica waits for that replica to end the message.
 CANCEL_WAIT_SECONDS = 10.0
+#: Seconds a request that continues another replica's message waits for that message's end to
+#: reach the shared state (:meth:`Hub.shared_request`): a few flush intervals, with room for a
+#: loaded host.
+CONTINUE_WAIT_SECONDS = 1.0
 
 
 class Hub:
@@ -102,7 +106,7 @@ class Hub:
         self._production = Production(config, runner, logs, store, self.persister, self.metrics, self.safety,
                                       registered=self._live.__setitem__, on_idle=self._on_idle)
         self.signer = ReasoningSigner.from_text(config.server.signing_key or new_key())
-        self.resume = Resume(config.server, logs, nursery, self.signer, stored=self.stored,
+        self.resume = Resume(config.server, logs, nursery, self.signer, stored=self.find_stored,
                              is_live=self._live.__contains__)
         self.draining = False
 
@@ -302,24 +306,91 @@ class Hub:
             )
         return stored
 
-    def stored_request(self, message_id: str) -> tuple[MessageView, str] | None:
-        """A stored message's view and its request body as received ("" when prompts are not kept),
-        None when the store has no such message (``surfaces/base.py`` ``LoadStored``). It reads the
-        store without Trio, so it may run on a worker thread.
+    async def find_stored(self, message_id: str) -> StoredMessage:
+        """The store's row (:meth:`stored`), else the state another replica wrote of it
+        (``Cluster.find_message``, its request left empty: it rebuilds the message's stream).
 
         Raises:
-            RingserveError: ``UNAVAILABLE`` when the store fails to read.
+            RingserveError: ``NOT_FOUND`` when no replica has such a message; ``UNAVAILABLE``
+            when the store fails to read or the shared store is unreachable.
+        """
+        try:
+            return self.stored(message_id)
+        except RingserveError as exc:
+            if exc.kind is not ErrorKind.NOT_FOUND:
+                raise
+            shared = await self.cluster.find_message(message_id)
+            if shared is None:
+                raise
+            return shared
+
+    def stored_request(self, message_id: str) -> tuple[MessageView, str] | None:
+        """A stored message's view and its request body as received ("" when prompts are not kept),
+        None when no replica has such a message (``surfaces/base.py`` ``LoadStored``). It runs on a
+        Trio worker thread (``trio.to_thread.run_sync``): it reads the store there, and a message
+        the store lacks from the state other replicas share (:meth:`shared_request`) back on the
+        event loop.
+
+        Raises:
+            RingserveError: ``UNAVAILABLE`` when the store fails to read or the shared store is
+            unreachable.
         """
         try:
             stored = self.store.get(message_id)
         except sqlite3.DatabaseError as exc:
             raise store_failed(exc) from None
-        return None if stored is None else (stored.view(), stored.request)
+        if stored is not None:
+            return stored.view(), stored.request
+        return trio.from_thread.run(self.shared_request, message_id)
 
-    def delete(self, message_id: str) -> None:
-        """Delete a message that has ended: its stored row and its log (``DELETE /v1/responses/{id}``)."""
-        self.store.delete(message_id)
+    async def shared_request(self, message_id: str) -> tuple[MessageView, str] | None:
+        """A message another replica made, and its request body (the replicas share it for the
+        surfaces whose messages a later request continues, ``Surfaces.continued``; else ""), once
+        it has ended; None when no replica has it. Its end reaches the shared state up to a flush
+        interval after its own client had it (``[stream] flush_ms``), so one that is not there
+        yet, or not ended there, is waited for as a reader of its log, at most
+        :data:`CONTINUE_WAIT_SECONDS`; then it is as it is (a client may continue only an ended one).
+
+        Raises:
+            RingserveError: ``UNAVAILABLE``: the shared store is unreachable.
+        """
+        shared = await self.cluster.find_message(message_id, request=True)
+        if shared is None or not shared.status.final:
+            await self._log_ended(message_id, CONTINUE_WAIT_SECONDS)
+            shared = await self.cluster.find_message(message_id, request=True)
+        return None if shared is None else (shared.view(), shared.request)
+
+    def delete(self, message_id: str) -> bool:
+        """Delete a message this replica holds (``DELETE /v1/responses/{id}``, here or relayed by
+        another replica): its stored row and its log, at once if its generation has ended, else
+        once it has (cancelled). Whether this replica held it.
+
+        Raises:
+            RingserveError: ``UNAVAILABLE`` when the store fails to write.
+        """
+        live = self.live(message_id)
+        if live is not None and not live.done.is_set():
+            live.cancel(CancelReason.REQUESTED)
+            self.delete_when_done(live)
+            return True
+        try:
+            held = self.store.delete(message_id)
+        except sqlite3.DatabaseError as exc:
+            raise store_failed(exc) from None
         self.logs.forget(message_id)
+        return held
+
+    async def delete_anywhere(self, message: MessageView) -> None:
+        """Delete ``message`` once it has ended (cancelled if it still runs: :meth:`ended`), here
+        if this replica holds it, else on the replica that does, and return once every replica
+        has lost it (``Cluster.delete_message``).
+
+        Raises:
+            RingserveError: ``UNAVAILABLE``: it was not deleted (a store failed, the shared store
+            is unreachable, or the replica that holds it did not delete it in time).
+        """
+        await self.ended(message)
+        await self.cluster.delete_message(message.id, here=self.delete(message.id))
 
     def surface_of(self, view: MessageView) -> Surface:
         """The surface that spells ``view``'s objects: its own, restored with its echo and the
@@ -342,15 +413,8 @@ class Hub:
             RingserveError: ``NOT_FOUND`` when no replica has such a message;
             ``UNAVAILABLE`` when the shared store is unreachable.
         """
-        try:
-            return self.lookup(message_id)
-        except RingserveError as exc:
-            if exc.kind is not ErrorKind.NOT_FOUND:
-                raise
-            shared = await self.cluster.find_message(message_id)
-            if shared is None:
-                raise
-            return shared.view()
+        msg = self.live(message_id)
+        return msg.view() if msg is not None else (await self.find_stored(message_id)).view()
 
     async def ended(self, message: MessageView) -> MessageView:
         """``message`` once it has ended: cancelled (``REQUESTED``) if it still runs, here or on
@@ -380,10 +444,16 @@ class Hub:
         """
         if message.status.final:
             return message
-        log_ = await self.logs.find(message.id)
+        await self._log_ended(message.id, seconds)
+        shared = await self.cluster.find_message(message.id)
+        return message if shared is None else shared.view()
+
+    async def _log_ended(self, message_id: str, seconds: float) -> None:
+        """Wait until the log of ``message_id`` (here, or a copy of another replica's) has ended, at
+        most ``seconds``, as a reader of it (so the abort policy counts the wait); at once if there
+        is no log."""
+        log_ = await self.logs.find(message_id)
         if log_ is not None:
             with log_.reader(), trio.move_on_after(seconds):
                 while not log_.closed:
                     await log_.wait_for_entries(log_.next_seq - 1 if log_.next_seq else None)
-        shared = await self.cluster.find_message(message.id)
-        return message if shared is None else shared.view()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import assert_never
 
 import attrs
@@ -131,7 +131,8 @@ class Resume:
         logs: the stream-log backend.
         nursery: the server's, where a reconnect hold waits.
         signer: the server's reasoning signer (a rebuilt stream signs as its producer did).
-        stored: the store's row of a message (``Hub.stored``; raises ``NOT_FOUND``).
+        stored: the store's row of a message, else the state another replica wrote of it
+            (``Hub.find_stored``; raises ``NOT_FOUND``).
         is_live: whether a message's generation runs on this replica (its log is then held).
     """
 
@@ -139,7 +140,7 @@ class Resume:
     logs: LogStore
     nursery: trio.Nursery
     signer: ReasoningSigner
-    stored: Callable[[str], StoredMessage]
+    stored: Callable[[str], Awaitable[StoredMessage]]
     is_live: Callable[[str], bool]
 
     async def open_log(self, message_id: str, last_event_id: str | None) -> tuple[MessageLog, int | None]:
@@ -162,7 +163,7 @@ class Resume:
         after = None if last_event_id is None else _resume_after(last_event_id, message_id)
         log_ = await self.logs.find(message_id, after)  # a replica's copy may first catch up to after
         if log_ is None or (log_.closed and log_.position(after) is Position.LEFT_RING):
-            row = None if self.is_live(message_id) else self.stored(message_id)  # NOT_FOUND: unknown
+            row = None if self.is_live(message_id) else await self.stored(message_id)  # NOT_FOUND: unknown
             if after is not None and row is not None and row.final_seq == after:
                 raise StreamEnded(message_id)
             log_ = None if row is None else rebuilt(row, self.signer)

@@ -52,8 +52,10 @@ Protocol                       Redis
 ``reader()`` / ``on_idle``     a reader on another replica is reported to the
                                owner (``XADD readers * id <id> d +1|-1``, read by
                                every pump); ``readers`` counts both.
-``Cluster.find_message(id)``   ``HGETALL msg:{id}``: the status the owner wrote.
+``Cluster.find_message(id)``   ``HMGET msg:{id} <fields>``: the status the owner wrote.
 ``Cluster.request_cancel(id)`` ``XADD cancel * id <id>``, read by every pump.
+``Cluster.delete_message(id)`` ``XADD cancel * id <id> do delete``, read by every
+                               pump; then ``EXISTS msg:{id}`` until it is gone.
 ``Cluster.claim_key``          ``SET idem:{key} [id, hash] NX EX`` in a script that
                                also replaces the holder it is told to replace
                                (compare and set); ``release_key`` deletes it if

@@ -41,9 +41,15 @@ through anyio; redis-py's asyncio client does not.
 
 Message state: :class:`MirroredMessageStore` copies every write of the
 owner's SQLite store to a hash ``ringserve:msg:{id}`` in the same pipeline,
-which :meth:`RedisCluster.find_message` reads on any replica. Cancel:
+which :meth:`RedisCluster.find_message` reads on any replica. An update is
+written only into a hash that was written whole; one that is gone (a Redis
+restart, an eviction) is written whole again from the owner's row at the next
+flush (:data:`_WRITE_STATUS`), so a hash never lacks a field. Cancel:
 :meth:`RedisCluster.request_cancel` adds the id to :data:`CANCEL_STREAM`,
-which every replica's pump reads; the owner calls its ``on_cancel``.
+which every replica's pump reads; the owner calls its ``on_cancel``. Delete:
+:meth:`RedisCluster.delete_message` adds it there as a delete; the replica
+whose store has the row calls its ``on_delete``, which deletes the row, and
+the hash and the stream at its next flush.
 
 Reader counts: each reader of a remote copy entering and leaving is queued
 (``+1``/``-1``) for :data:`READERS_STREAM`, which the owner's pump adds to
@@ -70,6 +76,7 @@ import json
 import logging
 import math
 import secrets
+import sqlite3
 from collections.abc import Callable, Iterator
 from typing import assert_never
 
@@ -81,6 +88,7 @@ import trio
 from coredis.tokens import PureToken
 
 from ringserve.config import StreamConfig
+from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.ringlog import LogState, RingLog
 from ringserve.core.status import OWNER_LOST_MESSAGE
 from ringserve.logs.cluster import KeyHolder
@@ -122,8 +130,13 @@ LIVE_KEY_SECONDS = 3600
 MESSAGE_PREFIX = "ringserve:msg:"
 #: Seconds a status hash lives past its latest write (SQLite on the owner keeps the row for good).
 MESSAGE_KEY_SECONDS = 86400
-#: The stream every replica's pump reads: cancel requests (field ``id``), acted on by the owner.
+#: The stream every replica's pump reads: cancel requests (field ``id``), acted on by the owner, and
+#: delete requests (fields ``id`` and ``do``: ``delete``), acted on by the replica whose store has it.
 CANCEL_STREAM = "ringserve:cancel"
+#: The longest :meth:`RedisCluster.delete_message` waits for the message's replica to delete it, in
+#: seconds, and how often it looks.
+DELETE_WAIT_SECONDS = 10.0
+DELETE_POLL_SECONDS = 0.02
 #: The stream every replica's pump reads: readers of a message coming and going on a replica
 #: (fields ``id`` and ``d``, ``+1``/``-1``), counted by the owner.
 READERS_STREAM = "ringserve:readers"
@@ -137,7 +150,8 @@ LEASE_MS = 5000
 #: Ends a stream whose owner is gone: appends the given entries (ARGV[3..]) and the terminal marker
 #: at the ids after ARGV[1] (the last id the caller holds), only if that is still the stream's last
 #: id (else the owner, or another replica, wrote meanwhile: nothing is done); then EXPIRE ARGV[2] and
-#: the status hash KEYS[2] gets status "interrupted" and the error ARGV[#ARGV] (JSON). Returns 1 or 0.
+#: the status hash KEYS[2], if it exists, gets status "interrupted" and the error ARGV[#ARGV] (JSON).
+#: Returns 1 or 0.
 _TAKE_OVER = """
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if #last == 0 or last[1][1] ~= ARGV[1] then return 0 end
@@ -148,7 +162,20 @@ for i = 3, #ARGV - 1 do
 end
 redis.call('XADD', KEYS[1], (seq + 1) .. '-0', 's', 'failed')
 redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('HSET', KEYS[2], 'status', '"interrupted"', 'error', ARGV[#ARGV])
+if redis.call('EXISTS', KEYS[2]) == 1 then
+    redis.call('HSET', KEYS[2], 'status', '"interrupted"', 'error', ARGV[#ARGV])
+end
+return 1
+"""
+#: Writes a status hash KEYS[1]: the field-value pairs ARGV[3..] (HSET), then EXPIRE ARGV[2]. With
+#: ARGV[1] '0' (the fields an update changed) only into a hash that was written whole (it holds
+#: the message's ``id``): returns 0 and writes nothing when there is none (Redis restarted, or
+#: evicted it) or only a part of one (an owner of an older version wrote only what changed into
+#: a hash a restart had taken), else 1.
+_WRITE_STATUS = """
+if ARGV[1] == '0' and redis.call('HEXISTS', KEYS[1], 'id') == 0 then return 0 end
+if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 #: Prefix of each ``Idempotency-Key``'s claim (the key as ``Hub.create`` spells it, with its surface):
@@ -237,6 +264,23 @@ class _Readers:
 class _Status:
     key: str
     fields: dict[str, str]  # StoredMessage field -> JSON
+    # None: ``fields`` are all the hash holds (an insert), written whatever the key holds. Else
+    # they are the fields an update changed, written only into a hash that exists, and ``whole``
+    # gives all of them (the owner's row now; None once the row is gone) when it does not.
+    whole: Callable[[], dict[str, str] | None] | None = None
+
+
+@attrs.frozen
+class _Delete:
+    message_id: str
+
+
+#: What the flusher sends: an entry, a log's end, a reader count, a status write, a deletion.
+_Op = _Append | _Close | _Readers | _Status | _Delete
+
+
+def _encoded(fields: dict[str, object]) -> dict[str, str]:
+    return {name: json.dumps(value) for name, value in fields.items()}
 
 
 @attrs.define
@@ -253,7 +297,7 @@ class _PumpCursors:
 class _Writer:
     """The owned logs' :class:`~ringserve.logs.memory.LogMirror`: queues each append and close."""
 
-    pending: list[_Append | _Close | _Readers | _Status] = attrs.Factory(list)
+    pending: list[_Op] = attrs.Factory(list)
     wanted: trio.Event = attrs.Factory(trio.Event)
 
     def appended(self, log_: MemoryMessageLog, seq: int, data: bytes) -> None:
@@ -262,18 +306,37 @@ class _Writer:
     def closed(self, log_: MemoryMessageLog) -> None:
         self._queue(_Close(stream_key(log_.message_id), log_.next_seq, log_.state))
 
-    def status(self, message_id: str, fields: dict[str, object]) -> None:
-        encoded = {name: json.dumps(value) for name, value in fields.items() if name != "request"}
-        self._queue(_Status(MESSAGE_PREFIX + message_id, encoded))
+    def status(self, message_id: str, fields: dict[str, object],
+               whole: Callable[[], dict[str, object] | None] | None = None) -> None:
+        """Write ``fields`` to the message's status hash: all of them (``whole`` None), or the ones
+        an update changed, into a hash written whole; a hash that is gone (Redis restarted, or
+        evicted it), or was only partly written, is written whole again from ``whole()``, so it
+        never lacks a field for long."""
+
+        def whole_encoded() -> dict[str, str] | None:
+            assert whole is not None
+            got = whole()
+            return None if got is None else _encoded(got)
+
+        self._queue(_Status(MESSAGE_PREFIX + message_id, _encoded(fields), None if whole is None else whole_encoded))
+
+    def deleted(self, message_id: str) -> None:
+        """Delete the message's status hash and stream (after every write queued before)."""
+        self._queue(_Delete(message_id))
 
     def readers(self, message_id: str, delta: int) -> None:
         self._queue(_Readers(message_id, delta))
 
-    def _queue(self, op: _Append | _Close | _Readers | _Status) -> None:
+    def _queue(self, op: _Op) -> None:
         self.pending.append(op)
         self.wanted.set()
 
-    def take(self) -> list[_Append | _Close | _Readers | _Status]:
+    def again_first(self, ops: list[_Op]) -> None:
+        """Send ``ops`` before everything queued (at the next flush)."""
+        self.pending[:0] = ops
+        self.wanted.set()
+
+    def take(self) -> list[_Op]:
         ops, self.pending = self.pending, []
         self.wanted = trio.Event()
         return ops
@@ -287,6 +350,12 @@ def _unavailable_if_down() -> Iterator[None]:
     except _REDIS_ERRORS as exc:
         log.warning("redis: %r", exc)
         raise store_unavailable() from None
+
+
+#: The fields of :class:`~ringserve.store.sqlite.StoredMessage`, which a status hash holds (``request``
+#: only for a surface whose messages a later request continues), and those it cannot be without.
+_STATE_FIELDS = tuple(field.name for field in attrs.fields(StoredMessage))
+_REQUIRED_FIELDS = frozenset(field.name for field in attrs.fields(StoredMessage) if field.default is attrs.NOTHING)
 
 
 def _holder_json(holder: KeyHolder) -> str:
@@ -315,6 +384,8 @@ class RedisLogStore:
         url: the Redis server (``StreamConfig.redis_url_from``).
         on_cancel: called with a message id when any replica asks for the cancel of a message
             this one owns (the hub cancels it).
+        on_delete: called with a message id when any replica asks for its deletion (the hub
+            deletes it if its store has it).
         on_owner_lost: renders the in-band error that ends a stream whose owner died: called
             with the message's shared state and the seq of the first entry to write; returns
             those entries' SSE bytes (``live/resume.py`` ``owner_lost_entries``).
@@ -328,6 +399,7 @@ class RedisLogStore:
     config: StreamConfig
     url: str
     on_cancel: Callable[[str], None] | None = attrs.field(default=None, kw_only=True)
+    on_delete: Callable[[str], None] | None = attrs.field(default=None, kw_only=True)
     on_owner_lost: Callable[[StoredMessage, int], list[bytes]] | None = attrs.field(default=None, kw_only=True)
     clock: Callable[[], float] = attrs.field(default=trio.current_time, kw_only=True)
     replica: str = attrs.field(factory=lambda: secrets.token_hex(8), kw_only=True)
@@ -447,19 +519,26 @@ class RedisLogStore:
             owner = pipe.hget(MESSAGE_PREFIX + message_id, "owner")
         return await entries, await owner
 
-    async def message_state(self, message_id: str) -> StoredMessage | None:
-        """The status its owner last wrote to Redis (``request`` left empty), or ``None``.
+    async def message_state(self, message_id: str, *, request: bool = False) -> StoredMessage | None:
+        """The status its owner last wrote to Redis, or ``None``: there is none, or one that lacks
+        a field a message cannot be without (only an owner of an older version leaves one so; the
+        owner writes it whole again at its next write, ``_Writer.status``).
+
+        Args:
+            message_id: the message.
+            request: read its request body too (the hash holds it for the surfaces whose messages
+                a later request continues: ``MirroredMessageStore``); else ``request`` is empty.
 
         Raises:
             RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable.
         """
+        names = [name for name in _STATE_FIELDS if request or name != "request"]
         with _unavailable_if_down():
-            fields = await self._client.hgetall(MESSAGE_PREFIX + message_id)
-        if not fields:
+            values = await self._client.hmget(MESSAGE_PREFIX + message_id, names)
+        found = {name: json.loads(value) for name, value in zip(names, values, strict=True) if value is not None}
+        if not _REQUIRED_FIELDS <= {*found, "request"}:
             return None
-        values = {name.decode(): json.loads(value) for name, value in fields.items()}
-        values.pop("owner", None)
-        return StoredMessage(**{**values, "request": ""})
+        return StoredMessage(**{"request": "", **found})
 
     def forget(self, message_id: str) -> None:
         """Drop a log from this replica now (its Redis key expires by itself)."""
@@ -550,14 +629,24 @@ class RedisLogStore:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0), contextlib.suppress(*_REDIS_ERRORS):
                     await self._send(ops)
 
-    async def _send(self, ops: list[_Append | _Close | _Readers | _Status]) -> None:
-        """One pipelined round trip: every queued XADD in order, and the EXPIREs."""
+    async def _send(self, ops: list[_Op]) -> None:
+        """One pipelined round trip: the status writes, every queued XADD in order, the EXPIREs,
+        then the deletions. A status update that found its hash gone is queued again whole, first
+        (``_Writer.status``)."""
         ttl = max(1, math.ceil(self.config.ttl_seconds))  # EXPIRE 0 would delete before a remote reader saw the end
         expiries: dict[str, int] = {}
         # Statuses first: a reader that sees a log's terminal marker then reads the final status.
-        ordered = [op for op in ops if isinstance(op, _Status)] + [op for op in ops if not isinstance(op, _Status)]
+        # Deletions last: nothing queued before one brings its keys back.
+        statuses = [op for op in ops if isinstance(op, _Status)]
+        deleted = [op.message_id for op in ops if isinstance(op, _Delete)]
+        rest = [op for op in ops if not isinstance(op, _Status | _Delete)]
+        written = []
         async with self._client.pipeline(transaction=False, raise_on_error=False) as pipe:
-            for op in ordered:
+            for status in statuses:
+                flat = [item for pair in status.fields.items() for item in pair]
+                written.append(pipe.eval(_WRITE_STATUS, keys=[status.key],
+                                         args=["1" if status.whole is None else "0", MESSAGE_KEY_SECONDS, *flat]))
+            for op in rest:
                 match op:
                     case _Append(key=key, seq=seq, data=data):
                         pipe.xadd(key, {_DATA: data}, identifier=_entry_id(seq), trim_strategy=PureToken.MAXLEN,
@@ -570,14 +659,20 @@ class RedisLogStore:
                         pipe.xadd(READERS_STREAM, {b"id": message_id.encode(), b"d": str(delta).encode()},
                                   trim_strategy=PureToken.MAXLEN, threshold=CANCEL_STREAM_MAXLEN,
                                   trim_operator=PureToken.APPROXIMATELY)
-                    case _Status(key=key, fields=fields):
-                        pipe.hset(key, fields)
-                        expiries[key] = MESSAGE_KEY_SECONDS
                     case _:
                         assert_never(op)
             for key, seconds in expiries.items():
                 pipe.expire(key, seconds)
+            for message_id in deleted:
+                pipe.delete([MESSAGE_PREFIX + message_id, stream_key(message_id)])
         self.round_trips_total += 1
+        again: list[_Op] = []
+        for status, result in zip(statuses, written, strict=True):
+            with contextlib.suppress(coredis.exceptions.ResponseError):  # dropped, as a failed XADD is
+                if not await result and status.whole is not None and (fields := status.whole()) is not None:
+                    again.append(_Status(status.key, fields))
+        if again:
+            self._writer.again_first(again)
 
     # -- tailing ------------------------------------------------------------
 
@@ -687,7 +782,10 @@ class RedisLogStore:
                     cursors.cancel = entries[-1].identifier.decode()  # type: ignore[union-attr]
                     for entry in entries:
                         message_id = entry.field_values[b"id"].decode()  # type: ignore[union-attr]
-                        if self.on_cancel is not None and self.local.get(message_id) is not None:
+                        if entry.field_values.get(b"do") == b"delete":
+                            if self.on_delete is not None:
+                                self.on_delete(message_id)
+                        elif self.on_cancel is not None and self.local.get(message_id) is not None:
                             self.on_cancel(message_id)
                     continue
                 copy = self._remote.get(name.removeprefix(KEY_PREFIX))
@@ -708,9 +806,9 @@ class RedisCluster:
 
     logs: RedisLogStore
 
-    async def find_message(self, message_id: str) -> StoredMessage | None:
+    async def find_message(self, message_id: str, *, request: bool = False) -> StoredMessage | None:
         """The status its owner last wrote to Redis (``RedisLogStore.message_state``)."""
-        return await self.logs.message_state(message_id)
+        return await self.logs.message_state(message_id, request=request)
 
     async def request_cancel(self, message_id: str) -> None:
         """Ask the replica that owns ``message_id`` to cancel it (an entry in :data:`CANCEL_STREAM`).
@@ -721,6 +819,35 @@ class RedisCluster:
         with _unavailable_if_down():
             await self.logs.client.xadd(CANCEL_STREAM, {b"id": message_id.encode()}, trim_strategy=PureToken.MAXLEN,
                                         threshold=CANCEL_STREAM_MAXLEN, trim_operator=PureToken.APPROXIMATELY)
+
+    async def delete_message(self, message_id: str, *, here: bool) -> None:
+        """Wait until ``message_id``'s status hash is gone (looking every :data:`DELETE_POLL_SECONDS`),
+        having asked the replica that holds it to delete it unless this one did (``here``: then
+        its flusher deletes the hash and the stream, ``MirroredMessageStore.delete``). The ask is an
+        entry ``id``, ``do=delete`` in :data:`CANCEL_STREAM`: every replica whose store has the row
+        deletes it, and its hash and stream with it (``RedisLogStore``'s ``on_delete``).
+
+        Raises:
+            RingserveError: ``UNAVAILABLE`` (503 with ``Retry-After``): Redis is unreachable, or the
+            hash is still there after :data:`DELETE_WAIT_SECONDS` (the replica that holds the
+            message is stopped or cut off): the message was not deleted.
+        """
+        key = MESSAGE_PREFIX + message_id
+        with _unavailable_if_down():
+            if not here:
+                await self.logs.client.xadd(CANCEL_STREAM, {b"id": message_id.encode(), b"do": b"delete"},
+                                            trim_strategy=PureToken.MAXLEN, threshold=CANCEL_STREAM_MAXLEN,
+                                            trim_operator=PureToken.APPROXIMATELY)
+            with trio.move_on_after(DELETE_WAIT_SECONDS):
+                while await self.logs.client.exists([key]):
+                    await trio.sleep(DELETE_POLL_SECONDS)
+                return
+        raise RingserveError(
+            ErrorKind.UNAVAILABLE,
+            f"{message_id[:80]} was not deleted: the replica that generated it did not delete it within"
+            f" {DELETE_WAIT_SECONDS:g} s (it may be stopped); retry",
+            retryable=True,
+        )
 
     async def claim_key(self, key: str, holder: KeyHolder, *, replaces: str | None = None) -> KeyHolder | None:
         """Make ``key`` name ``holder`` on every replica unless it names another message (one script).
@@ -761,26 +888,61 @@ class MirroredMessageStore(MessageStore):
     ``HSET`` of the fields written (with ``owner``, this replica) on that
     store's next pipelined flush, so that :meth:`RedisCluster.find_message`
     on any replica reads the status, the text so far and the usage (as fresh
-    as ``[stream] persist_seconds``).
+    as ``[stream] persist_seconds``). An update whose hash is gone (Redis
+    restarted, or evicted it) writes the row whole again instead. The request
+    body is written only for the surfaces named in ``shared_requests`` (those
+    whose messages a later request continues: the other replicas read the
+    conversation from it). :meth:`delete` deletes the hash and the stream too.
     """
 
     _logs: RedisLogStore | None = None
+    _shared_requests: frozenset[str] = frozenset()
 
-    def mirror_to(self, logs: RedisLogStore) -> MirroredMessageStore:
-        """Send every later write to ``logs``'s flusher too; returns ``self``."""
+    def mirror_to(self, logs: RedisLogStore, shared_requests: frozenset[str] = frozenset()) -> MirroredMessageStore:
+        """Send every later write to ``logs``'s flusher too, with the request bodies of the messages
+        of the surfaces named in ``shared_requests``; returns ``self``."""
         self._logs = logs
+        self._shared_requests = shared_requests
         return self
+
+    @property
+    def _writer(self) -> _Writer:
+        assert self._logs is not None, "mirror_to() was not called"
+        return self._logs._writer
+
+    def _shared(self, message: StoredMessage) -> dict[str, object]:
+        """What the other replicas read of ``message``: all its fields (the request only if shared),
+        and its owner."""
+        assert self._logs is not None, "mirror_to() was not called"
+        shared = {"request": message.request} if message.surface in self._shared_requests else {}
+        return {**attrs.asdict(message, filter=lambda field, _value: field.name != "request"), **shared,
+                "owner": self._logs.replica}
+
+    def _whole(self, message_id: str) -> dict[str, object] | None:
+        """The row as the other replicas read it, as this store has it now; None once deleted, or
+        when the store fails to read (logged: the hash is written whole at a later update)."""
+        try:
+            row = self.get(message_id)
+        except sqlite3.Error as exc:
+            log.warning("redis: the status of %s is not in Redis, and the store failed to read it: %r", message_id, exc)
+            return None
+        return None if row is None else self._shared(row)
 
     def insert(self, message: StoredMessage) -> None:
         super().insert(message)
-        assert self._logs is not None, "mirror_to() was not called"
-        self._logs._writer.status(message.id, {**attrs.asdict(message), "owner": self._logs.replica})
+        self._writer.status(message.id, self._shared(message))
 
     def update(self, message_id: str, **fields: object) -> None:
         """Write ``fields`` to SQLite and to Redis; the other replicas read them even when the SQLite
         write fails (the hub writes the state again once it works)."""
-        assert self._logs is not None, "mirror_to() was not called"
         try:
             super().update(message_id, **fields)
         finally:
-            self._logs._writer.status(message_id, fields)
+            self._writer.status(message_id, fields, whole=lambda: self._whole(message_id))
+
+    def delete(self, message_id: str) -> bool:
+        """Delete the row; if there was one, its status hash and its stream too (at the next flush)."""
+        existed = super().delete(message_id)
+        if existed:
+            self._writer.deleted(message_id)
+        return existed

@@ -52,6 +52,7 @@ from ringserve.core.signing import ReasoningSigner
 from ringserve.core.view import MessageView
 from ringserve.surfaces.base import (
     check_enforced,
+    SAMPLER_FIELDS,
     CallIds,
     FieldTable,
     ParsedRequest,
@@ -116,10 +117,10 @@ STOP_REASONS = {
 #: extensions; docs/compatibility.md's table.
 REQUEST_FIELDS = FieldTable(
     supported=frozenset({
-        "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-        "tools", "tool_choice", "output_config", "output_format", "thinking", "context_management",
-        # extensions, as llama.cpp's server accepts them
-        "min_p", "seed",
+        "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "tools", "tool_choice",
+        "output_config", "output_format", "thinking", "context_management",
+        # the samplers: Anthropic's (temperature, top_p, top_k), and the extensions llama.cpp's server accepts
+        *SAMPLER_FIELDS,
     }),
     ignored=frozenset({
         # request bookkeeping and routing that cannot change the text
@@ -480,7 +481,13 @@ def conversation(body: dict[str, Any]) -> GenerationRequest:
     * ``system``: a string or text blocks; Claude Code's billing stamp (:data:`BILLING_STAMP`)
       is dropped.
     * ``messages``: a ``system`` message stays where it stands (the chat template folds it in);
-      its ``output_config.effort`` (Claude Code's per-turn effort) overrides the request's.
+      its ``output_config.effort`` (Claude Code's per-turn effort) overrides the request's. One
+      with no text is a control message: its controls apply and it renders nothing (Claude
+      Code under ``--bare`` sends ``{"role": "system", "content": [], "output_config":
+      {"effort": ...}}``); ``content: []`` with no ``output_config`` field is a 400, as
+      ``BetaSystemMessageParam`` documents. ``content: []`` is a 400 on a ``user`` or
+      ``assistant`` turn too, but for a last ``assistant`` turn, which the Messages API lets be
+      empty.
     * ``tools``: at most :data:`~ringserve.surfaces.base.MAX_TOOLS` custom tools
       (:data:`TOOL_FIELDS`) with distinct names and an object ``input_schema``; a tool with
       ``defer_loading`` joins the prompt only once a ``tool_reference`` block names it.
@@ -513,7 +520,7 @@ def conversation(body: dict[str, Any]) -> GenerationRequest:
         MESSAGE_FIELDS.check(m, where, param="messages")
         if m.get("output_config") is not None:
             seen.effort = _effort(m["output_config"], f"{where}.output_config", TURN_OUTPUT_CONFIG_FIELDS) or seen.effort
-        _turns(m, where, seen)
+        _turns(m, where, seen, last=i == len(raw) - 1)
     every = tool_list(body.get("tools"), "tools", _tool)
     deferred = _deferred(body.get("tools"))
     names = {t.name for t in every}
@@ -692,15 +699,24 @@ _ROLE_OF_BLOCK = {"tool_use": "assistant", "tool_result": "user", "thinking": "a
                   "redacted_thinking": "assistant"}
 
 
-def _turns(m: dict[str, Any], where: str, seen: _Conversation) -> None:
-    """Add the neutral turns of one message to ``seen``: one, or a user message's tool results and
-    texts in order."""
+def _turns(m: dict[str, Any], where: str, seen: _Conversation, *, last: bool) -> None:
+    """Add the neutral turns of one message (the ``last`` of the request or not) to ``seen``: one,
+    none for a system message with no text (a control message: :func:`conversation`), or a user
+    message's tool results and texts in order."""
     role = m.get("role")
     if role not in ROLES:
         raise invalid(f"{where}.role: must be one of {', '.join(ROLES)}", param="messages")
     content, where = m.get("content"), f"{where}.content"
-    if role == "system" or not isinstance(content, list) or not content:
-        seen.messages.append(ChatMessage(role, text_content(content, where, TEXT_BLOCK_FIELDS, allow_empty=False)))
+    if role == "system":
+        text = text_content(content, where, TEXT_BLOCK_FIELDS)
+        if text:
+            seen.messages.append(ChatMessage("system", text))
+        elif content == [] and not any(v is not None for v in (m.get("output_config") or {}).values()):
+            raise invalid(f"{where}: a system message needs content or output_config fields", param="messages")
+        return
+    if not isinstance(content, list) or not content:
+        empty_ok = last and role == "assistant"  # an empty prefill, as the Messages API allows
+        seen.messages.append(ChatMessage(role, text_content(content, where, TEXT_BLOCK_FIELDS, allow_empty=empty_ok)))
         return
     texts: list[str] = []
     calls: list[ToolCall] = []
@@ -876,12 +892,13 @@ class AnthropicSurface:
         Fields as :data:`REQUEST_FIELDS` lists them: ``model``,
         ``max_tokens`` (required, 1 to 1,000,000; more than the context leaves
         is served until the context is full), ``messages`` (user, assistant
-        and system turns; string content or a non-empty list of blocks, see
+        and system turns; string content or a list of blocks, see
         :func:`conversation`), ``system`` (string or text
         blocks), ``tools``, ``tool_choice``, ``output_config``, ``thinking`` and
         ``context_management`` (see :func:`conversation`), ``temperature`` (0–1), ``top_p``, ``top_k``,
         ``stop_sequences`` (a list of non-empty strings), ``stream``; and, as llama.cpp's server does,
-        ``min_p`` and ``seed``. Bookkeeping fields (``metadata``, ``cache_control``, ...) and
+        its other samplers (``surfaces/base.py`` :func:`~ringserve.surfaces.base.sampling_params`).
+        Bookkeeping fields (``metadata``, ``cache_control``, ...) and
         unknown fields are accepted and reported (``surfaces/base.py`` ``report_ignored``);
         what a correct answer needs and ringserve cannot give (image or document blocks, server
         tools, MCP servers, ...) is refused. Headers such as ``anthropic-beta`` are not read.

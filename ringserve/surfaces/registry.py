@@ -54,6 +54,9 @@ class Surfaces:
             rendered text and its tokens, for people debugging a model's prompt).
         policy_like: a surface name → the surface whose ``[policy]`` setting it takes when it
             has none of its own (:meth:`policy`).
+        continued: the names of the surfaces whose stored messages a later request continues by
+            id (the Responses API's ``previous_response_id``): with the Redis backend the replicas
+            share their request bodies, so that any replica reads the conversation.
     """
 
     surfaces: tuple[Surface, ...] = attrs.field(validator=_check_prefixes)
@@ -64,6 +67,7 @@ class Surfaces:
     counts: Mapping[str, Counting] = attrs.Factory(dict)
     renders: Mapping[str, Surface] = attrs.Factory(dict)
     policy_like: Mapping[str, str] = attrs.Factory(dict)
+    continued: frozenset[str] = frozenset()
 
     def policy(self, policies: PolicyConfig, surface: Surface) -> Policy:
         """The disconnect policy of ``surface``'s messages: its ``[policy]`` key, else that of the
@@ -136,4 +140,5 @@ SURFACES = Surfaces(
     counts={"/v1/messages/count_tokens": ANTHROPIC, "/v1/responses/input_tokens": RESPONSES},
     renders={"/v1/messages/render": ANTHROPIC, "/v1/chat/completions/render": OPENAI, "/v1/responses/render": RESPONSES},
     policy_like={"responses": "openai"},  # a foreground response follows [policy] openai unless [policy] responses
+    continued=frozenset({RESPONSES.name}),
 )

@@ -31,8 +31,9 @@ Terminal events, by how the generation ended:
   with its message item ``incomplete``. Both are values of the SDK's types, so
   every reader ends on an event its SDK accepts (``response.completed`` would
   claim an end of turn);
-- an error: ``response.failed`` with ``error.code`` (``server_error``,
-  ``rate_limit_exceeded``, ``invalid_prompt``) and the message.
+- an error (a drain's too): ``response.failed`` with ``error.code`` (``server_error``,
+  ``rate_limit_exceeded``, ``invalid_prompt``) and the message, right after the last delta: the
+  item it interrupted gets no done events (:class:`ResponsesRenderer`).
 
 HTTP errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``
 (the Chat Completions surface's table).
@@ -60,10 +61,12 @@ from ringserve.core.events import (
     Failure,
     Finish,
     GenerationRequest,
+    MAX_TOP_LOGPROBS,
     OutputFormat,
     OutputKind,
     ReasoningConfig,
     StopReason,
+    TokenLogprob,
     ToolCall,
     ToolChoice,
     ToolChoiceMode,
@@ -76,7 +79,9 @@ from ringserve.core.render import SEQ_VALUE, WireEvent
 from ringserve.core.signing import ReasoningSigner
 from ringserve.core.view import MessageView
 from ringserve.surfaces.base import (
+    SAMPLER_FIELDS,
     check_enforced,
+    logprob_json,
     CallIds,
     Continuation,
     LoadStored,
@@ -107,17 +112,18 @@ MAX_OUTPUT_TOKENS_LIMIT = 1_000_000
 #: OpenAI's metadata limits: 16 pairs, keys up to 64 characters, values up to 512.
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 
-_ZERO = (0, 0.0)
 
 #: What ``parse_create`` does with each field of ``openai.types.responses.ResponseCreateParams``
 #: (openai 3.57) and with ringserve's extensions; docs/compatibility.md's table.
 REQUEST_FIELDS = FieldTable(
     supported=frozenset({
-        "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
-        "stream_options", "background", "store", "metadata", "previous_response_id", "text",
-        "tools", "tool_choice", "parallel_tool_calls", "prompt_cache_key", "reasoning", "include",
-        # extensions, as llama.cpp's server accepts them on its other routes
-        "top_k", "min_p", "seed", "chat_template_kwargs",
+        "model", "input", "instructions", "max_output_tokens", "stream", "stream_options", "background", "store",
+        "metadata", "previous_response_id", "text", "tools", "tool_choice", "parallel_tool_calls",
+        "prompt_cache_key", "reasoning", "include", "top_logprobs",
+        # the samplers: OpenAI's (temperature, top_p), and the extensions llama.cpp's server accepts
+        *SAMPLER_FIELDS,
+        # an extension, as llama.cpp's server accepts it on its other routes
+        "chat_template_kwargs",
     }),
     ignored=frozenset({
         # bookkeeping, caching and routing that cannot change the text
@@ -128,7 +134,6 @@ REQUEST_FIELDS = FieldTable(
     }),
     refused={
         "max_tool_calls": Refused("a limit on the number of tool calls is not implemented"),
-        "top_logprobs": Refused("log probabilities are not implemented", neutral=(0,)),
         "truncation": Refused("the input is never truncated: a conversation that does not fit is a 400",
                               neutral=("disabled",)),
         "conversation": Refused("the Conversations API is not implemented; use previous_response_id"),
@@ -158,10 +163,12 @@ REASONING_FIELDS = FieldTable(
 #: ``reasoning.summary`` values: each asks for the reasoning as a summary (:class:`ResponsesRenderer`).
 SUMMARIES = ("auto", "concise", "detailed")
 
-#: The ``include`` value that asks for each reasoning item's ``encrypted_content``; the others
-#: (``openai.types.responses.ResponseIncludable``: hosted tools' results, image URLs, log
-#: probabilities) have nothing to add here and are reported.
+#: The ``include`` value that asks for each reasoning item's ``encrypted_content``, and the one
+#: that asks for the log probabilities of the output text's tokens; the others
+#: (``openai.types.responses.ResponseIncludable``: hosted tools' results, image URLs) have nothing
+#: to add here and are reported.
 ENCRYPTED_CONTENT = "reasoning.encrypted_content"
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
 
 #: The fields of ``text.format`` (``ResponseFormatTextConfigParam``: ``ResponseFormatText``,
 #: ``ResponseFormatJSONObject``, ``ResponseFormatTextJSONSchemaConfigParam``; flat, unlike Chat's
@@ -312,12 +319,14 @@ class ResponseOptions:
     call items of the tools that are not plain functions spell them (by the name the model calls).
     ``effort`` and ``summary`` are the request's ``reasoning`` (:data:`SUMMARIES`), and
     ``encrypted_content`` whether its ``include`` asks for reasoning items' encrypted content.
+    ``temperature``, ``top_p`` and ``top_logprobs`` are the request's (None: not sent).
     """
 
     instructions: str | None = None
     max_output_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
     metadata: dict[str, str] = attrs.Factory(dict)
     previous_response_id: str | None = None
     background: bool = False
@@ -647,20 +656,21 @@ def _reasoning(value: Any) -> tuple[ReasoningConfig, str | None, str | None]:
     return reasoning_effort(effort, "reasoning.effort"), effort, summary
 
 
-def _include(value: Any) -> bool:
-    """``include``: whether it asks for :data:`ENCRYPTED_CONTENT`; its other values are reported.
+def _include(value: Any) -> frozenset[str]:
+    """``include``: which of :data:`ENCRYPTED_CONTENT` and :data:`OUTPUT_LOGPROBS` it asks for;
+    its other values are reported.
 
     Raises:
         RingserveError: ``INVALID_REQUEST``: not a list of strings.
     """
     if value is None:
-        return False
+        return frozenset()
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise invalid("include: must be a list of strings", param="include")
     for i, item in enumerate(value):
-        if item != ENCRYPTED_CONTENT:
+        if item not in (ENCRYPTED_CONTENT, OUTPUT_LOGPROBS):
             report_ignored(f"include[{i}]")
-    return ENCRYPTED_CONTENT in value
+    return frozenset(value) & {ENCRYPTED_CONTENT, OUTPUT_LOGPROBS}
 
 
 def _metadata(value: Any) -> dict[str, str]:
@@ -721,8 +731,10 @@ def parse_create(body: Any) -> ResponseCreate:
     it, as OpenAI's API requires), ``metadata`` (16 string pairs),
     ``previous_response_id``, ``prompt_cache_key`` (the prefix cache's slot choice prefers the
     slot its key last used), ``text`` (``format``: ``text``, ``json_object``, or
-    ``json_schema`` with ``name``, ``schema``, ``strict``; :data:`FORMAT_FIELDS`);
-    and ``top_k``, ``min_p``, ``seed`` as extensions. Unknown fields are accepted and reported;
+    ``json_schema`` with ``name``, ``schema``, ``strict``; :data:`FORMAT_FIELDS`), ``include``
+    (:data:`ENCRYPTED_CONTENT`, :data:`OUTPUT_LOGPROBS`) and ``top_logprobs`` (0..20); and
+    llama.cpp's server's other samplers as extensions (``surfaces/base.py``
+    :func:`~ringserve.surfaces.base.sampling_params`). Unknown fields are accepted and reported;
     ``mcp`` tools, items of tools ringserve has no equivalent for and unknown item types are
     refused.
 
@@ -749,10 +761,13 @@ def parse_create(body: Any) -> ResponseCreate:
     max_tokens = get_int(body, "max_output_tokens", lo=1, hi=MAX_OUTPUT_TOKENS_LIMIT)
     sampling = sampling_params(body, max_temperature=2.0)
     reasoning, effort, summary = _reasoning(body.get("reasoning"))
+    include = _include(body.get("include"))
+    top_logprobs = get_int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     request = check_enforced(GenerationRequest(messages=messages, max_tokens=max_tokens, sampling=sampling,
                                                tools=tools, tool_choice=choice, output=output, reasoning=reasoning,
                                                template_kwargs=template_kwargs(body),
-                                               cache_key=get_str(body, "prompt_cache_key")),
+                                               cache_key=get_str(body, "prompt_cache_key"),
+                                               logprobs=(top_logprobs or 0) if OUTPUT_LOGPROBS in include else None),
                              "tools[{i}].parameters", "text.format.schema")
     return ResponseCreate(
         options=ResponseOptions(
@@ -771,7 +786,8 @@ def parse_create(body: Any) -> ResponseCreate:
             calls=_call_names(body.get("tools")),
             effort=effort,
             summary=summary,
-            encrypted_content=_include(body.get("include")),
+            encrypted_content=ENCRYPTED_CONTENT in include,
+            top_logprobs=top_logprobs,
         ),
         input=messages,
         parsed=ParsedRequest(request=request, stream=stream, model=get_str(body, "model")),
@@ -973,8 +989,15 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> dict[str, Any]:
+    """An ``output_text`` part (``ResponseOutputText``), with its tokens' log probabilities
+    (``include: ["message.output_text.logprobs"]``; bytes included, as its type has them)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": [logprob_json(lp) for lp in logprobs]}
+
+
+def _delta_logprobs(logprobs: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
+    """The ``logprobs`` of ``response.output_text.delta`` and ``.done`` (their ``Logprob`` has no bytes)."""
+    return [logprob_json(lp, with_bytes=False) for lp in logprobs]
 
 
 def _reasoning_part(text: str) -> dict[str, Any]:
@@ -1124,7 +1147,7 @@ def _item(response_id: str, index: int, block: ContentBlock, status: str, option
     match block.kind:
         case BlockKind.TEXT:
             return {"id": item_id(response_id, index), "type": "message", "role": "assistant", "status": status,
-                    "content": [_text_part(block.text)] if started else []}
+                    "content": [_text_part(block.text, block.logprobs)] if started else []}
         case BlockKind.TOOL_CALL:
             name = options.call_name(block.name)
             item: dict[str, Any] = {"id": call_item_id(block.call_id, name.custom),
@@ -1288,6 +1311,7 @@ def response_json(
         "text": {"format": options.text_format},
         "tool_choice": _tool_choice_json(options.tool_choice, options),
         "tools": list(options.tool_echo),
+        "top_logprobs": options.top_logprobs,
         "top_p": options.top_p,
         "truncation": "disabled",
         "usage": None if usage is None else usage_json(usage),
@@ -1312,8 +1336,15 @@ class ResponsesRenderer:
     ``summary_text`` part (``response.reasoning_summary_part.added``,
     ``response.reasoning_summary_text.delta``..., ``.done``, ``response.reasoning_summary_part.done``).
     A stopped block's done events wait for what follows: the next block (the item is
-    ``completed``) or the terminal event (the item has the response's outcome: ``incomplete``
-    after a cut or a cancel).
+    ``completed``) or the end of the generation (the item has the response's outcome:
+    ``incomplete`` after a cut or a cancel). A failure closes nothing: ``response.failed`` follows
+    the last delta, and the item it interrupted (or the stopped block whose done events waited)
+    gets no done events; the failed response's ``output`` holds it as far as it got,
+    ``incomplete``. A client builds its history from ``response.output_item.done`` (Codex does,
+    ``codex-rs/codex-api/src/sse/responses.rs``) and retries a failed response whole: a done
+    event would have made the partial item a finished one that the retry sends back (issue 43,
+    item 12). The openai SDK's stream accumulator expects the same, filling a failed response's
+    output with the items it saw added but not done.
     """
 
     def __init__(self, response_id: str, model: str, created: int, options: ResponseOptions,
@@ -1322,6 +1353,7 @@ class ResponsesRenderer:
         self._reasoning = reasoning
         self._starts: list[BlockStart] = []  # each block's start
         self._items: list[list[str]] = []  # the text (or argument fragments) of each block
+        self._logprobs: list[list[TokenLogprob]] = []  # the log probabilities of each block's tokens
         self._inputs: dict[int, FreeformInput] = {}  # the freeform calls' input decoders, by block
         self._open: int | None = None  # a block started and not stopped
         self._stopped: int | None = None  # a stopped block whose done events are due
@@ -1332,7 +1364,8 @@ class ResponsesRenderer:
 
     def _block(self, index: int) -> ContentBlock:
         start = self._starts[index]
-        return ContentBlock(start.kind, "".join(self._items[index]), start.name, start.call_id)
+        return ContentBlock(start.kind, "".join(self._items[index]), start.name, start.call_id,
+                            tuple(self._logprobs[index]))
 
     def _response(self, outcome: Outcome, usage: Usage | None) -> dict[str, Any]:
         blocks = tuple(self._block(i) for i in range(len(self._starts)))
@@ -1365,6 +1398,7 @@ class ResponsesRenderer:
         events = self._close("completed")
         self._starts.append(start)
         self._items.append([])
+        self._logprobs.append([])
         self._open = start.index
         if start.kind is BlockKind.TOOL_CALL and self._options.call_name(start.name).custom:
             self._inputs[start.index] = FreeformInput()
@@ -1389,8 +1423,9 @@ class ResponsesRenderer:
         self._items[delta.index].append(delta.text)
         match self._starts[delta.index].kind:
             case BlockKind.TEXT:
-                return [self._event("response.output_text.delta", delta=delta.text, logprobs=[],
-                                    **self._where(delta.index))]
+                self._logprobs[delta.index] += delta.logprobs
+                return [self._event("response.output_text.delta", delta=delta.text,
+                                    logprobs=_delta_logprobs(delta.logprobs), **self._where(delta.index))]
             case BlockKind.REASONING:
                 kind = "response.reasoning_summary_text.delta" if self._reasoning.summary else (
                     "response.reasoning_text.delta")
@@ -1416,7 +1451,7 @@ class ResponsesRenderer:
         return []
 
     def _close(self, item_status: str) -> list[WireEvent]:
-        """The done events of the block that is stopped (or, after a failure, still open)."""
+        """The done events of the block that is stopped (or, at a finish, still open: a cancel's)."""
         index = self._stopped if self._stopped is not None else self._open
         if index is None:
             return []
@@ -1431,8 +1466,10 @@ class ResponsesRenderer:
                                       **self._call_where(index))]
             case BlockKind.TEXT:
                 events = [
-                    self._event("response.output_text.done", text=block.text, logprobs=[], **self._where(index)),
-                    self._event("response.content_part.done", part=_text_part(block.text), **self._where(index)),
+                    self._event("response.output_text.done", text=block.text, logprobs=_delta_logprobs(block.logprobs),
+                                **self._where(index)),
+                    self._event("response.content_part.done", part=_text_part(block.text, block.logprobs),
+                                **self._where(index)),
                 ]
             case BlockKind.REASONING:
                 where, part = self._thought_where(index), self._reasoning.part(block.text)
@@ -1447,17 +1484,15 @@ class ResponsesRenderer:
         return [*events, self._event("response.output_item.done", output_index=index,
                                      item=_item(self._id, index, block, item_status, self._options, self._reasoning))]
 
-    def _end(self, type_: str, outcome: Outcome, usage: Usage) -> list[WireEvent]:
-        return [*self._close(outcome.item_status), self._event(type_, response=self._response(outcome, usage))]
-
     def finish(self, finish: Finish) -> list[WireEvent]:
         outcome = finish_outcome(finish.stop_reason)
-        return self._end("response.completed" if outcome.status == "completed" else "response.incomplete",
-                         outcome, finish.usage)
+        terminal = "response.completed" if outcome.status == "completed" else "response.incomplete"
+        return [*self._close(outcome.item_status), self._event(terminal, response=self._response(outcome, finish.usage))]
 
     def fail(self, failure: Failure) -> list[WireEvent]:
+        """``response.failed`` alone: the item in progress stays unfinished (see the class doc)."""
         outcome = Outcome("failed", error=failure_error(failure.kind, failure.message))
-        return self._end("response.failed", outcome, failure.usage)
+        return [self._event("response.failed", response=self._response(outcome, failure.usage))]
 
     def keepalive(self) -> list[WireEvent]:
         """``response.in_progress`` again, with the response as streamed so far (its id, every
@@ -1531,7 +1566,7 @@ class ResponsesSurface:
         for i, b in enumerate(blocks):
             match b.kind:
                 case BlockKind.TEXT:
-                    out.append(_text_part(b.text))
+                    out.append(_text_part(b.text, b.logprobs))
                 case BlockKind.REASONING:
                     out.append(_reasoning_part(b.text))
                 case BlockKind.TOOL_CALL:

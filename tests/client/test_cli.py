@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import random
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -87,3 +88,16 @@ async def test_tail_follows_an_existing_message(tmp_path: Path) -> None:
                                       capture_stdout=True, capture_stderr=True, check=False)
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode() == REPLY + "\n"
+
+
+@pytest.mark.parametrize("command", [("chat", "hi"), ("tail", "msg_x")])
+def test_nothing_listening_is_one_line_at_once(command: tuple[str, str]) -> None:
+    """Not 8 retries over 33 s with nothing said of why (the client's NoServer)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    done = subprocess.run(ringserve_cmd(command[0], "--url", url, command[1]), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == (f"ringserve: nothing listens at {url} (connection refused): start the server"
+                           " (ringserve serve), or give its URL (--url or $RINGSERVE_URL)\n")

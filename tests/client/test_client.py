@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,9 @@ from ringserve.client import (
     AsyncClient,
     Backoff,
     Client,
+    ConnectionLost,
     FinalMessage,
+    NoServer,
     Reconnect,
     RequestTimeout,
     StreamError,
@@ -313,3 +316,43 @@ async def test_the_overall_timeout_ends_the_stream_and_cancels_the_generation(tm
 
         elapsed, sync_status = await trio.to_thread.run_sync(sync_run)
     assert 0.6 <= elapsed < 5.0 and sync_status["status"] == "cancelled"  # as above
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound a moment ago, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_refused_connection_before_any_answer_raises_no_server_at_once() -> None:
+    reconnects: list[Reconnect] = []
+    async with AsyncClient(f"http://127.0.0.1:{closed_port()}") as client:
+        for follow in (False, True):
+            stream = (client.follow("msg_x", on_reconnect=reconnects.append) if follow
+                      else client.stream("hi", on_reconnect=reconnects.append))
+            async with stream:
+                with pytest.raises(NoServer, match="nothing listens at the server's address"):
+                    await stream.final_message()
+    assert reconnects == []
+
+    def sync() -> None:
+        with Client(f"http://127.0.0.1:{closed_port()}") as client, client.stream("hi") as stream:
+            with pytest.raises(NoServer):
+                stream.final_message()
+
+    await trio.to_thread.run_sync(sync)
+
+
+async def test_a_refused_connection_after_the_server_answered_is_retried(tmp_path: Path) -> None:
+    """A server restarting between two messages: the client keeps retrying, as for any drop."""
+    reconnects: list[Reconnect] = []
+    async with AsyncClient(backoff=FAST, max_retries=2, idle_timeout=10) as client:
+        async with server_and_proxy(tmp_path) as (state, _proxy):
+            client.http.base_url = httpx.URL(state.urls[0])
+            async with client.stream("hi") as stream:
+                assert (await stream.final_message()).text == REPLY
+        async with client.stream("hi", on_reconnect=reconnects.append) as stream:  # the server is gone
+            with pytest.raises(ConnectionLost, match="gave up after 2 retries"):
+                await stream.final_message()
+    assert len(reconnects) == 2 and all("ConnectError" in r.cause for r in reconnects)

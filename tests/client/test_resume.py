@@ -17,6 +17,7 @@ from ringserve.client import (
     Backoff,
     ClientError,
     ConnectionLost,
+    NoServer,
     Phase,
     PhaseError,
     RequestTimeout,
@@ -280,3 +281,10 @@ def test_backoff_is_exponential_with_full_jitter() -> None:
         assert min(delays) < 0.1 * backoff.bound(n) and max(delays) > 0.9 * backoff.bound(n)
     with pytest.raises(ValueError):
         Backoff(base=1.0, cap=0.5)
+
+
+def test_a_refused_connection_the_shell_found_unanswered_fails_at_once() -> None:
+    state = follow(backoff=FAST)
+    with pytest.raises(NoServer, match=r"nothing listens at the server's address \(ConnectionRefusedError: no\)"):
+        state.reconnect(ConnectionRefusedError("no"), 0.0, refused=True)
+    assert state.phase is Phase.FAILED and state.reconnects == 0

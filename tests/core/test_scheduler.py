@@ -59,8 +59,11 @@ def test_transition_table_is_the_documented_lifecycle():
         (Q, Move.ADMIT): P,
         (Q, Move.CANCEL): C,
         (P, Move.PROMPT_DONE): D,
+        (P, Move.REFILLED): D,
+        (P, Move.PREEMPT): Q,
         (P, Move.FINISH): F,
         (P, Move.CANCEL): C,
+        (D, Move.PREEMPT): Q,
         (D, Move.FINISH): F,
         (D, Move.CANCEL): C,
     }
@@ -628,3 +631,155 @@ def test_a_short_prompt_sent_again_is_a_hit():
     p = prompt(6)
     free = [SlotCache(0, (*p, 99), 5), SlotCache(1, (), -1)]
     assert choose_slot(p, free, min_hit=16) == CacheChoice(0, 5)
+
+
+# -- one KV pool shared by the slots -------------------------------------------------------------
+
+
+def pool(n_cells: int, n_slots: int = 4, **kwargs) -> Scheduler:
+    return Scheduler(n_slots=n_slots, n_batch=64, prefill_chunk=64, queue_size=8, n_cells=n_cells, **kwargs)
+
+
+def engine_cells(s: Scheduler) -> int:
+    """What the books hold now (the claims of the step just planned and committed)."""
+    return s.statistics().claimed_cells
+
+
+def test_one_request_may_take_the_whole_pool():
+    s = pool(100)
+    e = s.enqueue(prompt(90), 10)
+    for _ in range(11):
+        run_step(s)
+    assert e.state is SlotState.DECODE and e.generated == 10 and e.pos == 99
+
+
+def test_a_prompt_and_budget_larger_than_the_pool_are_refused_at_enqueue():
+    s = pool(100)
+    with pytest.raises(ValueError, match="exceed the pool of 100 cells"):
+        s.enqueue(prompt(90), 11)
+
+
+def test_a_request_that_does_not_fit_waits_at_the_head_of_the_queue_and_blocks_those_behind():
+    s = pool(300)
+    old = s.enqueue(prompt(200), 50)
+    run_step(s)
+    big = s.enqueue(prompt(70), 40)  # 70 + 40 beside the 200 old claims: 310 > 300
+    small = s.enqueue(prompt(5), 5)  # would fit, but waits behind it (FIFO)
+    plan = run_step(s)
+    assert plan.admitted == () and big.state is small.state is SlotState.QUEUED
+    s.finish(old)
+    drain(s)
+    assert s.plan().admitted == (big, small)
+
+
+def test_admission_needs_room_for_the_prompt_and_the_headroom_or_the_whole_budget_when_smaller():
+    from ringserve.core.scheduler import ADMIT_HEADROOM
+
+    s = pool(400)
+    first = s.enqueue(prompt(100), 10)
+    assert s.plan().admitted == (first,)  # it claims its 100 prompt cells from now on
+    wide = s.enqueue(prompt(50), 300)  # 50 + ADMIT_HEADROOM beside 100: over 400
+    assert 100 + 50 + ADMIT_HEADROOM > 400
+    assert s.plan().admitted == ()
+    s.cancel(wide)
+    narrow = s.enqueue(prompt(50), 200)  # 50 + its whole budget of 200 beside 100: 350
+    assert s.plan().admitted == (narrow,)
+
+
+def test_at_the_edge_the_youngest_gives_way_and_resumes_from_its_last_sample():
+    s = pool(30, n_slots=2)
+    old = s.enqueue(prompt(10), 18)  # 10 + 18: it alone may hold 28 of the 30 cells
+    young = s.enqueue(prompt(4, start=100), 16)  # 4 + 16 beside the 10 old claims: 30, it fits
+    assert run_step(s).admitted == (old, young)
+    token = iter(range(500, 600))
+    preempted = None
+    while preempted is None:  # both grow one cell a step: 16 claimed after the first, 2 more per step
+        plan = run_step(s, token=next(token))
+        if plan.preempted:
+            preempted = plan
+        assert old.live and old.preemptions == 0
+    assert preempted.preempted == (young,) and preempted.clear == (1,)  # its cells go before the batch
+    assert young.state is SlotState.QUEUED and young.slot is None and young.generated == 9
+    last, sampled = young.next_token, list(young.sampled)
+    assert young.refill == prompt(4, start=100) + tuple(sampled[:-1])
+    assert s.queued() == (young,)
+    while old.generated < old.max_tokens:  # the old one goes on to its end; the young one waits
+        assert run_step(s, token=next(token)).admitted == ()
+    s.finish(old)
+    drain(s)
+    plan = s.plan()
+    assert plan.admitted == (young,)
+    assert plan.feeds == (SlotFeed(young.slot, young.refill, 0, False),)  # its cells again, no sample
+    s.commit(plan)
+    assert young.state is SlotState.DECODE
+    plan = s.plan()
+    assert plan.feeds == (SlotFeed(young.slot, (last,), len(young.refill), True),)  # its last sample
+    assert young.sampled == sampled and young.generated == 9 and young.preemptions == 1
+
+
+def test_a_request_preempted_before_its_first_sample_starts_its_prompt_again():
+    s = Scheduler(n_slots=2, n_batch=8, prefill_chunk=4, queue_size=8, n_cells=40)
+    old = s.enqueue(prompt(4), 30)  # 4 + 30 = 34
+    run_step(s)
+    young = s.enqueue(prompt(30, start=100), 1)  # 30 + 1 beside the old one's 5: 36
+    plans = [run_step(s)]
+    assert plans[0].admitted == (young,)
+    while not plans[-1].preempted:  # it claims all 30 prompt cells while it is fed 4 a step; the old one grows
+        assert young.state is SlotState.PREFILL
+        plans.append(run_step(s))
+    assert plans[-1].preempted == (young,) and young.generated == 0
+    assert young.refill is None and young.pos == 0  # nothing sampled: its prompt from the start
+    while old.generated < old.max_tokens:
+        run_step(s)
+    s.finish(old)
+    drain(s)
+    plan = s.plan()
+    assert plan.admitted == (young,) and plan.feeds[0] == SlotFeed(young.slot, prompt(4, start=100), 0, False)
+
+
+def test_cache_entries_are_evicted_before_anyone_waits_or_is_preempted():
+    s = pool(60, n_slots=3, prefix_cache=True, min_hit=4)
+    a = s.enqueue(prompt(30), 1)
+    run_step(s)
+    drain(s) if not a.live else (s.finish(a), drain(s))
+    assert s.statistics().cached_cells == 30
+    b = s.enqueue(prompt(20, start=500), 10)  # 20 + 10 beside the 30 cached: 60
+    plan = run_step(s)
+    assert plan.admitted == (b,) and plan.clear == ()
+    c = s.enqueue(prompt(25, start=900), 5)  # 25 + 5 beside b's 21 and the 30 cached: one must go
+    plan = s.plan()
+    assert plan.admitted == (c,) and plan.clear == (a.slot,)
+    assert s.statistics().cached_cells == 0
+
+
+def test_a_copy_from_a_cache_entry_that_does_not_fit_reuses_that_entry_in_place():
+    s = pool(100, n_slots=2, prefix_cache=True, min_hit=4)
+    a = s.enqueue(prompt(60), 1)
+    run_step(s)
+    drain(s) if not a.live else (s.finish(a), drain(s))
+    b = s.enqueue(prompt(70), 20)  # shares 60 tokens with slot 0's cache; a copy into slot 1 would count 60 + 90
+    plan = s.plan()
+    assert plan.admitted == (b,) and b.slot == a.slot and b.reuse == 60 and b.source is None
+
+
+def test_the_books_never_hold_more_than_the_pool_under_random_load():
+    import random
+
+    rng = random.Random(7)
+    s = pool(1200, n_slots=4, prefix_cache=True, min_hit=4)
+    for step in range(3000):
+        if rng.random() < 0.3 and s.statistics().queued < 6:
+            n = rng.randint(1, 200)
+            s.enqueue(prompt(n, start=rng.choice([0, 1000])), rng.randint(1, 1200 - n))
+        plan = s.plan()
+        assert engine_cells(s) <= 1200, (step, engine_cells(s))
+        s.commit(plan)
+        for feed in plan.feeds:
+            if feed.sample:
+                e = s.on_sampled(feed.slot, 3)
+                if e.generated >= e.max_tokens:
+                    s.finish(e)
+        for e in [e for e in s.active() if rng.random() < 0.003]:
+            s.cancel(e)
+        drain(s)
+    assert s.statistics().preemptions > 0  # the load did reach the edge

@@ -221,7 +221,7 @@ def llama_engine():
     from ringserve.engine.modelfile import default_model_path
 
     # flash attention off (the default): see test_real_greedy_output_with_the_cache_equals_output_without
-    eng = llama.LlamaEngine(default_model_path(), n_slots=2, n_ctx_slot=1024, n_threads=MODEL_THREADS)
+    eng = llama.LlamaEngine(default_model_path(), n_slots=2, n_ctx=2048, n_threads=MODEL_THREADS, kv_unified=False)
     yield eng
     eng.close()
 

@@ -36,6 +36,7 @@ from ringserve.core.scheduler import SlotState
 from ringserve.engine.fake import DEFAULT_REPLY, DecodeCall, FakeEngine
 from ringserve.engine.runner import Runner, RunnerStatistics
 from tests.support.helpers import prompt_tokens
+from tests.support.wait import wait_until
 
 GUARD = 10  # seconds: no test should come near this
 
@@ -65,9 +66,9 @@ class HookedEngine(FakeEngine):
         time.sleep(self.tokenize_seconds)
         return super().tokenize_chat(request)
 
-    def begin(self, slot, sampling, keep=0, source=None, constraint=None):
+    def begin(self, slot, sampling, keep=0, source=None, constraint=None, **kwargs):
         self.threads.add(threading.get_ident())
-        return super().begin(slot, sampling, keep, source, constraint)
+        return super().begin(slot, sampling, keep, source, constraint, **kwargs)
 
     def release(self, slot, keep=0):
         self.threads.add(threading.get_ident())
@@ -201,7 +202,7 @@ async def test_echo_and_max_tokens():
 @pytest.mark.parametrize("max_tokens", [None, 10_000, 1_000_000])
 async def test_max_tokens_none_or_over_the_context_ends_when_the_context_is_full(max_tokens):
     """Issue 22: a budget larger than the context left is served up to the context."""
-    engine = FakeEngine(n_ctx_slot=64, piece_bytes=1, reply="z" * 200)
+    engine = FakeEngine(n_ctx=64, piece_bytes=1, reply="z" * 200)
     async with serving(engine) as runner:
         prepared = await runner.prepare(req("hi", max_tokens=max_tokens))
         n_prompt = len(prepared.prompt_tokens)
@@ -218,7 +219,7 @@ async def test_max_tokens_none_or_over_the_context_ends_when_the_context_is_full
 
 
 async def test_max_tokens_exactly_the_context_left_is_max_tokens():
-    engine = FakeEngine(n_ctx_slot=64, piece_bytes=1, reply="z" * 200)
+    engine = FakeEngine(n_ctx=64, piece_bytes=1, reply="z" * 200)
     async with serving(engine) as runner:
         n_prompt = len((await runner.prepare(req("hi", max_tokens=None))).prompt_tokens)
         prepared = await runner.prepare(req("hi", max_tokens=64 - n_prompt))
@@ -229,7 +230,7 @@ async def test_max_tokens_exactly_the_context_left_is_max_tokens():
 
 
 async def test_context_bound_generation_that_ends_first_is_end_of_turn():
-    engine = FakeEngine(n_ctx_slot=64, piece_bytes=1, reply="short")
+    engine = FakeEngine(n_ctx=64, piece_bytes=1, reply="short")
     async with serving(engine) as runner:
         _, text, last, gen = await generate(runner, req("hi", max_tokens=16384))
     assert (text, last.stop_reason, gen.usage.output_tokens) == ("short", StopReason.END, 6)
@@ -426,7 +427,7 @@ async def test_queue_full_is_overloaded_at_once():
 
 async def test_prompt_too_long_is_invalid_before_anything_is_enqueued():
     tokenized = []
-    engine = FakeEngine(n_ctx_slot=64, tokenize_hook=lambda: tokenized.append(1))
+    engine = FakeEngine(n_ctx=64, tokenize_hook=lambda: tokenized.append(1))
     async with serving(engine) as runner:
         with pytest.raises(RingserveError) as info:
             await runner.prepare(req("p" * 60, max_tokens=8))  # "<|user|>" + 60 + "\n"
@@ -509,10 +510,10 @@ async def test_counts_do_not_wait_behind_a_prepare_and_give_its_prompt():
         assert [c.input_tokens for c in counts] == [len(f"<|user|>count {i}\n") for i in range(5)]
         gate.set()
     assert len(prepared[0].prompt_tokens) == len("<|user|>prepared first\n")
-    async with serving(FakeEngine()) as runner:
+    async with serving(FakeEngine(n_ctx=4096)) as runner:
         assert (await runner.count(req("same"))).input_tokens == len((await runner.prepare(req("same"))).prompt_tokens)
         assert (await runner.count(req("x" * 5000))).input_tokens == len("<|user|>\n") + 5000
-        with pytest.raises(RingserveError, match="context per slot"):
+        with pytest.raises(RingserveError, match="but the context is 4096 tokens"):
             await runner.prepare(req("x" * 5000))
 
 
@@ -858,7 +859,7 @@ async def test_statistics_is_a_frozen_snapshot_with_step_timing():
     assert isinstance(after, RunnerStatistics)
     assert before.steps == 0 and before.running
     assert after.steps == gen.usage.output_tokens  # one step per token for a single short prompt
-    assert after.slots_total == 4 and after.kv_cells_total == 4 * engine.n_ctx_slot
+    assert after.slots_total == 4 and after.kv_cells_total == engine.n_ctx
     assert after.decode_seconds_total >= after.last_step_seconds >= 0
     assert after.last_step_tokens == 1
     assert after.step_tokens_total == gen.usage.input_tokens + gen.usage.output_tokens - 1
@@ -937,3 +938,73 @@ async def test_no_step_feeds_a_generation_after_its_end_whether_its_text_decides
                 fed[feed.slot] = fed.get(feed.slot, 0) + 1
     samples = sorted(r[3].usage.output_tokens for r in results.values())
     assert sorted(fed.values()) == samples
+
+
+# -- one KV pool shared by the slots ------------------------------------------------------------
+
+
+async def test_a_long_request_and_three_short_chats_share_the_pool_and_a_second_long_one_waits():
+    """Issue 40's proof on the fake engine (the real models' prefill of 20,000 tokens is too slow for
+    CI): in a 32,768-token pool a 20,000-token request and three short chats all run at once; a
+    second long request, sent with them, waits until the first has ended, then completes. Read from
+    the engine's log (a feed carries its request's bytes: ``L``, ``S``, lower-case chat text), not
+    from timing."""
+    engine = FakeEngine(n_slots=4, n_ctx=32768, n_batch=512, piece_bytes=1, step_seconds=0.002,
+                        reply=lambda text: text[:8] * 4)
+    async with serving(engine, guard=120) as runner:
+        results: dict[str, tuple[str, object]] = {}
+
+        async def run(name: str, prepared, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            async with runner.submit(prepared) as gen:  # enqueued on entering
+                task_status.started()
+                results[name] = await collect_text(gen)
+
+        async with trio.open_nursery() as nursery:
+            for name, text in [("long", "L" * 20_000), *((f"chat{i}", f"chat {i} hello") for i in range(3)),
+                               ("second", "S" * 20_000)]:
+                await nursery.start(run, name, await runner.prepare(req(text, 32)))
+    assert {name: text for name, (text, _) in results.items()} == {
+        "long": "L" * 32, "second": "S" * 32, **{f"chat{i}": f"chat {i} hello"[:8] * 4 for i in range(3)},
+    }
+    assert all(isinstance(terminal, Finish) for _, terminal in results.values())
+
+    def holds(call, byte: str) -> bool:
+        return any(ord(byte) in feed.tokens for feed in call.feeds)
+
+    calls = [call for call in engine.log if call.error is None]
+    assert not any(call.error for call in engine.log)  # the pool never overflowed
+    assert any(holds(call, "L") and len(call.feeds) == 4 for call in calls)  # the long one and 3 chats at once
+    last_long = max(i for i, call in enumerate(calls) if holds(call, "L"))
+    first_second = min(i for i, call in enumerate(calls) if holds(call, "S"))
+    assert first_second > last_long  # 20,032 beside the first's 20,032 did not fit: it waited
+    assert runner.statistics().preemptions == 0
+
+
+async def test_at_the_pool_s_edge_the_younger_request_pauses_and_both_replies_come_out_whole():
+    """Two requests whose budgets do not both fit: the younger gives its cells up when the pool runs
+    out, waits, refills and goes on; neither fails, and each text is its whole scripted reply."""
+    def reply(text: str) -> str:
+        return "".join(f"{text}{i:03d}," for i in range(200))
+
+    engine = FakeEngine(n_slots=2, n_ctx=1000, n_batch=64, piece_bytes=1, reply=reply)
+    async with serving(engine, guard=60) as runner:
+        texts: dict[str, tuple[str, object]] = {}
+
+        async def run(name: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            prepared = await runner.prepare(req(name * 30, 700))
+            async with runner.submit(prepared) as gen:
+                task_status.started()
+                texts[name] = await collect_text(gen)
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run, "a")
+            await wait_until(lambda: runner.statistics().generated_tokens_total > 0)
+            nursery.start_soon(run, "b")
+        stats = runner.statistics()
+    for name in "ab":
+        text, terminal = texts[name]
+        assert isinstance(terminal, Finish) and terminal.stop_reason is StopReason.MAX_TOKENS
+        assert text == reply(name * 30)[:700]
+    assert stats.preemptions >= 1
+    assert engine.kv_cells_used() <= 1000
+    assert not any(call.error for call in engine.log)  # the pool never overflowed: no KVCacheFull

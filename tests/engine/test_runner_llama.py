@@ -47,7 +47,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = llama.LlamaEngine(default_model_path(), n_slots=N_SLOTS, n_ctx_slot=N_CTX_SLOT, n_threads=MODEL_THREADS)
+    eng = llama.LlamaEngine(default_model_path(), n_slots=N_SLOTS, n_ctx=N_SLOTS * N_CTX_SLOT, n_threads=MODEL_THREADS,
+                            kv_unified=False)
     yield eng
     eng.close()
 

@@ -334,7 +334,7 @@ async def test_the_byte_bound_before_tokenizing_counts_the_tools():
     # One token per byte: a tool description longer than the slot cannot fit, and is
     # refused without tokenizing, as message text is.
     tokenized = []
-    engine = FakeEngine(n_ctx_slot=256, tokenize_hook=lambda: tokenized.append(1))
+    engine = FakeEngine(n_ctx=256, tokenize_hook=lambda: tokenized.append(1))
     big = ToolSpec("big", "d" * 300, json.dumps({"type": "object"}))
     async with serving(engine) as runner:
         with pytest.raises(RingserveError, match="the messages and tools hold 3.. bytes of text") as info:

@@ -68,7 +68,7 @@ def _query(request: dict[str, Any]) -> dict[str, Any]:
 
 def test_the_captures_hold_every_mode():
     runs = {run for run, _, _ in REQUESTS}
-    assert {"claude_default", "claude_sonnet45", "claude_thinking_off", "claude_mcp_tool_search"} <= runs
+    assert {"claude_default", "claude_bare", "claude_sonnet45", "claude_thinking_off", "claude_mcp_tool_search"} <= runs
     assert len(REQUESTS) >= 20
     assert any(r["body"].get("stream") is False for _, _, r in REQUESTS)  # the non-streaming fallback
 

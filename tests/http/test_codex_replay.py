@@ -59,7 +59,7 @@ async def server(tmp_path):
     engines: list[FakeEngine] = []
 
     def factory(config):
-        engines.append(FakeEngine(n_slots=2, n_ctx_slot=CTX, reply=REPLY, piece_bytes=2))
+        engines.append(FakeEngine(n_slots=2, n_ctx=CTX, reply=REPLY, piece_bytes=2))
         return engines[0]
 
     config = fake_config(tmp_path, engine={"ctx_per_slot": CTX, "slots": 2})

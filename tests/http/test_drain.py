@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import secrets
 import signal
 import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 from pathlib import Path
@@ -22,6 +25,7 @@ import trio
 
 from bench.common import ServerProcess
 from ringserve.core.sse import ServerSentEvent, SSEParser
+from ringserve.server import notify_systemd
 from tests.support.h2client import open_h2
 from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY, anthropic_text, openai_text
 from tests.support.server import fake_config, running_server
@@ -123,6 +127,11 @@ def _ended_with(surface: str, events: list[ServerSentEvent]) -> str:
             return "complete"
         if last.event == "error" and json.loads(last.data)["error"]["type"] == "overloaded_error":
             return "retryable"
+    elif surface == "responses":
+        if last.event == "response.completed":
+            return "complete"
+        if last.event == "response.failed" and "retry" in json.loads(last.data)["response"]["error"]["message"]:
+            return "retryable"
     else:
         if last.data == "[DONE]":
             return "complete"
@@ -131,6 +140,12 @@ def _ended_with(surface: str, events: list[ServerSentEvent]) -> str:
     return "truncated"
 
 
+def _responses_text(events: list[ServerSentEvent]) -> str:
+    return "".join(json.loads(e.data)["delta"] for e in events if e.event == "response.output_text.delta")
+
+
+#: A surface's stream -> the text it carried (the Chat stream's last event is ``[DONE]`` or an error).
+TEXT_OF = {"anthropic": anthropic_text, "openai": lambda events: openai_text(events[:-1]), "responses": _responses_text}
 REPLY_BYTES = 2 * 1024 * 1024  # 8192 tokens of 256 bytes: several seconds at >= 1 ms a step
 FAKE = {"piece_bytes": 256, "step_seconds": 0.001}
 
@@ -149,6 +164,8 @@ async def test_sigterm_drains_streams_in_flight_and_exits_0(tmp_path):
             "finishes": ("anthropic", "/v1/messages", {**ANTHROPIC_BODY, "stream": True, "max_tokens": 60}),
             "long-anthropic": ("anthropic", "/v1/messages", {**ANTHROPIC_BODY, "stream": True, "max_tokens": 12000}),
             "long-openai": ("openai", "/v1/chat/completions", {**OPENAI_BODY, "stream": True, "max_tokens": 12000}),
+            "long-responses": ("responses", "/v1/responses", {"model": "any", "input": "hello", "stream": True,
+                                                              "max_output_tokens": 12000}),
         }
         out: dict[str, dict[str, Any]] = {name: {} for name in streams}
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
@@ -191,13 +208,20 @@ async def test_sigterm_drains_streams_in_flight_and_exits_0(tmp_path):
         events = out[name]["events"]
         ended[name] = _ended_with(surface, events)
         row = rows[out[name]["id"]]
-        text = anthropic_text(events) if surface == "anthropic" else openai_text(events[:-1])
+        text = TEXT_OF[surface](events)
         assert row["text"] == text, name  # the stored text is what the client got
         if ended[name] == "complete":
             assert row["status"] == "complete"
         else:
             assert row["status"] == "interrupted" and "shutting down" in row["error"]
-    assert ended == {"finishes": "complete", "long-anthropic": "retryable", "long-openai": "retryable"}
+    assert ended == {"finishes": "complete", "long-anthropic": "retryable", "long-openai": "retryable",
+                     "long-responses": "retryable"}
+    # the message a drain interrupted is not done (issue 43, item 12: Codex took its done item as a
+    # finished message and sent it back on its retry); the failed response holds its text, incomplete
+    events = out["long-responses"]["events"]
+    assert "response.output_item.done" not in [e.event for e in events]
+    [item] = json.loads(events[-1].data)["response"]["output"]
+    assert item["status"] == "incomplete" and item["content"][0]["text"] == _responses_text(events)
     assert all(row["status"] in ("complete", "interrupted") for row in rows.values())  # the stuck one too
 
 
@@ -228,6 +252,7 @@ async def test_second_signal_exits_at_once(tmp_path):
     finally:
         server.stop()
     assert code == 1 and took < drain_timeout / 10, took  # at once: not after the 60 s drain
+    assert server.lines[-1].rstrip().endswith("INFO ringserve: stopped (exit status 1)"), server.log_tail()
     assert _ended_with("anthropic", out["events"]) in ("retryable", "truncated")
     assert out["events"][-1].event != "message_stop"
     row = server.rows()[out["id"]]
@@ -282,3 +307,39 @@ async def test_non_reading_client_is_dropped_and_cannot_grow_memory(tmp_path):
     # 3 times the answer: a stuck reader holding one more copy (about 35 MB) still fails.
     baseline = max(reading_growth, 3 * reply_bytes)
     assert stuck_growth - baseline < reply_bytes // 2, (reading_growth, stuck_growth)
+
+
+async def test_systemd_is_told_ready_once_loaded_and_stopping_at_the_drain_and_the_log_ends_saying_so(tmp_path):
+    """``Type=notify`` (packaging/ringserve.service): READY=1 once the model is loaded, STOPPING=1 when the
+    drain starts, as datagrams to ``$NOTIFY_SOCKET`` (here a name in the abstract namespace); the log's last
+    line says the server stopped, and how."""
+    name = f"ringserve-test-notify-{os.getpid()}-{secrets.token_hex(4)}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        systemd.bind("\0" + name)
+        systemd.settimeout(30)
+        config = tmp_path / "config.toml"
+        config.write_text(f'[server]\nport = 0\n[store]\npath = "{tmp_path / "store.sqlite3"}"\n')
+        server = ServerProcess([sys.executable, str(ROOT / "bench" / "fake_server.py"), "--config", str(config)],
+                               env={"PYTHONPATH": str(ROOT), "NOTIFY_SOCKET": f"@{name}"})
+        try:
+            ready = systemd.recv(4096).decode()
+            assert ready == f"READY=1\nSTATUS=serving fake at {server.url}"
+            assert httpx.get(f"{server.url}/ready").status_code == 200  # ready when systemd hears it
+        finally:
+            status = server.stop()
+        assert systemd.recv(4096).decode() == "STOPPING=1\nSTATUS=draining"
+    assert status == 0
+    assert server.lines[-1].rstrip().endswith("INFO ringserve: stopped (exit status 0)"), server.log_tail()
+
+
+def test_notify_systemd_sends_to_a_path_and_nothing_without_the_variable(tmp_path):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        path = Path(tempfile.mkdtemp(dir="/tmp")) / "notify"  # AF_UNIX paths are short (108 bytes)
+        systemd.bind(str(path))
+        systemd.settimeout(30)
+        assert notify_systemd("READY=1", {"NOTIFY_SOCKET": str(path)})
+        assert systemd.recv(4096) == b"READY=1"
+        assert not notify_systemd("READY=1", {})
+        path.unlink()
+        assert not notify_systemd("READY=1", {"NOTIFY_SOCKET": str(path)})  # gone: a warning, the server goes on
+        path.parent.rmdir()

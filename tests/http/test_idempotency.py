@@ -203,7 +203,7 @@ def session_server(tmp_path):
     engines = []
 
     def factory(config):
-        engines.append(FakeEngine(n_slots=2, n_ctx_slot=4096, piece_bytes=4, step_seconds=0.002))
+        engines.append(FakeEngine(n_slots=2, n_ctx=4096, piece_bytes=4, step_seconds=0.002))
         return engines[0]
 
     return running_server(fake_config(tmp_path, engine={"slots": 2}), engine_factory=factory), engines

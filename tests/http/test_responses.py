@@ -96,7 +96,12 @@ def check_stream(raw: bytes, *, first: int = 0, complete: bool = True) -> Seen:
                 parts = data["item"]["summary"] or data["item"].get("content") or []
                 assert "".join(p["text"] for p in parts) == seen.thoughts.get(data["item"]["id"], ""), data
         if data["type"] in TERMINAL:
-            if first == 0:
+            if first == 0 and data["type"] == "response.failed":
+                # the item a failure interrupted has no done events; the output holds it incomplete
+                output = data["response"]["output"]
+                assert output[:len(seen.done_items)] == seen.done_items and len(output) - len(seen.done_items) <= 1
+                assert all(item["status"] == "incomplete" for item in output[len(seen.done_items):])
+            elif first == 0:
                 assert data["response"]["output"] == seen.done_items
             else:
                 done = data["response"]["output"][len(data["response"]["output"]) - len(seen.done_items):]
@@ -506,7 +511,7 @@ async def test_a_prompt_past_the_context_is_a_400_naming_input_and_its_count_is_
             body = {"model": "any", "input": "x" * 200}
             error = check_error(await client.post("/v1/responses", json=body), 400, "input")
             count = await client.post("/v1/responses/input_tokens", json=body)
-    assert "context per slot is 64 tokens" in error["message"]
+    assert "but the context is 64 tokens" in error["message"]
     assert count.status_code == 200 and count.json()["input_tokens"] > 200
 
 
@@ -609,11 +614,19 @@ def test_renderer_items_per_block_and_the_last_items_status():
     final = cut[-1]["response"]
     assert [i["id"] for i in final["output"]] == ["msg_ab", "msg_ab_1"]
     assert [i["status"] for i in final["output"]] == ["completed", "incomplete"]
-    # a failure with a block open still closes its item before response.failed
-    failed = _render([BlockStart(0, BlockKind.TEXT), BlockDelta(0, "a"), Failure(ErrorKind.OVERLOADED, "x", Usage(3, 1))])
-    assert [e["type"] for e in failed[-4:]] == ["response.output_text.done", "response.content_part.done",
-                                                "response.output_item.done", "response.failed"]
+    # a failure closes nothing (issue 43, item 12): response.failed right after the last delta,
+    # its output the item as far as it got, incomplete; the blocks done before it stay done
+    failure = Failure(ErrorKind.OVERLOADED, "x", Usage(3, 1))
+    failed = _render([BlockStart(0, BlockKind.TEXT), BlockDelta(0, "a"), failure])
+    assert [e["type"] for e in failed[-2:]] == ["response.output_text.delta", "response.failed"]
     assert failed[-1]["response"]["error"] == {"code": "rate_limit_exceeded", "message": "x"}
+    assert [(i["status"], i["content"][0]["text"]) for i in failed[-1]["response"]["output"]] == [("incomplete", "a")]
+    for events in ([*two[:3], BlockStart(1, BlockKind.TEXT), BlockDelta(1, "b"), failure], [*two, failure]):
+        failed = _render(events)
+        done = [e["item"] for e in failed if e["type"] == "response.output_item.done"]
+        assert [(i["id"], i["status"]) for i in done] == [("msg_ab", "completed")]
+        assert [i["status"] for i in failed[-1]["response"]["output"]] == ["completed", "incomplete"]
+        assert failed[-2]["type"] == "response.output_text.delta"
     # a background response is queued first; an empty answer still has its (empty) item
     empty = _render([BlockStart(0, BlockKind.TEXT), BlockStop(0), Finish(StopReason.END, Usage(3, 1))],
                     responses_surface.ResponseOptions(background=True))

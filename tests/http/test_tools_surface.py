@@ -475,14 +475,14 @@ async def test_a_prompt_longer_than_a_slot_is_counted_and_its_generation_refused
     """``count_tokens`` counts a prompt the context cannot hold (how a client such as Claude Code
     learns how much to trim), where the generation route answers its 400."""
     state, client = fake_server
-    ctx = state.config.engine.ctx_per_slot
+    ctx = state.hub.runner.context_window
     body = {"model": "any", "messages": [{"role": "user", "content": "w " * ctx}]}
     resp = await client.post("/v1/messages/count_tokens", json=body)
     assert resp.status_code == 200, resp.text
     assert resp.json()["input_tokens"] > ctx
     refused = await client.post("/v1/messages", json={**body, "max_tokens": 8})
     assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"
-    assert "context per slot" in refused.json()["error"]["message"]
+    assert f"but the context is {ctx} tokens" in refused.json()["error"]["message"]
 
 
 async def test_count_tokens_through_the_sdk(fake_server):

@@ -258,7 +258,7 @@ async def test_models_and_health(fake_server):
     state, client = fake_server
     models = (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == state.model_id
-    assert models["data"][0]["max_input_tokens"] == state.config.engine.ctx_per_slot == 4096  # the context window, per slot
+    assert models["data"][0]["max_input_tokens"] == state.hub.runner.context_window == 16384  # a request's window
     assert (await client.get("/health")).status_code == 200
 
 
@@ -285,7 +285,7 @@ async def test_models_answer_in_the_shape_of_the_sdk_that_asks(fake_server):
     assert page == {"data": [one], "has_more": False, "first_id": state.model_id, "last_id": state.model_id}
     sdk = anthropic.AsyncAnthropic(base_url=state.urls[0], api_key="unused")
     listed = [m async for m in sdk.models.list()]
-    assert [(m.id, m.max_input_tokens) for m in listed] == [(state.model_id, 4096)]
+    assert [(m.id, m.max_input_tokens) for m in listed] == [(state.model_id, 16384)]
     assert (await sdk.models.retrieve(state.model_id)).display_name == state.model_id
     resp = await client.get("/v1/embeddings")
     assert resp.status_code == 404 and set(resp.json()["error"]) == {"message", "type", "param", "code"}

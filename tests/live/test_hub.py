@@ -65,7 +65,7 @@ async def running_hub(config: Config = Config(), engine: Callable[..., FakeEngin
                       **fake: Any) -> AsyncIterator[Hub]:
     """A hub over a :class:`FakeEngine` (made by ``engine``; ``fake``: its arguments), a memory
     log store and a ``:memory:`` message store; everything is cancelled at the end."""
-    engine = engine(n_slots=config.engine.slots, n_ctx_slot=config.engine.ctx_per_slot, **fake)
+    engine = engine(n_slots=config.engine.slots, **fake)
     store = MessageStore(":memory:")
     try:
         async with trio.open_nursery() as nursery:

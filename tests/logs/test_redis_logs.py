@@ -16,7 +16,14 @@ from tests.support.redis_server import RedisServer, needs_redis, redis_server  #
 
 coredis = pytest.importorskip("coredis", reason="the redis extra is not installed (pip install 'ringserve[redis]')")
 
-from ringserve.logs.redis import WRITER_CONNECTIONS, RedisLogStore, stream_key  # noqa: E402
+from ringserve.logs.redis import (  # noqa: E402
+    MESSAGE_PREFIX,
+    WRITER_CONNECTIONS,
+    MirroredMessageStore,
+    RedisCluster,
+    RedisLogStore,
+    stream_key,
+)
 
 pytestmark = needs_redis
 
@@ -328,3 +335,49 @@ async def test_a_state_the_owners_sqlite_fails_to_write_still_reaches_the_other_
         found = await RedisCluster(b).find_message("msg_m")
         assert (found.text, found.final_seq) == ("the whole answer", 9)
         assert store.statistics().write_failures_total == 1
+
+
+async def test_an_update_whose_status_hash_is_gone_writes_it_whole_again(redis_server, tmp_path):
+    """Redis lost the hash (a restart, an eviction): the next update writes the owner's whole row,
+    not only the fields it changed, so the other replicas read a complete message; a hash that
+    lacks a field (left by an owner of an older version) reads as none, never as a broken
+    message, and is written whole at the next update; a deleted row takes its hash with it and is
+    not written back."""
+    from ringserve.core.status import MessageStatus
+    from ringserve.store.sqlite import StoredMessage
+
+    async with stores(redis_server.url) as (a, b), redis(redis_server.url) as client:
+        store = MirroredMessageStore(str(tmp_path / "a.sqlite3")).mirror_to(a, frozenset({"responses"}))
+        row = StoredMessage(id="resp_m", surface="responses", model="fake", created=7,
+                            status=MessageStatus.GENERATING, request='{"input": "hi"}', request_hash="h")
+        store.insert(row)
+        cluster = RedisCluster(b)
+
+        async def on_b(**expected: object) -> bool:
+            found = await cluster.find_message("resp_m", request=True)
+            return found is not None and all(getattr(found, k) == v for k, v in expected.items())
+
+        await until(lambda: on_b(status=MessageStatus.GENERATING))
+        await client.delete([MESSAGE_PREFIX + "resp_m"])  # what a restart leaves
+        store.update("resp_m", text="so far")
+        await until(lambda: on_b(text="so far"))
+        found = await cluster.find_message("resp_m", request=True)
+        assert found == attrs.evolve(row, text="so far")  # every field, the request body too
+        assert (await cluster.find_message("resp_m")).request == ""  # read only when asked for
+
+        # what an owner of an older version left after a restart: only the fields it changed
+        await client.delete([MESSAGE_PREFIX + "resp_m"])
+        await client.hset(MESSAGE_PREFIX + "resp_m", {"status": '"generating"', "text": '"so far"'})
+        assert await cluster.find_message("resp_m") is None
+        store.update("resp_m", status=MessageStatus.COMPLETE)
+        await until(lambda: on_b(status=MessageStatus.COMPLETE, surface="responses"))
+        assert store.delete("resp_m")
+        await until(lambda: _no_status(client, "resp_m"))
+        trips = a.round_trips_total
+        store.update("resp_m", text="late")  # a write after the delete does not bring it back
+        await until(lambda: _is(a.round_trips_total > trips))
+        assert await cluster.find_message("resp_m") is None and not a._writer.pending
+
+
+async def _no_status(client, message_id: str) -> bool:
+    return not await client.exists([MESSAGE_PREFIX + message_id])

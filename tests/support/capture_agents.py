@@ -69,6 +69,15 @@ def claude_steps(work: Path) -> Sequence[Step]:
     ]
 
 
+def claude_bare_steps(work: Path) -> Sequence[Step]:
+    """Under ``--bare`` Claude Code offers Bash, Edit and Read (no Write)."""
+    return [
+        Call("Bash", {"command": "echo hi > f.txt", "description": "Write hi to f.txt"}),
+        Call("Read", {"file_path": str(work / "f.txt")}),
+        Text("Done: f.txt is written."),
+    ]
+
+
 def codex_exec_steps(work: Path) -> Sequence[Step]:
     return [Call("exec_command", {"cmd": "echo hi > f.txt"}), Text("Done: f.txt is written.")]
 
@@ -94,6 +103,8 @@ CODEX_ARGS = ("--dangerously-bypass-approvals-and-sandbox",)
 
 RUNS = [
     Run("claude_default", "claude", "default model and settings; Bash, Write, then text", claude_steps, CLAUDE_ARGS),
+    Run("claude_bare", "claude", "--bare (default model; tools Bash, Edit, Read): its per-turn control message has no content",
+        claude_bare_steps, ("--bare", "--allowedTools", "Bash", "Read")),
     Run("claude_sonnet", "claude", "--model sonnet", claude_steps, (*CLAUDE_ARGS, "--model", "sonnet")),
     Run("claude_haiku", "claude", "--model haiku", claude_steps, (*CLAUDE_ARGS, "--model", "haiku")),
     Run("claude_custom_model", "claude", "--model ringserve-model (a name Claude Code does not know)", claude_steps,

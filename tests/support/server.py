@@ -21,8 +21,10 @@ from ringserve.server import serve
 #: HTTP benchmark's one-stream smoke run measured 0.3 tokens/s with 2 threads, 2.2 with 1, at load
 #: average 11. One thread decodes the same tokens and never waits for another.
 MODEL_THREADS = 1
-#: The ``[model]`` table that says so, for the tests that write a config file.
-MODEL_TOML = f"[model]\nn_threads = {MODEL_THREADS}\n"
+#: The ``[model]`` table that says so, for the tests that write a config file; with the KV pool split
+#: among the slots (``kv_unified = false``), so that a greedy reply does not depend on what else the
+#: pool holds (docs/architecture.md, "One KV pool"): the tests compare replies across requests.
+MODEL_TOML = f"[model]\nn_threads = {MODEL_THREADS}\nkv_unified = false\n"
 
 #: ``python -m ringserve serve`` on a free port: a test's server process runs it with its own arguments
 #: (``ServerProcess([*SERVE, "--config", path])``).
@@ -30,13 +32,20 @@ SERVE = (sys.executable, "-m", "ringserve", "serve", "--port", "0")
 
 
 def fake_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
-    """A test config: port 0, a store in ``tmp_path``, :data:`MODEL_THREADS` for a real model,
-    overrides per table."""
+    """A test config: port 0, a store in ``tmp_path``, :data:`MODEL_THREADS` and a split pool for a real
+    model (as :data:`MODEL_TOML`), overrides per table."""
     config = (Config().replace("server", port=0).replace("store", path=str(tmp_path / "store.sqlite3"))
-              .replace("model", n_threads=MODEL_THREADS))
+              .replace("model", n_threads=MODEL_THREADS, kv_unified=False))
     for section, changes in sections.items():
         config = config.replace(section, **changes)
     return config
+
+
+def fake_pool(config: Config) -> int:
+    """The fake engine's KV pool for ``config`` (tokens): ``[model] ctx_size``; else, where the config
+    caps a request with ``[engine] ctx_per_slot``, room for every slot at that cap; else the fake's
+    own default."""
+    return config.model.ctx_size or config.engine.slots * config.engine.ctx_per_slot or FakeEngine().n_ctx
 
 
 @asynccontextmanager
@@ -48,7 +57,7 @@ async def running_server(config: Config, engine_factory: Any = None, **engine_kw
     """
     stop = trio.Event()
     engine_kwargs.setdefault("n_slots", config.engine.slots)
-    engine_kwargs.setdefault("n_ctx_slot", config.engine.ctx_per_slot)
+    engine_kwargs.setdefault("n_ctx", fake_pool(config))
 
     def factory(_config: Config) -> FakeEngine:
         return FakeEngine(**engine_kwargs)

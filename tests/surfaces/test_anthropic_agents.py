@@ -7,6 +7,7 @@ The bodies are the captures of ``tests/data/agents/`` (docs/agents.md); the pars
 from __future__ import annotations
 
 import json
+import re
 import typing
 from pathlib import Path
 
@@ -84,6 +85,7 @@ def test_the_billing_stamp_is_dropped_and_reported():
     ("run", "reasoning"),
     [
         ("claude_default", ReasoningConfig(enabled=True, effort=Effort.MEDIUM)),  # the system message's effort
+        ("claude_bare", ReasoningConfig(enabled=True, effort=Effort.MEDIUM)),  # the same on a control message
         ("claude_custom_model", ReasoningConfig(enabled=True, effort=Effort.HIGH)),
         ("claude_sonnet45", ReasoningConfig(enabled=True, budget_tokens=31999)),
         ("claude_thinking_off", ReasoningConfig(effort=Effort.MEDIUM)),  # no thinking: the model's default
@@ -101,6 +103,58 @@ def test_a_system_messages_effort_overrides_the_requests():
                          {"role": "system", "content": "now think hard", "output_config": {"effort": "max"}}]}
     assert parse(body).request.reasoning == ReasoningConfig(enabled=False, effort=Effort.MAX)
     assert parse({**body, "messages": body["messages"][:1]}).request.reasoning == ReasoningConfig(False, Effort.LOW)
+
+
+def test_claude_codes_bare_control_message_sets_the_effort_and_renders_nothing():
+    """Under ``--bare`` the per-turn control message has no content (issue 43, item 0): each
+    request is its system prompt, then its turns as if the message were not there."""
+    bodies = captured("claude_bare")
+    assert bodies[0]["messages"][1] == {"role": "system", "content": [], "output_config": {"effort": "medium"}}
+    for body in bodies:
+        without = {**body, "messages": [m for m in body["messages"] if m["role"] != "system"]}
+        assert parse(body).request == attrs.evolve(parse(without).request, reasoning=ReasoningConfig(True, Effort.MEDIUM))
+        assert [m.role for m in parse(body).request.messages][:2] == ["system", "user"]
+    assert parse({**bodies[0], "output_config": {"effort": "max"}}).request.reasoning.effort is Effort.MEDIUM
+
+
+CONTROL = {"role": "system", "content": [], "output_config": {"effort": "low"}}
+
+
+@pytest.mark.parametrize(
+    ("messages", "roles"),
+    [
+        ([{"role": "user", "content": "hi"}, CONTROL], ["user"]),
+        ([CONTROL, {"role": "user", "content": "hi"}], ["user"]),
+        ([{"role": "user", "content": "hi"}, {**CONTROL, "content": ""}], ["user"]),
+        ([{"role": "user", "content": "hi"}, {**CONTROL, "content": [{"type": "text", "text": ""}]}], ["user"]),
+        ([{"role": "user", "content": "hi"}, {**CONTROL, "content": "be brief"}], ["user", "system"]),
+        # a last assistant turn may be empty (the Messages API's rule): an empty prefill
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": []}], ["user", "assistant"]),
+    ],
+)
+def test_a_message_with_nothing_to_render_is_accepted_where_the_messages_api_accepts_it(messages, roles):
+    request = parse({"model": "m", "max_tokens": 10, "messages": messages}).request
+    assert [m.role for m in request.messages] == roles
+    assert all(m.content == "" for m in request.messages if m.role == "assistant")
+    assert request.reasoning.effort is (Effort.LOW if any(m["role"] == "system" for m in messages) else None)
+
+
+@pytest.mark.parametrize(
+    ("messages", "error"),
+    [
+        # BetaSystemMessageParam: "a message with neither content nor output_config fields is rejected"
+        ([{"role": "user", "content": "hi"}, {"role": "system", "content": []}], "messages[1].content: a system message"),
+        ([{"role": "user", "content": "hi"}, {**CONTROL, "output_config": {}}], "messages[1].content: a system message"),
+        ([{"role": "user", "content": "hi"}, {**CONTROL, "output_config": {"effort": None}}],
+         "messages[1].content: a system message"),
+        ([{"role": "user", "content": []}], "messages[0].content: must not be an empty list"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": []}, {"role": "user", "content": "and?"}],
+         "messages[1].content: must not be an empty list"),
+    ],
+)
+def test_a_message_with_nothing_at_all_is_a_400(messages, error):
+    with pytest.raises(RingserveError, match=re.escape(error)):
+        parse({"model": "m", "max_tokens": 10, "messages": messages})
 
 
 def test_the_sdk_values_of_thinking_and_effort_are_all_read():

@@ -162,13 +162,9 @@ OPENAI_REFUSED = [
     ("tool_choice", {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}),
     ("functions", [{"name": "f"}]),
     ("function_call", {"name": "f"}),
-    ("logprobs", True),
-    ("top_logprobs", 3),
+    ("top_logprobs", 3),  # without logprobs: true
     ("n", 2),
     ("n", True),
-    ("frequency_penalty", 0.5),
-    ("presence_penalty", -1),
-    ("logit_bias", {"50256": -100}),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
     ("reasoning_effort", "extreme"),
@@ -205,6 +201,28 @@ async def test_openai_unsupported_message_parts_are_400(fake_server, message):
     err = resp.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"].startswith("messages")
     assert "messages[1]" in err["message"]
+
+
+HI = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        # Claude Code --bare's per-turn control message (issue 43, item 0); an empty last assistant turn
+        ("/v1/messages", {**ANTHROPIC_BODY, "messages": [HI, {"role": "system", "content": [],
+                                                              "output_config": {"effort": "low"}}]}),
+        ("/v1/messages", {**ANTHROPIC_BODY, "messages": [HI, {"role": "assistant", "content": []}]}),
+        ("/v1/chat/completions", {**OPENAI_BODY, "messages": [{"role": "developer", "content": []}, HI,
+                                                              {"role": "assistant", "content": []}, HI]}),
+        ("/v1/responses", {"model": "any", "input": [{"role": "developer", "content": []}, HI,
+                                                     {"type": "message", "role": "assistant", "content": []}, HI]}),
+    ],
+)
+async def test_an_empty_content_a_client_may_send_is_answered_on_every_surface(fake_server, path, body):
+    _state, client = fake_server
+    resp = await client.post(path, json=body)
+    assert resp.status_code == 200, resp.text
 
 
 # -- neutral values and harmless fields are accepted -------------------------------------------

@@ -24,12 +24,17 @@ item's ``encrypted_content``) and the engine gets it as that turn's reasoning, n
 answered an error and none had a block or item dropped (the fields reported ignored, logged by
 the server).
 
+Issue 43: Claude Code under ``--bare`` with a Claude model name (set up by hand, not launched),
+whose per-turn control message has no content; and Codex through a response that fails in the
+middle of its message once, which its retry answers whole.
+
 Then one plain turn per agent on the real bundled model (SmolLM2-135M, 8,192 tokens of context per
 slot), their prompts shrunk by their own options to fit it (:data:`CLAUDE_SMALL`,
 :func:`codex_small`; docs/agents.md, "On the bundled model"). Neither agent sends a temperature,
-and at the default of 1 the 135M model rambles on in one reply of five or more (to Claude Code's
-output cap, or for minutes to the end of the context for Codex, which has no cap), so the engine
-decodes these greedily (:func:`greedy_model`): the same short reply every run.
+so the defaults sample (llama-server's); at temperature 1 the 135M model rambled on in one reply of
+five or more (to Claude Code's output cap, or for minutes to the end of the context for Codex,
+which has no cap), and any sampling varies the reply, so the engine decodes these greedily
+(:func:`greedy_model`): the same short reply every run.
 
 Skipped where the agents are not installed (``npm ci --prefix .ci/agents``).
 """
@@ -42,7 +47,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +57,11 @@ import pytest
 import trio
 
 from ringserve.config import Config
-from ringserve.core.events import GenerationRequest, Role, SamplingParams
+from ringserve.core.events import Effort, GenerationRequest, Role
+from ringserve.core.sampling import ResolvedSampling
 from ringserve.core.toolcalls import format_call
 from ringserve.engine.fake import FakeEngine
-from ringserve.engine.protocol import ChatPrompt, Engine
+from ringserve.engine.protocol import ChatPrompt, Engine, EngineError, Sampled, SlotFeed
 from ringserve.server import load_llama_engine
 from tests.support.capture_agents import BIN
 from tests.support.server import fake_config, running_server
@@ -122,17 +128,32 @@ class RecordingEngine(FakeEngine):
         return super().tokenize_chat(request)
 
 
+class FailingOnceEngine(RecordingEngine):
+    """The recording engine whose first generation to reach ``fail_after_tokens`` tokens fails
+    there (an engine error: a retryable ``response.failed`` mid-message, as a drain's); the
+    generations after it do not."""
+
+    def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
+        try:
+            return super().decode(feeds)
+        except EngineError:
+            self.fail_after_tokens = None
+            raise
+
+
 def scripted_server(tmp_path: Path, reply: Callable[[str], str], *, prefill_seconds: float = PREFILL_SECONDS,
-                    chat_format: str | None = None) -> tuple[object, list[RecordingEngine]]:
-    """An in-process server whose fake engine plays ``reply`` (its calls as written, also under a
-    lazy grammar; read with ``chat_format``'s parser), each first prompt prefilled for
-    ``prefill_seconds``, a keepalive every second of silence; and the list that will hold its engine."""
+                    chat_format: str | None = None, engine: type[RecordingEngine] = RecordingEngine,
+                    **engine_kwargs: Any) -> tuple[object, list[RecordingEngine]]:
+    """An in-process server whose fake engine (an ``engine``, with ``engine_kwargs``) plays ``reply``
+    (its calls as written, also under a lazy grammar; read with ``chat_format``'s parser), each first
+    prompt prefilled for ``prefill_seconds``, a keepalive every second of silence; and the list that
+    will hold its engine."""
     engines: list[RecordingEngine] = []
 
     def factory(_config: object) -> RecordingEngine:
-        engines.append(RecordingEngine(n_slots=2, n_ctx_slot=CTX, piece_bytes=8, reply=reply,
-                                       prefill_seconds=prefill_seconds, grammar_examples=False,
-                                       chat_format=chat_format))
+        engines.append(engine(n_slots=2, n_ctx=2 * CTX, piece_bytes=8, reply=reply,
+                              prefill_seconds=prefill_seconds, grammar_examples=False,
+                              chat_format=chat_format, **engine_kwargs))
         return engines[0]
 
     config = fake_config(tmp_path, engine={"ctx_per_slot": CTX, "slots": 2}, server={"heartbeat_interval": 1.0})
@@ -142,6 +163,12 @@ def scripted_server(tmp_path: Path, reply: Callable[[str], str], *, prefill_seco
 async def launch(agent: str, url: str, scratch: Path, agent_args: list[str],
                  extra_env: dict[str, str] | None = None) -> trio.CompletedProcess[bytes]:
     """``ringserve launch AGENT --url URL -- AGENT_ARGS`` in ``scratch/work``, with its own HOME."""
+    argv = [sys.executable, "-m", "ringserve", "launch", agent, "--url", url, "--", *agent_args]
+    return await run_in(scratch, argv, extra_env)
+
+
+async def run_in(scratch: Path, argv: list[str], extra_env: dict[str, str] | None = None) -> trio.CompletedProcess[bytes]:
+    """``argv`` in ``scratch/work``, with its own HOME (and CODEX_HOME under it)."""
     home, work = scratch / "home", scratch / "work"
     home.mkdir()
     work.mkdir()
@@ -149,7 +176,6 @@ async def launch(agent: str, url: str, scratch: Path, agent_args: list[str],
            "TERM": "dumb", "LANG": "C.UTF-8",
            "CODEX_HOME": str(home / ".codex"), **(extra_env or {})}
     (home / ".codex").mkdir()
-    argv = [sys.executable, "-m", "ringserve", "launch", agent, "--url", url, "--", *agent_args]
     with trio.fail_after(240):
         return await trio.run_process(argv, cwd=work, env=env, capture_stdout=True, capture_stderr=True,
                                       check=False, stdin=b"")
@@ -204,6 +230,68 @@ async def test_claude_code_runs_bash_and_write_through_a_silence_then_says_done(
     assert files == {"f.txt": "hi\n", "g.txt": "written by Write\n"}, (files, out[-2000:])
     assert "Done" in out, out
     assert len(engines[0].begins) == 3
+
+
+@pytest.mark.parametrize("model_args", [(), ("--model", "sonnet")], ids=["default", "sonnet"])
+async def test_claude_code_bare_on_a_claude_model_name_runs_bash_and_read_then_says_done(tmp_path, caplog, model_args):
+    """``claude --bare -p`` set up by hand (``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``; no
+    launcher, so the model name is Claude Code's: its default or ``sonnet``), whose per-turn
+    control message after the user turn has no content (``{"role": "system", "content": [],
+    "output_config": {"effort": "medium"}}``; issue 43, item 0): three turns, every request a 200,
+    each generation with the message's effort and no turn of its own."""
+    record_the_servers_log(caplog)
+    scratch = tmp_path / "claude"
+    scratch.mkdir()
+    work = scratch / "work"
+    reply = script(format_call("Bash", json.dumps({"command": "echo hi > f.txt", "description": "Write hi"})),
+                   format_call("Read", json.dumps({"file_path": str(work / "f.txt")})),
+                   "Done: f.txt is written.")
+    server, engines = scripted_server(tmp_path, reply, prefill_seconds=0.0)
+    async with server as state:
+        done = await run_in(scratch, [str(BIN / "claude"), "--bare", *model_args, "-p", PROMPT,
+                                      "--allowedTools", "Bash", "Read"],
+                            {"ANTHROPIC_BASE_URL": state.urls[0], "ANTHROPIC_API_KEY": "x", "DISABLE_TELEMETRY": "1",
+                             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_MAX_RETRIES": "0"})
+    out, err = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, (out[-2000:], err[-3000:])
+    assert (work / "f.txt").read_text() == "hi\n" and "Done" in out, out
+    statuses = [r.access["status"] for r in caplog.records if hasattr(r, "access") and r.access["method"] == "POST"]
+    assert statuses == [200, 200, 200], statuses
+    requests = engines[0].requests
+    assert [r.reasoning.effort for r in requests] == [Effort.MEDIUM] * 3
+    assert [[m.role for m in r.messages][:2] for r in requests] == [[Role.SYSTEM, Role.USER]] * 3
+    assert all(m.content for r in requests for m in r.messages if m.role is Role.SYSTEM)
+
+
+async def test_codex_retries_a_response_that_failed_mid_message_into_one_answer(tmp_path, caplog):
+    """A response that fails in the middle of its message (``response.failed``, retryable: the
+    engine's error here, a drain's alike) leaves Codex no message to keep: the message item gets no
+    ``response.output_item.done``, from which Codex builds its history. Its stream retry sends the
+    turn again as it was, and it shows one answer (issue 43, item 12: it showed the partial text as
+    an agent message and sent it back, so the answer came in two)."""
+    record_the_servers_log(caplog)
+    answer = "Hello! This answer streams in several pieces and comes whole."
+    server, engines = scripted_server(tmp_path, lambda _text: answer, prefill_seconds=0.0,
+                                      engine=FailingOnceEngine, fail_after_tokens=3)
+    # Codex refuses helpers under /tmp (see CODEX_SCRATCH)
+    scratch = CODEX_SCRATCH
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    try:
+        async with server as state:
+            done = await launch("codex", state.urls[0], scratch, [
+                "exec", "--json", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", "Say hello."])
+        out, err = done.stdout.decode(), done.stderr.decode()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert done.returncode == 0, (out[-2000:], err[-3000:])
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    items = [e["item"] for e in events if e["type"] == "item.completed"]
+    assert [(i["type"], i["text"]) for i in items] == [("agent_message", answer)], events
+    first, retry = engines[0].requests
+    assert retry.messages == first.messages  # nothing of the failed attempt came back
+    statuses = [r.access["status"] for r in caplog.records if hasattr(r, "access") and r.access["method"] == "POST"]
+    assert statuses == [200, 200], statuses
 
 
 # -- reasoning: the agents show it and hand it back ----------------------------------------------
@@ -302,7 +390,7 @@ def greedy_model(monkeypatch: pytest.MonkeyPatch) -> Callable[[Config], Engine]:
         engine = load_llama_engine(config)
         begin = engine.begin
 
-        def greedy_begin(slot: int, sampling: SamplingParams, *args: Any, **kwargs: Any) -> None:
+        def greedy_begin(slot: int, sampling: ResolvedSampling, *args: Any, **kwargs: Any) -> None:
             begin(slot, attrs.evolve(sampling, temperature=0.0), *args, **kwargs)
 
         monkeypatch.setattr(engine, "begin", greedy_begin)

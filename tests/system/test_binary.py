@@ -283,30 +283,47 @@ def _status(pid: int) -> bytes:
         return b"zombie"
 
 
-#: What the one-file executable needs of the system: glibc's libraries, which PyInstaller leaves to it,
-#: and zlib, which the bootloader links. Everything else comes from inside the file.
+#: What the one-file executable needs of the system: glibc's libraries (libm among them: libpython links
+#: it), which PyInstaller leaves to it, and zlib, which the bootloader links. Everything else comes from
+#: inside the file.
 SYSTEM_LIBRARIES = ["/lib64/ld-linux-x86-64.so.2", *(f"/lib/x86_64-linux-gnu/{name}" for name in (
     "libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1", "libutil.so.1", "libz.so.1"))]
+#: The environment in a root: PATH for unshare, mount and chroot (the root has none of them).
+ROOT_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/home", "TMPDIR": "/tmp"}
 
 
-def test_it_serves_from_a_root_that_holds_only_the_c_library(binary, tmp_path, greedy_text):
-    """In a chroot that holds the binary, glibc, zlib, ``/dev/null`` and ``/proc``, and nothing else (no
-    Python, no shell, no compiler, no /usr): ready, the same greedy answer, a drain on SIGTERM."""
+def make_root(tmp_path: Path, binary: Path, libraries: list[str] = SYSTEM_LIBRARIES) -> Path:
+    """A root that holds the binary (``/ringserve``), ``libraries``, and the folders ``/tmp`` and ``/home``
+    (anyone may write to them), ``/proc`` and ``/dev`` (empty: mount points)."""
     if os.geteuid() != 0:
         pytest.skip("the chroot and its mounts need root (CI runs as root)")
     root = tmp_path / "root"
     for folder in ("tmp", "proc", "home", "dev", "lib64", "lib/x86_64-linux-gnu"):
         (root / folder).mkdir(parents=True)
-    for path in SYSTEM_LIBRARIES:
+    (root / "tmp").chmod(0o1777)
+    (root / "home").chmod(0o777)
+    for path in libraries:
         shutil.copy(path, root / path.lstrip("/"))  # with its mode: the loader must be executable
-    (root / "dev" / "null").touch()  # a mount point: llama-cpp-python opens /dev/null as it loads
     shutil.copy(binary, root / "ringserve")
-    # A mount namespace of its own, so that the mounts go with the process.
-    script = f'mount -t proc proc {root}/proc && mount --bind /dev/null {root}/dev/null && exec chroot {root} "$@"'
-    server = ServerProcess(["unshare", "--mount", "--propagation", "private", "--fork", "sh", "-c", script, "sh",
-                            "/ringserve", "serve", "--port", "0", "--log-level", "INFO"],
-                           env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/home", "TMPDIR": "/tmp"},
-                           inherit_env=False)  # PATH for unshare, mount and chroot; the root has none of them
+    return root
+
+
+def chrooted(root: Path, *args: str, mounts: str = "mount --bind /dev/null {root}/dev/null", user: str = "") -> list[str]:
+    """The command line that runs ``/ringserve ARGS`` in ``root``, after ``/proc`` and ``mounts`` (a shell
+    command; ``{root}`` is the root), in a mount namespace of its own so that the mounts go with the process;
+    as ``user`` (``UID:GID``), else root."""
+    userspec = f"--userspec={user} " if user else ""
+    script = f'mount -t proc proc {root}/proc && {mounts.format(root=root) or "true"} && exec chroot {userspec}{root} "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "--fork", "sh", "-c", script, "sh", "/ringserve", *args]
+
+
+def test_it_serves_from_a_root_that_holds_only_the_c_library(binary, tmp_path, greedy_text):
+    """In a chroot that holds the binary, glibc, zlib, ``/dev/null`` and ``/proc``, and nothing else (no
+    Python, no shell, no compiler, no /usr): ready, the same greedy answer, a drain on SIGTERM."""
+    root = make_root(tmp_path, binary)
+    (root / "dev" / "null").touch()  # a mount point: llama-cpp-python opens /dev/null as it loads
+    server = ServerProcess(chrooted(root, "serve", "--port", "0", "--log-level", "INFO"), env=ROOT_ENV,
+                           inherit_env=False)
     try:
         with httpx.Client(base_url=server.url, timeout=120) as client:
             events = stream(client, "POST", "/v1/messages", json=anthropic_body())
@@ -318,6 +335,45 @@ def test_it_serves_from_a_root_that_holds_only_the_c_library(binary, tmp_path, g
         server.stop()
     assert (root / "home" / ".local" / "share" / "ringserve" / "messages.sqlite3").is_file()
     assert list((root / "tmp").iterdir()) == []
+
+
+NO_LIBM = [path for path in SYSTEM_LIBRARIES if not path.endswith("/libm.so.6")]
+NO_ZLIB = [path for path in SYSTEM_LIBRARIES if not path.endswith("/libz.so.1")]
+
+
+@pytest.mark.parametrize(("libraries", "mounts", "status", "message"), [
+    # The bootloader's messages (docs/install.md, "What it runs on", keeps this list): it unpacks into
+    # $TMPDIR, then loads libpython from there, and starts itself again with the unpacked libraries first
+    # on its library path.
+    (NO_LIBM, "", 255, r"\[PYI-\d+:ERROR\] Failed to load Python shared library '/tmp/_MEI\w+/libpython3\.11\.so\.1\.0': "
+                       r"libm\.so\.6: cannot open shared object file: No such file or directory"),
+    (NO_ZLIB, "", 127, r"/ringserve: error while loading shared libraries: libz\.so\.1: cannot open shared object file: "
+                       r"No such file or directory"),
+    (SYSTEM_LIBRARIES, "mount --bind -o ro {root}/tmp {root}/tmp", 255,
+     r"\[PYI-\d+:ERROR\] Could not create temporary directory!"),
+    (SYSTEM_LIBRARIES, "mount -t tmpfs -o noexec tmpfs {root}/tmp", 127,
+     r"/ringserve: error while loading shared libraries: libz\.so\.1: failed to map segment from shared object"),
+    (SYSTEM_LIBRARIES, "mount -t tmpfs -o size=60m tmpfs {root}/tmp", 255,
+     r"\[PYI-\d+:ERROR\] Failed to extract entry: .*"),
+], ids=["no libm", "no zlib", "read-only tmp", "noexec tmp", "full tmp"])
+def test_what_the_root_lacks_gives_the_bootloaders_message(binary, tmp_path, libraries, mounts, status, message):
+    root = make_root(tmp_path, binary, libraries)
+    done = subprocess.run(chrooted(root, "--help", mounts=mounts), env=ROOT_ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == status, done.stderr
+    assert re.fullmatch(message, done.stderr.strip().splitlines()[-1]), done.stderr
+
+
+def test_a_root_without_dev_null_is_one_line_and_exit_2(binary, tmp_path):
+    """As a user who cannot make one (root would create a plain file there): llama-cpp-python opens
+    /dev/null as it loads, which was a traceback ending in a PermissionError."""
+    root = make_root(tmp_path, binary)
+    done = subprocess.run(chrooted(root, "serve", "--port", "0", mounts="", user="65534:65534"), env=ROOT_ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "ringserve: /dev/null cannot be opened for writing (Permission denied), and llama-cpp-python needs it:"
+        " the system (a chroot, a container image) must provide it"]
 
 
 def test_ctrl_c_in_chat_cancels_the_generation_once(binary, clean, server):

@@ -88,7 +88,7 @@ async def test_three_reloads_mid_answer_give_the_text_of_the_same_request_withou
                                                                                      surface: str) -> None:
     require_browser()
     cfg = config(tmp_path)
-    engine = FakeEngine(n_slots=cfg.engine.slots, n_ctx_slot=cfg.engine.ctx_per_slot, **SLOW)
+    engine = FakeEngine(n_slots=cfg.engine.slots, **SLOW)
     async with running_server(cfg, lambda _config: engine) as state:
         seen = await trio.to_thread.run_sync(
             lambda: in_browser(tmp_path, lambda b: reload_three_times(b, state.urls[0], "Tell me about reloads.",
