@@ -265,13 +265,14 @@ def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Seque
     """Start the servers in ``names`` (ringserve always), stopping those started if one fails.
 
     ``llama-server`` runs as :func:`bench.common.llama_server` starts it: as many slots as ringserve,
-    the same context per slot (2048), threads, batch and flash attention. ringserve has no limit on
+    the same KV pool (2048 cells per slot: ringserve's ``[model] ctx_size``, llama-server's ``-c``;
+    at most 2048 for one request), threads, batch and flash attention. ringserve has no limit on
     the readers of one client (every stream comes from this process). Their logs go to ``logs``
     (default ``tmp``), ringserve's config and store to ``tmp``.
     """
     logs = logs or tmp
     cfg = ringserve_config(tmp / "ringserve.toml", {
-        "model": {"path": str(model), "n_threads": threads, "flash_attn": flash_attn},
+        "model": {"path": str(model), "n_threads": threads, "flash_attn": flash_attn, "ctx_size": slots * 2048},
         "engine": {"ctx_per_slot": 2048, "overlap": overlap},
         "store": {"path": str(tmp / "store.sqlite3")},
         "limits": {"max_readers_per_client": 0},  # every stream comes from one address: 64 by default

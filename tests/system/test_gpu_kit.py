@@ -145,6 +145,7 @@ def test_run_script_without_cargo_fails_at_preflight_saying_so(tmp_path: Path) -
 def test_random_model_speaks_the_bundled_tokenizer_and_never_samples_an_end(tmp_path: Path) -> None:
     from ringserve.core.batch import SlotFeed
     from ringserve.core.events import SamplingParams
+    from ringserve.core.sampling import LLAMA_SERVER_DEFAULTS, resolve_sampling
     from ringserve.engine.llama import LlamaEngine
 
     vocab, model = tmp_path / "vocab.gguf", tmp_path / "tiny.gguf"
@@ -160,7 +161,7 @@ def test_random_model_speaks_the_bundled_tokenizer_and_never_samples_an_end(tmp_
     assert control.sum() == 17 and not embd[control].any() and embd[~control].any(axis=1).all()
 
     text = "<|im_start|>user\nHello, lighthouse<|im_end|>\n<|im_start|>assistant\n"
-    engines = [LlamaEngine(path, n_slots=1, n_ctx_slot=256, n_batch=64, n_threads=MODEL_THREADS)
+    engines = [LlamaEngine(path, n_slots=1, n_ctx=256, n_batch=64, n_threads=MODEL_THREADS)
                for path in (default_model_path(), model)]
     with engines[0] as bundled, engines[1] as engine:
         assert engine.chat_template is not None and bundled.chat_template is not None
@@ -168,7 +169,7 @@ def test_random_model_speaks_the_bundled_tokenizer_and_never_samples_an_end(tmp_
         assert engine.chat_format.name == bundled.chat_format.name
         prompt = tuple(engine.tokenize(text, add_special=True, parse_special=True))
         assert prompt == tuple(bundled.tokenize(text, add_special=True, parse_special=True))
-        engine.begin(0, SamplingParams(temperature=0))
+        engine.begin(0, resolve_sampling(SamplingParams(temperature=0), LLAMA_SERVER_DEFAULTS))
         [out] = engine.decode([SlotFeed(0, prompt, 0, True)])
         sampled = [out]
         for pos in range(len(prompt), len(prompt) + 100):
