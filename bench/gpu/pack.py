@@ -193,12 +193,12 @@ def download_wheels(names: dict[str, str], dest: Path, pythons: Iterable[str] = 
 
 def _llama_tree(sdist: Path, scratch: Path) -> Path:
     """The sdist's root folder: ``sdist`` itself, or unpacked from the ``.tar.gz`` into ``scratch``
-    (only ``vendor/llama.cpp`` and ``llama_cpp``)."""
+    (only ``vendor/llama.cpp``, ``llama_cpp`` and ``PKG-INFO``)."""
     if sdist.is_dir():
         return sdist
     with tarfile.open(sdist) as tar:
         top = tar.getnames()[0].split("/")[0]
-        wanted = (f"{top}/vendor/llama.cpp/", f"{top}/llama_cpp/")
+        wanted = (f"{top}/vendor/llama.cpp/", f"{top}/llama_cpp/", f"{top}/PKG-INFO")
         members = [m for m in tar.getmembers() if m.name.startswith(wanted)]
         tar.extractall(scratch, members=members, filter="data")
     return scratch / top
@@ -247,6 +247,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         tmp = Path(tmp_name)
         sdist = args.sdist or _download_sdist(args.version, tmp)
         tree = _llama_tree(sdist, tmp)
+        version = next((line.split(":", 1)[1].strip() for line in (tree / "PKG-INFO").read_text().splitlines()
+                        if line.startswith("Version:")), None)
+        if version != args.version:
+            raise SystemExit(f"pack: {sdist} is llama-cpp-python {version}, not {args.version}")
         llama = tree / "vendor" / "llama.cpp"
         if args.list:
             files = select_llama_files(llama)
@@ -295,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
     print(f"packed {out} in {time.monotonic() - t0:.0f} s: {cargo / 2**20:.1f} MiB"
           f" (llama.cpp {sizes['llama.cpp.tar.xz'] / 2**20:.1f} MiB, {len(files)} files;"
-          f" {len(needed)} wheels for Python {', '.join(PYTHONS)}, binary: {len(binary)});"
+          f" {len(needed)} distributions' wheels for Python {', '.join(PYTHONS)}, {len(binary)} binary);"
           f" with the tracked files {(cargo + tracked) / 2**20:.1f} MiB of {TRAVEL_LIMIT / 2**20:.0f}")
     if cargo + tracked > TRAVEL_LIMIT:
         raise SystemExit(f"pack: {out} and the tracked files are over the GPU machine's"
