@@ -198,7 +198,7 @@ print("llama-cpp-python", llama_cpp.__version__, "from", llama_cpp.__file__, "li
 print(lc.llama_print_system_info().decode())
 gpu = lc.llama_supports_gpu_offload()
 print("GPU offload:", gpu)
-assert gpu or sys.argv[1] == "cpu", "libllama was built without a GPU backend"
+assert gpu or sys.argv[1] == "cpu", "llama.cpp has no GPU to offload to (no CUDA backend, or no device: see ggml_cuda_init above)"
 EOF
 }
 
