@@ -56,6 +56,7 @@ from bench.common import figure, fmt, machine, machine_line, median, pct, save_f
 from bench.raw_decode import N_BATCH, PROMPT, RawDecoder, RawRun, _ctx_per_seq  # noqa: E402
 from ringserve.config import EngineConfig  # noqa: E402
 from ringserve.core.events import BlockDelta, ChatMessage, Failure, Finish, GenerationRequest, SamplingParams  # noqa: E402
+from ringserve.core.sampling import LLAMA_SERVER_DEFAULTS, resolve_sampling  # noqa: E402
 from ringserve.engine.generation import Generation, Prepared  # noqa: E402
 from ringserve.engine.llama import LlamaEngine  # noqa: E402
 from ringserve.engine.modelfile import default_model_path  # noqa: E402
@@ -140,8 +141,9 @@ def compare(path: Path, n_seqs: int, n_tokens: int, n_threads: int, bursts: int)
         request = GenerationRequest(
             messages=(ChatMessage("user", PROMPT),), max_tokens=n_tokens + 1, sampling=SamplingParams(temperature=0)
         )
-        warm = Prepared(attrs.evolve(request, max_tokens=2), prompt, 2)
-        timed = Prepared(request, prompt, n_tokens + 1)
+        greedy = resolve_sampling(request.sampling, LLAMA_SERVER_DEFAULTS)
+        warm = Prepared(attrs.evolve(request, max_tokens=2), prompt, 2, greedy)
+        timed = Prepared(request, prompt, n_tokens + 1, greedy)
         config = EngineConfig(slots=n_seqs, n_batch=N_BATCH, prefill_chunk=N_BATCH, queue_size=n_seqs)
 
         async def main() -> list[dict[str, Any]]:

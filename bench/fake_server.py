@@ -31,7 +31,7 @@ if __package__ in (None, ""):
 
 from ringserve.config import Config  # noqa: E402
 from ringserve.core.batch import Sampled, SlotFeed  # noqa: E402
-from ringserve.core.events import SamplingParams  # noqa: E402
+from ringserve.core.sampling import ResolvedSampling  # noqa: E402
 from ringserve.engine.fake import FakeEngine  # noqa: E402
 from ringserve.engine.gbnf import Constraint, LazyCalls  # noqa: E402
 from ringserve.server import run_process  # noqa: E402
@@ -58,13 +58,16 @@ class GatedFakeEngine(FakeEngine):
     def begin(
         self,
         slot: int,
-        sampling: SamplingParams,
+        sampling: ResolvedSampling,
         keep: int = 0,
         source: int | None = None,
         constraint: Constraint | LazyCalls | None = None,
+        *,
+        prompt: Sequence[int] = (),
+        logprobs: int | None = None,
         replay: Sequence[int] = (),
     ) -> None:
-        super().begin(slot, sampling, keep, source, constraint, replay)
+        super().begin(slot, sampling, keep, source, constraint, prompt=prompt, logprobs=logprobs, replay=replay)
         self._begun += 1
 
     def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:

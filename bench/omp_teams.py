@@ -43,6 +43,7 @@ from bench.common import figure, machine, machine_line, median, save_figure, wri
 from bench.raw_decode import PROMPT  # noqa: E402
 from ringserve.core.batch import SlotFeed  # noqa: E402
 from ringserve.core.events import SamplingParams  # noqa: E402
+from ringserve.core.sampling import LLAMA_SERVER_DEFAULTS, resolve_sampling  # noqa: E402
 from ringserve.engine.llama import LlamaEngine  # noqa: E402
 from ringserve.engine.modelfile import default_model_path  # noqa: E402
 from ringserve.engine.thread import EngineThread  # noqa: E402
@@ -61,7 +62,7 @@ def side_run(side: str, seqs: int, tokens: int, threads: int) -> float:
 
     async def generate(workers: list[EngineThread], n: int) -> float:
         for s in range(seqs):
-            engine.begin(s, SamplingParams(temperature=0))
+            engine.begin(s, resolve_sampling(SamplingParams(temperature=0), LLAMA_SERVER_DEFAULTS))
         out = await workers[0].run(engine.decode, [SlotFeed(s, prompt, 0, True) for s in range(seqs)])
         last, pos, total = [o.token for o in out], len(prompt), 0.0
         for k in range(n):

@@ -64,6 +64,20 @@ def test_a_context_above_the_slots_trained_contexts_is_one_line(tmp_path):
     assert "ctx_size = 99999999" in lines[0] and "4 slot(s) of the model's trained context of 8192 tokens" in lines[0]
 
 
+@pytest.mark.model
+def test_a_chat_template_past_the_bounds_of_a_render_is_one_line_at_start(tmp_path):
+    """Issue 43: nested ``range(100000)`` loops in the template hung the start (llama.cpp's
+    capability probes render it); now exit 2 and one line that names the bound."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[server]\nport = 0\n[store]\npath = ":memory:"\n[model]\nchat_template_file = "{template}"\n')
+    result = run("serve", "--config", str(cfg), "--log-level", "ERROR")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "chat template took more than its" in lines[0] and "steps" in lines[0]
+
+
 def test_an_engine_that_fails_to_load_is_raised_bare(tmp_path):
     """The model loads inside serve's nursery; its one-line error leaves run_process unwrapped from the group."""
     config = Config().replace("server", port=0).replace("store", path=":memory:")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import attrs
 
+from ringserve.core.events import TokenLogprob
+
 
 @attrs.frozen
 class SlotFeed:
@@ -32,9 +34,11 @@ class SlotFeed:
 
 @attrs.frozen
 class Sampled:
-    """A token sampled for a slot: its id, its raw bytes and whether it ends generation."""
+    """A token sampled for a slot: its id, its raw bytes, whether it ends generation, and its
+    log probabilities where the slot's request asks for them (``Engine.begin``'s ``logprobs``)."""
 
     slot: int
     token: int
     piece: bytes
     eog: bool
+    logprob: TokenLogprob | None = None

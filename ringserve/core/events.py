@@ -17,11 +17,6 @@ import attrs
 from ringserve.core.errors import ErrorKind
 
 
-def _non_negative(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
-
-
 class StopReason(enum.StrEnum):
     """Why a generation ended; surfaces spell it in their own words (the store keeps the value).
 
@@ -159,20 +154,99 @@ class OutputFormat:
     schema: str = ""
 
 
+#: llama.cpp's ``LLAMA_DEFAULT_SEED``: a seed of this value draws a random one (``llama.h``).
+RANDOM_SEED = 0xFFFFFFFF
+
+
+@attrs.frozen
+class LogitBias:
+    """One entry of a request's ``logit_bias``: ``bias`` added to the logit of ``token`` (a
+    token id), or of each token of ``token``'s text (a string, tokenized as llama-server
+    tokenizes it: no BOS, special-token text as plain text); ``-inf`` bans it (llama-server's
+    ``false``). Text and ids become checked ids where the request is prepared
+    (``core/sampling.py`` :func:`~ringserve.core.sampling.check_logit_bias`)."""
+
+    token: int | str
+    bias: float
+
+
+def _optional(*validators: Any) -> Any:
+    return attrs.validators.optional(list(validators))
+
+
+_PROBABILITY = (attrs.validators.ge(0.0), attrs.validators.le(1.0))
+_COUNT = attrs.validators.ge(0)
+
+
 @attrs.frozen
 class SamplingParams:
-    """Sampler settings for one sequence.
+    """Sampler settings as one layer gives them: a request, the model's settings in the config,
+    the GGUF's ``general.sampling.*``, or llama-server's defaults
+    (:data:`~ringserve.core.sampling.LLAMA_SERVER_DEFAULTS`). ``None``: not set by this layer
+    (the next one's value applies: :func:`~ringserve.core.sampling.resolve_sampling`).
 
-    ``temperature`` 0 means greedy (argmax). ``top_k`` 0 disables top-k,
-    ``top_p`` 1.0 disables nucleus sampling, ``min_p`` 0.0 disables min-p.
-    ``seed`` None draws a random seed.
+    The fields are llama-server's request fields, with its meanings
+    (``tools/server/server-schema.cpp``, ``common/common.h`` ``common_params_sampling``):
+    ``temperature`` 0 is greedy; ``top_k`` 0, ``top_p`` 1, ``min_p`` 0 and ``typical_p`` 1
+    disable those samplers; ``repeat_penalty`` (> 0, 1 off), ``presence_penalty`` and
+    ``frequency_penalty`` (0 off) penalize the last ``repeat_last_n`` tokens (0: none);
+    DRY (``dry_multiplier`` 0 off; ``dry_base`` >= 1, ``dry_allowed_length``,
+    ``dry_penalty_last_n``, ``dry_sequence_breakers``) and XTC (``xtc_probability`` 0 off,
+    ``xtc_threshold`` above 0.5 off); ``logit_bias`` (:class:`LogitBias`, ``()``: none);
+    ``seed`` 0..2**32-1 (:data:`RANDOM_SEED` draws one).
+
+    Raises:
+        ValueError: a value out of its range (the surfaces refuse them first, naming the field).
     """
 
-    temperature: float = attrs.field(default=1.0, validator=_non_negative)
-    top_k: int = attrs.field(default=0, validator=_non_negative)
-    top_p: float = attrs.field(default=1.0, validator=[_non_negative, attrs.validators.le(1.0)])
-    min_p: float = attrs.field(default=0.0, validator=[_non_negative, attrs.validators.le(1.0)])
-    seed: int | None = None
+    temperature: float | None = attrs.field(default=None, validator=_optional(attrs.validators.ge(0.0)))
+    top_k: int | None = attrs.field(default=None, validator=_optional(_COUNT))
+    top_p: float | None = attrs.field(default=None, validator=_optional(*_PROBABILITY))
+    min_p: float | None = attrs.field(default=None, validator=_optional(*_PROBABILITY))
+    typical_p: float | None = attrs.field(default=None, validator=_optional(*_PROBABILITY))
+    repeat_penalty: float | None = attrs.field(default=None, validator=_optional(attrs.validators.gt(0.0)))
+    repeat_last_n: int | None = attrs.field(default=None, validator=_optional(_COUNT))
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    dry_multiplier: float | None = attrs.field(default=None, validator=_optional(attrs.validators.ge(0.0)))
+    dry_base: float | None = attrs.field(default=None, validator=_optional(attrs.validators.ge(1.0)))
+    dry_allowed_length: int | None = attrs.field(default=None, validator=_optional(_COUNT))
+    dry_penalty_last_n: int | None = attrs.field(default=None, validator=_optional(_COUNT))
+    dry_sequence_breakers: tuple[str, ...] | None = attrs.field(
+        default=None, validator=_optional(attrs.validators.min_len(1)))
+    xtc_probability: float | None = attrs.field(default=None, validator=_optional(*_PROBABILITY))
+    xtc_threshold: float | None = attrs.field(default=None, validator=_optional(*_PROBABILITY))
+    logit_bias: tuple[LogitBias, ...] | None = None
+    seed: int | None = attrs.field(default=None,
+                                   validator=_optional(_COUNT, attrs.validators.le(RANDOM_SEED)))
+
+
+#: The most alternatives a token's log probabilities list (OpenAI's limit for ``top_logprobs``).
+MAX_TOP_LOGPROBS = 20
+
+
+@attrs.frozen
+class TopLogprob:
+    """One of the most likely tokens at a position: its bytes and its log probability."""
+
+    piece: bytes
+    logprob: float
+
+
+@attrs.frozen
+class TokenLogprob:
+    """A sampled token's log probability, and the most likely tokens at its position.
+
+    ``piece`` is the token's bytes (a token may hold part of a UTF-8 character); ``logprob`` the
+    natural log of its probability under the model's raw logits (the log-softmax over the
+    vocabulary, before any sampler: OpenAI's definition, llama-server's default
+    ``post_sampling_probs: false``); ``top`` the ``n`` most likely tokens, most likely first
+    (the request's ``top_logprobs``).
+    """
+
+    piece: bytes
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
 
 
 class Effort(enum.StrEnum):
@@ -293,6 +367,9 @@ class GenerationRequest:
         cache_key: a hint that requests with the same key share a prompt prefix (the Responses
             API's ``prompt_cache_key``, else the client's session header): the prefix cache's
             slot choice prefers their slot (``core/scheduler.py`` ``choose_slot``); "": none.
+        logprobs: report each text token's log probability with this many of the most likely
+            tokens at its position (0..:data:`MAX_TOP_LOGPROBS`; :class:`TokenLogprob`); None:
+            none (the engine computes them only for a request that asks).
     """
 
     messages: tuple[ChatMessage, ...]
@@ -307,6 +384,8 @@ class GenerationRequest:
     template_kwargs: str = attrs.field(default="", validator=_json_object)
     context_edits: tuple[ContextEdit, ...] = ()
     cache_key: str = ""
+    logprobs: int | None = attrs.field(
+        default=None, validator=_optional(attrs.validators.ge(0), attrs.validators.le(MAX_TOP_LOGPROBS)))
 
 
 @attrs.frozen
@@ -357,12 +436,15 @@ class BlockDelta:
 
     Text is whole UTF-8 characters, never a stop string. ``tokens`` is the
     number of sampled tokens decoded since the previous delta (it can be 0
-    when held-back text is released late).
+    when held-back text is released late). ``logprobs``: for a request that asks
+    (:attr:`GenerationRequest.logprobs`), a text delta's tokens, those whose text ends in it
+    (``engine/generation.py`` ``Generation.feed`` says which).
     """
 
     index: int
     text: str
     tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.frozen
@@ -377,13 +459,14 @@ class ContentBlock:
     """A whole content block (non-stream answers, the store, ``GET``).
 
     ``text`` is the text, or a tool call's arguments (JSON text); ``name``
-    and ``call_id`` as in :class:`BlockStart`.
+    and ``call_id`` as in :class:`BlockStart`; ``logprobs`` its deltas' (:class:`BlockDelta`).
     """
 
     kind: BlockKind
     text: str = ""
     name: str = ""
     call_id: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.frozen

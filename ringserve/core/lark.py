@@ -21,10 +21,16 @@ Lark's grammar language: https://lark-parser.readthedocs.io/en/latest/grammar.ht
   ``common.lark`` listed in :data:`COMMON`.
 
 Everything else is refused with a :class:`LarkGrammarError` that names the construct and where it
-is: ``%ignore`` (it lets ignored text appear between any two tokens, which a grammar over
+is (groups nested deeper than :data:`MAX_DEPTH` too): ``%ignore`` (it lets ignored text appear between any two tokens, which a grammar over
 characters cannot say rule by rule), ``%declare`` / ``%override`` / ``%extend``, imports from
 other modules, templates, regex anchors, lookarounds, backreferences, flags other than ``i``
 on literals and ``s`` on expressions, and any name used but not defined.
+
+:func:`check` is what a request's grammar must pass before the engine is asked (a Responses
+``custom`` tool's, on a worker thread: the translation's time grows with the grammar): at most
+:data:`MAX_CHARS` characters, translated, and taken by llama.cpp's grammar sampler as ringserve
+writes it, as text and inside a JSON string (``core/llama_grammar.py``: no left recursion, a
+finite text for every rule, repetitions within llama.cpp's limits).
 
 The result accepts the strings Lark's grammar derives. Lark's own parser tokenizes first (the
 longest match of each terminal), so on grammars whose terminals overlap it can refuse a string
@@ -45,7 +51,15 @@ from collections.abc import Iterator
 
 import attrs
 
-__all__ = ["COMMON", "LarkGrammarError", "json_string", "lark_rules", "lark_to_gbnf"]
+from ringserve.core import llama_grammar
+
+__all__ = ["COMMON", "MAX_CHARS", "MAX_DEPTH", "LarkGrammarError", "check", "json_string", "lark_rules",
+           "lark_to_gbnf"]
+
+#: The longest grammar :func:`check` takes, in characters (Codex's ``apply_patch`` grammar is about 2,000).
+MAX_CHARS = 65_536
+#: The deepest groups may nest (``( )`` and ``[ ]`` of a rule, ``( )`` of a regular expression, each counted).
+MAX_DEPTH = 64
 
 
 class LarkGrammarError(ValueError):
@@ -127,10 +141,15 @@ def _tokens(text: str) -> list[_Token]:
 def _definitions(tokens: list[_Token]) -> Iterator[list[_Token]]:
     """Split the tokens into definitions and directives; a line that starts with ``|`` continues the one before."""
     current: list[_Token] = []
+    continued = False  # the next token but newlines is a "|" (the tokens are read from the end)
+    continues = [False] * len(tokens)
+    for i in range(len(tokens) - 1, -1, -1):
+        continues[i] = continued
+        if tokens[i].kind != "nl":
+            continued = tokens[i].text == "|"
     for i, token in enumerate(tokens):
         if token.kind == "nl":
-            following = next((t for t in tokens[i + 1 :] if t.kind != "nl"), None)
-            if following is not None and following.text == "|":
+            if continues[i]:
                 continue
             if current:
                 yield current
@@ -252,6 +271,7 @@ class _Regex:
     dotall: bool
     where: str
     pos: int = 0
+    depth: int = 0
 
     def fail(self, what: str) -> LarkGrammarError:
         return LarkGrammarError(f"{self.where}: {what} is not supported in a regular expression (at {self.pos} of /{self.pattern}/)")
@@ -315,7 +335,11 @@ class _Regex:
                     self.pos += 2
                 else:
                     raise self.fail("a group of the form (?...) other than (?:...)")
+            self.depth += 1
+            if self.depth > MAX_DEPTH:
+                raise LarkGrammarError(f"{self.where}: groups nested deeper than {MAX_DEPTH} in /{self.pattern[:40]}.../")
             inner = self.alternation()
+            self.depth -= 1
             if self.take() != ")":
                 raise self.fail("an unclosed group")
             return _group(inner)
@@ -406,6 +430,7 @@ class _Expansions:
     used: set[str]
     prefix: str = ""
     pos: int = 0
+    depth: int = 0
 
     def peek(self) -> _Token | None:
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
@@ -476,14 +501,14 @@ class _Expansions:
 
     def atom(self) -> str:
         token = self.take()
-        if token.text == "(":
+        if token.text in ("(", "["):
+            self.depth += 1
+            if self.depth > MAX_DEPTH:
+                raise LarkGrammarError(f"line {token.line}: groups nested deeper than {MAX_DEPTH}")
             inner = self.expansions()
-            self.expect(")")
-            return "(" + inner + ")"
-        if token.text == "[":
-            inner = self.expansions()
-            self.expect("]")
-            return "(" + inner + ")?"
+            self.depth -= 1
+            self.expect(")" if token.text == "(" else "]")
+            return "(" + inner + (")" if token.text == "(" else ")?")
         if token.kind == "string":
             nxt = self.peek()
             if nxt is not None and nxt.kind == "dots":
@@ -544,6 +569,41 @@ def lark_to_gbnf(text: str, start: str = "start") -> str:
     """
     first, rules = lark_rules(text, start)
     return "\n".join([f"root ::= {first}", *(f"{name} ::= {body}" for name, body in rules)]) + "\n"
+
+
+def check(text: str, start: str = "start") -> None:
+    """Whether ``text`` is a grammar the model can be decoded under (see the module docstring):
+    at most :data:`MAX_CHARS` characters, translated by :func:`lark_rules`, and taken by
+    llama.cpp's grammar sampler (:func:`~ringserve.core.llama_grammar.check`) both as text and
+    inside a JSON string (:func:`json_string`), the two ways ``engine/gbnf.py`` writes a freeform
+    tool's input. Its time grows with the grammar's size: the shell runs it on a worker thread.
+
+    Raises:
+        LarkGrammarError: too long, a construct outside the subset (as :func:`lark_to_gbnf`), or
+            a grammar llama.cpp refuses or cannot finish: the message names the Lark rule (left
+            recursion, a rule no finite text matches, a repetition past llama.cpp's limits).
+    """
+    if len(text) > MAX_CHARS:
+        raise LarkGrammarError(f"longer than {MAX_CHARS:,} characters")
+    first, rules = lark_rules(text, start)
+    names = {_gbnf_name(name): name for name in _names(text)} | {"root": start}
+    for form, inside in ((str, ""), (json_string, " (written inside a JSON string)")):
+        gbnf = "".join([f"root ::= {first}\n", *(f"{name} ::= {form(body)}\n" for name, body in rules)])
+        try:
+            llama_grammar.check(gbnf)
+        except llama_grammar.GrammarError as exc:
+            rule = names.get(exc.rule.split("_")[0], exc.rule) if exc.rule else ""
+            raise LarkGrammarError(f"{rule}: {exc.reason}{inside}" if rule else f"{exc.reason}{inside}") from None
+
+
+def _names(text: str) -> Iterator[str]:
+    """The names a grammar defines (rules, terminals, imported terminals), as :func:`lark_rules` reads them."""
+    for definition in _definitions(_tokens(text)):
+        head = definition[0]
+        if head.kind == "directive":
+            yield from _imports(definition)
+        else:
+            yield definition[1 if head.text in ("?", "!") else 0].text
 
 
 def lark_rules(text: str, start: str = "start", prefix: str = "") -> tuple[str, tuple[tuple[str, str], ...]]:

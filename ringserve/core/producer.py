@@ -52,6 +52,7 @@ from ringserve.core.events import (
     Finish,
     GenerationEvent,
     StopReason,
+    TokenLogprob,
     Usage,
 )
 from ringserve.core.render import Renderer, WireEvent, render
@@ -78,11 +79,14 @@ class Trace:
     block's text: the boundaries the coalescer and the safety stage chose,
     which the text alone does not keep. ``failure``: the ``(kind, retryable)``
     of the message's :class:`~ringserve.core.events.Failure` (its message is the
-    stored error). About 3 bytes of JSON per log entry.
+    stored error). ``logprobs``: per delta op, in order, how many of its block's
+    :attr:`~ringserve.core.events.ContentBlock.logprobs` the delta carried; ``()`` when none
+    carried any. About 3 bytes of JSON per log entry.
     """
 
     ops: tuple[int, ...]
     failure: tuple[ErrorKind, bool] | None = None
+    logprobs: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -137,11 +141,12 @@ class _Block:
     name: str
     call_id: str
     parts: list[str] = attrs.Factory(list)
+    logprobs: list[TokenLogprob] = attrs.Factory(list)
 
     def whole(self) -> ContentBlock:
         text = "".join(self.parts)
         self.parts[:] = [text]  # the next snapshot joins one string and what came since
-        return ContentBlock(self.kind, text, self.name, self.call_id)
+        return ContentBlock(self.kind, text, self.name, self.call_id, tuple(self.logprobs))
 
 
 @attrs.define(eq=False)
@@ -182,6 +187,13 @@ class Producer:
     _holdback: HoldBack | None = attrs.field(init=False)
     _pending: tuple[Check, BlockDelta | BlockStop] | None = attrs.field(init=False, default=None)
     _ops: list[int] = attrs.field(init=False, factory=list)
+    _counts: list[int] | None = attrs.field(init=False, default=None)  # Trace.logprobs, once a delta carries some
+    # the open block's log probabilities not released yet, each with the length of the block's text that
+    # holds its token's text (they go out with the text that reaches it, in _text: the coalescer and the
+    # safety stage release text late, never reordered), and the characters of its deltas received and released
+    _waiting: list[tuple[int, TokenLogprob]] = attrs.field(init=False, factory=list)
+    _received: int = attrs.field(init=False, default=0)
+    _sent: int = attrs.field(init=False, default=0)
     _failure: tuple[ErrorKind, bool] | None = attrs.field(init=False, default=None)
     _persisted_at: float = attrs.field(init=False, default=-math.inf)
     _persisted_status: MessageStatus = attrs.field(init=False, default=MessageStatus.QUEUED)
@@ -236,7 +248,8 @@ class Producer:
     def snapshot(self) -> Snapshot:
         """The message's state as the store should hold it now."""
         return Snapshot(self.status, self.content, self.usage, self.stop_reason, self.stop_sequence, self.error,
-                        self.last_seq if self.ended else None, Trace(tuple(self._ops), self._failure))
+                        self.last_seq if self.ended else None,
+                        Trace(tuple(self._ops), self._failure, tuple(self._counts or ())))
 
     # -- moves ---------------------------------------------------------------------------
 
@@ -253,6 +266,9 @@ class Producer:
             case BlockStart():
                 return self._step(self._block_start(event), now)
             case BlockDelta():
+                self._received += len(event.text)  # the open block's, for its log probabilities (_text)
+                if event.logprobs:
+                    self._waiting += [(self._received, logprob) for logprob in event.logprobs]
                 if self._held(event.index):
                     assert self._holdback is not None
                     check = self._holdback.push(event.text, event.tokens)
@@ -346,6 +362,8 @@ class Producer:
         assert start.index == len(self._blocks) and self._open is None, f"block {start.index} out of order"
         self._blocks.append(_Block(start.kind, start.name, start.call_id))
         self._open = start.index
+        self._received = self._sent = 0
+        self._waiting.clear()  # a block's log probabilities whose text was never released
         self._generating()
         return [*wire, *self._render(start)]
 
@@ -361,13 +379,22 @@ class Producer:
         return [*wire, *self._render(stop)]
 
     def _text(self, text: str | None) -> list[WireEvent]:
-        """Text out of the coalescer into the open block, and its wire events."""
+        """Text out of the coalescer into the open block, with the log probabilities whose
+        tokens' text it completes, and its wire events."""
         if not text:
             return []
         assert self._open is not None
-        self._blocks[self._open].parts.append(text)
+        block = self._blocks[self._open]
+        block.parts.append(text)
         self._released = True
-        return self._render(BlockDelta(self._open, text))
+        self._sent += len(text)
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if self._waiting:
+            n = next((i for i, (end, _) in enumerate(self._waiting) if end > self._sent), len(self._waiting))
+            logprobs = tuple(logprob for _, logprob in self._waiting[:n])
+            del self._waiting[:n]
+            block.logprobs += logprobs
+        return self._render(BlockDelta(self._open, text, 0, logprobs))
 
     def _generating(self) -> None:
         if self.status is MessageStatus.QUEUED:
@@ -446,6 +473,10 @@ class Producer:
                 self._ops.append(TRACE_START)
             case BlockDelta():
                 self._ops.append(len(event.text))
+                if self._counts is not None:
+                    self._counts.append(len(event.logprobs))
+                elif event.logprobs:  # the first delta that carries some
+                    self._counts = [0] * sum(op > 0 for op in self._ops[:-1]) + [len(event.logprobs)]
             case BlockStop():
                 self._ops.append(TRACE_STOP)
             case Failure():
@@ -493,14 +524,15 @@ def replay(
     producer = Producer(message_id, renderer, usage, flush_seconds=0.0, flush_tokens=1,
                         persist_seconds=math.inf, retry_ms=retry_ms)
     entries = list(producer.start(0.0).entries)
-    index, offset = -1, 0
+    index, offset, taken = -1, 0, 0
+    counts = iter(trace.logprobs)
     for op in trace.ops:
         event: GenerationEvent
         if op == TRACE_KEEPALIVE:
             entries += producer.keepalive(0.0).entries
             continue
         if op == TRACE_START:
-            index, offset = index + 1, 0
+            index, offset, taken = index + 1, 0, 0
             if index >= len(blocks):
                 raise ValueError(f"the trace starts block {index}, but the message has {len(blocks)}")
             block = blocks[index]
@@ -511,7 +543,11 @@ def replay(
             text = blocks[index].text[offset:offset + op] if index >= 0 else ""
             if len(text) != op:
                 raise ValueError(f"the trace cuts {op} characters past the text of block {index}")
-            event, offset = BlockDelta(index, text, 1), offset + op
+            n = next(counts, 0)
+            logprobs = blocks[index].logprobs[taken:taken + n]
+            if len(logprobs) != n:
+                raise ValueError(f"the trace takes {n} log probabilities past those of block {index}")
+            event, offset, taken = BlockDelta(index, text, 1, logprobs), offset + op, taken + n
         entries += producer.event(event, usage, 0.0).entries
     if terminal_seq is not None:
         producer.continue_at(terminal_seq)

@@ -112,7 +112,8 @@ def plain_messages(
     messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (), choice: ToolChoice = ToolChoice()
 ) -> tuple[ChatMessage, ...]:
     """The conversation with tools rendered as text: only ``system``, ``user`` and
-    ``assistant`` turns with ``content`` (the module docstring gives the format).
+    ``assistant`` turns with ``content``, and an assistant turn's ``reasoning`` (the module
+    docstring gives the format).
 
     Raises:
         ValueError: an assistant call's ``arguments`` or a tool's schema is not
@@ -141,9 +142,10 @@ def plain_messages(
                         raise ValueError(f"the arguments of tool call {c.call_id!r} are not JSON") from None
                     calls.append(format_call(c.name, arguments))
                 text = "\n".join(calls)
-                out.append(ChatMessage(Role.ASSISTANT, f"{m.content}\n{text}" if m.content else text))
+                out.append(ChatMessage(Role.ASSISTANT, f"{m.content}\n{text}" if m.content else text,
+                                       reasoning=m.reasoning))
             case _:
-                out.append(ChatMessage(m.role, m.content))
+                out.append(ChatMessage(m.role, m.content, reasoning=m.reasoning))
     if tools and choice.mode is not ToolChoiceMode.NONE:
         prompt = _tools_prompt(tools, choice)
         if out and out[0].role is Role.SYSTEM:

@@ -28,7 +28,8 @@ did to it:
   model writes them. Its UTF-8 bytes are cut into tokens of ``piece_bytes``
   bytes (or by ``split``), so multi-byte characters and markers are split
   across tokens, then one EOG token (empty piece) ends it. Sampling
-  parameters are accepted and ignored. A slot begun with a ``constraint``
+  parameters are accepted and ignored; a slot begun with ``logprobs`` gets
+  each token's :func:`fake_logprob`. A slot begun with a ``constraint``
   (a forced tool call, JSON output) replies the constraint's example
   instead: a text its grammar accepts, made from the schema on the decode
   thread, a call in the family's syntax
@@ -56,6 +57,7 @@ whether it raised), so tests can see which slots were fed at which step, and
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -63,7 +65,8 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from ringserve.core.batch import Sampled, SlotFeed
-from ringserve.core.events import ChatMessage, GenerationRequest, SamplingParams
+from ringserve.core.events import ChatMessage, GenerationRequest, TokenLogprob, TopLogprob
+from ringserve.core.sampling import ResolvedSampling
 from ringserve.core.toolcalls import CallEnd, Text, ToolCallError, plain_messages
 from ringserve.engine.examples import example
 from ringserve.engine.gbnf import CallWatch, Constraint, GrammarOff, GrammarOn, LazyCalls
@@ -75,7 +78,7 @@ from ringserve.formats.families import FAMILIES
 from ringserve.formats.prompt import render_request
 from ringserve.formats.template import ChatTemplate, TemplateRenderError
 
-__all__ = ["DEFAULT_REPLY", "EOG_TOKEN", "Begin", "DecodeCall", "FakeEngine", "Switched"]
+__all__ = ["DEFAULT_REPLY", "EOG_TOKEN", "Begin", "DecodeCall", "FakeEngine", "Switched", "fake_logprob"]
 
 DEFAULT_REPLY = "The quick brown fox jumps over the lazy dog."
 """The reply when the request is not an ``echo:`` and no ``reply`` was given."""
@@ -84,6 +87,17 @@ EOG_TOKEN = 256
 """Token id of the fake end-of-generation token (its piece is empty)."""
 
 _USER_MARK = "<|user|>"
+
+
+def fake_logprob(piece: bytes, sample: int, n_top: int) -> TokenLogprob:
+    """The fake's log probabilities of the token ``piece``, its slot's sample number ``sample``
+    (0-based), with ``n_top`` alternatives: it is the most likely, of probability 1/2, 1/4 or 1/8
+    in turn, and the alternative ``k`` (``b"alt<k>"`` after it) has half the probability of the one
+    before it."""
+    logprob = -math.log(2) * (1 + sample % 3)
+    top = [TopLogprob(piece, logprob), *(TopLogprob(f"alt{k}".encode(), logprob - k * math.log(2))
+                                         for k in range(1, n_top))]
+    return TokenLogprob(piece, logprob, tuple(top[:n_top]))
 
 
 @attrs.frozen
@@ -109,12 +123,14 @@ class DecodeCall:
 @attrs.frozen
 class Begin:
     """One :meth:`FakeEngine.begin` call: the slot, the cells it kept, where they came from,
-    and its constraint."""
+    its constraint; its sampler settings and how many prompt tokens it was given (not compared)."""
 
     slot: int
     keep: int
     source: int | None
     constraint: Constraint | LazyCalls | None = None
+    sampling: ResolvedSampling | None = attrs.field(default=None, eq=False)
+    prompt_tokens: int = attrs.field(default=0, eq=False)
 
 
 @attrs.frozen
@@ -135,6 +151,7 @@ class _SlotState:
     begun: bool = True
     constraint: Constraint | LazyCalls | None = None
     watch: CallWatch | None = None
+    logprobs: int | None = None
 
 
 def _after_unit(calls: LazyCalls, script: str) -> str:
@@ -225,6 +242,8 @@ class FakeEngine:
 
     max_token_bytes = 1
     """Bytes of message text one prompt token stands for, at most (one token per byte)."""
+    n_vocab = 1 << 16
+    """Token ids: the bytes, :data:`EOG_TOKEN`, then the reply pieces of more than one byte."""
     offload = Offload(0, 0)
     """No layers and no GPU device."""
 
@@ -319,6 +338,10 @@ class FakeEngine:
             opened = markers is not None and markers.opened_by(text)
         return ChatPrompt(text, tuple(text.encode("utf-8")), opened)
 
+    def tokenize(self, text: str | bytes, *, add_special: bool = False, parse_special: bool = False) -> list[int]:
+        """One token per UTF-8 byte (no special tokens)."""
+        return list(text.encode("utf-8") if isinstance(text, str) else text)
+
     def reply_for(self, last_user_text: str) -> str:
         """The reply the fake gives to a last user message (see the module docstring)."""
         if last_user_text.startswith("echo:"):
@@ -346,14 +369,18 @@ class FakeEngine:
     def begin(
         self,
         slot: int,
-        sampling: SamplingParams,
+        sampling: ResolvedSampling,
         keep: int = 0,
         source: int | None = None,
         constraint: Constraint | LazyCalls | None = None,
+        *,
+        prompt: Sequence[int] = (),
+        logprobs: int | None = None,
         replay: Sequence[int] = (),
     ) -> None:
         """Start a sequence in ``slot`` holding the first ``keep`` cells of its own, or of ``source``'s, KV cells;
-        with a :class:`Constraint` its reply is ``example(constraint)`` (:class:`LazyCalls`: see the module docstring).
+        with a :class:`Constraint` its reply is ``example(constraint)`` (:class:`LazyCalls`: see the module docstring);
+        with ``logprobs`` its tokens come with :func:`fake_logprob`. ``sampling`` and ``prompt`` are recorded.
         ``replay``: the tokens the request sampled before a preemption; its reply goes on after them
         (chosen again at the next sample from the prompt, which its cells then hold before them).
 
@@ -371,13 +398,14 @@ class FakeEngine:
             if keep > len(cells):
                 raise ValueError(f"slot {slot}: cannot keep {keep} cells of {len(cells)}")
             watch = CallWatch(constraint) if isinstance(constraint, LazyCalls) else None
-            state = _SlotState(cells[:keep], constraint=constraint, watch=watch, samples=len(replay))
+            state = _SlotState(cells[:keep], constraint=constraint, watch=watch, logprobs=logprobs,
+                               samples=len(replay))
             if watch is not None:
                 for token in replay:
                     watch.feed(self._pieces[token] if token >= 256 else bytes([token]))
             self._slots[slot] = state
             if self.record:
-                self.begins.append(Begin(slot, keep, source, constraint))
+                self.begins.append(Begin(slot, keep, source, constraint, sampling, len(prompt)))
 
     def decode(self, feeds: Sequence[SlotFeed]) -> list[Sampled]:
         """Apply one batch; one :class:`Sampled` per feed with ``sample``, in feed order.
@@ -434,7 +462,9 @@ class FakeEngine:
             if state.watch is not None:
                 self._watch(f.slot, state, piece)
             token = f.forced if f.forced is not None else EOG_TOKEN if eog else self._token_for(piece)
-            result.append(Sampled(f.slot, token, piece, eog))
+            n_top = state.logprobs
+            logprob = None if n_top is None else fake_logprob(piece, state.samples - 1, n_top)
+            result.append(Sampled(f.slot, token, piece, eog, logprob))
         return result
 
     def _slot(self, slot: int) -> _SlotState:

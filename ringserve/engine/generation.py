@@ -26,6 +26,7 @@ from ringserve.core.errors import ErrorKind
 from ringserve.core.events import (
     AppliedEdit,
     BlockDelta,
+    BlockKind,
     BlockStart,
     BlockStop,
     ContentBlock,
@@ -34,10 +35,12 @@ from ringserve.core.events import (
     GenerationEvent,
     GenerationRequest,
     StopReason,
+    TokenLogprob,
     ToolChoiceMode,
     Usage,
 )
 from ringserve.core.reply import End, ReplyStage
+from ringserve.core.sampling import ResolvedSampling
 from ringserve.core.scheduler import Entry, SlotState
 from ringserve.core.toolcalls import ToolCallError
 from ringserve.engine.gbnf import Constraint, LazyCalls
@@ -75,11 +78,14 @@ class Prepared:
             :meth:`Runner._reasoning_budget`); None: no budget.
         applied_edits: the request's context edits that trimmed its history
             (``core/context.py``): ``request`` is the trimmed one.
+        sampling: the sampler settings it is decoded with: the request's over the defaults,
+            its ``logit_bias`` by token id (:meth:`Runner._sampling_sync`).
     """
 
     request: GenerationRequest
     prompt_tokens: tuple[int, ...]
     max_tokens: int
+    sampling: ResolvedSampling
     context_bound: bool = False
     constraint: Constraint | LazyCalls | None = None
     chat_format: ChatFormat = GENERIC
@@ -151,6 +157,8 @@ class Generation:
     _consumer: Consumer | None = None
     _batch: list[GenerationEvent] = attrs.field(factory=list)  # the consumer's events since the last delivery
     _text_ends: bool = False  # its text may end it (stop strings, tool calls): see text_decides
+    _logprobs: list[TokenLogprob] = attrs.field(factory=list)  # of tokens no text delta carried yet
+    _open_kind: BlockKind | None = None  # the open block's kind, where logprobs are asked
     tokens_after_cancel: int = 0
 
     def __attrs_post_init__(self) -> None:
@@ -238,22 +246,62 @@ class Generation:
         their tokens). The stage may turn ``END`` into ``TOOL_USE``, or fail the message (an
         end inside a tool call). A call the stage cannot read fails it (``API_ERROR``, not
         retryable: the arguments already streamed cannot be taken back).
+
+        With the token's log probabilities (a request that asks: :attr:`Sampled.logprob`) the
+        events go through :meth:`_carry`.
         """
         self._stage.sampled()
         if sampled.eog:
-            return self._finish(StopReason.END)
+            return self._carried(self._finish(StopReason.END), None)
+        if sampled.logprob is not None:
+            self._logprobs.append(sampled.logprob)
         text = self._detokenizer.feed(sampled.piece)
         if text:
             fed = self._staged(lambda: self._stage.feed(text))
             if fed.end is not None:
-                return fed
+                return self._carried(fed, sampled.logprob)
             events = fed.events
         else:
             events = ()
         if self._entry.budget_left <= 0:
             ended = self._finish(StopReason.CONTEXT_FULL if self.prepared.context_bound else StopReason.MAX_TOKENS)
-            return Fed(events + ended.events, ended.end)
-        return Fed(events, close_reasoning=self.reasoning_spent())
+            return self._carried(Fed(events + ended.events, ended.end), sampled.logprob)
+        return self._carried(Fed(events, close_reasoning=self.reasoning_spent()), sampled.logprob)
+
+    def _carried(self, fed: Fed, current: TokenLogprob | None) -> Fed:
+        """``fed`` with the log probabilities of the tokens on the text deltas (:meth:`_carry`)."""
+        if self.prepared.request.logprobs is None or not fed.events:
+            return fed
+        return attrs.evolve(fed, events=self._carry(fed.events, current))
+
+    def _carry(self, events: tuple[BlockEvent, ...], current: TokenLogprob | None) -> tuple[BlockEvent, ...]:
+        """Which tokens' log probabilities each text delta carries: those of the tokens sampled
+        since the last text delta, the ``current`` one (just fed) included, unless their text
+        went to a reasoning or tool-call block (its deltas and its stop drop them: the thinking,
+        a call's arguments and the markers around them; the ``current`` token's stays for a
+        text delta it also gives). What a delta holds back (a possible stop string, a cut
+        character) goes with the delta that releases it; the tokens of text never released (a
+        stop string, a cut character at the end) with none.
+        """
+        out: list[BlockEvent] = []
+        dropped = False
+        for event in events:
+            match event:
+                case BlockStart():
+                    self._open_kind = event.kind
+                case BlockDelta() if self._open_kind is BlockKind.TEXT:
+                    if event.text and self._logprobs:
+                        event = attrs.evolve(event, logprobs=tuple(self._logprobs))
+                        self._logprobs.clear()
+                        dropped = False
+                case BlockDelta() | BlockStop():
+                    if isinstance(event, BlockDelta) or self._open_kind is not BlockKind.TEXT:
+                        self._logprobs[:] = [current] if current is not None and current in self._logprobs else []
+                        dropped = True
+            out.append(event)
+        if dropped:
+            self._logprobs.clear()
+        return tuple(out)
 
     def reasoning_spent(self) -> bool:
         """Whether the reply has now sampled its reasoning budget inside the thinking block

@@ -34,8 +34,9 @@ from typing import Protocol
 import attrs
 
 from ringserve.core.batch import Sampled, SlotFeed
-from ringserve.core.events import GenerationRequest, SamplingParams
+from ringserve.core.events import GenerationRequest
 from ringserve.core.offload import Offload
+from ringserve.core.sampling import ResolvedSampling
 from ringserve.engine.gbnf import Constraint, LazyCalls
 from ringserve.formats.base import ChatFormat
 
@@ -146,6 +147,9 @@ class Engine(Protocol):
     and ``begin`` may copy one from another slot; False for models whose memory cannot
     drop a sequence's tail (recurrent, hybrid or sliding-window attention)."""
 
+    n_vocab: int
+    """Tokens in the vocabulary (ids ``0 .. n_vocab-1``)."""
+
     chat_format: ChatFormat
     """The model's output format (its family: thinking markers, call syntax, parser and
     call grammar), chosen once at load (:func:`ringserve.formats.detect.detect`)."""
@@ -167,20 +171,31 @@ class Engine(Protocol):
                 that refused it, a call's arguments that are not JSON...).
         """
 
+    def tokenize(
+        self, text: str | bytes, *, add_special: bool = False, parse_special: bool = False
+    ) -> list[int]:
+        """Plain text's tokens (no chat template): BOS/EOS where ``add_special`` and the model
+        adds them; special-token text as its token where ``parse_special``, else as text.
+        Safe beside a decode, as :meth:`tokenize_chat`."""
+
     def begin(
         self,
         slot: int,
-        sampling: SamplingParams,
+        sampling: ResolvedSampling,
         keep: int = 0,
         source: int | None = None,
         constraint: Constraint | LazyCalls | None = None,
+        *,
+        prompt: Sequence[int] = (),
+        logprobs: int | None = None,
         replay: Sequence[int] = (),
     ) -> None:
         """Prepare ``slot`` for a new sequence: build its sampler chain and set up its KV cells.
 
         Args:
             slot: the slot.
-            sampling: the sampler settings.
+            sampling: the sampler settings (``logit_bias`` by token id:
+                :func:`~ringserve.core.sampling.check_logit_bias`).
             keep: cells (tokens at positions ``0 .. keep-1``) the new
                 sequence reuses; every other cell of the slot is removed
                 (``llama_memory_seq_rm(mem, slot, keep, -1)``), so the next
@@ -203,6 +218,11 @@ class Engine(Protocol):
                 (a preemption, ``core/scheduler.py``), in order: the new chain accepts each
                 as if it had sampled it (penalties' history, a grammar's state, a call
                 watch), so the request goes on where it was.
+            prompt: the sequence's prompt tokens: the repetition penalties and DRY count its
+                last ones as llama-server's do (it accepts the prompt into its sampler).
+            logprobs: each token sampled for the sequence comes with its
+                :class:`~ringserve.core.events.TokenLogprob` and this many alternatives
+                (:attr:`Sampled.logprob <ringserve.core.batch.Sampled>`); None: none.
 
         Raises:
             ValueError: a slot out of range, ``keep > 0`` on an engine without

@@ -81,12 +81,12 @@ from ringserve.core.events import (
     Finish,
     GenerationEvent,
     GenerationRequest,
-    SamplingParams,
     ToolChoiceMode,
 )
 from ringserve.engine.gbnf import Constraint, LazyCalls, constraint_for
 from ringserve.core.context import cleared_input_tokens, edit_prompt
 from ringserve.core.limits import message_texts, tool_texts
+from ringserve.core.sampling import LLAMA_SERVER_DEFAULTS, ResolvedSampling, check_logit_bias, resolve_sampling
 from ringserve.core.scheduler import Entry, Plan, Scheduler, SlotState
 from ringserve.engine.generation import Count, Generation, Prepared
 from ringserve.engine.protocol import ChatPrompt, Engine, EngineError, KVCacheFull
@@ -420,7 +420,7 @@ class Runner:
         self._check_bytes(request)
         self._tokenizing += 1
         try:
-            request, prompt, constraint, applied = await trio.to_thread.run_sync(
+            request, prompt, constraint, applied, sampling = await trio.to_thread.run_sync(
                 self._prompt_sync, request, limiter=self._tokenize_limiter, abandon_on_cancel=False
             )
         finally:
@@ -428,7 +428,7 @@ class Runner:
             self._tokenize_ended += 1
             self._tokenized.set()
             self._tokenized = trio.Event()
-        return self._fitted(request, prompt, applied, constraint)
+        return self._fitted(request, prompt, applied, constraint, sampling)
 
     async def count(self, request: GenerationRequest) -> Count:
         """The prompt :meth:`prepare` would give ``request``, counted, enqueuing nothing: the
@@ -468,7 +468,7 @@ class Runner:
                 )
 
     def _fitted(self, request: GenerationRequest, prompt: ChatPrompt, applied: tuple[AppliedEdit, ...],
-                constraint: Constraint | LazyCalls | None) -> Prepared:
+                constraint: Constraint | LazyCalls | None, sampling: ResolvedSampling) -> Prepared:
         """The prepared request, once its prompt is known to fit the context window with a token to spare
         (see :meth:`prepare`)."""
         ctx = self.context_window
@@ -486,7 +486,7 @@ class Runner:
         asked = request.max_tokens
         budget = room if asked is None or asked > room else asked
         return Prepared(
-            request, tokens, budget, context_bound=budget != asked, constraint=constraint,
+            request, tokens, budget, sampling, context_bound=budget != asked, constraint=constraint,
             chat_format=self.chat_format, reasoning_open=prompt.reasoning_open,
             reasoning_budget=self._reasoning_budget(request, constraint), applied_edits=applied,
         )
@@ -526,19 +526,33 @@ class Runner:
 
     def _prompt_sync(
         self, request: GenerationRequest
-    ) -> tuple[GenerationRequest, ChatPrompt, Constraint | LazyCalls | None, tuple[AppliedEdit, ...]]:
+    ) -> tuple[GenerationRequest, ChatPrompt, Constraint | LazyCalls | None, tuple[AppliedEdit, ...],
+               ResolvedSampling]:
         """Worker thread: the request with its context edits applied (``core/context.py``
         ``edit_prompt``: a trigger measured in tokens tokenizes it again after each edit that
         clears something), its prompt, then the grammar its reply is decoded under (in the
-        model's format; whether the prompt opened the thinking block decides how it starts), and
-        the edits applied.
+        model's format; whether the prompt opened the thinking block decides how it starts), the
+        edits applied, and its sampler settings (:meth:`_sampling_sync`).
 
         Raises:
-            RingserveError: ``INVALID_REQUEST``: as :meth:`_tokenize_sync` and
-                :func:`~ringserve.engine.gbnf.constraint_for`.
+            RingserveError: ``INVALID_REQUEST``: as :meth:`_tokenize_sync`,
+                :func:`~ringserve.engine.gbnf.constraint_for` and :meth:`_sampling_sync`.
         """
+        sampling = self._sampling_sync(request)
         request, prompt, applied = edit_prompt(request, request.context_edits, self._tokenize_sync)
-        return request, prompt, constraint_for(request, self.chat_format, prompt.reasoning_open), applied
+        return request, prompt, constraint_for(request, self.chat_format, prompt.reasoning_open), applied, sampling
+
+    def _sampling_sync(self, request: GenerationRequest) -> ResolvedSampling:
+        """Worker thread: the request's sampler settings over the defaults
+        (``core/sampling.py`` :func:`~ringserve.core.sampling.resolve_sampling`), its
+        ``logit_bias`` by token id and checked against the vocabulary
+        (:func:`~ringserve.core.sampling.check_logit_bias`).
+
+        Raises:
+            RingserveError: ``INVALID_REQUEST`` naming ``logit_bias``: a token id out of the vocabulary.
+        """
+        sampling = resolve_sampling(request.sampling, LLAMA_SERVER_DEFAULTS)
+        return check_logit_bias(sampling, self._engine.n_vocab, self._engine.tokenize)
 
     def _tokenize_sync(self, request: GenerationRequest) -> ChatPrompt:
         """Worker thread: ``engine.tokenize_chat``.
@@ -784,21 +798,22 @@ class Runner:
     def _step_sync(
         self,
         clear: Sequence[int],
-        begins: Sequence[tuple[int, SamplingParams, int, int | None, Constraint | LazyCalls | None, tuple[int, ...]]],
+        begins: Sequence[tuple[int, Prepared, int, int | None, tuple[int, ...]]],
         feeds: Sequence[SlotFeed],
     ) -> _StepOutcome:
         """Worker thread: empty the slots the plan clears (evicted cache entries, preempted
-        requests), begin the admitted slots (slot, sampling, cells kept, copied from, grammar,
-        tokens to replay), then decode the batch once.
+        requests), begin the admitted slots (slot, request, cells kept, copied from, tokens to
+        replay), then decode the batch once.
 
         Exceptions come back in the outcome instead of being raised, so the
         owner loop sees which call failed.
         """
         self._release_each([(slot, 0) for slot in clear])
         begin_errors: dict[int, Exception] = {}
-        for slot, sampling, keep, source, constraint, replay in begins:
+        for slot, prepared, keep, source, replay in begins:
             try:
-                self._engine.begin(slot, sampling, keep, source, constraint, replay)
+                self._engine.begin(slot, prepared.sampling, keep, source, prepared.constraint,
+                                   prompt=prepared.prompt_tokens, logprobs=prepared.request.logprobs, replay=replay)
             except Exception as exc:
                 begin_errors[slot] = exc
         if begin_errors:
@@ -821,8 +836,7 @@ class Runner:
         begins = []
         for entry in plan.admitted:
             assert entry.slot is not None
-            prepared = self._generations[entry].prepared
-            begins.append((entry.slot, prepared.request.sampling, entry.reuse, entry.source, prepared.constraint,
+            begins.append((entry.slot, self._generations[entry].prepared, entry.reuse, entry.source,
                            tuple(entry.sampled)))
             if not entry.preemptions:
                 self._counters.prompt_tokens_total += len(entry.prompt)

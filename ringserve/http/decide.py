@@ -12,7 +12,9 @@ attempt, Redis, the generation itself) stays in the hub:
    name is not served, the disconnect-policy override is malformed) or
    :class:`Start` (the parsed request, its disconnect policy, whether the
    client prefers ``respond-async``); a request that continues a stored
-   conversation is checked once it is in it (:func:`continued`).
+   conversation is checked once it is in it (:func:`continued`), and the
+   grammars of its freeform tools by :func:`check_grammars`, which the shell
+   runs on a worker thread.
    ``Hub.create`` then starts the generation, or finds the message an
    ``Idempotency-Key`` already names.
 2. :func:`answer` takes the :class:`Start` and the view of the message
@@ -38,6 +40,8 @@ import attrs
 from ringserve.config import Config, PolicyConfig
 from ringserve.core.errors import ErrorKind, RingserveError, invalid
 from ringserve.core.events import ChatMessage
+from ringserve.core.lark import LarkGrammarError
+from ringserve.core.lark import check as check_lark
 from ringserve.core.limits import check_request
 from ringserve.core.prefer import parse_prefer
 from ringserve.core.status import MessageStatus, Policy
@@ -220,6 +224,23 @@ def checked(parsed: ParsedRequest, config: Config, model_id: str) -> ParsedReque
     if config.model.strict_model_name and parsed.model and parsed.model != model_id:
         raise RingserveError(ErrorKind.NOT_FOUND, f"model {parsed.model[:100]!r} is not served here", param="model")
     return parsed
+
+
+def check_grammars(parsed: ParsedRequest) -> None:
+    """The grammars of ``parsed``'s freeform tools (``ParsedRequest.grammars``), checked as
+    ``core/lark.py`` ``check`` checks them: translated, and taken by llama.cpp's grammar sampler.
+    It blocks for a time that grows with the grammars (up to ``core/lark.py`` ``MAX_CHARS``
+    characters each): the shell runs it on a worker thread.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` naming ``tools``, the message the grammar's field
+            (``tools[0].format.definition: ...``) and why.
+    """
+    for where, grammar in parsed.grammars:
+        try:
+            check_lark(grammar)
+        except LarkGrammarError as exc:
+            raise invalid(f"{where}: {exc}", param="tools") from None
 
 
 def parse_body(surface: Surface, parse: Callable[[Any], ParsedRequest], raw: bytes, config: Config,

@@ -3,7 +3,8 @@
 :func:`generate` serves every route of ``SURFACES.routes`` (``/v1/messages``,
 ``/v1/chat/completions``, ``/v1/responses``): :func:`~ringserve.http.decide.admit`
 decides from the body and the headers, the stored conversation a request
-continues is read off the event loop (:func:`history`), ``Hub.create`` starts
+continues is read off the event loop (:func:`history`), and so are the grammars
+of its freeform tools checked (:func:`_checked`), ``Hub.create`` starts
 the generation or finds the one its ``Idempotency-Key`` names, and
 :func:`respond` maps :func:`~ringserve.http.decide.answer`'s decision to the
 response. What differs between surfaces is in the surface (its parse, its
@@ -37,6 +38,7 @@ from ringserve.http.decide import (
     WaitStored,
     admit,
     answer,
+    check_grammars,
     continued,
     finished,
     parse_body,
@@ -57,11 +59,28 @@ async def history(hub: Hub, continuation: Continuation) -> tuple[ChatMessage, ..
 
 
 async def _whole(hub: Hub, parsed: ParsedRequest) -> ParsedRequest:
-    """``parsed`` with the conversation it continues in it (``decide.continued``), or as it is."""
+    """``parsed`` with the conversation it continues in it (``decide.continued``), or as it is,
+    its grammars checked (:func:`_checked`).
+
+    Raises:
+        RingserveError: as ``decide.continued`` and ``decide.check_grammars``.
+    """
+    await _checked(parsed)
     if parsed.continues is None:
         return parsed
     config = context.state().config
     return continued(parsed, await history(hub, parsed.continues), config, context.state().model_id)
+
+
+async def _checked(parsed: ParsedRequest) -> None:
+    """``decide.check_grammars`` on a worker thread: translating a grammar takes a time that
+    grows with it, which the event loop, and every stream on it, must not wait for.
+
+    Raises:
+        RingserveError: as ``decide.check_grammars``.
+    """
+    if parsed.grammars:
+        await trio.to_thread.run_sync(check_grammars, parsed)
 
 
 async def generate(surface: Surface) -> Response:

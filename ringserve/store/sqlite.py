@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Self, TypeVar
+from typing import Any, Self, TypeVar
 
 import attrs
 import platformdirs
@@ -56,7 +56,7 @@ import trio
 
 from ringserve.config import StoreConfig
 from ringserve.core.errors import ErrorKind, RingserveError
-from ringserve.core.events import BlockKind, ContentBlock, StopReason, Usage
+from ringserve.core.events import BlockKind, ContentBlock, StopReason, TokenLogprob, TopLogprob, Usage
 from ringserve.core.producer import Snapshot, Trace
 from ringserve.core.status import FINAL_STATUSES, MessageStatus
 from ringserve.core.view import MessageView
@@ -68,7 +68,7 @@ T = TypeVar("T")
 
 #: ``PRAGMA user_version`` of the files this code writes (written at every open, which
 #: proves the file writable).
-SCHEMA_VERSION = 6  # 2: final_seq; 3: stop_reason holds StopReason values, not a surface's spelling; 4: content, cached_tokens; 5: trace, render; 6: reasoning_tokens
+SCHEMA_VERSION = 7  # 2: final_seq; 3: stop_reason holds StopReason values, not a surface's spelling; 4: content, cached_tokens; 5: trace, render; 6: reasoning_tokens; 7: log probabilities in content and trace (JSON only)
 
 #: Most rows, and seconds, of one sweep transaction; the hub's writes wait at most that long
 #: (``sweep_once``). Deleting a finished message with a 64 KiB answer takes about 0.2 ms (2 busy cores).
@@ -194,7 +194,8 @@ class StoredMessage:
         if not self.content:
             return (ContentBlock(BlockKind.TEXT, self.text),)
         return tuple(
-            ContentBlock(BlockKind(b["kind"]), b["text"], b.get("name", ""), b.get("call_id", ""))
+            ContentBlock(BlockKind(b["kind"]), b["text"], b.get("name", ""), b.get("call_id", ""),
+                         tuple(_logprob(lp) for lp in b.get("logprobs", ())))
             for b in json.loads(self.content)
         )
 
@@ -240,10 +241,13 @@ def stored_render(msg: StoredMessage) -> RenderArgs | None:
 
 def trace_json(trace: Trace) -> str:
     """The store's spelling of a :class:`~ringserve.core.producer.Trace` (``StoredMessage.trace``):
-    ``[ops]`` or ``[ops, kind, retryable]``."""
+    ``[ops]``, ``[ops, kind, retryable]``, or with its log probabilities' counts
+    ``[ops, kind or null, retryable or null, counts]``."""
     out: list[object] = [list(trace.ops)]
-    if trace.failure is not None:
-        out += [trace.failure[0].name, trace.failure[1]]
+    if trace.failure is not None or trace.logprobs:
+        out += [trace.failure[0].name, trace.failure[1]] if trace.failure is not None else [None, None]
+    if trace.logprobs:
+        out.append(list(trace.logprobs))
     return json.dumps(out, separators=(",", ":"))
 
 
@@ -251,29 +255,46 @@ def stored_trace(msg: StoredMessage) -> Trace | None:
     """A row's trace, None for a row written before schema 5 (or by a version that kept none)."""
     if not msg.trace:
         return None
-    ops, *failure = json.loads(msg.trace)
-    return Trace(tuple(ops), (ErrorKind[failure[0]], failure[1]) if failure else None)
+    ops, *rest = json.loads(msg.trace)
+    failure = (ErrorKind[rest[0]], rest[1]) if rest and rest[0] is not None else None
+    return Trace(tuple(ops), failure, tuple(rest[2]) if len(rest) > 2 else ())
+
+
+def _logprob_json(logprob: TokenLogprob) -> list[object]:
+    """A token's log probabilities as the store keeps them: ``[piece, logprob, [[piece, logprob], ...]]``,
+    each piece's bytes as the Latin-1 characters of the same numbers (JSON text holds no bytes)."""
+    return [logprob.piece.decode("latin-1"), logprob.logprob,
+            [[top.piece.decode("latin-1"), top.logprob] for top in logprob.top]]
+
+
+def _logprob(value: list[Any]) -> TokenLogprob:
+    """What :func:`_logprob_json` wrote (floats read back exactly: JSON keeps their shortest repr)."""
+    piece, logprob, top = value
+    return TokenLogprob(piece.encode("latin-1"), logprob, tuple(TopLogprob(p.encode("latin-1"), lp) for p, lp in top))
 
 
 def blocks_json(blocks: tuple[ContentBlock, ...]) -> str:
     """The store's spelling of content blocks (``StoredMessage.content``): a JSON list of
-    ``{"kind", "text"[, "name", "call_id"]}``, read back by :attr:`StoredMessage.blocks`."""
+    ``{"kind", "text"[, "name", "call_id"][, "logprobs"]}``, read back by :attr:`StoredMessage.blocks`."""
     out = []
     for b in blocks:
-        item = {"kind": b.kind.value, "text": b.text}
+        item: dict[str, object] = {"kind": b.kind.value, "text": b.text}
         if b.name or b.call_id:
             item |= {"name": b.name, "call_id": b.call_id}
+        if b.logprobs:
+            item["logprobs"] = [_logprob_json(lp) for lp in b.logprobs]
         out.append(item)
     return json.dumps(out, ensure_ascii=False, separators=(",", ":"))
 
 
 def snapshot_fields(snap: Snapshot) -> dict[str, object]:
     """The columns of a producer's snapshot (``core/producer.py``), for :meth:`MessageStore.update`."""
-    only_text = len(snap.content) == 1 and snap.content[0].kind is BlockKind.TEXT
+    only_text = len(snap.content) == 1 and snap.content[0].kind is BlockKind.TEXT and not snap.content[0].logprobs
     fields: dict[str, object] = {
         "status": snap.status,
         "text": "".join(b.text for b in snap.content if b.kind is BlockKind.TEXT),
-        # one text block is its text (what StoredMessage.blocks reads back): the answer is not stored twice
+        # one text block (without log probabilities) is its text (what StoredMessage.blocks reads back): the
+        # answer is not stored twice
         "content": "" if only_text else blocks_json(snap.content),
         "stop_reason": snap.stop_reason,
         "stop_sequence": snap.stop_sequence,

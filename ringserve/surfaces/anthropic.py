@@ -52,6 +52,7 @@ from ringserve.core.signing import ReasoningSigner
 from ringserve.core.view import MessageView
 from ringserve.surfaces.base import (
     check_enforced,
+    SAMPLER_FIELDS,
     CallIds,
     FieldTable,
     ParsedRequest,
@@ -116,10 +117,10 @@ STOP_REASONS = {
 #: extensions; docs/compatibility.md's table.
 REQUEST_FIELDS = FieldTable(
     supported=frozenset({
-        "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-        "tools", "tool_choice", "output_config", "output_format", "thinking", "context_management",
-        # extensions, as llama.cpp's server accepts them
-        "min_p", "seed",
+        "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "tools", "tool_choice",
+        "output_config", "output_format", "thinking", "context_management",
+        # the samplers: Anthropic's (temperature, top_p, top_k), and the extensions llama.cpp's server accepts
+        *SAMPLER_FIELDS,
     }),
     ignored=frozenset({
         # request bookkeeping and routing that cannot change the text
@@ -896,7 +897,8 @@ class AnthropicSurface:
         blocks), ``tools``, ``tool_choice``, ``output_config``, ``thinking`` and
         ``context_management`` (see :func:`conversation`), ``temperature`` (0–1), ``top_p``, ``top_k``,
         ``stop_sequences`` (a list of non-empty strings), ``stream``; and, as llama.cpp's server does,
-        ``min_p`` and ``seed``. Bookkeeping fields (``metadata``, ``cache_control``, ...) and
+        its other samplers (``surfaces/base.py`` :func:`~ringserve.surfaces.base.sampling_params`).
+        Bookkeeping fields (``metadata``, ``cache_control``, ...) and
         unknown fields are accepted and reported (``surfaces/base.py`` ``report_ignored``);
         what a correct answer needs and ringserve cannot give (image or document blocks, server
         tools, MCP servers, ...) is refused. Headers such as ``anthropic-beta`` are not read.

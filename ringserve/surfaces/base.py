@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, assert_never, overload
@@ -22,11 +23,13 @@ from ringserve.core.events import (
     ContentBlock,
     Effort,
     GenerationRequest,
+    LogitBias,
     OutputFormat,
     OutputKind,
     ReasoningConfig,
     SamplingParams,
     StopReason,
+    TokenLogprob,
     ToolChoice,
     ToolChoiceMode,
     ToolSpec,
@@ -104,6 +107,10 @@ class ParsedRequest:
         continues: the stored conversation the request continues, still to be put into
             ``request`` (:class:`Continuation`); None for a request whole as it is.
         ignored: the paths of the fields accepted and ignored (:func:`read_request`).
+        grammars: the Lark grammars of the request's freeform tools, each with the field that
+            holds it (``tools[0].format.definition``): checked before the generation starts
+            (``http/decide.py`` ``check_grammars``), on a worker thread, as their check takes
+            time.
     """
 
     request: GenerationRequest
@@ -116,6 +123,7 @@ class ParsedRequest:
     echo_without_prompts: str = ""
     continues: Continuation | None = None
     ignored: tuple[str, ...] = ()
+    grammars: tuple[tuple[str, str], ...] = ()
 
 
 @attrs.frozen(eq=False)
@@ -418,15 +426,28 @@ def get_int(body: dict[str, Any], key: str, *, lo: int, hi: int, default: int | 
     return value
 
 
-def get_float(body: dict[str, Any], key: str, *, lo: float, hi: float, default: float) -> float:
+def get_float(body: dict[str, Any], key: str, *, lo: float, hi: float, above: bool = False) -> float | None:
+    """``body[key]``, a finite number in ``lo..hi`` (above ``lo`` where ``above``); None when
+    absent or null.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` naming ``key``.
+    """
     value = body.get(key)
     if value is None:
-        return default
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise invalid(f"{key}: must be a number", param=key)
-    if not lo <= value <= hi:
-        raise invalid(f"{key}: must be between {lo} and {hi}, got {value}", param=key)
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past a double's range
+        number = math.inf
+    if not (lo < number if above else lo <= number) or not number <= hi or not math.isfinite(number):
+        if not math.isinf(hi):
+            raise invalid(f"{key}: must be between {lo} and {hi}, got {value!r:.40}", param=key)
+        bound = "" if math.isinf(lo) else f" greater than {lo}" if above else f" of at least {lo}"
+        raise invalid(f"{key}: must be a finite number{bound}, got {value!r:.40}", param=key)
+    return number
 
 
 def get_bool(body: dict[str, Any], key: str, default: bool = False) -> bool:
@@ -738,19 +759,20 @@ class CallIds:
 
 
 def arguments_json(value: Any, where: str, param: str) -> str:
-    """A history tool call's arguments: JSON text of an object (OpenAI's ``arguments``), as
-    compact JSON text (what the prompt shows the model).
+    """A history tool call's arguments: JSON text of an object (OpenAI's ``arguments``), kept as
+    the client sent it, as llama-server keeps it: a template that writes the arguments as text
+    shows the model that text (``{"city": "Paris"}`` stays so, not ``{"city":"Paris"}``).
 
     Raises:
         RingserveError: ``INVALID_REQUEST`` when it is not a string holding a JSON object.
     """
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            parsed = json.loads(value)
         except (ValueError, RecursionError):
             raise invalid(f"{where}: must be JSON text of an object", param=param) from None
-        if isinstance(value, dict):
-            return dumps(value)
+        if isinstance(parsed, dict):
+            return value
     raise invalid(f"{where}: must be JSON text of an object", param=param)
 
 
@@ -776,22 +798,137 @@ def stop_list(
     return tuple(value)
 
 
-def sampling_params(body: dict[str, Any], *, max_temperature: float) -> SamplingParams:
-    """Sampler settings from a request body, the same keys on both surfaces.
+#: The sampler fields :func:`sampling_params` reads on every surface: each API's own
+#: (``temperature``, ``top_p``; Anthropic's ``top_k``; OpenAI Chat's ``seed``, ``presence_penalty``,
+#: ``frequency_penalty``, ``logit_bias``) and the others llama-server reads on each of its routes,
+#: with its names (``tools/server/server-schema.cpp``).
+SAMPLER_FIELDS = frozenset({
+    "temperature", "top_p", "top_k", "min_p", "typical_p", "seed", "repeat_penalty", "repeat_last_n",
+    "presence_penalty", "frequency_penalty", "logit_bias", "dry_multiplier", "dry_base", "dry_allowed_length",
+    "dry_penalty_last_n", "dry_sequence_breakers", "xtc_probability", "xtc_threshold",
+})
 
-    ``temperature`` (0 = greedy; at most ``max_temperature``, 1 for Anthropic
-    and 2 for OpenAI, as their APIs allow), ``top_p``, and, as llama.cpp's
-    server accepts them on both APIs, ``top_k``, ``min_p`` and ``seed`` (any
-    integer, taken modulo 2**32).
+#: The largest ``repeat_last_n``, ``dry_allowed_length`` and ``dry_penalty_last_n`` (llama-server's
+#: hard limit, ``INT32_MAX``).
+MAX_WINDOW = 2**31 - 1
+
+#: OpenAI's range for ``presence_penalty``, ``frequency_penalty`` and a ``logit_bias``'s biases.
+PENALTY_RANGE, BIAS_RANGE = 2.0, 100.0
+
+_INTEGER = re.compile(r"\s*[+-]?[0-9]+")
+
+
+def sampling_params(body: dict[str, Any], *, max_temperature: float) -> SamplingParams:
+    """The request's sampler settings (:data:`SAMPLER_FIELDS`), None for each it does not set
+    (``core/sampling.py`` fills them from the defaults); the same keys on every surface.
+
+    ``temperature`` (0 = greedy; at most ``max_temperature``, 1 for Anthropic and 2 for
+    OpenAI, as their APIs allow), ``top_p``, ``min_p``, ``typical_p``, ``xtc_probability``,
+    ``xtc_threshold`` (0..1), ``top_k`` (0..1,000,000), ``repeat_penalty`` (above 0),
+    ``presence_penalty`` and ``frequency_penalty`` (-2..2, OpenAI's range), ``repeat_last_n``,
+    ``dry_allowed_length``, ``dry_penalty_last_n`` (0..2**31-1), ``dry_multiplier`` (>= 0),
+    ``dry_base`` (below 1 is the default's, as llama-server reads it), ``dry_sequence_breakers``
+    (a non-empty list of strings), ``logit_bias`` (:func:`logit_bias`), ``seed`` (any integer,
+    taken modulo 2**32; -1 draws one, as llama-server's).
 
     Raises:
         RingserveError: ``INVALID_REQUEST`` naming the field.
     """
     seed = get_int(body, "seed", lo=-(2**63), hi=2**64 - 1)
+    dry_base = get_float(body, "dry_base", lo=-math.inf, hi=math.inf)
     return SamplingParams(
-        temperature=get_float(body, "temperature", lo=0.0, hi=max_temperature, default=1.0),
-        top_p=get_float(body, "top_p", lo=0.0, hi=1.0, default=1.0),
-        top_k=get_int(body, "top_k", lo=0, hi=1_000_000, default=0),
-        min_p=get_float(body, "min_p", lo=0.0, hi=1.0, default=0.0),
+        temperature=get_float(body, "temperature", lo=0.0, hi=max_temperature),
+        top_k=get_int(body, "top_k", lo=0, hi=1_000_000),
+        top_p=get_float(body, "top_p", lo=0.0, hi=1.0),
+        min_p=get_float(body, "min_p", lo=0.0, hi=1.0),
+        typical_p=get_float(body, "typical_p", lo=0.0, hi=1.0),
+        repeat_penalty=get_float(body, "repeat_penalty", lo=0.0, hi=math.inf, above=True),
+        repeat_last_n=get_int(body, "repeat_last_n", lo=0, hi=MAX_WINDOW),
+        presence_penalty=get_float(body, "presence_penalty", lo=-PENALTY_RANGE, hi=PENALTY_RANGE),
+        frequency_penalty=get_float(body, "frequency_penalty", lo=-PENALTY_RANGE, hi=PENALTY_RANGE),
+        dry_multiplier=get_float(body, "dry_multiplier", lo=0.0, hi=math.inf),
+        dry_base=None if dry_base is None or dry_base < 1.0 else dry_base,
+        dry_allowed_length=get_int(body, "dry_allowed_length", lo=0, hi=MAX_WINDOW),
+        dry_penalty_last_n=get_int(body, "dry_penalty_last_n", lo=0, hi=MAX_WINDOW),
+        dry_sequence_breakers=_breakers(body.get("dry_sequence_breakers")),
+        xtc_probability=get_float(body, "xtc_probability", lo=0.0, hi=1.0),
+        xtc_threshold=get_float(body, "xtc_threshold", lo=0.0, hi=1.0),
+        logit_bias=logit_bias(body.get("logit_bias")),
         seed=None if seed is None else seed % 2**32,
     )
+
+
+def token_text(piece: bytes) -> str:
+    """A token's text as llama-server spells it in its log probabilities (``validate_utf8`` in
+    ``tools/server/server-common.cpp``): its bytes but for a UTF-8 character cut at their end,
+    decoded (an invalid byte as U+FFFD). The ``bytes`` beside it hold them all."""
+    for back in range(1, min(4, len(piece)) + 1):
+        byte = piece[-back]
+        need = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 0
+        if back < need:  # the lead of a character its bytes do not finish
+            return piece[:-back].decode("utf-8", "replace")
+    return piece.decode("utf-8", "replace")
+
+
+def logprob_json(logprob: TokenLogprob, *, with_bytes: bool = True) -> dict[str, Any]:
+    """A token's log probabilities as OpenAI spells them: ``token``, ``logprob``, ``bytes`` (its
+    UTF-8 bytes; not ``with_bytes``: none), and ``top_logprobs`` of the same shape without their
+    own (``openai.types.chat.ChatCompletionTokenLogprob``, the Responses ``output_text`` part's
+    ``Logprob``; without bytes, ``response.output_text.delta``'s)."""
+
+    def one(piece: bytes, value: float) -> dict[str, Any]:
+        entry: dict[str, Any] = {"token": token_text(piece), "logprob": value}
+        if with_bytes:
+            entry["bytes"] = list(piece)
+        return entry
+
+    return {**one(logprob.piece, logprob.logprob), "top_logprobs": [one(t.piece, t.logprob) for t in logprob.top]}
+
+
+def _breakers(value: Any) -> tuple[str, ...] | None:
+    """``dry_sequence_breakers``: a non-empty list of strings (llama-server refuses an empty one)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise invalid("dry_sequence_breakers: must be a non-empty list of strings", param="dry_sequence_breakers")
+    return tuple(value)
+
+
+def logit_bias(value: Any) -> tuple[LogitBias, ...] | None:
+    """``logit_bias`` as llama-server reads it on its OpenAI-compatible routes: OpenAI's object
+    of token ids (decimal strings) to biases, or a list of ``[token, bias]`` pairs; a token may
+    also be a text (its every token gets the bias); a bias is a number in -100..100 (OpenAI's
+    range) or ``false`` (the token is banned). An empty object or list is no bias. Whether an id
+    is in the vocabulary is checked where the request is prepared (``core/sampling.py``
+    ``check_logit_bias``).
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST`` naming ``logit_bias``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        pairs = [(int(k) if _INTEGER.fullmatch(k) else k, v, f"logit_bias[{k!r:.40}]") for k, v in value.items()]
+    elif isinstance(value, list):
+        pairs = []
+        for i, pair in enumerate(value):
+            where = f"logit_bias[{i}]"
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise invalid(f"{where}: must be a [token, bias] pair", param="logit_bias")
+            token = pair[0]
+            if isinstance(token, bool) or not isinstance(token, (int, str)):
+                raise invalid(f"{where}: the token must be an id or a text", param="logit_bias")
+            pairs.append((token, pair[1], where))
+    else:
+        raise invalid("logit_bias: must be an object of token ids to biases, or a list of [token, bias] pairs",
+                      param="logit_bias")
+    return tuple(LogitBias(token, _bias(bias, where)) for token, bias, where in pairs)
+
+
+def _bias(value: Any, where: str) -> float:
+    if value is False:
+        return -math.inf
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not -BIAS_RANGE <= value <= BIAS_RANGE:
+        raise invalid(f"{where}: a bias is a number between -100 and 100, or false (banned), got {value!r:.40}",
+                      param="logit_bias")
+    return float(value)

@@ -25,9 +25,11 @@ from ringserve.core.events import (
     Failure,
     Finish,
     GenerationRequest,
+    MAX_TOP_LOGPROBS,
     OutputFormat,
     OutputKind,
     StopReason,
+    TokenLogprob,
     ToolCall,
     ToolSpec,
     Usage,
@@ -38,12 +40,14 @@ from ringserve.core.view import MessageView
 from ringserve.surfaces.base import (
     check_enforced,
     CallIds,
+    SAMPLER_FIELDS,
     FieldTable,
     ParsedRequest,
     Refused,
     cancelled_fields,
     dumps,
     json_template,
+    logprob_json,
     get_bool,
     get_int,
     get_str,
@@ -109,18 +113,18 @@ REASONING_KEYS = ("reasoning_content", "reasoning")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 _FUNCTIONS = "the deprecated functions API: send tools and tool_choice"
-_ZERO = (0, 0.0)
 
 #: What ``parse_request`` does with each field of
 #: ``openai.types.chat.CompletionCreateParams`` (openai 3.57), and with ringserve's
 #: extensions; docs/compatibility.md's table.
 REQUEST_FIELDS = FieldTable(
     supported=frozenset({
-        "model", "messages", "max_completion_tokens", "max_tokens", "temperature", "top_p", "stop", "seed",
-        "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "response_format",
-        "reasoning_effort",
-        # extensions, as llama.cpp's server accepts them
-        "top_k", "min_p", "chat_template_kwargs",
+        "model", "messages", "max_completion_tokens", "max_tokens", "stop", "stream", "stream_options", "tools",
+        "tool_choice", "parallel_tool_calls", "response_format", "reasoning_effort", "logprobs", "top_logprobs",
+        # the samplers: OpenAI's, and the extensions llama.cpp's server accepts
+        *SAMPLER_FIELDS,
+        # an extension, as llama.cpp's server accepts it
+        "chat_template_kwargs",
     }),
     ignored=frozenset({
         # bookkeeping, caching and routing that cannot change the text
@@ -134,12 +138,7 @@ REQUEST_FIELDS = FieldTable(
     refused={
         "functions": Refused(_FUNCTIONS, neutral=([],)),
         "function_call": Refused(_FUNCTIONS, neutral=("none", "auto")),
-        "logprobs": Refused("log probabilities are not implemented", neutral=(False,)),
-        "top_logprobs": Refused("log probabilities are not implemented", neutral=(0,)),
         "n": Refused("one choice per request", neutral=(1,)),
-        "frequency_penalty": Refused("penalties are not implemented", neutral=_ZERO),
-        "presence_penalty": Refused("penalties are not implemented", neutral=_ZERO),
-        "logit_bias": Refused("logit bias is not implemented", neutral=({},)),
         "audio": Refused("audio output is not implemented"),
         "modalities": Refused("only text output", neutral=(["text"],)),
     },
@@ -230,6 +229,12 @@ def _usage(usage: Usage) -> dict[str, Any]:
     }
 
 
+def _logprobs_json(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` (``ChoiceLogprobs``): the tokens of its text (``content``), or null
+    where it has none (a chunk without text, a request that did not ask)."""
+    return {"content": [logprob_json(lp) for lp in logprobs], "refusal": None} if logprobs else None
+
+
 def _reasoning_fields(text: str) -> dict[str, str]:
     return dict.fromkeys(REASONING_KEYS, text)
 
@@ -247,7 +252,9 @@ class OpenAIRenderer:
     ``delta.tool_calls: [{"index": k, "id": "call_...", "type": "function", "function": {"name":
     ..., "arguments": ""}}]``, its later chunks ``[{"index": k, "function": {"arguments":
     fragment}}]``, where ``k`` counts the message's tool calls from 0 (other blocks do not
-    count), as OpenAI's streaming guide shows.
+    count), as OpenAI's streaming guide shows. A text delta that carries its tokens' log
+    probabilities has them in the choice's ``logprobs.content``; every other chunk's
+    ``logprobs`` is null.
     """
 
     def __init__(self, message_id: str, model: str, created: int, include_usage: bool) -> None:
@@ -258,8 +265,9 @@ class OpenAIRenderer:
         self._text_chunk = json_template(lambda text: self._chunk_object({"content": text}, None))
         self._reasoning_chunk = json_template(lambda text: self._chunk_object(_reasoning_fields(text), None))
 
-    def _chunk_object(self, delta: dict[str, Any], finish_reason: str | None, cancelled: bool = False) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+    def _chunk_object(self, delta: dict[str, Any], finish_reason: str | None, cancelled: bool = False,
+                      logprobs: tuple[TokenLogprob, ...] = ()) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": _logprobs_json(logprobs), "finish_reason": finish_reason,
                   **cancelled_fields(cancelled)}
         chunk = {**self._head, "choices": [choice]}
         if self._include_usage:
@@ -283,6 +291,8 @@ class OpenAIRenderer:
 
     def delta(self, delta: BlockDelta) -> list[WireEvent]:
         match self._open:
+            case BlockKind.TEXT if delta.logprobs:
+                return [WireEvent(dumps(self._chunk_object({"content": delta.text}, None, logprobs=delta.logprobs)))]
             case BlockKind.TEXT:
                 return [WireEvent(self._text_chunk(delta.text))]
             case BlockKind.REASONING:
@@ -408,6 +418,21 @@ def _response_format(value: Any) -> OutputFormat:
     return schema_format(spec, "response_format.json_schema", "response_format")
 
 
+def _logprobs(body: dict[str, Any]) -> int | None:
+    """``logprobs`` and ``top_logprobs`` (0..20): the alternatives per token, None when
+    ``logprobs`` is not true.
+
+    Raises:
+        RingserveError: ``INVALID_REQUEST``: a ``top_logprobs`` out of range, or above 0 without
+            ``logprobs: true`` (as OpenAI's API refuses it).
+    """
+    asked = get_bool(body, "logprobs")
+    top = get_int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    if top and not asked:
+        raise invalid("top_logprobs: needs logprobs: true", param="top_logprobs")
+    return (top or 0) if asked else None
+
+
 class OpenAISurface:
     """OpenAI Chat Completions: parsing, rendering and error shapes."""
 
@@ -442,16 +467,17 @@ class OpenAISurface:
         ``max_completion_tokens`` / ``max_tokens`` (1 to 1,000,000; absent or
         more than the context leaves: until the context is full; both given
         and different is a 400, as the SDK documents ``max_tokens`` as the
-        deprecated spelling), ``temperature`` (0–2), ``top_p``, ``stop``
-        (a non-empty string or a list of them), ``seed``, ``stream``,
-        ``stream_options`` (only with ``stream: true``, as the SDK documents;
+        deprecated spelling), the samplers (``temperature`` 0–2, ``top_p``, ``seed``,
+        ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and llama.cpp's server's:
+        ``surfaces/base.py`` :func:`~ringserve.surfaces.base.sampling_params`), ``logprobs`` and
+        ``top_logprobs`` (:func:`_logprobs`), ``stop`` (a non-empty string or a list of them),
+        ``stream``, ``stream_options`` (only with ``stream: true``, as the SDK documents;
         :data:`STREAM_OPTIONS_FIELDS`), ``reasoning_effort`` (the reasoning controls: ``none`` is
-        thinking off); and, as llama.cpp's server does, ``top_k``, ``min_p`` and
-        ``chat_template_kwargs`` (variables of the model's chat template). Bookkeeping fields
-        (``user``, ``metadata``, ``store``, ...) and unknown fields (the Node SDK's ``parsed``) are
-        accepted and reported (``surfaces/base.py`` ``report_ignored``); fields that a correct
-        answer needs and ringserve cannot give (``functions``, custom tools, ``logprobs``, ``n`` >
-        1, image parts, ...) are refused.
+        thinking off); and, as llama.cpp's server does, ``chat_template_kwargs`` (variables of the
+        model's chat template). Bookkeeping fields (``user``, ``metadata``, ``store``, ...) and
+        unknown fields (the Node SDK's ``parsed``) are accepted and reported (``surfaces/base.py``
+        ``report_ignored``); fields that a correct answer needs and ringserve cannot give
+        (``functions``, custom tools, ``n`` > 1, image parts, ...) are refused.
 
         Raises:
             RingserveError: ``INVALID_REQUEST`` naming the offending field.
@@ -478,6 +504,7 @@ class OpenAISurface:
         if max_tokens is None:
             max_tokens = legacy_max
         sampling = sampling_params(body, max_temperature=2.0)
+        logprobs = _logprobs(body)
         stream = get_bool(body, "stream")
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
@@ -496,6 +523,7 @@ class OpenAISurface:
             output=_response_format(body.get("response_format")),
             reasoning=reasoning_effort(body.get("reasoning_effort"), "reasoning_effort"),
             template_kwargs=template_kwargs(body),
+            logprobs=logprobs,
         )
         check_enforced(request, "tools[{i}].function.parameters", "response_format.json_schema.schema")
         return ParsedRequest(request=request, stream=stream, model=model, include_usage=include_usage)
@@ -514,7 +542,8 @@ class OpenAISurface:
                 {
                     "index": 0,
                     "message": self.content_json(view.content),
-                    "logprobs": None,
+                    "logprobs": _logprobs_json(tuple(lp for b in view.content if b.kind is BlockKind.TEXT
+                                                     for lp in b.logprobs)),
                     "finish_reason": None if view.stop_reason is None else FINISH_REASONS[view.stop_reason],
                     **cancelled_fields(view.cancelled),
                 }

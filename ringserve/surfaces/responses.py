@@ -61,23 +61,27 @@ from ringserve.core.events import (
     Failure,
     Finish,
     GenerationRequest,
+    MAX_TOP_LOGPROBS,
     OutputFormat,
     OutputKind,
     ReasoningConfig,
     StopReason,
+    TokenLogprob,
     ToolCall,
     ToolChoice,
     ToolChoiceMode,
     ToolSpec,
     Usage,
 )
-from ringserve.core.lark import LarkGrammarError, lark_to_gbnf
+from ringserve.core.lark import MAX_CHARS as MAX_GRAMMAR_CHARS
 from ringserve.core.status import INTERRUPTED_MESSAGE, MessageStatus
 from ringserve.core.render import SEQ_VALUE, WireEvent
 from ringserve.core.signing import ReasoningSigner
 from ringserve.core.view import MessageView
 from ringserve.surfaces.base import (
+    SAMPLER_FIELDS,
     check_enforced,
+    logprob_json,
     CallIds,
     Continuation,
     LoadStored,
@@ -108,17 +112,18 @@ MAX_OUTPUT_TOKENS_LIMIT = 1_000_000
 #: OpenAI's metadata limits: 16 pairs, keys up to 64 characters, values up to 512.
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 
-_ZERO = (0, 0.0)
 
 #: What ``parse_create`` does with each field of ``openai.types.responses.ResponseCreateParams``
 #: (openai 3.57) and with ringserve's extensions; docs/compatibility.md's table.
 REQUEST_FIELDS = FieldTable(
     supported=frozenset({
-        "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
-        "stream_options", "background", "store", "metadata", "previous_response_id", "text",
-        "tools", "tool_choice", "parallel_tool_calls", "prompt_cache_key", "reasoning", "include",
-        # extensions, as llama.cpp's server accepts them on its other routes
-        "top_k", "min_p", "seed", "chat_template_kwargs",
+        "model", "input", "instructions", "max_output_tokens", "stream", "stream_options", "background", "store",
+        "metadata", "previous_response_id", "text", "tools", "tool_choice", "parallel_tool_calls",
+        "prompt_cache_key", "reasoning", "include", "top_logprobs",
+        # the samplers: OpenAI's (temperature, top_p), and the extensions llama.cpp's server accepts
+        *SAMPLER_FIELDS,
+        # an extension, as llama.cpp's server accepts it on its other routes
+        "chat_template_kwargs",
     }),
     ignored=frozenset({
         # bookkeeping, caching and routing that cannot change the text
@@ -129,7 +134,6 @@ REQUEST_FIELDS = FieldTable(
     }),
     refused={
         "max_tool_calls": Refused("a limit on the number of tool calls is not implemented"),
-        "top_logprobs": Refused("log probabilities are not implemented", neutral=(0,)),
         "truncation": Refused("the input is never truncated: a conversation that does not fit is a 400",
                               neutral=("disabled",)),
         "conversation": Refused("the Conversations API is not implemented; use previous_response_id"),
@@ -159,10 +163,12 @@ REASONING_FIELDS = FieldTable(
 #: ``reasoning.summary`` values: each asks for the reasoning as a summary (:class:`ResponsesRenderer`).
 SUMMARIES = ("auto", "concise", "detailed")
 
-#: The ``include`` value that asks for each reasoning item's ``encrypted_content``; the others
-#: (``openai.types.responses.ResponseIncludable``: hosted tools' results, image URLs, log
-#: probabilities) have nothing to add here and are reported.
+#: The ``include`` value that asks for each reasoning item's ``encrypted_content``, and the one
+#: that asks for the log probabilities of the output text's tokens; the others
+#: (``openai.types.responses.ResponseIncludable``: hosted tools' results, image URLs) have nothing
+#: to add here and are reported.
 ENCRYPTED_CONTENT = "reasoning.encrypted_content"
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
 
 #: The fields of ``text.format`` (``ResponseFormatTextConfigParam``: ``ResponseFormatText``,
 #: ``ResponseFormatJSONObject``, ``ResponseFormatTextJSONSchemaConfigParam``; flat, unlike Chat's
@@ -313,12 +319,14 @@ class ResponseOptions:
     call items of the tools that are not plain functions spell them (by the name the model calls).
     ``effort`` and ``summary`` are the request's ``reasoning`` (:data:`SUMMARIES`), and
     ``encrypted_content`` whether its ``include`` asks for reasoning items' encrypted content.
+    ``temperature``, ``top_p`` and ``top_logprobs`` are the request's (None: not sent).
     """
 
     instructions: str | None = None
     max_output_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
     metadata: dict[str, str] = attrs.Factory(dict)
     previous_response_id: str | None = None
     background: bool = False
@@ -539,8 +547,9 @@ def freeform_parameters(grammar: str) -> str:
 def _custom_tool(raw: dict[str, Any], where: str) -> ToolSpec:
     """A ``custom`` tool (:data:`CUSTOM_TOOL_FIELDS`): a freeform tool whose input is decoded under
     its ``format``'s grammar (Lark, or a ``regex`` as a Lark grammar of one terminal; none for
-    ``{"type": "text"}``), checked here so that one ``core/lark.py`` cannot translate is a 400
-    naming ``tools[i].format``."""
+    ``{"type": "text"}``). A grammar longer than ``core/lark.py``'s ``MAX_CHARS`` is a 400 naming
+    ``tools[i].format.definition`` here; the rest of its check takes time, and is the shell's, on
+    a worker thread (:attr:`ParsedRequest.grammars`, :func:`_grammars`)."""
     CUSTOM_TOOL_FIELDS.check(raw, where, param="tools")
     name = tool_name(raw.get("name"), f"{where}.name", "tools")
     fmt = raw.get("format")
@@ -551,10 +560,9 @@ def _custom_tool(raw: dict[str, Any], where: str) -> ToolSpec:
         if kind == "grammar" and syntax in ("lark", "regex") and isinstance(definition, str) and definition:
             grammar = definition if syntax == "lark" else (
                 "start: /" + definition.replace("/", "\\/").replace("\n", "\\n") + "/")
-            try:
-                lark_to_gbnf(grammar)
-            except LarkGrammarError as exc:
-                raise invalid(f"{where}.format.definition: {exc}", param="tools") from None
+            if len(grammar) > MAX_GRAMMAR_CHARS:
+                raise invalid(f"{where}.format.definition: longer than {MAX_GRAMMAR_CHARS:,} characters",
+                              param="tools")
         elif kind != "text" or len(fmt) > 1:
             raise invalid(f'{where}.format: must be {{"type": "text"}} or {{"type": "grammar", "syntax": "lark"'
                           ' or "regex", "definition": ...}}', param="tools")
@@ -574,6 +582,21 @@ def _call_names(value: Any) -> dict[str, CallName]:
                 names[qualified(tool["name"], inner["name"])] = CallName(inner["name"], tool["name"],
                                                                          inner["type"] == "custom")
     return names
+
+
+def _grammars(value: Any, tools: tuple[ToolSpec, ...]) -> tuple[tuple[str, str], ...]:
+    """The grammar of each of a request's (valid) ``custom`` tools that has one, as
+    :func:`_custom_tool` made it, by the field that holds it (``tools[i].format.definition``, in a
+    namespace ``tools[i].tools[j].format.definition``)."""
+    grammar = {tool.name: tool.grammar for tool in tools if tool.grammar}
+    fields = []
+    for i, tool in enumerate(value or ()):
+        inner = [(f"tools[{i}].tools[{j}]", qualified(tool["name"], t["name"]), t)
+                 for j, t in enumerate(tool["tools"])] if tool.get("type") == "namespace" else []
+        for where, name, raw in [(f"tools[{i}]", tool.get("name"), tool), *inner]:
+            if raw.get("type") == "custom" and name in grammar:
+                fields.append((f"{where}.format.definition", grammar[name]))
+    return tuple(fields)
 
 
 def _tool_echo(value: Any, tools: tuple[ToolSpec, ...]) -> tuple[dict[str, Any], ...]:
@@ -648,20 +671,21 @@ def _reasoning(value: Any) -> tuple[ReasoningConfig, str | None, str | None]:
     return reasoning_effort(effort, "reasoning.effort"), effort, summary
 
 
-def _include(value: Any) -> bool:
-    """``include``: whether it asks for :data:`ENCRYPTED_CONTENT`; its other values are reported.
+def _include(value: Any) -> frozenset[str]:
+    """``include``: which of :data:`ENCRYPTED_CONTENT` and :data:`OUTPUT_LOGPROBS` it asks for;
+    its other values are reported.
 
     Raises:
         RingserveError: ``INVALID_REQUEST``: not a list of strings.
     """
     if value is None:
-        return False
+        return frozenset()
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise invalid("include: must be a list of strings", param="include")
     for i, item in enumerate(value):
-        if item != ENCRYPTED_CONTENT:
+        if item not in (ENCRYPTED_CONTENT, OUTPUT_LOGPROBS):
             report_ignored(f"include[{i}]")
-    return ENCRYPTED_CONTENT in value
+    return frozenset(value) & {ENCRYPTED_CONTENT, OUTPUT_LOGPROBS}
 
 
 def _metadata(value: Any) -> dict[str, str]:
@@ -722,8 +746,10 @@ def parse_create(body: Any) -> ResponseCreate:
     it, as OpenAI's API requires), ``metadata`` (16 string pairs),
     ``previous_response_id``, ``prompt_cache_key`` (the prefix cache's slot choice prefers the
     slot its key last used), ``text`` (``format``: ``text``, ``json_object``, or
-    ``json_schema`` with ``name``, ``schema``, ``strict``; :data:`FORMAT_FIELDS`);
-    and ``top_k``, ``min_p``, ``seed`` as extensions. Unknown fields are accepted and reported;
+    ``json_schema`` with ``name``, ``schema``, ``strict``; :data:`FORMAT_FIELDS`), ``include``
+    (:data:`ENCRYPTED_CONTENT`, :data:`OUTPUT_LOGPROBS`) and ``top_logprobs`` (0..20); and
+    llama.cpp's server's other samplers as extensions (``surfaces/base.py``
+    :func:`~ringserve.surfaces.base.sampling_params`). Unknown fields are accepted and reported;
     ``mcp`` tools, items of tools ringserve has no equivalent for and unknown item types are
     refused.
 
@@ -750,10 +776,13 @@ def parse_create(body: Any) -> ResponseCreate:
     max_tokens = get_int(body, "max_output_tokens", lo=1, hi=MAX_OUTPUT_TOKENS_LIMIT)
     sampling = sampling_params(body, max_temperature=2.0)
     reasoning, effort, summary = _reasoning(body.get("reasoning"))
+    include = _include(body.get("include"))
+    top_logprobs = get_int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     request = check_enforced(GenerationRequest(messages=messages, max_tokens=max_tokens, sampling=sampling,
                                                tools=tools, tool_choice=choice, output=output, reasoning=reasoning,
                                                template_kwargs=template_kwargs(body),
-                                               cache_key=get_str(body, "prompt_cache_key")),
+                                               cache_key=get_str(body, "prompt_cache_key"),
+                                               logprobs=(top_logprobs or 0) if OUTPUT_LOGPROBS in include else None),
                              "tools[{i}].parameters", "text.format.schema")
     return ResponseCreate(
         options=ResponseOptions(
@@ -772,10 +801,12 @@ def parse_create(body: Any) -> ResponseCreate:
             calls=_call_names(body.get("tools")),
             effort=effort,
             summary=summary,
-            encrypted_content=_include(body.get("include")),
+            encrypted_content=ENCRYPTED_CONTENT in include,
+            top_logprobs=top_logprobs,
         ),
         input=messages,
-        parsed=ParsedRequest(request=request, stream=stream, model=get_str(body, "model")),
+        parsed=ParsedRequest(request=request, stream=stream, model=get_str(body, "model"),
+                             grammars=_grammars(body.get("tools"), tools)),
         answers=answers,
     )
 
@@ -974,8 +1005,15 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> dict[str, Any]:
+    """An ``output_text`` part (``ResponseOutputText``), with its tokens' log probabilities
+    (``include: ["message.output_text.logprobs"]``; bytes included, as its type has them)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": [logprob_json(lp) for lp in logprobs]}
+
+
+def _delta_logprobs(logprobs: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
+    """The ``logprobs`` of ``response.output_text.delta`` and ``.done`` (their ``Logprob`` has no bytes)."""
+    return [logprob_json(lp, with_bytes=False) for lp in logprobs]
 
 
 def _reasoning_part(text: str) -> dict[str, Any]:
@@ -1125,7 +1163,7 @@ def _item(response_id: str, index: int, block: ContentBlock, status: str, option
     match block.kind:
         case BlockKind.TEXT:
             return {"id": item_id(response_id, index), "type": "message", "role": "assistant", "status": status,
-                    "content": [_text_part(block.text)] if started else []}
+                    "content": [_text_part(block.text, block.logprobs)] if started else []}
         case BlockKind.TOOL_CALL:
             name = options.call_name(block.name)
             item: dict[str, Any] = {"id": call_item_id(block.call_id, name.custom),
@@ -1289,6 +1327,7 @@ def response_json(
         "text": {"format": options.text_format},
         "tool_choice": _tool_choice_json(options.tool_choice, options),
         "tools": list(options.tool_echo),
+        "top_logprobs": options.top_logprobs,
         "top_p": options.top_p,
         "truncation": "disabled",
         "usage": None if usage is None else usage_json(usage),
@@ -1330,6 +1369,7 @@ class ResponsesRenderer:
         self._reasoning = reasoning
         self._starts: list[BlockStart] = []  # each block's start
         self._items: list[list[str]] = []  # the text (or argument fragments) of each block
+        self._logprobs: list[list[TokenLogprob]] = []  # the log probabilities of each block's tokens
         self._inputs: dict[int, FreeformInput] = {}  # the freeform calls' input decoders, by block
         self._open: int | None = None  # a block started and not stopped
         self._stopped: int | None = None  # a stopped block whose done events are due
@@ -1340,7 +1380,8 @@ class ResponsesRenderer:
 
     def _block(self, index: int) -> ContentBlock:
         start = self._starts[index]
-        return ContentBlock(start.kind, "".join(self._items[index]), start.name, start.call_id)
+        return ContentBlock(start.kind, "".join(self._items[index]), start.name, start.call_id,
+                            tuple(self._logprobs[index]))
 
     def _response(self, outcome: Outcome, usage: Usage | None) -> dict[str, Any]:
         blocks = tuple(self._block(i) for i in range(len(self._starts)))
@@ -1373,6 +1414,7 @@ class ResponsesRenderer:
         events = self._close("completed")
         self._starts.append(start)
         self._items.append([])
+        self._logprobs.append([])
         self._open = start.index
         if start.kind is BlockKind.TOOL_CALL and self._options.call_name(start.name).custom:
             self._inputs[start.index] = FreeformInput()
@@ -1397,8 +1439,9 @@ class ResponsesRenderer:
         self._items[delta.index].append(delta.text)
         match self._starts[delta.index].kind:
             case BlockKind.TEXT:
-                return [self._event("response.output_text.delta", delta=delta.text, logprobs=[],
-                                    **self._where(delta.index))]
+                self._logprobs[delta.index] += delta.logprobs
+                return [self._event("response.output_text.delta", delta=delta.text,
+                                    logprobs=_delta_logprobs(delta.logprobs), **self._where(delta.index))]
             case BlockKind.REASONING:
                 kind = "response.reasoning_summary_text.delta" if self._reasoning.summary else (
                     "response.reasoning_text.delta")
@@ -1439,8 +1482,10 @@ class ResponsesRenderer:
                                       **self._call_where(index))]
             case BlockKind.TEXT:
                 events = [
-                    self._event("response.output_text.done", text=block.text, logprobs=[], **self._where(index)),
-                    self._event("response.content_part.done", part=_text_part(block.text), **self._where(index)),
+                    self._event("response.output_text.done", text=block.text, logprobs=_delta_logprobs(block.logprobs),
+                                **self._where(index)),
+                    self._event("response.content_part.done", part=_text_part(block.text, block.logprobs),
+                                **self._where(index)),
                 ]
             case BlockKind.REASONING:
                 where, part = self._thought_where(index), self._reasoning.part(block.text)
@@ -1537,7 +1582,7 @@ class ResponsesSurface:
         for i, b in enumerate(blocks):
             match b.kind:
                 case BlockKind.TEXT:
-                    out.append(_text_part(b.text))
+                    out.append(_text_part(b.text, b.logprobs))
                 case BlockKind.REASONING:
                     out.append(_reasoning_part(b.text))
                 case BlockKind.TOOL_CALL:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringserve.core.lark import LarkGrammarError, json_string, lark_to_gbnf
+from ringserve.core.lark import LarkGrammarError, check, json_string, lark_to_gbnf
 
 CAPTURE = Path(__file__).resolve().parents[1] / "data" / "agents" / "codex_gpt55.jsonl"
 
@@ -124,6 +124,46 @@ def test_unsupported_constructs_are_refused_by_name(lark, error):
 
 def test_another_start_rule_can_be_named():
     assert lark_to_gbnf('patch: "p"', start="patch") == 'root ::= patch\npatch ::= "p"\n'
+
+
+# -- what a request's grammar must pass (issue 43) -------------------------------------------------
+
+#: Each was a 500 (a RecursionError; "llama.cpp could not parse the grammar"), an endless decode,
+#: or a hung engine (the left recursion behind an optional rule: llama.cpp's own check misses it,
+#: and its sampler grows its stack without end); the rule or construct the refusal names.
+REFUSED = {
+    "left recursion": ('start: start "a" | "a"', "start: leads back to itself before it matches any text"),
+    "indirect left recursion": ('start: a\na: b "x"\nb: a "y" | "z"', "a: leads back to itself"),
+    "left recursion behind an optional rule": ('start: a start "x" | "y"\na: "b"?', "start: leads back to itself"),
+    "no finite text": ('start: "a" start', "start: no finite text matches it"),
+    "no finite text, through another rule": ('start: "a" | x\nx: "(" x ")"', "x: no finite text matches it"),
+    "5,000 nested parentheses": ("start: " + "(" * 5000 + '"a"' + ")" * 5000, "nested deeper than 64"),
+    "5,000 nested regex groups": ("start: /" + "(" * 5000 + "a" + ")" * 5000 + "/", "nested deeper than 64"),
+    "a repetition over llama.cpp's 2,000": ('start: "a" ~ 2001', "repeated more than 2,000 times"),
+    "repetitions that multiply over 2,000": ('start: ("a" ~ 0..40) ~ 0..50', "50 times an item of 41 rules"),
+    "over 2,000 only inside a JSON string": ('start: (/[ab"]/ /[cd"]/ /[ef"]/) ~ 0..700',
+                                              "(written inside a JSON string)"),
+    "a long literal 2,000 times": ('start: "' + "a" * 1000 + '" ~ 2000', "expand it to more than 50,000 rules or"),
+    "0.9 MB": ('start: "a"\n' + "// a comment\n" * 70_000, "longer than 65,536 characters"),
+}
+
+
+@pytest.mark.parametrize("lark, says", REFUSED.values(), ids=REFUSED)
+def test_a_grammar_llama_cpp_refuses_or_cannot_finish_is_refused_naming_why(lark, says):
+    with pytest.raises(LarkGrammarError) as raised:
+        check(lark)
+    assert says in str(raised.value) and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("lark", [
+    'start: ("a"?)*',  # left recursion through the last item only: llama.cpp takes it, and ends
+    'start: a start | "y"\na: "b"?',
+    'start: "a"+ ("," "b" ~ 1..3)* | "c"',
+    'start: /(a|b){0,1000}/',
+])
+def test_grammars_llama_cpp_takes_pass(lark):
+    check(lark)
+    check(apply_patch_grammar())
 
 
 # -- the same language inside a JSON string ------------------------------------------------------

@@ -6,6 +6,7 @@ persistence cadence, and every way a message ends.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from ringserve.core.errors import ErrorKind
@@ -18,9 +19,12 @@ from ringserve.core.events import (
     Failure,
     Finish,
     StopReason,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 from ringserve.core.producer import Producer, replay
+from ringserve.core.render import WireEvent
 from ringserve.core.ringlog import LogState
 from ringserve.core.safety import PatternChecker, Verdict
 from ringserve.core.sse import SSEParser
@@ -364,3 +368,78 @@ def test_each_responses_keepalive_is_a_strict_in_progress_event_with_the_whole_o
     last = keepalives[-1][1]["response"]["output"]
     assert [item["type"] for item in last] == ["message", "function_call"]
     assert last[0]["content"][0]["text"] == "Hel" and last[1]["arguments"] == '{"city":'
+
+
+# -- log probabilities -------------------------------------------------------------------------
+
+
+def lp(piece: str) -> TokenLogprob:
+    return TokenLogprob(piece.encode(), -0.5, (TopLogprob(piece.encode(), -0.5), TopLogprob(b"x", -1.5)))
+
+
+class LogprobRenderer(RecordingRenderer):
+    """Each delta with the tokens its log probabilities are of: ``delta 0 'Hello' [Hel,lo]``."""
+
+    def delta(self, delta):
+        pieces = ",".join(lp.piece.decode() for lp in delta.logprobs)
+        return [WireEvent(f"delta {delta.index} {delta.text!r} [{pieces}]")]
+
+
+def test_coalesced_deltas_carry_all_their_tokens_log_probabilities():
+    p = Producer("msg_1", LogprobRenderer(), USAGE, flush_seconds=0.05, flush_tokens=10, persist_seconds=1e9)
+    p.start(0.0)
+    data = run(p, [TEXT, BlockDelta(0, "Hel", 1, (lp("Hel"),))], now=0.0)
+    data += run(p, [BlockDelta(0, "lo", 1, (lp("lo"),)), BlockDelta(0, " you", 1, (lp(" y"), lp("ou")))], now=0.01)
+    data += entry_data(p.tick(0.05).entries)
+    assert data == ["block_start 0 text", "delta 0 'Hel' [Hel]", "delta 0 'lo you' [lo, y,ou]"]
+    assert p.content[0].logprobs == (lp("Hel"), lp("lo"), lp(" y"), lp("ou"))
+    data += run(p, [BlockStop(0), Finish(StopReason.END, Usage(5, 4))])
+    snap = p.snapshot()
+    assert snap.trace.logprobs == (1, 3)  # the first delta's too
+    again = replay("msg_1", LogprobRenderer(), USAGE, snap.content, snap.trace, Finish(StopReason.END, Usage(5, 4)),
+                   None)
+    assert entry_data(again) == ["start", *data]
+
+
+def test_held_back_text_releases_its_tokens_log_probabilities_with_it():
+    """The safety stage releases the text that falls out of its window (and the rest at the
+    block's stop): each token's log probability goes out with the text that ends its token."""
+    p = Producer("msg_1", LogprobRenderer(), USAGE, flush_seconds=0.0, flush_tokens=1, persist_seconds=1e9,
+                 window_tokens=2)
+    p.start(0.0)
+    checker = PatternChecker(["bad"])
+    data = run(p, [TEXT, BlockDelta(0, "ab", 1, (lp("ab"),)), BlockDelta(0, "cd", 1, (lp("cd"),))], checker=checker)
+    assert data == ["block_start 0 text"]
+    data += run(p, [BlockDelta(0, "e", 1, (lp("e"),)), BlockStop(0)], checker=checker)
+    assert data == ["block_start 0 text", "delta 0 'ab' [ab]", "delta 0 'cde' [cd,e]", "block_stop 0"]
+
+
+@pytest.mark.parametrize("surface", _surfaces(), ids=lambda s: s.name)
+def test_replay_gives_the_same_log_probabilities_in_the_same_entries(surface):
+    """Coalesced at times the text does not keep, with a call between two text blocks: the
+    snapshot's content and trace rebuild the same bytes, and a message without any has no counts."""
+    events = [BlockStart(0, BlockKind.TOOL_CALL, "g", "cd" * 12), BlockDelta(0, "{}", 2), BlockStop(0),
+              BlockStart(1, BlockKind.TEXT), BlockDelta(1, "héllo", 1, (lp("h"), lp("éllo"))),
+              BlockDelta(1, " wörld", 1, (lp(" wö"),)), BlockDelta(1, "!", 1, (lp("rld"), lp("!"))), BlockStop(1),
+              BlockStart(2, BlockKind.TOOL_CALL, "f", "ab" * 12), BlockDelta(2, "{}", 3), BlockStop(2),
+              BlockStart(3, BlockKind.TEXT), BlockDelta(3, "ok", 1, (lp("ok"),)), BlockStop(3),
+              Finish(StopReason.END, Usage(5, 12))]
+    p = Producer("m_1", surface.renderer("m_1", "model", 7, True), USAGE, flush_seconds=0.05, flush_tokens=2,
+                 persist_seconds=1e9, retry_ms=900)
+    entries = list(p.start(0.0).entries)
+    for i, event in enumerate(events):
+        entries += p.event(event, Usage(5, i), i * 0.03).entries
+        entries += p.tick(i * 0.03 + 0.01).entries
+    snap = p.snapshot()
+    assert snap.content[1].logprobs == (lp("h"), lp("éllo"), lp(" wö"), lp("rld"), lp("!"))
+    assert snap.content[3].logprobs == (lp("ok"),) and snap.content[0].logprobs == snap.content[2].logprobs == ()
+    assert sum(snap.trace.logprobs) == 6 and len(snap.trace.logprobs) == sum(op > 0 for op in snap.trace.ops)
+    again = replay("m_1", surface.renderer("m_1", "model", 7, True), USAGE, snap.content, snap.trace, events[-1], 900)
+    assert list(again) == entries
+    with pytest.raises(ValueError, match="log probabilities past"):
+        replay("m_1", surface.renderer("m_1", "model", 7, True), USAGE,
+               tuple(attrs.evolve(b, logprobs=()) for b in snap.content), snap.trace, events[-1], 900)
+    plain = Producer("m_2", RecordingRenderer(), USAGE, flush_seconds=0.0, flush_tokens=1, persist_seconds=1e9)
+    plain.start(0.0)
+    run(plain, [TEXT, BlockDelta(0, "a", 1), BlockStop(0)])
+    assert plain.snapshot().trace.logprobs == ()

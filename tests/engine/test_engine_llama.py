@@ -9,24 +9,25 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ringserve.core.batch import SlotFeed
-from ringserve.core.events import ChatMessage, SamplingParams
+from ringserve.core.events import ChatMessage, LogitBias, TokenLogprob
 from ringserve.core.offload import Offload
 from ringserve.engine.modelfile import ModelFileError, default_model_path
 from ringserve.engine.protocol import EngineError, KVCacheFull
 from tests.support.feeds import check_bad_batches
-from tests.support.helpers import chat_prompt, prompt_tokens
+from tests.support.helpers import GREEDY, chat_prompt, prompt_tokens, sampler
 from tests.support.server import MODEL_THREADS
 
 llama = pytest.importorskip("ringserve.engine.llama")
 
 pytestmark = pytest.mark.model
 
-GREEDY = SamplingParams(temperature=0)
 N_SLOTS = 4
 N_CTX = 2048  # the KV pool the slots share: a multiple of 256, so llama.cpp makes exactly this
 N_BATCH = 256
@@ -265,7 +266,7 @@ def test_a_forced_token_is_taken_as_if_sampled(eng, prompt):
     """A feed's ``forced`` token (a reasoning budget's closing marker) comes back instead of a
     sample, and the sequence goes on from it as from a prompt that held it."""
     forced = word(eng)
-    for params in (GREEDY, SamplingParams(temperature=0.8, seed=7)):
+    for params in (GREEDY, sampler(temperature=0.8, seed=7)):
         eng.begin(0, params)
         [s] = eng.decode([SlotFeed(0, prompt, 0, True, forced)])
         assert (s.token, s.piece, s.eog) == (forced, eng.token_piece(forced), False)
@@ -278,7 +279,7 @@ def test_a_forced_token_is_taken_as_if_sampled(eng, prompt):
 
 
 def test_seeded_sampling_repeats(eng, prompt):
-    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, seed=1234)
+    params = sampler(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, seed=1234)
 
     def run(slot):
         eng.begin(slot, params)
@@ -313,6 +314,20 @@ def test_a_template_that_does_not_load_is_one_line_at_start():
     assert "\n" not in str(exc.value) and "does not compile" in str(exc.value)
     with pytest.raises(llama.ChatTemplateError, match="unknown chat format 'nope'"):
         llama.LlamaEngine(default_model_path(), n_slots=1, n_ctx=256, n_batch=32, chat_format="nope")
+
+
+@pytest.mark.parametrize("source, bound", [
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "memory"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "steps"),
+])
+def test_a_template_past_the_bounds_of_a_render_is_one_line_at_start(source, bound):
+    """Issue 43: a template that doubles a string 40 times, or loops 10**10 times, never finished
+    the start (llama.cpp's capability probes render it); now a probe goes past a bound of the
+    render (``formats/template/bounds.py``) and the start fails with one line naming the file."""
+    with pytest.raises(llama.ChatTemplateError) as exc:
+        llama.LlamaEngine(default_model_path(), n_slots=1, n_ctx=256, n_batch=32, chat_template=source)
+    message = str(exc.value)
+    assert "\n" not in message and bound in message and str(default_model_path()) in message
 
 
 def test_a_chat_template_file_that_cannot_be_read_is_one_line_at_start(tmp_path):
@@ -391,3 +406,86 @@ def test_tokenizing_while_another_thread_decodes(eng, prompt):
         worker.join()
     assert got == expected
     assert len(results) == 10 and all(r == alone for r in results)
+
+
+# -- the sampler chain and log probabilities (issue 40) ----------------------------------------
+
+
+def run_tokens(eng, slot, params, tokens, n, **begin):
+    """``n`` tokens sampled after ``tokens`` in ``slot`` begun with ``params`` (``begin``'s
+    keywords); the :class:`Sampled` of each."""
+    eng.begin(slot, params, **begin)
+    out = eng.decode([SlotFeed(slot, tokens, 0, True)])
+    for i in range(n - 1):
+        out += eng.decode([SlotFeed(slot, (out[-1].token,), len(tokens) + i, True)])
+    eng.release(slot)
+    return out
+
+
+def ask(eng, text):
+    return tuple(prompt_tokens(eng, [ChatMessage("system", "You are a helpful assistant."), ChatMessage("user", text)]))
+
+
+def test_a_large_logit_bias_forces_a_token_and_false_bans_one_under_greedy(eng, prompt):
+    [plain] = run_tokens(eng, 0, GREEDY, prompt, 1)
+    forced = word(eng)
+    [biased] = run_tokens(eng, 0, sampler(temperature=0, logit_bias=(LogitBias(forced, 100.0),)), prompt, 1)
+    [banned] = run_tokens(eng, 0, sampler(temperature=0, logit_bias=(LogitBias(plain.token, -math.inf),)), prompt, 1)
+    assert (biased.token, banned.token != plain.token) == (forced, True)
+
+
+def test_repeat_penalty_changes_a_greedy_reply_that_repeats(eng):
+    prompt = ask(eng, "List: cat, cat, cat, cat,")
+    plain = [s.token for s in run_tokens(eng, 0, GREEDY, prompt, 16)]
+    penalized = [s.token for s in run_tokens(eng, 0, sampler(temperature=0, repeat_penalty=1.5), prompt, 16)]
+    assert len(set(plain)) < 12 and len(set(penalized)) == 16 and penalized != plain
+
+
+def test_the_penalties_count_the_prompts_last_tokens_as_llama_servers_do(eng):
+    """llama-server accepts the prompt into its sampler: the question's words are penalized in the
+    reply when the prompt is given, not without it."""
+    prompt = ask(eng, "What is the capital of France?")
+    params = sampler(temperature=0, repeat_penalty=3.0)
+    [capital] = eng.tokenize(" capital")
+    blind = [s.token for s in run_tokens(eng, 0, params, prompt, 4)]
+    seen = [s.token for s in run_tokens(eng, 0, params, prompt, 4, prompt=prompt)]
+    assert capital in blind and capital not in seen
+
+
+def test_every_sampler_goes_on_the_chain_and_a_seed_repeats_it(eng, prompt):
+    params = sampler(temperature=0.7, top_k=20, typical_p=0.9, top_p=0.9, min_p=0.02, repeat_penalty=1.1,
+                     presence_penalty=0.3, frequency_penalty=0.3, dry_multiplier=0.8, xtc_probability=0.5,
+                     xtc_threshold=0.1, logit_bias=(LogitBias(word(eng), -2.0),), seed=99)
+    first = [s.token for s in run_tokens(eng, 0, params, prompt, 6, prompt=prompt)]
+    assert first == [s.token for s in run_tokens(eng, 1, params, prompt, 6, prompt=prompt)]
+
+
+def test_logprobs_are_the_raw_log_softmax_whatever_samples(eng, prompt):
+    """Greedy: the token is the top alternative, with the same value; exp of the alternatives sums
+    to at most 1, most likely first. A +100 bias forces an alternative: its log probability is
+    still the model's (the raw logits'), not the biased one. A sampled token's value is its entry's
+    among the alternatives when it is there."""
+    [greedy] = run_tokens(eng, 0, GREEDY, prompt, 1, logprobs=20)
+    lp = greedy.logprob
+    assert lp is not None and len(lp.top) == 20
+    assert lp.piece == greedy.piece == lp.top[0].piece and lp.logprob == lp.top[0].logprob <= 0
+    values = [t.logprob for t in lp.top]
+    assert values == sorted(values, reverse=True) and sum(math.exp(v) for v in values) <= 1.0
+    fifth = lp.top[4]
+    [token] = [t for t in range(eng.n_vocab) if eng.token_piece(t) == fifth.piece][:1]
+    [forced] = run_tokens(eng, 0, sampler(temperature=0, logit_bias=(LogitBias(token, 100.0),)), prompt, 1,
+                          logprobs=0)
+    assert forced.token == token and forced.logprob == TokenLogprob(fifth.piece, fifth.logprob, ())
+    for sampled in run_tokens(eng, 0, sampler(temperature=1.0, seed=5), prompt, 6, logprobs=3):
+        assert sampled.logprob is not None and sampled.logprob.piece == sampled.piece
+        assert all(t.logprob == sampled.logprob.logprob for t in sampled.logprob.top if t.piece == sampled.piece)
+    [none] = run_tokens(eng, 0, GREEDY, prompt, 1)
+    assert none.logprob is None
+
+
+def test_token_logprob_is_the_log_softmax_with_ties_by_token_id():
+    logits = np.array([1.0, 3.0, 2.0, 3.0], dtype=np.float32)
+    total = math.log(sum(math.exp(x) for x in logits))
+    got = llama.token_logprob(logits, 2, 3, lambda t: bytes([65 + t]))
+    assert got.piece == b"C" and got.logprob == pytest.approx(2.0 - total, abs=1e-6)
+    assert [t.piece for t in got.top] == [b"B", b"D", b"C"] and got.top[2].logprob == got.logprob

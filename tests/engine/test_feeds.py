@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from ringserve.core.batch import SlotFeed
-from ringserve.core.events import SamplingParams
 from ringserve.engine.fake import FakeEngine
 from ringserve.engine.protocol import KVCacheFull, check_feeds
 from tests.support.feeds import bad_batches, check_bad_batches
+from tests.support.helpers import GREEDY
 
 N_SLOTS, N_BATCH, N_CTX = 4, 16, 16
 HELD = [5, 0, None, None]  # slot 0 holds 5 cells, slot 1 begun and empty, 2 and 3 not begun
@@ -43,11 +43,11 @@ def test_the_fake_engine_keeps_the_rules():
 
 def test_a_slot_released_with_cells_kept_is_not_begun_on_the_fake_engine():
     engine = FakeEngine(n_slots=2)
-    engine.begin(0, SamplingParams())
+    engine.begin(0, GREEDY)
     engine.decode([SlotFeed(0, (1, 2, 3), 0, False)])
     engine.release(0, keep=2)
     with pytest.raises(ValueError, match="begin"):
         engine.decode([SlotFeed(0, (4,), 2, False)])
-    engine.begin(0, SamplingParams(), keep=2)
+    engine.begin(0, GREEDY, keep=2)
     engine.decode([SlotFeed(0, (4,), 2, False)])
     assert engine.kv_cells_used(0) == 3

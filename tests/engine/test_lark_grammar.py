@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from ringserve.core import llama_grammar
 from ringserve.core.lark import json_string, lark_to_gbnf
 from ringserve.engine.modelfile import default_model_path
 
@@ -107,3 +108,63 @@ def test_regex_terminals_accept_what_python_re_matches(vocab_model, pattern, tex
 def test_case_insensitive_literals_and_ranges(vocab_model):
     gbnf = lark_to_gbnf('start: "Begin"i " " "0".."9"~2')
     assert [accepts(vocab_model, gbnf, t) for t in ["begin 42", "BEGIN 07", "Begin 4", "Bgin 42"]] == [True, True, False, False]
+
+
+#: GBNF grammars llama.cpp's parser takes or refuses (``llama_sampler_init_grammar`` gives NULL):
+#: ``core/llama_grammar.py`` must decide each as it does.
+LLAMA_CPP_DECIDES = [
+    'root ::= start\nstart ::= start "a" | "a"\n',  # left recursion
+    'root ::= a\na ::= b "x"\nb ::= a "y" | "z"\n',  # indirect
+    'root ::= x\nx ::= y? x "b" | "c"\ny ::= "d"\n',  # behind an optional item (its rule has an empty alternative)
+    'root ::= x\nx ::= x\n',
+    'root ::= x\nx ::= "" | x "a"\n',
+    'root ::= "a" | missing\n',
+    'root ::= "a" # a comment\n  | "b"\n',  # an alternative on a line of its own, outside a group: a syntax error
+    'root ::= "a"{2001}\n',
+    'root ::= "a"{2000}\n',
+    'root ::= ("a"{0,40}){0,50}\n',  # 41 rules, 50 times
+    'root ::= ("a"{0,39}){0,51}\n',
+    'root ::= ("a"{0,40}){0,49}\n',
+    'root ::= (("a" | "b"){0,1000}){0,2}\n',
+    'root ::= ("a" | "b"){0,2000}\n',
+    'root ::= "a" root | "b"\n',
+    'root ::= (("a")?)*\n',
+    'root ::= x*\nx ::= "a"?\n',
+    'root ::= [a-z]+ ("," [a-z]+)*\n',
+    'root ::= "a"{3,5} "b"{0,} "c"{2,} [^\\n]* "\\x41\\u0042"\n',
+    'root ::= s\ns ::= a s | "y"\na ::= "b"?\n',  # left recursion through a last item only: taken
+]
+
+
+@pytest.mark.parametrize("gbnf", LLAMA_CPP_DECIDES)
+def test_the_grammar_check_decides_as_llama_cpps_parser(vocab_model, gbnf):
+    sampler = lc.llama_sampler_init_grammar(vocab_model._model.vocab, gbnf.encode(), b"root")
+    takes = bool(sampler)
+    if sampler:
+        lc.llama_sampler_free(sampler)
+    try:
+        llama_grammar.check(gbnf)
+    except llama_grammar.GrammarError:
+        assert not takes
+    else:
+        assert takes
+
+
+def test_a_grammar_llama_cpp_takes_and_cannot_finish_is_refused(vocab_model):
+    """llama.cpp takes a rule no finite text matches (the model could never end the tool's input);
+    the check refuses it. (It also refuses ``s ::= a s "x" | "y"`` with ``a ::= "b"?``: llama.cpp's
+    own check misses that left recursion, and its sampler then never returns, so no test runs it.)"""
+    gbnf = 'root ::= s\ns ::= "a" s\n'
+    sampler = lc.llama_sampler_init_grammar(vocab_model._model.vocab, gbnf.encode(), b"root")
+    assert sampler
+    lc.llama_sampler_free(sampler)
+    with pytest.raises(llama_grammar.GrammarError, match="no finite text"):
+        llama_grammar.check(gbnf)
+
+
+def test_left_recursion_through_a_last_item_is_decoded(vocab_model):
+    """A rule that leads back to itself only as the last item of an alternative (``a`` may be
+    empty) does not grow llama.cpp's stacks: taken by the check, and the sampler takes its texts."""
+    gbnf = 'root ::= s\ns ::= a s | "y"\na ::= "b"?\n'
+    llama_grammar.check(gbnf)
+    assert accepts(vocab_model, gbnf, "bby") and not accepts(vocab_model, gbnf, "bbx")

@@ -66,9 +66,9 @@ class HookedEngine(FakeEngine):
         time.sleep(self.tokenize_seconds)
         return super().tokenize_chat(request)
 
-    def begin(self, slot, sampling, keep=0, source=None, constraint=None, replay=()):
+    def begin(self, slot, sampling, keep=0, source=None, constraint=None, **kwargs):
         self.threads.add(threading.get_ident())
-        return super().begin(slot, sampling, keep, source, constraint, replay)
+        return super().begin(slot, sampling, keep, source, constraint, **kwargs)
 
     def release(self, slot, keep=0):
         self.threads.add(threading.get_ident())

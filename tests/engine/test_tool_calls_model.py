@@ -41,7 +41,7 @@ from ringserve.engine.modelfile import default_model_path
 from ringserve.engine.runner import Runner
 from ringserve.formats.families import FAMILIES
 from tests.engine.test_gbnf import ENFORCED
-from tests.support.helpers import prompt_tokens
+from tests.support.helpers import GREEDY, prompt_tokens
 
 llama = pytest.importorskip("ringserve.engine.llama")
 lc = pytest.importorskip("llama_cpp")
@@ -240,7 +240,7 @@ def test_llama_cpp_takes_every_familys_call_grammars(engine, family):
     prompt = tuple(prompt_tokens(engine, [ChatMessage("user", "Weather in Paris?")]))
     try:
         for constraint in [*constraints, lazy]:
-            engine.begin(0, SamplingParams(temperature=0), constraint=constraint)
+            engine.begin(0, GREEDY, constraint=constraint)
             [sampled] = engine.decode([SlotFeed(0, prompt, 0, True)])
             assert not sampled.eog
             engine.release(0)
@@ -257,7 +257,7 @@ def test_a_forced_end_of_thinking_goes_through_a_forced_calls_grammar(engine):
     close = engine.tokenize("</think>", parse_special=True)
     prompt = tuple(prompt_tokens(engine, [ChatMessage("user", "Weather in Paris?")]))
     try:
-        engine.begin(0, SamplingParams(temperature=0), constraint=constraint)
+        engine.begin(0, GREEDY, constraint=constraint)
         [first] = engine.decode([SlotFeed(0, prompt, 0, True)])  # thinking, as the grammar lets it
         pos, fed, text = len(prompt), first.token, first.piece
         for token in close:

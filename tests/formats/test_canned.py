@@ -94,7 +94,9 @@ def _not_applicable(case: canned.Case, fmt: ChatFormat, opened: bool) -> str:
     if case.error:
         return f"not read from the C++ source ({case.error})"
     if case.continuation:
-        return "continues a prefilled assistant message (ringserve has no prefill)"
+        return ("continues a prefilled assistant message: the expected message holds the prefilled turn's"
+                " text, ringserve's parser reads the continuation only (from inside the block where the"
+                " turn left it open: reasoning_open)")
     if case.json_schema:
         return "a response format (ringserve decodes JSON answers under its own grammar)"
     markers = [] if fmt.reasoning is None else [m for m in (fmt.reasoning.start, fmt.reasoning.end) if m]

@@ -75,11 +75,15 @@ def test_thinking_is_on_by_default_only_for_a_format_with_a_thinking_block() -> 
     )
     assert render("generic", request())[0].endswith("thinking=False effort= extra=\n<user>Hi\n<assistant>")
     assert render("generic", request())[1] is False
+    # but Apertus', whose template llama-server finds no thinking in
+    assert render("apertus", request())[0].startswith("tools=None\nthinking=False ")
 
 
 def test_the_requests_reasoning_controls_are_the_templates_switches() -> None:
+    # the effort reaches the template whether thinking is on or not, as llama-server passes it
     off, opened = render("hermes", request(reasoning=ReasoningConfig(enabled=False, effort=Effort.HIGH)))
-    assert "thinking=False effort= " in off and not opened
+    assert "thinking=False effort=high " in off and not opened
+    assert "thinking=False effort=low " in render("generic", request(reasoning=ReasoningConfig(effort=Effort.LOW)))[0]
     on, opened = render("generic", request(reasoning=ReasoningConfig(enabled=True, effort=Effort.LOW)))
     assert "thinking=True effort=low " in on  # the generic format has no markers: nothing opened
     assert not opened
@@ -89,13 +93,26 @@ def test_the_requests_reasoning_controls_are_the_templates_switches() -> None:
     assert "thinking=False effort= extra=x<y\n" in text and not opened
 
 
-def test_a_final_assistant_turn_is_continued_with_thinking_off() -> None:
-    req = request(ChatMessage("user", "Count."), ChatMessage("assistant", "1, 2,"))
-    rendered = render_request(PROBE, FAMILIES["hermes"], req, now=NOW)
-    text = rendered.prompt.text
-    assert text.endswith("<user>Count.\n<assistant>1, 2,") and "thinking=False" in text
-    assert rendered.prompt.literal_spans[-1] == (len(text) - len("1, 2,"), len(text))
-    assert not rendered.reasoning_open
+def test_a_final_assistant_turn_is_continued_in_the_templates_thinking_block() -> None:
+    """As llama-server continues it: after the conversation, the generation prompt up to where it
+    opens the block, the block with the turn's reasoning, left open for a turn of reasoning only."""
+    question = ChatMessage("user", "Count.")
+    cases = {
+        ChatMessage("assistant", "1, 2,"): ("<assistant><think></think>1, 2,", False),
+        ChatMessage("assistant", "1, 2,", reasoning="Easy."): ("<assistant><think>Easy.</think>1, 2,", False),
+        ChatMessage("assistant", "", reasoning="Count up."): ("<assistant><think>Count up.", True),
+    }
+    for turn, (end, opened) in cases.items():
+        rendered = render_request(PROBE, FAMILIES["hermes"], request(question, turn), now=NOW)
+        text = rendered.prompt.text
+        assert text.endswith("<user>Count.\n" + end) and "thinking=True" in text
+        assert rendered.reasoning_open is opened
+        # the turn's reasoning and text are the request's: literal
+        literal = [text[start:stop] for start, stop in rendered.prompt.literal_spans]
+        assert literal == [t for t in (turn.reasoning, turn.content) if t]
+    # a family without a thinking block gets the generation prompt and the text
+    rendered = render_request(PROBE, FAMILIES["generic"], request(question, ChatMessage("assistant", "1, 2,")), now=NOW)
+    assert rendered.prompt.text.endswith("<user>Count.\n<assistant>1, 2,") and not rendered.reasoning_open
     with_calls = request(ChatMessage("user", "Time?"),
                          ChatMessage("assistant", "", tool_calls=(ToolCall("c1", "get_time", "{}"),)))
     with pytest.raises(TemplateRenderError, match="cannot be continued"):

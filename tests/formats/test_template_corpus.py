@@ -31,7 +31,6 @@ from ringserve.formats.template import (
     TemplateRenderError,
     prompt_fragments,
 )
-from tests.support.llama_sdist import CorpusUnavailable, llama_cpp_templates
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "templates"
 EXPECTED: dict[str, Any] = json.loads((DATA / "expected.json").read_text())
@@ -45,14 +44,6 @@ REFUSED = {
     ("google-gemma-2-2b-it.jinja", "tools"),
     ("google-gemma-2-2b-it.jinja", "tools_thinking"),
 }
-
-
-@pytest.fixture(scope="module")
-def corpus() -> Path:
-    try:
-        return llama_cpp_templates()
-    except CorpusUnavailable as e:
-        pytest.skip(f"llama.cpp's template corpus is not available: {e}")
 
 
 @cache

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support.helpers import OPENAI_BODY
+from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY
 from tests.support.server import fake_config, running_server
 
 #: Writes the kwarg ``extra`` before the turns, and refuses two user turns in a row, as Gemma 2's
@@ -53,3 +53,27 @@ async def test_a_request_the_template_refuses_is_a_400_that_says_why(client):
     error = reply.json()["error"]
     assert error["param"] == "messages" and error["type"] == "invalid_request_error"
     assert "Conversation roles must alternate user/assistant" in error["message"]
+
+
+#: Writes 300 MB for a last user message ``boom`` only (issue 43): any client could take the
+#: server's memory.
+BOOM_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    "{% if messages[-1].content == 'boom' %}{% for i in range(100000) %}{{ 'y' * 3000 }}{% endfor %}{% endif %}"
+)
+
+
+async def test_a_request_that_takes_the_template_past_its_bounds_is_a_400_and_the_server_goes_on(tmp_path):
+    async with running_server(fake_config(tmp_path), chat_template=BOOM_TEMPLATE, reply="ok") as state:
+        async with httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+            boom = {"role": "user", "content": "boom"}
+            reply = await client.post("/v1/chat/completions", json={**OPENAI_BODY, "messages": [boom]})
+            assert reply.status_code == 400
+            error = reply.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["param"] == "messages"
+            assert "chat template would hold more than its" in error["message"] and "memory" in error["message"]
+            reply = await client.post("/v1/messages", json={**ANTHROPIC_BODY, "messages": [boom]})
+            assert reply.status_code == 400 and reply.json()["type"] == "error"
+            assert reply.json()["error"]["type"] == "invalid_request_error"
+            reply = await client.post("/v1/chat/completions", json=OPENAI_BODY)
+            assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "ok"

@@ -10,6 +10,7 @@ checked by ``tests.http.test_responses.check_stream`` (each event strict-valid a
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import httpx
@@ -18,6 +19,7 @@ import pydantic
 import pytest
 import trio
 
+from ringserve.core import lark
 from ringserve.core.events import BlockDelta, BlockKind, BlockStart, BlockStop, Finish, StopReason, Usage
 from ringserve.core.sse import SSEParser
 from ringserve.surfaces import responses as responses_surface
@@ -180,6 +182,19 @@ BAD = [
                                                          "definition": "^a$"}}]},
      "tools", "tools[0].format.definition"),
     ({"tools": [{"type": "custom", "name": "f", "format": {"type": "yaml"}}]}, "tools", "tools[0].format"),
+    *[({"tools": [{"type": "custom", "name": "f", "format": {"type": "grammar", "syntax": "lark", "definition": lark}}]},
+       "tools", f"tools[0].format.definition: {says}") for lark, says in [
+        ('start: start "a" | "a"', "start: leads back to itself"),  # were a 500 on the real engine
+        ('start: a\na: b "x"\nb: a "y" | "z"', "a: leads back to itself"),
+        ('start: a start "x" | "y"\na: "b"?', "start: leads back to itself"),  # hung the real engine
+        ('start: "a" start', "start: no finite text matches it"),
+        ("start: " + "(" * 5000 + '"a"' + ")" * 5000, "line 1: groups nested deeper than 64"),  # were a 500
+        ("start: /" + "(" * 5000 + "a" + ")" * 5000 + "/", "line 1: groups nested deeper than 64"),
+        ('start: "a"\n' + "// a comment\n" * 70_000, "longer than 65,536 characters"),  # froze the event loop
+    ]],
+    ({"tools": [{"type": "namespace", "name": "n", "description": "", "tools": [
+        {"type": "custom", "name": "f", "format": {"type": "grammar", "syntax": "regex", "definition": "a{2001}"}}]}]},
+     "tools", "tools[0].tools[0].format.definition: {2001}: repeated more than 2,000 times"),
     ({"tools": [{"type": "namespace", "name": "n", "description": "", "tools": [{"type": "web_search"}]}]},
      "tools", "tools[0].tools[0]"),
     ({"tools": [WEATHER, *[{"type": "namespace", "name": "n", "description": "", "tools": [WEATHER]}] * 2]},
@@ -223,6 +238,37 @@ async def test_bad_tool_input_is_a_400_naming_the_field(fake_server, body, param
     _state, client = fake_server
     error = check_error(await client.post("/v1/responses", json={"model": "any", "input": "x", **body}), 400, param)
     assert says in error["message"]
+
+
+async def test_a_grammar_is_checked_off_the_event_loop(fake_server, monkeypatch):
+    """Issue 43: a custom tool's grammar was translated on the event loop (a 0.9 MB one froze every
+    stream for 7-11 s before its 400). It is checked on a worker thread: while a check is held
+    there, another request is answered."""
+    _state, client = fake_server
+    entered, release = threading.Event(), threading.Event()
+    released = []
+    translate = lark.lark_rules
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        released.append(release.wait(30))
+        return translate(*args, **kwargs)
+
+    monkeypatch.setattr(lark, "lark_rules", held)
+    tool = {"type": "custom", "name": "f", "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "a"'}}
+    replies = []
+
+    async def with_a_grammar() -> None:
+        replies.append(await client.post("/v1/responses", json={"model": "any", "input": "x", "tools": [tool],
+                                                                 "max_output_tokens": 8}))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(with_a_grammar)
+        await trio.to_thread.run_sync(entered.wait, 30)
+        other = await client.post("/v1/responses", json={"model": "any", "input": "hello", "max_output_tokens": 8})
+        assert other.status_code == 200
+        release.set()
+    assert released[0] is True and replies[0].status_code == 200
 
 
 def test_renderer_text_then_a_call():

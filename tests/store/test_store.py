@@ -6,11 +6,13 @@ import os
 import sqlite3
 import stat
 
+import attrs
 import pytest
 
 from ringserve.config import StoreConfig
-from ringserve.core.events import BlockKind, ContentBlock, StopReason, Usage
-from ringserve.core.producer import Snapshot
+from ringserve.core.errors import ErrorKind
+from ringserve.core.events import BlockKind, ContentBlock, StopReason, TokenLogprob, TopLogprob, Usage
+from ringserve.core.producer import Snapshot, Trace
 from ringserve.core.status import MessageStatus
 from ringserve.store.sqlite import (
     SWEEP_BATCH_ROWS,
@@ -19,6 +21,8 @@ from ringserve.store.sqlite import (
     StoreError,
     default_store_path,
     snapshot_fields,
+    stored_trace,
+    trace_json,
 )
 
 
@@ -181,6 +185,22 @@ def test_reasoning_blocks_and_reasoning_tokens_come_back(tmp_path):
     stored = store.get("msg_1")
     assert (stored.blocks, stored.usage, stored.text) == (blocks, usage, "Hi.")
     assert stored.view().usage.reasoning_tokens == 9
+
+
+@pytest.mark.parametrize("failure", [None, (ErrorKind.OVERLOADED, True)])
+def test_log_probabilities_and_their_trace_come_back_exactly(tmp_path, failure):
+    """A token cut in the middle of a character (its bytes are not UTF-8), floats that JSON must
+    keep to the last bit: the blocks and the trace read back equal, with or without a failure."""
+    store = MessageStore(str(tmp_path / "s.sqlite3"))
+    store.insert(row(1, "generating"))
+    cut = TokenLogprob("€".encode()[:2], -1 / 3, (TopLogprob("€".encode()[:2], -1 / 3), TopLogprob(b"\xff\x00", -7e-9)))
+    blocks = (ContentBlock(BlockKind.TEXT, "€ ok", logprobs=(cut, TokenLogprob("€".encode()[2:] + b" ok", -0.0))),)
+    trace = Trace((0, 1, 3, -1), failure, (1, 1))
+    snap = Snapshot(MessageStatus.COMPLETE, blocks, Usage(5, 2), StopReason.END, trace=trace)
+    store.update("msg_1", **snapshot_fields(snap))
+    stored = store.get("msg_1")
+    assert stored.blocks == blocks and stored_trace(stored) == trace
+    assert stored_trace(attrs.evolve(stored, trace=trace_json(Trace((0, -1), failure)))) == Trace((0, -1), failure)
 
 
 def test_a_file_of_schema_5_reads_no_reasoning_tokens(tmp_path):

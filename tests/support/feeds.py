@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 
 from ringserve.core.batch import SlotFeed
-from ringserve.core.events import SamplingParams
+from tests.support.helpers import GREEDY
 
 
 def set_up(engine: Any, prompt: Sequence[int]) -> None:
     """Slot 0 begun and fed ``prompt``, slot 1 begun, slot 2 not begun (left released)."""
-    engine.begin(0, SamplingParams(temperature=0))
+    engine.begin(0, GREEDY)
     engine.decode([SlotFeed(0, tuple(prompt), 0, False)])
-    engine.begin(1, SamplingParams(temperature=0))
+    engine.begin(1, GREEDY)
 
 
 def bad_batches(n_slots: int, n_batch: int, held: int, token: int) -> list[tuple[str, list[SlotFeed]]]:

@@ -9,14 +9,24 @@ from typing import Any
 
 import httpx
 
-from ringserve.core.events import ChatMessage, GenerationRequest, ToolChoice, ToolSpec, Usage
+from ringserve.core.events import ChatMessage, GenerationRequest, SamplingParams, ToolChoice, ToolSpec, Usage
 from ringserve.core.producer import Producer
+from ringserve.core.sampling import LLAMA_SERVER_DEFAULTS, ResolvedSampling, resolve_sampling
 from ringserve.core.sse import ServerSentEvent, SSEParser
 from ringserve.core.render import WireEvent
 from ringserve.engine.protocol import ChatPrompt
 
 ANTHROPIC_BODY = {"model": "any", "max_tokens": 64, "messages": [{"role": "user", "content": "hello"}]}
 OPENAI_BODY = {"model": "any", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 64}
+
+
+def sampler(**fields: Any) -> ResolvedSampling:
+    """Sampler settings for an engine's ``begin``: ``fields`` over llama-server's defaults."""
+    return resolve_sampling(SamplingParams(**fields), LLAMA_SERVER_DEFAULTS)
+
+
+#: Greedy sampling, nothing else changing the logits.
+GREEDY = sampler(temperature=0)
 
 
 def chat_prompt(

@@ -203,7 +203,7 @@ def test_every_thinking_display_claude_code_asks_for_is_honoured(display: str | 
 
 def test_a_responses_summary_and_encrypted_content_are_what_its_objects_show() -> None:
     body = {"input": "hi", "reasoning": {"effort": "low", "summary": "detailed", "context": "all_turns"},
-            "include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}
+            "include": ["file_search_call.results", "reasoning.encrypted_content"]}
     parsed = read_request(RESPONSES.parse_request, body, KEY)
     assert parsed.ignored == ("reasoning.context", "include[0]")
     options = RESPONSES.restored(parsed.echo, SIGNER).options

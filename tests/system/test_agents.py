@@ -31,9 +31,10 @@ middle of its message once, which its retry answers whole.
 Then one plain turn per agent on the real bundled model (SmolLM2-135M, 8,192 tokens of context per
 slot), their prompts shrunk by their own options to fit it (:data:`CLAUDE_SMALL`,
 :func:`codex_small`; docs/agents.md, "On the bundled model"). Neither agent sends a temperature,
-and at the default of 1 the 135M model rambles on in one reply of five or more (to Claude Code's
-output cap, or for minutes to the end of the context for Codex, which has no cap), so the engine
-decodes these greedily (:func:`greedy_model`): the same short reply every run.
+so the defaults sample (llama-server's); at temperature 1 the 135M model rambled on in one reply of
+five or more (to Claude Code's output cap, or for minutes to the end of the context for Codex,
+which has no cap), and any sampling varies the reply, so the engine decodes these greedily
+(:func:`greedy_model`): the same short reply every run.
 
 Skipped where the agents are not installed (``npm ci --prefix .ci/agents``).
 """
@@ -56,7 +57,8 @@ import pytest
 import trio
 
 from ringserve.config import Config
-from ringserve.core.events import Effort, GenerationRequest, Role, SamplingParams
+from ringserve.core.events import Effort, GenerationRequest, Role
+from ringserve.core.sampling import ResolvedSampling
 from ringserve.core.toolcalls import format_call
 from ringserve.engine.fake import FakeEngine
 from ringserve.engine.protocol import ChatPrompt, Engine, EngineError, Sampled, SlotFeed
@@ -388,7 +390,7 @@ def greedy_model(monkeypatch: pytest.MonkeyPatch) -> Callable[[Config], Engine]:
         engine = load_llama_engine(config)
         begin = engine.begin
 
-        def greedy_begin(slot: int, sampling: SamplingParams, *args: Any, **kwargs: Any) -> None:
+        def greedy_begin(slot: int, sampling: ResolvedSampling, *args: Any, **kwargs: Any) -> None:
             begin(slot, attrs.evolve(sampling, temperature=0.0), *args, **kwargs)
 
         monkeypatch.setattr(engine, "begin", greedy_begin)

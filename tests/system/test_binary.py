@@ -135,7 +135,8 @@ def greedy_text(greedy_events) -> str:
 
 def test_ready_line_names_the_model_the_config_and_the_offload(server):
     ready = server.wait_for_log(RINGSERVE_READY, 0)
-    assert "ready: model SmolLM2-135M-Instruct.Q4_1, chat format generic, 2 slots, 1024 tokens of context per slot" in ready
+    assert re.search(r"ready: model SmolLM2-135M-Instruct\.Q4_1, chat format generic, 2 slots sharing \d+ tokens of KV"
+                     r" cache, context 1024 tokens per request", ready), ready
     assert re.search(r"GPU offload (none \(no GPU device\)|\d+ of 31 layers on .+), at http://127\.0\.0\.1:\d+", ready)
 
 

@@ -6,6 +6,7 @@ Kept short: greedy decoding, few tokens. One server for the whole module.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 
@@ -151,3 +152,46 @@ def test_seeded_sampling_is_reproducible(sdk_clients):
     kwargs = dict(model="m", max_tokens=16, temperature=0.9, seed=1234, messages=[{"role": "user", "content": PROMPT}])
     first = o.chat.completions.create(**kwargs).choices[0].message.content
     assert first == o.chat.completions.create(**kwargs).choices[0].message.content
+
+
+def _check_logprobs(logprobs, text: str, n_top: int) -> None:
+    """Greedy: each token is its position's most likely, with the same value; the alternatives
+    sum to at most 1, most likely first; the tokens' bytes are the text's."""
+    assert logprobs and b"".join(bytes(lp.bytes) for lp in logprobs) == text.encode()
+    for lp in logprobs:
+        values = [t.logprob for t in lp.top_logprobs]
+        assert len(values) == n_top and values == sorted(values, reverse=True)
+        assert lp.logprob <= 0 and sum(math.exp(v) for v in values) <= 1.0
+        assert (lp.top_logprobs[0].token, lp.top_logprobs[0].logprob) == (lp.token, lp.logprob)
+
+
+def test_openai_sdk_chat_logprobs_stream_and_not(sdk_clients):
+    """Issue 40: ``logprobs`` + ``top_logprobs`` on the real model, through the SDK's types."""
+    _, o = sdk_clients
+    kwargs = dict(model="m", max_tokens=8, temperature=0, logprobs=True, top_logprobs=3,
+                  messages=[{"role": "user", "content": PROMPT}])
+    full = o.chat.completions.create(**kwargs)
+    content = full.choices[0].logprobs.content
+    _check_logprobs(content, full.choices[0].message.content, 3)
+    chunks = list(o.chat.completions.create(stream=True, **kwargs))
+    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert [(lp.token, lp.bytes) for lp in streamed] == [(lp.token, lp.bytes) for lp in content]
+    assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in content], abs=1e-4)
+    plain = o.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == full.choices[0].message.content
+
+
+def test_openai_sdk_responses_logprobs_stream_and_not(sdk_clients):
+    _, o = sdk_clients
+    kwargs = dict(model="m", input=PROMPT, max_output_tokens=8, temperature=0, top_logprobs=2,
+                  include=["message.output_text.logprobs"])
+    plain = o.responses.create(**kwargs)
+    part = plain.output[0].content[0]
+    _check_logprobs(part.logprobs, part.text, 2)
+    assert plain.top_logprobs == 2
+    events = list(o.responses.create(stream=True, **kwargs))
+    deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.token for lp in deltas] == [lp.token for lp in done.logprobs] == [lp.token for lp in part.logprobs]
+    assert [lp.logprob for lp in deltas] == pytest.approx([lp.logprob for lp in part.logprobs], abs=1e-4)
+    assert [lp.token for lp in events[-1].response.output[0].content[0].logprobs] == [lp.token for lp in deltas]

@@ -107,3 +107,26 @@ def test_forced_function_call_streams_arguments_that_validate(client, model_serv
     jsonschema.Draft202012Validator(schema).validate(json.loads(call.arguments))
     raw = httpx.get(f"{model_server.url}/v1/responses/{final.id}", params={"stream": "true"}).content
     assert check_stream(raw).calls[0]["arguments"] == call.arguments
+
+
+@pytest.mark.parametrize("lark, says", [
+    ('start: start "a" | "a"', "start: leads back to itself"),  # was a 500: llama.cpp could not parse the grammar
+    ('start: a\na: b "x"\nb: a "y" | "z"', "a: leads back to itself"),
+    ('start: a start "x" | "y"\na: "b"?', "start: leads back to itself"),  # hung the engine: llama.cpp misses it
+    ('start: "a" start', "start: no finite text matches it"),
+    ("start: " + "(" * 5000 + '"a"' + ")" * 5000, "line 1: groups nested deeper than 64"),  # was a 500: RecursionError
+    ('start: "a" ~ 2001', "{2001}: repeated more than 2,000 times"),
+])
+def test_a_grammar_llama_cpp_cannot_take_is_a_400_before_the_engine_is_asked(model_server, lark, says):
+    """Issue 43 on the real engine: a custom tool's grammar that llama.cpp's sampler refuses, cannot
+    finish or loops on is a 400 naming the field, and the server answers the next request."""
+    tool = {"type": "custom", "name": "f", "format": {"type": "grammar", "syntax": "lark", "definition": lark}}
+    body = {"input": "Call f.", "tools": [tool], "tool_choice": {"type": "custom", "name": "f"},
+            "max_output_tokens": 16, **GREEDY}
+    reply = httpx.post(model_server.url + "/v1/responses", json=body, timeout=60)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "tools" and error["message"].startswith(f"tools[0].format.definition: {says}")
+    after = httpx.post(model_server.url + "/v1/responses", json={"input": "Hi.", "max_output_tokens": 4, **GREEDY},
+                       timeout=60)
+    assert after.status_code == 200 and after.json()["usage"]["output_tokens"] == 4

@@ -11,6 +11,7 @@ from typing import Any, cast
 import attrs
 
 from ringserve.formats.template.base import Json
+from ringserve.formats.template.bounds import RenderBoundError, RenderBounds, bounded
 from ringserve.formats.template.environment import Environment, preserve_reasoning_vars, strftime_now
 from ringserve.formats.template.probe import (
     Probe,
@@ -139,7 +140,11 @@ def probe_system_anywhere(run: ProbeRender) -> bool:
 
 def prober(source: str) -> ProbeRender:
     """``run(messages, tools, **extra) -> (ok, text, context)``: the template rendered on
-    probe values that record what it reads (compiled once for every probe of a template)."""
+    probe values that record what it reads (compiled once for every probe of a template),
+    each render bounded as a request of the same values would be (``bounds.py``).
+
+    ``run`` raises :class:`~ringserve.formats.template.bounds.RenderBoundError` when the
+    template goes past a bound; any other failure is ``ok`` false."""
     template = _ProbeEnvironment().from_string(source)
 
     def run(messages: Json, tools: Json = (), **extra: Json) -> tuple[bool, str, Json]:
@@ -156,7 +161,11 @@ def prober(source: str) -> ProbeRender:
         if "reasoning_effort" in context:  # one value under both names, as llama.cpp binds it
             context["reasoning_strength"] = context["reasoning_effort"]
         try:
-            return True, template.render(context), context
+            bounds = RenderBounds.of([messages, list(tools), *extra.values()], len(messages) + len(tools))
+            with bounded(bounds):
+                return True, template.render(context), context
+        except RenderBoundError:
+            raise
         except Exception:
             return False, "", context
 

@@ -51,6 +51,7 @@ import jinja2.sandbox
 
 from ringserve.core.events import ChatMessage, Role, ToolSpec
 from ringserve.formats.template.base import Json, TemplateLoadError, TemplateRenderError
+from ringserve.formats.template.bounds import RenderBoundError, RenderBounds, bounded
 from ringserve.formats.template.caps import probe_caps, probe_system_anywhere, prober
 from ringserve.formats.template.environment import Environment, Raised, preserve_reasoning_vars, strftime_now
 from ringserve.formats.template.fragments import RenderedPrompt, SpecialTokens
@@ -97,7 +98,8 @@ class ChatTemplate:
 
     Raises:
         TemplateLoadError: the source is no template jinja2 can compile (the message gives
-            the line), or it holds the private-use characters rendering reserves.
+            the line), it holds the private-use characters rendering reserves, or it went
+            past the bounds of a render (``bounds.py``) on llama.cpp's capability probes.
     """
 
     def __init__(
@@ -123,10 +125,13 @@ class ChatTemplate:
                 f"the chat template does not compile: line {e.lineno}: {e.message}"
             ) from e
         probe = prober(self.source)
-        self.caps = probe_caps(probe)
-        #: Whether a system turn in the middle of a conversation renders where it stands; if not,
-        #: :meth:`render` folds it into a turn (:func:`fold_system_turns`).
-        self.system_anywhere = probe_system_anywhere(probe)
+        try:
+            self.caps = probe_caps(probe)
+            #: Whether a system turn in the middle of a conversation renders where it stands; if not,
+            #: :meth:`render` folds it into a turn (:func:`fold_system_turns`).
+            self.system_anywhere = probe_system_anywhere(probe)
+        except RenderBoundError as e:
+            raise TemplateLoadError(f"the chat template {e} on llama.cpp's capability probes") from None
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.strip_bos = strip_bos
@@ -175,9 +180,10 @@ class ChatTemplate:
 
         Raises:
             TemplateRenderError: the template refused the request (``raise_exception``) or
-                failed on it, a tool call's arguments are not JSON for a template that
-                reads them as an object, or ``enable_thinking`` in ``template_kwargs`` is
-                a string.
+                failed on it, went past the bounds of a render on it (``bounds.py``: steps
+                and memory, which grow with the request), a tool call's arguments are not
+                JSON for a template that reads them as an object, or ``enable_thinking`` in
+                ``template_kwargs`` is a string.
         """
         text, literals = self._apply(
             messages, tools, add_generation_prompt, enable_thinking, reasoning_effort, template_kwargs, now
@@ -205,18 +211,35 @@ class ChatTemplate:
     ) -> str:
         """What the generation prompt adds after ``messages``: ``<|im_start|>assistant\n``,
         or ``<|im_start|>assistant\n<think>\n`` where the template opens the thinking block
-        itself (so the reply starts inside it).
+        itself (so the reply starts inside it). Arguments and errors as :meth:`render`."""
+        rendered, at = self.split_generation_prompt(
+            messages, tools=tools, enable_thinking=enable_thinking, reasoning_effort=reasoning_effort,
+            template_kwargs=template_kwargs, now=now,
+        )
+        return rendered.text[at:]
 
-        As llama.cpp's ``common_chat_template_generation_prompt_impl``: the rendering with
-        the generation prompt, less the longest prefix it shares with the rendering without.
-        Arguments and errors as :meth:`render`.
-        """
+    def split_generation_prompt(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[ToolSpec] = (),
+        enable_thinking: bool = True,
+        reasoning_effort: str | None = None,
+        template_kwargs: Mapping[str, Json] | None = None,
+        now: dt.datetime | None = None,
+    ) -> tuple[RenderedPrompt, int]:
+        """The rendering of ``messages`` with the generation prompt, and the offset (characters)
+        where its generation prompt starts: the rendering with the generation prompt less the
+        longest prefix it shares with the rendering without, as llama.cpp's
+        ``common_chat_template_generation_prompt_impl`` finds it. Arguments and errors as
+        :meth:`render`."""
         now = now or dt.datetime.now()
-        options = (enable_thinking, reasoning_effort, template_kwargs, now)
-        with_prompt, literals = self._apply(messages, tools, True, *options)
-        without, _ = self._apply(messages, tools, False, *options)
-        common = len(os.path.commonprefix([with_prompt, without]))
-        return literals.restore(with_prompt[common:]).text
+        with_prompt, without = (
+            self.render(messages, tools=tools, add_generation_prompt=add, enable_thinking=enable_thinking,
+                        reasoning_effort=reasoning_effort, template_kwargs=template_kwargs, now=now)
+            for add in (True, False)
+        )
+        return with_prompt, len(os.path.commonprefix([with_prompt.text, without.text]))
 
     def _apply(
         self,
@@ -246,8 +269,12 @@ class ChatTemplate:
         context = self._context(messages, tools, kwargs, literals, enable_thinking, now)
         if add_generation_prompt:
             context["add_generation_prompt"] = True
+        values = [context["messages"], context.get("tools", ()), *kwargs.values()]
         try:
-            text = self._template.render(context)
+            with bounded(RenderBounds.of(values, len(messages) + len(tools))):
+                text = self._template.render(context)
+        except RenderBoundError as e:
+            raise TemplateRenderError(f"the model's chat template {e} on this request") from None
         except Raised as e:
             message = literals.restore(e.message or "").text
             raise TemplateRenderError(
