@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,8 +37,21 @@ named by the environment variable ``RINGSERVE_BENCH_RESULTS``."""
 _FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "vnni", "bf16")
 
 
+def gpus() -> list[str]:
+    """Each NVIDIA GPU's name, memory and driver, as ``nvidia-smi`` says them ([] without it)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
 def machine() -> dict[str, Any]:
-    """The machine a figure was measured on: CPU model, cores, SIMD flags, load, versions."""
+    """The machine a figure was measured on: CPU model, cores, SIMD flags, GPUs, load, versions."""
     model, flags = "unknown", []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -68,6 +82,7 @@ def machine() -> dict[str, Any]:
         "amx": any(f.startswith("amx") for f in flags),
         "load_average_1m_5m_15m": list(os.getloadavg()),
         "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "gpus": gpus(),
         "python": platform.python_version(),
         "llama_cpp_python": llama_version,
         "ringserve_commit": commit,
@@ -79,7 +94,8 @@ def machine_line(info: dict[str, Any]) -> str:
     """One line naming the machine, for the top of a table."""
     simd = " ".join(f for f in info["simd_flags"] if f.startswith(("avx512f", "avx2", "amx", "avx_vnni")))
     load = "/".join(f"{x:.1f}" for x in info["load_average_1m_5m_15m"])
-    return f"{info['cpu']}, {info['cores']} cores, {simd or 'no AVX2'}; load {load}"
+    gpu = "".join(f"; {g}" for g in info.get("gpus", []))
+    return f"{info['cpu']}, {info['cores']} cores, {simd or 'no AVX2'}{gpu}; load {load}"
 
 
 def pct(values: Iterable[float], q: float) -> float | None:

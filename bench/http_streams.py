@@ -31,13 +31,18 @@ HTTP" ratio of the engine issue).
 
 Rounds alternate which server goes first; figures are medians over rounds and
 ratios (ringserve / llama_cpp.server, ringserve / raw loop) medians of
-per-round ratios.
+per-round ratios. For ringserve each level also reads, from ``/metrics``, the
+wall time of its decode calls and the time its engine waited between them
+while it had work (``ringserve_engine_idle_seconds_total``): the engine-idle
+share, idle over idle plus decode, is the share of a busy engine's time that a
+GPU would sit idle for the Python side.
 
 Run from the repository root (needs ``pip install -e '.[bench]'``)::
 
     .venv/bin/python bench/http_streams.py [--streams 1 2 4 8 16] [--tokens 128] [--rounds 5]
 
-Writes ``bench/results/http_streams.json`` and ``bench/results/http_streams.png``.
+Writes ``bench/results/http_streams.json`` and ``bench/results/http_streams.png``;
+``--logs DIR`` keeps the servers' logs there (``ringserve.log``, ``llama-server.log``...).
 """
 
 from __future__ import annotations
@@ -211,14 +216,22 @@ def server_counters(server: ServerProcess, name: str) -> dict[str, float]:
     """The server's CPU seconds so far and, for ringserve, its decode counters (from ``/metrics``).
 
     Their increase over a level tells a slow level's cause apart: CPU the
-    server did not get, decode calls that took long, or time outside decode.
+    server did not get, decode calls that took long, or time outside decode
+    (``engine_idle_seconds``: between decode calls while the loop had work).
     """
     counters = {"cpu_seconds": cpu_seconds(server.pid)}
     if name == "ringserve":
         samples = scrape(server.url)
         counters["decode_seconds"] = samples["ringserve_decode_seconds_total"]
         counters["decode_steps"] = samples["ringserve_decode_steps_total"]
+        counters["engine_idle_seconds"] = samples["ringserve_engine_idle_seconds_total"]
     return counters
+
+
+def engine_idle_share(level: dict[str, Any]) -> float | None:
+    """ringserve's engine-idle share over one level: idle / (idle + decode) seconds (None: no decode)."""
+    busy = level["server_engine_idle_seconds"] + level["server_decode_seconds"]
+    return level["server_engine_idle_seconds"] / busy if busy > 0 else None
 
 
 def raw_level(model: Path, n: int, tokens: int, threads: int) -> dict[str, float]:
@@ -248,27 +261,32 @@ def warm_up(url: str, max_tokens: int) -> dict[str, Any]:
 
 def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Sequence[str],
                   llama_server_binary: Path | None, overlap: str = "auto",
-                  flash_attn: str = "off") -> dict[str, ServerProcess]:
+                  flash_attn: str = "off", logs: Path | None = None) -> dict[str, ServerProcess]:
     """Start the servers in ``names`` (ringserve always), stopping those started if one fails.
 
     ``llama-server`` runs as :func:`bench.common.llama_server` starts it: as many slots as ringserve,
-    the same context per slot (2048), threads, batch and flash attention.
+    the same KV pool (2048 cells per slot: ringserve's ``[model] ctx_size``, llama-server's ``-c``;
+    at most 2048 for one request), threads, batch and flash attention. ringserve has no limit on
+    the readers of one client (every stream comes from this process). Their logs go to ``logs``
+    (default ``tmp``), ringserve's config and store to ``tmp``.
     """
+    logs = logs or tmp
     cfg = ringserve_config(tmp / "ringserve.toml", {
-        "model": {"path": str(model), "n_threads": threads, "flash_attn": flash_attn},
+        "model": {"path": str(model), "n_threads": threads, "flash_attn": flash_attn, "ctx_size": slots * 2048},
         "engine": {"ctx_per_slot": 2048, "overlap": overlap},
         "store": {"path": str(tmp / "store.sqlite3")},
+        "limits": {"max_readers_per_client": 0},  # every stream comes from one address: 64 by default
     })
     servers: dict[str, ServerProcess] = {}
     try:
         servers["ringserve"] = ServerProcess(
             [python(), "-m", "ringserve", "serve", "--slots", str(slots), "--port", "0", "--config", str(cfg)],
-            tmp / "ringserve.log",
+            logs / "ringserve.log",
             ready_pattern=RINGSERVE_READY,
         )
         if "llama-server" in names:
             assert llama_server_binary is not None
-            servers["llama-server"] = llama_server(llama_server_binary, model, tmp / "llama-server.log",
+            servers["llama-server"] = llama_server(llama_server_binary, model, logs / "llama-server.log",
                                                    slots=slots, ctx_per_slot=2048, threads=threads,
                                                    flash_attn=flash_attn)
         if "llama_cpp.server" in names:
@@ -277,7 +295,7 @@ def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Seque
                 [python(), "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port",
                  str(port), "--n_ctx", "2048", "--n_batch", "512", "--n_threads", str(threads),
                  "--n_threads_batch", str(threads), "--interrupt_requests", "False"],
-                tmp / "llama_cpp_server.log",
+                logs / "llama_cpp_server.log",
                 ready_pattern=None,
                 url=f"http://127.0.0.1:{port}",
                 probe="/v1/models",
@@ -308,8 +326,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--flash-attn", choices=["auto", "on", "off"], default="off",
                     help="flash attention in both servers: ringserve's [model] flash_attn, llama-server's -fa"
                          " (off: ringserve's default; llama-server's own default is auto; the raw loop runs without)")
+    ap.add_argument("--logs", type=Path, default=None, help="keep the servers' logs in this folder")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from the start: start no round that would end after it, if it took as"
+                         " long as the last one (the first round always runs)")
     ap.add_argument("--replot", type=Path, help="only redraw the plot from this script's JSON")
     args = ap.parse_args(argv)
+    deadline = None if args.deadline is None else time.monotonic() + args.deadline
     if args.replot is not None:
         payload = json.loads(args.replot.read_text())
         print(f"wrote {plot(payload)}")
@@ -332,13 +355,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rounds: dict[str, dict[int, list[dict[str, Any]]]] = {s: {n: [] for n in args.streams} for s in SERVERS}
     raw_rounds: dict[int, list[dict[str, float]]] = {n: [] for n in args.streams if n <= args.slots}
     with tempfile.TemporaryDirectory(prefix="ringserve-bench-") as tmp_name:
+        if args.logs is not None:
+            args.logs.mkdir(parents=True, exist_ok=True)
         servers = start_servers(model, threads, Path(tmp_name), args.slots, args.servers, args.llama_server,
-                                args.overlap, args.flash_attn)
+                                args.overlap, args.flash_attn, args.logs)
         try:
             warm = {name: warm_up(server.url, args.tokens) for name, server in servers.items()}
             for name, w in warm.items():
                 print(f"  {name} at {servers[name].url}: warm-up usage {w['usage']}")
+            rounds_run = 0
             for r in range(args.rounds):
+                round_start = time.monotonic()
                 order = [name for name in (SERVERS if r % 2 == 0 else SERVERS[::-1]) if name in servers]
                 load = os.getloadavg()[0]
                 for n in args.streams:
@@ -349,9 +376,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         level = trio.run(run_level, server.url, n, args.requests, args.tokens, f"{r}-{n}")
                         after = server_counters(server, name)
                         level.update({f"server_{k}": after[k] - before[k] for k in after})
+                        idle = engine_idle_share(level) if name == "ringserve" else None
+                        level["engine_idle_share"] = idle
                         rounds[name][n].append(level)
                         print(f"  round {r + 1} {name:>16} {n:>2} streams: {level['tokens_per_second']:6.1f} tok/s,"
-                              f" TTFT p50 {fmt(level['ttft_p50'], 1e3)} ms, errors {len(level['errors'])}",
+                              f" TTFT p50 {fmt(level['ttft_p50'], 1e3)} ms, errors {len(level['errors'])}"
+                              + ("" if idle is None else f", engine idle {idle:.3f}"),
                               flush=True)
                     if n <= args.slots:
                         time.sleep(SETTLE_SECONDS)
@@ -361,11 +391,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               flush=True)
                 print(f"  round {r + 1}: load average {load:.2f} at its start, {os.getloadavg()[0]:.2f} at its end",
                       flush=True)
+                rounds_run = r + 1
+                if deadline is not None and time.monotonic() + (time.monotonic() - round_start) > deadline:
+                    if rounds_run < args.rounds:
+                        print(f"  stopping after {rounds_run} of {args.rounds} rounds: another would pass --deadline",
+                              flush=True)
+                    break
         finally:
             for server in servers.values():
                 server.stop()
 
-    keys = ["tokens_per_second", "ttft_p50", "ttft_p99", "chunk_gap_p50", "chunk_gap_p99", "tpot_p50"]
+    keys = ["tokens_per_second", "ttft_p50", "ttft_p99", "chunk_gap_p50", "chunk_gap_p99", "tpot_p50",
+            "engine_idle_share"]
 
     def ratios(key: str, other: list[dict[str, Any]], n: int) -> list[float]:
         return [a[key] / b[key] for a, b in zip(rounds["ringserve"][n], other, strict=True) if a[key] and b[key]]
@@ -382,7 +419,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             s["ratio_raw_loop"] = median(s["round_ratios_raw_loop"])
         summary[n] = s
 
-    headers = ["streams", "server", "tok/s", "TTFT p50/p99 ms", "chunk gap p50/p99 ms", "TPOT p50 ms"]
+    headers = ["streams", "server", "tok/s", "TTFT p50/p99 ms", "chunk gap p50/p99 ms", "TPOT p50 ms",
+               "engine idle"]
     rows = []
     for n in args.streams:
         for name in args.servers:
@@ -390,10 +428,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append([n, name, fmt(x["tokens_per_second"]),
                          f"{fmt(x['ttft_p50'], 1e3)}/{fmt(x['ttft_p99'], 1e3)}",
                          f"{fmt(x['chunk_gap_p50'], 1e3)}/{fmt(x['chunk_gap_p99'], 1e3)}",
-                         fmt(x["tpot_p50"], 1e3)])
+                         fmt(x["tpot_p50"], 1e3), fmt(x["engine_idle_share"], digits=3)])
         if n in raw_rounds:
-            rows.append([n, "raw loop", fmt(summary[n]["raw_loop_tokens_per_second"]), "-", "-", "-"])
-    print(f"\nmedians of {args.rounds} rounds:")
+            rows.append([n, "raw loop", fmt(summary[n]["raw_loop_tokens_per_second"]), "-", "-", "-", "-"])
+    print(f"\nmedians of {rounds_run} rounds:")
     print(table(headers, rows))
     ratio_headers = ["streams", "vs raw loop tok/s", "per round"]
     for o in others:
@@ -416,6 +454,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": model.name,
         "max_tokens": args.tokens,
         "requests_per_client": args.requests,
+        "rounds_run": rounds_run,
         "servers": args.servers,
         "ringserve_slots": args.slots,
         "threads": threads,

@@ -8,8 +8,8 @@ greedy sampler per sequence. It is the ceiling the engine is measured
 against. The engine loop drives :class:`ringserve.engine.llama.LlamaEngine`
 the same way through its ``begin`` / ``decode`` interface.
 
-Both loops prefill the same prompt into every sequence in one batch and take
-one untimed decode step (warm-up); then they time ``n_tokens`` decode steps,
+Both loops prefill the same prompt into every sequence (the raw loop in batches
+of up to ``N_BATCH`` tokens, one when they fit) and take one untimed decode step (warm-up); then they time ``n_tokens`` decode steps,
 each feeding one token per sequence and sampling one per sequence. The
 figure is aggregate sampled tokens per second over all sequences
 (``n_seqs * n_tokens / seconds``); EOG tokens do not stop a sequence.
@@ -58,7 +58,7 @@ def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 
 
 N_BATCH = 512
-"""Batch size (tokens) of both loops; the prefill of every sequence must fit."""
+"""Batch size (tokens) of both loops; the raw loop prefills in batches of this many tokens."""
 
 
 T = TypeVar("T")
@@ -92,7 +92,7 @@ class RawRun:
 
     Attributes:
         tokens_per_second: sampled tokens per second, summed over sequences.
-        prefill_seconds: the one batched prefill of every prompt, first
+        prefill_seconds: the batched prefill of every prompt, first
             samples included (seconds): the loop's time to first token.
         step_seconds: each timed decode step (one token per sequence), in order
             (seconds): the loop's time between tokens.
@@ -157,7 +157,6 @@ class RawDecoder:
 
     Raises:
         RuntimeError: llama.cpp failed to load the model or create the context.
-        ValueError: the prompts do not fit one batch.
     """
 
     def __init__(self, path: str | Path, n_seqs: int, n_tokens: int, *, n_threads: int = 0) -> None:
@@ -177,9 +176,6 @@ class RawDecoder:
         buf = (lc.llama_token * (len(text) + 8))()
         n_prompt = lc.llama_tokenize(vocab, text, len(text), buf, len(buf), True, True)
         self.prompt = list(buf[:n_prompt])
-        if n_prompt * n_seqs > N_BATCH:
-            lc.llama_model_free(self._model)
-            raise ValueError(f"{n_seqs} prompts of {n_prompt} tokens exceed n_batch={N_BATCH}")
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = n_seqs * _ctx_per_seq(n_tokens)
         cparams.n_seq_max = n_seqs
@@ -220,8 +216,9 @@ class RawDecoder:
             last[s] = lc.llama_sampler_sample(self._samplers[s], self._ctx, s)
 
     def run(self) -> RawRun:
-        """Empty the KV cache, prefill :data:`PROMPT` into every sequence in one batch,
-        take one untimed step, then time ``n_tokens`` steps of one token per sequence.
+        """Empty the KV cache, prefill :data:`PROMPT` into every sequence (in batches of up to
+        :data:`N_BATCH` tokens, each sequence sampled after the batch that holds its prompt's last
+        token), take one untimed step, then time ``n_tokens`` steps of one token per sequence.
 
         Runs on a thread of its own (:func:`on_own_thread`), so no OpenMP team
         spins after it.
@@ -234,21 +231,32 @@ class RawDecoder:
     def _run(self) -> RawRun:
         batch, prompt, n_prompt = self._batch, self.prompt, len(self.prompt)
         lc.llama_memory_seq_rm(self._mem, -1, -1, -1)
+        last = [0] * self.n_seqs
+        ends: list[tuple[int, int]] = []  # (sequence, its last prompt token's index in the batch)
+
+        def prefill_batch(n: int) -> None:
+            batch.n_tokens = n
+            self._decode()
+            for s, i in ends:
+                last[s] = lc.llama_sampler_sample(self._samplers[s], self._ctx, i)
+            ends.clear()
+
         i = 0
-        last_index = []
+        t0 = time.perf_counter()
         for s in range(self.n_seqs):
             for p, t in enumerate(prompt):
+                if i == N_BATCH:
+                    prefill_batch(i)
+                    i = 0
                 batch.token[i] = t
                 batch.pos[i] = p
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = s
                 batch.logits[i] = p == n_prompt - 1
+                if p == n_prompt - 1:
+                    ends.append((s, i))
                 i += 1
-            last_index.append(i - 1)
-        batch.n_tokens = i
-        t0 = time.perf_counter()
-        self._decode()
-        last = [lc.llama_sampler_sample(self._samplers[s], self._ctx, i) for s, i in enumerate(last_index)]
+        prefill_batch(i)
         prefill = time.perf_counter() - t0
         self._step(last, n_prompt)  # warm-up
         steps = []

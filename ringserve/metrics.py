@@ -315,7 +315,7 @@ def _store(store: StoreStatistics) -> Iterator[Metric]:
     yield _counter("ringserve_store_swept_messages", "Finished messages deleted by the store's retention.",
                    store.swept_total)
     yield _gauge("ringserve_store_longest_sweep_step_seconds",
-                 "The longest single retention batch or vacuum step so far (the event loop waited that long).",
+                 "The longest single retention batch or vacuum step so far (the store's other writes waited that long).",
                  store.longest_step_seconds)
     yield _counter("ringserve_store_write_failures",
                    "Message-store writes that failed (full disk, I/O error, a lock held too long).",

@@ -371,7 +371,7 @@ async def _drain(hub: Hub, http: _Http, drain_timeout: float) -> None:
         await hub.wait_all_done()
     hub.cancel_all(CancelReason.DRAIN)
     await hub.wait_all_done()
-    if unsaved := hub.persister.save_unsaved():
+    if unsaved := await hub.persister.save_unsaved():
         log.warning("the message store failed to write the final state of %d message(s); they stay"
                     " 'generating' in it, and the next start marks them interrupted", unsaved)
     # Every log now ends in a terminal event; stop hypercorn and let readers write them.

@@ -198,7 +198,7 @@ class Producer:
     _persisted_at: float = attrs.field(init=False, default=-math.inf)
     _persisted_status: MessageStatus = attrs.field(init=False, default=MessageStatus.QUEUED)
     _released: bool = attrs.field(init=False, default=False)
-    _ended: bool = attrs.field(init=False, default=False)
+    _end_value: End | None = attrs.field(init=False, default=None)
     _written_at: float = attrs.field(init=False, default=math.inf)  # when the last entries were made
 
     def __attrs_post_init__(self) -> None:
@@ -212,7 +212,7 @@ class Producer:
         """When :meth:`tick` must be called: the coalescing window's end while text waits, else
         a keepalive's time (``inf`` when neither is due: before the start, after the end, while
         a safety check waits for its verdict, or without keepalives)."""
-        if self._ended or self._pending is not None:
+        if self.ended or self._pending is not None:
             return math.inf
         return min(self._coalescer.deadline, self._written_at + self.keepalive_seconds)
 
@@ -223,7 +223,12 @@ class Producer:
 
     @property
     def ended(self) -> bool:
-        return self._ended
+        return self._end_value is not None
+
+    @property
+    def end(self) -> End | None:
+        """How the message ended (the ``end`` of the step that ended it); None while it runs."""
+        return self._end_value
 
     @property
     def content(self) -> tuple[ContentBlock, ...]:
@@ -243,7 +248,7 @@ class Producer:
     def snapshot(self) -> Snapshot:
         """The message's state as the store should hold it now."""
         return Snapshot(self.status, self.content, self.usage, self.stop_reason, self.stop_sequence, self.error,
-                        self.last_seq if self._ended else None,
+                        self.last_seq if self.ended else None,
                         Trace(tuple(self._ops), self._failure, tuple(self._counts or ())))
 
     # -- moves ---------------------------------------------------------------------------
@@ -316,7 +321,7 @@ class Producer:
         """The :attr:`deadline` may have passed (or passes within ``ahead`` seconds, before the
         shell's next tick): release the text that waited its window, or, when nothing was
         appended for ``keepalive_seconds``, the keepalive events."""
-        if self._ended or self._pending is not None:
+        if self.ended or self._pending is not None:
             return Step()
         wire = self._text(self._coalescer.due(now, ahead))
         if not wire and now >= self._written_at + self.keepalive_seconds:
@@ -433,7 +438,7 @@ class Producer:
 
     def _end(self, wire: list[WireEvent], end: End, now: float) -> Step:
         step = self._step(wire, now)
-        self._ended = True
+        self._end_value = end
         return attrs.evolve(step, persist=self.snapshot(), end=end)
 
     # -- helpers -------------------------------------------------------------------------
@@ -483,7 +488,7 @@ class Producer:
         return render(self.renderer, event)
 
     def _require_move(self, move: str) -> None:
-        if self._ended:
+        if self.ended:
             raise RuntimeError(f"Producer.{move} after the message ended")
         if self._pending is not None:
             raise RuntimeError(f"Producer.{move}: a safety check awaits its verdict")

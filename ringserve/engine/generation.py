@@ -369,8 +369,10 @@ class Generation:
         self._send.close()
 
     def close(self) -> None:
-        """The consumer's side is done with the events (the ``submit`` block was left)."""
+        """The consumer's side is done with the events (the ``submit`` block was left); the
+        consumer is let go of (it may hold this generation: a cycle the refcount would not free)."""
         self._receive.close()
+        self._consumer = None
 
     # -- the consumer's side -------------------------------------------------
 
@@ -382,9 +384,19 @@ class Generation:
         step was handed to the engine (while it decodes, when the runner overlaps steps);
         the terminal event included, and at once for events outside a step (a failure of
         the loop). Never after the consumer's ``submit`` block was left. ``consumer`` runs
-        on the runner's task and must not raise or await.
+        on the runner's task and must not raise or await. The events queued before this call
+        (its caller awaited something after ``submit``: ``live/produce.py`` writes the
+        message's row) are handed to it at once, here.
         """
         self._consumer = consumer
+        queued = []
+        while True:
+            try:
+                queued.append(self._receive.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        if queued:
+            consumer(queued)
 
     def __aiter__(self) -> Generation:
         return self

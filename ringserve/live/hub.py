@@ -18,6 +18,7 @@ A cancelled message is billed for the tokens really sampled.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import secrets
@@ -103,7 +104,7 @@ class Hub:
         self.keys = Keys(cluster, store, find=self.find)
         self.sessions = SessionTurns(logs)
         self.persister = Persister(store, nursery, written=self._forget)
-        self._production = Production(config, logs, store, self.persister, self.metrics, self.safety,
+        self._production = Production(config, logs, self.persister, self.metrics, self.safety,
                                       registered=self._live.__setitem__, on_idle=self._on_idle)
         self.signer = ReasoningSigner.from_text(config.server.signing_key or new_key())
         self.resume = Resume(config.server, logs, nursery, self.signer, stored=self.find_stored,
@@ -208,7 +209,7 @@ class Hub:
                 idempotency_key=key, input_tokens=len(prepared.prompt_tokens),
                 render=render_json(RenderArgs(parsed.include_usage, self.config.server.retry_ms, echo)),
             )
-            await self._nursery.start(self._production.run, msg, prepared, row, lease)
+            view = await self._nursery.start(self._production.run, msg, prepared, row, lease)
         except BaseException as exc:
             lease.release()
             if isinstance(exc, RingserveError):
@@ -224,7 +225,7 @@ class Hub:
             if key is not None and msg.log is None:
                 del self.keys.pending[key]
             msg.started.set()
-        return Created(msg.view(), msg)
+        return Created(view, msg)
 
     def _forget(self, msg: LiveMessage) -> None:
         """An ended message leaves the hub: from now on the store answers for it."""
@@ -251,16 +252,16 @@ class Hub:
             msg.cancel(CancelReason.CLIENT_GONE)
 
     def delete_when_done(self, msg: LiveMessage) -> None:
-        """Delete ``msg``'s stored row once its generation has ended: now if it has, else when it
-        does (a ``store: false`` response whose reader left before its end; its log stays
-        for the readers that hold it, until its TTL)."""
-        if msg.done.is_set():
-            self.store.delete(msg.id)
-            return
+        """Delete ``msg``'s stored row (on a worker thread) once its generation has ended (a
+        ``store: false`` response, also when its reader left before its end; its log stays for
+        the readers that hold it, until its TTL). A delete the store fails is logged."""
 
         async def delete_at_end() -> None:
             await msg.done.wait()
-            self.store.delete(msg.id)
+            try:
+                await self.store.off_loop(functools.partial(self.store.delete, msg.id))
+            except sqlite3.Error as exc:
+                log.warning("the message store failed to delete message %s (store: false): %s", msg.id, exc)
 
         self._nursery.start_soon(delete_at_end)
 
@@ -280,7 +281,7 @@ class Hub:
 
     def statistics(self) -> GenerationStatistics:
         """Its generations now (for ``metrics.py``): those whose terminal event is not yet in their
-        log, and ended ones whose final state the store failed to write (``Persister.save_unsaved``
+        log, and ended ones whose final state the store failed to write (``live/persist.py``
         retries them)."""
         active = sum(1 for msg in self._live.values() if not msg.done.is_set())
         return GenerationStatistics(active_generations=active, unsaved_messages=self.persister.unsaved)

@@ -17,6 +17,8 @@ message runs or ended whole with its log still held (``[stream]``'s TTL). A retr
 that failed, was interrupted or cancelled, or whose log expired, is a new generation: the client
 never got that answer whole, or it asked again long after. Implicit keys stay in this replica's
 memory (at most :data:`MAX_SESSION_TURNS`): a retry that reaches another replica generates again.
+A key whose message is past attaching (its log gone: its TTL, the log store's memory cap) goes
+at the next add, with the message it kept.
 """
 
 from __future__ import annotations
@@ -217,14 +219,14 @@ class SessionTurns:
         return None
 
     def add(self, key: str, msg: LiveMessage) -> None:
-        """``msg`` is the first attempt under ``key`` (from before its prompt is tokenized); the
-        oldest keys go past :attr:`limit`, and while the oldest one's message is past attaching."""
+        """``msg`` is the first attempt under ``key`` (from before its prompt is tokenized); every
+        key whose message is past attaching goes, and the oldest keys past :attr:`limit`."""
+        for old_key, old in list(self._turns.items()):
+            if old.started.is_set() and not self._attachable(old):
+                del self._turns[old_key]
         self._turns[key] = msg
         self._turns.move_to_end(key)
-        while self._turns:
-            oldest = next(iter(self._turns.values()))
-            if len(self._turns) <= self.limit and (not oldest.started.is_set() or self._attachable(oldest)):
-                break
+        while len(self._turns) > self.limit:
             self._turns.popitem(last=False)
 
     def drop(self, key: str, msg: LiveMessage) -> None:

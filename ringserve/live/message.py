@@ -54,10 +54,10 @@ class LiveMessage:
     generation was submitted; the status follows ``core/status.py``'s
     ``TRANSITIONS``. ``started`` is set once its log exists (or its creation
     failed, with the error in ``start_error`` when it was a
-    :class:`RingserveError`); ``done`` once the terminal event is in the log,
-    when the message leaves the hub and the store answers for it (unless the
-    store failed to write its final state: it stays until
-    ``Persister.save_unsaved`` has written it).
+    :class:`RingserveError`); ``done`` once its log is closed, after its terminal
+    event and once the store has its final state, when the message leaves the
+    hub and the store answers for it (unless the store failed to write that
+    state: it stays until a retry of ``live/persist.py`` has written it).
     ``replaces`` is the id of the ``interrupted`` or ``failed`` message whose
     ``Idempotency-Key`` this one takes over; ``session_key`` its implicit key (a request of a
     client session: ``live/idempotency.py`` ``SessionTurns``). ``unsaved``: its last store write

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -38,6 +39,7 @@ from ringserve.core.errors import RingserveError
 from ringserve.core.events import Failure, Finish, GenerationEvent, Usage
 from ringserve.core.producer import Producer, Step
 from ringserve.core.safety import Check
+from ringserve.core.view import MessageView
 from ringserve.engine.runner import Generation, Prepared, Runner
 from ringserve.live.message import LiveMessage
 from ringserve.live.models import Lease
@@ -45,7 +47,7 @@ from ringserve.live.persist import Persister
 from ringserve.live.safety import SafetyStage
 from ringserve.logs.memory import LogStore
 from ringserve.metrics import Metrics
-from ringserve.store.sqlite import MessageStore, StoredMessage
+from ringserve.store.sqlite import StoredMessage
 
 log = logging.getLogger("ringserve.hub")
 
@@ -115,8 +117,8 @@ class Production:
     Args:
         config: the server config (``[stream]``, ``[server] retry_ms``).
         logs: the stream-log backend.
-        store: the durable message store (the new row, and the key a retry takes over).
-        persister: the snapshot writes and what follows a message's end.
+        persister: the store writes (the new row, the key a retry takes over, the snapshots) and
+            what follows a message's end.
         metrics: TTFT, gaps, TPOT and in-band errors.
         safety: the output safety stage (None: off).
         registered: called with the message's id and the message once its log exists and its
@@ -127,7 +129,6 @@ class Production:
 
     config: Config
     logs: LogStore
-    store: MessageStore
     persister: Persister
     metrics: Metrics
     safety: SafetyStage | None
@@ -151,11 +152,13 @@ class Production:
         )
 
     async def run(self, msg: LiveMessage, prepared: Prepared, row: StoredMessage, lease: Lease, *,
-                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                  task_status: trio.TaskStatus[MessageView] = trio.TASK_STATUS_IGNORED) -> None:
         """Generate ``msg`` to its end on ``lease``'s model: its row and its log first
-        (``task_status.started()`` then), then every event of the generation through its producer.
-        Cancelled by ``msg.cancel_scope``: the producer's ``interrupted`` end. The lease is released
-        at the end, whatever it is.
+        (``task_status.started()`` then, with its view as it starts: the runner may have made some
+        of its events meanwhile), then every event of the generation through its producer; its log
+        is closed once the store has its final state (``Persister.saved``). Cancelled by
+        ``msg.cancel_scope``: the producer's ``interrupted`` end. The lease is released at the end,
+        whatever it is.
 
         With the model loaded, the request is enqueued first, so a full queue is the client's
         error before its stream (``OVERLOADED``). With the model still loading, the stream starts,
@@ -173,12 +176,12 @@ class Production:
                         msg.waiting = functools.partial(runner.waiting, gen)
                     else:
                         msg.waiting = lease.model.waiting
-                    if msg.replaces is not None:
-                        self.store.update(msg.replaces, idempotency_key=None)  # the key moves to this message
-                    self.store.insert(row)
-                    msg.log = self.logs.create(msg.id, on_idle=lambda: self.on_idle(msg))
+                    # The key moves to this message. No checkpoint follows the write until
+                    # started(): a request cancelled meanwhile leaves no row without its message.
+                    await self.persister.insert(row, replaces=msg.replaces)
+                    msg.log = self.logs.create(msg.id, on_idle=self._idle_hook(msg))
                     self.registered(msg.id, msg)
-                    task_status.started()
+                    task_status.started(msg.view())
                     self._perform(msg, producer.start(trio.current_time()))
                     if gen is None:
                         try:
@@ -193,9 +196,33 @@ class Production:
                     await self._pump(msg, producer, gen, runner)
         finally:
             lease.release()
-            if msg.log is not None and not msg.log.closed:
-                usage = producer.usage if gen is None else gen.usage
-                self._perform(msg, producer.interrupted(msg.cancel_reason, usage, trio.current_time()))
+            if msg.log is not None:
+                if not producer.ended:
+                    usage = producer.usage if gen is None else gen.usage
+                    self._perform(msg, producer.interrupted(msg.cancel_reason, usage, trio.current_time()))
+                with trio.CancelScope(shield=True):  # a drain or the server's end: the final state still goes
+                    await self._close(msg, producer)
+
+    def _idle_hook(self, msg: LiveMessage) -> Callable[[], None]:
+        """The log's ``on_idle``: :attr:`on_idle` with the message while anything else holds it (the
+        hub while it runs, a request, ``live/idempotency.py``'s session turns). Held weakly, so
+        that an ended message (its text, its renderer) does not live as long as its log does
+        (``[stream] ttl_seconds``), beside it and uncounted by ``[stream] memory_cap_bytes``."""
+        ref = weakref.ref(msg)
+
+        def idle() -> None:
+            if (held := ref()) is not None:
+                self.on_idle(held)
+
+        return idle
+
+    async def _close(self, msg: LiveMessage, producer: Producer) -> None:
+        """Close the ended message's log once the store has its final state (or it is unsaved)."""
+        await self.persister.saved(msg)
+        assert producer.end is not None
+        msg.open_log.close(producer.end.state)
+        msg.done.set()
+        self.persister.ended(msg)
 
     async def _loaded(self, msg: LiveMessage, producer: Producer, lease: Lease) -> Runner:
         """The runner of ``lease``'s model once it is loaded; the stream's keepalives go on meanwhile.
@@ -256,15 +283,14 @@ class Production:
         return producer.verdict(verdict, trio.current_time())
 
     def _perform(self, msg: LiveMessage, step: Step) -> None:
-        """Do what a producer step says: append, persist, observe, and close at the end."""
+        """Do what a producer step says: append, persist, observe (the message's task closes its
+        log after the end: :meth:`_close`)."""
         log_ = msg.open_log
         for entry in step.entries:
             log_.append(entry)
         now = trio.current_time()
         if step.released:
             msg.timer.released(now, self.metrics)
-        if step.end is not None:
-            log_.close(step.end.state)
         if step.persist is not None:
             self.persister.write(msg, step.persist)
         if step.end is None:
@@ -274,5 +300,3 @@ class Production:
                 msg.timer.finished(now, finish, self.metrics)
             case Failure() as failure:
                 self.metrics.error(failure.kind, "generation")
-        msg.done.set()
-        self.persister.ended(msg)

@@ -85,6 +85,7 @@ import trio
 from ringserve.config import StreamConfig
 from ringserve.core.errors import ErrorKind, RingserveError
 from ringserve.core.ringlog import Entry, Gap, LogState, RingLog
+from ringserve.logs import heap
 
 __all__ = [
     "LogMirror",
@@ -459,22 +460,33 @@ class MemoryLogStore:
     * Dropping a log removes it from the store only: a reader already holding
       it reads on to the end, and the memory is freed when that reader lets
       go.
-    * :meth:`evicted` remembers (the last ``remember_gone`` ids) which ids
-      the store held and let go of, so the app can tell 410 Gone from 404.
+    * While no log is live, :meth:`run` gives the memory freed back to the
+      system (``trim``, ``logs/heap.py``) once ``heap.TRIM_AFTER_BYTES`` of
+      entries were let go of since the last time.
+    * :meth:`evicted` remembers which ids the store held and let go of
+      within the last ``ttl_seconds`` (at most ``remember_gone`` of them), so
+      the app can tell 410 Gone from 404: ``logs/redis.py`` does not look in
+      Redis for a log this replica let go of, whose Redis stream expires at
+      most ``ttl_seconds`` later (its TTL started at its close). So they are
+      as many as the messages of a TTL, not of the process's life.
 
     Args:
         config: ring bounds, memory cap and TTL.
         clock: seconds; ``trio.current_time`` by default.
-        remember_gone: how many gone ids :meth:`evicted` remembers.
+        remember_gone: the most gone ids :meth:`evicted` remembers.
+        trim: gives the memory freed back to the system, called on a worker thread
+            (``heap.malloc_trim()``: glibc's ``malloc_trim(0)``); None: never.
     """
 
     config: StreamConfig
     clock: Callable[[], float] = trio.current_time
     remember_gone: int = 100_000
+    trim: Callable[[], object] | None = attrs.field(factory=heap.malloc_trim, kw_only=True)
+    _released_at_trim: int = attrs.field(default=0, init=False)  # entry bytes let go of, at the last trim
     _logs: dict[str, MemoryMessageLog] = attrs.field(factory=dict, init=False)
     # Completed logs in the order they completed (clock is monotonic), oldest first.
     _completed: OrderedDict[str, MemoryMessageLog] = attrs.field(factory=OrderedDict, init=False)
-    _gone: OrderedDict[str, None] = attrs.field(factory=OrderedDict, init=False, repr=False)
+    _gone: OrderedDict[str, float] = attrs.field(factory=OrderedDict, init=False, repr=False)  # id -> when
     _bytes: int = attrs.field(default=0, init=False)
     _appends_total: int = attrs.field(default=0, init=False)
     _append_bytes_total: int = attrs.field(default=0, init=False)
@@ -537,17 +549,21 @@ class MemoryLogStore:
             self._drop(log)
 
     def evicted(self, message_id: str) -> bool:
-        """Whether this store held ``message_id`` and has let it go
-        (expired, evicted for memory, or forgotten): 410 Gone rather than 404."""
-        return message_id in self._gone
+        """Whether this store held ``message_id`` and has let it go (expired, evicted for memory,
+        or forgotten) less than ``ttl_seconds`` ago: 410 Gone rather than 404."""
+        gone = self._gone.get(message_id)
+        return gone is not None and self.clock() - gone < self.config.ttl_seconds
 
     def expire(self) -> int:
-        """Drop every completed log older than ``ttl_seconds``.
+        """Drop every completed log older than ``ttl_seconds``, and forget the ids gone longer ago
+        than that (:meth:`evicted`).
 
         Returns:
             How many were dropped.
         """
         now = self.clock()
+        while self._gone and now - next(iter(self._gone.values())) >= self.config.ttl_seconds:
+            self._gone.popitem(last=False)
         dropped = 0
         while self._completed:
             log = next(iter(self._completed.values()))
@@ -559,16 +575,27 @@ class MemoryLogStore:
         return dropped
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The TTL sweep loop; start it in the server nursery. Never returns.
+        """The TTL sweep loop, and the memory's return; start it in the server nursery. Never returns.
 
         Calls ``task_status.started()`` once running. Cancellation: safe at
-        any point (each sweep is synchronous).
+        any point (each sweep is synchronous; a trim on its way ends first).
         """
         interval = min(max(self.config.ttl_seconds, 0.1), 1.0)
         task_status.started()
         while True:
             self.expire()
+            await self._trim_when_idle()
             await trio.sleep(interval)
+
+    async def _trim_when_idle(self) -> None:
+        """``trim`` on a worker thread while no log is live, once ``heap.TRIM_AFTER_BYTES`` of
+        entries were let go of (left a ring, expired, evicted, forgotten) since the last trim."""
+        released = self._append_bytes_total - self._bytes
+        live = len(self._logs) - len(self._completed)
+        if self.trim is None or live or released - self._released_at_trim < heap.TRIM_AFTER_BYTES:
+            return
+        self._released_at_trim = released
+        await trio.to_thread.run_sync(self.trim)
 
     def statistics(self) -> LogStoreStatistics:
         """A frozen snapshot (O(number of logs))."""
@@ -620,7 +647,7 @@ class MemoryLogStore:
         self._bytes -= log.nbytes
         self._entries_evicted_gone += log._ring.evicted_total
         log._store = None
-        self._gone[log.message_id] = None
+        self._gone[log.message_id] = self.clock()
         self._gone.move_to_end(log.message_id)
         while len(self._gone) > self.remember_gone:
             self._gone.popitem(last=False)

@@ -893,6 +893,8 @@ class MirroredMessageStore(MessageStore):
     body is written only for the surfaces named in ``shared_requests`` (those
     whose messages a later request continues: the other replicas read the
     conversation from it). :meth:`delete` deletes the hash and the stream too.
+    A write run on a worker thread (``MessageStore.off_loop``) queues its Redis write on the
+    Trio thread, before the worker goes on.
     """
 
     _logs: RedisLogStore | None = None
@@ -930,7 +932,7 @@ class MirroredMessageStore(MessageStore):
 
     def insert(self, message: StoredMessage) -> None:
         super().insert(message)
-        self._writer.status(message.id, self._shared(message))
+        _on_trio_thread(lambda: self._writer.status(message.id, self._shared(message)))
 
     def update(self, message_id: str, **fields: object) -> None:
         """Write ``fields`` to SQLite and to Redis; the other replicas read them even when the SQLite
@@ -938,11 +940,19 @@ class MirroredMessageStore(MessageStore):
         try:
             super().update(message_id, **fields)
         finally:
-            self._writer.status(message_id, fields, whole=lambda: self._whole(message_id))
+            _on_trio_thread(lambda: self._writer.status(message_id, fields, whole=lambda: self._whole(message_id)))
 
     def delete(self, message_id: str) -> bool:
         """Delete the row; if there was one, its status hash and its stream too (at the next flush)."""
         existed = super().delete(message_id)
         if existed:
-            self._writer.deleted(message_id)
+            _on_trio_thread(lambda: self._writer.deleted(message_id))
         return existed
+
+
+def _on_trio_thread(call: Callable[[], None]) -> None:
+    """``call()`` now on the Trio thread; from a Trio worker thread, on the Trio thread, waiting for it."""
+    if trio.lowlevel.in_trio_run():
+        call()
+    else:
+        trio.from_thread.run_sync(call)

@@ -3,8 +3,17 @@
 Holds each message's request (unless ``[store] keep_prompts = false``),
 status, final text, stop reason, usage and idempotency key. Writes happen at
 creation, on status changes, every ``[stream] persist_seconds`` of a generation
-and at its end — never per token — so they run on the Trio thread: with WAL
-and ``synchronous=NORMAL`` each is well under a millisecond.
+and at its end — never per token. With WAL and ``synchronous=NORMAL`` each is
+well under a millisecond, but one can wait: for a lock another process holds on
+the file (up to :data:`BUSY_TIMEOUT_MS`, then ``database is locked``), or for
+SQLite's automatic WAL checkpoint (at 1000 pages, with an fsync: 20-50 ms on a
+loaded 2-core machine), which runs inside whichever write crosses it. So the
+server writes through :meth:`MessageStore.off_loop`, on a Trio worker thread,
+one write at a time in the order they were asked, and reads on a second
+connection, which in WAL mode a writer's lock does not hold up
+(https://sqlite.org/wal.html#concurrency): a call on the writing connection
+from the Trio thread would wait for the worker's call to end, since SQLite
+serializes the calls on one connection.
 
 Statuses: ``queued`` → ``generating`` → ``complete`` | ``cancelled`` |
 ``failed``; on start-up every message still ``queued`` or ``generating`` (a
@@ -23,15 +32,14 @@ the file system by ``PRAGMA incremental_vacuum`` in steps of
 an older file is converted once at open by a ``VACUUM``). No call reads more
 than one row into memory.
 
-SQLite's automatic WAL checkpoint (at 1000 pages, with an fsync) runs inside
-whichever write crosses it, a sweep's or the hub's, on the Trio thread: 20-50
-ms on a loaded 2-core machine. A ``PASSIVE`` checkpoint from a worker thread
-on a second connection was tried and left: under continuous writes it never
-lets the WAL restart (it grew to 175 MB over 600 long answers).
+A ``PASSIVE`` checkpoint from a worker thread on a second connection was tried
+and left: under continuous writes it never lets the WAL restart (it grew to
+175 MB over 600 long answers).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -40,7 +48,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import attrs
 import platformdirs
@@ -55,22 +63,28 @@ from ringserve.core.view import MessageView
 
 log = logging.getLogger("ringserve.store")
 
+T = TypeVar("T")
+
 
 #: ``PRAGMA user_version`` of the files this code writes (written at every open, which
 #: proves the file writable).
 SCHEMA_VERSION = 7  # 2: final_seq; 3: stop_reason holds StopReason values, not a surface's spelling; 4: content, cached_tokens; 5: trace, render; 6: reasoning_tokens; 7: log probabilities in content and trace (JSON only)
 
-#: Most rows, and seconds, of one sweep transaction; the sweep yields to the event loop between
-#: batches. Deleting a finished message with a 64 KiB answer takes about 0.2 ms (2 busy cores).
+#: Most rows, and seconds, of one sweep transaction; the hub's writes wait at most that long
+#: (``sweep_once``). Deleting a finished message with a 64 KiB answer takes about 0.2 ms (2 busy cores).
 SWEEP_BATCH_ROWS = 64
 SWEEP_BATCH_SECONDS = 0.002
 
 #: Pages (4 KiB by default) handed back per ``incremental_vacuum`` call (about 0.2 ms for 32);
-#: the sweep yields between calls.
+#: the hub's writes may go between calls.
 VACUUM_STEP_PAGES = 32
 
 #: Largest size in bytes the WAL file keeps after a checkpoint (``PRAGMA journal_size_limit``).
 WAL_SIZE_LIMIT = 4 * 1024 * 1024
+
+#: Milliseconds a statement waits for a lock another connection holds before it fails with
+#: ``database is locked`` (``PRAGMA busy_timeout``).
+BUSY_TIMEOUT_MS = 1000
 
 _FINAL = ",".join(f"'{s.value}'" for s in sorted(FINAL_STATUSES))
 
@@ -304,7 +318,7 @@ class StoreStatistics:
     """A snapshot of the store's size (bytes of the database, WAL excluded) and of its sweeps.
 
     ``longest_step_seconds``: the longest single :meth:`MessageStore.sweep` or
-    :meth:`MessageStore.reclaim` call so far, i.e. the longest the event loop
+    :meth:`MessageStore.reclaim` call so far, i.e. the longest the hub's writes
     waited for retention at once. ``write_failures_total``: writes (insert,
     update, delete, sweep, reclaim) that raised a ``sqlite3.Error`` (a full
     disk, an I/O error, a lock held past ``busy_timeout``). While the file
@@ -330,6 +344,12 @@ class MessageStore:
     A file that does not exist is created with mode 0600 (SQLite gives its
     ``-wal`` and ``-shm`` files the same mode); its directory must exist.
 
+    Its methods are synchronous. Writes (insert, update, delete, sweep,
+    reclaim) go through one connection, reads (get, by idempotency key,
+    :meth:`statistics`) through another (one and the same for ``":memory:"``,
+    which no other process can lock); the server runs its writes through
+    :meth:`off_loop` (see the module doc).
+
     Args:
         path: database file, or ``":memory:"``.
         keep_prompts: store request bodies; when false the ``request`` column
@@ -350,12 +370,17 @@ class MessageStore:
         self._longest_step = 0.0
         self._write_failures = 0
         self._sizes = (0, 0)
+        self._writes = trio.CapacityLimiter(1)
         try:
             if path != ":memory:" and not os.path.exists(path):
                 os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
             self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            self._reads = self._db
             try:
                 self._setup()
+                if path != ":memory:":
+                    self._reads = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+                    self._reads.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             except BaseException:
                 self._db.close()
                 raise
@@ -382,7 +407,7 @@ class MessageStore:
 
     def _setup(self) -> None:
         db = self._db
-        db.execute("PRAGMA busy_timeout=1000")
+        db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         # A damaged file must stop the start, not answer every request with an error later.
         # quick_check reads every page (O(size): 0.2 s for 200 MB here) but skips the index-content
         # cross-check of integrity_check (0.34 s); https://sqlite.org/pragma.html#pragma_quick_check
@@ -464,13 +489,13 @@ class MessageStore:
         return self._one("idempotency_key", key)
 
     def _one(self, column: str, value: str) -> StoredMessage | None:
-        row = self._db.execute(f"SELECT {','.join(_COLUMNS)} FROM messages WHERE {column}=?", (value,)).fetchone()
+        row = self._reads.execute(f"SELECT {','.join(_COLUMNS)} FROM messages WHERE {column}=?", (value,)).fetchone()
         return None if row is None else StoredMessage(*row)
 
     # -- retention -------------------------------------------------------------------------
 
-    def _pragma(self, name: str) -> int:
-        return self._db.execute(f"PRAGMA {name}").fetchone()[0]
+    def _pragma(self, name: str, db: sqlite3.Connection | None = None) -> int:
+        return (db or self._db).execute(f"PRAGMA {name}").fetchone()[0]
 
     def used_bytes(self) -> int:
         """Bytes of the database in use (pages not on the free list; the WAL not counted)."""
@@ -558,9 +583,9 @@ class MessageStore:
     def statistics(self) -> StoreStatistics:
         """A :class:`StoreStatistics` snapshot; never raises (a scrape must show a failing store)."""
         try:
-            page = self._pragma("page_size")
-            free = self._pragma("freelist_count")
-            self._sizes = ((self._pragma("page_count") - free) * page, free * page)
+            page = self._pragma("page_size", self._reads)
+            free = self._pragma("freelist_count", self._reads)
+            self._sizes = ((self._pragma("page_count", self._reads) - free) * page, free * page)
         except sqlite3.Error:
             pass  # the file cannot be read now: the sizes last read
         return StoreStatistics(
@@ -571,23 +596,37 @@ class MessageStore:
             write_failures_total=self._write_failures,
         )
 
+    async def off_loop(self, call: Callable[[], T]) -> T:
+        """``call()`` (calls of this store's methods that write) on a Trio worker thread, after every
+        call passed here before it has returned: the event loop goes on while a write waits for a
+        lock (up to :data:`BUSY_TIMEOUT_MS`) or a WAL checkpoint.
+
+        Cancellation waits for ``call`` to return (a write is never left half done), then
+        raises ``trio.Cancelled``.
+
+        Raises:
+            What ``call`` raises (``sqlite3.Error``).
+        """
+        return await trio.to_thread.run_sync(call, limiter=self._writes)
+
     def close(self) -> None:
+        if self._reads is not self._db:
+            self._reads.close()
         self._db.close()
 
 
 async def sweep_once(store: MessageStore, config: StoreConfig) -> int:
     """Delete every message due under ``config``'s retention, batch by batch, then reclaim the space.
 
-    Yields to the event loop after each batch and each vacuum step, so
-    streams and the decode loop wait at most one batch. Returns how many
-    messages were deleted.
+    Each batch and each vacuum step runs on a worker thread (:meth:`MessageStore.off_loop`), so
+    the hub's writes wait at most one batch. Returns how many messages were deleted.
     """
     total = 0
-    while deleted := store.sweep(store.clock(), max_age=config.max_age_seconds, max_bytes=config.max_bytes):
+    sweep = functools.partial(store.sweep, max_age=config.max_age_seconds, max_bytes=config.max_bytes)
+    while deleted := await store.off_loop(lambda: sweep(store.clock())):
         total += deleted
-        await trio.lowlevel.checkpoint()
-    while store.reclaim() > VACUUM_STEP_PAGES:
-        await trio.lowlevel.checkpoint()
+    while await store.off_loop(store.reclaim) > VACUUM_STEP_PAGES:
+        pass
     return total
 
 

@@ -308,6 +308,22 @@ async def test_generation_never_waits_for_its_consumer():
     assert text == "x" * 300 and last.stop_reason is StopReason.END
 
 
+async def test_a_consumer_that_comes_after_the_first_steps_gets_their_events_at_once():
+    """``live/produce.py`` writes the message's row (a worker thread's await) between ``submit`` and
+    ``consume``: the events made meanwhile reach the consumer, in order, the terminal one too."""
+    engine = FakeEngine(piece_bytes=1, reply="x" * 50)
+    calls: list[list[object]] = []
+    async with serving(engine) as runner:
+        prepared = await runner.prepare(req("go", max_tokens=100))
+        async with runner.submit(prepared) as gen:
+            await runner.wait_idle()  # every event is made before the consumer comes
+            gen.consume(calls.append)
+    events = [event for call in calls for event in call]
+    assert len(calls) == 1 and events[0] == BlockStart(0, BlockKind.TEXT)
+    assert "".join(e.text for e in events if isinstance(e, BlockDelta)) == "x" * 50
+    assert isinstance(events[-1], Finish) and events[-1].stop_reason is StopReason.END
+
+
 # -- concurrency and batching ------------------------------------------------
 
 

@@ -250,7 +250,7 @@ async def test_restart_marks_generating_messages_interrupted(tmp_path):
         await wait_until(lambda: state.hub.live(created["id"]).view().text)
         # simulate a crash: the row stays "generating" in the file while a new process starts
         crashed = MessageStore(config.store.path)
-        assert crashed.get(created["id"]).status == "generating"
+        await wait_until(lambda: crashed.get(created["id"]).status == "generating")  # (written off the loop)
         crashed.close()
     store = MessageStore(config.store.path)
     store.update(created["id"], status="generating")  # what a killed process leaves behind

@@ -8,6 +8,8 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -242,7 +244,8 @@ async def test_a_store_that_fails_at_run_time_answers_503_not_500_or_404(tmp_pat
 
 class FailingDb:
     """A store connection whose writes (or, with ``reads``, every statement) raise ``error`` while
-    ``failing`` is set, as SQLite's do on a full or failing disk or a lock held past busy_timeout."""
+    ``failing`` is set, as SQLite's do on a full or failing disk or a lock held past busy_timeout.
+    :meth:`install` puts it in a store's place (both its connections with ``reads``)."""
 
     WRITES = ("INSERT", "UPDATE", "DELETE", "BEGIN", "PRAGMA INCREMENTAL_VACUUM")
 
@@ -265,6 +268,15 @@ class FailingDb:
     def __getattr__(self, name: str):
         return getattr(self.db, name)
 
+    @classmethod
+    def install(cls, store: MessageStore, error: str, *, reads: bool) -> FailingDb:
+        """Wrap ``store``'s writing connection (and its reading one, with ``reads``): the
+        ``failing`` switch of the one returned turns them all."""
+        db = store._db = cls(store._db, error, reads=reads)
+        if reads:
+            store._reads = db
+        return db
+
 
 def _sample(metrics: str, name: str) -> float:
     return float(next(line for line in metrics.splitlines() if line.startswith(name + " ")).split()[1])
@@ -282,7 +294,7 @@ async def test_a_store_that_fails_during_a_generation_loses_nothing(tmp_path, ca
         before = (await client.post("/v1/messages", json=anthropic(LONG_ECHO))).json()
         expected = before["content"][0]["text"]
         assert len(expected) > 1000
-        db = store._db = FailingDb(store._db, error, reads=reads)
+        db = FailingDb.install(store, error, reads=reads)
         parser, events = SSEParser(), []
         key = {"Idempotency-Key": "k-store-fails"}
         async with client.stream("POST", "/v1/messages", json=anthropic(LONG_ECHO, stream=True), headers=key) as resp:
@@ -324,20 +336,19 @@ async def test_a_store_that_fails_during_a_generation_loses_nothing(tmp_path, ca
         assert again.status_code == 200, again.text
 
 
-async def test_a_retention_sweep_the_store_fails_is_tried_again_and_ends_nothing(tmp_path, autojump_clock):
+async def test_a_retention_sweep_the_store_fails_is_tried_again_and_ends_nothing(tmp_path):
     store = MessageStore(str(tmp_path / "s.sqlite3"))
     store.insert(StoredMessage(id="msg_old", surface="anthropic", model="fake", created=0, status="complete",
                                request="{}", request_hash="h"))
-    db = store._db = FailingDb(store._db, "database is locked", reads=False)
+    db = FailingDb.install(store, "database is locked", reads=False)
     db.failing = True
-    config = fake_config(tmp_path, store={"max_age_seconds": 1e-9, "sweep_interval_seconds": 1.0}).store
+    config = fake_config(tmp_path, store={"max_age_seconds": 1e-9, "sweep_interval_seconds": 0.01}).store
     async with trio.open_nursery() as nursery:
         await nursery.start(run_retention, store, config)
-        await trio.sleep(4.5)  # autojump clock: five sweeps fail, none ends the task
-        assert store.statistics().write_failures_total >= 5 and store.get("msg_old") is not None
+        await wait_until(lambda: store.statistics().write_failures_total >= 5)  # five sweeps fail, none ends the task
+        assert store.get("msg_old") is not None
         db.failing = False
-        await trio.sleep(1)  # the next sweep
-        assert store.get("msg_old") is None
+        await wait_until(lambda: store.get("msg_old") is None)  # a later sweep
         nursery.cancel_scope.cancel()
 
 
@@ -351,7 +362,7 @@ async def test_the_drain_writes_a_final_state_the_store_failed_to_write(tmp_path
     async with running_server(config, step_seconds=0.002) as state, \
             httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
         hub = state.hub
-        db = hub.store._db = FailingDb(hub.store._db, "disk I/O error", reads=False)
+        db = FailingDb.install(hub.store, "disk I/O error", reads=False)
         db.failing = False
         accepted = await client.post("/v1/messages", json=anthropic(LONG_ECHO), headers=ASYNC)
         message_id = accepted.json()["id"]
@@ -373,7 +384,7 @@ async def test_writes_are_not_tried_again_until_the_retry_is_due(tmp_path, monke
     async with running_server(config, step_seconds=0.002) as state, \
             httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
         hub, store = state.hub, state.hub.store
-        db = store._db = FailingDb(store._db, "database is locked", reads=False)
+        db = FailingDb.install(store, "database is locked", reads=False)
         parser, events = SSEParser(), []
         async with client.stream("POST", "/v1/messages", json=anthropic(LONG_ECHO, stream=True)) as resp:
             async for chunk in resp.aiter_raw():
@@ -390,5 +401,72 @@ async def test_writes_are_not_tried_again_until_the_retry_is_due(tmp_path, monke
             assert "database is locked" in refused.json()["error"]["message"]
         assert store.statistics().write_failures_total == 1
         db.failing = False
-        assert hub.persister.save_unsaved() == 0
+        assert await hub.persister.save_unsaved() == 0
         assert store.get(message_id).status == "complete"
+
+
+async def test_a_store_locked_by_another_process_holds_up_no_stream(tmp_path, monkeypatch):
+    """Another connection holds the file's write lock (``BEGIN EXCLUSIVE``, as a backup tool or the
+    sqlite3 shell may): every write waits for it on a worker thread, never on the event loop. A
+    running stream keeps going to its end while a new message's row waits for the lock, which
+    then gets its 503 (the next one at once, its row not tried); once the lock goes, the running
+    message's final state is written."""
+    import ringserve.store.sqlite as sqlite_module
+
+    monkeypatch.setattr(sqlite_module, "BUSY_TIMEOUT_MS", 3000)  # a long lock: a stall would show
+    config = fake_config(tmp_path, stream={"persist_seconds": 0.02})
+    short_echo = "echo:" + " ".join(f"w{i}" for i in range(100))
+    loop_thread = threading.get_ident()
+    async with running_server(config, step_seconds=0.002) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        hub, store = state.hub, state.hub.store
+        writers: set[int] = set()  # the threads that ran a statement on the writing connection
+        store._db.set_trace_callback(lambda _sql: writers.add(threading.get_ident()))
+        ticks: list[float] = []
+        locker = sqlite3.connect(config.store.path, isolation_level=None)
+        order: list[str] = []
+        locked = trio.Event()
+        stream: list = []
+
+        async def tick() -> None:  # a task beside the server's: its gaps are the event loop's stalls
+            while True:
+                ticks.append(time.monotonic())
+                await trio.sleep(0.01)
+
+        async def read_stream() -> None:
+            parser = SSEParser()
+            async with client.stream("POST", "/v1/messages", json=anthropic(short_echo, stream=True)) as resp:
+                async for chunk in resp.aiter_raw():
+                    stream.extend(parser.feed(chunk))
+                    if not locked.is_set() and any(e.event == "content_block_delta" for e in stream):
+                        locker.execute("BEGIN EXCLUSIVE")
+                        locked.set()
+                    if stream and stream[-1].event == "message_stop" and "stream ended" not in order:
+                        order.append("stream ended")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tick)
+            nursery.start_soon(read_stream)
+            await locked.wait()
+            refused = await client.post("/v1/messages", json=anthropic("hi"))
+            order.append("new message answered")
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
+            assert "database is locked" in refused.json()["error"]["message"]
+            failures = store.statistics().write_failures_total
+            again = await client.post("/v1/chat/completions", json=openai("hi"))  # within the retry's second
+            assert again.status_code == 503 and "database is locked" in again.json()["error"]["message"]
+            assert store.statistics().write_failures_total == failures  # its row was not tried
+            lock_ends = time.monotonic()
+            locker.execute("COMMIT")
+            locker.close()
+            nursery.cancel_scope.cancel()
+
+        message_id = json.loads(stream[0].data)["message"]["id"]
+        assert stream[-1].event == "message_stop" and anthropic_text(stream) == " ".join(f"w{i}" for i in range(100))
+        assert order == ["stream ended", "new message answered"]  # the stream went on while the row waited
+        assert threading.get_ident() == loop_thread and loop_thread not in writers and writers
+        gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False) if b <= lock_ends]
+        assert max(gaps) < sqlite_module.BUSY_TIMEOUT_MS / 1000 / 2, max(gaps)  # no write's wait on the loop
+        await wait_until(lambda: _true(hub.live(message_id) is None))  # written once the lock went
+        assert store.get(message_id).status == "complete"
+        assert (await client.post("/v1/messages", json=anthropic("hi"))).status_code == 200

@@ -7,9 +7,12 @@ and the store's failure back-off.
 
 from __future__ import annotations
 
+import gc
 import json
 import sqlite3
 import threading
+import tracemalloc
+import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -29,7 +32,6 @@ from ringserve.engine.loader import FactoryLoader
 from ringserve.live.hub import Hub
 from ringserve.live.message import Created, LiveMessage
 from ringserve.live.models import ModelPool
-from ringserve.live.persist import STORE_RETRY_SECONDS
 from ringserve.live.resume import StreamEnded
 from ringserve.logs.cluster import LocalCluster
 from ringserve.logs.memory import MemoryLogStore
@@ -250,7 +252,8 @@ async def test_an_idempotent_retry_finds_its_message_live_or_stored_and_regenera
         assert hub.keys.pending == {}
 
 
-async def test_a_store_that_fails_leaves_the_message_in_memory_until_it_is_written(autojump_clock):
+async def test_a_store_that_fails_leaves_the_message_in_memory_until_it_is_written():
+    # (the real clock: the retry writes on a worker thread, during which the autojump clock jumps)
     async with running_hub() as hub:
         update = hub.store.update
 
@@ -266,7 +269,7 @@ async def test_a_store_that_fails_leaves_the_message_in_memory_until_it_is_writt
             await create(hub)
         assert info.value.kind is ErrorKind.UNAVAILABLE and info.value.retry_after is not None
         hub.store.update = update  # type: ignore[method-assign]
-        await trio.sleep(STORE_RETRY_SECONDS * 1.5)  # the next retry writes it
+        await wait_until(lambda: hub.live(msg.id) is None)  # the next retry (STORE_RETRY_SECONDS) writes it
         assert hub.live(msg.id) is None and hub.statistics().unsaved_messages == 0
         assert hub.store.get(msg.id).status is MessageStatus.COMPLETE
 
@@ -356,3 +359,62 @@ async def test_session_turns_hold_at_most_their_limit_and_drop_turns_whose_log_i
         fresh = live(await hub.create(ANTHROPIC, request("echo:3"), body_hash="h3", request_json="{}",
                                       policy=Policy.CONTINUE, turn="s:h3"))
         assert len(hub.sessions) == 1 and await hub.sessions.find("anthropic:s:h3") is fresh
+
+
+async def test_ended_messages_live_no_longer_than_their_requests_and_session_turns():
+    """An ended message (its text, its renderer) is not kept alive by its log, which the log store
+    holds for its TTL (counting only its entries against the memory cap): once written and read,
+    one without a session is freed (refcounts alone, no garbage collection). A session turn keeps
+    its message while a retry may attach to it, and lets it go at the next add once its log left
+    the log store (its TTL, the memory cap)."""
+    gc.disable()
+    try:
+        async with running_hub() as hub:
+            plain = live(await create(hub, "echo:no session"))
+            await read_to_end(plain)
+            plain_ref, plain_id = weakref.ref(plain), plain.id
+            refs = []
+            for i in range(20):
+                msg = live(await hub.create(ANTHROPIC, request(f"echo:{i}"), body_hash=f"h{i}", request_json="{}",
+                                            policy=Policy.CONTINUE, turn=f"s:h{i}"))
+                await read_to_end(msg)
+                refs.append(weakref.ref(msg))
+                hub.logs.forget(msg.id)  # as the TTL sweep or the memory cap drops it
+                del msg
+            del plain
+            await trio.lowlevel.checkpoint()
+            assert plain_ref() is None and hub.logs.get(plain_id) is not None  # its log lives on
+            assert refs[-1]() is not None  # (the last key waits for the next add)
+            live(await hub.create(ANTHROPIC, request("echo:new"), body_hash="new", request_json="{}",
+                                  policy=Policy.CONTINUE, turn="s:new"))
+            assert len(hub.sessions) == 1 and [ref() for ref in refs] == [None] * 20
+    finally:
+        gc.enable()
+
+
+async def test_a_large_reply_is_held_a_bounded_number_of_times_and_only_by_its_log_once_read():
+    """A 2 MB reply (the fake engine, 4 KiB tokens), traced by tracemalloc: at its peak the process
+    holds its text a bounded number of times (the producer's text, the log's entries, a snapshot's
+    join and the one being encoded); once it ended and its reader left, only its log's entries,
+    which ``[stream] memory_cap_bytes`` counts; once the log is gone, nothing."""
+    text = "0123456789abcdef" * (2_000_000 // 16)
+    async with running_hub(piece_bytes=4096, reply=text, record=False) as hub:
+        gc.collect()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            msg = live(await create(hub, "hi"))
+            with msg.open_log.reader():
+                await msg.done.wait()
+            message_id, log_bytes = msg.id, hub.logs.statistics().bytes
+            del msg
+            await trio.lowlevel.checkpoint()
+            held, peak = (size - base for size in tracemalloc.get_traced_memory())
+            hub.logs.forget(message_id)
+            left = tracemalloc.get_traced_memory()[0] - base
+        finally:
+            tracemalloc.stop()
+    assert log_bytes >= len(text)
+    assert peak < 4 * len(text), peak / len(text)
+    assert held < log_bytes + len(text) / 10, (held / len(text), log_bytes / len(text))
+    assert left < len(text) / 10, left / len(text)

@@ -217,6 +217,38 @@ def test_evicted_memory_is_bounded() -> None:
     assert [store.evicted(str(i)) for i in range(5)] == [False, False, True, True, True]
 
 
+async def test_the_gone_ids_remembered_are_those_of_the_last_ttl(autojump_clock: trio.abc.Clock) -> None:
+    """Ten messages a second for 100 s, a TTL of 10 s: the store remembers the ids it let go of
+    in the last 10 s (a Redis stream expires by then), about 100, not the 900 of its life."""
+    store = MemoryLogStore(small_config(ttl_seconds=10.0))
+    for i in range(1000):
+        store.create(str(i)).close(LogState.FINISHED)
+        store.expire()
+        await trio.sleep(0.1)
+    store.expire()
+    assert len(store._logs) <= 101 and len(store._gone) <= 101
+    assert store.evicted("880") and not store.evicted("10")
+
+
+async def test_freed_memory_is_given_back_once_no_log_is_live() -> None:
+    """20 MiB of entries leave a live log's ring: no trim while it is live; one at the sweep after
+    it ended; none again until another 16 MiB (heap.TRIM_AFTER_BYTES) are let go of."""
+    trims: list[int] = []
+    store = MemoryLogStore(small_config(ring_max_bytes=1 << 20, memory_cap_bytes=1 << 30),
+                           trim=lambda: trims.append(1))  # (on a worker thread)
+    log = store.create("a")
+    for _ in range(20):
+        log.append(b"x" * (1 << 20))
+    await store._trim_when_idle()
+    assert trims == []  # 19 MiB left the ring, but the log is live
+    log.close(LogState.FINISHED)
+    await store._trim_when_idle()
+    assert trims == [1]
+    store.forget("a")  # its last MiB: not enough for another
+    await store._trim_when_idle()
+    assert trims == [1]
+
+
 async def test_statistics_snapshot(autojump_clock: trio.abc.Clock) -> None:
     store = MemoryLogStore(small_config(ring_max_entries=8, ring_max_bytes=1000))
     a = store.create("a")

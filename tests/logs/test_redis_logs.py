@@ -322,7 +322,7 @@ async def test_a_state_the_owners_sqlite_fails_to_write_still_reaches_the_other_
         store = MirroredMessageStore(str(tmp_path / "a.sqlite3")).mirror_to(a)
         store.insert(StoredMessage(id="msg_m", surface="anthropic", model="fake", created=0,
                                    status=MessageStatus.GENERATING, request="{}", request_hash="h"))
-        db = store._db = FailingDb(store._db, "disk I/O error", reads=False)
+        db = FailingDb.install(store, "disk I/O error", reads=False)
         db.failing = True
         with pytest.raises(sqlite3.OperationalError):
             store.update("msg_m", status=MessageStatus.COMPLETE, text="the whole answer", final_seq=9)

@@ -222,7 +222,8 @@ def test_no_operation_scans_the_table(tmp_path):
     for i in range(50):
         store.insert(row(i, "complete" if i % 2 else "generating", key=f"k{i}"))
     statements: list[str] = []
-    store._db.set_trace_callback(statements.append)
+    for db in (store._db, store._reads):  # the writing connection, and the reading one
+        db.set_trace_callback(statements.append)
     store.insert(row(100))
     store.update("msg_100", text="t", status="complete")
     store.get("msg_1")
@@ -232,7 +233,9 @@ def test_no_operation_scans_the_table(tmp_path):
     store.sweep(clock(), max_age=0, max_bytes=1)
     store.reclaim()
     store.mark_interrupted()
-    store._db.set_trace_callback(None)
+    for db in (store._db, store._reads):
+        db.set_trace_callback(None)
+    assert any("WHERE idempotency_key" in sql for sql in statements)  # the reads were traced too
     checked = 0
     for sql in statements:
         if sql.split()[0].upper() in {"SELECT", "UPDATE", "DELETE"}:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from ringserve.engine.modelfile import default_model_path
 from tests.support.server import MODEL_THREADS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,22 +110,43 @@ def test_abort_bench_frees_every_cancel(tmp_path: Path) -> None:
 
 @pytest.mark.model
 def test_http_bench_runs_end_to_end(tmp_path: Path) -> None:
-    """The smallest run: ringserve only, one stream, one request, one round, one llama.cpp thread (two
-    stall each other on a loaded machine: 3 minutes for this run at load average 11, against 35 s with
-    one). The comparison with llama_cpp.server, which starts a second model server, is opt-in:
-    RINGSERVE_BENCH_BOTH=1."""
+    """The smallest run: ringserve only, one stream, one request, one round (of two, cut by --deadline),
+    one llama.cpp thread (two stall each other on a loaded machine: 3 minutes for this run at load
+    average 11, against 35 s with one). The comparison with llama_cpp.server, which starts a second
+    model server, is opt-in: RINGSERVE_BENCH_BOTH=1."""
     printed: list[str] = []
     out = run_bench("http_streams", tmp_path, "--servers", "ringserve", "--streams", "1", "--tokens", "8",
-                    "--requests", "1", "--rounds", "1", "--slots", "1", "--threads", str(MODEL_THREADS), stdout=printed)
-    level = out["rounds"]["ringserve"]["1"][0]
+                    "--requests", "1", "--rounds", "2", "--deadline", "1", "--slots", "1",
+                    "--threads", str(MODEL_THREADS), "--logs", str(tmp_path / "logs"), stdout=printed)
+    # a second round would end after --deadline (1 s from the start, before the first round ends)
+    assert out["rounds_run"] == 1 and "stopping after 1 of 2 rounds" in printed[0]
+    [level] = out["rounds"]["ringserve"]["1"]
     assert level["errors"] == [] and level["requests"] == 1
     assert level["tokens"] > 0 and level["ttft_p50"] > 0
+    # the engine-idle share: time between decode calls while busy, over that plus the decode calls
+    idle, decode, share = (level[k] for k in ("server_engine_idle_seconds", "server_decode_seconds", "engine_idle_share"))
+    assert decode > 0 and idle >= 0 and share == pytest.approx(idle / (idle + decode)) and 0 <= share < 1
+    assert out["summary"]["1"]["ringserve"]["engine_idle_share"] == share  # one round: its median
+    assert "ready:" in (tmp_path / "logs" / "ringserve.log").read_text()  # --logs keeps the server's log
     ratio = out["summary"]["1"]["ratio_raw_loop"]
     assert ratio > 0
     # the ratio table is printed: one row for 1 stream with the raw-loop ratio and its one round, no other server
     head, row = printed[0].split("ringserve / the others", 1)[1].splitlines()[1:3]
     assert "vs raw loop" in head and "llama" not in head and row.split() == ["1", f"{ratio:.2f}", f"{ratio:.2f}"]
     assert out["rounds"]["llama_cpp.server"]["1"] == [] and out["summary"]["1"]["ratio_tokens_per_second"] == {}
+
+
+@pytest.mark.model
+def test_raw_loop_prefills_more_prompts_than_one_batch_holds() -> None:
+    """32 prompts of 21 tokens are more than the raw loop's 512-token batch: it prefills them in two
+    batches, each sequence sampled after the batch that holds its last prompt token (the GPU run
+    takes the raw loop to 64 streams)."""
+    from bench.raw_decode import N_BATCH, RawDecoder
+
+    with RawDecoder(default_model_path(), 32, 2, n_threads=MODEL_THREADS) as decoder:
+        assert len(decoder.prompt) * 32 > N_BATCH
+        run = decoder.run()
+    assert run.tokens_per_second > 0 and run.prefill_seconds > 0 and len(run.step_seconds) == 2
 
 
 @pytest.mark.model
@@ -203,6 +225,26 @@ def test_responses_memory_bench_stays_bounded(tmp_path: Path) -> None:
     assert points["after retention (restart)"]["ringserve_store_swept_messages"] == 240
     costs = out["store_per_response"]
     assert costs["rows"] == 240 and 0 < costs["trace"] < costs["text"]
+
+
+def test_soak_bench_runs_every_operation_and_reports_rss_over_time(tmp_path: Path) -> None:
+    """Issue 43 item 8: RSS sampled over the run and its slope per half reported, not judged; every
+    operation of the mix answered as expected."""
+    out = run_bench("soak", tmp_path, "--minutes", "0.4", "--sample-seconds", "2", "--workers", "4")
+    summary = out["summary"]
+    assert summary["unexpected"] == {} and summary["requests"] > 100
+    assert len(out["points"]) >= 6 and all(p["rss_bytes"] > 0 for p in out["points"])
+    assert summary["slope_second_half_mb_per_min"] is not None
+
+
+def test_reply_waves_bench_reports_peak_and_idle_rss(tmp_path: Path) -> None:
+    """Issue 43 item 8: each wave's peak and RSS after, and once the logs' TTL passed (no log
+    left); figures reported, not judged."""
+    out = run_bench("reply_waves", tmp_path, "--waves", "2", "--messages", "4", "--reply-mb", "0.2",
+                    "--slots", "4", "--ttl", "1")
+    rows = out["rows"]
+    assert [r["when"] for r in rows[:3]] == ["start", "wave 1", "wave 2"] and rows[-1]["ring_mb"] == 0
+    assert all(r["read_mb"] >= 4 * 0.2 * 0.9 for r in rows[1:3])
 
 
 def test_gpu_proxy_bench_checks_every_stream_on_every_surface(tmp_path: Path) -> None:

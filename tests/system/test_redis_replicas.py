@@ -520,12 +520,14 @@ async def test_a_claim_whose_first_attempt_never_started_is_taken_over_at_once(t
     import sqlite3
 
     import ringserve.live.idempotency as idempotency_module
+    import ringserve.live.persist as persist_module
     from ringserve.http.decide import RequestHeaders, Start, admit
     from ringserve.logs.redis import RedisCluster
     from ringserve.surfaces.registry import SURFACES
     from tests.support.server import fake_config, running_server
 
     monkeypatch.setattr(idempotency_module, "KEY_WAIT_SECONDS", 3600.0)  # a retry that waits for the claim hangs
+    monkeypatch.setattr(persist_module, "STORE_RETRY_SECONDS", 0.0)  # A takes the next message after its failure
     redis = RedisServer(tmp_path)
     try:
         configs = [fake_config(tmp_path / name, stream={"backend": "redis", "redis_url": redis.url}) for name in "ab"]
