@@ -413,7 +413,7 @@ async def test_claude_code_says_hi_on_the_bundled_model(tmp_path, caplog, monkey
         async with httpx.AsyncClient(base_url=state.urls[0]) as client:
             stored = [(await client.get(f"/v1/messages/{i}")).json() for i in ids]
     [message] = stored
-    assert message["model"] == "SmolLM2-135M-Instruct.Q4_1" and message["status"] == "complete", message
+    assert message["model"] == "fake" and message["status"] == "complete", message  # fake_config's name for it
     assert 0 < message["usage"]["input_tokens"] < 1000, message["usage"]
     assert message["stop_reason"] == "end_turn" and message["text"].strip(), message
     assert out.strip() == message["text"].strip(), (out, message["text"])
