@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.models import smollm2_path
 from tests.support.server import MODEL_THREADS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -236,3 +237,21 @@ def test_kv_types_bench_reports_memory_and_speed_per_cache_type(tmp_path: Path) 
     assert rows["q8_0/q8_0 fa=on"]["memory_ratio"] == pytest.approx(34 / 64, rel=0.01)
     assert rows["q4_0/q4_0 fa=on"]["memory_ratio"] == pytest.approx(18 / 64, rel=0.01)
     assert "KV/token llama" in printed[0] and "tok/s @64" in printed[0]
+
+
+@pytest.mark.model
+def test_load_beside_bench_times_a_stream_while_a_model_loads_here_and_elsewhere(tmp_path: Path) -> None:
+    """One round on the bundled model (the load in the server, in another process, and none): every
+    window holds gaps, and the ratios are of the p99s."""
+    printed: list[str] = []
+    out = run_bench("load_beside", tmp_path, "--model", str(smollm2_path()), "--rounds", "1", "--tokens", "1000",
+                    stdout=printed)
+    [one] = out["rounds"]
+    assert sorted(one["order"]) == ["elsewhere", "idle", "load"]
+    for condition in ("load", "elsewhere", "idle"):
+        run = one[condition]
+        assert run["window_s"] > 0 and len(run["gaps"]) > 10 and 0 < run["p50"] <= run["p99"] <= run["max"]
+    for condition in ("load", "elsewhere"):
+        assert one[f"ratio_{condition}"] == pytest.approx(one[condition]["p99"] / one["idle"]["p99"])
+        assert out["summary"][f"ratio_{condition}_median"] == pytest.approx(one[f"ratio_{condition}"])
+    assert out["summary"]["goal"] == 1.25 and "load / idle" in printed[0]
