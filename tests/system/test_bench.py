@@ -239,6 +239,20 @@ def test_kv_types_bench_reports_memory_and_speed_per_cache_type(tmp_path: Path) 
     assert "KV/token llama" in printed[0] and "tok/s @64" in printed[0]
 
 
+def test_kv_pool_bench_runs_a_long_request_with_chats_and_queues_a_second_long_one(tmp_path: Path) -> None:
+    """On the fake engine (a pool of 3,000 tokens): the long request and the chats complete; the
+    second long request, sent while the first runs, is queued (its status said so) and completes."""
+    printed: list[str] = []
+    out = run_bench("kv_pool", tmp_path, "--fake", "--long-tokens", "2000", "--fake-ctx", "3000", "--poll", "0.05",
+                    stdout=printed)
+    assert out["all_complete"] and out["fourth_sent_while_first_ran"]
+    first, *chats, fourth = out["rows"]
+    assert len(chats) == 3 and all(r["input_tokens"] < 100 and r["output_tokens"] == 8 for r in chats)
+    assert first["input_tokens"] == fourth["input_tokens"] == out["prompt_tokens_counted"]["long 1"] > 1900
+    assert fourth["queued_polls"] >= 1 and 0 < fourth["queued_s"] < fourth["total_s"]
+    assert "waited" in printed[0] and "all complete: yes" in printed[0]
+
+
 @pytest.mark.model
 def test_load_beside_bench_times_a_stream_while_a_model_loads_here_and_elsewhere(tmp_path: Path) -> None:
     """One round on the bundled model (the load in the server, in another process, and none): every
