@@ -269,3 +269,24 @@ def test_load_beside_bench_times_a_stream_while_a_model_loads_here_and_elsewhere
         assert one[f"ratio_{condition}"] == pytest.approx(one[condition]["p99"] / one["idle"]["p99"])
         assert out["summary"][f"ratio_{condition}_median"] == pytest.approx(one[f"ratio_{condition}"])
     assert out["summary"]["goal"] == 1.25 and "load / idle" in printed[0]
+
+
+@pytest.mark.skipif(not (ROOT / ".ci" / "agents" / "node_modules" / ".bin" / "codex").exists(),
+                    reason="the agents are not installed: npm ci --prefix .ci/agents")
+def test_agents_model_bench_launches_both_agents_and_reads_their_requests(tmp_path: Path) -> None:
+    """On the fake engine (``--fake``: the server started by the bench, found by the launcher): both
+    agents exit 0 with the fake's reply, and their requests, statuses and tokens are reported."""
+    scratch = Path("/var/tmp") / f"ringserve-bench-agents-{tmp_path.name}"  # Codex refuses helpers under /tmp
+    try:
+        printed: list[str] = []
+        out = run_bench("agents_model", tmp_path, "--fake", "--scratch", str(scratch), stdout=printed)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    claude, codex = out["runs"]
+    assert claude["agent"] == "claude" and codex["agent"] == "codex"
+    for run in (claude, codex):
+        assert run["returncode"] == 0, run["stderr_tail"]
+        assert run["requests"] and all(q["status"] == 200 for q in run["requests"])
+        assert run["prompt_tokens"] > 1000 and run["generated_tokens"] > 0
+    assert claude["outcome"] == "Hi." and codex["outcome"] == "turn.completed"
+    assert "requests (status, s)" in printed[0]
