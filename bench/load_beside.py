@@ -239,8 +239,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
           f" or in another process (elsewhere), against no load (idle);"
           f" p99 gap between tokens in the window (ms):")
     print(table(["round", "order", "load", "elsewhere", "idle", "load / idle", "elsewhere / idle"],
-                [[str(i + 1), ",".join(r["order"]), fmt(r["load"]["p99"], 1000), fmt(r["elsewhere"]["p99"], 1000),
-                  fmt(r["idle"]["p99"], 1000), fmt(r["ratio_load"], 1, 2), fmt(r["ratio_elsewhere"], 1, 2)]
+                [[str(i + 1), ",".join(r["order"]), fmt(r["load"]["p99"], 1000),
+                  fmt(r["elsewhere"]["p99"], 1000), fmt(r["idle"]["p99"], 1000), fmt(r["ratio_load"], 1, 2),
+                  fmt(r["ratio_elsewhere"], 1, 2)]
                  for i, r in enumerate(runs)]))
     print(table(["pooled", "gaps", "p50 ms", "p99 ms", "max ms"],
                 [[c, summary[c]["gaps"], fmt(summary[c]["p50"], 1000), fmt(summary[c]["p99"], 1000),
