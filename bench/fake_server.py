@@ -1,12 +1,17 @@
 """A ringserve server process on the fake engine, with a start gate, for the gateway benchmarks.
 
-``python bench/fake_server.py [MODEL] --config FILE [--fake JSON] [--reply-bytes N] [--gate-after K]``
+``python bench/fake_server.py [MODEL] --config FILE [--fake JSON] [--reply-bytes N] [--gate-after K]
+[--real NAME ...]``
 runs :func:`ringserve.server.run_process` exactly as ``ringserve serve`` does
 (listener, hub, signals, drain, the ``ready: ... at URL`` log line; ``MODEL``, a file, names the
 model after its stem as ``ringserve serve MODEL`` does, its contents unread) with a
 :class:`~ringserve.engine.fake.FakeEngine` built from the ``--fake`` JSON
 keyword arguments (``n_slots`` and ``n_ctx`` default to each model's settings, ``record`` to false: no
 test can read this process's engine log, which would grow with every decode call).
+
+With ``--real NAME``, the model of the catalog named NAME is llama.cpp's, loaded from its file
+by the server's own loader (``engine/llama.py`` ``LlamaLoader``), beside the fake ones
+(:class:`MixedLoader`): a real load while fake streams run (``bench/load_beside.py``).
 
 With ``--gate-after K``, once ``K`` sequences have been begun every decode
 call waits until the process receives ``SIGUSR1``: the benchmark creates its
@@ -24,18 +29,22 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import attrs  # noqa: E402
+
 from ringserve.config import Config, ModelSettings  # noqa: E402
 from ringserve.core.batch import Sampled, SlotFeed  # noqa: E402
 from ringserve.core.sampling import ResolvedSampling  # noqa: E402
 from ringserve.engine.fake import FakeEngine  # noqa: E402
 from ringserve.engine.gbnf import Constraint, LazyCalls  # noqa: E402
+from ringserve.engine.loader import FactoryLoader, Front, ModelLoader  # noqa: E402
+from ringserve.engine.protocol import Engine  # noqa: E402
 from ringserve.server import run_process  # noqa: E402
 
 REPLY_UNIT = "0123456789abcdef"
@@ -78,6 +87,28 @@ class GatedFakeEngine(FakeEngine):
         return super().decode(feeds)
 
 
+@attrs.frozen
+class MixedLoader:
+    """A :class:`~ringserve.engine.loader.ModelLoader` that loads the models named in ``names`` with
+    ``real`` (llama.cpp's) and every other one with ``fake``; the free memory is ``real``'s."""
+
+    fake: ModelLoader
+    real: ModelLoader
+    names: frozenset[str]
+
+    def _loader(self, settings: ModelSettings) -> ModelLoader:
+        return self.real if settings.model.name in self.names else self.fake
+
+    def front(self, settings: ModelSettings) -> Front:
+        return self._loader(settings).front(settings)
+
+    def engine(self, settings: ModelSettings, front: Front, progress: Callable[[float], None]) -> Engine:
+        return self._loader(settings).engine(settings, front, progress)
+
+    def free_memory(self) -> int | None:
+        return self.real.free_memory()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench/fake_server.py", description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", type=Path, help="a model file: the model's name is its stem")
@@ -85,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fake", default="{}", help="FakeEngine keyword arguments as a JSON object")
     ap.add_argument("--reply-bytes", type=int, help=f"reply with this many bytes of {REPLY_UNIT!r} repeated")
     ap.add_argument("--gate-after", type=int, help="hold decoding after this many sequences until SIGUSR1")
+    ap.add_argument("--real", action="append", default=[], metavar="NAME",
+                    help="the model NAME is llama.cpp's, loaded from its file (repeatable)")
     args = ap.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     config = Config.from_toml(args.config)
@@ -102,12 +135,22 @@ def main(argv: list[str] | None = None) -> int:
         sized = {"n_slots": settings.engine.slots} | ({"n_ctx": settings.model.ctx_size} if settings.model.ctx_size else {})
         return sized | given
 
-    if args.gate_after is None:
-        return run_process(config, lambda settings: FakeEngine(**arguments(settings)))
-    gate = threading.Event()
-    signal.signal(signal.SIGUSR1, lambda _signum, _frame: gate.set())
-    return run_process(config, lambda settings: GatedFakeEngine(gate=gate, gate_after=args.gate_after,
-                                                                **arguments(settings)))
+    gate: threading.Event | None = None
+    if args.gate_after is not None:
+        opened = gate = threading.Event()
+        signal.signal(signal.SIGUSR1, lambda _signum, _frame: opened.set())
+
+    def factory(settings: ModelSettings) -> FakeEngine:
+        if gate is None:
+            return FakeEngine(**arguments(settings))
+        return GatedFakeEngine(gate=gate, gate_after=args.gate_after, **arguments(settings))
+
+    if not args.real:
+        return run_process(config, factory)
+    from ringserve.engine.llama import LlamaLoader
+
+    real = LlamaLoader(config.router.memory_margin)
+    return run_process(config, MixedLoader(FactoryLoader(factory), real, frozenset(args.real)))
 
 
 if __name__ == "__main__":

@@ -500,22 +500,33 @@ class LlamaVocab:
     def _scan_vocab(self) -> tuple[int | None, SpecialTokens]:
         """One pass over the vocabulary: the bytes of the longest token piece (for BPE and SPM
         vocabularies; None for others) and the special tokens (control and unknown ones, the
-        tokens only ``parse_special`` makes: the chat template's markers)."""
-        byte_sized = lc.llama_vocab_type(self._vocab) in (lc.LLAMA_VOCAB_TYPE_SPM, lc.LLAMA_VOCAB_TYPE_BPE)
-        special_attrs = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN
+        tokens only ``parse_special`` makes: the chat template's markers).
+
+        A loading thread runs this beside running streams, so it makes one llama.cpp call per
+        token: ``llama_token_to_piece`` without special tokens gives control and unknown tokens
+        no piece (0 bytes; ``llama_vocab::impl::token_to_piece`` in llama.cpp's
+        ``src/llama-vocab.cpp``), so only the tokens of no piece have their attributes read
+        (gemma-3-270m: 6,250 of 262,144): about 0.6 of the time with the GIL of two calls per
+        token (``bench/load_beside.py``, docs/benchmarks.md)."""
+        vocab, to_piece = self._vocab, lc.llama_token_to_piece
         buf = ctypes.create_string_buffer(256)
+        size = len(buf)
         longest = 1
-        specials = []
+        pieceless = []
         for token in range(self.n_vocab):
-            if byte_sized:
-                n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-                longest = max(longest, abs(n))  # negative: the piece needs -n bytes
-            attr = lc.llama_vocab_get_attr(self._vocab, token)
-            if attr & special_attrs:
-                text = self._special_text(token)
-                if text:
-                    specials.append(SpecialToken(text, lstrip=bool(attr & lc.LLAMA_TOKEN_ATTR_LSTRIP),
-                                                 rstrip=bool(attr & lc.LLAMA_TOKEN_ATTR_RSTRIP)))
+            n = abs(to_piece(vocab, token, buf, size, 0, False))  # negative: the piece needs -n bytes
+            if n > longest:
+                longest = n
+            elif not n:
+                pieceless.append(token)
+        special_attrs = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN
+        specials = []
+        for token in pieceless:
+            attr = lc.llama_vocab_get_attr(vocab, token)
+            if attr & special_attrs and (text := self._special_text(token)):
+                specials.append(SpecialToken(text, lstrip=bool(attr & lc.LLAMA_TOKEN_ATTR_LSTRIP),
+                                             rstrip=bool(attr & lc.LLAMA_TOKEN_ATTR_RSTRIP)))
+        byte_sized = lc.llama_vocab_type(vocab) in (lc.LLAMA_VOCAB_TYPE_SPM, lc.LLAMA_VOCAB_TYPE_BPE)
         return (longest if byte_sized else None), SpecialTokens(specials)
 
     def _special_text(self, token: int) -> str:

@@ -7,6 +7,7 @@ KV cells.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import logging
@@ -22,8 +23,10 @@ from ringserve.core.offload import Offload
 from ringserve.core.sizing import CacheType
 from ringserve.engine.modelfile import ModelFileError, default_model_path
 from ringserve.engine.protocol import EngineError, KVCacheFull
+from ringserve.formats.template.fragments import SpecialToken, SpecialTokens
 from tests.support.feeds import check_bad_batches
 from tests.support.helpers import GREEDY, chat_prompt, prompt_tokens, sampler
+from tests.support.models import gemma_path, smollm2_path
 from tests.support.server import MODEL_THREADS
 
 llama = pytest.importorskip("ringserve.engine.llama")
@@ -395,6 +398,28 @@ def test_a_final_assistant_message_is_a_prefill(engine):
     tokens = prompt_tokens(engine, [ChatMessage("user", "Count from 1 to 10."), ChatMessage("assistant", prefill)])
     tail = b"".join(engine.token_piece(t) for t in tokens).decode()
     assert tail.endswith(prefill)
+
+
+@pytest.mark.parametrize("path", [smollm2_path, gemma_path], ids=["smollm2", "gemma"])
+def test_vocabulary_scan_finds_what_reading_every_token_finds(path):
+    """The scan (one call per token, the attributes of the pieceless tokens only) gives the longest
+    piece and the special tokens, with their strip flags and in token order, that reading every
+    token's piece and attributes gives."""
+    lc = llama.lc
+    vocab = llama.LlamaVocab.load(path())
+    try:
+        buf = ctypes.create_string_buffer(256)
+        pieces = [lc.llama_token_to_piece(vocab._vocab, t, buf, len(buf), 0, False) for t in range(vocab.n_vocab)]
+        attrs = [lc.llama_vocab_get_attr(vocab._vocab, t) for t in range(vocab.n_vocab)]
+        specials = [SpecialToken(text, lstrip=bool(a & lc.LLAMA_TOKEN_ATTR_LSTRIP),
+                                 rstrip=bool(a & lc.LLAMA_TOKEN_ATTR_RSTRIP))
+                    for t, a in enumerate(attrs)
+                    if a & (lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN) and (text := vocab._special_text(t))]
+        longest, found = vocab._scan_vocab()
+        assert longest == max(map(abs, pieces)) == vocab.max_token_bytes
+        assert found.tokens == SpecialTokens(specials).tokens and len(found.tokens) > 10
+    finally:
+        vocab.close()
 
 
 def test_max_token_bytes_bounds_the_tokens_of_plain_text(engine):

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ringserve.engine.modelfile import default_model_path
+from tests.support.models import smollm2_path
 from tests.support.server import MODEL_THREADS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -278,3 +279,56 @@ def test_kv_types_bench_reports_memory_and_speed_per_cache_type(tmp_path: Path) 
     assert rows["q8_0/q8_0 fa=on"]["memory_ratio"] == pytest.approx(34 / 64, rel=0.01)
     assert rows["q4_0/q4_0 fa=on"]["memory_ratio"] == pytest.approx(18 / 64, rel=0.01)
     assert "KV/token llama" in printed[0] and "tok/s @64" in printed[0]
+
+
+def test_kv_pool_bench_runs_a_long_request_with_chats_and_queues_a_second_long_one(tmp_path: Path) -> None:
+    """On the fake engine (a pool of 3,000 tokens): the long request and the chats complete; the
+    second long request, sent while the first runs, is queued (its status said so) and completes."""
+    printed: list[str] = []
+    out = run_bench("kv_pool", tmp_path, "--fake", "--long-tokens", "2000", "--fake-ctx", "3000", "--poll", "0.05",
+                    stdout=printed)
+    assert out["all_complete"] and out["fourth_sent_while_first_ran"]
+    first, *chats, fourth = out["rows"]
+    assert len(chats) == 3 and all(r["input_tokens"] < 100 and r["output_tokens"] == 8 for r in chats)
+    assert first["input_tokens"] == fourth["input_tokens"] == out["prompt_tokens_counted"]["long 1"] > 1900
+    assert fourth["queued_polls"] >= 1 and 0 < fourth["queued_s"] < fourth["total_s"]
+    assert "waited" in printed[0] and "all complete: yes" in printed[0]
+
+
+@pytest.mark.model
+def test_load_beside_bench_times_a_stream_while_a_model_loads_here_and_elsewhere(tmp_path: Path) -> None:
+    """One round on the bundled model (the load in the server, in another process, and none): every
+    window holds gaps, and the ratios are of the p99s."""
+    printed: list[str] = []
+    out = run_bench("load_beside", tmp_path, "--model", str(smollm2_path()), "--rounds", "1", "--tokens", "1000",
+                    stdout=printed)
+    [one] = out["rounds"]
+    assert sorted(one["order"]) == ["elsewhere", "idle", "load"]
+    for condition in ("load", "elsewhere", "idle"):
+        run = one[condition]
+        assert run["window_s"] > 0 and len(run["gaps"]) > 10 and 0 < run["p50"] <= run["p99"] <= run["max"]
+    for condition in ("load", "elsewhere"):
+        assert one[f"ratio_{condition}"] == pytest.approx(one[condition]["p99"] / one["idle"]["p99"])
+        assert out["summary"][f"ratio_{condition}_median"] == pytest.approx(one[f"ratio_{condition}"])
+    assert out["summary"]["goal"] == 1.25 and "load / idle" in printed[0]
+
+
+@pytest.mark.skipif(not (ROOT / ".ci" / "agents" / "node_modules" / ".bin" / "codex").exists(),
+                    reason="the agents are not installed: npm ci --prefix .ci/agents")
+def test_agents_model_bench_launches_both_agents_and_reads_their_requests(tmp_path: Path) -> None:
+    """On the fake engine (``--fake``: the server started by the bench, found by the launcher): both
+    agents exit 0 with the fake's reply, and their requests, statuses and tokens are reported."""
+    scratch = Path("/var/tmp") / f"ringserve-bench-agents-{tmp_path.name}"  # Codex refuses helpers under /tmp
+    try:
+        printed: list[str] = []
+        out = run_bench("agents_model", tmp_path, "--fake", "--scratch", str(scratch), stdout=printed)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    claude, codex = out["runs"]
+    assert claude["agent"] == "claude" and codex["agent"] == "codex"
+    for run in (claude, codex):
+        assert run["returncode"] == 0, run["stderr_tail"]
+        assert run["requests"] and all(q["status"] == 200 for q in run["requests"])
+        assert run["prompt_tokens"] > 1000 and run["generated_tokens"] > 0
+    assert claude["outcome"] == "Hi." and codex["outcome"] == "turn.completed"
+    assert "requests (status, s)" in printed[0]
