@@ -271,6 +271,10 @@ def _runner(s: RunnerStatistics) -> Iterator[Metric]:
     yield _counter("ringserve_engine_idle_seconds",
                    "Wall seconds between one decode call's end and the next one's start while generations were"
                    " active: the engine waiting for the Python side.", s.engine_idle_seconds_total)
+    yield _counter("ringserve_loop_lag_seconds",
+                   "Of ringserve_engine_idle_seconds, the wall seconds from a decode call's end to the owner loop"
+                   " taking its result: the engine waiting for the event loop (its coalescing windows widen).",
+                   s.loop_lag_seconds_total)
 
 
 def _logs(logs: LogStoreStatistics) -> Iterator[Metric]:

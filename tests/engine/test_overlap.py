@@ -285,3 +285,38 @@ async def test_a_consumer_gets_each_step_in_one_call_while_the_next_decodes_only
         nursery.cancel_scope.cancel()
     assert calls == [["BlockStart", "BlockDelta"], ["BlockDelta"], ["BlockDelta"], ["BlockDelta", "BlockStop", "Finish"]]
     assert next_began == [overlap] * 3
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_the_loop_lag_is_the_time_the_engine_waited_for_the_loop_after_a_decode(overlap):
+    """A consumer that holds the Trio thread for 60 ms per step against 10 ms decode steps: with
+    overlap its work runs while the next step decodes, and the runner takes that step's result only
+    once it returns, about 50 ms late (issue 42: what widens the coalescing window); without overlap
+    the consumer runs between the steps, after the runner took the result."""
+    engine = FakeEngine(n_slots=1, step_seconds=0.01)
+    runner = Runner(engine, EngineConfig(slots=1), overlap=overlap)
+    ended = trio.Event()
+    lags: list[float] = []
+
+    def consumer(events):
+        lags.append(runner.loop_lag)
+        time.sleep(0.06)
+        if any(type(e).__name__ == "Finish" for e in events):
+            ended.set()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        with trio.fail_after(GUARD):
+            prepared = await runner.prepare(request(4))
+            async with runner.submit(prepared) as gen:
+                gen.consume(consumer)
+                await ended.wait()
+        nursery.cancel_scope.cancel()
+    total = runner.statistics().loop_lag_seconds_total
+    assert len(lags) == 4 and all(lag >= 0 for lag in lags)
+    if overlap:  # steps 2, 3 and 4 each decoded beside the last step's consumer
+        assert min(lags[1:]) >= 0.04
+        assert total >= 3 * 0.04
+    else:
+        assert total >= sum(lags)
+
