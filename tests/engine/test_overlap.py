@@ -320,3 +320,25 @@ async def test_the_loop_lag_is_the_time_the_engine_waited_for_the_loop_after_a_d
     else:
         assert total >= sum(lags)
 
+
+async def test_while_the_loop_lags_a_stream_gets_fewer_larger_entries(tmp_path, monkeypatch):
+    """A runner that reports a lag over 5 % of every 10 ms step: each stream's coalescing window
+    widens (``[stream] flush_max_ms``, 1 s here), and the token count that releases an entry
+    (``flush_tokens``, the default 16) with it, so an entry carries many tokens. With the default
+    25 ms window an entry holds the tokens of the steps within about one window (10 ms each at
+    least): a few."""
+    tokens = {}
+    monkeypatch.setattr(Runner, "loop_busy", property(lambda self: 0.0))
+    for lagging in (False, True):  # the lag the runner reports, not this loaded machine's
+        monkeypatch.setattr(Runner, "loop_lag", property(lambda self, lag=0.01 if lagging else 0.0: lag))
+        (tmp_path / str(lagging)).mkdir()
+        config = fake_config(tmp_path / str(lagging), engine={"overlap": "on"},
+                             stream={"flush_max_ms": 1000.0})
+        async with running_server(config, step_seconds=0.01, piece_bytes=1, reply="x" * 200) as state:
+            async with httpx.AsyncClient(base_url=state.urls[0], timeout=GUARD) as client:
+                body = {**OPENAI_BODY, "stream": True, "max_tokens": 120}
+                _, events, _ = await sse_events(client, "POST", "/v1/chat/completions", json=body)
+        tokens[lagging] = [len(openai_text([e])) for e in events if '"content":"' in e.data]
+        assert sum(tokens[lagging]) == 120
+    assert max(tokens[False]) <= 8
+    assert max(tokens[True]) >= 24
