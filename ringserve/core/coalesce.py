@@ -17,7 +17,7 @@ that step (``lag``), how long the step took, and the share of that time the
 loop's thread was busy (``busy``), and keeps them as moving averages over
 about one window (a stream's writes come once per window, so its lag comes
 in spikes). Where the loop made the engine wait, on average, more than
-:data:`LAG_SHARE` of a step, or was busy more than :data:`BUSY_SHARE` of the
+:data:`LAG_SHARE` of a step (and more than :data:`LAG_FLOOR`), or was busy more than :data:`BUSY_SHARE` of the
 time (where the engine's thread waits for the interpreter lock, and every
 reader for the loop), the window doubles, up to ``bound`` (like vLLM's
 ``--stream-interval``, in seconds: fewer, larger writes per stream, so the
@@ -38,6 +38,12 @@ import attrs
 #: The share of a decode step the engine may wait for the event loop before the window widens.
 #: Issue 42's goal is the engine's rate at 0.95 (and at 0.90 and 0.85 at 128 and 256 streams).
 LAG_SHARE = 0.05
+
+#: The lag (seconds) that never widens the window, however short the steps: the hop back from the
+#: engine's thread to the loop, which fewer writes do not shorten (an estimate: about 0.1 ms on a
+#: quiet machine, a few times that on a loaded one). Without it a fast engine (2 ms steps) widened
+#: the window of a single stream.
+LAG_FLOOR = 0.0005
 
 #: The share of the time the event loop's thread may be busy before the window widens.
 BUSY_SHARE = 0.5
@@ -99,10 +105,11 @@ class Coalescer:
             self._busy += weight * (busy - self._busy)
         if now < self._changed + current:
             return
-        if (self._lag > LAG_SHARE * self._step or self._busy > BUSY_SHARE) and current < self.bound:
+        allowed = max(LAG_SHARE * self._step, LAG_FLOOR)
+        if (self._lag > allowed or self._busy > BUSY_SHARE) and current < self.bound:
             self._changed = now
             self._resize(min(self.bound, 2 * current))
-        elif self._lag < LAG_SHARE / 2 * self._step and self._busy < BUSY_SHARE / 2 and current > self.window:
+        elif self._lag < allowed / 2 and self._busy < BUSY_SHARE / 2 and current > self.window:
             self._changed = now
             self._resize(max(self.window, current / 2))
 

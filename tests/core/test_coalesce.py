@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringserve.core.coalesce import BUSY_SHARE, LAG_SHARE, Coalescer
+from ringserve.core.coalesce import BUSY_SHARE, LAG_FLOOR, LAG_SHARE, Coalescer
 from ringserve.core.events import BlockDelta, BlockKind, BlockStart, BlockStop, Finish, StopReason, Usage
 from ringserve.core.producer import Producer, replay
 from ringserve.core.safety import Verdict
@@ -255,6 +255,18 @@ def test_a_lag_within_the_share_of_a_step_or_without_a_bound_changes_nothing():
     fixed = Coalescer(window=0.025, max_tokens=16)  # bound 0: the window as configured
     fixed.pace(1.0, STEP, 0.0, now=0.0)
     assert fixed.current == 0.025
+
+
+def test_with_short_steps_a_lag_under_the_floor_changes_nothing():
+    """2 ms steps: a lag of 0.4 ms is 20 % of a step but under the floor (the hop back from the
+    engine's thread, which fewer writes would not shorten); 0.6 ms is over both."""
+    c = Coalescer(window=0.025, max_tokens=16, bound=0.2)
+    for k in range(100):
+        c.pace(0.8 * LAG_FLOOR, 0.002, 0.0, now=k * 0.002 + 0.001)
+    assert c.current == 0.025
+    for k in range(100, 120):
+        c.pace(1.2 * LAG_FLOOR, 0.002, 0.0, now=k * 0.002 + 0.001)
+    assert c.current > 0.025
 
 
 def test_a_loop_busy_over_its_share_widens_the_window_and_under_half_of_it_narrows_it():
