@@ -391,8 +391,14 @@ def llama_server(binary: Path, model: Path, log_path: Path, *, slots: int, ctx_p
     )
 
 
-def ringserve_config(path: Path, tables: dict[str, dict[str, Any]]) -> Path:
-    """Write a ringserve TOML config with ``tables`` (values: str, bool, int, float) to ``path``."""
+def ringserve_config(path: Path, tables: dict[str, dict[str, Any]], overrides: Sequence[str] = ()) -> Path:
+    """Write a ringserve TOML config with ``tables`` (values: str, bool, int, float) to ``path``, with
+    ``overrides`` over them: ``TABLE.KEY=JSON`` items (a script's ``--config``, e.g. ``stream.flush_ms=50``)."""
+    tables = {name: dict(keys) for name, keys in tables.items()}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        table_name, _, name = key.partition(".")
+        tables.setdefault(table_name, {})[name] = json.loads(value)
     lines = []
     for name, keys in tables.items():
         lines.append(f"[{name}]")

@@ -284,11 +284,7 @@ def start(tree: Path, tmp: Path, tag: str, level: Level, extra: Sequence[str] = 
         "store": {"path": str(tmp / f"{tag}.sqlite3")},
         "limits": {"max_readers_per_client": 0},
     }
-    for item in extra:
-        key, _, value = item.partition("=")
-        table_name, _, name = key.partition(".")
-        tables.setdefault(table_name, {})[name] = json.loads(value)
-    cfg = ringserve_config(tmp / f"{tag}.toml", tables)
+    cfg = ringserve_config(tmp / f"{tag}.toml", tables, extra)
     fake = {"piece_bytes": PIECE_BYTES, "step_seconds": level.step_ms / 1000}
     return ServerProcess([python(), str(tree / "bench" / "fake_server.py"), "--config", str(cfg),
                           "--fake", json.dumps(fake),
