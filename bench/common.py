@@ -411,13 +411,14 @@ class ServerProcess:
 
 
 def llama_server(binary: Path, model: Path, log_path: Path, *, slots: int, ctx_per_slot: int, threads: int,
-                 batch: int = 512, flash_attn: str = "off") -> ServerProcess:
+                 batch: int = 512, flash_attn: str = "off", kv_unified: bool = False) -> ServerProcess:
     """Start llama.cpp's ``llama-server`` beside ringserve on the same terms, ready once ``/health`` answers 200.
 
     Runs ``binary -m MODEL --host 127.0.0.1 --port PORT -np SLOTS -c SLOTS*CTX -t T -tb T -b BATCH -ub BATCH
-    -fa FLASH_ATTN --no-repack``:
+    -fa FLASH_ATTN --no-repack`` (and ``-kvu`` with ``kv_unified``):
     as many slots (parallel sequences) as ringserve, the same context per slot
-    (llama-server splits ``-c`` evenly among its ``-np`` slots), the same
+    (llama-server splits ``-c`` evenly among its ``-np`` slots; with ``kv_unified``
+    they share one pool of that size, as ringserve's slots do by default), the same
     threads for decode and prefill (``threads`` 0: ``os.cpu_count()``; the
     scripts resolve 0 so before they configure ringserve, whose own
     ``n_threads = 0`` means every core but one), a logical and physical batch of
@@ -435,13 +436,19 @@ def llama_server(binary: Path, model: Path, log_path: Path, *, slots: int, ctx_p
     return ServerProcess(
         [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
          "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
-         "-b", str(batch), "-ub", str(batch), "-fa", flash_attn, "--no-repack"],
+         "-b", str(batch), "-ub", str(batch), "-fa", flash_attn, "--no-repack", *(["-kvu"] if kv_unified else [])],
         log_path, ready_pattern=None, url=f"http://127.0.0.1:{port}", probe="/health",
     )
 
 
-def ringserve_config(path: Path, tables: dict[str, dict[str, Any]]) -> Path:
-    """Write a ringserve TOML config with ``tables`` (values: str, bool, int, float) to ``path``."""
+def ringserve_config(path: Path, tables: dict[str, dict[str, Any]], overrides: Sequence[str] = ()) -> Path:
+    """Write a ringserve TOML config with ``tables`` (values: str, bool, int, float) to ``path``, with
+    ``overrides`` over them: ``TABLE.KEY=JSON`` items (a script's ``--config``, e.g. ``stream.flush_ms=50``)."""
+    tables = {name: dict(keys) for name, keys in tables.items()}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        table_name, _, name = key.partition(".")
+        tables.setdefault(table_name, {})[name] = json.loads(value)
     lines = []
     for name, keys in tables.items():
         lines.append(f"[{name}]")

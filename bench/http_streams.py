@@ -104,9 +104,19 @@ def messages(tag: str) -> list[dict[str, str]]:
     ]
 
 
+def chatml(tag: str) -> str:
+    """:func:`messages` as the bundled model's chat template (ChatML) renders them, with the generation
+    prompt: the raw loop's prompt, as many tokens as the servers prefill."""
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages(tag)) + "<|im_start|>assistant\n"
+
+
 SETTLE_SECONDS = ENGINE_IDLE_SECONDS + 0.5
 """Pause before each level and raw run: ringserve's engine thread, and the OpenMP team that spins
 beside it, ends after ``ENGINE_IDLE_SECONDS`` idle, so no side decodes beside the last one's spinning."""
+
+CTX_PER_SLOT = 2048
+"""KV cells per slot in every server (and the raw loop): ringserve's ``[engine] ctx_per_slot`` and
+``[model] ctx_size`` = slots x this, llama-server's ``-c``."""
 
 SERVERS = ("ringserve", "llama-server", "llama_cpp.server")
 """Every server this script can run; ringserve's ratios are taken against each of the others."""
@@ -234,15 +244,21 @@ def engine_idle_share(level: dict[str, Any]) -> float | None:
     return level["server_engine_idle_seconds"] / busy if busy > 0 else None
 
 
-def raw_level(model: Path, n: int, tokens: int, threads: int) -> dict[str, float]:
+def raw_level(model: Path, n: int, tokens: int, threads: int, kv_unified: bool = True,
+              slots: int | None = None, flash_attn: str = "off") -> dict[str, float]:
     """The raw decode loop's end-to-end rate for ``n`` sequences of ``tokens`` tokens.
 
     One :func:`bench.raw_decode.raw_decode_run` of ``tokens - 1`` steps (its
     prefill samples the first token); the rate counts the prefill too, as the
-    HTTP figures do: ``n * tokens / (prefill + steps)``. Its prompt is the raw
-    loop's own (``PROMPT``, about as long as the chat prompt here).
+    HTTP figures do: ``n * tokens / (prefill + steps)``. Its prompt is the servers'
+    (:func:`chatml`; with the bundled model the same tokens). Its KV cache is
+    the servers': with ``kv_unified`` one pool of :data:`CTX_PER_SLOT` cells per slot of
+    ``slots`` (default ``n``), else :data:`CTX_PER_SLOT` cells per sequence. Flash attention
+    ``on``, ``off`` or ``auto`` as the servers'.
     """
-    run = raw_decode_run(model, n, tokens - 1, n_threads=threads)
+    run = raw_decode_run(model, n, tokens - 1, n_threads=threads, kv_unified=kv_unified,
+                         n_ctx=((slots or n) if kv_unified else n) * CTX_PER_SLOT,
+                         flash_attn={"on": True, "off": False, "auto": None}[flash_attn], prompt=chatml("raw"))
     return {
         "tokens_per_second": n * tokens / (run.prefill_seconds + sum(run.step_seconds)),
         "decode_tokens_per_second": run.tokens_per_second,
@@ -261,19 +277,23 @@ def warm_up(url: str, max_tokens: int) -> dict[str, Any]:
 
 def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Sequence[str],
                   llama_server_binary: Path | None, overlap: str = "auto",
-                  flash_attn: str = "off", logs: Path | None = None) -> dict[str, ServerProcess]:
+                  flash_attn: str = "off", logs: Path | None = None,
+                  kv_unified: bool = True) -> dict[str, ServerProcess]:
     """Start the servers in ``names`` (ringserve always), stopping those started if one fails.
 
     ``llama-server`` runs as :func:`bench.common.llama_server` starts it: as many slots as ringserve,
-    the same KV pool (2048 cells per slot: ringserve's ``[model] ctx_size``, llama-server's ``-c``;
-    at most 2048 for one request), threads, batch and flash attention. ringserve has no limit on
+    the same KV cache (:data:`CTX_PER_SLOT` cells per slot: ringserve's ``[model] ctx_size``,
+    llama-server's ``-c``; at most that for one request; one pool that the slots share with
+    ``kv_unified``, ringserve's default and llama-server's ``-kvu``, else one per slot), threads,
+    batch and flash attention. ringserve has no limit on
     the readers of one client (every stream comes from this process). Their logs go to ``logs``
     (default ``tmp``), ringserve's config and store to ``tmp``.
     """
     logs = logs or tmp
     cfg = ringserve_config(tmp / "ringserve.toml", {
-        "model": {"path": str(model), "n_threads": threads, "flash_attn": flash_attn, "ctx_size": slots * 2048},
-        "engine": {"ctx_per_slot": 2048, "overlap": overlap},
+        "model": {"path": str(model), "n_threads": threads, "flash_attn": flash_attn,
+                  "ctx_size": slots * CTX_PER_SLOT, "kv_unified": kv_unified},
+        "engine": {"ctx_per_slot": CTX_PER_SLOT, "overlap": overlap},
         "store": {"path": str(tmp / "store.sqlite3")},
         "limits": {"max_readers_per_client": 0},  # every stream comes from one address: 64 by default
     })
@@ -287,8 +307,8 @@ def start_servers(model: Path, threads: int, tmp: Path, slots: int, names: Seque
         if "llama-server" in names:
             assert llama_server_binary is not None
             servers["llama-server"] = llama_server(llama_server_binary, model, logs / "llama-server.log",
-                                                   slots=slots, ctx_per_slot=2048, threads=threads,
-                                                   flash_attn=flash_attn)
+                                                   slots=slots, ctx_per_slot=CTX_PER_SLOT, threads=threads,
+                                                   flash_attn=flash_attn, kv_unified=kv_unified)
         if "llama_cpp.server" in names:
             port = free_port()
             servers["llama_cpp.server"] = ServerProcess(
@@ -325,7 +345,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="ringserve's [engine] overlap (auto: off when the threads take every core)")
     ap.add_argument("--flash-attn", choices=["auto", "on", "off"], default="off",
                     help="flash attention in both servers: ringserve's [model] flash_attn, llama-server's -fa"
-                         " (off: ringserve's default; llama-server's own default is auto; the raw loop runs without)")
+                         " and the raw loop (off: ringserve's default; llama-server's own default is auto)")
+    ap.add_argument("--kv", choices=["unified", "split"], default="unified",
+                    help="the KV cache of every side: one pool the slots share (ringserve's default"
+                         " [model] kv_unified, llama-server's -kvu, the raw loop's kv_unified) or one per slot")
     ap.add_argument("--logs", type=Path, default=None, help="keep the servers' logs in this folder")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds from the start: start no round that would end after it, if it took as"
@@ -349,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     info = machine()
     print(f"HTTP streaming: {model.name}, max_tokens {args.tokens}, {args.requests} request(s) per client,"
           f" {args.rounds} rounds, ringserve --slots {args.slots} overlap {args.overlap}, {threads} threads each,"
-          f" flash attention {args.flash_attn}")
+          f" flash attention {args.flash_attn}, KV {args.kv}")
     print(machine_line(info), flush=True)
 
     rounds: dict[str, dict[int, list[dict[str, Any]]]] = {s: {n: [] for n in args.streams} for s in SERVERS}
@@ -358,7 +381,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.logs is not None:
             args.logs.mkdir(parents=True, exist_ok=True)
         servers = start_servers(model, threads, Path(tmp_name), args.slots, args.servers, args.llama_server,
-                                args.overlap, args.flash_attn, args.logs)
+                                args.overlap, args.flash_attn, args.logs, args.kv == "unified")
         try:
             warm = {name: warm_up(server.url, args.tokens) for name, server in servers.items()}
             for name, w in warm.items():
@@ -385,7 +408,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               flush=True)
                     if n <= args.slots:
                         time.sleep(SETTLE_SECONDS)
-                        raw = raw_level(model, n, args.tokens, threads)
+                        raw = raw_level(model, n, args.tokens, threads, args.kv == "unified", args.slots,
+                                        args.flash_attn)
                         raw_rounds[n].append(raw)
                         print(f"  round {r + 1} {'raw loop':>16} {n:>2} streams: {raw['tokens_per_second']:6.1f} tok/s",
                               flush=True)
@@ -460,6 +484,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": threads,
         "ringserve_overlap": args.overlap,
         "flash_attn": args.flash_attn,
+        "kv": args.kv,
         "warm_up": warm,
         "summary": {str(n): v for n, v in summary.items()},
         "rounds": {name: {str(n): v for n, v in by_n.items()} for name, by_n in rounds.items()},

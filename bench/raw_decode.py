@@ -114,7 +114,8 @@ def raw_tokens_per_second(
 
 
 def raw_decode_run(
-    path: str | Path, n_seqs: int, n_tokens: int, *, n_threads: int = 0, repeats: int = 1
+    path: str | Path, n_seqs: int, n_tokens: int, *, n_threads: int = 0, repeats: int = 1,
+    kv_unified: bool = False, n_ctx: int | None = None, flash_attn: bool | None = False, prompt: str = PROMPT,
 ) -> RawRun:
     """Aggregate greedy decode speed of a raw low-level llama-cpp-python loop, with step times.
 
@@ -128,6 +129,7 @@ def raw_decode_run(
         n_tokens: timed decode steps, so tokens sampled per sequence (>= 1).
         n_threads: CPU threads; 0 means ``os.cpu_count()``.
         repeats: timed runs on the same context (>= 1); the fastest is returned.
+        kv_unified, n_ctx, flash_attn, prompt: the KV layout, flash attention and prompt (:class:`RawDecoder`).
 
     Returns:
         The fastest repeat: tokens per second, prefill and step times.
@@ -135,7 +137,8 @@ def raw_decode_run(
     Raises:
         RuntimeError: llama.cpp failed to load, create or decode.
     """
-    with RawDecoder(path, n_seqs, n_tokens, n_threads=n_threads) as decoder:
+    with RawDecoder(path, n_seqs, n_tokens, n_threads=n_threads, kv_unified=kv_unified, n_ctx=n_ctx,
+                    flash_attn=flash_attn, prompt=prompt) as decoder:
         runs = [decoder.run() for _ in range(repeats)]
     return max(runs, key=lambda r: r.tokens_per_second)
 
@@ -145,8 +148,10 @@ class RawDecoder:
 
     Loads the model (``use_extra_bufts=False``) and creates a context for
     ``n_seqs`` sequences of :func:`_ctx_per_seq` cells each (per-sequence KV
-    cache), one batch of :data:`N_BATCH` tokens and one greedy sampler per
-    sequence. A benchmark may keep it open next to another engine and
+    cache; ``n_ctx`` cells in all when given, and one pool that every sequence
+    shares with ``kv_unified``, as ringserve's default ``[model] kv_unified``
+    and llama-server's ``-kvu``), one batch of :data:`N_BATCH` tokens and one
+    greedy sampler per sequence. A benchmark may keep it open next to another engine and
     interleave runs. Close it (or use it as a context manager) to free them.
 
     Args:
@@ -154,12 +159,20 @@ class RawDecoder:
         n_seqs: sequences decoded together (>= 1).
         n_tokens: timed decode steps per :meth:`run` (>= 1).
         n_threads: CPU threads; 0 means ``os.cpu_count()``.
+        kv_unified: one KV pool for all sequences (llama.cpp's ``kv_unified``), else one per sequence.
+        n_ctx: KV cells in all (None: ``n_seqs`` x :func:`_ctx_per_seq`).
+        flash_attn: flash attention on (True), off (False) or llama.cpp's choice (None), as
+            ringserve's ``[model] flash_attn`` ``on``, ``off``, ``auto``.
+        prompt: the text every sequence is prefilled with (special tokens parsed; default
+            :data:`PROMPT`).
 
     Raises:
         RuntimeError: llama.cpp failed to load the model or create the context.
     """
 
-    def __init__(self, path: str | Path, n_seqs: int, n_tokens: int, *, n_threads: int = 0) -> None:
+    def __init__(self, path: str | Path, n_seqs: int, n_tokens: int, *, n_threads: int = 0,
+                 kv_unified: bool = False, n_ctx: int | None = None, flash_attn: bool | None = False,
+                 prompt: str = PROMPT) -> None:
         if os.environ.get("RINGSERVE_LLAMA_LOG") != "1":
             lc.llama_log_set(_quiet, ctypes.c_void_p(0))
         lc.llama_backend_init()
@@ -172,19 +185,20 @@ class RawDecoder:
         if not self._model:
             raise RuntimeError(f"cannot load {path}")
         vocab = lc.llama_model_get_vocab(self._model)
-        text = PROMPT.encode()
+        text = prompt.encode()
         buf = (lc.llama_token * (len(text) + 8))()
         n_prompt = lc.llama_tokenize(vocab, text, len(text), buf, len(buf), True, True)
         self.prompt = list(buf[:n_prompt])
         cparams = lc.llama_context_default_params()
-        cparams.n_ctx = n_seqs * _ctx_per_seq(n_tokens)
+        cparams.n_ctx = n_ctx or n_seqs * _ctx_per_seq(n_tokens)
         cparams.n_seq_max = n_seqs
         cparams.n_batch = N_BATCH
         cparams.n_ubatch = N_BATCH
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        cparams.kv_unified = False
-        cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as ringserve's [model] flash_attn = "off"
+        cparams.kv_unified = kv_unified
+        cparams.flash_attn_type = {True: lc.LLAMA_FLASH_ATTN_TYPE_ENABLED, False: lc.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+                                   None: lc.LLAMA_FLASH_ATTN_TYPE_AUTO}[flash_attn]  # as ringserve's [model] flash_attn
         self._ctx = lc.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             lc.llama_model_free(self._model)
@@ -216,7 +230,7 @@ class RawDecoder:
             last[s] = lc.llama_sampler_sample(self._samplers[s], self._ctx, s)
 
     def run(self) -> RawRun:
-        """Empty the KV cache, prefill :data:`PROMPT` into every sequence (in batches of up to
+        """Empty the KV cache, prefill the prompt into every sequence (in batches of up to
         :data:`N_BATCH` tokens, each sequence sampled after the batch that holds its prompt's last
         token), take one untimed step, then time ``n_tokens`` steps of one token per sequence.
 

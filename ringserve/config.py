@@ -336,10 +336,17 @@ class StreamConfig:
     ``RINGSERVE_REDIS_URL`` environment variable. ``persist_seconds`` is how
     often a generating message's text so far is written to the store (and the
     Redis status hash): the most text a crash loses, in seconds of generation.
+    ``flush_max_ms`` is the widest the coalescing window (``flush_ms``) grows while
+    the event loop makes the engine wait (``core/coalesce.py``; ``flush_tokens`` grows
+    in proportion); at most ``flush_ms`` (0, the default): it never widens. Off by
+    default because the GPU-rate proxy measured no gain in rate from it at 64 streams
+    and 0-3 % at 128, for readers' gaps of up to 250 ms instead of 90 (its server CPU
+    per token fell to 0.61-0.70: docs/benchmarks.md, "The adaptive coalescing window").
     """
 
     flush_ms: float = attrs.field(default=25.0, validator=_non_negative)
     flush_tokens: int = attrs.field(default=16, validator=v.ge(1))
+    flush_max_ms: float = attrs.field(default=0.0, validator=_non_negative)
     persist_seconds: float = attrs.field(default=1.0, validator=_positive)
     ring_max_entries: int = attrs.field(default=8192, validator=v.ge(8))
     ring_max_bytes: int = attrs.field(default=4 * 1024 * 1024, validator=_positive)

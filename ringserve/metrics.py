@@ -268,6 +268,9 @@ _RUNNER_METRICS: tuple[tuple[str, type[GaugeMetricFamily | CounterMetricFamily],
     ("ringserve_engine_idle_seconds", CounterMetricFamily,
      "Wall seconds between one decode call's end and the next one's start while generations were active:"
      " the engine waiting for the Python side.", "engine_idle_seconds_total"),
+    ("ringserve_loop_lag_seconds", CounterMetricFamily,
+     "Of ringserve_engine_idle_seconds, the wall seconds from a decode call's end to the owner loop taking its"
+     " result: the engine waiting for the event loop (its coalescing windows widen).", "loop_lag_seconds_total"),
 )
 
 

@@ -20,7 +20,9 @@ Moves, in order: :meth:`start`; then any number of :meth:`event`,
 else) or :meth:`check_failed`; the
 message ends with a step whose ``end`` is set: a terminal event of the
 runner, a refusal, a failed check, or :meth:`interrupted` (the generation was
-cancelled from outside). Nothing moves after the end.
+cancelled from outside). Nothing moves after the end. Once per decode step, :meth:`pace`
+says how long the engine waited for the event loop and how busy the loop was, which sizes the
+coalescing window.
 
 Safety and tool calls: hold-back applies to text blocks only; tool-call
 arguments are passed on as decoded (a checker sees no JSON fragments), and a
@@ -159,6 +161,8 @@ class Producer:
         usage: the usage before generation (the prompt's tokens).
         flush_seconds: the coalescing window (``[stream] flush_ms`` / 1000).
         flush_tokens: release at once when this many tokens are buffered.
+        flush_max_seconds: the widest the window grows while the event loop lags
+            (``[stream] flush_max_ms`` / 1000; :meth:`pace`); at most ``flush_seconds``: it never widens.
         persist_seconds: at most this long between two snapshots while text
             is released (``[stream] persist_seconds``; what a crash can lose).
         window_tokens: the safety hold-back in tokens (0: no safety stage).
@@ -176,6 +180,7 @@ class Producer:
     window_tokens: int = 0
     retry_ms: int | None = None
     keepalive_seconds: float = math.inf
+    flush_max_seconds: float = 0.0
     status: MessageStatus = attrs.field(init=False, default=MessageStatus.QUEUED)
     stop_reason: StopReason | None = attrs.field(init=False, default=None)
     stop_sequence: str | None = attrs.field(init=False, default=None)
@@ -202,7 +207,8 @@ class Producer:
     _written_at: float = attrs.field(init=False, default=math.inf)  # when the last entries were made
 
     def __attrs_post_init__(self) -> None:
-        self._coalescer = Coalescer(window=self.flush_seconds, max_tokens=self.flush_tokens)
+        self._coalescer = Coalescer(window=self.flush_seconds, max_tokens=self.flush_tokens,
+                                    bound=self.flush_max_seconds)
         self._holdback = HoldBack(self.window_tokens) if self.window_tokens > 0 else None
 
     # -- what the shell reads ------------------------------------------------------------
@@ -316,6 +322,13 @@ class Producer:
         self._pending = None
         message = f"the safety check failed ({reason}); no unchecked text was sent"
         return self._fail(Failure(ErrorKind.API_ERROR, message, self.usage, retryable=True), now)
+
+    def pace(self, lag: float, step: float, busy: float, now: float) -> None:
+        """Once per decode step: the engine waited ``lag`` seconds for the event loop after a step
+        of ``step`` seconds, and the loop was busy ``busy`` of the time (0 to 1). The coalescing
+        window widens while the loop lags and narrows once it keeps up (``core/coalesce.py``,
+        :meth:`Coalescer.pace`); the :attr:`deadline` may move."""
+        self._coalescer.pace(lag, step, busy, now)
 
     def tick(self, now: float, ahead: float = 0.0) -> Step:
         """The :attr:`deadline` may have passed (or passes within ``ahead`` seconds, before the

@@ -131,6 +131,10 @@ class RunnerStatistics:
             to and from its thread, the step's tokens, the plan, releases and
             begins). Over this plus ``decode_seconds_total``: the share of
             a busy engine's time that a GPU would sit idle.
+        loop_lag_seconds_total: of that, the wall time from the end of each decode
+            call to the owner loop taking its result (seconds): the engine waiting
+            for the event loop to get round to it (the hop back, and whatever
+            the loop ran first: the last step's producers, the readers' writes).
         last_step_tokens: tokens in the last decoded batch.
         step_tokens_total: tokens in all decoded batches (prompt chunks and
             fed-back samples).
@@ -163,6 +167,7 @@ class RunnerStatistics:
     last_step_seconds: float
     decode_seconds_total: float
     engine_idle_seconds_total: float
+    loop_lag_seconds_total: float
     last_step_tokens: int
     step_tokens_total: int
     prompt_tokens_total: int
@@ -203,6 +208,7 @@ class _Counters:
     last_step_seconds: float = 0.0
     decode_seconds_total: float = 0.0
     engine_idle_seconds_total: float = 0.0
+    loop_lag_seconds_total: float = 0.0
     last_step_tokens: int = 0
     step_tokens_total: int = 0
     prompt_tokens_total: int = 0
@@ -316,6 +322,9 @@ class Runner:
         self._ready: dict[Generation, None] = {}  # generations with a consumer and events to deliver
         self._late: list[tuple[Generation, Sampled]] = []  # tokens to turn into events after the next submit
         self._last_decode_end: float | None = None  # time.perf_counter() at the end of the last decode call
+        self._loop_lag = 0.0  # seconds from the end of the last decode call to the loop taking its result
+        self._loop_busy = 0.0  # the share of the last step's time the loop's thread was on a CPU
+        self._resumed: tuple[float, float] | None = None  # (perf_counter, thread_time) as the loop took the last step
 
     # -- pass-through ------------------------------------------------------
 
@@ -338,6 +347,19 @@ class Runner:
     def last_step_seconds(self) -> float:
         """Wall time of the last decode call (seconds; 0 before the first)."""
         return self._counters.last_step_seconds
+
+    @property
+    def loop_lag(self) -> float:
+        """Seconds from the end of the last decode call to the owner loop taking its result (0
+        before the first): how long the engine waited for the event loop after it. Small (the
+        hop back) unless other work held the loop then (``loop_lag_seconds_total``)."""
+        return self._loop_lag
+
+    @property
+    def loop_busy(self) -> float:
+        """The share (0 to 1) of the wall time from one decode call's result to the next that the
+        event loop's thread (this one) was running: near 1, everything it does waits its turn."""
+        return self._loop_busy
 
     @property
     def overlap(self) -> bool:
@@ -673,12 +695,18 @@ class Runner:
         finally:
             self._step_done.set()
             self._step_done = None
+        resumed, busy = time.perf_counter(), time.thread_time()
+        if self._resumed is not None and resumed > self._resumed[0]:
+            self._loop_busy = min(1.0, (busy - self._resumed[1]) / (resumed - self._resumed[0]))
+        self._resumed = (resumed, busy)
         if outcome.kv_cells_used is not None:
             self._kv_used = outcome.kv_cells_used
         if outcome.started is not None:
             if self._last_decode_end is not None:
                 self._counters.engine_idle_seconds_total += outcome.started - self._last_decode_end
             self._last_decode_end = outcome.started + outcome.seconds
+            self._loop_lag = max(0.0, resumed - self._last_decode_end)
+            self._counters.loop_lag_seconds_total += self._loop_lag
 
         if outcome.begin_errors:
             admitted = {e.slot: e for e in plan.admitted}

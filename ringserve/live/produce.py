@@ -10,7 +10,10 @@ steps say (append, close, persist through ``live/persist.py``, observe).
 
 The producer is fed in the runner's pass over each decode step
 (:meth:`Generation.consume <ringserve.engine.generation.Generation.consume>`): its
-events, then a tick, with no task switch per token. Text that waits for its
+events, then a tick, with no task switch per token; first it tells the producer how long the
+engine waited for the event loop after that step and how busy the loop was (``Runner.loop_lag``,
+``Runner.loop_busy``), which widen the coalescing window while the loop lags
+(``core/coalesce.py``). Text that waits for its
 coalescing window goes at a step's end: the first one after its deadline when
 that is at most half a window late (``slack``; with steps shorter than that, the
 window gathers as many tokens as it would with a timer), else the last one
@@ -83,6 +86,8 @@ class _Feed:
             return
         try:
             now = trio.current_time()
+            runner = self.runner
+            self.producer.pace(runner.loop_lag, runner.last_step_seconds, runner.loop_busy, now)
             for i, event in enumerate(events):
                 step = self.producer.event(event, self.gen.usage, now)
                 self.production._perform(self.msg, step)
@@ -92,7 +97,7 @@ class _Feed:
                     self.attention.set()
                     return
             # release now what the next pass (a decode step later) would serve over slack late
-            ahead = max(0.0, self.runner.last_step_seconds - self.slack)
+            ahead = max(0.0, runner.last_step_seconds - self.slack)
             if self.producer.deadline <= now + ahead:
                 self.production._perform(self.msg, self.producer.tick(now, ahead))
         except Exception as exc:
@@ -143,6 +148,7 @@ class Production:
             Usage(len(prepared.prompt_tokens), 0),
             flush_seconds=stream.flush_ms / 1000,
             flush_tokens=stream.flush_tokens,
+            flush_max_seconds=stream.flush_max_ms / 1000,
             persist_seconds=stream.persist_seconds,
             window_tokens=0 if self.safety is None else self.safety.window_tokens,
             # The reconnection hint rides on the first event: a standalone "retry:"

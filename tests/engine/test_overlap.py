@@ -286,3 +286,60 @@ async def test_a_consumer_gets_each_step_in_one_call_while_the_next_decodes_only
         nursery.cancel_scope.cancel()
     assert calls == [["BlockStart", "BlockDelta"], ["BlockDelta"], ["BlockDelta"], ["BlockDelta", "BlockStop", "Finish"]]
     assert next_began == [overlap] * 3
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_the_loop_lag_is_the_time_the_engine_waited_for_the_loop_after_a_decode(overlap):
+    """A consumer that holds the Trio thread for 60 ms per step against 10 ms decode steps: with
+    overlap its work runs while the next step decodes, and the runner takes that step's result only
+    once it returns, about 50 ms late (issue 42: what widens the coalescing window); without overlap
+    the consumer runs between the steps, after the runner took the result."""
+    engine = FakeEngine(n_slots=1, step_seconds=0.01)
+    runner = Runner(engine, EngineConfig(slots=1), overlap=overlap)
+    ended = trio.Event()
+    lags: list[float] = []
+
+    def consumer(events):
+        lags.append(runner.loop_lag)
+        time.sleep(0.06)
+        if any(type(e).__name__ == "Finish" for e in events):
+            ended.set()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        with trio.fail_after(GUARD):
+            prepared = await runner.prepare(request(4))
+            async with runner.submit(prepared) as gen:
+                gen.consume(consumer)
+                await ended.wait()
+        nursery.cancel_scope.cancel()
+    total = runner.statistics().loop_lag_seconds_total
+    assert len(lags) == 4 and all(lag >= 0 for lag in lags)
+    if overlap:  # steps 2, 3 and 4 each decoded beside the last step's consumer
+        assert min(lags[1:]) >= 0.04
+        assert total >= 3 * 0.04
+    else:
+        assert total >= sum(lags)
+
+
+async def test_while_the_loop_lags_a_stream_gets_fewer_larger_entries(tmp_path, monkeypatch):
+    """A runner that reports a lag over 5 % of every 10 ms step: each stream's coalescing window
+    widens (``[stream] flush_max_ms``, 1 s here), and the token count that releases an entry
+    (``flush_tokens``, the default 16) with it, so an entry carries many tokens. With the default
+    25 ms window an entry holds the tokens of the steps within about one window (10 ms each at
+    least): a few."""
+    tokens = {}
+    monkeypatch.setattr(Runner, "loop_busy", property(lambda self: 0.0))
+    for lagging in (False, True):  # the lag the runner reports, not this loaded machine's
+        monkeypatch.setattr(Runner, "loop_lag", property(lambda self, lag=0.01 if lagging else 0.0: lag))
+        (tmp_path / str(lagging)).mkdir()
+        config = fake_config(tmp_path / str(lagging), engine={"overlap": "on"},
+                             stream={"flush_max_ms": 1000.0})
+        async with running_server(config, step_seconds=0.01, piece_bytes=1, reply="x" * 200) as state:
+            async with httpx.AsyncClient(base_url=state.urls[0], timeout=GUARD) as client:
+                body = {**OPENAI_BODY, "stream": True, "max_tokens": 120}
+                _, events, _ = await sse_events(client, "POST", "/v1/chat/completions", json=body)
+        tokens[lagging] = [len(openai_text([e])) for e in events if '"content":"' in e.data]
+        assert sum(tokens[lagging]) == 120
+    assert max(tokens[False]) <= 8
+    assert max(tokens[True]) >= 24

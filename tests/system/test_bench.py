@@ -24,9 +24,10 @@ from tests.support.server import MODEL_THREADS
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_bench(name: str, tmp_path: Path, *args: str, timeout: float = 240, stdout: list[str] | None = None) -> dict:
-    """Run ``bench/NAME.py ARGS``; return its JSON after checking the PNG exists too (and append what it
-    printed to ``stdout`` if given)."""
+def run_bench(name: str, tmp_path: Path, *args: str, timeout: float = 240, stdout: list[str] | None = None,
+              png: bool = True) -> dict:
+    """Run ``bench/NAME.py ARGS``; return its JSON after checking the PNG exists too (unless ``png`` is
+    false: a script that plots nothing), and append what it printed to ``stdout`` if given."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / f"{name}.py"), *args],
         cwd=ROOT,
@@ -39,7 +40,8 @@ def run_bench(name: str, tmp_path: Path, *args: str, timeout: float = 240, stdou
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     if stdout is not None:
         stdout.append(proc.stdout)
-    assert (tmp_path / f"{name}.png").stat().st_size > 0
+    if png:
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
     return json.loads((tmp_path / f"{name}.json").read_text())
 
 
@@ -332,3 +334,18 @@ def test_agents_model_bench_launches_both_agents_and_reads_their_requests(tmp_pa
         assert run["prompt_tokens"] > 1000 and run["generated_tokens"] > 0
     assert claude["outcome"] == "Hi." and codex["outcome"] == "turn.completed"
     assert "requests (status, s)" in printed[0]
+def test_step_timeline_bench_splits_the_steps_of_ringserve_and_the_raw_loop(tmp_path: Path) -> None:
+    out = run_bench("step_timeline", tmp_path, "--streams", "2", "--tokens", "8", "--rounds", "1",
+                    "--threads", str(MODEL_THREADS))
+    assert out["sides"] == ["ringserve", "raw loop"]
+    for side in out["sides"]:
+        [burst] = out["runs"][side]["2"]
+        assert burst["tokens_per_second"] > 0
+        assert burst["timeline"]["llama_decode"] > 0 and burst["timeline"]["decode_threads_run_queue_wait"] >= 0
+
+
+def test_decode_beside_bench_times_every_mode_against_the_loop_alone(tmp_path: Path) -> None:
+    out = run_bench("decode_beside", tmp_path, "--seqs", "2", "--tokens", "4", "--rounds", "1",
+                    "--threads", str(MODEL_THREADS), png=False)
+    assert set(out["runs"]) == {"alone", "during", "between", "wakeups", "busy"}
+    assert all(run["step_p50"] > 0 for runs in out["runs"].values() for run in runs)

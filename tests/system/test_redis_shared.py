@@ -112,7 +112,7 @@ async def test_responses_live_across_a_redis_restart_read_back_whole_through_the
             await wait_until(lambda: not any(a.hub.live(i) for i in ids), timeout=60)
 
             async def ended_on_b() -> bool:  # A's last state reaches Redis by its flusher, after A ends
-                statuses = [(await client.get(f"{_url(b)}/v1/messages/{i}")).json().get("status") for i in ids]
+                statuses = [(await client.get(f"{_url(b)}/v1/messages/{i}")).json()["status"] for i in ids]
                 return "generating" not in statuses
 
             await wait_until(ended_on_b)
