@@ -258,14 +258,19 @@ async def serve(
                 nursery.start_soon(_watch_signals, stop, stop_now)
             http = _Http(hc)
             state.urls = await nursery.start(_serve_http, app, http)
-            log.info("listening on %s (loading the model)", ", ".join(state.urls))
-            hub = await _start_models(config, catalog, _loader(loader, config), backend, safety, state, nursery)
-            task_status.started(state)
-            loaded = ", ".join(m.name for m in hub.models.models() if m.runner is not None) or "no model yet"
-            notify_systemd(f"READY=1\nSTATUS=serving {loaded} at {', '.join(state.urls)}")
-            await stop.wait()
-            notify_systemd("STOPPING=1\nSTATUS=draining")
-            await _drain(hub, http, config.server.drain_timeout)
+            starting_models = [e.name for e in catalog.entries if e.settings.model.load_on_startup]
+            log.info("listening on %s%s", ", ".join(state.urls),
+                     f" (loading {', '.join(starting_models)})" if starting_models else "")
+            with trio.CancelScope() as starting:  # a signal before the models are loaded stops here
+                nursery.start_soon(_cancel_when_set, stop, starting)
+                hub = await _start_models(config, catalog, _loader(loader, config), backend, safety, state, nursery)
+            if not starting.cancelled_caught:
+                task_status.started(state)
+                loaded = ", ".join(m.name for m in hub.models.models() if m.runner is not None) or "no model yet"
+                notify_systemd(f"READY=1\nSTATUS=serving {loaded} at {', '.join(state.urls)}")
+                await stop.wait()
+                notify_systemd("STOPPING=1\nSTATUS=draining")
+                await _drain(hub, http, config.server.drain_timeout)
             nursery.cancel_scope.cancel()
     finally:
         store.close()
@@ -448,6 +453,12 @@ async def _serve_http(app: ASGIFramework, http: _Http, *, task_status: trio.Task
         await hypercorn.trio.serve(app, http.config, shutdown_trigger=http.stop.wait, task_status=task_status)
     finally:
         http.done.set()
+
+
+async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` once ``event`` is set (nothing if ``scope`` has ended by then)."""
+    await event.wait()
+    scope.cancel()
 
 
 async def _watch_signals(stop: trio.Event, stop_now: Callable[[], None]) -> None:

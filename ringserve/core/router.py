@@ -20,7 +20,8 @@ Rules of this file (as ``core/scheduler.py``'s):
 * To load a model (:meth:`Router.plan_load`), at most ``max_loaded`` models may be loaded or
   loading, and its memory must fit what is free: the least recently used idle (loaded and not
   held) models are unloaded first, one at a time, until both hold; when no idle model is left
-  and they still do not, the load waits until one is released.
+  and they still do not, the load waits until one is released, unless it would not fit even with
+  every other model unloaded: then it fails at once.
 * A loaded model that nobody holds is unloaded ``keep_alive`` seconds after it was last released
   (:meth:`Router.expired`); a ``keep_alive`` of 0 keeps it until its place is needed.
 """
@@ -34,8 +35,8 @@ from types import MappingProxyType
 
 import attrs
 
-__all__ = ["TRANSITIONS", "Evict", "IllegalModelMove", "Load", "ModelMove", "ModelStatus", "Resident",
-           "Router", "Wait"]
+__all__ = ["TRANSITIONS", "Evict", "IllegalModelMove", "Load", "ModelMove", "ModelStatus", "NoRoom",
+           "Resident", "Router", "Wait"]
 
 
 class ModelStatus(enum.StrEnum):
@@ -132,6 +133,18 @@ class Evict:
 
 
 @attrs.frozen
+class NoRoom:
+    """It cannot fit even with every other model unloaded: its load fails.
+
+    Attributes:
+        need, free: bytes its load takes, and bytes free now plus what the other models hold.
+    """
+
+    need: int
+    free: int
+
+
+@attrs.frozen
 class Wait:
     """Nothing can make room now: ask again once a model is released or unloaded.
 
@@ -186,7 +199,7 @@ class Router:
 
     # -- loading and unloading ------------------------------------------------------------------
 
-    def plan_load(self, name: str, need: int, free: int | None) -> Load | Evict | Wait:
+    def plan_load(self, name: str, need: int, free: int | None) -> Load | Evict | Wait | NoRoom:
         """What loading ``name`` takes now.
 
         Args:
@@ -196,14 +209,18 @@ class Router:
 
         Returns:
             :class:`Load` when at most ``max_loaded - 1`` others occupy a place and ``need``
-            fits ``free``; else :class:`Evict` of the least recently used idle model (one at a
-            time, so the caller measures the memory again after each); else :class:`Wait`.
+            fits ``free``; :class:`NoRoom` when ``need`` exceeds ``free`` and all the memory the
+            others hold (it would wait forever); else :class:`Evict` of the least recently used
+            idle model (one at a time, so the caller measures the memory again after each); else
+            :class:`Wait`.
         """
         others = [r for r in self._residents.values() if r.name != name and r.occupies]
         full = len(others) >= self.max_loaded
         short = free is not None and need > free
         if not full and not short:
             return Load()
+        if free is not None and need > free + sum(r.memory for r in others):
+            return NoRoom(need, free + sum(r.memory for r in others))
         idle = [r for r in others if r.idle]
         if idle:
             return Evict(min(idle, key=lambda r: r.released_at).name)

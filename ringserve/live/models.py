@@ -19,13 +19,15 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import assert_never
 
 import attrs
 import trio
 
 from ringserve.config import ModelSettings, decode_threads, overlap_steps
 from ringserve.core.errors import ErrorKind, RingserveError
-from ringserve.core.router import Evict, Load, ModelMove, ModelStatus, Resident, Router, Wait
+from ringserve.core.router import Evict, Load, ModelMove, ModelStatus, NoRoom, Resident, Router, Wait
+from ringserve.core.sizing import format_bytes
 from ringserve.core.view import Waiting, WaitReason
 from ringserve.engine.catalog import Catalog, CatalogEntry
 from ringserve.engine.loader import Front, ModelLoader
@@ -277,6 +279,12 @@ class ModelPool:
                     case Wait(reason=reason):
                         log.info("model %s waits to load: %s", model.name, reason)
                         await self._changed.wait()
+                    case NoRoom(need=need, free=free):
+                        raise EngineError(f"it needs {format_bytes(need)}, and {format_bytes(free)} are free"
+                                          " with every other model unloaded (lower ctx_size, or [router]"
+                                          " memory_margin)")
+                    case _:
+                        assert_never(decision)
             model.resident.move(ModelMove.LOAD)
             model.progress = 0.0
             self._notify()

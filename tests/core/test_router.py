@@ -13,6 +13,7 @@ from ringserve.core.router import (
     Load,
     ModelMove,
     ModelStatus,
+    NoRoom,
     Router,
     Wait,
 )
@@ -79,6 +80,17 @@ def test_memory_that_does_not_fit_evicts_idle_models_then_waits():
     decision = router.plan_load("c", need=500, free=400)
     assert isinstance(decision, Wait) and "do not fit" in decision.reason
     assert router.plan_load("c", need=500, free=600) == Load()
+
+
+def test_memory_that_would_not_fit_with_every_other_model_unloaded_is_no_room():
+    """Nothing loaded to free (a start-up load), or not enough: no wait for a release that cannot help."""
+    router = Router(4)
+    router.add("a", 0)
+    assert router.plan_load("a", need=500, free=400) == NoRoom(500, 400)
+    loaded(router, "b", 1.0, memory=50)
+    router.hold("b")
+    assert router.plan_load("a", need=500, free=400) == NoRoom(500, 450)
+    assert isinstance(router.plan_load("a", need=500, free=460), Wait)
 
 
 def test_idle_models_expire_after_their_keep_alive_and_zero_keeps_them():

@@ -5,6 +5,7 @@ unload, llama-server's ``/models`` routes, and a stream that waits for its model
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from ringserve.engine.fake import FakeEngine
 from ringserve.engine.loader import Front, context_window
 from ringserve.engine.modelfile import default_model_path
 from ringserve.engine.protocol import Engine, EngineError
+from ringserve.server import run_process, serve
 from tests.support.helpers import ANTHROPIC_BODY, OPENAI_BODY, anthropic_text, openai_text
 from tests.support.server import fake_config, running_server
 from tests.support.wait import wait_until
@@ -298,3 +300,49 @@ async def test_counting_and_rendering_read_a_model_s_front_without_loading_it(tm
         rendered = await client.post("/v1/chat/completions/render", json={**OPENAI_BODY, "model": "beta"})
         assert rendered.status_code == 200 and rendered.json()["input_tokens"] > 0
         assert await statuses(client) == {"alpha": "unloaded", "beta": "unloaded"}
+
+
+class BigLoader(SlowLoader):
+    """A model whose estimate (1,000 bytes) exceeds the free memory (500) with nothing else loaded."""
+
+    def front(self, settings: ModelSettings) -> Front:
+        return attrs.evolve(super().front(settings), memory=1000)
+
+    def free_memory(self) -> int | None:
+        return 500
+
+
+def test_a_model_that_cannot_fit_with_every_other_unloaded_fails_at_start_instead_of_waiting(tmp_path):
+    """Loaded at start: one line (EngineError), not a wait for a release that cannot come."""
+    config = presets(tmp_path, ("alpha",), alpha={"load_on_startup": True}).replace("server", port=0)
+    with pytest.raises(EngineError, match=r"the model 'alpha' cannot be loaded: it needs 1000 B, and 500 B"
+                                          r" are free with every other model unloaded"):
+        run_process(config, BigLoader())
+
+
+async def test_a_model_that_cannot_fit_with_every_other_unloaded_is_an_error_at_once_on_demand(tmp_path):
+    async with running_server(presets(tmp_path, ("alpha",)), engine_factory=BigLoader()) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        with trio.fail_after(30):
+            refused = await ask(client, "alpha")
+        # the load failed after the request was admitted: the in-band error, as for any failed load
+        assert refused.status_code == 500 and refused.json()["error"]["type"] == "api_error", refused.text
+        assert "1000 B, and 500 B are free" in refused.json()["error"]["message"]
+        assert await statuses(client) == {"alpha": "failed"}
+
+
+async def test_a_stop_while_the_models_load_at_start_stops_without_serving(tmp_path, caplog):
+    """SIGTERM (here its event) before the start-up load ends: serve returns once the load's thread
+    does, without a ready line (it used to go on to serve, and a load that waited never saw it)."""
+    caplog.set_level(logging.INFO, logger="ringserve")
+    loader = SlowLoader()
+    config = presets(tmp_path, ("alpha",), alpha={"load_on_startup": True})
+    stop = trio.Event()
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: serve(config, loader, handle_signals=False, shutdown_trigger=stop))
+            await wait_until(lambda: any(r.getMessage() == "loading model alpha" for r in caplog.records))
+            stop.set()
+            loader.release.set()
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any(m.startswith("ready:") for m in messages) and messages[-1] == "stopped (exit status 0)"
