@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from ringserve.config import Config
+from ringserve.core.frozen import SELF
 from ringserve.engine.protocol import Engine, EngineError
 from ringserve.server import run_process
 
@@ -146,3 +147,28 @@ def test_serve_takes_the_model_as_its_argument_and_a_bad_variable_is_one_line(tm
         "ringserve: RINGSERVE_CTX_SIZE='lots': not an integer"]
     result = run("serve", "-c", "-5", "--print-config")
     assert result.returncode == 2 and result.stderr.strip().splitlines() == ["ringserve: [model] ctx_size must be >= 0, got -5"]
+
+
+def test_a_server_started_beside_a_folder_named_ringserve_serves(tmp_path):
+    """``launch`` and ``run`` start ``SELF serve`` from the user's folder, which may hold a checkout
+    named ``ringserve``: with ``-m`` alone that folder came first on ``sys.path``, the package was a
+    namespace package (before the editable install's finder), and the server died at start
+    ("No root path can be found for the provided module 'ringserve'"). The package as installed
+    (no ``PYTHONPATH``)."""
+    (tmp_path / "ringserve").mkdir()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[server]\nport = 0\n[store]\npath = ":memory:"\n')
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    server = subprocess.Popen([*SELF, "serve", "--config", str(cfg)], cwd=tmp_path, env=env,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stderr is not None
+        lines = []
+        for line in server.stderr:  # until the ready line, or its exit
+            lines.append(line)
+            if "ready:" in line:
+                break
+        assert "ready:" in lines[-1], "".join(lines[-20:])
+    finally:
+        server.terminate()
+        server.wait(60)

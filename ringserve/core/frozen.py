@@ -13,5 +13,7 @@ import sys
 FROZEN = bool(getattr(sys, "frozen", False))
 
 #: The command that runs this ringserve again, to which its arguments are appended: the executable,
-#: or this interpreter with ``-m ringserve``.
-SELF = (sys.executable,) if FROZEN else (sys.executable, "-m", "ringserve")
+#: or this interpreter with ``-m ringserve`` and ``-P`` (Python 3.11: the current folder is not put
+#: first on ``sys.path``, so a folder named ``ringserve`` there, such as a checkout's parent's,
+#: does not shadow the installed package).
+SELF = (sys.executable,) if FROZEN else (sys.executable, "-P", "-m", "ringserve")

@@ -35,4 +35,5 @@ def test_signals_within_the_window_are_echoes(times, expected):
 def test_the_package_has_no_window_and_runs_itself_with_python():
     """The tests run from the package (tests/system/test_binary.py runs the one-file executable)."""
     assert FROZEN is False and ECHO_SECONDS == 0.0
-    assert SELF == (sys.executable, "-m", "ringserve")
+    assert SELF == (sys.executable, "-P", "-m", "ringserve")
+
