@@ -550,6 +550,10 @@ class LlamaVocab:
         if source is None:
             raw = lc.llama_model_chat_template(self._model, None)
             source = raw.decode("utf-8", errors="replace") if raw else None
+            if source is None:
+                log.warning("model %s has no chat template: chats are written in llama.cpp's ChatML, which a base"
+                            " model does not follow (its replies run to max_tokens or the context); give [model]"
+                            " chat_template_file for a model that has its own format: %s", self.model_id, self.path)
         self.chat_template: ChatTemplate | None = None
         if source:
             try:

@@ -531,3 +531,16 @@ def test_token_logprob_is_the_log_softmax_with_ties_by_token_id():
     got = llama.token_logprob(logits, 2, 3, lambda t: bytes([65 + t]))
     assert got.piece == b"C" and got.logprob == pytest.approx(2.0 - total, abs=1e-6)
     assert [t.piece for t in got.top] == [b"B", b"D", b"C"] and got.top[2].logprob == got.logprob
+
+
+@pytest.mark.parametrize("path", [smollm2_path, gemma_path], ids=["smollm2", "gemma"])
+def test_a_model_without_a_chat_template_is_a_warning_naming_the_fix(path, caplog):
+    """gemma-3-270m (a base model, no template) gets a warning that names chat_template_file;
+    the bundled model, which has a template, none."""
+    vocab = llama.LlamaVocab.load(path())
+    vocab.close()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if path is gemma_path:
+        assert len(warned) == 1 and "has no chat template" in warned[0] and "chat_template_file" in warned[0]
+    else:
+        assert warned == []
