@@ -225,7 +225,8 @@ class Router:
         if idle:
             return Evict(min(idle, key=lambda r: r.released_at).name)
         if full:
-            return Wait(f"{len(others)} models are loaded (max_loaded = {self.max_loaded}), each in use")
+            loaded = "1 model is" if len(others) == 1 else f"{len(others)} models are"
+            return Wait(f"{loaded} loaded (max_loaded = {self.max_loaded}), each in use")
         return Wait(f"its {need} bytes do not fit the {free} free, and every loaded model is in use")
 
     def loaded(self, name: str, now: float, memory: int) -> None:

@@ -174,8 +174,8 @@ class ModelPool:
         entry = self.catalog.resolve(requested) if fallback else self.catalog.find(requested)
         if entry is None:
             names = ", ".join(sorted(self._models))
-            raise RingserveError(ErrorKind.NOT_FOUND, f"no model {requested[:100]!r} here; the models are:"
-                                 f" {names}", param="model")
+            said = f"no model {requested[:100]!r} here" if requested else "the request names no model"
+            raise RingserveError(ErrorKind.NOT_FOUND, f"{said}; the models are: {names}", param="model")
         return self._models[entry.name]
 
     # -- leases --------------------------------------------------------------------------------

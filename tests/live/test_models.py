@@ -83,6 +83,10 @@ async def test_an_unknown_name_is_a_404_in_the_surface_s_shape_listing_the_model
         assert "no model 'gpt-5' here; the models are: alpha, beta" in refused.json()["error"]["message"]
         chat = await client.post("/v1/chat/completions", json={**OPENAI_BODY, "model": "gpt-5"})
         assert chat.status_code == 404 and chat.json()["error"]["param"] == "model"
+        no_model = {k: v for k, v in OPENAI_BODY.items() if k != "model"}
+        unnamed = await client.post("/v1/chat/completions", json=no_model)
+        assert unnamed.status_code == 404
+        assert unnamed.json()["error"]["message"] == "the request names no model; the models are: alpha, beta"
         assert await statuses(client) == {"alpha": "unloaded", "beta": "unloaded"}  # nothing loaded for it
 
 
