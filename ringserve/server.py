@@ -23,7 +23,7 @@ from ringserve.http.context import ServerState
 from ringserve.http.auth import Authenticator, check_bind
 from ringserve.config import Config, LogBackend, ModelSettings
 from ringserve.http.transport import BindError, HypercornConfig, isolate_connection_faults
-from ringserve.engine.modelfile import ModelFileError
+from ringserve.engine.modelfile import ModelFileError, check_model_file
 from ringserve.engine.protocol import Engine, EngineError
 from ringserve.engine.catalog import Catalog, discover
 from ringserve.engine.loader import FactoryLoader, ModelLoader
@@ -357,6 +357,11 @@ async def _start_models(config: Config, catalog: Catalog, loader: ModelLoader, b
                 await pool.load(entry.name)
             except RingserveError as exc:
                 raise EngineError(exc.message) from None
+        else:  # loaded on demand: a file that cannot be is said now, not at its first request only
+            try:
+                check_model_file(entry.model_file())
+            except ModelFileError as exc:
+                log.warning("model %s cannot be loaded on demand: %s", entry.name, exc)
     state.hub = hub
     loaded = [pool.summary(m) for m in pool.models() if m.runner is not None]
     waiting = [m.name for m in pool.models() if m.runner is None]

@@ -350,3 +350,13 @@ async def test_a_stop_while_the_models_load_at_start_stops_without_serving(tmp_p
             loader.release.set()
     messages = [r.getMessage() for r in caplog.records]
     assert not any(m.startswith("ready:") for m in messages) and messages[-1] == "stopped (exit status 0)"
+
+
+async def test_a_preset_whose_file_cannot_be_loaded_is_a_warning_at_start(tmp_path, caplog):
+    missing = tmp_path / "gone.gguf"
+    config = presets(tmp_path, ("alpha", "gone"), gone={"path": str(missing)})
+    async with running_server(config, engine_factory=named):
+        pass
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    said = f"model gone cannot be loaded on demand: model file not found: {missing}"
+    assert [w for w in warned if "gone" in w] == [said]
