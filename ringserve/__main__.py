@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     from ringserve.engine.catalog import discover
     from ringserve.engine.modelfile import ModelFileError, check_model_file
     from ringserve.engine.protocol import EngineError
-    from ringserve.http.auth import AuthSetupError
+    from ringserve.http.auth import AuthSetupError, with_environ
     from ringserve.http.transport import BindError
     from ringserve.live.safety import SafetySetupError
     from ringserve.server import run_process
@@ -268,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         start_logging(args.log_level)
         config = load_config(args)
         SURFACES.check_policies(config.policy)  # a [policy] key that names no surface
-        if args.print_config:
-            print(config_toml(config), end="")
+        if args.print_config:  # with the keys and secret the environment adds, as the server applies them
+            print(config_toml(attrs.evolve(config, auth=with_environ(config.auth))), end="")
             return 0
         if config.model.path:
             check_model_file(config.model.path)

@@ -5,6 +5,7 @@ import re
 import socket
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -146,3 +147,16 @@ def test_serve_takes_the_model_as_its_argument_and_a_bad_variable_is_one_line(tm
         "ringserve: RINGSERVE_CTX_SIZE='lots': not an integer"]
     result = run("serve", "-c", "-5", "--print-config")
     assert result.returncode == 2 and result.stderr.strip().splitlines() == ["ringserve: [model] ctx_size must be >= 0, got -5"]
+
+
+def test_print_config_shows_the_keys_and_secret_the_environment_adds_hidden():
+    """The server requires the keys of ``RINGSERVE_API_KEYS``/``RINGSERVE_API_KEY``: ``--print-config``
+    must not say ``api_keys = []``, nor print them."""
+    env = {**os.environ, "RINGSERVE_API_KEYS": "sekret-1, sekret-2", "RINGSERVE_API_KEY": "sekret-3",
+           "RINGSERVE_STREAM_TOKEN_SECRET": "sekret-4"}
+    result = subprocess.run([sys.executable, "-m", "ringserve", "serve", "--print-config", "--api-key", "sekret-0"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    auth = tomllib.loads(result.stdout)["auth"]
+    assert auth["api_keys"] == ["<hidden>"] * 4 and auth["stream_token_secret"] == "<hidden>"
+    assert "sekret" not in result.stdout
