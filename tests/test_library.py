@@ -333,6 +333,24 @@ def test_show_gives_the_metadata_the_family_its_support_and_the_settings(tmp_pat
     assert "sampling       llama-server's defaults (none set in the config or the GGUF)\n" in out
 
 
+@pytest.mark.parametrize("command", ["show thinker", "ls", "ps"])
+def test_a_closed_output_pipe_ends_the_command_quietly(tmp_path, command):
+    """``ringserve show NAME | head -1``: the reader is gone before the command writes; exit 141
+    (a shell's status for SIGPIPE), nothing on stderr."""
+    config = library(tmp_path)
+    config.write_text(config.read_text() + f"[server]\nport = {free_port()}\n")  # ls: no server answers
+    read, write = os.pipe()
+    os.close(read)
+    with models_stub([model_json("thinker", "loaded")]) as url:
+        url_args = ["--url", url] if command == "ps" else []
+        env = {k: v for k, v in os.environ.items() if k != "RINGSERVE_URL"}
+        result = subprocess.run(ringserve(*command.split(), "--config", str(config), *url_args), stdout=write,
+                                stderr=subprocess.PIPE, text=True, timeout=60, env=env)
+    os.close(write)
+    assert result.returncode == 141, result.stderr
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
+
+
 def test_show_of_a_generic_model_says_ringserve_gives_it_tools_and_no_thinking(tmp_path):
     config = library(tmp_path)
     status, out, _ = run_command("show", "named", "--config", str(config))
