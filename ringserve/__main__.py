@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -241,6 +241,27 @@ def _interrupt_once(window: float) -> None:
     signal.signal(signal.SIGINT, on_sigint)
 
 
+#: The exit status of a command whose output's reader went away (``ringserve show NAME | head -1``):
+#: a shell's for a process that ``SIGPIPE`` ended (128 + 13), as a C tool's would be.
+CLOSED_PIPE = 141
+
+
+def _closed_pipe_quiet(command: Callable[[], int]) -> int:
+    """``command()``'s status, its output flushed; :data:`CLOSED_PIPE`, with no traceback, when the
+    reader of its standard output closed the pipe (Python ignores ``SIGPIPE``, so a write raises
+    ``BrokenPipeError``): standard output then points at ``/dev/null``, so that the interpreter's
+    flush at exit finds nothing to write (https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    try:
+        status = command()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return CLOSED_PIPE
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     argv, agent_args = split_argv(sys.argv[1:] if argv is None else argv)
     parser = _parser()
@@ -253,11 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "client_command", None) is not None:
         if ECHO_SECONDS:  # the one-file executable
             _interrupt_once(ECHO_SECONDS)
-        return args.client_command(args)
+        return _closed_pipe_quiet(lambda: args.client_command(args))
     from ringserve.engine.catalog import discover
     from ringserve.engine.modelfile import ModelFileError, check_model_file
     from ringserve.engine.protocol import EngineError
-    from ringserve.http.auth import AuthSetupError
+    from ringserve.http.auth import AuthSetupError, with_environ
     from ringserve.http.transport import BindError
     from ringserve.live.safety import SafetySetupError
     from ringserve.server import run_process
@@ -268,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         start_logging(args.log_level)
         config = load_config(args)
         SURFACES.check_policies(config.policy)  # a [policy] key that names no surface
-        if args.print_config:
-            print(config_toml(config), end="")
+        if args.print_config:  # with the keys and secret the environment adds, as the server applies them
+            print(config_toml(attrs.evolve(config, auth=with_environ(config.auth))), end="")
             return 0
         if config.model.path:
             check_model_file(config.model.path)

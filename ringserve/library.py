@@ -1,8 +1,9 @@
 """The model library on the command line, as ``ollama`` has it (docs/models.md, "The library"):
 
 * ``ringserve pull REPO[:QUANT or :FILE]``: download a model from Hugging Face into its cache;
-* ``ringserve ls``: the models the server would serve (:mod:`ringserve.engine.catalog`), with their
-  size, quant, context, family, and status on a running server;
+* ``ringserve ls``: the models the server serves (``GET /v1/models``), with their status, context,
+  family and memory; when no server answers and no ``--url`` was given, the models the config
+  describes (:mod:`ringserve.engine.catalog`), with their size, quant, trained context and family;
 * ``ringserve ps``: the models a running server has loaded;
 * ``ringserve rm NAME``: delete a pulled model, or a file of ``models_dir``;
 * ``ringserve show NAME``: a model's metadata, format family, support and settings;
@@ -367,25 +368,40 @@ def _family(entry: CatalogEntry, facts: GGUFInfo | None) -> str:
     return fmt.name if fmt is not None else f"{entry.settings.model.chat_format}?"
 
 
+def _status_text(model: Mapping[str, Any]) -> str:
+    """A served model's status for a table: ``loaded``, ``loading 40%``, ``unloaded``, ..."""
+    state, progress = _model_status(model)
+    return state if progress is None else f"{state} {progress:.0%}"
+
+
 def _run_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     config = _config(args)
-    catalog = _catalog(config)
     url = _url(args, config)
-    try:
-        served = server_models(url, _api_key(args, config))
-    except LibraryError as exc:
-        print(f"ringserve: {exc}", file=err)
-        served = None
-    status = {m["id"]: _model_status(m)[0] for m in served or ()}
+    served = server_models(url, _api_key(args, config))
+    if served is not None:
+        rows = []
+        for model in served:
+            context, family, memory = (model.get(key) for key in ("context_window", "family", "memory_bytes"))
+            rows.append((str(model["id"]), _status_text(model),
+                         str(context) if isinstance(context, int) else "-",
+                         family if isinstance(family, str) else "-",
+                         human_size(memory) if isinstance(memory, int) else "-"))
+        out.write(table(("NAME", "STATUS", "CONTEXT", "FAMILY", "MEMORY"), rows))
+        return 0
+    if args.url is not None:
+        raise LibraryError(f"nothing listens at {url}: start the server (ringserve serve), or leave out --url"
+                           " (and $RINGSERVE_URL) for the models the config describes")
     rows = []
-    for entry in catalog.entries:
+    for entry in _catalog(config).entries:
         facts = _facts(entry)
         size = ("not pulled" if entry.path is None else human_size(entry.size) if entry.path.exists()
                 else "missing")
         quant = (facts.file_type if facts else None) or "-"
         context = str(facts.n_ctx_train) if facts and facts.n_ctx_train else "-"
-        rows.append((entry.name, size, quant, context, _family(entry, facts), status.get(entry.name, "-")))
-    out.write(table(("NAME", "SIZE", "QUANT", "CONTEXT", "FAMILY", "STATUS"), rows))
+        rows.append((entry.name, size, quant, context, _family(entry, facts)))
+    print(f"no server answers at {url}: the models the config describes (ringserve serve would serve them)",
+          file=err)
+    out.write(table(("NAME", "SIZE", "QUANT", "CONTEXT", "FAMILY"), rows))
     return 0
 
 
@@ -398,17 +414,20 @@ def _run_ps(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                            "(--url or $RINGSERVE_URL)")
     rows = []
     for model in models:
-        state, progress = _model_status(model)
+        state, _ = _model_status(model)
         if state not in ("loaded", "loading"):
             continue
         memory = model.get("memory_bytes")
         slots, busy, idle = model.get("slots"), model.get("busy_slots"), model.get("idle_seconds")
         rows.append((
-            str(model["id"]), state if progress is None else f"{state} {progress:.0%}",
+            str(model["id"]), _status_text(model),
             human_size(memory) if isinstance(memory, int) else "-",
             f"{busy}/{slots}" if isinstance(slots, int) and isinstance(busy, int) else "-",
             "busy" if busy else human_duration(idle) if isinstance(idle, (int, float)) else "-",
         ))
+    if not rows:
+        print(f"no model is loaded at {url} (it serves {len(models)}: ringserve ls)", file=out)
+        return 0
     out.write(table(("NAME", "STATUS", "MEMORY", "BUSY SLOTS", "IDLE FOR"), rows))
     return 0
 

@@ -309,7 +309,8 @@ def notify_systemd(state: str, environ: Mapping[str, str] = os.environ) -> bool:
 
 def _open_store(config: Config, store: MessageStore) -> Config:
     """Take over the message store: say where it is and what it keeps, mark the messages a
-    previous run left generating as interrupted; ``config`` with its signing key resolved
+    previous run left generating as interrupted unless another running server uses the store
+    (:meth:`MessageStore.claim`); ``config`` with its signing key resolved
     (:func:`signing_key`, kept beside the store).
 
     Raises:
@@ -320,8 +321,10 @@ def _open_store(config: Config, store: MessageStore) -> Config:
         store.path, _limit(config.store.max_age_seconds, "s"), _limit(config.store.max_bytes, " bytes"),
         "" if config.store.keep_prompts else "; prompts not kept",
     )
-    interrupted = store.mark_interrupted()
-    if interrupted:
+    interrupted = store.claim()
+    if interrupted is None:
+        log.info("another running server uses this message store: its unfinished messages are left as they are")
+    elif interrupted:
         log.info("marked %d message(s) left generating by a previous run as interrupted", interrupted)
     return config.replace("server", signing_key=signing_key(config.server.signing_key, store.path))
 

@@ -5,6 +5,7 @@ import re
 import socket
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -172,3 +173,14 @@ def test_a_server_started_beside_a_folder_named_ringserve_serves(tmp_path):
     finally:
         server.terminate()
         server.wait(60)
+def test_print_config_shows_the_keys_and_secret_the_environment_adds_hidden():
+    """The server requires the keys of ``RINGSERVE_API_KEYS``/``RINGSERVE_API_KEY``: ``--print-config``
+    must not say ``api_keys = []``, nor print them."""
+    env = {**os.environ, "RINGSERVE_API_KEYS": "sekret-1, sekret-2", "RINGSERVE_API_KEY": "sekret-3",
+           "RINGSERVE_STREAM_TOKEN_SECRET": "sekret-4"}
+    result = subprocess.run([sys.executable, "-m", "ringserve", "serve", "--print-config", "--api-key", "sekret-0"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    auth = tomllib.loads(result.stdout)["auth"]
+    assert auth["api_keys"] == ["<hidden>"] * 4 and auth["stream_token_secret"] == "<hidden>"
+    assert "sekret" not in result.stdout

@@ -255,28 +255,56 @@ def model_json(name: str, status: str, progress: float | None = None, **fields: 
     return {"id": name, "object": "model", "created": 0, "owned_by": "ringserve", "status": state, **fields}
 
 
-def test_ls_lists_each_model_with_its_size_quant_context_family_and_status(tmp_path):
+def test_ls_lists_what_the_server_serves_not_the_local_catalog(tmp_path):
+    """A server started with other models (``--models-dir``) than the config here has: ``ls --url``
+    lists the server's, with their status, context, family and memory."""
     config = library(tmp_path)
-    d = tmp_path / "models"
-    served = [model_json("thinker", "loaded"), model_json("plain", "unloaded"), model_json("named", "failed")]
+    served = [model_json("thinker", "loaded", context_window=8192, family="hermes", memory_bytes=253_000_000),
+              model_json("elsewhere", "loading", 0.4), model_json("named", "failed")]
     with models_stub(served) as url:
         status, out, err = run_command("ls", "--config", str(config), "--url", url)
     assert status == 0 and err == ""
+    assert [line.split() for line in out.splitlines()] == [
+        ["NAME", "STATUS", "CONTEXT", "FAMILY", "MEMORY"],
+        ["thinker", "loaded", "8192", "hermes", "253", "MB"],
+        ["elsewhere", "loading", "40%", "-", "-", "-"],  # not in the config here
+        ["named", "failed", "-", "-", "-"],
+    ]
+    nobody = f"http://127.0.0.1:{free_port()}"
+    assert run_command("ls", "--config", str(config), "--url", nobody) == (
+        1, "", f"ringserve: nothing listens at {nobody}: start the server (ringserve serve), or leave out"
+               " --url (and $RINGSERVE_URL) for the models the config describes\n")
+
+
+def test_ls_without_a_server_lists_the_models_the_config_describes(tmp_path, monkeypatch):
+    monkeypatch.delenv("RINGSERVE_URL", raising=False)
+    config = library(tmp_path)
+    port = free_port()
+    config.write_text(config.read_text() + f"[server]\nport = {port}\n")
+    status, out, err = run_command("ls", "--config", str(config))
+    assert status == 0
+    assert err == (f"no server answers at http://127.0.0.1:{port}: the models the config describes"
+                   " (ringserve serve would serve them)\n")
+    d = tmp_path / "models"
     big = sum(p.stat().st_size for p in (d / "big").glob("Big-*"))
     size = {name: f"{os.path.getsize(path)} B" if os.path.getsize(path) < 1000 else
             f"{os.path.getsize(path) / 1000:.1f} KB" for name, path in (
                 ("thinker", d / "thinker.gguf"), ("plain", d / "plain.gguf"),
                 ("named", tmp_path / "elsewhere" / "named.gguf"))}
     lines = [line.split() for line in out.splitlines()]
-    assert lines[0] == ["NAME", "SIZE", "QUANT", "CONTEXT", "FAMILY", "STATUS"]
+    assert lines[0] == ["NAME", "SIZE", "QUANT", "CONTEXT", "FAMILY"]
     assert lines[1:] == [
-        ["named", *size["named"].split(), "Q4_K_M", "2048", "generic", "failed"],
-        ["big", *f"{big} B".split(), "Q8_0", "2048", "generic", "-"],
-        ["plain", *size["plain"].split(), "Q4_K_M", "4096", "hermes", "unloaded"],  # the preset's chat_format
-        ["thinker", *size["thinker"].split(), "Q4_K_M", "32768", "hermes", "loaded"],  # <tool_call>: hermes
+        ["named", *size["named"].split(), "Q4_K_M", "2048", "generic"],
+        ["big", *f"{big} B".split(), "Q8_0", "2048", "generic"],
+        ["plain", *size["plain"].split(), "Q4_K_M", "4096", "hermes"],  # the preset's chat_format
+        ["thinker", *size["thinker"].split(), "Q4_K_M", "32768", "hermes"],  # <tool_call>: hermes
     ]
-    status, out, _ = run_command("ls", "--config", str(config), "--url", f"http://127.0.0.1:{free_port()}")
-    assert status == 0 and all(line.split()[-1] == "-" for line in out.splitlines()[1:])  # no server
+
+
+def test_ps_with_nothing_loaded_says_so(tmp_path):
+    with models_stub([model_json("a", "unloaded"), model_json("b", "failed")]) as url:
+        said = f"no model is loaded at {url} (it serves 2: ringserve ls)\n"
+        assert run_command("ps", "--url", url) == (0, said, "")
 
 
 def test_show_gives_the_metadata_the_family_its_support_and_the_settings(tmp_path):
@@ -303,6 +331,24 @@ def test_show_gives_the_metadata_the_family_its_support_and_the_settings(tmp_pat
     assert f"mmproj         {tmp_path / 'models' / 'big' / 'mmproj-Big-F16.gguf'}\n" in out
     assert "(and 1 more parts)" in out
     assert "sampling       llama-server's defaults (none set in the config or the GGUF)\n" in out
+
+
+@pytest.mark.parametrize("command", ["show thinker", "ls", "ps"])
+def test_a_closed_output_pipe_ends_the_command_quietly(tmp_path, command):
+    """``ringserve show NAME | head -1``: the reader is gone before the command writes; exit 141
+    (a shell's status for SIGPIPE), nothing on stderr."""
+    config = library(tmp_path)
+    config.write_text(config.read_text() + f"[server]\nport = {free_port()}\n")  # ls: no server answers
+    read, write = os.pipe()
+    os.close(read)
+    with models_stub([model_json("thinker", "loaded")]) as url:
+        url_args = ["--url", url] if command == "ps" else []
+        env = {k: v for k, v in os.environ.items() if k != "RINGSERVE_URL"}
+        result = subprocess.run(ringserve(*command.split(), "--config", str(config), *url_args), stdout=write,
+                                stderr=subprocess.PIPE, text=True, timeout=60, env=env)
+    os.close(write)
+    assert result.returncode == 141, result.stderr
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
 
 
 def test_show_of_a_generic_model_says_ringserve_gives_it_tools_and_no_thinking(tmp_path):
@@ -439,7 +485,7 @@ async def test_ps_and_ls_read_a_running_server(tmp_path):
     ]
     assert re.fullmatch(r"\d+s", ps[1].split()[-1])  # idle for a few seconds
     assert ls[0] == 0 and ls[2] == "", ls
-    assert {line.split()[0]: line.split()[-1] for line in ls[1].splitlines()[1:]} == {
+    assert {line.split()[0]: line.split()[1] for line in ls[1].splitlines()[1:]} == {
         "alpha": "loaded", "beta": "loaded", "gamma": "unloaded"}
 
 

@@ -41,7 +41,8 @@ import attrs
 
 from ringserve.config import AuthConfig
 
-__all__ = ["ENV_KEY", "ENV_KEYS", "ENV_TOKEN_SECRET", "AuthSetupError", "Authenticator", "check_bind", "is_loopback"]
+__all__ = ["ENV_KEY", "ENV_KEYS", "ENV_TOKEN_SECRET", "AuthSetupError", "Authenticator", "check_bind", "is_loopback",
+           "with_environ"]
 
 #: Environment variable with extra API keys, comma-separated.
 ENV_KEYS = "RINGSERVE_API_KEYS"
@@ -82,6 +83,16 @@ class HeaderLookup(Protocol):
     def get(self, key: str) -> str | None: ...
 
 
+def with_environ(config: AuthConfig, environ: Mapping[str, str] = os.environ) -> AuthConfig:
+    """``config`` as the server applies it: with the keys of ``RINGSERVE_API_KEYS`` (comma-separated)
+    and ``RINGSERVE_API_KEY`` after its own, and ``RINGSERVE_STREAM_TOKEN_SECRET`` as the stream-token
+    secret when set. The keys are not checked here (:meth:`Authenticator.from_config` does)."""
+    keys = [k.strip() for k in environ.get(ENV_KEYS, "").split(",") if k.strip()]
+    keys += [environ[ENV_KEY]] if environ.get(ENV_KEY) else []
+    secret = environ.get(ENV_TOKEN_SECRET, "") or config.stream_token_secret
+    return attrs.evolve(config, api_keys=(*config.api_keys, *keys), stream_token_secret=secret)
+
+
 @attrs.define(eq=False, repr=False)
 class Authenticator:
     """Checks API keys and issues and verifies stream tokens.
@@ -117,12 +128,10 @@ class Authenticator:
             AuthSetupError: a key is empty, longer than 512 characters, or holds a
                 space, a comma or a non-printable or non-ASCII character.
         """
-        keys = list(config.api_keys)
-        keys += [k.strip() for k in environ.get(ENV_KEYS, "").split(",") if k.strip()]
-        keys += [environ[ENV_KEY]] if environ.get(ENV_KEY) else []
-        shared = environ.get(ENV_TOKEN_SECRET, "") or config.stream_token_secret
+        config = with_environ(config, environ)
+        shared = config.stream_token_secret
         secret = _digest(shared) if shared else secrets.token_bytes(32)
-        return cls(tuple(_digest(_check_key(k)) for k in keys), config.stream_token_ttl, secret)
+        return cls(tuple(_digest(_check_key(k)) for k in config.api_keys), config.stream_token_ttl, secret)
 
     @property
     def enabled(self) -> bool:

@@ -17,7 +17,8 @@ serializes the calls on one connection.
 
 Statuses: ``queued`` → ``generating`` → ``complete`` | ``cancelled`` |
 ``failed``; on start-up every message still ``queued`` or ``generating`` (a
-crash) becomes ``interrupted``.
+crash) becomes ``interrupted``, unless another server is using the file
+(:meth:`MessageStore.claim`, by an advisory lock on ``<path>.lock``).
 
 Retention (:meth:`MessageStore.sweep`, driven by :func:`run_retention`):
 finished messages (:data:`FINAL_STATUSES`) are deleted once they are
@@ -39,6 +40,7 @@ and left: under continuous writes it never lets the WAL restart (it grew to
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import logging
@@ -371,6 +373,7 @@ class MessageStore:
         self._write_failures = 0
         self._sizes = (0, 0)
         self._writes = trio.CapacityLimiter(1)
+        self._lock: int | None = None  # the descriptor of <path>.lock once claimed
         try:
             if path != ":memory:" and not os.path.exists(path):
                 os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
@@ -438,6 +441,40 @@ class MessageStore:
         if columns and "reasoning_tokens" not in columns:  # schema 5 or older: read as none
             db.execute("ALTER TABLE messages ADD COLUMN reasoning_tokens INTEGER NOT NULL DEFAULT 0")
         db.executescript(_SCHEMA)
+
+    def claim(self) -> int | None:
+        """Claim the store for a server process: mark the messages a previous run left ``queued`` or
+        ``generating`` as ``interrupted`` (:meth:`mark_interrupted`) unless another live server uses
+        the same file, and hold the claim until :meth:`close` (or the process's end).
+
+        The claim is an advisory lock (``flock(2)``) on the file ``<path>.lock`` beside the store
+        (created 0600): taken exclusive without waiting, the sweep runs under it and it is then
+        downgraded to shared; when another server holds it, this one waits for a shared lock
+        (another server's sweep, at most) and skips the sweep, since that server's unfinished
+        messages are its own live ones. ``":memory:"`` is never shared: it is always swept.
+
+        Returns:
+            How many messages were marked; None when another server uses the store (none marked).
+
+        Raises:
+            StoreError: the lock file cannot be created or locked (one line naming it).
+        """
+        if self.path != ":memory:":
+            lock_path = f"{self.path}.lock"
+            try:
+                self._lock = os.open(lock_path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    fcntl.flock(self._lock, fcntl.LOCK_SH)
+                    return None
+            except OSError as exc:
+                raise StoreError(f"cannot lock the message store {lock_path}: {exc.strerror or exc}") from None
+        try:
+            return self.mark_interrupted()
+        finally:
+            if self._lock is not None:
+                fcntl.flock(self._lock, fcntl.LOCK_SH)
 
     def mark_interrupted(self) -> int:
         """Turn every ``queued``/``generating`` row into ``interrupted``; return how many.
@@ -610,6 +647,10 @@ class MessageStore:
         return await trio.to_thread.run_sync(call, limiter=self._writes)
 
     def close(self) -> None:
+        """Close the connections and give up the claim (:meth:`claim`), if taken."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
         if self._reads is not self._db:
             self._reads.close()
         self._db.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 
 import httpx
@@ -258,6 +259,25 @@ async def test_restart_marks_generating_messages_interrupted(tmp_path):
     async with running_server(config) as state, httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
         status = (await client.get(f"/v1/messages/{created['id']}")).json()
         assert status["status"] == "interrupted"
+
+
+async def test_a_second_server_on_the_store_leaves_the_first_ones_messages_generating(tmp_path, caplog):
+    """``ringserve run`` and ``launch`` start servers on the default store: one started beside a
+    generating server must not mark that server's message interrupted."""
+    caplog.set_level(logging.INFO)
+    config = fake_config(tmp_path)
+    async with running_server(config, step_seconds=0.01) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        created = (await client.post("/v1/messages", headers=ASYNC, json=body_for("/v1/messages", LONG_TEXT))).json()
+        store = MessageStore(config.store.path)
+        try:
+            await wait_until(lambda: store.get(created["id"]).status == "generating")  # (written off the loop)
+            async with running_server(config):
+                assert store.get(created["id"]).status == "generating"
+        finally:
+            store.close()
+        assert "another running server uses this message store" in caplog.text
+        assert "as interrupted" not in caplog.text
 
 
 async def test_idempotent_stream_retry_replays_the_log(tmp_path):

@@ -248,6 +248,30 @@ def test_no_operation_scans_the_table(tmp_path):
     assert checked >= 7
 
 
+def test_only_the_first_server_of_a_store_marks_its_unfinished_messages_interrupted(tmp_path):
+    """A second server on the same file leaves the first's live messages alone; once every server
+    holding it has closed, the next one marks what they left."""
+    path = str(tmp_path / "s.sqlite3")
+    first = MessageStore(path)
+    first.insert(row(0, "generating"))  # a crashed run's
+    assert first.claim() == 1
+    first.insert(row(1, "generating"))  # the first server's live message
+    second = MessageStore(path)
+    assert second.claim() is None
+    assert second.get("msg_1").status == "generating"
+    third = MessageStore(path)  # the claim is shared: a third server sees both
+    assert third.claim() is None
+    first.close()
+    assert third.get("msg_1").status == "generating"  # the second and third still hold it
+    second.close()
+    third.close()
+    after = MessageStore(path)
+    assert after.claim() == 1
+    assert after.get("msg_1").status == "interrupted"
+    after.close()
+    assert stat.S_IMODE(os.stat(path + ".lock").st_mode) == 0o600
+
+
 def test_keep_prompts_false_stores_no_request(tmp_path):
     store = MessageStore(":memory:", keep_prompts=False)
     store.insert(row(0, request='{"messages": "secret"}'))
