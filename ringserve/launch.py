@@ -20,8 +20,8 @@ pinned in ``.ci/agents/package.json``):
 
 * Claude Code: ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY`` (the key; a placeholder when the
   server needs none), the served model's name in ``ANTHROPIC_MODEL`` and in every variable that
-  picks the model of background and sub-agent calls, ``API_TIMEOUT_MS``,
-  ``DISABLE_TELEMETRY=1`` and ``CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1``.
+  picks the model of background and sub-agent calls, the context window in
+  ``CLAUDE_CODE_MAX_CONTEXT_TOKENS`` (:func:`claude_window`), ``API_TIMEOUT_MS``, ``DISABLE_TELEMETRY=1`` and ``CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1``.
 * Codex CLI: ``-c`` overrides on its command line, so the user's ``~/.codex/config.toml`` is read
   but never written: a provider ``ringserve`` (``base_url``, ``wire_api = "responses"``, the key
   in ``$RINGSERVE_API_KEY``, ``stream_idle_timeout_ms``), the model's name and
@@ -68,7 +68,7 @@ from ringserve.core.frozen import SELF
 
 __all__ = [
     "AGENTS", "AGENT_TIMEOUT_S", "CODEX_TEMPLATE", "Agent", "AgentInfo", "LaunchError", "Served", "ServerChild",
-    "Settings", "add_command", "check_url", "claude_settings", "codex_model_entry", "codex_settings",
+    "Settings", "add_command", "check_url", "claude_settings", "claude_window", "codex_model_entry", "codex_settings",
     "context_warning", "find_agent", "open_server", "render", "run", "server_url", "split_argv",
 ]
 
@@ -100,6 +100,11 @@ AGENTS: dict[Agent, AgentInfo] = {
     Agent.CODEX: AgentInfo("Codex CLI", "codex", "@openai/codex", "0.171.0", 8_500),
 }
 
+#: Claude Code's output cap for a model it does not know, and the most of it it keeps free in the
+#: window for a reply (tokens; 2.1.332's binary: ``kfo=20000``, and the ``max_tokens`` of its
+#: requests for such a model, ``docs/agents.md``): :func:`claude_window`.
+CLAUDE_OUTPUT_CAP = 32_000
+CLAUDE_REPLY_ROOM = 20_000
 #: The agents' request timeout when ``[server] max_stream_seconds`` is 0 (no limit), in seconds.
 AGENT_TIMEOUT_S = 3600.0
 #: The model of Codex's bundled catalog whose metadata the served model gets: in Codex 0.171.0 the
@@ -149,8 +154,34 @@ class Settings:
     config_toml: str = ""
 
 
-def claude_settings(served: Served) -> Settings:
-    """Claude Code's environment (its variables: ``docs/agents.md``; names from its binary)."""
+def claude_window(context_window: int, env: Mapping[str, str]) -> int:
+    """What ``CLAUDE_CODE_MAX_CONTEXT_TOKENS`` says for a model of ``context_window`` tokens (prompt and
+    reply), given the environment Claude Code runs in (``env``): the window plus the reply room
+    Claude Code takes off it, so that it compacts and stops where ringserve's window does.
+
+    Claude Code 2.1.332 (its binary) takes the variable as the window of a model it does not know,
+    and the variable silences its "doesn't recognize the model ... assumes a context window of 1m
+    tokens" notice. It keeps min(its output cap, 20,000) tokens of that window for the reply (the
+    cap: ``CLAUDE_CODE_MAX_OUTPUT_TOKENS``, else 32,000 for such a model), compacts the conversation
+    when it is 13,000 tokens short of the rest, and refuses a prompt 3,000 short of it ("Prompt is
+    too long", no request sent). ringserve's window already holds the reply (``max_tokens`` is
+    clamped to what is left), so with the bare window Claude Code would compact 33,000 tokens
+    before the window is full: at every turn on a 32,768-token model (against the fake engine, a
+    window under the last prompt plus 33,000 made a turn a compaction and the turn, 3 requests,
+    not 1). With this sum it compacts at 13,000 and refuses at 3,000 tokens short of the window.
+    """
+    cap = env.get("CLAUDE_CODE_MAX_OUTPUT_TOKENS", "")
+    output = int(cap) if cap.isdigit() and int(cap) > 0 else CLAUDE_OUTPUT_CAP
+    return context_window + min(output, CLAUDE_REPLY_ROOM)
+
+
+def claude_settings(served: Served, env: Mapping[str, str]) -> Settings:
+    """Claude Code's environment (its variables: ``docs/agents.md``; names from its binary).
+
+    ``CLAUDE_CODE_MAX_CONTEXT_TOKENS`` (:func:`claude_window`) gives Claude Code the window of a
+    model its catalog does not describe (else 1,000,000, and a notice on stderr saying so); one
+    variable for every such model, so the small model gets the main model's.
+    """
     small = served.small_model or served.model
     model = {name: served.model for name in (
         "ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL",
@@ -164,6 +195,7 @@ def claude_settings(served: Served) -> Settings:
         "ANTHROPIC_API_KEY": served.api_key,
         **model,
         "API_TIMEOUT_MS": str(round(served.timeout * 1000)),
+        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(claude_window(served.context_window, env)),
         "DISABLE_TELEMETRY": "1",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     })
@@ -583,7 +615,7 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
         env = {**os.environ}
         match agent:
             case Agent.CLAUDE:
-                settings = claude_settings(served)
+                settings = claude_settings(served, env)
             case Agent.CODEX:
                 settings = codex_settings(served, _codex_catalog(program, env, served, err))
             case _:

@@ -32,7 +32,7 @@ SERVED = Served("http://127.0.0.1:8080", "qwen3-8b", 32768, "k-1", 1800.0)
 
 
 def test_claude_code_gets_the_url_the_key_one_model_for_every_call_and_a_timeout():
-    assert launch.claude_settings(SERVED) == Settings({
+    assert launch.claude_settings(SERVED, {}) == Settings({
         "ANTHROPIC_BASE_URL": "http://127.0.0.1:8080",
         "ANTHROPIC_API_KEY": "k-1",
         "ANTHROPIC_MODEL": "qwen3-8b",
@@ -42,18 +42,30 @@ def test_claude_code_gets_the_url_the_key_one_model_for_every_call_and_a_timeout
         "ANTHROPIC_SMALL_FAST_MODEL": "qwen3-8b",
         "CLAUDE_CODE_SUBAGENT_MODEL": "qwen3-8b",
         "API_TIMEOUT_MS": "1800000",
+        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": "52768",  # the window and the 20,000 it keeps for a reply
         "DISABLE_TELEMETRY": "1",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     })
 
 
 def test_claude_codes_small_background_calls_go_to_the_small_model_when_one_is_named():
-    env = launch.claude_settings(attrs.evolve(SERVED, small_model="smollm2")).env
+    env = launch.claude_settings(attrs.evolve(SERVED, small_model="smollm2"), {}).env
     assert {name for name, value in env.items() if value == "smollm2"} == {
         "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_SMALL_FAST_MODEL"}
     assert env["ANTHROPIC_MODEL"] == env["ANTHROPIC_DEFAULT_SONNET_MODEL"] == env["CLAUDE_CODE_SUBAGENT_MODEL"] == "qwen3-8b"
     printed = launch.render(Agent.CLAUDE, attrs.evolve(SERVED, small_model="smollm2"), Settings({}))
     assert printed.startswith("# Claude Code on ringserve at http://127.0.0.1:8080: model qwen3-8b (small model smollm2),")
+
+
+def test_claude_code_is_told_a_window_that_it_fills_to_the_models_context():
+    """Claude Code keeps min(its output cap, 20,000) of the window it is told for the reply; ringserve's
+    context already holds the reply, so the two are added."""
+    assert launch.claude_window(8192, {}) == 28192
+    assert launch.claude_window(8192, {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"}) == 8448
+    assert launch.claude_window(8192, {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64000"}) == 28192
+    assert launch.claude_window(8192, {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "lots"}) == 28192
+    printed = launch.render(Agent.CLAUDE, SERVED, launch.claude_settings(SERVED, {}))
+    assert "export CLAUDE_CODE_MAX_CONTEXT_TOKENS=52768\n" in printed
 
 
 def overrides(args: tuple[str, ...]) -> dict[str, Any]:
@@ -224,6 +236,7 @@ def agent_env(tmp_path, monkeypatch) -> dict[str, Path]:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("FAKE_AGENT_OUT", str(tmp_path / "agent.json"))
     monkeypatch.delenv("RINGSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("CLAUDE_CODE_MAX_OUTPUT_TOKENS", raising=False)
     return {"out": tmp_path / "agent.json", "bin": bin_dir}
 
 
@@ -253,8 +266,10 @@ def test_launch_starts_a_server_runs_the_agent_with_its_settings_and_stops_the_s
     seen = json.loads(agent_env["out"].read_text())
     assert seen["ready"] == 200  # the server ran while the agent did
     assert seen["argv"] == ["-p", "Say hi", "--", "x"]
-    expected = launch.claude_settings(Served(url, "tiny-model", 16384, launch.PLACEHOLDER_KEY, launch.AGENT_TIMEOUT_S)).env
+    expected = launch.claude_settings(Served(url, "tiny-model", 16384, launch.PLACEHOLDER_KEY, launch.AGENT_TIMEOUT_S),
+                                      os.environ).env
     assert {k: seen["env"][k] for k in expected} == expected
+    assert seen["env"]["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "36384"  # not the 1,000,000 it would assume
     assert refused(url)  # and stopped after it
     err = capsys.readouterr().err
     assert f"no server at {url}; starting one" in err and "warning" not in err
@@ -303,6 +318,8 @@ def test_launch_names_a_model_and_a_small_model_of_the_servers_loading_them_and_
         assert launch.run(args("claude", "--url", server.url, "--small-model", "small", "--print")) == 0
         out, err = capsys.readouterr()
         assert "export ANTHROPIC_MODEL=big\n" in out and "export ANTHROPIC_DEFAULT_HAIKU_MODEL=small\n" in out
+        big = httpx.get(f"{server.url}/v1/models/big").json()["max_input_tokens"]
+        assert f"export CLAUDE_CODE_MAX_CONTEXT_TOKENS={big + 20_000}\n" in out  # one variable: the main model's
         assert httpx.get(f"{server.url}/v1/models/small").json()["status"]["value"] == "loaded"  # loaded for it
         assert launch.run(args("codex", "--url", server.url, "--model", "small", "--print")) == 0
         out, err = capsys.readouterr()
