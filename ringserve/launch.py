@@ -80,24 +80,31 @@ class Agent(enum.StrEnum):
 
 @attrs.frozen
 class AgentInfo:
-    """What the launcher knows of one agent: its name, program, npm package and pinned version, and
-    the context its first request needs (tokens)."""
+    """What the launcher knows of one agent: its name, program, npm package and pinned version, the
+    size of its first request (tokens: the least and the most measured), and the size of the request
+    it sends instead when that one is refused (tokens; None: it sends none smaller or larger)."""
 
     name: str
     program: str
     package: str
     version: str
-    prompt_tokens: int
+    prompt_tokens: tuple[int, int]
+    refused_tokens: int | None = None
 
 
 #: The agents. ``version`` is the one pinned in ``.ci/agents/package.json`` (a test keeps them
 #: equal). ``prompt_tokens``: the first request of each as launched here (a model name the agent does
-#: not know; Codex with :data:`CODEX_TEMPLATE`'s metadata), rendered by the bundled model's template,
-#: rounded up: 12,697-12,936 and 7,914-8,482 tokens (``docs/agents.md``, "Context the default
-#: prompts need").
+#: not know; Codex with :data:`CODEX_TEMPLATE`'s metadata), as ringserve counts the rendered prompt
+#: (``docs/agents.md``, "Context"): Claude Code 12,583 (SmolLM2's tokenizer, ringserve's 400, 2.1.332)
+#: to 13,026 (the captures' table, "Context the default prompts need"); Codex 7,881 (the bundled model,
+#: ``tests/system/test_agents.py``) to about 8,150 (a user's run on an 8,192-token model, where it
+#: fitted). ``refused_tokens``: Claude Code, refused, sends its request again without tool search,
+#: its tools inline: 20,883 and 20,911 here, 20,924-21,315 in a user's runs (the figure its error
+#: shows), rounded up.
 AGENTS: dict[Agent, AgentInfo] = {
-    Agent.CLAUDE: AgentInfo("Claude Code", "claude", "@anthropic-ai/claude-code", "2.1.332", 13_000),
-    Agent.CODEX: AgentInfo("Codex CLI", "codex", "@openai/codex", "0.171.0", 8_500),
+    Agent.CLAUDE: AgentInfo("Claude Code", "claude", "@anthropic-ai/claude-code", "2.1.332", (12_500, 13_100),
+                            21_400),
+    Agent.CODEX: AgentInfo("Codex CLI", "codex", "@openai/codex", "0.171.0", (7_850, 8_200)),
 }
 
 #: Claude Code's output cap for a model it does not know, and the most of it it keeps free in the
@@ -252,14 +259,23 @@ def codex_model_entry(catalog: Mapping[str, Any], served: Served) -> dict[str, A
 
 
 def context_warning(agent: Agent, served: Served) -> str | None:
-    """One line, before the agent starts, when the model's context is smaller than the agent's
-    first request: the request's size, the context, and what to do."""
+    """One line, before the agent starts, when the model's context may be smaller than the agent's
+    first request (:data:`AGENTS`' ``prompt_tokens``): the request's size, the context, whether it
+    will be refused (a context under the least measured) or may not fit (within the measured range,
+    where a request that fits leaves little for the reply), and what to do."""
     info = AGENTS[agent]
-    if served.context_window >= info.prompt_tokens:
+    least, most = info.prompt_tokens
+    if served.context_window >= most:
         return None
-    return (f"ringserve: warning: {info.name}'s first request is about {info.prompt_tokens:,} tokens, more than "
-            f"{served.model}'s context of {served.context_window:,}: expect a 400 (prompt too long); launch it on a "
-            "model with a longer context: ringserve launch "
+    size = f"{info.name}'s first request is about {least:,}-{most:,} tokens"
+    context = f"{served.model}'s context of {served.context_window:,}"
+    if served.context_window < least:
+        retry = ("" if info.refused_tokens is None else
+                 f"; refused, it retries with up to {info.refused_tokens:,} tokens, the size its error names")
+        verdict = f"{size}, more than {context}: expect a 400 (prompt too long){retry}"
+    else:
+        verdict = f"{size}: it may not fit {context}, and if it does it leaves little for the reply"
+    return (f"ringserve: warning: {verdict}; launch it on a model with a longer context: ringserve launch "
             f"{agent.value} --model MODEL.gguf (or --model NAME of the server's, GET /v1/models)")
 
 
