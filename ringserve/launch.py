@@ -406,14 +406,21 @@ def _get(client: httpx.Client, url: str, path: str, api_key: str, key_source: st
 
 
 def served_model(client: httpx.Client, url: str, api_key: str, key_source: str | None,
-                 wanted: str | None) -> tuple[str, int]:
+                 wanted: str | None, model_file: Path | None = None) -> tuple[str, int]:
     """The name and context window of the model ``wanted`` names on the server (a name, an alias;
     None: the server's default model, else its first), loaded (``POST /models/load``) when its
     window is not known yet (``key_source``: where ``api_key`` came from, None for the placeholder).
+    ``model_file``: the GGUF file ``wanted`` is the stem of, given to a server that was running
+    already.
 
     Raises:
-        LaunchError: the server has no such model, or it cannot be loaded (one line).
+        LaunchError: the server has no such model (for ``model_file``, saying that the server names
+            its models, not their files: ``GET /v1/models`` gives no file, so a preset that serves
+            the file under another name cannot be found by it), or it cannot be loaded (one line).
     """
+    unnamed = ("" if model_file is None else
+               f" (--model {model_file} asks for its file's name: the server names its models, not their files, and"
+               " may serve that file under another; give that name, --model NAME)")
     named = wanted is not None
     if wanted is None:
         wanted = _get(client, url, "/health", api_key, key_source).json().get("model")
@@ -425,12 +432,13 @@ def served_model(client: httpx.Client, url: str, api_key: str, key_source: str |
     for _ in range(2):
         if response.status_code != 200:
             message = response.json().get("error", {}).get("message", "") if response.content else ""
-            raise LaunchError(f"{url}: {message or f'GET {path} answered {response.status_code}'}")
+            hint = unnamed if response.status_code == 404 else ""
+            raise LaunchError(f"{url}: {message or f'GET {path} answered {response.status_code}'}{hint}")
         model = response.json()
         if named and not _names(model, wanted):  # the server's fallback to its default model
             listed = _get(client, url, "/v1/models", api_key, key_source).json().get("data") or []
             raise LaunchError(f"{url}: no model {wanted!r} there (a request for it gets {model['id']}); the models "
-                              f"are: {', '.join(sorted(str(m.get('id')) for m in listed))}")
+                              f"are: {', '.join(sorted(str(m.get('id')) for m in listed))}{unnamed}")
         if "max_input_tokens" in model:
             return str(model["id"]), int(model["max_input_tokens"])
         loaded = _get(client, url, "/models/load", api_key, key_source, {"model": model["id"]})
@@ -620,7 +628,8 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
         with httpx.Client(timeout=10) as client:
             child = open_server(client, url, args.config, args.url, drain_timeout=config.server.drain_timeout,
                                 serve=serve, err=err, model_file=model_file)
-            model, context_window = served_model(client, url, api_key, key_source, wanted)
+            model, context_window = served_model(client, url, api_key, key_source, wanted,
+                                                 model_file if child is None else None)
             small = None if args.small_model is None else served_model(
                 client, url, api_key, key_source, args.small_model)[0]
         served = Served(url, model, context_window, api_key, config.server.max_stream_seconds or AGENT_TIMEOUT_S,

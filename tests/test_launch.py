@@ -334,8 +334,31 @@ def test_launch_names_a_model_and_a_small_model_of_the_servers_loading_them_and_
         assert launch.run(args("claude", "--url", server.url, "--model", "gpt-5", "--print")) == 2
         assert capsys.readouterr().err.splitlines() == [
             f"ringserve: {server.url}: no model 'gpt-5' there (a request for it gets big); the models are: big, small"]
+        other = tmp_path / "gemma.gguf"  # a file this server may serve under a preset's name: it gives no files
+        other.write_bytes(b"GGUF")
+        assert launch.run(args("claude", "--url", server.url, "--model", str(other), "--print")) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"ringserve: {server.url}: no model 'gemma' there (a request for it gets big); the models"
+                               " are: big, small (--model ") and str(other) in line
+        assert "the server names its models, not their files" in line and "--model NAME" in line
     finally:
         server.stop()
+
+
+def test_a_gguf_file_the_server_has_no_name_for_says_that_it_names_models_not_files():
+    """A server with ``strict_model_name`` answers an unknown name 404 (its message lists the names); a
+    file's stem is all the launcher can ask for, so the line says so."""
+    message = "no model 'gemma' here; the models are: big, small"
+    transport = httpx.MockTransport(lambda request: httpx.Response(404, json={"error": {"message": message}}))
+    with httpx.Client(transport=transport) as client:
+        with pytest.raises(launch.LaunchError) as raised:
+            launch.served_model(client, "http://h:1", "k", None, "gemma", Path("../gemma.gguf"))
+        assert str(raised.value) == (f"http://h:1: {message} (--model ../gemma.gguf asks for its file's name: the server"
+                                     " names its models, not their files, and may serve that file under another; give"
+                                     " that name, --model NAME)")
+        with pytest.raises(launch.LaunchError) as raised:
+            launch.served_model(client, "http://h:1", "k", None, "gemma")
+        assert str(raised.value) == f"http://h:1: {message}"  # a name given as a name
 
 
 def test_launch_reads_the_ringserve_variables_as_the_server_does(tmp_path, agent_env, monkeypatch, capsys):
