@@ -1,10 +1,10 @@
 """``ringserve launch claude`` and ``ringserve launch codex``: a coding agent on ringserve in one command.
 
-``ringserve launch AGENT [--config FILE] [--url URL] [--api-key KEY] [--keep-server] [--print] [-- AGENT ARGS]``
+``ringserve launch AGENT [--config FILE] [--models-dir DIR] [--url URL] [--api-key KEY] [--keep-server] [--print] [-- AGENT ARGS]``
 
 The launcher looks for a server at the URL (``--url``, else ``$RINGSERVE_URL``, else the
 config's ``[server]`` host and port). When nothing answers there it starts ``ringserve serve``
-with the same config as a child process, in a session of its own (the terminal's Ctrl-C goes to
+with the same config (and ``--models-dir``) as a child process, in a session of its own (the terminal's Ctrl-C goes to
 the agent, not to the server) with its output in a log file, waits for ``GET /ready``, and stops
 it when the agent exits (SIGTERM, so it drains; ``--keep-server`` leaves it running). It reads
 the served model's name and context window from ``GET /v1/models`` (``max_input_tokens``), then
@@ -360,9 +360,12 @@ def check_key(api_key: str, source: str) -> None:
         raise LaunchError(f"the API key ({source}) has {bad[1]!r} at position {bad[0]}: a key is printable ASCII")
 
 
-def _serve_args(config_path: Path | None, url: str | None, model_file: Path | None = None) -> list[str]:
-    """``ringserve serve``'s arguments: the model file, the config, and the host and port of a ``--url``."""
+def _serve_args(config_path: Path | None, url: str | None, model_file: Path | None = None,
+                models_dir: str | None = None) -> list[str]:
+    """``ringserve serve``'s arguments: the model file, the models folder, the config, and the host and
+    port of a ``--url``."""
     args = [] if model_file is None else [str(model_file)]
+    args += [] if not models_dir else ["--models-dir", models_dir]
     args += [] if config_path is None else ["--config", str(config_path)]
     if url is not None:
         parts = urlsplit(url)
@@ -495,9 +498,10 @@ def _wait_ready(client: httpx.Client, url: str, child: ServerChild | None) -> No
 
 def open_server(client: httpx.Client, url: str, config_path: Path | None, url_arg: str | None, *,
                 drain_timeout: float, serve: Sequence[str] = SERVE, err: TextIO = sys.stderr,
-                model_file: Path | None = None) -> ServerChild | None:
+                model_file: Path | None = None, models_dir: str | None = None) -> ServerChild | None:
     """The server at ``url`` once it is ready: the one running there (None), or one started as
-    ``serve`` with ``model_file``, ``config_path`` and the host and port of ``url_arg`` (``--url``),
+    ``serve`` with ``model_file``, ``models_dir`` (``--models-dir``), ``config_path`` and the host and
+    port of ``url_arg`` (``--url``),
     in a session of its own with its output in a log file (the child, for the caller to stop); a
     line on ``err`` says so. ``ringserve launch`` and ``ringserve run`` use it.
 
@@ -512,7 +516,7 @@ def open_server(client: httpx.Client, url: str, config_path: Path | None, url_ar
         return None
     log = platformdirs.user_log_path("ringserve") / f"server-{urlsplit(url).port}.log"
     config_path = None if config_path is None else config_path.resolve()
-    child = ServerChild([*serve, *_serve_args(config_path, url_arg, model_file)], log)
+    child = ServerChild([*serve, *_serve_args(config_path, url_arg, model_file, models_dir)], log)
     print(f"ringserve: no server at {url}; starting one (log: {log})", file=err)
     try:
         _wait_ready(client, url, child)
@@ -601,8 +605,8 @@ def _run_agent(argv: Sequence[str], env: Mapping[str, str]) -> int:
 def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
     """``ringserve launch``: find or start the server, then run the agent or print its settings.
 
-    ``serve`` is the command that starts a server, to which the config and the ``--url``'s host and
-    port are appended.
+    ``serve`` is the command that starts a server, to which ``--models-dir``, the config and the
+    ``--url``'s host and port are appended.
     """
     out, err = sys.stdout, sys.stderr
     agent = Agent(args.agent)
@@ -612,7 +616,8 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
     keep = False  # leave the server it started running (once the launcher has done its part)
     try:
         try:  # as `ringserve serve` reads it: the file, then the RINGSERVE_* variables
-            config: Config = args.load_config(argparse.Namespace(config=args.config, model_file=None))
+            config: Config = args.load_config(argparse.Namespace(config=args.config, model_file=None,
+                                                                 models_dir=args.models_dir))
         except (OSError, ValueError) as exc:
             raise LaunchError(str(exc)) from None
         url = server_url(config) if args.url is None else check_url(args.url)
@@ -627,7 +632,7 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
         model_file, wanted = _model_arg(args.model)
         with httpx.Client(timeout=10) as client:
             child = open_server(client, url, args.config, args.url, drain_timeout=config.server.drain_timeout,
-                                serve=serve, err=err, model_file=model_file)
+                                serve=serve, err=err, model_file=model_file, models_dir=args.models_dir)
             model, context_window = served_model(client, url, api_key, key_source, wanted,
                                                  model_file if child is None else None)
             small = None if args.small_model is None else served_model(
@@ -695,6 +700,7 @@ def add_command(sub: Any, load_config: Callable[[argparse.Namespace], Config]) -
                             epilog="Arguments after -- go to the agent: ringserve launch codex -- exec --skip-git-repo-check 'Say hi'")
     launch.add_argument("agent", choices=tuple(Agent), help="the agent")
     launch.add_argument("--config", type=Path, help="TOML config file, for the URL, the key and a server to start")
+    launch.add_argument("--models-dir", help="a folder of GGUF models, for a server to start (as ringserve serve's)")
     launch.add_argument("--url", default=os.environ.get("RINGSERVE_URL"),
                         help="the server's URL (default $RINGSERVE_URL, else the config's host and port)")
     launch.add_argument("--api-key", default=os.environ.get("RINGSERVE_API_KEY"),

@@ -485,6 +485,17 @@ def test_a_url_no_server_can_have_is_one_line_and_starts_nothing(tmp_path, agent
     assert not started.exists()
 
 
+def test_models_dir_goes_to_the_server_launch_starts_as_run_passes_it(tmp_path, agent_env, capsys):
+    port = free_port()
+    config = config_file(tmp_path, port)
+    argv = tmp_path / "argv.json"
+    serve = (sys.executable, "-c", f"import json, sys; open({str(argv)!r}, 'w').write(json.dumps(sys.argv[1:]))")
+    assert launch.run(args("claude", "--config", str(config), "--models-dir", str(tmp_path / "models"), "--print"),
+                      serve=serve) == 2  # (that server exits at once)
+    assert json.loads(argv.read_text()) == ["--models-dir", str(tmp_path / "models"), "--config", str(config)]
+    assert "the server exited with status 0" in capsys.readouterr().err
+
+
 def test_a_port_in_use_is_the_servers_one_line_and_leaves_no_server(tmp_path, agent_env, capsys):
     """The real ``ringserve serve`` cannot bind (the port is bound, not listening, so nothing answers
     there): the launcher says why in one line, and says no server goes on (none does)."""
