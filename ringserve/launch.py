@@ -1,10 +1,10 @@
 """``ringserve launch claude`` and ``ringserve launch codex``: a coding agent on ringserve in one command.
 
-``ringserve launch AGENT [--config FILE] [--url URL] [--api-key KEY] [--keep-server] [--print] [-- AGENT ARGS]``
+``ringserve launch AGENT [--config FILE] [--models-dir DIR] [--url URL] [--api-key KEY] [--keep-server] [--print] [-- AGENT ARGS]``
 
 The launcher looks for a server at the URL (``--url``, else ``$RINGSERVE_URL``, else the
 config's ``[server]`` host and port). When nothing answers there it starts ``ringserve serve``
-with the same config as a child process, in a session of its own (the terminal's Ctrl-C goes to
+with the same config (and ``--models-dir``) as a child process, in a session of its own (the terminal's Ctrl-C goes to
 the agent, not to the server) with its output in a log file, waits for ``GET /ready``, and stops
 it when the agent exits (SIGTERM, so it drains; ``--keep-server`` leaves it running). It reads
 the served model's name and context window from ``GET /v1/models`` (``max_input_tokens``), then
@@ -20,8 +20,8 @@ pinned in ``.ci/agents/package.json``):
 
 * Claude Code: ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY`` (the key; a placeholder when the
   server needs none), the served model's name in ``ANTHROPIC_MODEL`` and in every variable that
-  picks the model of background and sub-agent calls, ``API_TIMEOUT_MS``,
-  ``DISABLE_TELEMETRY=1`` and ``CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1``.
+  picks the model of background and sub-agent calls, the context window in
+  ``CLAUDE_CODE_MAX_CONTEXT_TOKENS`` (:func:`claude_window`), ``API_TIMEOUT_MS``, ``DISABLE_TELEMETRY=1`` and ``CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1``.
 * Codex CLI: ``-c`` overrides on its command line, so the user's ``~/.codex/config.toml`` is read
   but never written: a provider ``ringserve`` (``base_url``, ``wire_api = "responses"``, the key
   in ``$RINGSERVE_API_KEY``, ``stream_idle_timeout_ms``), the model's name and
@@ -68,7 +68,7 @@ from ringserve.core.frozen import SELF
 
 __all__ = [
     "AGENTS", "AGENT_TIMEOUT_S", "CODEX_TEMPLATE", "Agent", "AgentInfo", "LaunchError", "Served", "ServerChild",
-    "Settings", "add_command", "check_url", "claude_settings", "codex_model_entry", "codex_settings",
+    "Settings", "add_command", "check_url", "claude_settings", "claude_window", "codex_model_entry", "codex_settings",
     "context_warning", "find_agent", "open_server", "render", "run", "server_url", "split_argv",
 ]
 
@@ -80,26 +80,38 @@ class Agent(enum.StrEnum):
 
 @attrs.frozen
 class AgentInfo:
-    """What the launcher knows of one agent: its name, program, npm package and pinned version, and
-    the context its first request needs (tokens)."""
+    """What the launcher knows of one agent: its name, program, npm package and pinned version, the
+    size of its first request (tokens: the least and the most measured), and the size of the request
+    it sends instead when that one is refused (tokens; None: it sends none smaller or larger)."""
 
     name: str
     program: str
     package: str
     version: str
-    prompt_tokens: int
+    prompt_tokens: tuple[int, int]
+    refused_tokens: int | None = None
 
 
 #: The agents. ``version`` is the one pinned in ``.ci/agents/package.json`` (a test keeps them
 #: equal). ``prompt_tokens``: the first request of each as launched here (a model name the agent does
-#: not know; Codex with :data:`CODEX_TEMPLATE`'s metadata), rendered by the bundled model's template,
-#: rounded up: 12,697-12,936 and 7,914-8,482 tokens (``docs/agents.md``, "Context the default
-#: prompts need").
+#: not know; Codex with :data:`CODEX_TEMPLATE`'s metadata), as ringserve counts the rendered prompt
+#: (``docs/agents.md``, "Context"): Claude Code 12,583 (SmolLM2's tokenizer, ringserve's 400, 2.1.332)
+#: to 13,026 (the captures' table, "Context the default prompts need"); Codex 7,881 (the bundled model,
+#: ``tests/system/test_agents.py``) to about 8,150 (a user's run on an 8,192-token model, where it
+#: fitted). ``refused_tokens``: Claude Code, refused, sends its request again without tool search,
+#: its tools inline: 20,883 and 20,911 here, 20,924-21,315 in a user's runs (the figure its error
+#: shows), rounded up.
 AGENTS: dict[Agent, AgentInfo] = {
-    Agent.CLAUDE: AgentInfo("Claude Code", "claude", "@anthropic-ai/claude-code", "2.1.332", 13_000),
-    Agent.CODEX: AgentInfo("Codex CLI", "codex", "@openai/codex", "0.171.0", 8_500),
+    Agent.CLAUDE: AgentInfo("Claude Code", "claude", "@anthropic-ai/claude-code", "2.1.332", (12_500, 13_100),
+                            21_400),
+    Agent.CODEX: AgentInfo("Codex CLI", "codex", "@openai/codex", "0.171.0", (7_850, 8_200)),
 }
 
+#: Claude Code's output cap for a model it does not know, and the most of it it keeps free in the
+#: window for a reply (tokens; 2.1.332's binary: ``kfo=20000``, and the ``max_tokens`` of its
+#: requests for such a model, ``docs/agents.md``): :func:`claude_window`.
+CLAUDE_OUTPUT_CAP = 32_000
+CLAUDE_REPLY_ROOM = 20_000
 #: The agents' request timeout when ``[server] max_stream_seconds`` is 0 (no limit), in seconds.
 AGENT_TIMEOUT_S = 3600.0
 #: The model of Codex's bundled catalog whose metadata the served model gets: in Codex 0.171.0 the
@@ -149,8 +161,34 @@ class Settings:
     config_toml: str = ""
 
 
-def claude_settings(served: Served) -> Settings:
-    """Claude Code's environment (its variables: ``docs/agents.md``; names from its binary)."""
+def claude_window(context_window: int, env: Mapping[str, str]) -> int:
+    """What ``CLAUDE_CODE_MAX_CONTEXT_TOKENS`` says for a model of ``context_window`` tokens (prompt and
+    reply), given the environment Claude Code runs in (``env``): the window plus the reply room
+    Claude Code takes off it, so that it compacts and stops where ringserve's window does.
+
+    Claude Code 2.1.332 (its binary) takes the variable as the window of a model it does not know,
+    and the variable silences its "doesn't recognize the model ... assumes a context window of 1m
+    tokens" notice. It keeps min(its output cap, 20,000) tokens of that window for the reply (the
+    cap: ``CLAUDE_CODE_MAX_OUTPUT_TOKENS``, else 32,000 for such a model), compacts the conversation
+    when it is 13,000 tokens short of the rest, and refuses a prompt 3,000 short of it ("Prompt is
+    too long", no request sent). ringserve's window already holds the reply (``max_tokens`` is
+    clamped to what is left), so with the bare window Claude Code would compact 33,000 tokens
+    before the window is full: at every turn on a 32,768-token model (against the fake engine, a
+    window under the last prompt plus 33,000 made a turn a compaction and the turn, 3 requests,
+    not 1). With this sum it compacts at 13,000 and refuses at 3,000 tokens short of the window.
+    """
+    cap = env.get("CLAUDE_CODE_MAX_OUTPUT_TOKENS", "")
+    output = int(cap) if cap.isdigit() and int(cap) > 0 else CLAUDE_OUTPUT_CAP
+    return context_window + min(output, CLAUDE_REPLY_ROOM)
+
+
+def claude_settings(served: Served, env: Mapping[str, str]) -> Settings:
+    """Claude Code's environment (its variables: ``docs/agents.md``; names from its binary).
+
+    ``CLAUDE_CODE_MAX_CONTEXT_TOKENS`` (:func:`claude_window`) gives Claude Code the window of a
+    model its catalog does not describe (else 1,000,000, and a notice on stderr saying so); one
+    variable for every such model, so the small model gets the main model's.
+    """
     small = served.small_model or served.model
     model = {name: served.model for name in (
         "ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL",
@@ -164,6 +202,7 @@ def claude_settings(served: Served) -> Settings:
         "ANTHROPIC_API_KEY": served.api_key,
         **model,
         "API_TIMEOUT_MS": str(round(served.timeout * 1000)),
+        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(claude_window(served.context_window, env)),
         "DISABLE_TELEMETRY": "1",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     })
@@ -220,14 +259,23 @@ def codex_model_entry(catalog: Mapping[str, Any], served: Served) -> dict[str, A
 
 
 def context_warning(agent: Agent, served: Served) -> str | None:
-    """One line, before the agent starts, when the model's context is smaller than the agent's
-    first request: the request's size, the context, and what to do."""
+    """One line, before the agent starts, when the model's context may be smaller than the agent's
+    first request (:data:`AGENTS`' ``prompt_tokens``): the request's size, the context, whether it
+    will be refused (a context under the least measured) or may not fit (within the measured range,
+    where a request that fits leaves little for the reply), and what to do."""
     info = AGENTS[agent]
-    if served.context_window >= info.prompt_tokens:
+    least, most = info.prompt_tokens
+    if served.context_window >= most:
         return None
-    return (f"ringserve: warning: {info.name}'s first request is about {info.prompt_tokens:,} tokens, more than "
-            f"{served.model}'s context of {served.context_window:,}: expect a 400 (prompt too long); launch it on a "
-            "model with a longer context: ringserve launch "
+    size = f"{info.name}'s first request is about {least:,}-{most:,} tokens"
+    context = f"{served.model}'s context of {served.context_window:,}"
+    if served.context_window < least:
+        retry = ("" if info.refused_tokens is None else
+                 f"; refused, it retries with up to {info.refused_tokens:,} tokens, the size its error names")
+        verdict = f"{size}, more than {context}: expect a 400 (prompt too long){retry}"
+    else:
+        verdict = f"{size}: it may not fit {context}, and if it does it leaves little for the reply"
+    return (f"ringserve: warning: {verdict}; launch it on a model with a longer context: ringserve launch "
             f"{agent.value} --model MODEL.gguf (or --model NAME of the server's, GET /v1/models)")
 
 
@@ -312,9 +360,12 @@ def check_key(api_key: str, source: str) -> None:
         raise LaunchError(f"the API key ({source}) has {bad[1]!r} at position {bad[0]}: a key is printable ASCII")
 
 
-def _serve_args(config_path: Path | None, url: str | None, model_file: Path | None = None) -> list[str]:
-    """``ringserve serve``'s arguments: the model file, the config, and the host and port of a ``--url``."""
+def _serve_args(config_path: Path | None, url: str | None, model_file: Path | None = None,
+                models_dir: str | None = None) -> list[str]:
+    """``ringserve serve``'s arguments: the model file, the models folder, the config, and the host and
+    port of a ``--url``."""
     args = [] if model_file is None else [str(model_file)]
+    args += [] if not models_dir else ["--models-dir", models_dir]
     args += [] if config_path is None else ["--config", str(config_path)]
     if url is not None:
         parts = urlsplit(url)
@@ -358,14 +409,21 @@ def _get(client: httpx.Client, url: str, path: str, api_key: str, key_source: st
 
 
 def served_model(client: httpx.Client, url: str, api_key: str, key_source: str | None,
-                 wanted: str | None) -> tuple[str, int]:
+                 wanted: str | None, model_file: Path | None = None) -> tuple[str, int]:
     """The name and context window of the model ``wanted`` names on the server (a name, an alias;
     None: the server's default model, else its first), loaded (``POST /models/load``) when its
     window is not known yet (``key_source``: where ``api_key`` came from, None for the placeholder).
+    ``model_file``: the GGUF file ``wanted`` is the stem of, given to a server that was running
+    already.
 
     Raises:
-        LaunchError: the server has no such model, or it cannot be loaded (one line).
+        LaunchError: the server has no such model (for ``model_file``, saying that the server names
+            its models, not their files: ``GET /v1/models`` gives no file, so a preset that serves
+            the file under another name cannot be found by it), or it cannot be loaded (one line).
     """
+    unnamed = ("" if model_file is None else
+               f" (--model {model_file} asks for its file's name: the server names its models, not their files, and"
+               " may serve that file under another; give that name, --model NAME)")
     named = wanted is not None
     if wanted is None:
         wanted = _get(client, url, "/health", api_key, key_source).json().get("model")
@@ -377,12 +435,13 @@ def served_model(client: httpx.Client, url: str, api_key: str, key_source: str |
     for _ in range(2):
         if response.status_code != 200:
             message = response.json().get("error", {}).get("message", "") if response.content else ""
-            raise LaunchError(f"{url}: {message or f'GET {path} answered {response.status_code}'}")
+            hint = unnamed if response.status_code == 404 else ""
+            raise LaunchError(f"{url}: {message or f'GET {path} answered {response.status_code}'}{hint}")
         model = response.json()
         if named and not _names(model, wanted):  # the server's fallback to its default model
             listed = _get(client, url, "/v1/models", api_key, key_source).json().get("data") or []
             raise LaunchError(f"{url}: no model {wanted!r} there (a request for it gets {model['id']}); the models "
-                              f"are: {', '.join(sorted(str(m.get('id')) for m in listed))}")
+                              f"are: {', '.join(sorted(str(m.get('id')) for m in listed))}{unnamed}")
         if "max_input_tokens" in model:
             return str(model["id"]), int(model["max_input_tokens"])
         loaded = _get(client, url, "/models/load", api_key, key_source, {"model": model["id"]})
@@ -439,9 +498,10 @@ def _wait_ready(client: httpx.Client, url: str, child: ServerChild | None) -> No
 
 def open_server(client: httpx.Client, url: str, config_path: Path | None, url_arg: str | None, *,
                 drain_timeout: float, serve: Sequence[str] = SERVE, err: TextIO = sys.stderr,
-                model_file: Path | None = None) -> ServerChild | None:
+                model_file: Path | None = None, models_dir: str | None = None) -> ServerChild | None:
     """The server at ``url`` once it is ready: the one running there (None), or one started as
-    ``serve`` with ``model_file``, ``config_path`` and the host and port of ``url_arg`` (``--url``),
+    ``serve`` with ``model_file``, ``models_dir`` (``--models-dir``), ``config_path`` and the host and
+    port of ``url_arg`` (``--url``),
     in a session of its own with its output in a log file (the child, for the caller to stop); a
     line on ``err`` says so. ``ringserve launch`` and ``ringserve run`` use it.
 
@@ -456,7 +516,7 @@ def open_server(client: httpx.Client, url: str, config_path: Path | None, url_ar
         return None
     log = platformdirs.user_log_path("ringserve") / f"server-{urlsplit(url).port}.log"
     config_path = None if config_path is None else config_path.resolve()
-    child = ServerChild([*serve, *_serve_args(config_path, url_arg, model_file)], log)
+    child = ServerChild([*serve, *_serve_args(config_path, url_arg, model_file, models_dir)], log)
     print(f"ringserve: no server at {url}; starting one (log: {log})", file=err)
     try:
         _wait_ready(client, url, child)
@@ -545,8 +605,8 @@ def _run_agent(argv: Sequence[str], env: Mapping[str, str]) -> int:
 def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
     """``ringserve launch``: find or start the server, then run the agent or print its settings.
 
-    ``serve`` is the command that starts a server, to which the config and the ``--url``'s host and
-    port are appended.
+    ``serve`` is the command that starts a server, to which ``--models-dir``, the config and the
+    ``--url``'s host and port are appended.
     """
     out, err = sys.stdout, sys.stderr
     agent = Agent(args.agent)
@@ -556,7 +616,8 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
     keep = False  # leave the server it started running (once the launcher has done its part)
     try:
         try:  # as `ringserve serve` reads it: the file, then the RINGSERVE_* variables
-            config: Config = args.load_config(argparse.Namespace(config=args.config, model_file=None))
+            config: Config = args.load_config(argparse.Namespace(config=args.config, model_file=None,
+                                                                 models_dir=args.models_dir))
         except (OSError, ValueError) as exc:
             raise LaunchError(str(exc)) from None
         url = server_url(config) if args.url is None else check_url(args.url)
@@ -571,8 +632,9 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
         model_file, wanted = _model_arg(args.model)
         with httpx.Client(timeout=10) as client:
             child = open_server(client, url, args.config, args.url, drain_timeout=config.server.drain_timeout,
-                                serve=serve, err=err, model_file=model_file)
-            model, context_window = served_model(client, url, api_key, key_source, wanted)
+                                serve=serve, err=err, model_file=model_file, models_dir=args.models_dir)
+            model, context_window = served_model(client, url, api_key, key_source, wanted,
+                                                 model_file if child is None else None)
             small = None if args.small_model is None else served_model(
                 client, url, api_key, key_source, args.small_model)[0]
         served = Served(url, model, context_window, api_key, config.server.max_stream_seconds or AGENT_TIMEOUT_S,
@@ -583,7 +645,7 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
         env = {**os.environ}
         match agent:
             case Agent.CLAUDE:
-                settings = claude_settings(served)
+                settings = claude_settings(served, env)
             case Agent.CODEX:
                 settings = codex_settings(served, _codex_catalog(program, env, served, err))
             case _:
@@ -638,6 +700,7 @@ def add_command(sub: Any, load_config: Callable[[argparse.Namespace], Config]) -
                             epilog="Arguments after -- go to the agent: ringserve launch codex -- exec --skip-git-repo-check 'Say hi'")
     launch.add_argument("agent", choices=tuple(Agent), help="the agent")
     launch.add_argument("--config", type=Path, help="TOML config file, for the URL, the key and a server to start")
+    launch.add_argument("--models-dir", help="a folder of GGUF models, for a server to start (as ringserve serve's)")
     launch.add_argument("--url", default=os.environ.get("RINGSERVE_URL"),
                         help="the server's URL (default $RINGSERVE_URL, else the config's host and port)")
     launch.add_argument("--api-key", default=os.environ.get("RINGSERVE_API_KEY"),

@@ -713,12 +713,11 @@ def _run_run(args: argparse.Namespace, out: TextIO, err: TextIO, *, serve: Seque
     (``--keep-server`` leaves it running)."""
     config = _config(args)
     url = _url(args, config)
-    extra = ("--models-dir", args.models_dir) if args.models_dir else ()
     child = None
     try:
         with httpx.Client(timeout=10) as probe:
             child = open_server(probe, url, args.config, args.url, drain_timeout=config.server.drain_timeout,
-                                serve=(*serve, *extra), err=err)
+                                serve=serve, err=err, models_dir=args.models_dir)
         api_key = _api_key(args, config)
         with Client(url, api_key=api_key, timeout=None, idle_timeout=args.idle_timeout) as client:
             chat = _Chat(client, args.name, args.surface, args.max_tokens, args.system, out, err)

@@ -32,7 +32,7 @@ SERVED = Served("http://127.0.0.1:8080", "qwen3-8b", 32768, "k-1", 1800.0)
 
 
 def test_claude_code_gets_the_url_the_key_one_model_for_every_call_and_a_timeout():
-    assert launch.claude_settings(SERVED) == Settings({
+    assert launch.claude_settings(SERVED, {}) == Settings({
         "ANTHROPIC_BASE_URL": "http://127.0.0.1:8080",
         "ANTHROPIC_API_KEY": "k-1",
         "ANTHROPIC_MODEL": "qwen3-8b",
@@ -42,18 +42,30 @@ def test_claude_code_gets_the_url_the_key_one_model_for_every_call_and_a_timeout
         "ANTHROPIC_SMALL_FAST_MODEL": "qwen3-8b",
         "CLAUDE_CODE_SUBAGENT_MODEL": "qwen3-8b",
         "API_TIMEOUT_MS": "1800000",
+        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": "52768",  # the window and the 20,000 it keeps for a reply
         "DISABLE_TELEMETRY": "1",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     })
 
 
 def test_claude_codes_small_background_calls_go_to_the_small_model_when_one_is_named():
-    env = launch.claude_settings(attrs.evolve(SERVED, small_model="smollm2")).env
+    env = launch.claude_settings(attrs.evolve(SERVED, small_model="smollm2"), {}).env
     assert {name for name, value in env.items() if value == "smollm2"} == {
         "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_SMALL_FAST_MODEL"}
     assert env["ANTHROPIC_MODEL"] == env["ANTHROPIC_DEFAULT_SONNET_MODEL"] == env["CLAUDE_CODE_SUBAGENT_MODEL"] == "qwen3-8b"
     printed = launch.render(Agent.CLAUDE, attrs.evolve(SERVED, small_model="smollm2"), Settings({}))
     assert printed.startswith("# Claude Code on ringserve at http://127.0.0.1:8080: model qwen3-8b (small model smollm2),")
+
+
+def test_claude_code_is_told_a_window_that_it_fills_to_the_models_context():
+    """Claude Code keeps min(its output cap, 20,000) of the window it is told for the reply; ringserve's
+    context already holds the reply, so the two are added."""
+    assert launch.claude_window(8192, {}) == 28192
+    assert launch.claude_window(8192, {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"}) == 8448
+    assert launch.claude_window(8192, {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64000"}) == 28192
+    assert launch.claude_window(8192, {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "lots"}) == 28192
+    printed = launch.render(Agent.CLAUDE, SERVED, launch.claude_settings(SERVED, {}))
+    assert "export CLAUDE_CODE_MAX_CONTEXT_TOKENS=52768\n" in printed
 
 
 def overrides(args: tuple[str, ...]) -> dict[str, Any]:
@@ -114,15 +126,21 @@ def test_the_served_model_gets_the_template_models_codex_metadata_under_its_own_
     assert launch.codex_model_entry({"models": [{"slug": "other"}]}, SERVED) is None
 
 
-@pytest.mark.parametrize(("context", "claude", "codex"), [(8192, True, True), (12288, True, False), (16384, False, False)])
+@pytest.mark.parametrize(("context", "claude", "codex"), [
+    (4096, "400", "400"), (8192, "400", "may not fit"), (12800, "may not fit", None), (16384, None, None)])
 def test_a_context_smaller_than_the_agents_first_request_is_one_warning_line(context, claude, codex):
+    """A 400 is promised only below the least measured size (Codex's 8,150-token request fitted 8,192);
+    Claude Code's also names the larger request its error will show (about 21,000 tokens)."""
     served = Served("http://h:1", "m", context, "k", 60.0)
-    for agent, warned in ((Agent.CLAUDE, claude), (Agent.CODEX, codex)):
+    for agent, verdict in ((Agent.CLAUDE, claude), (Agent.CODEX, codex)):
         warning = launch.context_warning(agent, served)
-        assert (warning is not None) is warned
+        assert (warning is None) is (verdict is None)
         if warning is not None:
             assert "\n" not in warning and f"context of {context:,}" in warning and AGENTS[agent].name in warning
             assert f"ringserve launch {agent.value} --model" in warning
+            assert ("expect a 400" in warning) is (verdict == "400")
+            assert ("may not fit" in warning) is (verdict == "may not fit")
+            assert ("21,400 tokens" in warning) is (agent is Agent.CLAUDE and verdict == "400")
 
 
 def test_print_is_export_lines_and_codexs_config_file():
@@ -224,6 +242,7 @@ def agent_env(tmp_path, monkeypatch) -> dict[str, Path]:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("FAKE_AGENT_OUT", str(tmp_path / "agent.json"))
     monkeypatch.delenv("RINGSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("CLAUDE_CODE_MAX_OUTPUT_TOKENS", raising=False)
     return {"out": tmp_path / "agent.json", "bin": bin_dir}
 
 
@@ -253,8 +272,10 @@ def test_launch_starts_a_server_runs_the_agent_with_its_settings_and_stops_the_s
     seen = json.loads(agent_env["out"].read_text())
     assert seen["ready"] == 200  # the server ran while the agent did
     assert seen["argv"] == ["-p", "Say hi", "--", "x"]
-    expected = launch.claude_settings(Served(url, "tiny-model", 16384, launch.PLACEHOLDER_KEY, launch.AGENT_TIMEOUT_S)).env
+    expected = launch.claude_settings(Served(url, "tiny-model", 16384, launch.PLACEHOLDER_KEY, launch.AGENT_TIMEOUT_S),
+                                      os.environ).env
     assert {k: seen["env"][k] for k in expected} == expected
+    assert seen["env"]["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "36384"  # not the 1,000,000 it would assume
     assert refused(url)  # and stopped after it
     err = capsys.readouterr().err
     assert f"no server at {url}; starting one" in err and "warning" not in err
@@ -303,6 +324,8 @@ def test_launch_names_a_model_and_a_small_model_of_the_servers_loading_them_and_
         assert launch.run(args("claude", "--url", server.url, "--small-model", "small", "--print")) == 0
         out, err = capsys.readouterr()
         assert "export ANTHROPIC_MODEL=big\n" in out and "export ANTHROPIC_DEFAULT_HAIKU_MODEL=small\n" in out
+        big = httpx.get(f"{server.url}/v1/models/big").json()["max_input_tokens"]
+        assert f"export CLAUDE_CODE_MAX_CONTEXT_TOKENS={big + 20_000}\n" in out  # one variable: the main model's
         assert httpx.get(f"{server.url}/v1/models/small").json()["status"]["value"] == "loaded"  # loaded for it
         assert launch.run(args("codex", "--url", server.url, "--model", "small", "--print")) == 0
         out, err = capsys.readouterr()
@@ -311,8 +334,31 @@ def test_launch_names_a_model_and_a_small_model_of_the_servers_loading_them_and_
         assert launch.run(args("claude", "--url", server.url, "--model", "gpt-5", "--print")) == 2
         assert capsys.readouterr().err.splitlines() == [
             f"ringserve: {server.url}: no model 'gpt-5' there (a request for it gets big); the models are: big, small"]
+        other = tmp_path / "gemma.gguf"  # a file this server may serve under a preset's name: it gives no files
+        other.write_bytes(b"GGUF")
+        assert launch.run(args("claude", "--url", server.url, "--model", str(other), "--print")) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"ringserve: {server.url}: no model 'gemma' there (a request for it gets big); the models"
+                               " are: big, small (--model ") and str(other) in line
+        assert "the server names its models, not their files" in line and "--model NAME" in line
     finally:
         server.stop()
+
+
+def test_a_gguf_file_the_server_has_no_name_for_says_that_it_names_models_not_files():
+    """A server with ``strict_model_name`` answers an unknown name 404 (its message lists the names); a
+    file's stem is all the launcher can ask for, so the line says so."""
+    message = "no model 'gemma' here; the models are: big, small"
+    transport = httpx.MockTransport(lambda request: httpx.Response(404, json={"error": {"message": message}}))
+    with httpx.Client(transport=transport) as client:
+        with pytest.raises(launch.LaunchError) as raised:
+            launch.served_model(client, "http://h:1", "k", None, "gemma", Path("../gemma.gguf"))
+        assert str(raised.value) == (f"http://h:1: {message} (--model ../gemma.gguf asks for its file's name: the server"
+                                     " names its models, not their files, and may serve that file under another; give"
+                                     " that name, --model NAME)")
+        with pytest.raises(launch.LaunchError) as raised:
+            launch.served_model(client, "http://h:1", "k", None, "gemma")
+        assert str(raised.value) == f"http://h:1: {message}"  # a name given as a name
 
 
 def test_launch_reads_the_ringserve_variables_as_the_server_does(tmp_path, agent_env, monkeypatch, capsys):
@@ -437,6 +483,17 @@ def test_a_url_no_server_can_have_is_one_line_and_starts_nothing(tmp_path, agent
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"ringserve: the URL {url!r} (--url or $RINGSERVE_URL): ")
     assert not started.exists()
+
+
+def test_models_dir_goes_to_the_server_launch_starts_as_run_passes_it(tmp_path, agent_env, capsys):
+    port = free_port()
+    config = config_file(tmp_path, port)
+    argv = tmp_path / "argv.json"
+    serve = (sys.executable, "-c", f"import json, sys; open({str(argv)!r}, 'w').write(json.dumps(sys.argv[1:]))")
+    assert launch.run(args("claude", "--config", str(config), "--models-dir", str(tmp_path / "models"), "--print"),
+                      serve=serve) == 2  # (that server exits at once)
+    assert json.loads(argv.read_text()) == ["--models-dir", str(tmp_path / "models"), "--config", str(config)]
+    assert "the server exited with status 0" in capsys.readouterr().err
 
 
 def test_a_port_in_use_is_the_servers_one_line_and_leaves_no_server(tmp_path, agent_env, capsys):
