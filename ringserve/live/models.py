@@ -16,6 +16,7 @@ fails to load gives every request waiting for it the error, and is tried again o
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 from collections.abc import Callable
@@ -52,6 +53,14 @@ def keep_alive(settings: ModelSettings) -> float:
     if model.keep_alive is not None:
         return model.keep_alive
     return 0.0 if model.load_on_startup else DEFAULT_KEEP_ALIVE
+
+
+class UnloadReason(enum.Enum):
+    """Why a model was unloaded (its log line says the value)."""
+
+    ASKED = "asked: POST /models/unload"
+    EVICTED = "the least recently used idle model, to make room for another"
+    EXPIRED = "idle for its keep_alive"
 
 
 @attrs.define(eq=False)
@@ -275,7 +284,7 @@ class ModelPool:
                     case Load():
                         break
                     case Evict(name=name):
-                        await self.unload(name)
+                        await self.unload(name, UnloadReason.EVICTED)
                     case Wait(reason=reason):
                         log.info("model %s waits to load: %s", model.name, reason)
                         await self._changed.wait()
@@ -338,9 +347,10 @@ class ModelPool:
 
     # -- unloading -----------------------------------------------------------------------------
 
-    async def unload(self, name: str) -> bool:
+    async def unload(self, name: str, why: UnloadReason = UnloadReason.ASKED) -> bool:
         """Unload the model ``name`` when it is loaded and nobody holds it: its runner stops, its
-        engine is closed (its memory freed) on a worker thread. Whether it was unloaded."""
+        engine is closed (its memory freed) on a worker thread; the log line says ``why``.
+        Whether it was unloaded."""
         model = self._models[name]
         if not model.resident.idle:
             return False
@@ -355,7 +365,7 @@ class ModelPool:
         if front is not None and front.tokenizer is not engine:
             await trio.to_thread.run_sync(front.tokenizer.close)
         self._router.unloaded(name)
-        log.info("unloaded model %s", name)
+        log.info("unloaded model %s (%s)", name, why.value)
         self._notify()
         return True
 
@@ -366,7 +376,7 @@ class ModelPool:
             with trio.move_on_at(self._router.next_expiry()):
                 await self._changed.wait()
             for name in self._router.expired(trio.current_time()):
-                await self.unload(name)
+                await self.unload(name, UnloadReason.EXPIRED)
 
     def _notify(self) -> None:
         self._changed.set()

@@ -100,7 +100,13 @@ async def test_aliases_and_patterns_reach_their_model_and_a_default_takes_the_re
         assert (await ask(client, "gpt-5")).json()["model"] == "beta"
 
 
-async def test_at_max_loaded_the_least_recently_used_idle_model_is_unloaded(tmp_path):
+def unloads(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The log's unload lines."""
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("unloaded model")]
+
+
+async def test_at_max_loaded_the_least_recently_used_idle_model_is_unloaded(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="ringserve.models")
     closed: list[str] = []
 
     def factory(settings: ModelSettings) -> FakeEngine:
@@ -115,6 +121,8 @@ async def test_at_max_loaded_the_least_recently_used_idle_model_is_unloaded(tmp_
         assert (await ask(client, "beta")).json()["content"][0]["text"] == "I am beta."
         assert await statuses(client) == {"alpha": "unloaded", "beta": "loaded"}
         assert closed == ["alpha"]  # its engine closed: its memory freed
+        lru = "the least recently used idle model, to make room for another"
+        assert unloads(caplog) == [f"unloaded model alpha ({lru})"]
 
 
 async def test_a_model_with_a_running_generation_is_not_unloaded_under_it(tmp_path):
@@ -141,7 +149,8 @@ async def test_a_model_with_a_running_generation_is_not_unloaded_under_it(tmp_pa
     assert answers["beta"].json()["content"][0]["text"] == "I am beta." * 20
 
 
-async def test_an_idle_model_is_unloaded_after_its_keep_alive_and_zero_keeps_it(tmp_path):
+async def test_an_idle_model_is_unloaded_after_its_keep_alive_and_zero_keeps_it(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="ringserve.models")
     config = presets(tmp_path, alpha={"keep_alive": 0.2}, beta={"keep_alive": 0.0})
     async with running_server(config, engine_factory=named) as state, \
             httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
@@ -149,6 +158,7 @@ async def test_an_idle_model_is_unloaded_after_its_keep_alive_and_zero_keeps_it(
         await ask(client, "beta")
         await wait_until(lambda: state.hub.models.find("alpha").status is ModelStatus.UNLOADED)
         assert state.hub.models.find("beta").status is ModelStatus.LOADED
+        assert unloads(caplog) == ["unloaded model alpha (idle for its keep_alive)"]
         assert (await ask(client, "alpha")).json()["content"][0]["text"] == "I am alpha."  # loads again
 
 
