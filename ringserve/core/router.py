@@ -205,7 +205,8 @@ class Router:
         Args:
             name: the model to load (unloaded or failed).
             need: bytes its load takes (its estimate; 0: not known).
-            free: bytes free where it loads (None: not known: only ``max_loaded`` counts).
+            free: bytes free where it loads (None: not known: only ``max_loaded`` counts), less
+                here what the models loading now will take (:meth:`loading`: not allocated yet).
 
         Returns:
             :class:`Load` when at most ``max_loaded - 1`` others occupy a place and ``need``
@@ -215,6 +216,8 @@ class Router:
             :class:`Wait`.
         """
         others = [r for r in self._residents.values() if r.name != name and r.occupies]
+        if free is not None:
+            free -= sum(r.memory for r in others if r.status is ModelStatus.LOADING)
         full = len(others) >= self.max_loaded
         short = free is not None and need > free
         if not full and not short:
@@ -228,6 +231,19 @@ class Router:
             loaded = "1 model is" if len(others) == 1 else f"{len(others)} models are"
             return Wait(f"{loaded} loaded (max_loaded = {self.max_loaded}), each in use")
         return Wait(f"its {need} bytes do not fit the {free} free, and every loaded model is in use")
+
+    def loading(self, name: str, memory: int) -> None:
+        """``name`` starts loading, to take ``memory`` bytes (counted against the free memory of
+        the loads planned before it ends)."""
+        resident = self._residents[name]
+        resident.move(ModelMove.LOAD)
+        resident.memory = memory
+
+    def failed(self, name: str) -> None:
+        """``name`` could not be loaded (or sized): it holds no memory."""
+        resident = self._residents[name]
+        resident.move(ModelMove.FAILED)
+        resident.memory = 0
 
     def loaded(self, name: str, now: float, memory: int) -> None:
         """``name`` finished loading at ``now``, taking ``memory`` bytes (its LRU age starts)."""

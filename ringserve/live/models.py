@@ -279,7 +279,8 @@ class ModelPool:
             assert model.front is not None
             front = model.front
             while True:
-                decision = self._router.plan_load(model.name, front.memory, self._free_memory())
+                free = await trio.to_thread.run_sync(self._free_memory)  # (driver and /proc reads)
+                decision = self._router.plan_load(model.name, front.memory, free)
                 match decision:
                     case Load():
                         break
@@ -294,7 +295,7 @@ class ModelPool:
                                           " memory_margin)")
                     case _:
                         assert_never(decision)
-            model.resident.move(ModelMove.LOAD)
+            self._router.loading(model.name, front.memory)
             model.progress = 0.0
             self._notify()
             log.info("loading model %s", model.name)
@@ -316,7 +317,7 @@ class ModelPool:
 
     def _failed(self, model: ModelState, error: RingserveError) -> None:
         model.error = error
-        model.resident.move(ModelMove.FAILED)
+        self._router.failed(model.name)
         model.front = model.prompter = None
 
     @staticmethod

@@ -82,6 +82,19 @@ def test_memory_that_does_not_fit_evicts_idle_models_then_waits():
     assert router.plan_load("c", need=500, free=600) == Load()
 
 
+def test_a_model_loading_counts_its_memory_against_the_next_load():
+    """Two loads planned while the first has not allocated yet must not both fit the same free bytes."""
+    router = Router(4)
+    router.add("a", 0)
+    router.add("b", 0)
+    assert router.plan_load("a", need=300, free=400) == Load()
+    router.loading("a", 300)
+    assert isinstance(router.plan_load("b", need=200, free=400), Wait)  # 100 left of the 400
+    assert router.plan_load("b", need=100, free=400) == Load()
+    router.failed("a")
+    assert router["a"].memory == 0 and router.plan_load("b", need=200, free=400) == Load()
+
+
 def test_memory_that_would_not_fit_with_every_other_model_unloaded_is_no_room():
     """Nothing loaded to free (a start-up load), or not enough: no wait for a release that cannot help."""
     router = Router(4)
