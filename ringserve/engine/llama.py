@@ -1326,7 +1326,7 @@ class LlamaLoader:
         estimate = sizing.estimate
         memory = estimate.gpu if report.gpus and sizing.gpu_layers else estimate.host
         log.info("model %s sized: %s", vocab.model_id, sizing.describe())
-        return Front(vocab, n_ctx, context_window(settings, n_ctx_seq), (model.sampling, gguf_sampling(info.sampling)),
+        return Front(vocab, n_ctx, context_window(settings.engine, n_ctx_seq), (model.sampling, gguf_sampling(info.sampling)),
                      memory, sizing)
 
     def engine(self, settings: ModelSettings, front: Front, progress: Callable[[float], None]) -> Engine:

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import attrs
 
-from ringserve.config import ModelSettings
+from ringserve.config import EngineConfig, ModelSettings
 from ringserve.core.events import SamplingParams
 from ringserve.core.sizing import Sizing
 from ringserve.engine.protocol import Engine, Tokenizer
@@ -77,10 +77,10 @@ class ModelLoader(Protocol):
         sizing keeps; None: not known (only ``max_loaded`` limits the loaded models)."""
 
 
-def context_window(settings: ModelSettings, n_ctx_seq: int) -> int:
+def context_window(engine: EngineConfig, n_ctx_seq: int) -> int:
     """The most tokens one request may hold: what one sequence may hold of the pool, at most
     ``[engine] ctx_per_slot`` when that is set."""
-    cap = settings.engine.ctx_per_slot
+    cap = engine.ctx_per_slot
     return min(n_ctx_seq, cap) if cap else n_ctx_seq
 
 
@@ -93,7 +93,7 @@ class FactoryLoader:
 
     def front(self, settings: ModelSettings) -> Front:
         engine = self.factory(settings)
-        window = context_window(settings, engine.n_ctx_seq)
+        window = context_window(settings.engine, engine.n_ctx_seq)
         return Front(engine, engine.n_ctx, window, (settings.model.sampling,), engine=engine)
 
     def engine(self, settings: ModelSettings, front: Front, progress: Callable[[float], None]) -> Engine:

@@ -84,6 +84,7 @@ from ringserve.core.events import (
 from ringserve.core.scheduler import Entry, Plan, Scheduler, SlotState
 from ringserve.core.view import Waiting, WaitReason
 from ringserve.engine.generation import Count, Generation, Prepared
+from ringserve.engine.loader import context_window
 from ringserve.engine.prompter import Prompter
 from ringserve.engine.protocol import ChatPrompt, Engine, EngineError, KVCacheFull
 from ringserve.engine.thread import EngineThread
@@ -288,9 +289,8 @@ class Runner:
         prompter: Prompter | None = None,
     ) -> None:
         config = config or EngineConfig()
-        cap = config.ctx_per_slot
         #: what prepares its requests: the given one, or one over the engine's own vocabulary
-        self.prompter = prompter or Prompter(engine, min(engine.n_ctx_seq, cap) if cap else engine.n_ctx_seq)
+        self.prompter = prompter or Prompter(engine, context_window(config, engine.n_ctx_seq))
         self._overlap = overlap
         self._step_done: trio.Event | None = None  # set when the decode in flight returns
         self._on_cancel_freed = on_cancel_freed

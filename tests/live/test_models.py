@@ -255,7 +255,7 @@ class SlowLoader:
 
     def front(self, settings: ModelSettings) -> Front:
         engine = FakeEngine(n_ctx=4096, reply="loaded and answering")
-        window = context_window(settings, engine.n_ctx_seq)
+        window = context_window(settings.engine, engine.n_ctx_seq)
         return Front(engine, engine.n_ctx, window, (settings.model.sampling,), engine=engine)
 
     def engine(self, settings: ModelSettings, front: Front, progress: Any) -> Engine:
