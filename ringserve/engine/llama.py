@@ -1309,7 +1309,8 @@ class LlamaLoader:
         request = SizingRequest(
             n_ctx=model.ctx_size if model.kv_unified else _split_share(settings, info.n_ctx_train),
             n_gpu_layers=model.n_gpu_layers, type_k=model.cache_type_k, type_v=model.cache_type_v,
-            flash_attn=bool(_flash_attn(model.flash_attn, model.cache_type_v, gpu=bool(report.gpus))),
+            # (None: llama.cpp's choice, on for the quantized V cache that needs it: _flash_attn_for)
+            flash_attn=_flash_attn(model.flash_attn, model.cache_type_v, gpu=bool(report.gpus)) is not False,
             n_batch=engine.n_batch, n_ubatch=engine.n_batch, n_seq=slots, kv_unified=model.kv_unified,
             margin=self.margin)
         if request.n_ctx > info.n_ctx_train:  # (plan_sizing's check, said in the settings' terms)

@@ -544,3 +544,18 @@ def test_a_model_without_a_chat_template_is_a_warning_naming_the_fix(path, caplo
         assert len(warned) == 1 and "has no chat template" in warned[0] and "chat_template_file" in warned[0]
     else:
         assert warned == []
+
+
+def test_a_quantized_v_cache_is_sized_with_the_flash_attention_it_turns_on():
+    """flash_attn auto with a q8_0 V cache on the CPU: the engine turns flash attention on, so the
+    sizing counts its compute buffer (without it, a layer's attention scores: 166 MiB at 8,192 here)."""
+    from ringserve.config import Config
+
+    def front_memory(flash_attn: str) -> int:
+        settings = Config().replace("model", path=str(default_model_path()), ctx_size=8192, cache_type_v="q8_0",
+                                    flash_attn=flash_attn).settings
+        front = llama.LlamaLoader().front(settings)
+        front.tokenizer.close()
+        return front.memory
+
+    assert front_memory("auto") == front_memory("on")
