@@ -294,12 +294,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if config.model.path:
             check_model_file(config.model.path)
-        discover(config)  # a catalog that cannot be made (a name twice, a preset of no model...): one line
+        catalog = discover(config)  # one that cannot be made (a name twice, a preset of no model...): one line
     except (OSError, ValueError, ModelFileError) as exc:
         print(f"ringserve: {exc}", file=sys.stderr)
         return 2
     try:
-        return run_process(config)  # 0 after a drain, 1 if a second signal cut it short
+        return run_process(config, catalog=catalog)  # 0 after a drain, 1 if a second signal cut it short
     except (AuthSetupError, SafetySetupError, StoreError, BindError, EngineError, ModelFileError) as exc:
         # a non-loopback host with no keys, a malformed key, a safety checker that does not load, a bad store
         # file, a port taken, a model or context that did not load

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -184,6 +185,7 @@ async def serve(
     config: Config,
     loader: ModelLoader | Callable[[ModelSettings], Engine] | None = None,
     *,
+    catalog: Catalog | None = None,
     handle_signals: bool = True,
     shutdown_trigger: trio.Event | None = None,
     task_status: trio.TaskStatus[ServerState] = trio.TASK_STATUS_IGNORED,
@@ -226,7 +228,7 @@ async def serve(
     SURFACES.check_policies(config.policy)
     auth = Authenticator.from_config(config.auth)
     check_bind(config.server.host, auth, config.auth.allow_remote_without_keys)
-    catalog = discover(config)
+    catalog = catalog or discover(config)
     safety = SafetyStage.from_config(config.safety, max_threads=config.engine.slots)
     isolate_connection_faults()
     state = ServerState(config, auth=auth)
@@ -414,8 +416,10 @@ def _limit(value: float, unit: str) -> str:
 SWITCH_INTERVAL_SECONDS = 0.0002
 
 
-def run_process(config: Config, loader: ModelLoader | Callable[[ModelSettings], Engine] | None = None) -> int:
-    """:func:`serve` as a process's main loop (``ringserve serve``): its exit status.
+def run_process(config: Config, loader: ModelLoader | Callable[[ModelSettings], Engine] | None = None,
+                catalog: Catalog | None = None) -> int:
+    """:func:`serve` as a process's main loop (``ringserve serve``): its exit status; ``catalog``:
+    the models of ``config``, already discovered (scanning the Hugging Face cache once).
 
     Sets the interpreter's switch interval to :data:`SWITCH_INTERVAL_SECONDS` first.
     Once it returns the process is about to exit, so every object left is
@@ -432,7 +436,7 @@ def run_process(config: Config, loader: ModelLoader | Callable[[ModelSettings], 
     """
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     try:
-        return trio.run(serve, config, loader)
+        return trio.run(functools.partial(serve, config, loader, catalog=catalog))
     except BaseExceptionGroup as group:
         # The listener binds and the model loads inside serve's nursery, which wraps their
         # failures in a group; raise it bare so the command line prints its one line (and exits 2).
