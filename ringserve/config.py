@@ -100,11 +100,6 @@ _TYPE_CHECKS: dict[str, tuple[str, Any]] = {
     "Switch": ("a string", lambda x: isinstance(x, str)),
     "LogBackend": ("a string", lambda x: isinstance(x, str)),
     "CacheType": ("a string", lambda x: isinstance(x, str)),
-    "float | None": ("a number", lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)),
-    "bool | None": ("true or false", lambda x: isinstance(x, bool)),
-    "int | None": ("an integer", lambda x: isinstance(x, int) and not isinstance(x, bool)),
-    "tuple[str, ...] | None": ("a list of strings",
-                               lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x)),
     "SamplingParams": ("a table", lambda x: isinstance(x, dict)),
 }
 
@@ -113,7 +108,7 @@ def _check_types(table: str, section: type, values: Mapping[str, Any]) -> None:
     """Raise ``ValueError`` naming ``[table] key``, the value and the type wanted, for a value of the wrong type."""
     for field in attrs.fields(section):
         if field.name in values:
-            wanted, ok = _TYPE_CHECKS[field.type]
+            wanted, ok = _TYPE_CHECKS[field.type.removesuffix(" | None")]  # (TOML has no null)
             if not ok(values[field.name]):
                 raise ValueError(f"[{table}] {field.name} must be {wanted}, got {values[field.name]!r}")
 
