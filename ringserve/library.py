@@ -54,7 +54,7 @@ from ringserve.engine.catalog import (
 )
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.formats.base import TOOLS_PROMPT_FAMILIES, ChatFormat
-from ringserve.launch import SERVE, LaunchError, check_url, open_server, server_url
+from ringserve.launch import SERVE, LaunchError, check_key, check_url, open_server, server_url
 
 __all__ = ["LibraryError", "Pulled", "add_commands", "pull", "remove"]
 
@@ -154,7 +154,18 @@ def _url(args: argparse.Namespace, config: Config) -> str:
 
 
 def _api_key(args: argparse.Namespace, config: Config) -> str | None:
-    return args.api_key or next(iter(config.auth.api_keys), None)
+    """The key to send (``--api-key``, else the config's first), checked as ``launch`` checks it.
+
+    Raises:
+        LibraryError: a key an HTTP header cannot carry (a newline, a non-ASCII letter).
+    """
+    key = args.api_key or next(iter(config.auth.api_keys), None)
+    if key is not None:
+        try:
+            check_key(key, "--api-key" if args.api_key else "the config's [auth] api_keys")
+        except LaunchError as exc:
+            raise LibraryError(str(exc)) from None
+    return key
 
 
 def server_models(url: str, api_key: str | None) -> list[dict[str, Any]] | None:
@@ -537,7 +548,7 @@ def remove(entry: CatalogEntry, *, cache_dir: Path | None = None) -> tuple[Path,
         path.unlink(missing_ok=True)
         removed.append(path)
     folder = entry.files[0].parent
-    others = [p for p in folder.iterdir() if p.suffix == ".gguf" and "mmproj" not in p.name]
+    others = [p for p in folder.iterdir() if is_model_file(p.name)]
     if entry.mmproj is not None and not others:
         entry.mmproj.unlink(missing_ok=True)
         removed.append(entry.mmproj)

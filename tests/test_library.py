@@ -588,3 +588,11 @@ def test_run_starts_a_server_when_none_runs_and_stops_it_after(tmp_path, monkeyp
     assert reply and out.getvalue() == f">>> {reply}\n>>> "
     assert refused(f"http://127.0.0.1:{port}")
 
+
+
+@pytest.mark.parametrize("command", ["ls", "ps"])
+def test_a_key_a_header_cannot_carry_is_one_line_as_for_launch(command):
+    """A newline in --api-key: the line launch gives, not 'no server answers' (httpx refused the header)."""
+    status, out, err = run_command(command, "--url", "http://127.0.0.1:9", "--api-key", "k\n")
+    assert status == 1 and out == ""
+    assert err == "ringserve: the API key (--api-key) has '\\n' at position 1: a key is printable ASCII\n"
