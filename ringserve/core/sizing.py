@@ -467,7 +467,8 @@ def plan_sizing(info: GGUFInfo, report: MemoryReport, request: SizingRequest) ->
         return estimate(info, request, n_ctx, n_layers).host <= host_budget
 
     def fits(n_ctx: int, n_layers: int) -> bool:
-        return gpu_ok(n_ctx, n_layers) and host_ok(n_ctx, n_layers)
+        memory = estimate(info, request, n_ctx, n_layers)  # (once: both sides)
+        return memory.gpu <= gpu_budget and memory.host <= host_budget
 
     def sized(n_ctx: int, n_layers: int, lowered: bool) -> Sizing:
         reason = ContextReason.TRAINED if auto else ContextReason.ASKED
