@@ -45,8 +45,7 @@ import attrs
 from ringserve.config import Config, ModelSettings, RouterConfig
 from ringserve.engine.modelfile import ModelFileError, default_model_path
 from ringserve.formats.base import ChatFormat
-from ringserve.formats.detect import detect
-from ringserve.formats.families import FAMILIES
+from ringserve.formats.detect import format_for
 
 __all__ = [
     "Catalog", "CatalogEntry", "CatalogError", "DEFAULT_QUANTS", "GGUFName", "HFSpec", "Source", "cache_name",
@@ -232,11 +231,9 @@ def chat_format(settings: ModelSettings, template: str | None) -> ChatFormat | N
         OSError: ``chat_template_file`` cannot be read.
     """
     model = settings.model
-    if model.chat_format:
-        return FAMILIES.get(model.chat_format)
-    if model.chat_template_file:
+    if model.chat_template_file and not model.chat_format:
         template = Path(model.chat_template_file).read_text(encoding="utf-8")
-    return detect(template) if template else FAMILIES["generic"]
+    return format_for(model.chat_format, template)
 
 
 # --- file names (llama.cpp common/download.cpp) ----------------------------------------------------

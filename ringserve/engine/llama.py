@@ -64,7 +64,7 @@ from ringserve.engine.loader import Front, context_window
 from ringserve.engine.modelfile import ModelFileError, check_model_file, default_model_path
 from ringserve.engine.protocol import ChatPrompt, Engine, EngineError, KVCacheFull, check_feeds
 from ringserve.formats.base import ChatFormat
-from ringserve.formats.detect import detect
+from ringserve.formats.detect import format_for
 from ringserve.formats.families import FAMILIES
 from ringserve.formats.prompt import render_request
 from ringserve.formats.template import (
@@ -567,14 +567,12 @@ class LlamaVocab:
                 )
             except TemplateLoadError as exc:
                 raise ChatTemplateError(f"{exc}: {self.path}", self.path) from None
-        if family is not None:
-            if family not in FAMILIES:
-                raise ChatTemplateError(
-                    f"unknown chat format {family!r} (one of {', '.join(sorted(FAMILIES))}): {self.path}", self.path
-                )
-            self.chat_format: ChatFormat = FAMILIES[family]
-        else:
-            self.chat_format = detect(source) if source else FAMILIES["generic"]
+        chat_format = format_for(family, source)
+        if chat_format is None:
+            raise ChatTemplateError(
+                f"unknown chat format {family!r} (one of {', '.join(sorted(FAMILIES))}): {self.path}", self.path
+            )
+        self.chat_format: ChatFormat = chat_format
         markers = self.chat_format.reasoning
         self.reasoning_close = () if markers is None else tuple(self.tokenize(markers.closing, parse_special=True))
 

@@ -67,6 +67,15 @@ RULES: tuple[tuple[Callable[[str], bool], str], ...] = (
 """``(test on the template's text, family name)`` in the order they are tried."""
 
 
+def format_for(family: str | None, template: str | None) -> ChatFormat | None:
+    """The format a model is served with: the family named ``family`` when one is configured
+    (None: it names no family), else the one :func:`detect` finds in ``template`` (the chat
+    template's Jinja source), else the generic format (no template)."""
+    if family:
+        return FAMILIES.get(family)
+    return detect(template) if template else FAMILIES["generic"]
+
+
 def detect(template: str) -> ChatFormat:
     """The family of the chat template ``template`` (its Jinja source); the generic format
     when no rule matches."""
