@@ -672,12 +672,14 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
 
 def _model_arg(model: str | None) -> tuple[Path | None, str | None]:
     """``--model``: a GGUF file (a server started here serves it; its name is the file's stem) and
-    the name to ask for, or a name of the server's models; None: the server's default model."""
+    the name to ask for, or a name of the server's models; None: the server's default model. A
+    link keeps its own name (not resolved: the server names the model by the path it is given, as
+    for a link in a models_dir or in the Hugging Face cache's snapshots)."""
     if model is None:
         return None, None
     path = Path(model).expanduser()
     if model.endswith(".gguf") and path.is_file():
-        return path.resolve(), path.name.removesuffix(".gguf")
+        return path.absolute(), path.name.removesuffix(".gguf")
     return None, model
 
 

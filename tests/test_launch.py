@@ -264,8 +264,9 @@ def test_launch_starts_a_server_runs_the_agent_with_its_settings_and_stops_the_s
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     config = config_file(tmp_path, port, "[engine]\nctx_per_slot = 16384\n")
-    model = tmp_path / "tiny-model.gguf"  # (the fake engine does not read it)
-    model.write_bytes(b"GGUF")
+    model = tmp_path / "tiny-model.gguf"  # a link (a Hugging Face snapshot's are): its own name, not its target's
+    (tmp_path / "blob.gguf").write_bytes(b"GGUF")  # (the fake engine does not read it)
+    model.symlink_to(tmp_path / "blob.gguf")
     status = launch.run(args("claude", "--config", str(config), "--model", str(model), "--", "-p", "Say hi", "--", "x"),
                         serve=FAKE_SERVE)
     assert status == 3  # the agent's
