@@ -15,6 +15,8 @@ a block of another kind opens a new one. The order is the one
 How a generation ends:
 
 * a stop string in the text: ``STOP_SEQUENCE`` at once (:meth:`ReplyStage.feed`);
+* a turn-end text of the prompt's format (``turn_ends``) in the text: ``END`` at once, as its
+  end-of-generation token would (``TOOL_USE`` after calls);
 * the first complete call when parallel calls are off: ``TOOL_USE`` at once;
 * an end-of-generation token after one or more calls: ``TOOL_USE``
   (:meth:`ReplyStage.finish` turns ``END`` into it);
@@ -80,6 +82,9 @@ class ReplyStage:
             calls (after the thinking block): text held at the end as the start of a call's
             marker is that marker cut by the budget, and is dropped as a cut call head is,
             never released as text.
+        turn_ends: texts that end the reply as the model's end-of-generation token does
+            (``END``, not a stop string: the prompt's format ends a turn with text the
+            vocabulary has no token for); a request's stop string that is one too stays a stop.
         new_id: makes call ids (tests pass a counter).
 
     Attributes:
@@ -90,6 +95,7 @@ class ReplyStage:
     parser: OutputParser = attrs.Factory(PlainText)
     parallel: bool = True
     forced: bool = False
+    turn_ends: tuple[str, ...] = ()
     new_id: Callable[[], str] = new_call_id
     reasoning_tokens: int = attrs.field(init=False, default=0)
     _stopper: StopMatcher = attrs.field(init=False)
@@ -99,7 +105,7 @@ class ReplyStage:
     _end: End | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
-        self._stopper = StopMatcher(self.stops)
+        self._stopper = StopMatcher(self.stops + self.turn_ends)
 
     @property
     def calls(self) -> int:
@@ -183,7 +189,9 @@ class ReplyStage:
         match = self._stopper.feed(text)
         if match.text:
             self._delta(out, BlockKind.TEXT, match.text)
-        if match.stop is not None:
+        if match.stop is not None and match.stop not in self.stops:  # a turn end: as the end token
+            self._end = End(StopReason.TOOL_USE if self._calls else StopReason.END)
+        elif match.stop is not None:
             self._end = End(StopReason.STOP_SEQUENCE, match.stop)
 
     def _release_held(self, out: list[BlockEvent]) -> None:
@@ -191,7 +199,7 @@ class ReplyStage:
         held = self._stopper.flush()
         if held:
             self._delta(out, BlockKind.TEXT, held)
-        self._stopper = StopMatcher(self.stops)
+        self._stopper = StopMatcher(self.stops + self.turn_ends)
 
     def _delta(self, out: list[BlockEvent], kind: BlockKind, text: str) -> None:
         out += self._blocks.delta(kind, text, self._tokens)

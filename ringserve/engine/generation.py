@@ -71,6 +71,8 @@ class Prepared:
         chat_format: the model's format: the reply is read by its parser.
         reasoning_open: the prompt left the format's thinking block open (the
             reply starts inside it).
+        turn_ends: texts that end the reply as its end-of-generation token does
+            (:attr:`~ringserve.engine.protocol.ChatPrompt.turn_ends`).
         reasoning_budget: the most tokens the reply may sample inside its
             thinking block before the runner forces the block's closing marker
             (``request.reasoning.budget_tokens``, where the format has a
@@ -92,6 +94,7 @@ class Prepared:
     reasoning_open: bool = False
     reasoning_budget: int | None = None
     applied_edits: tuple[AppliedEdit, ...] = ()
+    turn_ends: tuple[str, ...] = ()
 
     @property
     def original_input_tokens(self) -> int:
@@ -165,12 +168,13 @@ class Generation:
         request = self.prepared.request
         choice = request.tool_choice
         parsed = bool(request.tools) and choice.mode is not ToolChoiceMode.NONE
-        self._text_ends = bool(request.stop) or parsed
+        self._text_ends = bool(request.stop) or bool(self.prepared.turn_ends) or parsed
         if self._stage is None:
             prepared = self.prepared
             self._stage = ReplyStage(
                 request.stop,
-                prepared.chat_format.parser(request.tools if parsed else None, reasoning_open=prepared.reasoning_open),
+                turn_ends=prepared.turn_ends,
+                parser=prepared.chat_format.parser(request.tools if parsed else None, reasoning_open=prepared.reasoning_open),
                 parallel=choice.parallel and choice.mode is not ToolChoiceMode.NAMED,
                 forced=parsed and choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED),
             )

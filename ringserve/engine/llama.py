@@ -84,6 +84,12 @@ FALLBACK_CHAT_TEMPLATE = b"chatml"
 """llama.cpp's built-in template (``llama_chat_apply_template``), used when the GGUF has no
 ``tokenizer.chat_template`` and none is configured."""
 
+FALLBACK_TURN_END = "<|im_end|>"
+"""The text that ends a turn in :data:`FALLBACK_CHAT_TEMPLATE`: where the vocabulary has no
+end-of-generation token for it (a base model such as gemma-3-270m writes it as text), the reply
+ends at that text (:attr:`~ringserve.engine.protocol.ChatPrompt.turn_ends`), as llama-cpp-python's
+``format_chatml`` stops at it."""
+
 _DECODE_ERRORS = {
     2: "llama_decode aborted",
     -1: "llama_decode rejected the batch as invalid (token ids, positions or sequence ids)",
@@ -462,6 +468,7 @@ class LlamaVocab:
         self._bos = lc.llama_vocab_bos(self._vocab)
         self._add_bos = bool(lc.llama_vocab_get_add_bos(self._vocab))
         self._pieces: dict[int, tuple[bytes, bool]] = {}
+        self._builtin_turn_ends: tuple[str, ...] = ()  # (set by _load_chat for a model with no template)
         self._piece_buf = ctypes.create_string_buffer(64)
         self.n_ctx_train = lc.llama_model_n_ctx_train(model)
         self.max_token_bytes, specials = self._scan_vocab()
@@ -551,9 +558,13 @@ class LlamaVocab:
             raw = lc.llama_model_chat_template(self._model, None)
             source = raw.decode("utf-8", errors="replace") if raw else None
             if source is None:
+                end = self.tokenize(FALLBACK_TURN_END, parse_special=True)
+                eog = len(end) == 1 and lc.llama_vocab_is_eog(self._vocab, end[0])
+                self._builtin_turn_ends = () if eog else (FALLBACK_TURN_END,)
                 log.warning("model %s has no chat template: chats are written in llama.cpp's ChatML, which a base"
-                            " model does not follow (its replies run to max_tokens or the context); give [model]"
-                            " chat_template_file for a model that has its own format: %s", self.model_id, self.path)
+                            " model may not follow (a reply ends at its <|im_end|>, else runs to max_tokens); give"
+                            " [model] chat_template_file for a model that has its own format: %s",
+                            self.model_id, self.path)
         self.chat_template: ChatTemplate | None = None
         if source:
             try:
@@ -638,7 +649,7 @@ class LlamaVocab:
                 tokens += self.tokenize(part, add_special=j == 0, parse_special=True)
         if len(tokens) >= 2 and tokens[0] == tokens[1] == self._bos:
             del tokens[0]  # the template already wrote BOS as text
-        return ChatPrompt("".join(texts), tuple(tokens))
+        return ChatPrompt("".join(texts), tuple(tokens), turn_ends=self._builtin_turn_ends)
 
     def _apply_builtin(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
         """``messages`` through ``llama_chat_apply_template`` with :data:`FALLBACK_CHAT_TEMPLATE`.

@@ -204,6 +204,7 @@ class Prompter:
             request, tokens, budget, sampling, context_bound=budget != asked, constraint=constraint,
             chat_format=self._tokenizer.chat_format, reasoning_open=prompt.reasoning_open,
             reasoning_budget=self._reasoning_budget(request, constraint), applied_edits=applied,
+            turn_ends=prompt.turn_ends,
         )
 
     def _reasoning_budget(self, request: GenerationRequest,

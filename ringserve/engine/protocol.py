@@ -51,11 +51,16 @@ class ChatPrompt:
         reasoning_open: the prompt opens the model's thinking block and leaves it open
             (:meth:`~ringserve.formats.base.ReasoningMarkers.opened_by`), so the reply starts
             inside it.
+        turn_ends: texts that end the model's turn in this prompt's format where no
+            end-of-generation token does (llama.cpp's built-in ChatML for a model whose
+            vocabulary has no ``<|im_end|>`` token: the model writes it as text); the reply ends
+            there as at its end-of-generation token.
     """
 
     text: str
     tokens: tuple[int, ...]
     reasoning_open: bool = False
+    turn_ends: tuple[str, ...] = ()
 
 
 class EngineError(Exception):

@@ -355,3 +355,13 @@ def test_fake_engine_renders_tool_turns() -> None:
     assert text.startswith("<|system|>You can call tools.")
     assert "<|assistant|>" + format_call("get_weather", "{}").split("\n")[0] in text
     assert '<|user|><tool_response>\n{"call_id": "c1", "name": "get_weather", "content": "sunny"}' in text
+
+
+def test_a_turn_end_text_ends_the_reply_as_its_end_token_does() -> None:
+    """The prompt's format ends a turn with text the vocabulary has no token for (ChatML on
+    gemma): END, not a stop string; the same text as the request's stop string stays a stop."""
+    events, end = stage_run(ReplyStage(turn_ends=("<|im_end|>",)), ["Hi!<|im", "_end|>\n<|im_start|>user"])
+    assert events == [BlockStart(0, BlockKind.TEXT), BlockDelta(0, "Hi!", 1), BlockStop(0)]
+    assert end == End(StopReason.END)
+    _, end = stage_run(ReplyStage(("<|im_end|>",), turn_ends=("<|im_end|>",)), ["Hi!<|im_end|>"])
+    assert end == End(StopReason.STOP_SEQUENCE, "<|im_end|>")

@@ -103,6 +103,10 @@ async def test_gemma_with_no_config_gets_its_trained_context_and_the_json_says_w
         assert model["status"] == {"value": "loaded"} and model["family"] == "generic"
         answer = await ask(client, name, **GREEDY)
         assert answer["model"] == name and answer["usage"]["output_tokens"] > 0
+        # no template: ChatML, whose <|im_end|> the base model writes as text; the turn ends there
+        ended = await ask(client, name, "Say hi", **{**GREEDY, "max_tokens": 40})
+        assert ended["stop_reason"] == "end_turn" and ended["stop_sequence"] is None, ended
+        assert "<|im" not in ended["content"][0]["text"] and ended["usage"]["output_tokens"] < 40, ended
 
 
 async def test_a_gguf_sampling_temp_of_zero_makes_a_request_without_temperature_greedy(tmp_path):
