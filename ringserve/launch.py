@@ -69,7 +69,7 @@ from ringserve.core.frozen import SELF
 __all__ = [
     "AGENTS", "AGENT_TIMEOUT_S", "CODEX_TEMPLATE", "Agent", "AgentInfo", "LaunchError", "Served", "ServerChild",
     "Settings", "add_command", "check_url", "claude_settings", "claude_window", "codex_model_entry", "codex_settings",
-    "context_warning", "find_agent", "open_server", "render", "run", "server_url", "split_argv",
+    "context_warning", "find_agent", "model_arg", "open_server", "render", "run", "server_url", "split_argv",
 ]
 
 
@@ -629,7 +629,7 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
         program = find_agent(info, os.environ.get("PATH"), PINNED_BIN)
         if program is None and not args.print:
             raise _missing(info)
-        model_file, wanted = _model_arg(args.model)
+        model_file, wanted = model_arg(args.model)
         with httpx.Client(timeout=10) as client:
             child = open_server(client, url, args.config, args.url, drain_timeout=config.server.drain_timeout,
                                 serve=serve, err=err, model_file=model_file, models_dir=args.models_dir)
@@ -670,7 +670,7 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
             signal.signal(signum, handler)
 
 
-def _model_arg(model: str | None) -> tuple[Path | None, str | None]:
+def model_arg(model: str | None) -> tuple[Path | None, str | None]:
     """``--model``: a GGUF file (a server started here serves it; its name is the file's stem) and
     the name to ask for, or a name of the server's models; None: the server's default model. A
     link keeps its own name (not resolved: the server names the model by the path it is given, as

@@ -54,7 +54,7 @@ from ringserve.engine.catalog import (
 )
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.formats.base import TOOLS_PROMPT_FAMILIES, ChatFormat
-from ringserve.launch import SERVE, LaunchError, check_key, check_url, open_server, server_url
+from ringserve.launch import SERVE, LaunchError, check_key, check_url, model_arg, open_server, server_url
 
 __all__ = ["LibraryError", "Pulled", "add_commands", "pull", "remove"]
 
@@ -721,17 +721,19 @@ def _run_run(args: argparse.Namespace, out: TextIO, err: TextIO, *, serve: Seque
              inp: TextIO | None = None) -> int:
     """``ringserve run NAME [PROMPT]``: find or start the server (as ``ringserve launch`` does), then
     chat, reading ``inp`` (None: standard input); a server it started is stopped at the end
-    (``--keep-server`` leaves it running)."""
+    (``--keep-server`` leaves it running). A NAME that is a GGUF file is served by a server it
+    starts, by its file's stem, as ``launch --model`` does."""
     config = _config(args)
     url = _url(args, config)
+    model_file, name = model_arg(args.name)
     child = None
     try:
         with httpx.Client(timeout=10) as probe:
             child = open_server(probe, url, args.config, args.url, drain_timeout=config.server.drain_timeout,
-                                serve=serve, err=err, models_dir=args.models_dir)
+                                serve=serve, err=err, model_file=model_file, models_dir=args.models_dir)
         api_key = _api_key(args, config)
         with Client(url, api_key=api_key, timeout=None, idle_timeout=args.idle_timeout) as client:
-            chat = _Chat(client, args.name, args.surface, args.max_tokens, args.system, out, err)
+            chat = _Chat(client, name or args.name, args.surface, args.max_tokens, args.system, out, err)
             if args.prompt:
                 return 0 if chat.turn(args.prompt) else FAILED
             return chat.loop(_reader(sys.stdin if inp is None else inp, out))

@@ -589,6 +589,21 @@ def test_run_starts_a_server_when_none_runs_and_stops_it_after(tmp_path, monkeyp
     assert refused(f"http://127.0.0.1:{port}")
 
 
+def test_run_a_gguf_file_starts_a_server_that_serves_it(tmp_path, monkeypatch):
+    """As ``launch --model FILE.gguf``: the file's stem is the model chatted with (it was the
+    default model, silently)."""
+    port = free_port()
+    config = tmp_path / "config.toml"
+    config.write_text(f'[server]\nport = {port}\n[store]\npath = ":memory:"\n')
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(b"GGUF")  # (the fake engine does not read it)
+    args = _parser().parse_args(["run", str(model), "Say hi", "--config", str(config)])
+    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # the server's log
+    assert _run_run(args, out, err, serve=FAKE_SERVE) == 0, err.getvalue()
+    log = (tmp_path / "state" / "ringserve" / "log" / f"server-{port}.log").read_text()
+    assert "ready: model tiny," in log and out.getvalue().strip()
+
 
 @pytest.mark.parametrize("command", ["ls", "ps"])
 def test_a_key_a_header_cannot_carry_is_one_line_as_for_launch(command):
