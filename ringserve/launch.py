@@ -446,8 +446,10 @@ def served_model(client: httpx.Client, url: str, api_key: str, key_source: str |
             return str(model["id"]), int(model["max_input_tokens"])
         loaded = _get(client, url, "/models/load", api_key, key_source, {"model": model["id"]})
         if loaded.status_code not in (200, 400):  # (400: loaded meanwhile)
-            raise LaunchError(f"{url}: the model {model['id']!r} cannot be loaded: "
-                              f"{loaded.json().get('error', {}).get('message', loaded.status_code)}")
+            said = loaded.json().get("error", {}).get("message")  # ("the model 'X' cannot be loaded: why")
+            if not said:
+                said = f"the model {model['id']!r} cannot be loaded ({loaded.status_code})"
+            raise LaunchError(f"{url}: {said}")
         response = _get(client, url, path, api_key, key_source)
     raise LaunchError(f"{url}{path} does not give the model's context window (max_input_tokens): "
                       "a ringserve older than this launcher?")

@@ -535,3 +535,19 @@ def test_a_launcher_that_fails_stops_the_server_it_started_even_with_print(tmp_p
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "starting one" in err[0] and "refused the API key" in err[1]
     assert refused(f"http://127.0.0.1:{port}")  # stopped: nothing the printed settings could use
+
+
+def test_a_model_that_cannot_be_loaded_is_the_server_s_line_once():
+    """GET /v1/models/{id} gives no context (not loaded), POST /models/load fails: the line is the
+    server's message, not 'cannot be loaded: the model ... cannot be loaded: ...'."""
+    message = "the model 'ghost' cannot be loaded: model file not found: /m/ghost.gguf"
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/models/load":
+            return httpx.Response(503, json={"error": {"message": message}})
+        return httpx.Response(200, json={"id": "ghost", "aliases": []})
+
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client:
+        with pytest.raises(launch.LaunchError) as raised:
+            launch.served_model(client, "http://h:1", "k", None, "ghost")
+    assert str(raised.value) == f"http://h:1: {message}"
