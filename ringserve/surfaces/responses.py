@@ -970,7 +970,7 @@ def cancel_refusal(view: MessageView) -> RingserveError | None:
     if known and not echoed_options(view.echo).background:
         return invalid(f"response {view.id} was not created with background: true; only background"
                        " responses can be cancelled")
-    if not view.live and view.status is not MessageStatus.CANCELLED and view.status.final:
+    if view.status is not MessageStatus.CANCELLED and view.status.final:  # (live until it is retired)
         status = status_outcome(view.status, view.stop_reason, view.error, background=True).status
         return invalid(f"response {view.id} is already {status}; only a queued or in-progress response"
                        " can be cancelled")
