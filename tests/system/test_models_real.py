@@ -161,10 +161,13 @@ async def test_two_real_models_side_by_side_on_demand_lru_idle_unload_and_a_brok
             "gemma": "unloaded",
             "broken": "unloaded",
         }
-        # gemma on the OpenAI surfaces: smol, idle, makes room (max_loaded = 1)
+        # gemma on the OpenAI surfaces: smol, idle, makes room (max_loaded = 1); (to "hello" or "Hi"
+        # the base model writes ChatML's end of turn at once: an empty reply; "Say hello." it repeats)
+        said = [{"role": "user", "content": "Say hello."}]
         chat = await client.post(
             "/v1/chat/completions",
-            json={**OPENAI_BODY, "model": "gemma", "stream": True, "max_tokens": 8, **GREEDY},
+            json={**OPENAI_BODY, "model": "gemma", "messages": said, "stream": True, "max_tokens": 8,
+                  **GREEDY},
         )
         events = SSEParser().feed(chat.content)
         assert openai_text(events) and await status(client) == {
@@ -173,7 +176,7 @@ async def test_two_real_models_side_by_side_on_demand_lru_idle_unload_and_a_brok
             "broken": "unloaded",
         }
         responses = await client.post(
-            "/v1/responses", json={"model": "gemma", "input": "Hi", "max_output_tokens": 8, **GREEDY}
+            "/v1/responses", json={"model": "gemma", "input": "Say hello.", "max_output_tokens": 8, **GREEDY}
         )
         assert responses.json()["model"] == "gemma" and responses.json()["output"][0]["content"][0]["text"]
         # a broken file: a clear error, nothing else disturbed, and tried again on the next request
