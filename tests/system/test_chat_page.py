@@ -106,10 +106,13 @@ async def test_three_reloads_mid_answer_give_the_text_of_the_same_request_withou
 @pytest.mark.model
 def test_three_reloads_mid_answer_on_the_real_model(model_server: Any, tmp_path: Path) -> None:
     require_browser()
-    prompt = "Count from 1 to 100, one number per line."
-    # 64 tokens: on a busy 2-core machine the bundled model may decode only a few tokens a second
+    # Greedy, the bundled model writes to max_tokens here (about 4 characters a token): 400 tokens take
+    # about 2 s on two quiet cores, time for three reloads, and under a minute beside busy loops. (To
+    # "Count from 1 to 100" it stops after 10, about 50 characters, which a quiet machine wrote in full
+    # before the third reload.)
+    prompt = "Write a long story about a dragon who learns to read."
     seen = in_browser(tmp_path, lambda b: reload_three_times(b, model_server.url, prompt, "anthropic", step=4,
-                                                             timeout_ms=180_000, max_tokens=64))
+                                                             timeout_ms=180_000, max_tokens=400))
     reference = trio.run(same_request_without_reloads, model_server.url, seen["record"], 180)
     check_reloads(seen, reference)
 
