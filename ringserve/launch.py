@@ -64,6 +64,7 @@ import httpx
 import platformdirs
 
 from ringserve.config import Config
+from ringserve.core.errors import key_refused
 from ringserve.core.frozen import SELF
 
 __all__ = [
@@ -347,6 +348,23 @@ def check_url(url: str) -> str:
     return url.rstrip("/")
 
 
+def configured_key(flag: str | None, config: Config) -> tuple[str, str] | None:
+    """The API key a command sends and where it came from: ``--api-key`` (whose default is
+    $RINGSERVE_API_KEY), else the config's first ``[auth] api_keys``; None without either.
+
+    Raises:
+        LaunchError: a key an HTTP header cannot carry (see :func:`check_key`).
+    """
+    if flag:
+        key, source = flag, "--api-key or $RINGSERVE_API_KEY"
+    elif config.auth.api_keys:
+        key, source = next(iter(config.auth.api_keys)), "the config's [auth] api_keys"
+    else:
+        return None
+    check_key(key, source)
+    return key, source
+
+
 def check_key(api_key: str, source: str) -> None:
     """Check that an HTTP header can carry ``api_key``: printable ASCII (RFC 9110's field values,
     less the controls and non-ASCII bytes that no server's key holds).
@@ -401,10 +419,8 @@ def _get(client: httpx.Client, url: str, path: str, api_key: str, key_source: st
         response = client.get(f"{url}{path}", headers=headers)
     else:
         response = client.post(f"{url}{path}", headers=headers, json=body, timeout=READY_TIMEOUT_S)
-    if response.status_code == 401 and key_source is None:
-        raise LaunchError(f"{url} wants an API key: give --api-key or set RINGSERVE_API_KEY")
     if response.status_code == 401:
-        raise LaunchError(f"{url} refused the API key ({key_source}): give one of the server's keys")
+        raise LaunchError(key_refused(url, key_source))
     return response
 
 
@@ -623,11 +639,7 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
         except (OSError, ValueError) as exc:
             raise LaunchError(str(exc)) from None
         url = server_url(config) if args.url is None else check_url(args.url)
-        key_source = ("--api-key or $RINGSERVE_API_KEY" if args.api_key
-                      else "the config's [auth] api_keys" if config.auth.api_keys else None)
-        api_key = args.api_key or next(iter(config.auth.api_keys), PLACEHOLDER_KEY)
-        if key_source is not None:
-            check_key(api_key, key_source)
+        api_key, key_source = configured_key(args.api_key, config) or (PLACEHOLDER_KEY, None)
         program = find_agent(info, os.environ.get("PATH"), PINNED_BIN)
         if program is None and not args.print:
             raise _missing(info)

@@ -35,9 +35,10 @@ from typing import Any, TextIO
 import attrs
 import httpx
 
-from ringserve.client import Client, ClientError, NoServer, Reconnect
+from ringserve.client import APIError, Client, ClientError, NoServer, Reconnect
 from ringserve.client._wires import WIRES
 from ringserve.config import IDENTITY_KEYS, Config, ModelSettings
+from ringserve.core.errors import key_refused
 from ringserve.core.modelinfo import GGUFInfo
 from ringserve.engine.catalog import (
     Catalog,
@@ -54,7 +55,7 @@ from ringserve.engine.catalog import (
 )
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.formats.base import TOOLS_PROMPT_FAMILIES, ChatFormat
-from ringserve.launch import SERVE, LaunchError, check_key, check_url, model_arg, open_server, server_url
+from ringserve.launch import SERVE, LaunchError, check_url, configured_key, model_arg, open_server, server_url
 
 __all__ = ["LibraryError", "Pulled", "add_commands", "pull", "remove"]
 
@@ -153,39 +154,33 @@ def _url(args: argparse.Namespace, config: Config) -> str:
         raise LibraryError(str(exc)) from None
 
 
-def _api_key(args: argparse.Namespace, config: Config) -> str | None:
-    """The key to send (``--api-key``, else the config's first), checked as ``launch`` checks it.
+def _api_key(args: argparse.Namespace, config: Config) -> tuple[str, str] | None:
+    """The key to send and where it came from (``launch.configured_key``), or None.
 
     Raises:
         LibraryError: a key an HTTP header cannot carry (a newline, a non-ASCII letter).
     """
-    key = args.api_key or next(iter(config.auth.api_keys), None)
-    if key is not None:
-        try:
-            check_key(key, "--api-key" if args.api_key else "the config's [auth] api_keys")
-        except LaunchError as exc:
-            raise LibraryError(str(exc)) from None
-    return key
+    try:
+        return configured_key(args.api_key, config)
+    except LaunchError as exc:
+        raise LibraryError(str(exc)) from None
 
 
-def server_models(url: str, api_key: str | None) -> list[dict[str, Any]] | None:
+def server_models(url: str, api_key: tuple[str, str] | None) -> list[dict[str, Any]] | None:
     """The models of the server at ``url`` (``GET /v1/models``, OpenAI's shape with ringserve's
     fields: ``status``, ``memory_bytes``, ``slots``, ``busy_slots``, ``idle_seconds``, ...), or
-    None when nothing answers there.
+    None when nothing answers there. ``api_key``: the key and where it came from (:func:`_api_key`).
 
     Raises:
         LibraryError: the server refused the key, or did not answer a list of models.
     """
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = {"Authorization": f"Bearer {api_key[0]}"} if api_key else {}
     try:
         response = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
     except httpx.TransportError:
         return None
-    if response.status_code == 401 and api_key:
-        raise LibraryError(f"{url} refused the API key: give one of the server's keys (--api-key or "
-                           "$RINGSERVE_API_KEY)")
     if response.status_code == 401:
-        raise LibraryError(f"{url} wants an API key: give --api-key or set RINGSERVE_API_KEY")
+        raise LibraryError(key_refused(url, None if api_key is None else api_key[1]))
     try:
         models = response.json()["data"] if response.status_code == 200 else None
         if not isinstance(models, list) or not all(isinstance(m, dict) and "id" in m for m in models):
@@ -607,9 +602,11 @@ PROMPT = ">>> "
 
 @attrs.define
 class _Chat:
-    """One terminal chat: the model, the request's settings, the conversation so far."""
+    """One terminal chat: the model, the request's settings, the conversation so far (``key_source``:
+    where the client's API key came from, None for none, for the line a 401 gets)."""
 
     client: Client
+    key_source: str | None
     model: str
     surface: str
     max_tokens: int
@@ -621,7 +618,12 @@ class _Chat:
     def turn(self, text: str) -> bool:
         """Send ``text`` with the conversation so far and print the reply as it streams; the reply
         (what arrived of it, after a Ctrl-C) joins the conversation. False when the request failed
-        (the line is on stderr, and the turn is forgotten)."""
+        (the line is on stderr, and the turn is forgotten).
+
+        Raises:
+            NoServer: nothing listens at the client's URL.
+            LibraryError: the server refused the API key (every turn would be refused).
+        """
         self.history.append({"role": "user", "content": text})
         out, err = self.out, self.err
         reply: list[str] = []
@@ -657,10 +659,14 @@ class _Chat:
                 said = "" if status is None else f": {stream.message_id} {status.get('status')}"
                 print(f"[stopped{said}]", file=err, flush=True)
             except ClientError as exc:
-                out.write("\n")
+                if reply or thinking:
+                    out.write("\n")
                 self.history.pop()
                 if isinstance(exc, NoServer):
                     raise
+                if isinstance(exc, APIError) and exc.status == 401:
+                    raise LibraryError(key_refused(str(self.client.http.base_url).rstrip("/"),
+                                                   self.key_source)) from None
                 print(f"ringserve: {exc}", file=err, flush=True)
                 return False
             else:
@@ -732,8 +738,10 @@ def _run_run(args: argparse.Namespace, out: TextIO, err: TextIO, *, serve: Seque
             child = open_server(probe, url, args.config, args.url, drain_timeout=config.server.drain_timeout,
                                 serve=serve, err=err, model_file=model_file, models_dir=args.models_dir)
         api_key = _api_key(args, config)
-        with Client(url, api_key=api_key, timeout=None, idle_timeout=args.idle_timeout) as client:
-            chat = _Chat(client, name or args.name, args.surface, args.max_tokens, args.system, out, err)
+        with Client(url, api_key=None if api_key is None else api_key[0], timeout=None,
+                    idle_timeout=args.idle_timeout) as client:
+            chat = _Chat(client, None if api_key is None else api_key[1], name or args.name, args.surface,
+                         args.max_tokens, args.system, out, err)
             if args.prompt:
                 return 0 if chat.turn(args.prompt) else FAILED
             return chat.loop(_reader(sys.stdin if inp is None else inp, out))

@@ -440,7 +440,9 @@ def test_ps_lists_the_loaded_models_with_memory_busy_slots_and_idle_time():
         assert (status, out) == (1, "")
         assert err == f"ringserve: {url} wants an API key: give --api-key or set RINGSERVE_API_KEY\n"
         status, out, err = run_command("ps", "--url", url, "--api-key", "k-2")
-        assert (status, out) == (1, "") and err.startswith(f"ringserve: {url} refused the API key: give one")
+        assert (status, out) == (1, "")
+        assert err == (f"ringserve: {url} refused the API key (--api-key or $RINGSERVE_API_KEY): give one of"
+                       " the server's keys\n")
 
 
 #: The memory estimate of each preset's front (``GET /v1/models``' ``memory_bytes``).
@@ -532,6 +534,26 @@ async def test_run_with_a_prompt_answers_it_and_exits(tmp_path):
     assert (done.returncode, done.stdout) == (0, b"Bonjour.\n"), done.stderr
 
 
+async def test_run_without_the_servers_key_is_one_line_and_ends_the_chat(tmp_path):
+    """A 401 is said as ``ls`` says it (not the surface's raw error), and a chat ends at it: every
+    turn would be refused."""
+    async with running_server(fake_config(tmp_path, auth={"api_keys": ["k-1"]}), reply="Bonjour.") as state:
+        url = state.urls[0]
+        said = {}
+        for key in ((), ("--api-key", "k-2")):
+            done = await trio.run_process(ringserve("run", "fake", "--url", url, *key),
+                                          stdin=b"hello\nagain\n", capture_stdout=True, capture_stderr=True,
+                                          check=False)
+            said[key] = (done.returncode, done.stdout.decode(), done.stderr.decode())
+        done = await trio.run_process(ringserve("run", "fake", "Hi", "--url", url, "--api-key", "k-1"),
+                                      capture_stdout=True, capture_stderr=True, check=False)
+    wants = f"ringserve: {url} wants an API key: give --api-key or set RINGSERVE_API_KEY\n"
+    refused = (f"ringserve: {url} refused the API key (--api-key or $RINGSERVE_API_KEY): give one of the"
+               " server's keys\n")
+    assert said == {(): (1, ">>> ", wants), ("--api-key", "k-2"): (1, ">>> ", refused)}
+    assert (done.returncode, done.stdout) == (0, b"Bonjour.\n"), done.stderr
+
+
 async def test_run_resumes_a_dropped_stream(tmp_path):
     cuts = iter([Cut(after_bytes=1500), Cut(after_bytes=700)])  # the POST's stream, then the first resume
 
@@ -610,4 +632,5 @@ def test_a_key_a_header_cannot_carry_is_one_line_as_for_launch(command):
     """A newline in --api-key: the line launch gives, not 'no server answers' (httpx refused the header)."""
     status, out, err = run_command(command, "--url", "http://127.0.0.1:9", "--api-key", "k\n")
     assert status == 1 and out == ""
-    assert err == "ringserve: the API key (--api-key) has '\\n' at position 1: a key is printable ASCII\n"
+    assert err == ("ringserve: the API key (--api-key or $RINGSERVE_API_KEY) has '\\n' at position 1: a key"
+                   " is printable ASCII\n")

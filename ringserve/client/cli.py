@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 from ringserve.client import (
     DEFAULT_URL,
+    APIError,
     Client,
     ClientError,
     FinalMessage,
@@ -28,6 +29,7 @@ from ringserve.client import (
     Reconnect,
 )
 from ringserve.client._wires import WIRES
+from ringserve.core.errors import key_refused
 
 
 def add_commands(sub: Any) -> None:
@@ -65,9 +67,16 @@ def _note(err: TextIO) -> Any:
     return on_reconnect
 
 
-def _no_server(args: argparse.Namespace, err: TextIO) -> int:
-    print(f"ringserve: nothing listens at {args.url} (connection refused): start the server (ringserve serve),"
-          " or give its URL (--url or $RINGSERVE_URL)", file=err)
+def _failed(exc: ClientError, args: argparse.Namespace, err: TextIO) -> int:
+    """Say why the stream failed, in one line on ``err``; the exit status, 1."""
+    if isinstance(exc, NoServer):
+        line = (f"nothing listens at {args.url} (connection refused): start the server (ringserve serve), or "
+                "give its URL (--url or $RINGSERVE_URL)")
+    elif isinstance(exc, APIError) and exc.status == 401:
+        line = key_refused(args.url, "--api-key or $RINGSERVE_API_KEY" if args.api_key else None)
+    else:
+        line = str(exc)
+    print(f"\nringserve: {line}" if exc.text else f"ringserve: {line}", file=err)
     return 1
 
 
@@ -101,11 +110,8 @@ def run_chat(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = s
                     print(f"\n[cancelled {stream.message_id}: {status.get('status')}, "
                           f"{usage.get('output_tokens', 0)} output tokens]", file=err)
                 return 130
-            except NoServer:
-                return _no_server(args, err)
             except ClientError as exc:
-                print(f"\nringserve: {exc}", file=err)
-                return 1
+                return _failed(exc, args, err)
     return 0
 
 
@@ -116,9 +122,6 @@ def run_tail(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = s
             _print_stream(stream, out, err)
         except KeyboardInterrupt:
             return 130
-        except NoServer:
-            return _no_server(args, err)
         except ClientError as exc:
-            print(f"\nringserve: {exc}", file=err)
-            return 1
+            return _failed(exc, args, err)
     return 0

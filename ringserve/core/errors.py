@@ -85,3 +85,13 @@ class RingserveError(Exception):
 def invalid(message: str, param: str | None = None) -> RingserveError:
     """Shorthand for a 400 ``INVALID_REQUEST`` error."""
     return RingserveError(ErrorKind.INVALID_REQUEST, message, param=param)
+
+
+def key_refused(url: str, key_source: str | None) -> str:
+    """The command line's one line for a 401 from the server at ``url``: ``key_source`` names where
+    the refused key came from (``--api-key or $RINGSERVE_API_KEY``, ``the config's [auth] api_keys``),
+    None when no key was sent."""
+    if key_source is None:
+        return f"{url} wants an API key: give --api-key or set RINGSERVE_API_KEY"
+    return f"{url} refused the API key ({key_source}): give one of the server's keys"
+

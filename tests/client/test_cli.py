@@ -19,6 +19,7 @@ import trio
 from ringserve.client import AsyncClient
 from tests.support.helpers import ANTHROPIC_BODY
 from tests.support.proxy import REPLY, Cut, random_cuts, server_and_proxy
+from tests.support.server import fake_config, running_server
 
 
 def ringserve_cmd(*args: str) -> list[str]:
@@ -101,3 +102,20 @@ def test_nothing_listening_is_one_line_at_once(command: tuple[str, str]) -> None
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr == (f"ringserve: nothing listens at {url} (connection refused): start the server"
                            " (ringserve serve), or give its URL (--url or $RINGSERVE_URL)\n")
+
+
+@pytest.mark.parametrize("command", [("chat", "hi"), ("tail", "msg_x")])
+async def test_a_refused_key_is_one_line_naming_the_flag(tmp_path: Path, command: tuple[str, str]) -> None:
+    """Not the surface's raw 401 (``HTTP 401 authentication_error: ...``), after a blank line."""
+    async with running_server(fake_config(tmp_path, auth={"api_keys": ["k-1"]})) as state:
+        url = state.urls[0]
+        said = []
+        for key in ((), ("--api-key", "k-2")):
+            done = await trio.run_process(ringserve_cmd(command[0], "--url", url, *key, command[1]),
+                                          capture_stdout=True, capture_stderr=True, check=False)
+            said.append((done.returncode, done.stdout.decode(), done.stderr.decode()))
+    assert said == [
+        (1, "", f"ringserve: {url} wants an API key: give --api-key or set RINGSERVE_API_KEY\n"),
+        (1, "", f"ringserve: {url} refused the API key (--api-key or $RINGSERVE_API_KEY): give one of the "
+                "server's keys\n"),
+    ]
