@@ -6,7 +6,9 @@ The launcher looks for a server at the URL (``--url``, else ``$RINGSERVE_URL``, 
 config's ``[server]`` host and port). When nothing answers there it starts ``ringserve serve``
 with the same config (and ``--models-dir``) as a child process, in a session of its own (the terminal's Ctrl-C goes to
 the agent, not to the server) with its output in a log file, waits for ``GET /ready``, and stops
-it when the agent exits (SIGTERM, so it drains; ``--keep-server`` leaves it running). It reads
+it when the agent exits (SIGTERM, so it drains; ``--keep-server`` leaves it running), unless
+another command (``launch``, ``run``) still uses it: then the last of those stops it
+(:func:`open_server`). It reads
 the served model's name and context window from ``GET /v1/models`` (``max_input_tokens``), then
 runs the agent with the settings below, or prints them (``--print``: shell ``export`` lines and,
 for Codex, the ``config.toml`` that says the same; a server it started for them goes on, since
@@ -43,6 +45,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import enum
+import fcntl
 import fnmatch
 import hashlib
 import json
@@ -56,7 +59,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO, assert_never
+from typing import IO, Any, TextIO, assert_never
 from urllib.parse import quote, urlsplit
 
 import attrs
@@ -483,7 +486,6 @@ class ServerChild:
 
     def __init__(self, argv: Sequence[str], log: Path) -> None:
         self.log = log
-        log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
@@ -514,34 +516,137 @@ def _wait_ready(client: httpx.Client, url: str, child: ServerChild | None) -> No
         time.sleep(0.2)
 
 
+@attrs.define
+class ServerUse:
+    """A command's use of the server at ``url``, from :func:`open_server` to :meth:`end`: ``child`` is
+    the server it started (None: one that ran already), ``lock`` its shared lock on the port's use
+    lock (``server-PORT.use.lock`` beside the log), which every command holds while it uses the
+    server there, and ``handed`` the file (``server-PORT.pid``) that names a server a command
+    started while others may still use it."""
+
+    url: str
+    child: ServerChild | None
+    lock: IO[str]
+
+    @property
+    def handed(self) -> Path:
+        return Path(self.lock.name).with_suffix("").with_suffix(".pid")
+
+    def end(self, keep: bool, drain_timeout: float, err: TextIO) -> None:
+        """End this command's use. The last command to use a server a command started stops it
+        (SIGTERM: it drains, up to ``drain_timeout`` s): the one that started it, or, where that one
+        ended first, the last of the others. ``keep`` (``--keep-server``) leaves the server this
+        command started running, for good; a line on ``err`` says where one left running is."""
+        self.lock.close()
+        child = self.child
+        if child is not None and child.proc.poll() is not None:
+            return
+        with open(self.lock.name, "w") as alone:
+            try:
+                fcntl.flock(alone, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while a server drains: a
+            except BlockingIOError:                                # command that comes then waits
+                last = False
+            else:
+                last = True
+            if child is None:
+                if last:
+                    _stop_handed(self.handed, drain_timeout)
+                return
+            if last and not keep:
+                child.stop(drain_timeout)
+                self.handed.unlink(missing_ok=True)
+                return
+            if keep:
+                self.handed.unlink(missing_ok=True)
+            else:  # its pid and command line (that a later stop stops only this server)
+                cmdline = Path(f"/proc/{child.proc.pid}/cmdline").read_bytes()
+                self.handed.write_bytes(f"{child.proc.pid}\n".encode() + cmdline)
+            print(f"ringserve: the server goes on at {self.url} (pid {child.proc.pid}; log: {child.log})"
+                  + ("" if keep else ": another ringserve command uses it, and the last to end stops it"),
+                  file=err)
+
+
+def _stop_handed(handed: Path, drain_timeout: float) -> None:
+    """Stop the server ``handed`` names (a command started it and ended while others used it), if it
+    is still that process (the same command line), and wait until it has exited."""
+    try:
+        pid_line, cmdline = handed.read_bytes().split(b"\n", 1)
+        pid = int(pid_line)
+        same = Path(f"/proc/{pid}/cmdline").read_bytes() == cmdline
+    except (OSError, ValueError):  # no such file, or the server has gone
+        same = False
+    handed.unlink(missing_ok=True)
+    if not same:  # (its pid may be another process's by now)
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + drain_timeout + 10
+    while _running(pid):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            deadline = float("inf")
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has: not every init reaps)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
 def open_server(client: httpx.Client, url: str, config_path: Path | None, url_arg: str | None, *,
                 drain_timeout: float, serve: Sequence[str] = SERVE, err: TextIO = sys.stderr,
-                model_file: Path | None = None, models_dir: str | None = None) -> ServerChild | None:
-    """The server at ``url`` once it is ready: the one running there (None), or one started as
-    ``serve`` with ``model_file``, ``models_dir`` (``--models-dir``), ``config_path`` and the host and
-    port of ``url_arg`` (``--url``),
-    in a session of its own with its output in a log file (the child, for the caller to stop); a
-    line on ``err`` says so. ``ringserve launch`` and ``ringserve run`` use it.
+                model_file: Path | None = None, models_dir: str | None = None) -> ServerUse:
+    """The server at ``url`` once it is ready: the one running there, or one started as ``serve``
+    with ``model_file``, ``models_dir`` (``--models-dir``), ``config_path`` and the host and port of
+    ``url_arg`` (``--url``), in a session of its own with its output in a log file; a line on ``err``
+    says so. ``ringserve launch`` and ``ringserve run`` use it, and end the use with
+    :meth:`ServerUse.end`.
+
+    Commands share a server at a port through two locks beside its log: one command starts it at a
+    time (a second one, run meanwhile, waits for that server and uses it, where both started one on
+    one log file and the second failed on the port in use), and each holds a shared lock while it
+    uses it, so the server is stopped by the command that started it only once no other uses it.
 
     Raises:
         LaunchError: a server that exited or did not become ready (one it started is stopped
             first, given ``drain_timeout`` seconds), a URL no server can be started at.
     """
-    readiness = _readiness(client, url)
-    if readiness is _Readiness.LOADING:
-        _wait_ready(client, url, None)
-    if readiness is not _Readiness.NONE:
-        return None
     log = platformdirs.user_log_path("ringserve") / f"server-{urlsplit(url).port}.log"
-    config_path = None if config_path is None else config_path.resolve()
-    child = ServerChild([*serve, *_serve_args(config_path, url_arg, model_file, models_dir)], log)
-    print(f"ringserve: no server at {url}; starting one (log: {log})", file=err)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    use = open(log.with_suffix(".use.lock"), "w")
     try:
-        _wait_ready(client, url, child)
+        try:
+            fcntl.flock(use, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"ringserve: the server at {url} is stopping; waiting for it", file=err)
+            fcntl.flock(use, fcntl.LOCK_SH)
+        with open(log.with_suffix(".start.lock"), "w") as start:
+            readiness = _readiness(client, url)
+            if readiness is _Readiness.NONE:
+                try:
+                    fcntl.flock(start, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    print(f"ringserve: another command is starting a server at {url}; waiting for it", file=err)
+                    fcntl.flock(start, fcntl.LOCK_EX)  # held until that server is ready, or has failed
+                    readiness = _readiness(client, url)
+            if readiness is not _Readiness.NONE:
+                _wait_ready(client, url, None)
+                return ServerUse(url, None, use)
+            config_path = None if config_path is None else config_path.resolve()
+            child = ServerChild([*serve, *_serve_args(config_path, url_arg, model_file, models_dir)], log)
+            print(f"ringserve: no server at {url}; starting one (log: {log})", file=err)
+            try:
+                _wait_ready(client, url, child)
+            except BaseException:
+                child.stop(drain_timeout)
+                raise
+            return ServerUse(url, child, use)
     except BaseException:
-        child.stop(drain_timeout)
+        use.close()
         raise
-    return child
 
 
 def _codex_catalog(program: str | None, env: Mapping[str, str], served: Served, err: TextIO) -> Path | None:
@@ -630,7 +735,7 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
     agent = Agent(args.agent)
     info = AGENTS[agent]
     previous = {signum: signal.signal(signum, _exit_on) for signum in (signal.SIGTERM, signal.SIGHUP)}
-    child: ServerChild | None = None
+    use: ServerUse | None = None
     keep = False  # leave the server it started running (once the launcher has done its part)
     try:
         try:  # as `ringserve serve` reads it: the file, then the RINGSERVE_* variables
@@ -645,10 +750,10 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
             raise _missing(info)
         model_file, wanted = model_arg(args.model)
         with httpx.Client(timeout=10) as client:
-            child = open_server(client, url, args.config, args.url, drain_timeout=config.server.drain_timeout,
-                                serve=serve, err=err, model_file=model_file, models_dir=args.models_dir)
+            use = open_server(client, url, args.config, args.url, drain_timeout=config.server.drain_timeout,
+                              serve=serve, err=err, model_file=model_file, models_dir=args.models_dir)
             model, context_window = served_model(client, url, api_key, key_source, wanted,
-                                                 model_file if child is None else None)
+                                                 model_file if use.child is None else None)
             small = None if args.small_model is None else served_model(
                 client, url, api_key, key_source, args.small_model)[0]
         served = Served(url, model, context_window, api_key, config.server.max_stream_seconds or AGENT_TIMEOUT_S,
@@ -675,11 +780,8 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
         print(f"ringserve: {exc}", file=err)
         return 2
     finally:
-        if child is not None:
-            if keep and child.proc.poll() is None:
-                print(f"ringserve: the server goes on at {url} (pid {child.proc.pid}; log: {child.log})", file=err)
-            else:  # the launcher failed, or the server exited: none is left behind
-                child.stop(config.server.drain_timeout)
+        if use is not None:  # where the launcher failed, no server it started is left behind
+            use.end(keep, config.server.drain_timeout, err)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 

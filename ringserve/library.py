@@ -726,17 +726,18 @@ def _reader(inp: TextIO, out: TextIO) -> Callable[[str], str]:
 def _run_run(args: argparse.Namespace, out: TextIO, err: TextIO, *, serve: Sequence[str] = SERVE,
              inp: TextIO | None = None) -> int:
     """``ringserve run NAME [PROMPT]``: find or start the server (as ``ringserve launch`` does), then
-    chat, reading ``inp`` (None: standard input); a server it started is stopped at the end
-    (``--keep-server`` leaves it running). A NAME that is a GGUF file is served by a server it
-    starts, by its file's stem, as ``launch --model`` does."""
+    chat, reading ``inp`` (None: standard input); a server a command started is stopped by the last
+    command using it (``ServerUse.end``; ``--keep-server`` leaves the one it started running). A
+    NAME that is a GGUF file is served by a server it starts, by its file's stem, as ``launch
+    --model`` does."""
     config = _config(args)
     url = _url(args, config)
     model_file, name = model_arg(args.name)
-    child = None
+    use = None
     try:
         with httpx.Client(timeout=10) as probe:
-            child = open_server(probe, url, args.config, args.url, drain_timeout=config.server.drain_timeout,
-                                serve=serve, err=err, model_file=model_file, models_dir=args.models_dir)
+            use = open_server(probe, url, args.config, args.url, drain_timeout=config.server.drain_timeout,
+                              serve=serve, err=err, model_file=model_file, models_dir=args.models_dir)
         api_key = _api_key(args, config)
         with Client(url, api_key=None if api_key is None else api_key[0], timeout=None,
                     idle_timeout=args.idle_timeout) as client:
@@ -750,12 +751,8 @@ def _run_run(args: argparse.Namespace, out: TextIO, err: TextIO, *, serve: Seque
     except NoServer:
         raise LibraryError(f"nothing listens at {url} any more: the server stopped") from None
     finally:
-        if child is not None:
-            if args.keep_server and child.proc.poll() is None:
-                print(f"ringserve: the server goes on at {url} (pid {child.proc.pid}; log: {child.log})",
-                      file=err)
-            else:
-                child.stop(config.server.drain_timeout)
+        if use is not None:
+            use.end(args.keep_server, config.server.drain_timeout, err)
 
 
 # --- the commands ---------------------------------------------------------------------------------------

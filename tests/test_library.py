@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -609,6 +610,55 @@ def test_run_starts_a_server_when_none_runs_and_stops_it_after(tmp_path, monkeyp
     reply = out.getvalue().removeprefix(">>> ").split("\n")[0]
     assert reply and out.getvalue() == f">>> {reply}\n>>> "
     assert refused(f"http://127.0.0.1:{port}")
+
+
+class Typed(io.StringIO):
+    """Lines a test types into ``run`` while it runs (``readline`` waits for the next)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: queue.Queue[str] = queue.Queue()
+
+    def readline(self, size: int | None = -1) -> str:
+        return self.lines.get(timeout=120)
+
+
+def test_two_runs_share_one_server_and_the_last_to_end_stops_it(tmp_path, monkeypatch):
+    """Two terminals' ``run`` at once: one starts the server, the other waits for it (both started
+    one, on one log, and the second failed on the port in use); the first to end leaves it to the
+    other, and the last stops it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = tmp_path / "config.toml"
+    config.write_text(f'[server]\nport = {port}\n[store]\npath = ":memory:"\n')
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # the server's log and locks
+    runs = []
+    for _ in range(2):
+        run = {"inp": Typed(), "out": io.StringIO(), "err": io.StringIO()}
+        args = _parser().parse_args(["run", "fake", "--config", str(config)])
+        run["thread"] = threading.Thread(target=lambda r=run, a=args: r.update(
+            status=_run_run(a, r["out"], r["err"], serve=FAKE_SERVE, inp=r["inp"])))
+        runs.append(run)
+    for run in runs:
+        run["thread"].start()
+        run["inp"].lines.put("hi\n")
+    for run in runs:
+        trio.run(wait_until, lambda r=run: r["out"].getvalue().count(">>> ") == 2, 120.0)
+    started = [r for r in runs if "starting one" in r["err"].getvalue()]
+    assert len(started) == 1, [r["err"].getvalue() for r in runs]
+    first, other = started[0], next(r for r in runs if r is not started[0])
+    first["inp"].lines.put("/bye\n")
+    first["thread"].join(60)
+    assert first["status"] == 0
+    said = first["err"].getvalue()
+    assert said.endswith(": another ringserve command uses it, and the last to end stops it\n"), said
+    other["inp"].lines.put("again\n")
+    trio.run(wait_until, lambda: other["out"].getvalue().count(">>> ") == 3, 60.0)
+    other["inp"].lines.put("/bye\n")
+    other["thread"].join(60)
+    assert other["status"] == 0 and "goes on" not in other["err"].getvalue()
+    assert refused(url)
+    assert not list((tmp_path / "state").rglob("*.pid"))
 
 
 def test_run_a_gguf_file_starts_a_server_that_serves_it(tmp_path, monkeypatch):
