@@ -167,6 +167,13 @@ class Resume:
             if after is not None and row is not None and row.final_seq == after:
                 raise StreamEnded(message_id)
             log_ = None if row is None else rebuilt(row, self.signer)
+            if log_ is None and row is not None and not row.status.final:
+                raise RingserveError(
+                    ErrorKind.GONE,
+                    f"{message_id} is generating on another server that shares this message store (its stream"
+                    f" log is held there: resume it there), or one that stopped without saying so (its next start"
+                    f" marks it interrupted); GET /v1/messages/{message_id} has the text stored so far",
+                )
             if log_ is None:
                 raise RingserveError(
                     ErrorKind.GONE,

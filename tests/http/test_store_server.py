@@ -470,3 +470,22 @@ async def test_a_store_locked_by_another_process_holds_up_no_stream(tmp_path, mo
         await wait_until(lambda: _true(hub.live(message_id) is None))  # written once the lock went
         assert store.get(message_id).status == "complete"
         assert (await client.post("/v1/messages", json=anthropic("hi"))).status_code == 200
+
+
+async def test_a_resume_on_another_server_sharing_the_store_says_where_the_stream_is(tmp_path):
+    """Two servers on one SQLite store (no Redis): a message generating on one is resumed on the
+    other, which has no log of it: the 410 says so, not that its log expired."""
+    config = fake_config(tmp_path, engine={"slots": 1})
+    async with running_server(config, step_seconds=0.05) as first, running_server(config) as second, \
+            httpx.AsyncClient(timeout=30) as client:
+        created = (await client.post(f"{first.urls[0]}/v1/messages", json=anthropic(LONG_ECHO), headers=ASYNC)).json()
+        message_id = created["id"]
+        resp = await client.get(f"{second.urls[0]}/v1/messages/{message_id}/stream",
+                                headers={"Last-Event-ID": f"{message_id}:0"})
+        assert resp.status_code == 410, resp.text
+        said = resp.json()["error"]["message"]
+        assert said.startswith(f"{message_id} is generating on another server that shares this message store")
+        assert "expired" not in said
+        stored = await client.get(f"{second.urls[0]}/v1/messages/{message_id}")
+        assert stored.status_code == 200 and stored.json()["status"] in ("queued", "generating")
+        await client.post(f"{first.urls[0]}/v1/messages/{message_id}/cancel")
