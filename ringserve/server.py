@@ -366,7 +366,7 @@ async def _start_models(config: Config, catalog: Catalog, loader: ModelLoader, b
             try:
                 check_model_file(entry.model_file())
             except ModelFileError as exc:
-                log.warning("model %s cannot be loaded on demand: %s", entry.name, exc)
+                pool.cannot_load(entry.name, exc)
     state.hub = hub
     loaded = [pool.summary(m) for m in pool.models() if m.runner is not None]
     waiting = [m.name for m in pool.models() if m.runner is None]

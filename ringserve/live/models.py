@@ -315,6 +315,13 @@ class ModelPool:
             model._loading = False
             self._notify()
 
+    def cannot_load(self, name: str, exc: ModelFileError) -> None:
+        """The model ``name``'s file cannot be loaded (found before any request for it: a file gone,
+        a model not pulled): it is ``failed``, saying why, in ``GET /v1/models`` and ``ringserve
+        ls``; a request for it tries again."""
+        model = self._models[name]
+        self._failed(model, self._load_error(model, exc))
+
     def _failed(self, model: ModelState, error: RingserveError) -> None:
         model.error = error
         self._router.failed(model.name)

@@ -362,11 +362,16 @@ async def test_a_stop_while_the_models_load_at_start_stops_without_serving(tmp_p
     assert not any(m.startswith("ready:") for m in messages) and messages[-1] == "stopped (exit status 0)"
 
 
-async def test_a_preset_whose_file_cannot_be_loaded_is_a_warning_at_start(tmp_path, caplog):
+async def test_a_preset_whose_file_cannot_be_loaded_is_a_warning_at_start_and_failed(tmp_path, caplog):
+    """Said at start, not at its first request only; ``GET /v1/models`` (and so ``ringserve ls``)
+    says it failed, and why, where it said ``unloaded``."""
     missing = tmp_path / "gone.gguf"
     config = presets(tmp_path, ("alpha", "gone"), gone={"path": str(missing)})
-    async with running_server(config, engine_factory=named):
-        pass
+    async with running_server(config, engine_factory=named) as state, \
+            httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
+        listed = {m["id"]: m["status"] for m in (await client.get("/v1/models")).json()["data"]}
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    said = f"model gone cannot be loaded on demand: model file not found: {missing}"
-    assert [w for w in warned if "gone" in w] == [said]
+    said = f"model file not found: {missing}"
+    assert [w for w in warned if "gone" in w] == [f"model gone cannot be loaded: {said}"]
+    assert listed["gone"] == {"value": "failed", "failed": True,
+                              "error": f"the model 'gone' cannot be loaded: {said}"}
