@@ -43,7 +43,7 @@ from pathlib import Path
 import attrs
 
 from ringserve.config import Config, ModelSettings, RouterConfig
-from ringserve.engine.modelfile import ModelFileError, default_model_path
+from ringserve.engine.modelfile import GGUFName, ModelFileError, default_model_path, parse_name
 from ringserve.formats.base import ChatFormat
 from ringserve.formats.detect import format_for
 
@@ -238,41 +238,10 @@ def chat_format(settings: ModelSettings, template: str | None) -> ChatFormat | N
 
 # --- file names (llama.cpp common/download.cpp) ----------------------------------------------------
 
-_SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<index>[0-9]{5})-of-(?P<count>[0-9]{5})$", re.IGNORECASE)
-_TAG = re.compile(r"[-.](?P<tag>[A-Z0-9_]+)$", re.IGNORECASE)
 #: Name fragments of the GGUF files that are not models (``gguf_filename_is_model``).
 COMPANIONS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
 #: The quants a ``REPO`` without one gets, in order, before the first model file (``find_best_model``).
 DEFAULT_QUANTS = ("Q4_K_M", "Q8_0")
-
-
-@attrs.frozen
-class GGUFName:
-    """What a GGUF file's path says of it (``get_gguf_split_info``).
-
-    Attributes:
-        prefix: the path less ``.gguf`` and a split suffix (``-00001-of-00003``).
-        tag: the quant tag that ends the prefix, upper case (``Q4_K_M``, ``F16``; ``""`` for none).
-        index, count: the part's number and the number of parts (1 and 1 for a whole file).
-    """
-
-    prefix: str
-    tag: str
-    index: int = 1
-    count: int = 1
-
-
-def parse_name(path: str) -> GGUFName | None:
-    """What ``path`` (a file name, or a path in a repository) says, or None when it does not end
-    in ``.gguf``."""
-    if not path.endswith(".gguf"):
-        return None
-    prefix, index, count = path.removesuffix(".gguf"), 1, 1
-    split = _SPLIT.match(prefix)
-    if split is not None:
-        prefix, index, count = split["prefix"], int(split["index"]), int(split["count"])
-    tag = _TAG.search(prefix)
-    return GGUFName(prefix, tag["tag"].upper() if tag else "", index, count)
 
 
 def is_model_file(path: str) -> bool:

@@ -39,7 +39,7 @@ from ringserve.core.modelinfo import (
     SSMShape,
     swa_layers,
 )
-from ringserve.engine.modelfile import GGUF_MAGIC, ModelFileError, check_model_file
+from ringserve.engine.modelfile import GGUF_MAGIC, ModelFileError, check_model_file, parse_name
 
 __all__ = ["read_gguf"]
 
@@ -58,7 +58,6 @@ _SCALARS: dict[int, struct.Struct] = {
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
-_SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
 class _Long:
@@ -155,11 +154,11 @@ def _parts(path: Path, first: _Header) -> Iterator[Path]:
     count = int(first.fields.get(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, 1))
     if count <= 1:
         return
-    match = _SPLIT_NAME.match(path.name)
-    if match is None or int(match["no"]) != 1:
+    name = parse_name(path.name)
+    if name is None or name.count != count or name.index != 1:
         raise ValueError(f"a split model of {count} parts, named other than PREFIX-00001-of-{count:05d}.gguf")
     for no in range(2, count + 1):
-        yield path.with_name(f"{match['prefix']}-{no:05d}-of-{count:05d}.gguf")
+        yield path.with_name(f"{name.prefix}-{no:05d}-of-{count:05d}.gguf")
 
 
 def read_gguf(path: str | Path) -> GGUFInfo:

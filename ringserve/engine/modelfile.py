@@ -14,7 +14,10 @@ The GGUF container format starts with the four magic bytes ``b"GGUF"``
 from __future__ import annotations
 
 import importlib.metadata
+import re
 from pathlib import Path
+
+import attrs
 
 GGUF_MAGIC = b"GGUF"
 """The first four bytes of every GGUF file."""
@@ -101,3 +104,38 @@ def check_model_file(path: str | Path) -> Path:
             f"not a GGUF file (first bytes {magic!r}, expected {GGUF_MAGIC!r}): {p}", p
         )
     return p
+
+
+# --- file names (llama.cpp common/download.cpp get_gguf_split_info) ----------------------------------
+
+_SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<index>[0-9]{5})-of-(?P<count>[0-9]{5})$", re.IGNORECASE)
+_TAG = re.compile(r"[-.](?P<tag>[A-Z0-9_]+)$", re.IGNORECASE)
+
+
+@attrs.frozen
+class GGUFName:
+    """What a GGUF file's path says of it (``get_gguf_split_info``).
+
+    Attributes:
+        prefix: the path less ``.gguf`` and a split suffix (``-00001-of-00003``).
+        tag: the quant tag that ends the prefix, upper case (``Q4_K_M``, ``F16``; ``""`` for none).
+        index, count: the part's number and the number of parts (1 and 1 for a whole file).
+    """
+
+    prefix: str
+    tag: str
+    index: int = 1
+    count: int = 1
+
+
+def parse_name(path: str) -> GGUFName | None:
+    """What ``path`` (a file name, or a path in a repository) says, or None when it does not end
+    in ``.gguf``."""
+    if not path.endswith(".gguf"):
+        return None
+    prefix, index, count = path.removesuffix(".gguf"), 1, 1
+    split = _SPLIT.match(prefix)
+    if split is not None:
+        prefix, index, count = split["prefix"], int(split["index"]), int(split["count"])
+    tag = _TAG.search(prefix)
+    return GGUFName(prefix, tag["tag"].upper() if tag else "", index, count)
