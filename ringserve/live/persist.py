@@ -4,7 +4,8 @@ Every write runs on a Trio worker thread (``MessageStore.off_loop``): a write th
 lock another process holds on the file, up to ``store/sqlite.py`` ``BUSY_TIMEOUT_MS``, or for a
 WAL checkpoint) holds up no stream and no request. A generation's snapshots are queued, the
 newest of each message replacing an older one not yet written, and written in rounds, one round
-at a time. A message's end waits for the round of its final snapshot (``live/produce.py``
+at a time, each one transaction (``MessageStore.update_all``: 0.43 ms for 64 messages where 64
+commits took 1.04 ms, on the shared 2-core machine; with Redis, one trip to the event loop). A message's end waits for the round of its final snapshot (``live/produce.py``
 closes its log then), so a message whose log has ended is in the store in its final state, or
 unsaved.
 
@@ -194,8 +195,7 @@ class Persister:
 
     def _write_all(self, snapshots: list[tuple[LiveMessage, Snapshot]]) -> None:
         """(On the worker thread.)"""
-        for msg, snap in snapshots:
-            self.store.update(msg.id, **snapshot_fields(snap))
+        self.store.update_all([(msg.id, snapshot_fields(snap)) for msg, snap in snapshots])
 
     def _failed(self, exc: sqlite3.Error) -> None:
         self._retry_at = trio.current_time() + STORE_RETRY_SECONDS

@@ -72,12 +72,13 @@ it names.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
 import secrets
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import assert_never
 
 import anyio
@@ -941,6 +942,17 @@ class MirroredMessageStore(MessageStore):
             super().update(message_id, **fields)
         finally:
             _on_trio_thread(lambda: self._writer.status(message_id, fields, whole=lambda: self._whole(message_id)))
+
+    def update_all(self, updates: Sequence[tuple[str, Mapping[str, object]]]) -> None:
+        """As :meth:`update`, in one transaction and one trip to the Trio thread for the Redis writes."""
+        try:
+            super().update_all(updates)
+        finally:
+            def queue() -> None:
+                for message_id, fields in updates:
+                    self._writer.status(message_id, dict(fields), whole=functools.partial(self._whole, message_id))
+
+            _on_trio_thread(queue)
 
     def delete(self, message_id: str) -> bool:
         """Delete the row; if there was one, its status hash and its stream too (at the next flush)."""

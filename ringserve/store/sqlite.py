@@ -47,7 +47,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Self, TypeVar
@@ -503,16 +503,26 @@ class MessageStore:
 
     def update(self, message_id: str, **fields: object) -> None:
         """Change some columns of one message (names as in :class:`StoredMessage`)."""
+        with self._writing():
+            self._update(message_id, fields)
+
+    def update_all(self, updates: Sequence[tuple[str, Mapping[str, object]]]) -> None:
+        """:meth:`update` each ``(message_id, fields)`` of ``updates``, in one transaction (one commit
+        for a persist round of many messages: all are written, or none)."""
+        with self._writing(), self._transaction():
+            for message_id, fields in updates:
+                self._update(message_id, fields)
+
+    def _update(self, message_id: str, fields: Mapping[str, object]) -> None:
         unknown = set(fields) - set(_COLUMNS)
         if unknown:
             raise ValueError(f"unknown column(s): {sorted(unknown)}")
         if "status" in fields and fields["status"] not in tuple(MessageStatus):
             raise ValueError(f"unknown status {fields['status']!r}")
         if "request" in fields and not self.keep_prompts:
-            fields["request"] = ""
+            fields = {**fields, "request": ""}
         sets = ",".join(f"{k}=?" for k in fields)
-        with self._writing():
-            self._db.execute(f"UPDATE messages SET {sets},updated=? WHERE id=?", (*fields.values(), self.clock(), message_id))
+        self._db.execute(f"UPDATE messages SET {sets},updated=? WHERE id=?", (*fields.values(), self.clock(), message_id))
 
     def delete(self, message_id: str) -> bool:
         """Delete one message, whatever its status (``DELETE /v1/responses/{id}``); whether it existed."""

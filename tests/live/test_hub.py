@@ -255,12 +255,12 @@ async def test_an_idempotent_retry_finds_its_message_live_or_stored_and_regenera
 async def test_a_store_that_fails_leaves_the_message_in_memory_until_it_is_written():
     # (the real clock: the retry writes on a worker thread, during which the autojump clock jumps)
     async with running_hub() as hub:
-        update = hub.store.update
+        update_all = hub.store.update_all
 
-        def failing(message_id: str, **fields: object) -> None:
+        def failing(updates: object) -> None:
             raise sqlite3.OperationalError("disk I/O error")
 
-        hub.store.update = failing  # type: ignore[method-assign]
+        hub.store.update_all = failing  # type: ignore[method-assign]
         msg = live(await create(hub))
         await read_to_end(msg)
         assert msg.unsaved and hub.live(msg.id) is msg and hub.statistics().unsaved_messages == 1
@@ -268,7 +268,7 @@ async def test_a_store_that_fails_leaves_the_message_in_memory_until_it_is_writt
         with pytest.raises(RingserveError) as info:  # no new row is tried while the writes fail
             await create(hub)
         assert info.value.kind is ErrorKind.UNAVAILABLE and info.value.retry_after is not None
-        hub.store.update = update  # type: ignore[method-assign]
+        hub.store.update_all = update_all  # type: ignore[method-assign]
         await wait_until(lambda: hub.live(msg.id) is None)  # the next retry (STORE_RETRY_SECONDS) writes it
         assert hub.live(msg.id) is None and hub.statistics().unsaved_messages == 0
         assert hub.store.get(msg.id).status is MessageStatus.COMPLETE

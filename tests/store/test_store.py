@@ -334,3 +334,15 @@ def test_a_damaged_store_file_stops_the_open(tmp_path):
     message = str(info.value)
     assert str(path) in message and "\n" not in message
     assert "damaged" in message or "malformed" in message
+
+
+def test_update_all_writes_every_update_or_none(tmp_path):
+    """A persist round is one transaction: a write that fails leaves the rows as they were."""
+    store = MessageStore(str(tmp_path / "s.sqlite3"))
+    for i in range(3):
+        store.insert(row(i, status="generating"))
+    store.update_all([("msg_0", {"text": "a"}), ("msg_1", {"text": "b", "output_tokens": 2})])
+    assert (store.get("msg_0").text, store.get("msg_1").text, store.get("msg_1").output_tokens) == ("a", "b", 2)
+    with pytest.raises(ValueError, match="unknown column"):
+        store.update_all([("msg_0", {"text": "c"}), ("msg_2", {"txet": "d"})])
+    assert store.get("msg_0").text == "a"
