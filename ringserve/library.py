@@ -279,7 +279,8 @@ def pull(spec: str, *, revision: str = "main", cache_dir: Path | None = None, en
          token: str | bool | None = None, err: TextIO = sys.stderr) -> Pulled:
     """Download the model ``spec`` names into the Hugging Face cache, as llama-server's ``-hf`` picks
     it (:meth:`~ringserve.engine.catalog.HFSpec.pick`; every part of a split model), and check each
-    file's hash against the repository's record (:func:`_check_hash`).
+    file it downloads against the repository's record of its hash (:func:`_check_hash`); a file the
+    cache held already (a pull again) is not read again.
 
     huggingface_hub does the transfer (``hf_hub_download``): its progress bars on stderr, a
     connection that drops resumed from the byte it reached (an HTTP ``Range`` request, up to 5
@@ -299,7 +300,7 @@ def pull(spec: str, *, revision: str = "main", cache_dir: Path | None = None, en
             for the quant (the line lists the repository's quants), a network error, a damaged
             download (one line).
     """
-    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub import HfApi, hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -322,9 +323,11 @@ def pull(spec: str, *, revision: str = "main", cache_dir: Path | None = None, en
             raise LibraryError(_no_match(parsed, list(siblings)))
         files = []
         for part in split_parts(list(siblings), primary):
+            held = try_to_load_from_cache(parsed.repo, part, cache_dir=cache_dir, revision=revision)
             path = Path(hf_hub_download(parsed.repo, part, revision=revision, cache_dir=cache_dir,
                                         endpoint=endpoint, token=token))
-            _check_hash(path, siblings[part], err)
+            if not isinstance(held, str) or Path(held).resolve() != path.resolve():  # (its blob: by content)
+                _check_hash(path, siblings[part], err)
             files.append(path)
     except GatedRepoError:
         raise LibraryError(f"{parsed.repo} is gated: accept its terms on its page at {where}, and set "

@@ -180,6 +180,9 @@ def test_the_pull_command_uses_hf_endpoint_hf_token_and_the_cache_of_hf_home(tmp
     assert done.stdout == f"pulled org/Gated-GGUF:Q4_K_M ({size} B): ringserve run org/Gated-GGUF:Q4_K_M\n"
     assert done.stderr == "checking the SHA-256 of Gated-Q4_K_M.gguf\n"  # (progress bars: on a terminal)
     assert cached(tmp_path / "home" / "hub") == ["org/Gated-GGUF:Q4_K_M"]
+    again = subprocess.run(ringserve("pull", "org/Gated-GGUF:q4_k_m"), env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert (again.returncode, again.stdout, again.stderr) == (0, done.stdout, "")  # cached: not read again
     failed = subprocess.run(ringserve("pull", "org/Model-GGUF:Q3_K_S"), env=env, capture_output=True,
                             text=True, timeout=120)
     assert failed.returncode == 1 and failed.stdout == ""

@@ -5,9 +5,9 @@ lock another process holds on the file, up to ``store/sqlite.py`` ``BUSY_TIMEOUT
 WAL checkpoint) holds up no stream and no request. A generation's snapshots are queued, the
 newest of each message replacing an older one not yet written, and written in rounds, one round
 at a time, each one transaction (``MessageStore.update_all``: 0.43 ms for 64 messages where 64
-commits took 1.04 ms, on the shared 2-core machine; with Redis, one trip to the event loop). A message's end waits for the round of its final snapshot (``live/produce.py``
-closes its log then), so a message whose log has ended is in the store in its final state, or
-unsaved.
+commits took 1.04 ms, on the shared 2-core machine; with Redis, one trip to the event loop). A
+message's end waits for the round of its final snapshot (``live/produce.py`` closes its log
+then), so a message whose log has ended is in the store in its final state, or unsaved.
 
 A write the store fails (``sqlite3.Error``: a full disk, an I/O error, a lock
 held past ``busy_timeout``) leaves the generation and its log going: its message
