@@ -419,8 +419,9 @@ def _run_ps(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     url = _url(args, config)
     models = server_models(url, _api_key(args, config))
     if models is None:
-        raise LibraryError(f"nothing listens at {url}: start the server (ringserve serve), or give its URL "
-                           "(--url or $RINGSERVE_URL)")
+        where = ("check the URL" if args.url is not None
+                 else "or give its URL (--url or $RINGSERVE_URL)")
+        raise LibraryError(f"nothing listens at {url}: start the server (ringserve serve), {where}")
     rows = []
     for model in models:
         state, _ = _model_status(model)

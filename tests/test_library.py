@@ -495,10 +495,15 @@ async def test_ps_and_ls_read_a_running_server(tmp_path):
         "alpha": "loaded", "beta": "loaded", "gamma": "unloaded"}
 
 
-def test_ps_with_no_server_is_one_line():
+def test_ps_with_no_server_is_one_line(tmp_path, monkeypatch):
     url = f"http://127.0.0.1:{free_port()}"
-    said = f"ringserve: nothing listens at {url}: start the server (ringserve serve), or give its URL"
-    assert run_command("ps", "--url", url) == (1, "", said + " (--url or $RINGSERVE_URL)\n")
+    said = f"ringserve: nothing listens at {url}: start the server (ringserve serve)"
+    assert run_command("ps", "--url", url) == (1, "", said + ", check the URL\n")  # (the URL it was given)
+    monkeypatch.delenv("RINGSERVE_URL", raising=False)
+    config = tmp_path / "config.toml"
+    config.write_text(f"[server]\nport = {url.rsplit(':', 1)[1]}\n")
+    hint = ", or give its URL (--url or $RINGSERVE_URL)\n"
+    assert run_command("ps", "--config", str(config)) == (1, "", said + hint)
 
 
 # --- run ------------------------------------------------------------------------------------------------
