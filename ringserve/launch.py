@@ -43,6 +43,7 @@ This module imports nothing of the server: ``ringserve serve`` runs in its own p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import enum
 import fcntl
@@ -55,8 +56,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any, TextIO, assert_never
@@ -396,6 +398,10 @@ def _serve_args(config_path: Path | None, url: str | None, model_file: Path | No
     return args
 
 
+#: The port of a URL that names none.
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
 class _Readiness(enum.Enum):
     NONE = "none"  # nothing listens
     LOADING = "loading"  # a server, not ready yet (or draining)
@@ -518,29 +524,34 @@ def _wait_ready(client: httpx.Client, url: str, child: ServerChild | None) -> No
 
 @attrs.define
 class ServerUse:
-    """A command's use of the server at ``url``, from :func:`open_server` to :meth:`end`: ``child`` is
-    the server it started (None: one that ran already), ``lock`` its shared lock on the port's use
-    lock (``server-PORT.use.lock`` beside the log), which every command holds while it uses the
-    server there, and ``handed`` the file (``server-PORT.pid``) that names a server a command
-    started while others may still use it."""
+    """A command's use of the server at ``url``, from :func:`open_server` to :meth:`end`.
+
+    Attributes:
+        url: the server's URL.
+        child: the server this command started (None: one that ran already).
+        log: the log of a server a command starts at that port (``server-PORT.log``); beside it
+            ``server-PORT.pid`` names the server while a command's server runs there (its pid and
+            command line: written when it starts, removed when it stops or is kept for good).
+        lock: this command's shared lock on ``server-PORT.use.lock``, held while it uses the
+            server, so that the last command to end can tell it is the last.
+    """
 
     url: str
     child: ServerChild | None
+    log: Path
     lock: IO[str]
 
     @property
     def handed(self) -> Path:
-        return Path(self.lock.name).with_suffix("").with_suffix(".pid")
+        return self.log.with_suffix(".pid")
 
     def end(self, keep: bool, drain_timeout: float, err: TextIO) -> None:
         """End this command's use. The last command to use a server a command started stops it
         (SIGTERM: it drains, up to ``drain_timeout`` s): the one that started it, or, where that one
-        ended first, the last of the others. ``keep`` (``--keep-server``) leaves the server this
-        command started running, for good; a line on ``err`` says where one left running is."""
+        ended first (or was killed), the last of the others. ``keep`` (``--keep-server``,
+        ``launch --print``) leaves it running for good, whichever command started it; a line on
+        ``err`` says where a server left running is."""
         self.lock.close()
-        child = self.child
-        if child is not None and child.proc.poll() is not None:
-            return
         with open(self.lock.name, "w") as alone:
             try:
                 fcntl.flock(alone, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while a server drains: a
@@ -548,52 +559,56 @@ class ServerUse:
                 last = False
             else:
                 last = True
-            if child is None:
-                if last:
-                    _stop_handed(self.handed, drain_timeout)
-                return
-            if last and not keep:
-                child.stop(drain_timeout)
-                self.handed.unlink(missing_ok=True)
-                return
+            pid = self.child.proc.pid if self.child is not None else _handed_pid(self.handed)
+            if pid is None or (self.child is not None and self.child.proc.poll() is not None):
+                return  # a server started by hand (never stopped here), or one that has exited
             if keep:
                 self.handed.unlink(missing_ok=True)
-            else:  # its pid and command line (that a later stop stops only this server)
-                cmdline = Path(f"/proc/{child.proc.pid}/cmdline").read_bytes()
-                self.handed.write_bytes(f"{child.proc.pid}\n".encode() + cmdline)
-            print(f"ringserve: the server goes on at {self.url} (pid {child.proc.pid}; log: {child.log})"
-                  + ("" if keep else ": another ringserve command uses it, and the last to end stops it"),
-                  file=err)
+                print(f"ringserve: the server goes on at {self.url} (pid {pid}; log: {self.log})", file=err)
+            elif not last:
+                if self.child is not None:
+                    print(f"ringserve: the server goes on at {self.url} (pid {pid}; log: {self.log}): another"
+                          " ringserve command uses it, and the last to end stops it", file=err)
+            elif self.child is not None:
+                self.child.stop(drain_timeout)
+                self.handed.unlink(missing_ok=True)
+            else:
+                _stop_handed(self.handed, drain_timeout)
+
+
+def _handed_pid(handed: Path) -> int | None:
+    """The pid ``handed`` names while it is that process's (the same start time: a pid is used
+    again only by a process started later), else None."""
+    try:
+        pid, started = handed.read_text().split()
+        return int(pid) if _started(int(pid)) == started else None
+    except (OSError, ValueError):  # no such file, or the server has gone
+        return None
+
+
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (``/proc/PID/stat``'s 22nd field, in clock ticks since boot),
+    None when it has exited (a zombie has: not every init reaps)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields[19]
 
 
 def _stop_handed(handed: Path, drain_timeout: float) -> None:
-    """Stop the server ``handed`` names (a command started it and ended while others used it), if it
-    is still that process (the same command line), and wait until it has exited."""
-    try:
-        pid_line, cmdline = handed.read_bytes().split(b"\n", 1)
-        pid = int(pid_line)
-        same = Path(f"/proc/{pid}/cmdline").read_bytes() == cmdline
-    except (OSError, ValueError):  # no such file, or the server has gone
-        same = False
+    """Stop the server ``handed`` names (:func:`_handed_pid`), and wait until it has exited."""
+    pid = _handed_pid(handed)
     handed.unlink(missing_ok=True)
-    if not same:  # (its pid may be another process's by now)
+    if pid is None:
         return
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + drain_timeout + 10
-    while _running(pid):
+    while _started(pid) is not None:
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             deadline = float("inf")
         time.sleep(0.1)
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and has not exited (a zombie has: not every init reaps)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def open_server(client: httpx.Client, url: str, config_path: Path | None, url_arg: str | None, *,
@@ -614,7 +629,8 @@ def open_server(client: httpx.Client, url: str, config_path: Path | None, url_ar
         LaunchError: a server that exited or did not become ready (one it started is stopped
             first, given ``drain_timeout`` seconds), a URL no server can be started at.
     """
-    log = platformdirs.user_log_path("ringserve") / f"server-{urlsplit(url).port}.log"
+    parts = urlsplit(url)
+    log = platformdirs.user_log_path("ringserve") / f"server-{parts.port or _DEFAULT_PORTS[parts.scheme]}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     use = open(log.with_suffix(".use.lock"), "w")
     try:
@@ -634,16 +650,19 @@ def open_server(client: httpx.Client, url: str, config_path: Path | None, url_ar
                     readiness = _readiness(client, url)
             if readiness is not _Readiness.NONE:
                 _wait_ready(client, url, None)
-                return ServerUse(url, None, use)
+                return ServerUse(url, None, log, use)
             config_path = None if config_path is None else config_path.resolve()
             child = ServerChild([*serve, *_serve_args(config_path, url_arg, model_file, models_dir)], log)
-            print(f"ringserve: no server at {url}; starting one (log: {log})", file=err)
-            try:
+            served = ServerUse(url, child, log, use)
+            try:  # named at once: a command that uses it stops it last, also where this one is killed
+                served.handed.write_text(f"{child.proc.pid} {_started(child.proc.pid)}\n")
+                print(f"ringserve: no server at {url}; starting one (log: {log})", file=err)
                 _wait_ready(client, url, child)
             except BaseException:
                 child.stop(drain_timeout)
+                served.handed.unlink(missing_ok=True)
                 raise
-            return ServerUse(url, child, use)
+            return served
     except BaseException:
         use.close()
         raise
@@ -677,6 +696,23 @@ def _codex_catalog(program: str | None, env: Mapping[str, str], served: Served, 
 
 def _exit_on(signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def ended_by_signals() -> Iterator[None]:
+    """Within it, SIGTERM and SIGHUP (a terminal closed) raise ``SystemExit(128 + N)``, so that a
+    command's ``finally`` blocks run (a server it started is stopped, or handed on) where the signal
+    would end the process at once. Elsewhere than on the main thread (a test's) it does nothing:
+    only that thread may set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, _exit_on) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _dies_with_launcher() -> Callable[[], None] | None:
@@ -731,10 +767,14 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
     ``serve`` is the command that starts a server, to which ``--models-dir``, the config and the
     ``--url``'s host and port are appended.
     """
+    with ended_by_signals():
+        return _launch(args, serve)
+
+
+def _launch(args: argparse.Namespace, serve: Sequence[str]) -> int:
     out, err = sys.stdout, sys.stderr
     agent = Agent(args.agent)
     info = AGENTS[agent]
-    previous = {signum: signal.signal(signum, _exit_on) for signum in (signal.SIGTERM, signal.SIGHUP)}
     use: ServerUse | None = None
     keep = False  # leave the server it started running (once the launcher has done its part)
     try:
@@ -782,8 +822,6 @@ def run(args: argparse.Namespace, *, serve: Sequence[str] = SERVE) -> int:
     finally:
         if use is not None:  # where the launcher failed, no server it started is left behind
             use.end(keep, config.server.drain_timeout, err)
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def model_arg(model: str | None) -> tuple[Path | None, str | None]:
@@ -830,3 +868,4 @@ def add_command(sub: Any, load_config: Callable[[argparse.Namespace], Config]) -
     launch.add_argument("--keep-server", action="store_true", help="leave a server this command started running (--print always does)")
     launch.add_argument("--print", action="store_true", help="print the agent's settings instead of running it")
     launch.set_defaults(client_command=run, agent_args=[], load_config=load_config)
+

@@ -55,12 +55,25 @@ from ringserve.engine.catalog import (
 )
 from ringserve.engine.modelfile import ModelFileError
 from ringserve.formats.base import TOOLS_PROMPT_FAMILIES, ChatFormat
-from ringserve.launch import SERVE, LaunchError, check_url, configured_key, model_arg, open_server, server_url
+from ringserve.launch import (
+    PLACEHOLDER_KEY,
+    SERVE,
+    LaunchError,
+    check_url,
+    configured_key,
+    ended_by_signals,
+    model_arg,
+    open_server,
+    served_model,
+    server_url,
+)
 
 __all__ = ["LibraryError", "Pulled", "add_commands", "pull", "remove"]
 
 #: What the commands exit with after an error (its line is on stderr).
 FAILED = 1
+#: The exit status of a command Ctrl-C ended (a shell's for SIGINT: 128 + 2).
+STOPPED = 130
 
 
 class LibraryError(Exception):
@@ -619,10 +632,11 @@ class _Chat:
     err: TextIO
     history: list[dict[str, str]] = attrs.Factory(list)
 
-    def turn(self, text: str) -> bool:
+    def turn(self, text: str) -> int:
         """Send ``text`` with the conversation so far and print the reply as it streams; the reply
-        (what arrived of it, after a Ctrl-C) joins the conversation. False when the request failed
-        (the line is on stderr, and the turn is forgotten).
+        (what arrived of it, after a Ctrl-C) joins the conversation. The exit status of a ``run`` of
+        this one turn: 0, :data:`STOPPED` (Ctrl-C), :data:`FAILED` (the request failed: the line is on
+        stderr, and the turn is forgotten).
 
         Raises:
             NoServer: nothing listens at the client's URL.
@@ -632,6 +646,7 @@ class _Chat:
         out, err = self.out, self.err
         reply: list[str] = []
         thinking = False
+        status = 0
 
         def on_reconnect(reconnect: Reconnect) -> None:
             print(f"\n[{reconnect.cause}; reconnecting in {reconnect.delay:.2f} s]", file=err, flush=True)
@@ -655,12 +670,13 @@ class _Chat:
                     out.flush()
                 final = stream.final_message()
             except KeyboardInterrupt:
+                status = STOPPED
                 try:
-                    status = stream.cancel()
+                    cancelled = stream.cancel()
                 except (ClientError, httpx.HTTPError):
-                    status = None
+                    cancelled = None
                 out.write("\n")
-                said = "" if status is None else f": {stream.message_id} {status.get('status')}"
+                said = "" if cancelled is None else f": {stream.message_id} {cancelled.get('status')}"
                 print(f"[stopped{said}]", file=err, flush=True)
             except ClientError as exc:
                 if reply or thinking:
@@ -672,14 +688,14 @@ class _Chat:
                     raise LibraryError(key_refused(str(self.client.http.base_url).rstrip("/"),
                                                    self.key_source)) from None
                 print(f"ringserve: {exc}", file=err, flush=True)
-                return False
+                return FAILED
             else:
                 out.write("\n")
                 if final.stop_reason in ("max_tokens", "length", "incomplete"):
                     print(f"[the reply reached --max-tokens {self.max_tokens}]", file=err, flush=True)
         self.history.append({"role": "assistant", "content": "".join(reply)})
         out.flush()
-        return True
+        return status
 
     def loop(self, read: Callable[[str], str]) -> int:
         """Prompt, read, answer, until ``/bye`` or the end of the input (Ctrl-D). Ctrl-C at the
@@ -733,22 +749,24 @@ def _run_run(args: argparse.Namespace, out: TextIO, err: TextIO, *, serve: Seque
     chat, reading ``inp`` (None: standard input); a server a command started is stopped by the last
     command using it (``ServerUse.end``; ``--keep-server`` leaves the one it started running). A
     NAME that is a GGUF file is served by a server it starts, by its file's stem, as ``launch
-    --model`` does."""
+    --model`` does. A NAME the server has no model of is one line that lists its models (as
+    ``launch --model``'s: a request would get its default model), before any prompt; so is a
+    refused API key."""
     config = _config(args)
     url = _url(args, config)
     model_file, name = model_arg(args.name)
+    api_key, key_source = _api_key(args, config) or (None, None)
     use = None
     try:
         with httpx.Client(timeout=10) as probe:
             use = open_server(probe, url, args.config, args.url, drain_timeout=config.server.drain_timeout,
                               serve=serve, err=err, model_file=model_file, models_dir=args.models_dir)
-        api_key = _api_key(args, config)
-        with Client(url, api_key=None if api_key is None else api_key[0], timeout=None,
-                    idle_timeout=args.idle_timeout) as client:
-            chat = _Chat(client, None if api_key is None else api_key[1], name or args.name, args.surface,
-                         args.max_tokens, args.system, out, err)
+            model, _ = served_model(probe, url, api_key or PLACEHOLDER_KEY, key_source, name or args.name,
+                                    model_file if use.child is None else None)
+        with Client(url, api_key=api_key, timeout=None, idle_timeout=args.idle_timeout) as client:
+            chat = _Chat(client, key_source, model, args.surface, args.max_tokens, args.system, out, err)
             if args.prompt:
-                return 0 if chat.turn(args.prompt) else FAILED
+                return chat.turn(args.prompt)
             return chat.loop(_reader(sys.stdin if inp is None else inp, out))
     except LaunchError as exc:
         raise LibraryError(str(exc)) from None
@@ -767,13 +785,19 @@ Command = Callable[[argparse.Namespace, TextIO, TextIO], int]
 
 def _guarded(command: Command) -> Callable[[argparse.Namespace], int]:
     """The command on standard output and error, with its :class:`LibraryError` as one line on stderr
-    and exit status :data:`FAILED`."""
+    and exit status :data:`FAILED`; a Ctrl-C it does not handle ends it with :data:`STOPPED` and no
+    traceback, and SIGTERM and SIGHUP end it through its ``finally`` blocks (``ended_by_signals``:
+    a server ``run`` started is stopped or handed on)."""
     def run(args: argparse.Namespace) -> int:
         try:
-            return command(args, sys.stdout, sys.stderr)
+            with ended_by_signals():
+                return command(args, sys.stdout, sys.stderr)
         except LibraryError as exc:
             print(f"ringserve: {exc}", file=sys.stderr)
             return FAILED
+        except KeyboardInterrupt:  # (while a server starts, or a pull runs: a reply's is the chat's)
+            print(file=sys.stderr)
+            return STOPPED
 
     return run
 

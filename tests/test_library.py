@@ -559,8 +559,19 @@ async def test_run_without_the_servers_key_is_one_line_and_ends_the_chat(tmp_pat
     wants = f"ringserve: {url} wants an API key: give --api-key or set RINGSERVE_API_KEY\n"
     refused = (f"ringserve: {url} refused the API key (--api-key or $RINGSERVE_API_KEY): give one of the"
                " server's keys\n")
-    assert said == {(): (1, ">>> ", wants), ("--api-key", "k-2"): (1, ">>> ", refused)}
+    assert said == {(): (1, "", wants), ("--api-key", "k-2"): (1, "", refused)}  # before any prompt
     assert (done.returncode, done.stdout) == (0, b"Bonjour.\n"), done.stderr
+
+
+async def test_run_of_a_name_the_server_lacks_is_one_line_listing_its_models(tmp_path):
+    """A request for it would be answered by the default model: as ``launch --model``, not silently."""
+    async with running_server(fake_config(tmp_path), reply="Bonjour.") as state:
+        done = await trio.run_process(ringserve("run", "llama3", "Hi", "--url", state.urls[0]),
+                                      capture_stdout=True, capture_stderr=True, check=False)
+    assert (done.returncode, done.stdout) == (1, b"")
+    url = state.urls[0]
+    said = f"ringserve: {url}: no model 'llama3' there (a request for it gets fake); the models are: fake\n"
+    assert done.stderr.decode() == said
 
 
 async def test_run_resumes_a_dropped_stream(tmp_path):
@@ -667,6 +678,53 @@ def test_two_runs_share_one_server_and_the_last_to_end_stops_it(tmp_path, monkey
     assert other["status"] == 0 and "goes on" not in other["err"].getvalue()
     assert refused(url)
     assert not list((tmp_path / "state").rglob("*.pid"))
+
+
+#: ``ringserve run fake`` in a process of its own, its server started as ``FAKE_SERVE``.
+RUN_FAKE = ("import sys; from ringserve import library; from ringserve.__main__ import _parser; "
+            "from tests.test_launch import FAKE_SERVE; "
+            "sys.exit(library._guarded(lambda a, o, e: library._run_run(a, o, e, serve=FAKE_SERVE))("
+            "_parser().parse_args(sys.argv[1:])))")
+
+
+def run_fake(config: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """``run fake`` chatting (its ``>>>`` read from its stdout), its stdin open for more."""
+    proc = subprocess.Popen([sys.executable, "-c", RUN_FAKE, "run", "fake", "--config", str(config)],
+                            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.read(4) == ">>> ", proc.stderr and proc.stderr.read()
+    return proc
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_run_ended_by_a_signal_stops_the_server_it_started(tmp_path, signum):
+    """SIGHUP is what closing its terminal sends: the server it started went on, for good."""
+    port = free_port()
+    config = tmp_path / "config.toml"
+    config.write_text(f'[server]\nport = {port}\n[store]\npath = ":memory:"\n')
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    proc = run_fake(config, env)
+    proc.send_signal(signum)
+    assert proc.wait(60) == 128 + signum
+    assert refused(f"http://127.0.0.1:{port}")
+
+
+def test_the_last_run_stops_the_server_of_one_that_was_killed(tmp_path):
+    """The server is named (its pid file) once it starts: a run killed with SIGKILL cannot hand it
+    on, and the command that used it last stops it all the same."""
+    port = free_port()
+    config = tmp_path / "config.toml"
+    config.write_text(f'[server]\nport = {port}\n[store]\npath = ":memory:"\n')
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    starter = run_fake(config, env)
+    other = run_fake(config, env)
+    starter.kill()
+    starter.wait(60)
+    assert not refused(f"http://127.0.0.1:{port}")
+    _, said = other.communicate("/bye\n", timeout=60)
+    assert other.returncode == 0 and "starting one" not in said, said
+    assert refused(f"http://127.0.0.1:{port}")
 
 
 def test_run_a_gguf_file_starts_a_server_that_serves_it(tmp_path, monkeypatch):
