@@ -819,6 +819,9 @@ def _launch(args: argparse.Namespace, serve: Sequence[str]) -> int:
     except LaunchError as exc:
         print(f"ringserve: {exc}", file=err)
         return 2
+    except KeyboardInterrupt:  # (while a server starts: the agent's own Ctrl-C never reaches here)
+        print(file=err)
+        return 130
     finally:
         if use is not None:  # where the launcher failed, no server it started is left behind
             use.end(keep, config.server.drain_timeout, err)
