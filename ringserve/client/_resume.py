@@ -383,8 +383,10 @@ class ResumeState:
             why = "the stream has ended (204)" if status == 204 else "the stream log is gone (410)"
             self._next(Trigger.FALLBACK, _Wait(_Pause.SWITCH, f"{why}; reading the message"))
             return []
-        if status in RETRYABLE_STATUS:
-            self._next(self._dropped(), _Wait(_Pause.RETRY, f"HTTP {status}", _retry_after(headers)))
+        if status in RETRYABLE_STATUS:  # (the cause names the server's reason: a retry may not help)
+            type_, message = error_fields(body)
+            cause = f"HTTP {status}: {message}" if type_ and message else f"HTTP {status}"
+            self._next(self._dropped(), _Wait(_Pause.RETRY, cause, _retry_after(headers)))
             return []
         if status != 200:
             raise self._failed(APIError(status, *error_fields(body)))

@@ -288,3 +288,12 @@ def test_a_refused_connection_the_shell_found_unanswered_fails_at_once() -> None
     with pytest.raises(NoServer, match=r"nothing listens at the server's address \(ConnectionRefusedError: no\)"):
         state.reconnect(ConnectionRefusedError("no"), 0.0, refused=True)
     assert state.phase is Phase.FAILED and state.reconnects == 0
+
+
+def test_a_retry_says_the_servers_reason():
+    """What a retry may not fix (a model that cannot be loaded) is said at the first retry, not
+    only as ``HTTP 503`` after the last."""
+    state = follow(timeout=10.0, backoff=FAST)
+    body = b'{"type": "error", "error": {"type": "overloaded_error", "message": "the model \'gone\' cannot be loaded"}}'
+    state.answered(503, {"retry-after": "1"}, body)
+    assert state.reconnect(None, 0.0).cause == "HTTP 503: the model 'gone' cannot be loaded"
