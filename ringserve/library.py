@@ -409,6 +409,10 @@ def _run_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                          family if isinstance(family, str) else "-",
                          human_size(memory) if isinstance(memory, int) else "-"))
         out.write(table(("NAME", "STATUS", "CONTEXT", "FAMILY", "MEMORY"), rows))
+        for model in served:  # why a load failed (what its requests are answered)
+            status = model.get("status")
+            if isinstance(status, dict) and status.get("failed") and status.get("error"):
+                print(f"{model['id']}: {status['error']}", file=err)
         return 0
     if args.url is not None:
         raise LibraryError(f"nothing listens at {url}: start the server (ringserve serve), or leave out --url"

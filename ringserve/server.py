@@ -30,6 +30,7 @@ from ringserve.engine.catalog import Catalog, discover
 from ringserve.engine.loader import FactoryLoader, ModelLoader
 from ringserve.live.models import ModelPool
 from ringserve.core.errors import RingserveError
+from ringserve.core.router import ModelStatus
 from ringserve.core.signals import ECHO_SECONDS, EchoFilter
 from ringserve.core.signing import ReasoningSigner, new_key
 from ringserve.store.sqlite import MessageStore, StoreError, StoredMessage, run_retention
@@ -369,9 +370,11 @@ async def _start_models(config: Config, catalog: Catalog, loader: ModelLoader, b
                 pool.cannot_load(entry.name, exc)
     state.hub = hub
     loaded = [pool.summary(m) for m in pool.models() if m.runner is not None]
-    waiting = [m.name for m in pool.models() if m.runner is None]
-    log.info("ready: %s%s, at %s", "; ".join(loaded) or "no model loaded yet",
+    waiting = [m.name for m in pool.models() if m.runner is None and m.status is not ModelStatus.FAILED]
+    failed = [m.name for m in pool.models() if m.status is ModelStatus.FAILED]
+    log.info("ready: %s%s%s, at %s", "; ".join(loaded) or "no model loaded yet",
              f"; {len(waiting)} more loaded on demand ({', '.join(waiting)})" if waiting else "",
+             f"; {len(failed)} that cannot be loaded ({', '.join(failed)})" if failed else "",
              ", ".join(state.urls))
     return hub
 

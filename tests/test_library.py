@@ -462,13 +462,15 @@ class SizedLoader(FactoryLoader):
 
 async def test_ps_and_ls_read_a_running_server(tmp_path):
     """``ps`` and ``ls`` read what a server of presets on fake engines says of its models: alpha
-    generating (busy), beta loaded and idle, gamma never loaded."""
+    generating (busy), beta loaded and idle, gamma never loaded, gone's file missing (and why)."""
     def engine(settings: ModelSettings) -> FakeEngine:
         slow = {"step_seconds": 0.05, "piece_bytes": 1} if settings.model.name == "alpha" else {}
         return FakeEngine(n_slots=settings.engine.slots, reply="slowly " * 100, **slow)
 
     path = write_gguf(tmp_path / "small.gguf")  # (ls reads its metadata; the fake engines ignore it)
-    config = presets(tmp_path, tuple(MEMORY), **{name: {"path": str(path)} for name in MEMORY})
+    gone = tmp_path / "gone.gguf"
+    config = presets(tmp_path, (*MEMORY, "gone"), **{name: {"path": str(path)} for name in MEMORY},
+                     gone={"path": str(gone)})
     config_file = tmp_path / "config.toml"
     config_file.write_text('[router]\nhf_cache = false\n' + "".join(
         f'[models.{name}]\npath = "{path}"\n' for name in MEMORY))
@@ -490,9 +492,10 @@ async def test_ps_and_ls_read_a_running_server(tmp_path):
         ["beta", "loaded", "180", "MB", f"0/{slots}", ps[1].split()[-1]],
     ]
     assert re.fullmatch(r"\d+s", ps[1].split()[-1])  # idle for a few seconds
-    assert ls[0] == 0 and ls[2] == "", ls
+    assert ls[0] == 0, ls
+    assert ls[2] == f"gone: the model 'gone' cannot be loaded: model file not found: {gone}\n"
     assert {line.split()[0]: line.split()[1] for line in ls[1].splitlines()[1:]} == {
-        "alpha": "loaded", "beta": "loaded", "gamma": "unloaded"}
+        "alpha": "loaded", "beta": "loaded", "gamma": "unloaded", "gone": "failed"}
 
 
 def test_ps_with_no_server_is_one_line(tmp_path, monkeypatch):

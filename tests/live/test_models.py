@@ -367,9 +367,12 @@ async def test_a_preset_whose_file_cannot_be_loaded_is_a_warning_at_start_and_fa
     says it failed, and why, where it said ``unloaded``."""
     missing = tmp_path / "gone.gguf"
     config = presets(tmp_path, ("alpha", "gone"), gone={"path": str(missing)})
+    caplog.set_level(logging.INFO, logger="ringserve")
     async with running_server(config, engine_factory=named) as state, \
             httpx.AsyncClient(base_url=state.urls[0], timeout=30) as client:
         listed = {m["id"]: m["status"] for m in (await client.get("/v1/models")).json()["data"]}
+    (ready,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready:")]
+    assert "; 1 that cannot be loaded (gone), at " in ready and "on demand (gone)" not in ready
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     said = f"model file not found: {missing}"
     assert [w for w in warned if "gone" in w] == [f"model gone cannot be loaded: {said}"]
