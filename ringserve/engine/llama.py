@@ -84,11 +84,12 @@ FALLBACK_CHAT_TEMPLATE = b"chatml"
 """llama.cpp's built-in template (``llama_chat_apply_template``), used when the GGUF has no
 ``tokenizer.chat_template`` and none is configured."""
 
-FALLBACK_TURN_END = "<|im_end|>"
-"""The text that ends a turn in :data:`FALLBACK_CHAT_TEMPLATE`: where the vocabulary has no
-end-of-generation token for it (a base model such as gemma-3-270m writes it as text), the reply
-ends at that text (:attr:`~ringserve.engine.protocol.ChatPrompt.turn_ends`), as llama-cpp-python's
-``format_chatml`` stops at it."""
+FALLBACK_TURN_ENDS = ("<|im_end|>", "<|im_start|>")
+"""The texts that end a turn in :data:`FALLBACK_CHAT_TEMPLATE`, and begin the next: where the
+vocabulary has no end-of-generation token for the first (a base model such as gemma-3-270m writes
+them as text), the reply ends at either (:attr:`~ringserve.engine.protocol.ChatPrompt.turn_ends`),
+as llama-cpp-python's ``format_chatml`` stops at ``<|im_end|>`` and Ollama's ChatML templates at
+both (a base model may go on to write the next turn without ending its own)."""
 
 _DECODE_ERRORS = {
     2: "llama_decode aborted",
@@ -558,9 +559,9 @@ class LlamaVocab:
             raw = lc.llama_model_chat_template(self._model, None)
             source = raw.decode("utf-8", errors="replace") if raw else None
             if source is None:
-                end = self.tokenize(FALLBACK_TURN_END, parse_special=True)
+                end = self.tokenize(FALLBACK_TURN_ENDS[0], parse_special=True)
                 eog = len(end) == 1 and lc.llama_vocab_is_eog(self._vocab, end[0])
-                self._builtin_turn_ends = () if eog else (FALLBACK_TURN_END,)
+                self._builtin_turn_ends = () if eog else FALLBACK_TURN_ENDS
                 log.warning("model %s has no chat template: chats are written in llama.cpp's ChatML, which a base"
                             " model may not follow (a reply ends at its <|im_end|>, else runs to max_tokens); give"
                             " [model] chat_template_file for a model that has its own format: %s",
