@@ -182,7 +182,10 @@ def read_gguf(path: str | Path) -> GGUFInfo:
             headers.append(_Header(current))
         return _info(headers)
     except (ValueError, KeyError, struct.error, OSError, IndexError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+        reason = (exc.strerror if isinstance(exc, OSError) and exc.strerror
+                  # (a read past the end: "unpack_from requires a buffer of at least ... bytes")
+                  else "the header runs past the end of the file (truncated?)"
+                  if isinstance(exc, struct.error) else str(exc) or type(exc).__name__)
         raise ModelFileError(f"cannot read the GGUF metadata ({reason}): {current}", current) from None
 
 
