@@ -455,14 +455,8 @@ def served_model(client: httpx.Client, url: str, api_key: str, key_source: str |
     if wanted is None:
         listed = _get(client, url, "/v1/models", api_key, key_source).json().get("data") or [{}]
         wanted = str(listed[0].get("id", ""))
-    path = f"/v1/models/{quote(wanted, safe='')}"
-    response = _get(client, url, path, api_key, key_source)
     for _ in range(2):
-        if response.status_code != 200:
-            message = response.json().get("error", {}).get("message", "") if response.content else ""
-            hint = unnamed if response.status_code == 404 else ""
-            raise LaunchError(f"{url}: {message or f'GET {path} answered {response.status_code}'}{hint}")
-        model = response.json()
+        model = _model_json(client, url, api_key, key_source, wanted, unnamed)
         if named and not _names(model, wanted):  # the server's fallback to its default model
             listed = _get(client, url, "/v1/models", api_key, key_source).json().get("data") or []
             raise LaunchError(f"{url}: no model {wanted!r} there (a request for it gets {model['id']}); the models "
@@ -475,9 +469,35 @@ def served_model(client: httpx.Client, url: str, api_key: str, key_source: str |
             if not said:
                 said = f"the model {model['id']!r} cannot be loaded ({loaded.status_code})"
             raise LaunchError(f"{url}: {said}")
-        response = _get(client, url, path, api_key, key_source)
-    raise LaunchError(f"{url}{path} does not give the model's context window (max_input_tokens): "
+    raise LaunchError(f"{url}/v1/models/{wanted} does not give the model's context window (max_input_tokens): "
                       "a ringserve older than this launcher?")
+
+
+def model_named(client: httpx.Client, url: str, api_key: str, key_source: str | None,
+                wanted: str) -> tuple[str, bool]:
+    """The id of the model a request naming ``wanted`` gets, and whether ``wanted`` names it (False:
+    the server's fallback to its default model).
+
+    Raises:
+        LaunchError: the key was refused, or the server answered an error (its message: a 404 where
+            ``[router] strict_model_name`` is set).
+    """
+    model = _model_json(client, url, api_key, key_source, wanted)
+    return str(model["id"]), _names(model, wanted)
+
+
+def _model_json(client: httpx.Client, url: str, api_key: str, key_source: str | None, wanted: str,
+                hint: str = "") -> dict[str, Any]:
+    """``GET /v1/models/{wanted}``'s model; an error answer is a :class:`LaunchError` with its
+    message (and ``hint`` for a 404)."""
+    path = f"/v1/models/{quote(wanted, safe='')}"
+    response = _get(client, url, path, api_key, key_source)
+    if response.status_code != 200:
+        message = response.json().get("error", {}).get("message", "") if response.content else ""
+        raise LaunchError(f"{url}: {message or f'GET {path} answered {response.status_code}'}"
+                          f"{hint if response.status_code == 404 else ''}")
+    model: dict[str, Any] = response.json()
+    return model
 
 
 def _names(model: dict[str, Any], name: str) -> bool:
@@ -531,7 +551,7 @@ class ServerUse:
         child: the server this command started (None: one that ran already).
         log: the log of a server a command starts at that port (``server-PORT.log``); beside it
             ``server-PORT.pid`` names the server while a command's server runs there (its pid and
-            command line: written when it starts, removed when it stops or is kept for good).
+            start time: written when it starts, removed when it stops or is kept for good).
         lock: this command's shared lock on ``server-PORT.use.lock``, held while it uses the
             server, so that the last command to end can tell it is the last.
     """
@@ -561,19 +581,21 @@ class ServerUse:
                 last = True
             pid = self.child.proc.pid if self.child is not None else _handed_pid(self.handed)
             if pid is None or (self.child is not None and self.child.proc.poll() is not None):
+                if last:  # (what is left of a server that has exited)
+                    self.handed.unlink(missing_ok=True)
                 return  # a server started by hand (never stopped here), or one that has exited
-            if keep:
-                self.handed.unlink(missing_ok=True)
-                print(f"ringserve: the server goes on at {self.url} (pid {pid}; log: {self.log})", file=err)
-            elif not last:
+            if not keep and not last:
                 if self.child is not None:
                     print(f"ringserve: the server goes on at {self.url} (pid {pid}; log: {self.log}): another"
                           " ringserve command uses it, and the last to end stops it", file=err)
+                return
+            self.handed.unlink(missing_ok=True)
+            if keep:
+                print(f"ringserve: the server goes on at {self.url} (pid {pid}; log: {self.log})", file=err)
             elif self.child is not None:
                 self.child.stop(drain_timeout)
-                self.handed.unlink(missing_ok=True)
             else:
-                _stop_handed(self.handed, drain_timeout)
+                _stop(pid, drain_timeout)
 
 
 def _handed_pid(handed: Path) -> int | None:
@@ -596,12 +618,9 @@ def _started(pid: int) -> str | None:
     return None if fields[0] == "Z" else fields[19]
 
 
-def _stop_handed(handed: Path, drain_timeout: float) -> None:
-    """Stop the server ``handed`` names (:func:`_handed_pid`), and wait until it has exited."""
-    pid = _handed_pid(handed)
-    handed.unlink(missing_ok=True)
-    if pid is None:
-        return
+def _stop(pid: int, drain_timeout: float) -> None:
+    """Stop the server ``pid`` (another command's child: SIGTERM, SIGKILL after ``drain_timeout`` and
+    10 s), and wait until it has exited."""
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + drain_timeout + 10
     while _started(pid) is not None:

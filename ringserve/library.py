@@ -63,8 +63,8 @@ from ringserve.launch import (
     configured_key,
     ended_by_signals,
     model_arg,
+    model_named,
     open_server,
-    served_model,
     server_url,
 )
 
@@ -753,9 +753,9 @@ def _run_run(args: argparse.Namespace, out: TextIO, err: TextIO, *, serve: Seque
     chat, reading ``inp`` (None: standard input); a server a command started is stopped by the last
     command using it (``ServerUse.end``; ``--keep-server`` leaves the one it started running). A
     NAME that is a GGUF file is served by a server it starts, by its file's stem, as ``launch
-    --model`` does. A NAME the server has no model of is one line that lists its models (as
-    ``launch --model``'s: a request would get its default model), before any prompt; so is a
-    refused API key."""
+    --model`` does. A NAME the server has no model of gets its default model, as a request does, and
+    a line says so before any prompt (a GGUF file that a server running already does not serve is
+    an error); a refused API key is one line before any prompt."""
     config = _config(args)
     url = _url(args, config)
     model_file, name = model_arg(args.name)
@@ -765,8 +765,14 @@ def _run_run(args: argparse.Namespace, out: TextIO, err: TextIO, *, serve: Seque
         with httpx.Client(timeout=10) as probe:
             use = open_server(probe, url, args.config, args.url, drain_timeout=config.server.drain_timeout,
                               serve=serve, err=err, model_file=model_file, models_dir=args.models_dir)
-            model, _ = served_model(probe, url, api_key or PLACEHOLDER_KEY, key_source, name or args.name,
-                                    model_file if use.child is None else None)
+            model, named = model_named(probe, url, api_key or PLACEHOLDER_KEY, key_source, name or args.name)
+        if not named and model_file is not None:
+            raise LibraryError(f"{url} serves no model named {name!r} (the server running there names"
+                               f" its models, not their files: ringserve ls; stop it to have {model_file}"
+                               " served)")
+        if not named:
+            print(f"ringserve: {url} has no model named {args.name!r}: chatting with {model}, its default"
+                  " model (ringserve ls lists its models)", file=err)
         with Client(url, api_key=api_key, timeout=None, idle_timeout=args.idle_timeout) as client:
             chat = _Chat(client, key_source, model, args.surface, args.max_tokens, args.system, out, err)
             if args.prompt:

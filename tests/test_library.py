@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -566,15 +567,21 @@ async def test_run_without_the_servers_key_is_one_line_and_ends_the_chat(tmp_pat
     assert (done.returncode, done.stdout) == (0, b"Bonjour.\n"), done.stderr
 
 
-async def test_run_of_a_name_the_server_lacks_is_one_line_listing_its_models(tmp_path):
-    """A request for it would be answered by the default model: as ``launch --model``, not silently."""
+async def test_run_of_a_name_the_server_lacks_says_it_chats_with_the_default_model(tmp_path):
+    """As a request for it is answered (``run smollm2`` on the bundled model's server), but not
+    silently; a GGUF file that the running server does not serve is an error."""
     async with running_server(fake_config(tmp_path), reply="Bonjour.") as state:
-        done = await trio.run_process(ringserve("run", "llama3", "Hi", "--url", state.urls[0]),
+        url = state.urls[0]
+        done = await trio.run_process(ringserve("run", "llama3", "Hi", "--url", url),
                                       capture_stdout=True, capture_stderr=True, check=False)
-    assert (done.returncode, done.stdout) == (1, b"")
-    url = state.urls[0]
-    said = f"ringserve: {url}: no model 'llama3' there (a request for it gets fake); the models are: fake\n"
-    assert done.stderr.decode() == said
+        other = write_gguf(tmp_path / "other.gguf")
+        file = await trio.run_process(ringserve("run", str(other), "Hi", "--url", url),
+                                      capture_stdout=True, capture_stderr=True, check=False)
+    assert (done.returncode, done.stdout) == (0, b"Bonjour.\n")
+    assert done.stderr.decode() == (f"ringserve: {url} has no model named 'llama3': chatting with fake, its"
+                                    " default model (ringserve ls lists its models)\n")
+    assert (file.returncode, file.stdout) == (1, b"")
+    assert file.stderr.decode().startswith(f"ringserve: {url} serves no model named 'other' (the server")
 
 
 async def test_run_resumes_a_dropped_stream(tmp_path):
@@ -685,8 +692,8 @@ def test_two_runs_share_one_server_and_the_last_to_end_stops_it(tmp_path, monkey
 
 #: ``ringserve run fake`` in a process of its own, its server started as ``FAKE_SERVE``.
 RUN_FAKE = ("import sys; from ringserve import library; from ringserve.__main__ import _parser; "
-            "from tests.test_launch import FAKE_SERVE; "
-            "sys.exit(library._guarded(lambda a, o, e: library._run_run(a, o, e, serve=FAKE_SERVE))("
+            f"serve = {FAKE_SERVE!r}; "
+            "sys.exit(library._guarded(lambda a, o, e: library._run_run(a, o, e, serve=serve))("
             "_parser().parse_args(sys.argv[1:])))")
 
 
@@ -697,6 +704,12 @@ def run_fake(config: Path, env: dict[str, str]) -> subprocess.Popen[str]:
                             stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     assert proc.stdout.read(4) == ">>> ", proc.stderr and proc.stderr.read()
+    # Blocked reading its input: a signal that comes between the prompt and the read is handled
+    # only once the read returns (CPython's input(): the handler runs between bytecodes).
+    deadline = time.monotonic() + 30
+    while not Path(f"/proc/{proc.pid}/wchan").read_text().endswith("pipe_read"):
+        assert time.monotonic() < deadline, Path(f"/proc/{proc.pid}/wchan").read_text()
+        time.sleep(0.01)
     return proc
 
 
