@@ -489,7 +489,9 @@ def model_named(client: httpx.Client, url: str, api_key: str, key_source: str | 
 def _model_json(client: httpx.Client, url: str, api_key: str, key_source: str | None, wanted: str,
                 hint: str = "") -> dict[str, Any]:
     """``GET /v1/models/{wanted}``'s model; an error answer is a :class:`LaunchError` with its
-    message (and ``hint`` for a 404)."""
+    message (and ``hint`` for a 404), and so is an empty name (``/v1/models/`` names no model)."""
+    if not wanted:
+        raise LaunchError("the model's name is empty: give one of the server's (ringserve ls)")
     path = f"/v1/models/{quote(wanted, safe='')}"
     response = _get(client, url, path, api_key, key_source)
     if response.status_code != 200:
@@ -588,6 +590,10 @@ class ServerUse:
                 if self.child is not None:
                     print(f"ringserve: the server goes on at {self.url} (pid {pid}; log: {self.log}): another"
                           " ringserve command uses it, and the last to end stops it", file=err)
+                return
+            if not keep and not self.handed.exists():  # (the command started it, and another kept it)
+                print(f"ringserve: the server goes on at {self.url} (pid {pid}; log: {self.log}): another"
+                      " ringserve command kept it (--keep-server)", file=err)
                 return
             self.handed.unlink(missing_ok=True)
             if keep:

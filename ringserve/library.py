@@ -697,6 +697,8 @@ class _Chat:
                 out.write("\n")
                 if final.stop_reason in ("max_tokens", "length", "incomplete"):
                     print(f"[the reply reached --max-tokens {self.max_tokens}]", file=err, flush=True)
+                elif not reply and not thinking:  # (a base model that begins another turn at once)
+                    print("[the model ended its turn without a word]", file=err, flush=True)
         self.history.append({"role": "assistant", "content": "".join(reply)})
         out.flush()
         return status

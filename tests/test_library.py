@@ -584,6 +584,19 @@ async def test_run_of_a_name_the_server_lacks_says_it_chats_with_the_default_mod
     assert file.stderr.decode().startswith(f"ringserve: {url} serves no model named 'other' (the server")
 
 
+async def test_run_says_an_empty_name_and_an_empty_reply(tmp_path):
+    async with running_server(fake_config(tmp_path), reply="") as state:
+        url = state.urls[0]
+        empty = await trio.run_process(ringserve("run", "", "Hi", "--url", url), capture_stdout=True,
+                                       capture_stderr=True, check=False)
+        silent = await trio.run_process(ringserve("run", "fake", "Hi", "--url", url), capture_stdout=True,
+                                        capture_stderr=True, check=False)
+    assert (empty.returncode, empty.stdout) == (1, b"")
+    assert empty.stderr == b"ringserve: the model's name is empty: give one of the server's (ringserve ls)\n"
+    assert (silent.returncode, silent.stdout) == (0, b"\n")
+    assert silent.stderr == b"[the model ended its turn without a word]\n"
+
+
 async def test_run_resumes_a_dropped_stream(tmp_path):
     cuts = iter([Cut(after_bytes=1500), Cut(after_bytes=700)])  # the POST's stream, then the first resume
 
@@ -741,6 +754,33 @@ def test_the_last_run_stops_the_server_of_one_that_was_killed(tmp_path):
     _, said = other.communicate("/bye\n", timeout=60)
     assert other.returncode == 0 and "starting one" not in said, said
     assert refused(f"http://127.0.0.1:{port}")
+
+
+def test_a_server_kept_by_a_run_that_did_not_start_it_goes_on(tmp_path, monkeypatch):
+    """``--keep-server`` on the second run keeps the first one's server, though the first ends last."""
+    port = free_port()
+    config = tmp_path / "config.toml"
+    config.write_text(f'[server]\nport = {port}\n[store]\npath = ":memory:"\n')
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    first = {"inp": Typed(), "out": io.StringIO(), "err": io.StringIO()}
+    args = _parser().parse_args(["run", "fake", "--config", str(config)])
+    thread = threading.Thread(target=lambda: first.update(
+        status=_run_run(args, first["out"], first["err"], serve=FAKE_SERVE, inp=first["inp"])))
+    thread.start()
+    try:
+        trio.run(wait_until, lambda: first["out"].getvalue() == ">>> ", 120.0)
+        kept = run_command("run", "fake", "hi", "--config", str(config), "--keep-server")
+        assert kept[0] == 0 and "the server goes on at" in kept[2], kept
+    finally:
+        first["inp"].lines.put("/bye\n")
+        thread.join(60)
+    pid = int(re.search(r"\(pid (\d+);", kept[2])[1])
+    try:
+        said = first["err"].getvalue()
+        assert first["status"] == 0 and "another ringserve command kept it (--keep-server)" in said
+        assert not refused(f"http://127.0.0.1:{port}")
+    finally:
+        os.kill(pid, signal.SIGTERM)
 
 
 def test_run_a_gguf_file_starts_a_server_that_serves_it(tmp_path, monkeypatch):
