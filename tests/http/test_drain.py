@@ -155,14 +155,16 @@ async def test_sigterm_drains_streams_in_flight_and_exits_0(tmp_path):
     fake message_stop), new requests get 503/529 meanwhile, the store is right, clients that stopped
     reading (HTTP/1.1, and two HTTP/2 streams whose windows never open) do not hold the exit up: it comes
     within drain_timeout plus one second, with exit code 0."""
-    # the 60-step stream ends within it on a loaded machine (6 s was not always enough beside two busy
-    # loops); the long ones cannot: 12,000 steps of at least 1 ms each take over 12 s anywhere
+    # the 60-step stream ends within it; the long ones cannot: 12,000 steps of at least 1 ms each take
+    # over 12 s anywhere. 7 streams on 8 slots: with 6, one queued, and where the 60-step one came
+    # last to the scheduler (a race) it waited out the whole drain for a slot (a fresh clone's .ci/run
+    # beside two busy loops, twice)
     drain_timeout = 10.0
     server = FakeServerProcess(tmp_path, {"server": {"drain_timeout": drain_timeout, "slow_reader_timeout": 60.0},
-                                          "engine": {"ctx_per_slot": 20000, "slots": 6}}, FAKE, REPLY_BYTES)
+                                          "engine": {"ctx_per_slot": 20000, "slots": 8}}, FAKE, REPLY_BYTES)
     try:
         streams = {  # name: (surface, route, body)
-            # 60 steps: well within the 10 s drain also on a loaded machine (6 slots: nothing queues)
+            # 60 steps: well within the 10 s drain also on a loaded machine (8 slots: nothing queues)
             "finishes": ("anthropic", "/v1/messages", {**ANTHROPIC_BODY, "stream": True, "max_tokens": 60}),
             "long-anthropic": ("anthropic", "/v1/messages", {**ANTHROPIC_BODY, "stream": True, "max_tokens": 12000}),
             "long-openai": ("openai", "/v1/chat/completions", {**OPENAI_BODY, "stream": True, "max_tokens": 12000}),
